@@ -1,0 +1,187 @@
+"""Training and evaluation text: local .txt / .jsonl / .parquet files (or a folder of them) or a
+`datasets` Hub name, streamed, tokenized and packed into fixed blocks of `seq_len` token ids with the
+tokenizer's EOS between documents (labels = inputs: Hugging Face models shift them internally).
+
+Evaluation text is never trained on: files whose name starts with valid/validation/eval/test (like the
+demo corpus's valid.jsonl), or a Hub dataset's "validation" split, are held out whole; otherwise the
+first blocks of the training stream are held out and training starts after them. A .txt file is one
+document; .jsonl/.parquet rows are documents, read from their "text" column. The `datasets` library is
+imported lazily, so checkpoints and `analyze` with local files still work where it is missing.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from .errors import DataError
+
+FORMATS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+EVAL_PREFIXES = ("valid", "validation", "eval", "test")
+
+
+@dataclass
+class DataSource:
+    """Where the documents come from: local files grouped by builder, or a Hub dataset name."""
+
+    train: dict[str, list[str]] | str
+    eval: dict[str, list[str]] | str | None  # None: hold out the first training blocks
+
+    @property
+    def description(self) -> str:
+        return self.train if isinstance(self.train, str) else ", ".join(sum(self.train.values(), []))
+
+
+def resolve(spec: str | Path) -> DataSource:
+    """`--data` value -> DataSource. A path that exists is local; anything else must look like a Hub
+    dataset name ("owner/name" or "name"), else the path is reported missing."""
+    path = Path(spec).expanduser()
+    if not path.exists():
+        if str(spec).startswith((".", "/", "~")) or Path(spec).suffix in FORMATS:
+            raise DataError(f"data path {spec} does not exist")
+        return DataSource(train=str(spec), eval=None)
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    files = [p for p in files if not p.name.startswith(".")]
+    if not files:
+        raise DataError(f"data folder {path} is empty")
+    unknown = [p.name for p in files if p.suffix.lower() not in FORMATS]
+    if (unknown and path.is_file()) or len(unknown) == len(files):
+        raise DataError(
+            f"unknown data format: {', '.join(unknown[:5])} (use {', '.join(FORMATS)} files or a folder of them)"
+        )
+    files = [p for p in files if p.suffix.lower() in FORMATS]
+    if all(p.stat().st_size == 0 for p in files):
+        raise DataError(f"data {path} is empty")
+    held_out = [p for p in files if path.is_dir() and p.stem.lower().startswith(EVAL_PREFIXES)]
+    train = [p for p in files if p not in held_out]
+    if not train:
+        raise DataError(f"data {path} has only evaluation files ({', '.join(p.name for p in held_out)})")
+    return DataSource(train=_by_builder(train), eval=_by_builder(held_out) if held_out else None)
+
+
+def _by_builder(files: list[Path]) -> dict[str, list[str]]:
+    groups: dict[str, list[str]] = {}
+    for p in files:
+        groups.setdefault(FORMATS[p.suffix.lower()], []).append(str(p))
+    return groups
+
+
+def documents(source: dict[str, list[str]] | str, split: str = "train") -> Iterator[str]:
+    """Stream the documents' texts (each pass re-reads the source)."""
+    try:
+        import datasets
+    except ImportError:
+        yield from _documents_without_datasets(source)
+        return
+    datasets.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+    if isinstance(source, str):
+        try:
+            stream = datasets.load_dataset(source, split=split, streaming=True)
+        except Exception as e:  # the Hub client raises many kinds; all mean "cannot use this name"
+            raise DataError(f"cannot load dataset {source!r} (split {split}): {e}") from None
+        streams = [(source, stream)]
+    else:
+        streams = []
+        for builder, files in source.items():
+            options = {"sample_by": "document"} if builder == "text" else {}
+            streams.append((", ".join(files), datasets.load_dataset(builder, data_files=files, split="train", streaming=True, **options)))
+    for name, stream in streams:
+        try:
+            for row in stream:
+                yield _text(row, name)
+        except DataError:
+            raise
+        except Exception as e:  # malformed JSON / parquet surface as builder-specific errors
+            raise DataError(f"cannot read {name}: {e}") from None
+
+
+def _documents_without_datasets(source: dict[str, list[str]] | str) -> Iterator[str]:
+    # Minimal reader for machines without `datasets` (the GPU image): plain text and JSON lines only.
+    if isinstance(source, str) or "parquet" in source:
+        raise DataError("reading a Hub dataset or parquet files needs the `datasets` package: pip install datasets")
+    for path in source.get("text", []):
+        yield Path(path).read_text(encoding="utf-8")
+    for path in source.get("json", []):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    yield _text(json.loads(line), path)
+
+
+def _text(row: dict, name: str) -> str:
+    if "text" not in row:
+        raise DataError(f"{name}: rows have no 'text' field (fields: {', '.join(row)})")
+    return row["text"]
+
+
+def blocks(docs: Iterator[str], tokenizer, seq_len: int) -> Iterator[torch.Tensor]:
+    """Tokenize documents and pack them, EOS-separated, into LongTensor blocks of exactly seq_len ids
+    (the tail shorter than one block is dropped)."""
+    sep = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.bos_token_id
+    buffer: list[int] = []
+    while chunk := list(itertools.islice(docs, 64)):  # batched: fast tokenizers are much quicker so
+        for ids in tokenizer(chunk, add_special_tokens=False, verbose=False)["input_ids"]:
+            buffer.extend(ids)
+            if sep is not None:
+                buffer.append(sep)
+        n = len(buffer) // seq_len * seq_len
+        for i in range(0, n, seq_len):
+            yield torch.tensor(buffer[i : i + seq_len])
+        del buffer[:n]
+
+
+class TextData:
+    """Packed blocks of one data source: `eval_blocks` (held out) and an endless training stream of
+    batches that cycles over the data (epochs) and can start at a saved position."""
+
+    def __init__(self, spec: str | Path, tokenizer, seq_len: int, eval_tokens: int):
+        self.source = resolve(spec)
+        self.tokenizer, self.seq_len = tokenizer, seq_len
+        n_eval = max(1, -(-eval_tokens // seq_len))
+        if self.source.eval is not None:
+            self.eval_blocks = list(itertools.islice(self._blocks(self.source.eval, "validation"), n_eval))
+            self.skip = 0
+            if not self.eval_blocks:
+                raise DataError(f"evaluation data is shorter than one sequence of {seq_len} tokens")
+            if next(self._blocks(self.source.train), None) is None:
+                raise DataError(f"data {self.source.description} is shorter than one sequence of {seq_len} tokens")
+        else:
+            head = list(itertools.islice(self._blocks(self.source.train), n_eval + 1))
+            if len(head) < 2:
+                raise DataError(
+                    f"data {self.source.description} is shorter than "
+                    f"{'one sequence' if not head else 'two sequences (one is held out for evaluation)'}"
+                    f" of {seq_len} tokens"
+                )
+            # Small data: hold out a tenth, at least one block, and train on the rest.
+            self.skip = n_eval if len(head) > n_eval else max(1, len(head) // 10)
+            self.eval_blocks = head[: self.skip]
+        self.eval_source_name = self.source.description
+
+    def _blocks(self, source, split: str = "train") -> Iterator[torch.Tensor]:
+        return blocks(documents(source, split), self.tokenizer, self.seq_len)
+
+    def train_batches(self, batch_size: int, start: int = 0, rank: int = 0, world: int = 1) -> Iterator[torch.Tensor]:
+        """Endless [batch_size, seq_len] batches. Batch i (counted over all ranks) goes to rank i % world;
+        `start` is the number of batches already consumed (all ranks), to resume where training stopped."""
+
+        def epochs():
+            while True:
+                yield from itertools.islice(self._blocks(self.source.train), self.skip, None)
+
+        batches = _batched(epochs(), batch_size)
+        yield from itertools.islice(batches, start + rank, None, world)
+
+    @property
+    def eval_tokens(self) -> int:
+        return len(self.eval_blocks) * self.seq_len
+
+
+def _batched(stream: Iterator[torch.Tensor], batch_size: int) -> Iterator[torch.Tensor]:
+    while True:  # the stream is endless
+        yield torch.stack(list(itertools.islice(stream, batch_size)))

@@ -1,0 +1,317 @@
+"""Continued training of a relufied model: loss = cross_entropy + l1_coeff(step) * L1.
+
+L1 is the method's definition (docs twell.md section 1): the mean over layers of each ReluGatedMLP's
+`stats.l1` (per layer: mean over tokens of the sum over hidden units of |relu(gate(x)) * up(x)|).
+Runs through accelerate's Accelerator, so `accelerate launch` spreads it over GPUs (DDP) and bf16
+autocast is on by default on GPU; AdamW, cosine schedule with warm-up, gradient accumulation, clipping,
+optional gradient checkpointing. Tracks per layer the mean active units per token (L0), L1 and dead
+units (not fired within the last `dead_window_tokens` tokens). Ctrl-C saves the complete training state
+(accelerate's save_state: weights as safetensors, optimizer, scheduler, RNG; plus step, data position,
+log and dead-unit windows in state.json) to `resume_dir`, from which `resume=True` continues.
+"""
+from __future__ import annotations
+
+import json
+from contextlib import nullcontext
+import math
+import shutil
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+from accelerate import Accelerator
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from transformers import get_cosine_schedule_with_warmup
+
+from .errors import ConfigError, SparsifyError
+
+MAX_L1 = 1e-2  # 50x the paper's 2e-5; at 1e-4 models already drop under one active unit per token
+
+
+class TrainingInterrupted(SparsifyError):
+    """Ctrl-C during training: the state was saved and `--resume` continues from it."""
+
+
+@dataclass
+class TrainConfig:
+    """Training settings; a recipe YAML holds any of these keys, command-line options override it."""
+
+    l1: float = field(default=2e-5, metadata={"help": "L1 coefficient on the MLP hidden activations (paper: 2e-5)."})
+    l1_warmup_steps: int = field(default=0, metadata={"help": "Raise the L1 coefficient linearly from 0 over this many optimizer steps."})
+    steps: int | None = field(default=None, metadata={"help": "Optimizer steps; with `tokens`, whichever ends first."})
+    tokens: int | None = field(default=None, metadata={"help": "Training tokens; with `steps`, whichever ends first."})
+    seq_len: int = field(default=1024, metadata={"help": "Tokens per sequence (packed blocks)."})
+    batch_size: int = field(default=8, metadata={"help": "Sequences per micro-batch and device."})
+    grad_accum: int = field(default=1, metadata={"help": "Micro-batches accumulated per optimizer step."})
+    lr: float = field(default=2e-5, metadata={"help": "Peak learning rate of AdamW."})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay."})
+    betas: tuple[float, float] = field(default=(0.9, 0.95), metadata={"help": "AdamW betas."})
+    warmup_steps: int = field(default=0, metadata={"help": "Linear learning-rate warm-up steps before the cosine decay."})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping norm."})
+    grad_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations in backward to save memory."})
+    dead_window_tokens: int | None = field(default=None, metadata={"help": "A unit is dead when it has not fired in this many tokens (default: one optimizer step's tokens)."})
+    eval_tokens: int = field(default=65536, metadata={"help": "Held-out tokens for perplexity and sparsity measurement."})
+    seed: int = field(default=0, metadata={"help": "Random seed."})
+    log_every: int = field(default=10, metadata={"help": "Log (JSON and progress bar) every this many steps."})
+
+    @classmethod
+    def from_dict(cls, values: dict) -> TrainConfig:
+        """From a recipe's or the command line's values, with YAML's quirks mended ("2e-5" reads as a
+        string in YAML 1.1, "1e9" tokens as a float)."""
+        defaults = {f.name: f.default for f in fields(cls)}
+        unknown = set(values) - set(defaults)
+        if unknown:
+            raise ConfigError(f"unknown training settings: {', '.join(sorted(unknown))} (known: {', '.join(sorted(defaults))})")
+        config = {}
+        for name, value in values.items():
+            kind = type(defaults[name]) if defaults[name] is not None else int
+            try:
+                if kind is float:
+                    value = float(value)
+                elif kind is int and not isinstance(value, bool) and float(value) == int(float(value)):
+                    value = int(float(value))
+                elif kind is tuple:
+                    value = tuple(float(v) for v in value)
+            except (TypeError, ValueError):
+                raise ConfigError(f"{name}: {value!r} is not a {kind.__name__}") from None
+            config[name] = value
+        return cls(**config)
+
+    def tokens_per_step(self, world: int = 1) -> int:
+        return self.seq_len * self.batch_size * self.grad_accum * world
+
+    def total_steps(self, world: int = 1) -> int:
+        bounds = [self.steps] if self.steps is not None else []
+        if self.tokens is not None:
+            bounds.append(math.ceil(self.tokens / self.tokens_per_step(world)))
+        return min(bounds)
+
+    def validate(self, max_positions: int | None = None) -> None:
+        def bad(message):
+            raise ConfigError(message)
+
+        if not (isinstance(self.l1, (int, float)) and 0 <= self.l1 <= MAX_L1):
+            bad(f"l1 must be between 0 and {MAX_L1} (the paper uses 2e-5), got {self.l1}")
+        if self.steps is None and self.tokens is None:
+            bad("set the training length: --steps or --tokens (or a recipe that sets them)")
+        for name in ("steps", "tokens", "seq_len", "batch_size", "grad_accum", "log_every", "dead_window_tokens", "eval_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                bad(f"{name.replace('_', '-')} must be a positive integer, got {value}")
+        for name in ("l1_warmup_steps", "warmup_steps"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                bad(f"{name.replace('_', '-')} must be an integer >= 0, got {getattr(self, name)}")
+        if not 0 < self.lr <= 1:
+            bad(f"lr must be in (0, 1], got {self.lr}")
+        if not 0 <= self.weight_decay <= 1:
+            bad(f"weight-decay must be in [0, 1], got {self.weight_decay}")
+        if not self.max_grad_norm > 0:
+            bad(f"max-grad-norm must be > 0, got {self.max_grad_norm}")
+        if self.seq_len < 2:
+            bad(f"seq-len must be at least 2, got {self.seq_len}")
+        if max_positions is not None and self.seq_len > max_positions:
+            bad(f"seq-len {self.seq_len} is beyond the model's maximum of {max_positions} positions")
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    tokens: int
+    seconds: float
+    log: list[dict]
+
+
+def l1_coeff(config: TrainConfig, step: int) -> float:
+    """Coefficient at optimizer step `step` (0-based): linear from l1/warm-up to l1, then constant."""
+    if config.l1_warmup_steps == 0:
+        return config.l1
+    return config.l1 * min(1.0, (step + 1) / config.l1_warmup_steps)
+
+
+def train(
+    model,
+    mlps: list,
+    batches: Callable[[int, int, int], Iterator[torch.Tensor]],
+    config: TrainConfig,
+    *,
+    resume_dir: str | Path | None = None,
+    resume: bool = False,
+    device: str | None = None,
+    show_progress: bool = True,
+) -> TrainResult:
+    """Train `model` in place. `batches(start, rank, world)` yields [batch, seq_len] token ids, starting
+    after `start` batches consumed over all ranks. Returns the log (one entry per logged step)."""
+    accelerator = Accelerator(
+        cpu=device == "cpu",
+        mixed_precision="bf16" if device != "cpu" and torch.cuda.is_available() else "no",
+    )
+    torch.manual_seed(config.seed)
+    world = accelerator.num_processes
+    total = config.total_steps(world)
+    dead_window = config.dead_window_tokens or config.tokens_per_step(world)
+
+    model.config.use_cache = False
+    if config.grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+    # The scheduler is not passed to prepare(): accelerate would step it once per process per step.
+    scheduler = get_cosine_schedule_with_warmup(optimizer, config.warmup_steps, total)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+
+    widths = [None] * len(mlps)  # hidden units per layer, known after the first forward
+    last_fired: torch.Tensor | None = None  # [layers, I]: token count at each unit's last firing
+    step, log, elapsed = 0, [], 0.0
+    if resume:
+        state = _load(accelerator, resume_dir)
+        step, log, elapsed = state["step"], state["log"], state["seconds"]
+        if state["last_fired"] is not None:
+            last_fired = state["last_fired"].to(accelerator.device)
+    for m in mlps:
+        m.track = True
+
+    stream = batches(step * config.grad_accum * world, accelerator.process_index, world)
+    window = _Window(len(mlps), accelerator.device)
+    progress = _progress(show_progress and accelerator.is_main_process, total, step)
+    started, window_started = time.perf_counter() - elapsed, time.perf_counter()
+    try:
+        while step < total:
+            coeff = l1_coeff(config, step)
+            step_fired = None
+            for micro in range(config.grad_accum):
+                ids = next(stream).to(accelerator.device)
+                sync = micro == config.grad_accum - 1
+                with accelerator.no_sync(model) if not sync else nullcontext(), accelerator.autocast():
+                    ce = model(input_ids=ids, labels=ids).loss
+                    layer_l1 = torch.stack([m.stats.l1.float() for m in mlps])
+                    l1 = layer_l1.mean()
+                    # ce and l1 are both means over this micro-batch's tokens; dividing both by
+                    # grad_accum (and DDP averaging over ranks) makes the step's gradient that of the
+                    # mean over all tokens of the step, for both terms alike.
+                    loss = ce + coeff * l1
+                    accelerator.backward(loss / config.grad_accum)
+                fired = torch.stack([m.stats.fired for m in mlps])
+                step_fired = fired if step_fired is None else step_fired + fired
+                window.add(ce, l1, layer_l1, torch.stack([m.stats.active.float() for m in mlps]))
+            accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+
+            # Dead units, at optimizer-step granularity: fired counts summed over micro-batches and ranks.
+            step_fired = accelerator.reduce(step_fired, reduction="sum")
+            tokens = step * config.tokens_per_step(world)
+            if last_fired is None:
+                last_fired = torch.zeros_like(step_fired)
+            last_fired[step_fired > 0] = tokens
+            if step % config.log_every == 0 or step == total:
+                now = time.perf_counter()
+                entry = window.entry(accelerator, step, tokens, coeff, scheduler.get_last_lr()[0], last_fired, dead_window)
+                entry["tokens_per_s"] = window.count * ids.numel() * world / (now - window_started)
+                entry["seconds"] = now - started
+                log.append(entry)
+                window, window_started = _Window(len(mlps), accelerator.device), now
+                if progress:
+                    progress.update(0, completed=step, stats=_progress_text(entry))
+    except KeyboardInterrupt:
+        if progress:
+            progress.stop()
+        if resume_dir is None:
+            raise
+        state = {"step": step, "log": log, "seconds": time.perf_counter() - started, "last_fired": last_fired}
+        _save(accelerator, resume_dir, state, config)
+        raise TrainingInterrupted(
+            f"interrupted at step {step} of {total}; the training state is in {resume_dir}: "
+            "run the same command with --resume to continue"
+        ) from None
+    finally:
+        for m in mlps:
+            m.track = False
+    if progress:
+        progress.stop()
+    model = accelerator.unwrap_model(model)
+    model.eval()
+    if config.grad_checkpointing:
+        model.gradient_checkpointing_disable()
+    model.config.use_cache = True
+    return TrainResult(steps=step, tokens=step * config.tokens_per_step(world), seconds=time.perf_counter() - started, log=log)
+
+
+class _Window:
+    """Sums over the micro-batches since the last log entry (on device: no host sync per step)."""
+
+    def __init__(self, layers: int, device):
+        self.count = 0
+        self.sums = torch.zeros(2 + 2 * layers, device=device)
+
+    def add(self, ce, l1, layer_l1, layer_active):
+        self.count += 1
+        self.sums += torch.cat([ce.detach().float().view(1), l1.detach().view(1), layer_l1.detach(), layer_active])
+
+    def entry(self, accelerator, step, tokens, coeff, lr, last_fired, dead_window) -> dict:
+        means = accelerator.reduce(self.sums / self.count, reduction="mean").tolist()
+        layers = len(means[2:]) // 2
+        ce, l1, layer_l1, layer_active = means[0], means[1], means[2 : 2 + layers], means[2 + layers :]
+        dead = ((tokens - last_fired) >= dead_window).float().mean(dim=1).tolist()
+        return {
+            "step": step,
+            "tokens": tokens,
+            "lr": lr,
+            "l1_coeff": coeff,
+            "loss": ce + coeff * l1,
+            "cross_entropy": ce,
+            "l1": l1,
+            "mean_active": sum(layer_active) / layers,
+            "dead_frac": sum(dead) / layers,
+            "layers": [
+                {"active": a, "l1": v, "dead_frac": d, "units": last_fired.shape[1]}
+                for a, v, d in zip(layer_active, layer_l1, dead)
+            ],
+        }
+
+
+def _progress(enabled: bool, total: int, step: int) -> Progress | None:
+    if not enabled:
+        return None
+    progress = Progress(
+        TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
+        TextColumn("{task.fields[stats]}"),
+    )
+    progress.add_task("train", total=total, completed=step, stats="")
+    progress.start()
+    return progress
+
+
+def _progress_text(e: dict) -> str:
+    return (
+        f"{e['tokens']:,} tok  {e['tokens_per_s']:,.0f} tok/s  loss {e['loss']:.3f}  ce {e['cross_entropy']:.3f}  "
+        f"L1 {e['l1']:.3g}  active {e['mean_active']:.1f}  dead {100 * e['dead_frac']:.1f}%"
+    )
+
+
+def _save(accelerator: Accelerator, resume_dir, state: dict, config: TrainConfig) -> None:
+    # Written beside and renamed into place, so a second Ctrl-C never leaves a half-written state.
+    resume_dir = Path(resume_dir)
+    tmp = resume_dir.with_name(resume_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.save_state(tmp)
+    if accelerator.is_main_process:
+        torch.save(state.pop("last_fired"), tmp / "last_fired.pt")
+        (tmp / "state.json").write_text(json.dumps({**state, "config": asdict(config)}, indent=1))
+        shutil.rmtree(resume_dir, ignore_errors=True)
+        tmp.rename(resume_dir)
+    accelerator.wait_for_everyone()
+
+
+def _load(accelerator: Accelerator, resume_dir) -> dict:
+    resume_dir = Path(resume_dir) if resume_dir is not None else None
+    if resume_dir is None or not (resume_dir / "state.json").is_file():
+        raise ConfigError(f"--resume: no saved training state in {resume_dir}")
+    accelerator.load_state(resume_dir)
+    state = json.loads((resume_dir / "state.json").read_text())
+    state["last_fired"] = torch.load(resume_dir / "last_fired.pt")
+    return state
