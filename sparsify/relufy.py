@@ -1,0 +1,113 @@
+"""The training-time model change: ReLU gate, and the per-layer statistics the L1 loss needs.
+
+`relufy` swaps each family MLP for a `ReluGatedMLP` that adopts the original nn.Linear children under
+the same names (no weight copy, state-dict keys unchanged, like Liger's modules), so the trained model
+saves as a standard checkpoint. It sets the config's activation key to "relu", so a plain load of the
+saved folder builds the same function. `unrelufy` puts the original modules and activation back (an
+undoable conversion, as in PEFT).
+
+With `track = True` each forward stores `MLPStats`: l1 (differentiable: mean over tokens of the sum over
+units of |relu(gate(x)) * up(x)|, twell.md section 1 for one layer), active (mean units per token whose
+gate pre-activation is > 0) and fired (tokens in which each unit fired). With `use_hybrid = True` a CUDA
+forward goes through `twell.hybrid_gated_mlp`, which computes the same output and statistics sparsely.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .families import FamilySpec, down_weight, gate_weight, has_bias, mlp_modules, spec_for, up_weight
+
+try:
+    from twell import hybrid_gated_mlp
+except ImportError:  # kernels not installed (or no triton): dense path only
+    hybrid_gated_mlp = None
+
+
+class MLPStats(NamedTuple):
+    l1: torch.Tensor  # scalar, differentiable
+    active: torch.Tensor  # scalar float, detached: mean active units per token
+    fired: torch.Tensor  # int64 [I], detached: tokens in which each unit fired
+
+
+class ReluGatedMLP(nn.Module):
+    """down(relu(gate(x)) * up(x)) over the original projections of one family MLP."""
+
+    def __init__(self, original: nn.Module, spec: FamilySpec, original_act: str):
+        super().__init__()
+        for name in spec.projections:
+            self.add_module(name, getattr(original, name))
+        self.spec = spec
+        self.track = False
+        self.stats: MLPStats | None = None
+        self.use_hybrid = False
+        self.hybrid_max_nnz = 128
+        # Kept outside the module tree (no extra state-dict keys) so that unrelufy can put it back.
+        object.__setattr__(self, "_original", original)
+        self._original_act = original_act
+
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate [I, D], up [I, D], down [D, I]); views into the fused weight for fused families."""
+        return gate_weight(self, self.spec), up_weight(self, self.spec), down_weight(self, self.spec)
+
+    def gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gate pre-activation and up projection of x."""
+        if self.spec.gate_up:
+            return getattr(self, self.spec.gate_up)(x).chunk(2, dim=-1)
+        return getattr(self, self.spec.gate)(x), getattr(self, self.spec.up)(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_hybrid and hybrid_gated_mlp is not None and x.is_cuda and not has_bias(self, self.spec):
+            out, stats = hybrid_gated_mlp(x, *self.weights(), max_nnz=self.hybrid_max_nnz)
+            if self.track:
+                self.stats = MLPStats(stats.l1, stats.active, stats.fired)
+            return out
+        gate, up = self.gate_up(x)
+        h = F.relu(gate) * up
+        if self.track:
+            fired = (gate > 0).reshape(-1, gate.shape[-1])
+            self.stats = MLPStats(
+                # fp32 sum: under bf16 autocast a sum over thousands of units loses the small terms.
+                l1=h.abs().sum(-1, dtype=torch.float32).mean(),
+                active=fired.sum(-1, dtype=torch.float32).mean(),
+                fired=fired.sum(0),
+            )
+        return getattr(self, self.spec.down)(h)
+
+
+def relufy(model: nn.Module) -> list[ReluGatedMLP]:
+    """Replace every family MLP of `model` by a ReluGatedMLP in place; returns them in layer order.
+    Idempotent: an already relufied model returns its existing modules."""
+    spec = spec_for(model.config)
+    original_act = getattr(model.config, spec.act_key)
+    modules = []
+    for layer in model.get_submodule(spec.layers):
+        mlp = getattr(layer, spec.mlp)
+        if not isinstance(mlp, ReluGatedMLP):
+            mlp = ReluGatedMLP(mlp, spec, original_act)
+            setattr(layer, spec.mlp, mlp)
+        modules.append(mlp)
+    setattr(model.config, spec.act_key, "relu")
+    return modules
+
+
+def unrelufy(model: nn.Module) -> nn.Module:
+    """Undo `relufy`: the original MLP modules (with the current, possibly trained, projections) and the
+    original activation come back."""
+    spec = spec_for(model.config)
+    for layer in model.get_submodule(spec.layers):
+        mlp = getattr(layer, spec.mlp)
+        if isinstance(mlp, ReluGatedMLP):
+            for name in spec.projections:
+                setattr(mlp._original, name, getattr(mlp, name))
+            setattr(layer, spec.mlp, mlp._original)
+            setattr(model.config, spec.act_key, mlp._original_act)
+    return model
+
+
+def relu_mlps(model: nn.Module) -> list[ReluGatedMLP]:
+    """The ReluGatedMLP modules of a relufied model, in layer order."""
+    return [m for m in mlp_modules(model, spec_for(model.config)) if isinstance(m, ReluGatedMLP)]

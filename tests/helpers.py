@@ -1,0 +1,65 @@
+"""Tiny random models of every supported family, and a byte-level tokenizer that fits their vocabulary,
+built offline in well under a second; shared by the tests of all stages."""
+from __future__ import annotations
+
+import functools
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+from sparsify.families import FAMILIES
+
+# 256 byte tokens, then the specials: ids 256, 257, 258.
+BOS, EOS, PAD = "<s>", "</s>", "<pad>"
+VOCAB_SIZE = 260
+HIDDEN, INTERMEDIATE, LAYERS = 64, 160, 2
+
+
+@functools.cache
+def _tokenizer_object() -> Tokenizer:
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    for special in (BOS, EOS, PAD):
+        vocab[special] = len(vocab)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level tokenizer (any text, no unknown tokens) with ids below VOCAB_SIZE."""
+    return PreTrainedTokenizerFast(tokenizer_object=_tokenizer_object(), bos_token=BOS, eos_token=EOS, pad_token=PAD)
+
+
+def tiny_config(family: str, **overrides):
+    """A 2-layer config of `family` (a key of sparsify.families.FAMILIES) with the original SiLU/GELU gate."""
+    kwargs = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=HIDDEN // 4,
+        max_position_embeddings=128,
+        bos_token_id=256,
+        eos_token_id=257,
+        pad_token_id=258,
+        tie_word_embeddings=False,
+    )
+    kwargs.update(overrides)
+    return AutoConfig.for_model(family, **kwargs)
+
+
+def tiny_model(family: str, *, seed: int = 0, **overrides):
+    """(model, tokenizer): a random fp32 CPU model of `family` in eval mode and the tiny tokenizer."""
+    assert family in FAMILIES, family
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides))
+    return model.eval(), tiny_tokenizer()
+
+
+def tiny_input_ids(batch: int = 2, length: int = 12, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (batch, length), generator=generator)
