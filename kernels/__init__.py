@@ -1,0 +1,7 @@
+"""twell: TwELL sparse-activation kernels (Triton) for ReLU MLPs. Depends on torch and triton only."""
+from .format import TwELL, pack, pack_reference, slots, unpack
+from .gated_mlp import gated_mlp, gated_mlp_reference, prepare_down
+from .mlp import mlp, mlp_reference
+
+__all__ = ["TwELL", "pack", "pack_reference", "unpack", "slots", "gated_mlp", "gated_mlp_reference",
+           "prepare_down", "mlp", "mlp_reference"]

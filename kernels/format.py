@@ -1,0 +1,131 @@
+"""TwELL packed layout of a ReLU activation, packing in Triton, and a plain PyTorch reference.
+
+A dense activation g [M, I] is cut along I into tiles of T columns (T = the gate matmul's column tile,
+so each matmul program packs its own output tile in its epilogue). Each (row, tile) keeps its positives
+(strict > 0) in S = T // compression slots, in column order. This project stores three arrays instead
+of the authors' packed uint32 words (no bit unpacking in the consumer, any I, fp32 values possible):
+
+    values  [M, NT, S]  the positive values (activation dtype, or fp32 in "highest" precision)
+    indices [M, NT, S]  int32 column index, global within I
+    counts  [M, NT]     int32 number of positives in the tile; counts > S means the tile overflowed
+
+NT = ceil(I / T). Only the first min(count, S) slots of a tile are written; the rest are undefined and
+never read. An overflowing tile keeps its first S positives here and is marked by its count: the compute
+kernels recompute such tiles densely (never drop data), and `pack` users can see it in `counts`.
+Slots come from a prefix sum over the positive mask (tl.cumsum): deterministic and sorted.
+"""
+import os
+from typing import NamedTuple
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only machines load checkpoints through the reference path
+    triton = None
+
+
+class TwELL(NamedTuple):
+    values: torch.Tensor   # [M, NT, S]
+    indices: torch.Tensor  # [M, NT, S] int32
+    counts: torch.Tensor   # [M, NT] int32
+    tile: int
+    width: int             # I, the dense column count
+
+
+TILES = (16, 32, 64, 128, 256)
+
+
+def slots(tile: int, compression: int) -> int:
+    """Slots per (row, tile): T // compression (at least one)."""
+    if tile not in TILES:
+        raise ValueError(f"tile must be one of {TILES}, got {tile}")
+    if compression < 1:
+        raise ValueError(f"compression must be >= 1, got {compression}")
+    return max(tile // compression, 1)
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Triton runs on CUDA tensors, and on CPU tensors under TRITON_INTERPRET=1 (the test setup)."""
+    return triton is not None and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def empty_twell(m: int, width: int, tile: int, compression: int, dtype, device) -> TwELL:
+    nt, s = cdiv(width, tile), slots(tile, compression)
+    return TwELL(torch.empty(m, nt, s, dtype=dtype, device=device),
+                 torch.empty(m, nt, s, dtype=torch.int32, device=device),
+                 torch.empty(m, nt, dtype=torch.int32, device=device), tile, width)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def pack_reference(g: torch.Tensor, tile: int = 256, compression: int = 8) -> TwELL:
+    """Plain PyTorch packing; slots beyond a tile's count are zero (values) and 0 (indices)."""
+    m, width = g.shape
+    s, nt = slots(tile, compression), cdiv(width, tile)
+    gp = torch.nn.functional.pad(g, (0, nt * tile - width)).view(m, nt, tile)
+    pos = gp > 0
+    slot = pos.to(torch.int64).cumsum(-1) - 1
+    keep = pos & (slot < s)
+    cols = torch.arange(nt * tile, device=g.device).view(1, nt, tile).expand(m, nt, tile)
+    # scatter the kept entries; everything else goes to a spare slot s that is cut off afterwards
+    dst = torch.where(keep, slot, torch.full_like(slot, s))
+    values = torch.zeros(m, nt, s + 1, dtype=g.dtype, device=g.device).scatter_(2, dst, gp * keep)
+    indices = torch.zeros(m, nt, s + 1, dtype=torch.int64, device=g.device).scatter_(2, dst, cols * keep)
+    return TwELL(values[..., :s].contiguous(), indices[..., :s].to(torch.int32).contiguous(),
+                 pos.sum(-1).to(torch.int32), tile, width)
+
+
+def unpack(tw: TwELL) -> torch.Tensor:
+    """Dense [M, I] from TwELL (reads only valid slots; an overflowed tile yields its first S positives)."""
+    m, nt, s = tw.values.shape
+    valid = torch.arange(s, device=tw.values.device) < tw.counts.clamp(max=s)[..., None]
+    cols = torch.where(valid, tw.indices.long(), tw.width).view(m, nt * s)
+    vals = torch.where(valid, tw.values, 0).view(m, nt * s)
+    dense = torch.zeros(m, tw.width + 1, dtype=tw.values.dtype, device=tw.values.device)
+    return dense.scatter_(1, cols, vals)[:, :tw.width]
+
+
+def pack(g: torch.Tensor, tile: int = 256, compression: int = 8) -> TwELL:
+    """Pack the positives of a dense [M, I] activation (Triton on GPU / interpreter, else reference)."""
+    if g.dim() != 2:
+        raise ValueError(f"pack expects [M, I], got {tuple(g.shape)}")
+    if not use_triton(g):
+        return pack_reference(g, tile, compression)
+    m, width = g.shape
+    tw = empty_twell(m, width, tile, compression, g.dtype, g.device)
+    block_m = 16
+    grid = (triton.cdiv(m, block_m), triton.cdiv(width, tile))
+    _pack_kernel[grid](g, tw.values, tw.indices, tw.counts, m, width, g.stride(0), g.stride(1),
+                       T=tile, S=tw.values.shape[2], BM=block_m)
+    return tw
+
+
+if triton is not None:
+
+    @triton.jit
+    def pack_store(g, rows, cols, tile_id, M, N, vals_ptr, idx_ptr, cnt_ptr, NT, S: tl.constexpr):
+        """Epilogue shared by every packing kernel: g [BM, T] fp32 tile at (rows, cols) -> TwELL."""
+        pos = (g > 0) & (rows < M)[:, None] & (cols < N)[None, :]
+        pos_i = pos.to(tl.int32)
+        slot = tl.cumsum(pos_i, axis=1) - 1
+        keep = pos & (slot < S)
+        row_tile = rows.to(tl.int64) * NT + tile_id
+        off = row_tile[:, None] * S + slot
+        tl.store(vals_ptr + off, g.to(vals_ptr.dtype.element_ty), mask=keep)
+        tl.store(idx_ptr + off, cols[None, :] + tl.zeros_like(slot), mask=keep)
+        tl.store(cnt_ptr + row_tile, tl.sum(pos_i, axis=1), mask=rows < M)
+
+    @triton.jit
+    def _pack_kernel(g_ptr, vals_ptr, idx_ptr, cnt_ptr, M, N, stride_gm, stride_gn,
+                     T: tl.constexpr, S: tl.constexpr, BM: tl.constexpr):
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        rows = pid_m * BM + tl.arange(0, BM)
+        cols = pid_n * T + tl.arange(0, T)
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
+        g = tl.load(g_ptr + rows[:, None].to(tl.int64) * stride_gm + cols[None, :] * stride_gn,
+                    mask=mask, other=0.0).to(tl.float32)
+        pack_store(g, rows, cols, pid_n, M, N, vals_ptr, idx_ptr, cnt_ptr, tl.cdiv(N, T), S)

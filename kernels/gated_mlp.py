@@ -1,0 +1,261 @@
+"""TwELL inference kernels for a ReLU-gated MLP: out = down(relu(gate(x)) * up(x)).
+
+Two launches, no host synchronization:
+1. `_gate_pack_kernel`: tiled x @ gate^T (fp32 accumulation, tensor cores); its epilogue applies ReLU and
+   packs each program's [BM, T] output tile into TwELL (format.py), so the dense gate activation never
+   reaches device memory.
+2. `_twell_out_kernel`: one program per token row. It turns the row's tile counts into one compact list
+   of active units (prefix sum over the counts), walks it CH units at a time, gathers those rows of up and
+   of the transposed down ([I, D], both contiguous rows), and accumulates out += (g * x.up_j) * down_j in
+   fp32 registers: h never reaches device memory. A (row, tile) whose count exceeds the slots is
+   recomputed densely from the gate weights (never dropped) and counted into `overflow`.
+Few tokens (decode, M <= 64) run the same kernels with a narrower tile, so that the gate GEMV has enough
+programs to stream the gate matrix at full bandwidth; results are identical, only `overflow`'s unit
+(row, tile) is the narrower tile. The down weight is read transposed: pass `prepare_down(down)` (made
+once at load time) to avoid a per-call transpose copy.
+"""
+from typing import Optional
+
+import torch
+
+from .format import TwELL, cdiv, empty_twell, slots, use_triton
+
+try:
+    import triton
+    import triton.language as tl
+
+    from .format import pack_store
+except ImportError:  # CPU-only machines run the reference path
+    triton = None
+
+PRECISIONS = ("default", "highest")
+DECODE_ROWS = 64   # at most this many tokens take the decode configuration
+DECODE_TILE = 32   # gate-matmul column tile in decode: I / 32 programs stream the gate matrix
+
+
+def prepare_down(down_weight: torch.Tensor) -> torch.Tensor:
+    """Load-time layout for the down weight: same [D, I] shape, stored transposed (its .t() is contiguous)."""
+    return down_weight.t().contiguous().t()
+
+
+def gated_mlp_reference(x, gate_weight, up_weight, down_weight):
+    """fp32 reference of the block, returned in x's dtype."""
+    xf = x.float()
+    h = torch.relu(xf @ gate_weight.float().t()) * (xf @ up_weight.float().t())
+    return (h @ down_weight.float().t()).to(x.dtype)
+
+
+def gate_config(m: int, tile: int, element_size: int) -> dict:
+    """Gate-matmul launch configuration per shape class (tile is the matmul's column block)."""
+    block_k = 64 if element_size <= 2 else 32
+    if m <= DECODE_ROWS:
+        return dict(BM=max(16, triton.next_power_of_2(m)), BK=2 * block_k, GROUP_M=1, num_warps=4, num_stages=4)
+    if tile >= 256:
+        return dict(BM=128, BK=block_k, GROUP_M=8, num_warps=8, num_stages=3)
+    return dict(BM=128, BK=block_k, GROUP_M=8, num_warps=4, num_stages=4)
+
+
+def out_config(m: int, d: int) -> dict:
+    """Fused up/down launch configuration: CH units per step, full D row per program."""
+    block_d = triton.next_power_of_2(d)
+    if m <= DECODE_ROWS:
+        return dict(CH=16, num_warps=8)
+    return dict(CH=8 if block_d <= 2048 else 4, num_warps=4 if block_d <= 2048 else 8)
+
+
+def gate_pack(x2, w, tile, compression, vals_dtype, cfg, tw: Optional[TwELL] = None) -> TwELL:
+    """TwELL of relu(x2 @ w^T) for x2 [M, D], w [I, D] (any strides)."""
+    m, d = x2.shape
+    width = w.shape[0]
+    if tw is None:
+        tw = empty_twell(m, width, tile, compression, vals_dtype, x2.device)
+    cfg = dict(cfg)
+    bm, bk = cfg.pop("BM"), cfg.pop("BK")
+    grid = (cdiv(m, bm) * cdiv(width, tile),)
+    _gate_pack_kernel[grid](
+        x2, w, tw.values, tw.indices, tw.counts, m, width, d,
+        x2.stride(0), x2.stride(1), w.stride(0), w.stride(1),
+        T=tile, S=tw.values.shape[2], BM=bm, BK=bk, EVEN_K=d % bk == 0,
+        DOT_PRECISION="ieee" if vals_dtype == torch.float32 and x2.dtype == torch.float32 else "tf32",
+        **cfg)
+    return tw
+
+
+def twell_out(x2, tw: TwELL, w_dec, up, down_t, h_fp32: bool, overflow, cfg, out=None):
+    """out [M, D] = sum over active units j of h_j * down_t[j], h_j = g_j * (x . up[j]) (or g_j without up)."""
+    m, d = x2.shape
+    nt, s = tw.counts.shape[1], tw.values.shape[2]
+    if out is None:
+        out = torch.empty(m, d, dtype=x2.dtype, device=x2.device)
+    cfg = dict(cfg)
+    _twell_out_kernel[(m,)](
+        x2, tw.values, tw.indices, tw.counts, w_dec, up if up is not None else down_t, down_t, out,
+        overflow if overflow is not None else tw.counts,
+        d, tw.width, nt, x2.stride(0), x2.stride(1),
+        T=tw.tile, S=s, NT_PAD=max(2, triton.next_power_of_2(nt)), CH=cfg.pop("CH"),
+        BLOCK_D=triton.next_power_of_2(d), GATED=up is not None, H_FP32=h_fp32,
+        HAS_OVF=overflow is not None, **cfg)
+    return out
+
+
+def forward(x, w_dec, up, down, tile, compression, precision, overflow):
+    """Shared body of the gated (up given) and non-gated (up None) blocks; w_dec decides activity."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    width, d = w_dec.shape
+    if x.shape[-1] != d or down.shape != (d, width) or (up is not None and up.shape != w_dec.shape):
+        raise ValueError(f"shape mismatch: x {tuple(x.shape)}, weights [I, D] = {tuple(w_dec.shape)}, "
+                         f"down {tuple(down.shape)} (expected [D, I])")
+    if width > 65536:
+        raise ValueError(f"I = {width} > 65536 is not supported")
+    if overflow is not None and (overflow.numel() != 1 or overflow.dtype not in (torch.int32, torch.int64)):
+        raise ValueError("overflow must be a one-element int32 or int64 tensor")
+    x2 = x.reshape(-1, d)
+    m = x2.shape[0]
+    if m == 0:
+        return x.new_empty(x.shape)
+    s = slots(tile, compression)
+    if not use_triton(x2):
+        xf = x2.float()
+        g = torch.relu(xf @ w_dec.float().t())
+        if overflow is not None:
+            nt = cdiv(width, tile)
+            per_tile = torch.nn.functional.pad(g > 0, (0, nt * tile - width)).view(m, nt, tile).sum(-1)
+            overflow += (per_tile > s).sum().to(overflow.dtype)
+        h = g * (xf @ up.float().t()) if up is not None else g
+        return (h @ down.float().t()).to(x.dtype).view(x.shape)
+    if m <= DECODE_ROWS:
+        tile = min(tile, DECODE_TILE)
+    down_t = down.t().contiguous()  # no copy when the weight came from prepare_down
+    vals_dtype = torch.float32 if precision == "highest" else x2.dtype
+    tw = gate_pack(x2, w_dec, tile, compression, vals_dtype, gate_config(m, tile, x2.element_size()))
+    out = twell_out(x2, tw, w_dec.contiguous(), up.contiguous() if up is not None else None, down_t,
+                    precision == "highest", overflow, out_config(m, d))
+    return out.view(x.shape)
+
+
+def register_op(name, fn, fake):
+    """torch custom op twell::<name>; an exported checkpoint may carry a second copy of these files."""
+    try:
+        return getattr(torch.ops.twell, name)
+    except (AttributeError, RuntimeError):
+        op = torch.library.custom_op(f"twell::{name}", fn, mutates_args=("overflow",))
+        op.register_fake(fake)
+        return op
+
+
+def _gated_mlp_impl(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor,
+                    down_weight: torch.Tensor, tile: int, compression: int, precision: str,
+                    overflow: Optional[torch.Tensor]) -> torch.Tensor:
+    return forward(x, gate_weight, up_weight, down_weight, tile, compression, precision, overflow)
+
+
+def _gated_mlp_fake(x, gate_weight, up_weight, down_weight, tile, compression, precision, overflow):
+    return x.new_empty(x.shape)
+
+
+_gated_mlp_op = register_op("gated_mlp", _gated_mlp_impl, _gated_mlp_fake)
+
+
+def gated_mlp(x, gate_weight, up_weight, down_weight, *, tile: int = 256, compression: int = 8,
+              precision: str = "default", overflow: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """down(relu(gate(x)) * up(x)) through TwELL. HF layouts: gate/up [I, D], down [D, I]; x [..., D].
+
+    `overflow`, if given (one-element int32/int64), gets the number of overflowing (row, tile) pairs added.
+    """
+    return _gated_mlp_op(x, gate_weight, up_weight, down_weight, tile, compression, precision, overflow)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gate_pack_kernel(x_ptr, w_ptr, vals_ptr, idx_ptr, cnt_ptr, M, N, K,
+                          stride_xm, stride_xk, stride_wn, stride_wk,
+                          T: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                          EVEN_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        pid = tl.program_id(0)
+        n_m, n_n = tl.cdiv(M, BM), tl.cdiv(N, T)
+        # grouped order: GROUP_M row blocks sweep the columns together so x blocks stay in L2
+        in_group = GROUP_M * n_n
+        first_m = (pid // in_group) * GROUP_M
+        group_m = min(n_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % in_group) % group_m
+        pid_n = (pid % in_group) // group_m
+        rows = pid_m * BM + tl.arange(0, BM)
+        cols = pid_n * T + tl.arange(0, T)
+        rk = tl.arange(0, BK)
+        # wrapped indices keep the main loop free of row/column masks; the epilogue masks instead
+        a_ptrs = x_ptr + (rows % M)[:, None].to(tl.int64) * stride_xm + rk[None, :] * stride_xk
+        b_ptrs = w_ptr + (cols % N)[None, :].to(tl.int64) * stride_wn + rk[:, None] * stride_wk
+        acc = tl.zeros((BM, T), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BK)):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=rk[None, :] < K - k * BK, other=0.0)
+                b = tl.load(b_ptrs, mask=rk[:, None] < K - k * BK, other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            a_ptrs += BK * stride_xk
+            b_ptrs += BK * stride_wk
+        pack_store(acc, rows, cols, pid_n, M, N, vals_ptr, idx_ptr, cnt_ptr, n_n, S)
+
+    @triton.jit
+    def _accumulate_units(acc, x, j, g, active, d, dmask, up_ptr, down_ptr, D,
+                          GATED: tl.constexpr, H_FP32: tl.constexpr):
+        """acc += sum over the CH units j (where active) of h_j * down_t[j, :], h_j = g_j * (x . up[j, :])."""
+        off = j[:, None].to(tl.int64) * D + d[None, :]
+        m2 = active[:, None] & dmask[None, :]
+        dw = tl.load(down_ptr + off, mask=m2, other=0.0)  # issued before the up reduction waits
+        if GATED:
+            uw = tl.load(up_ptr + off, mask=m2, other=0.0)
+            h = g * tl.sum(uw.to(tl.float32) * x[None, :], axis=1)
+        else:
+            h = g
+        if not H_FP32:
+            h = h.to(down_ptr.dtype.element_ty).to(tl.float32)  # h in the weights' precision, like dense
+        return acc + tl.sum(h[:, None] * dw.to(tl.float32), axis=0)
+
+    @triton.jit
+    def _twell_out_kernel(x_ptr, vals_ptr, idx_ptr, cnt_ptr, wdec_ptr, up_ptr, down_ptr, out_ptr, ovf_ptr,
+                          D, I, NT, stride_xm, stride_xk,
+                          T: tl.constexpr, S: tl.constexpr, NT_PAD: tl.constexpr, CH: tl.constexpr,
+                          BLOCK_D: tl.constexpr, GATED: tl.constexpr, H_FP32: tl.constexpr,
+                          HAS_OVF: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < D
+        x = tl.load(x_ptr + row * stride_xm + d * stride_xk, mask=dmask, other=0.0).to(tl.float32)
+        t = tl.arange(0, NT_PAD)
+        cnt = tl.load(cnt_ptr + row * NT + t, mask=t < NT, other=0)
+        fits = tl.where(cnt <= S, cnt, 0)  # overflowed tiles go through the dense fallback below
+        incl = tl.cumsum(fits, axis=0)
+        total = tl.sum(fits, axis=0)
+        acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+        for e0 in range(0, total, CH):
+            # entry e of the row's compact list lies in the tile where the inclusive prefix first exceeds e
+            e = e0 + tl.arange(0, CH)
+            before = incl[None, :] <= e[:, None]
+            tile_id = tl.sum(before.to(tl.int32), axis=1)
+            slot = e - tl.sum(tl.where(before, fits[None, :], 0), axis=1)
+            off = (row * NT + tile_id) * S + slot
+            active = e < total
+            j = tl.load(idx_ptr + off, mask=active, other=0)
+            g = tl.load(vals_ptr + off, mask=active, other=0.0).to(tl.float32)
+            acc = _accumulate_units(acc, x, j, g, active, d, dmask, up_ptr, down_ptr, D, GATED, H_FP32)
+        n_over = tl.sum((cnt > S).to(tl.int32), axis=0)
+        if n_over > 0:
+            if HAS_OVF:
+                tl.atomic_add(ovf_ptr, n_over.to(ovf_ptr.dtype.element_ty))
+            for tile in range(0, NT):
+                if tl.load(cnt_ptr + row * NT + tile) > S:
+                    for u0 in range(0, T, CH):
+                        j = tile * T + u0 + tl.arange(0, CH)
+                        inside = j < I
+                        gw = tl.load(wdec_ptr + j[:, None].to(tl.int64) * D + d[None, :],
+                                     mask=inside[:, None] & dmask[None, :], other=0.0)
+                        g = tl.sum(gw.to(tl.float32) * x[None, :], axis=1)
+                        g = g.to(vals_ptr.dtype.element_ty).to(tl.float32)  # as the packed value would be
+                        acc = _accumulate_units(acc, x, j, g, inside & (g > 0), d, dmask, up_ptr, down_ptr,
+                                                D, GATED, H_FP32)
+        tl.store(out_ptr + row * D + d, acc.to(out_ptr.dtype.element_ty), mask=dmask)

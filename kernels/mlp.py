@@ -1,0 +1,34 @@
+"""TwELL inference for a non-gated ReLU MLP: out = down(relu(up(x))).
+
+The same two kernels as the gated block (gated_mlp.py): the up matmul packs relu(x @ up^T) into TwELL
+in its epilogue, and the TwELL-to-dense kernel, built without the up gather (GATED=False), accumulates
+out += g_j * down_t[j] per active unit; overflowing tiles are recomputed densely from up.
+"""
+from typing import Optional
+
+import torch
+
+from .gated_mlp import forward, register_op
+
+
+def mlp_reference(x, up_weight, down_weight):
+    """fp32 reference of the block, returned in x's dtype."""
+    return (torch.relu(x.float() @ up_weight.float().t()) @ down_weight.float().t()).to(x.dtype)
+
+
+def _mlp_impl(x: torch.Tensor, up_weight: torch.Tensor, down_weight: torch.Tensor, tile: int,
+              compression: int, precision: str, overflow: Optional[torch.Tensor]) -> torch.Tensor:
+    return forward(x, up_weight, None, down_weight, tile, compression, precision, overflow)
+
+
+def _mlp_fake(x, up_weight, down_weight, tile, compression, precision, overflow):
+    return x.new_empty(x.shape)
+
+
+_mlp_op = register_op("mlp", _mlp_impl, _mlp_fake)
+
+
+def mlp(x, up_weight, down_weight, *, tile: int = 256, compression: int = 8, precision: str = "default",
+        overflow: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """down(relu(up(x))) through TwELL. HF layouts: up [I, D], down [D, I]; x [..., D]."""
+    return _mlp_op(x, up_weight, down_weight, tile, compression, precision, overflow)
