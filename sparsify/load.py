@@ -1,0 +1,120 @@
+"""Load the model to convert: the embedded demo, a local checkpoint folder, or a Hub id.
+
+The architecture is checked from the config alone (family table) before any weight is read, so an
+unsupported or mistyped model fails in a second, not after a multi-gigabyte download. Every failure
+the user can fix becomes a SourceError/UnsupportedModelError naming the source and the problem.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from .errors import ConfigError, SourceError
+from .families import spec_for
+
+DTYPES = {
+    "fp32": torch.float32, "float32": torch.float32,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16,
+}
+
+
+def demo_model_path() -> Path:
+    """The embedded small SiLU Llama (made by recipes/make_demo.py)."""
+    return Path(__file__).parent / "demo" / "model"
+
+
+def demo_corpus_path() -> Path:
+    """The embedded demo corpus folder (train.jsonl, valid.jsonl)."""
+    return Path(__file__).parent / "demo" / "corpus"
+
+
+def resolve_source(source: str | Path) -> str:
+    """A local folder path or a Hub id for `source`; SourceError for a folder that cannot be a checkpoint."""
+    if str(source) == "demo":
+        path = demo_model_path()
+        if not (path / "config.json").is_file():
+            raise SourceError(f"the demo model is missing at {path}; remake it with recipes/make_demo.py")
+        return str(path)
+    path = Path(source).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise SourceError(f"{source}: not a folder (expected a checkpoint folder with config.json)")
+        if not (path / "config.json").is_file():
+            raise SourceError(f"{source}: no config.json in this folder, so it is not a model checkpoint")
+        return str(path)
+    # Hub ids are "name" or "owner/name"; anything else that does not exist is a mistyped path.
+    if str(source).startswith((".", "/", "~")) or str(source).count("/") > 1 or "\\" in str(source):
+        raise SourceError(f"{source}: no such folder")
+    return str(source)
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
+    """bf16 on CUDA and fp32 elsewhere unless given; accepts torch dtypes and names like 'bf16'."""
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ConfigError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def load_config(source: str | Path):
+    """(transformers config, family spec) of `source`, reading no weights."""
+    return _load_config(resolve_source(source), source)
+
+
+def _load_config(where: str, source):
+    try:
+        config = AutoConfig.from_pretrained(where)
+    except (OSError, ValueError, KeyError) as error:
+        local = Path(where).is_dir()
+        what = "cannot read its config.json" if local else "not a local folder, and not loadable from the Hub"
+        raise SourceError(f"{source}: {what} ({_first_line(error)})") from error
+    return config, spec_for(config)
+
+
+def load_model(source: str | Path, *, dtype: torch.dtype | str | None = None, device: str | torch.device | None = None):
+    """(model, tokenizer or None, spec) for "demo", a checkpoint folder or a Hub id; the model in eval mode
+    on `device` (default: CUDA if available). The tokenizer is None when the source has none that loads."""
+    where = resolve_source(source)
+    config, spec = _load_config(where, source)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            where, config=config, dtype=resolve_dtype(dtype, device), output_loading_info=True
+        )
+    except (OSError, ValueError, RuntimeError, SafetensorError) as error:
+        raise SourceError(f"{source}: cannot load the weights ({_first_line(error)})") from error
+    if info["missing_keys"] or info["mismatched_keys"]:
+        missing = sorted(info["missing_keys"]) + sorted(str(k) for k in info["mismatched_keys"])
+        raise SourceError(f"{source}: the weights do not match the config (missing or mismatched: {missing[:5]} ...)")
+    return model.to(device).eval(), load_tokenizer(where), spec
+
+
+# transformers 5 builds an empty tokenizer of the family's class from a folder without any of these.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(where: str):
+    """The source's tokenizer, or None when it has none."""
+    if Path(where).is_dir() and not any((Path(where) / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(where)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def require_tokenizer(tokenizer, source) -> None:
+    """Stop with a clear message where a tokenizer is needed (tokenizing text) and the source has none."""
+    if tokenizer is None:
+        raise SourceError(f"{source}: no tokenizer could be loaded from it (tokenizer.json / tokenizer_config.json)")
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]

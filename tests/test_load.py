@@ -1,0 +1,132 @@
+import json
+import shutil
+
+import huggingface_hub.constants
+import pytest
+import torch
+from transformers import GPT2Config
+
+from helpers import tiny_input_ids, tiny_model
+from sparsify import load
+from sparsify.errors import ConfigError, SourceError, UnsupportedModelError
+from sparsify.load import demo_model_path, load_config, load_model, require_tokenizer
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A tiny Qwen3 checkpoint folder with its tokenizer, and the logits of the model that wrote it."""
+    folder = tmp_path_factory.mktemp("ckpt") / "qwen3"
+    model, tokenizer = tiny_model("qwen3")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    with torch.no_grad():
+        return folder, model(tiny_input_ids()).logits
+
+
+def _copy(saved, tmp_path, name="copy"):
+    return shutil.copytree(saved[0], tmp_path / name)
+
+
+def test_loads_a_folder_in_fp32_on_cpu(saved):
+    folder, logits = saved
+    model, tokenizer, spec = load_model(folder, device="cpu")
+    assert spec.family == "qwen3" and not model.training
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert tokenizer("ab")["input_ids"] == tiny_model("qwen3")[1]("ab")["input_ids"]
+    with torch.no_grad():
+        torch.testing.assert_close(model(tiny_input_ids()).logits, logits, rtol=0, atol=0)
+    model, _, _ = load_model(str(folder), dtype="bf16", device="cpu")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    with pytest.raises(ConfigError, match="dtype"):
+        load_model(folder, dtype="int3", device="cpu")
+
+
+def test_missing_tokenizer_is_none_until_needed(saved, tmp_path):
+    folder = _copy(saved, tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).unlink()
+    model, tokenizer, _ = load_model(folder, device="cpu")
+    assert tokenizer is None
+    with pytest.raises(SourceError, match="no tokenizer"):
+        require_tokenizer(tokenizer, folder)
+
+
+def _break_config(folder):
+    (folder / "config.json").write_text("{not json")
+
+
+def _unknown_model_type(folder):
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "no_such_arch"}))
+
+
+def _no_weights(folder):
+    (folder / "model.safetensors").unlink()
+
+
+def _truncate_weights(folder):
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
+
+
+def _mismatched_shapes(folder):
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
+
+
+def _missing_tensor(folder):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (_break_config, "cannot read its config.json"),
+        (_unknown_model_type, "cannot read its config.json"),
+        (_no_weights, "cannot load the weights"),
+        (_truncate_weights, "cannot load the weights"),
+        (_mismatched_shapes, "cannot load the weights"),
+        (_missing_tensor, "do not match the config"),
+    ],
+)
+def test_damaged_folders_raise_source_errors(saved, tmp_path, damage, message):
+    folder = _copy(saved, tmp_path)
+    damage(folder)
+    with pytest.raises(SourceError, match=message):
+        load_model(folder, device="cpu")
+
+
+def test_bad_paths(tmp_path):
+    (tmp_path / "file.txt").write_text("x")
+    with pytest.raises(SourceError, match="not a folder"):
+        load_model(tmp_path / "file.txt")
+    with pytest.raises(SourceError, match="no config.json"):
+        load_model(tmp_path)
+    with pytest.raises(SourceError, match="no such folder"):
+        load_model("./does/not/exist")
+
+
+def test_unsupported_architecture_fails_before_reading_weights(tmp_path):
+    GPT2Config(n_layer=1).save_pretrained(tmp_path)  # a config and no weights at all
+    with pytest.raises(UnsupportedModelError, match="gpt2"):
+        load_model(tmp_path)
+
+
+def test_unknown_hub_id_offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(SourceError, match="not loadable from the Hub"):
+        load_model("nobody-here/no-such-model")
+
+
+def test_demo_source(monkeypatch, tmp_path):
+    if (demo_model_path() / "model.safetensors").is_file():
+        config, spec = load_config("demo")
+        assert spec.family == "llama" and config.hidden_act == "silu"
+    monkeypatch.setattr(load, "demo_model_path", lambda: tmp_path / "absent")
+    with pytest.raises(SourceError, match="make_demo.py"):
+        load_model("demo")
