@@ -1,0 +1,87 @@
+"""Data: formats, packing with EOS between documents, the held-out split, batching/resume positions, and
+every bad-data error."""
+import json
+
+import pytest
+import torch
+
+from helpers import tiny_tokenizer
+from sparsify.data import TextData, blocks, resolve
+from sparsify.errors import DataError
+
+EOS = tiny_tokenizer().eos_token_id
+
+
+def write_jsonl(path, texts):
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return path
+
+
+def test_blocks_pack_documents_with_eos_between():
+    tok = tiny_tokenizer()
+    out = list(blocks(iter(["abc", "de", "fghij"]), tok, seq_len=4))
+    ids = torch.cat(out).tolist()
+    # 3 + 1 + 2 + 1 + 5 + 1 = 13 ids: three full blocks of 4, the last id dropped
+    expected = tok("abc")["input_ids"] + [EOS] + tok("de")["input_ids"] + [EOS] + tok("fghij")["input_ids"]
+    assert [b.shape for b in out] == [torch.Size([4])] * 3
+    assert ids == expected[:12]
+
+
+def test_validation_file_is_the_eval_split(tmp_path):
+    write_jsonl(tmp_path / "train.jsonl", [f"train document {i} " * 4 for i in range(50)])
+    write_jsonl(tmp_path / "valid.jsonl", ["validation text " * 40])
+    data = TextData(tmp_path, tiny_tokenizer(), seq_len=16, eval_tokens=64)
+    assert len(data.eval_blocks) == 4 and data.skip == 0
+    assert tiny_tokenizer().decode(data.eval_blocks[0]).startswith("validation text")
+    batch = next(data.train_batches(batch_size=3))
+    assert batch.shape == (3, 16)
+    assert tiny_tokenizer().decode(batch[0]).startswith("train document 0")
+
+
+def test_held_out_blocks_are_never_trained_on(tmp_path):
+    (tmp_path / "a.txt").write_text("".join(chr(ord("a") + i % 26) for i in range(16 * 30)))
+    data = TextData(tmp_path / "a.txt", tiny_tokenizer(), seq_len=16, eval_tokens=32)
+    assert len(data.eval_blocks) == 2 and data.skip == 2
+    all_blocks = list(blocks(iter([(tmp_path / "a.txt").read_text()]), tiny_tokenizer(), 16))
+    train = data.train_batches(batch_size=1)
+    first_epoch = [next(train)[0] for _ in range(len(all_blocks) - 2)]
+    assert all(torch.equal(a, b) for a, b in zip(first_epoch, all_blocks[2:]))
+    assert torch.equal(next(train)[0], all_blocks[2])  # the next epoch skips the held-out blocks again
+
+
+def test_batches_resume_position_and_ranks(tmp_path):
+    write_jsonl(tmp_path / "d.jsonl", [f"doc {i} " * 8 for i in range(40)])
+    data = TextData(tmp_path / "d.jsonl", tiny_tokenizer(), seq_len=8, eval_tokens=8)
+    stream = data.train_batches(batch_size=2)
+    first = [next(stream) for _ in range(6)]
+    assert torch.equal(next(data.train_batches(2, start=4)), first[4])
+    rank1 = data.train_batches(2, start=2, rank=1, world=2)
+    assert torch.equal(next(rank1), first[3]) and torch.equal(next(rank1), first[5])
+
+
+def test_parquet_and_mixed_folder(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict({"text": ["parquet row " * 10] * 5}).to_parquet(str(tmp_path / "p.parquet"))
+    (tmp_path / "t.txt").write_text("plain text file " * 10)
+    assert set(resolve(tmp_path).train) == {"parquet", "text"}
+    data = TextData(tmp_path, tiny_tokenizer(), seq_len=16, eval_tokens=16)
+    text = tiny_tokenizer().decode(torch.cat(data.eval_blocks + [next(data.train_batches(4)).flatten()]))
+    assert "parquet row" in text
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda p: p / "missing.jsonl", "does not exist"),
+        (lambda p: p / "nope" / "x", "does not exist"),
+        (lambda p: (p / "empty.jsonl").write_text("") and None or p / "empty.jsonl", "empty"),
+        (lambda p: (p / "sub").mkdir() or p / "sub", "empty"),
+        (lambda p: (p / "x.csv").write_text("text\nhello") and p / "x.csv", "unknown data format"),
+        (lambda p: write_jsonl(p / "short.jsonl", ["hi"]), "shorter than one sequence"),
+        (lambda p: (p / "nt.jsonl").write_text('{"body": "x"}\n') and p / "nt.jsonl", "no 'text' field"),
+        (lambda p: (p / "bad.jsonl").write_text("{not json\n") and p / "bad.jsonl", "cannot read"),
+    ],
+)
+def test_bad_data(tmp_path, make, message):
+    with pytest.raises(DataError, match=message):
+        TextData(make(tmp_path), tiny_tokenizer(), seq_len=64, eval_tokens=64)
