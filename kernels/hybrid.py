@@ -1,0 +1,438 @@
+"""Hybrid TwELL training kernels: a ReLU-gated (or plain ReLU) MLP block, forward and backward, on the
+per-row sparse pattern of its gate (docs/twell.md section 4).
+
+- The gate pre-activation x @ gate^T is one dense matmul (cuBLAS); it is transient, never saved.
+- `_pack_kernel` (a program per row) compacts the row's positives, in unit order, into ELL slots
+  (int32 unit index + fp32 value, at most E = max_nnz), and counts them (row nnz, per-unit `fired`).
+  A row with more than E positives goes whole to the dense backup: torch matmuls on the gathered rows.
+  The backup is sized exactly from the overflow rows' list (torch.nonzero): the forward's one host sync.
+- `_sddmm_kernel` (a program per row): the sampled dense-dense product a[row] . W[j] at the row's units:
+  forward u = x . up[j], h = g * u and the row's sum |h| (L1); backward dh = dout . down[:, j], plus the
+  L1 gradient sign(h) * dl1 / M, giving d_gate_pre = dh * u and d_up = dh * g on the pattern.
+- `_spmm_kernel` (a program per (row, D chunk)): out = h @ down^T and dx = d_gate_pre @ gate + d_up @ up,
+  gathering rows of [I, D] weights; grid axis 0 runs all rows of one D chunk first, so the weight
+  slices in use stay in L2.
+- `_wgrad_kernel` (a program per (unit, D chunk)): weight gradients as transposed-sparse x dense, from a
+  per-unit list of the ELL entries (CSC, a stable sort of the unit indices): deterministic, no atomics.
+Saved for backward: x, the weights, ELL indices, g and u [M, E] (fp32), and the backup rows' g and u.
+"""
+import os
+from typing import NamedTuple
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    _HAS_TRITON = True
+except ImportError:  # CPU-only installs: the reference path below computes the same outputs and stats
+    _HAS_TRITON = False
+
+
+class HybridStats(NamedTuple):
+    l1: torch.Tensor  # scalar, differentiable: mean over tokens of sum over units of |h|
+    active: torch.Tensor  # scalar float: mean active units per token (detached)
+    fired: torch.Tensor  # int64 [I]: tokens in which each unit fired (detached)
+    backup_rows: torch.Tensor  # int64 scalar: rows that went to the dense backup
+
+
+_empty = torch.empty  # every buffer a kernel writes comes from here (tests poison it with NaN)
+
+
+if _HAS_TRITON:
+
+    @triton.jit
+    def _pack_kernel(g_ptr, idx_ptr, val_ptr, nnz_ptr, rowsum_ptr, fired_ptr, I, E, stride_g,
+                     BLOCK_I: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        count = tl.full([], 0, tl.int32)
+        total = tl.full([], 0.0, tl.float32)
+        for start in range(0, I, BLOCK_I):
+            cols = start + tl.arange(0, BLOCK_I)
+            v = tl.load(g_ptr + row * stride_g + cols, mask=cols < I, other=0.0).to(tl.float32)
+            pos = v > 0.0
+            # prefix sum over the positive mask: each value's slot, sorted by unit, deterministic
+            slot = count + tl.cumsum(pos.to(tl.int32), 0) - 1
+            keep = pos & (slot < E)
+            tl.store(idx_ptr + row * E + slot, cols, mask=keep)
+            tl.store(val_ptr + row * E + slot, v, mask=keep)
+            tl.atomic_add(fired_ptr + cols, tl.full([BLOCK_I], 1, tl.int32), mask=pos)
+            count += tl.sum(pos.to(tl.int32), 0)
+            total += tl.sum(tl.where(pos, v, 0.0), 0)
+        tl.store(nnz_ptr + row, count)
+        tl.store(rowsum_ptr + row, total)
+
+    @triton.jit
+    def _sddmm_kernel(a_ptr, w_ptr, idx_ptr, nnz_ptr, g_ptr, u_ptr, out1_ptr, out2_ptr, rowsum_ptr,
+                      c_ptr, D, E, stride_a, stride_w,
+                      BACKWARD: tl.constexpr, GATED: tl.constexpr, BLOCK_S: tl.constexpr,
+                      BLOCK_D: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        n = tl.load(nnz_ptr + row)
+        n = tl.where(n > E, 0, n)  # backup rows: nothing here
+        l1 = tl.full([], 0.0, tl.float32)
+        for s0 in range(0, n, BLOCK_S):
+            slots = s0 + tl.arange(0, BLOCK_S)
+            smask = slots < n
+            e = row * E + slots
+            j = tl.load(idx_ptr + e, mask=smask, other=0).to(tl.int64)
+            acc = tl.zeros([BLOCK_S], tl.float32)
+            for d0 in range(0, D, BLOCK_D):
+                cols = d0 + tl.arange(0, BLOCK_D)
+                dmask = cols < D
+                a = tl.load(a_ptr + row * stride_a + cols, mask=dmask, other=0.0).to(tl.float32)
+                w = tl.load(w_ptr + j[:, None] * stride_w + cols[None, :],
+                            mask=smask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+                acc += tl.sum(w * a[None, :], 1)
+            if not BACKWARD:  # acc = u; h = g * u
+                g = tl.load(g_ptr + e, mask=smask, other=0.0)
+                tl.store(u_ptr + e, acc, mask=smask)
+                l1 += tl.sum(tl.abs(g * acc), 0)
+            else:  # acc = dh from the output; add the L1 term c * sign(h), c = dl1 / M
+                c = tl.load(c_ptr)
+                if GATED:  # g > 0 on the pattern, so sign(h) = sign(u)
+                    g = tl.load(g_ptr + e, mask=smask, other=0.0)
+                    u = tl.load(u_ptr + e, mask=smask, other=0.0)
+                    sgn = tl.where(u > 0.0, 1.0, tl.where(u < 0.0, -1.0, 0.0))
+                    dh = acc + c * sgn
+                    tl.store(out1_ptr + e, dh * u, mask=smask)
+                    tl.store(out2_ptr + e, dh * g, mask=smask)
+                else:  # h = relu(pre) > 0 on the pattern
+                    tl.store(out1_ptr + e, acc + c, mask=smask)
+        if not BACKWARD:
+            tl.store(rowsum_ptr + row, l1)
+
+    @triton.jit
+    def _spmm_kernel(a_ptr, b_ptr, w1_ptr, w2_ptr, idx_ptr, nnz_ptr, out_ptr, D, E, stride_w1,
+                     stride_w2, stride_out, TWO: tl.constexpr, BLOCK_S: tl.constexpr,
+                     BLOCK_D: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        dmask = cols < D
+        n = tl.load(nnz_ptr + row)
+        n = tl.where(n > E, 0, n)
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        for s0 in range(0, n, BLOCK_S):
+            slots = s0 + tl.arange(0, BLOCK_S)
+            smask = slots < n
+            e = row * E + slots
+            j = tl.load(idx_ptr + e, mask=smask, other=0).to(tl.int64)
+            m2 = smask[:, None] & dmask[None, :]
+            a = tl.load(a_ptr + e, mask=smask, other=0.0)
+            w = tl.load(w1_ptr + j[:, None] * stride_w1 + cols[None, :], mask=m2, other=0.0)
+            acc += tl.sum(a[:, None] * w.to(tl.float32), 0)
+            if TWO:
+                b = tl.load(b_ptr + e, mask=smask, other=0.0)
+                w = tl.load(w2_ptr + j[:, None] * stride_w2 + cols[None, :], mask=m2, other=0.0)
+                acc += tl.sum(b[:, None] * w.to(tl.float32), 0)
+        tl.store(out_ptr + row * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=dmask)
+
+    @triton.jit
+    def _wgrad_kernel(perm_ptr, offsets_ptr, a_ptr, b_ptr, x_ptr, out1_ptr, out2_ptr, D, E, stride_x,
+                      MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+        # MODE 0: out1 = sum a x; 1: out1 = sum a x, out2 = sum b x; 2: out1 = sum (a b) x
+        unit = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        dmask = cols < D
+        start = tl.load(offsets_ptr + unit)
+        end = tl.load(offsets_ptr + unit + 1)
+        acc1 = tl.zeros([BLOCK_D], tl.float32)
+        acc2 = tl.zeros([BLOCK_D], tl.float32)
+        for e0 in range(start, end, BLOCK_N):
+            es = e0 + tl.arange(0, BLOCK_N)
+            emask = es < end
+            p = tl.load(perm_ptr + es, mask=emask, other=0)  # flat ELL position row * E + slot
+            t = p // E
+            xt = tl.load(x_ptr + t[:, None] * stride_x + cols[None, :],
+                         mask=emask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+            a = tl.load(a_ptr + p, mask=emask, other=0.0)
+            if MODE == 2:
+                a = a * tl.load(b_ptr + p, mask=emask, other=0.0)
+            acc1 += tl.sum(a[:, None] * xt, 0)
+            if MODE == 1:
+                b = tl.load(b_ptr + p, mask=emask, other=0.0)
+                acc2 += tl.sum(b[:, None] * xt, 0)
+        tl.store(out1_ptr + unit * D + cols, acc1, mask=dmask)
+        if MODE == 1:
+            tl.store(out2_ptr + unit * D + cols, acc2, mask=dmask)
+
+
+def _blocks(device):
+    """Tile sizes: GPU ones for speed; small ones in the CPU interpreter so small test shapes still
+    run every loop several times."""
+    if device.type == "cuda":
+        return dict(BLOCK_I=1024, BLOCK_S=16, BLOCK_D=256, BLOCK_N=16)
+    return dict(BLOCK_I=32, BLOCK_S=4, BLOCK_D=16, BLOCK_N=4)
+
+
+def _use_kernels(x):
+    return _HAS_TRITON and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def _pack(pre, E):
+    """ELL of the positives of pre [M, I]: idx int32 [M, E], val fp32 [M, E], nnz int32 [M] (true
+    count; > E marks a backup row), rowsum fp32 [M] (sum of positives), fired int32 [I]."""
+    M, I = pre.shape
+    bl = _blocks(pre.device)
+    idx = _empty((M, E), dtype=torch.int32, device=pre.device)
+    val = _empty((M, E), dtype=torch.float32, device=pre.device)
+    nnz = _empty(M, dtype=torch.int32, device=pre.device)
+    rowsum = _empty(M, dtype=torch.float32, device=pre.device)
+    fired = torch.zeros(I, dtype=torch.int32, device=pre.device)
+    _pack_kernel[(M,)](pre, idx, val, nnz, rowsum, fired, I, E, pre.stride(0),
+                       BLOCK_I=bl["BLOCK_I"], num_warps=4)
+    return idx, val, nnz, rowsum, fired
+
+
+def _spmm(idx, nnz, a, w1, b=None, w2=None, *, dtype):
+    """out [M, D] = sum over the row's slots of a * w1[j] (+ b * w2[j]); w1, w2: [I, D] contiguous."""
+    M, E = idx.shape
+    D = w1.shape[1]
+    bl = _blocks(idx.device)
+    out = _empty((M, D), dtype=dtype, device=idx.device)
+    two = b is not None
+    grid = (M, triton.cdiv(D, bl["BLOCK_D"]))
+    _spmm_kernel[grid](a, b if two else a, w1, w2 if two else w1, idx, nnz, out, D, E, w1.stride(0),
+                       (w2 if two else w1).stride(0), out.stride(0), TWO=two,
+                       BLOCK_S=bl["BLOCK_S"], BLOCK_D=bl["BLOCK_D"], num_warps=4)
+    return out
+
+
+def _csc(idx, nnz, I):
+    """Per-unit lists of ELL entries: perm (flat positions row * E + slot, grouped by unit, rows in
+    order) and offsets [I + 1]. A stable sort: deterministic, and no host sync."""
+    M, E = idx.shape
+    valid = torch.arange(E, device=idx.device)[None, :] < torch.where(nnz > E, 0, nnz)[:, None]
+    key = torch.where(valid, idx, I).flatten()
+    keys, perm = torch.sort(key, stable=True)
+    offsets = torch.searchsorted(keys, torch.arange(I + 1, dtype=keys.dtype, device=idx.device))
+    return perm, offsets
+
+
+def _wgrad(perm, offsets, E, a, b, x, mode):
+    I = offsets.numel() - 1
+    D = x.shape[1]
+    bl = _blocks(x.device)
+    out1 = _empty((I, D), dtype=torch.float32, device=x.device)
+    out2 = _empty((I, D), dtype=torch.float32, device=x.device) if mode == 1 else out1
+    grid = (I, triton.cdiv(D, bl["BLOCK_D"]))
+    _wgrad_kernel[grid](perm, offsets, a, b if b is not None else a, x, out1, out2, D, E, x.stride(0),
+                        MODE=mode, BLOCK_N=bl["BLOCK_N"], BLOCK_D=bl["BLOCK_D"], num_warps=4)
+    return out1, out2
+
+
+def _sddmm(a, w, idx, nnz, g, u, *, backward, gated, c=None):
+    """Forward (gated): writes u, returns per-row sum |g u|. Backward: returns (d_gate_pre, d_up) for
+    gated, (d_pre, None) for non-gated, on the pattern."""
+    M, E = idx.shape
+    D = a.shape[1]
+    bl = _blocks(a.device)
+    dev = a.device
+    rowsum = _empty(M, dtype=torch.float32, device=dev) if not backward else None
+    out1 = _empty((M, E), dtype=torch.float32, device=dev) if backward else None
+    out2 = _empty((M, E), dtype=torch.float32, device=dev) if backward and gated else None
+    dummy = idx
+    _sddmm_kernel[(M,)](a, w, idx, nnz, g if g is not None else dummy, u if u is not None else dummy,
+                        out1 if out1 is not None else dummy, out2 if out2 is not None else dummy,
+                        rowsum if rowsum is not None else dummy, c if c is not None else dummy,
+                        D, E, a.stride(0), w.stride(0), BACKWARD=backward, GATED=gated,
+                        BLOCK_S=bl["BLOCK_S"], BLOCK_D=bl["BLOCK_D"], num_warps=4)
+    return rowsum if not backward else (out1, out2)
+
+
+def _compute_dtype(x):
+    if x.is_cuda and torch.is_autocast_enabled("cuda"):
+        return torch.get_autocast_dtype("cuda")
+    return x.dtype
+
+
+class _HybridGatedMLP(torch.autograd.Function):
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, x, gate_w, up_w, down_w, max_nnz):
+        dt = _compute_dtype(x)
+        ctx.dtypes = (x.dtype, gate_w.dtype, up_w.dtype, down_w.dtype)
+        ctx.x_shape = x.shape
+        D = x.shape[-1]
+        E = int(max_nnz)
+        with torch.autocast(x.device.type, enabled=False):
+            x2 = x.reshape(-1, D).to(dt).contiguous()
+            gate, up, down = (w.to(dt).contiguous() for w in (gate_w, up_w, down_w))
+            M, I = x2.shape[0], gate.shape[0]
+            pre = x2 @ gate.t()  # [M, I] dense, transient
+            idx, g, nnz, _, fired = _pack(pre, E)
+            u = _empty((M, E), dtype=torch.float32, device=x.device)
+            downT = down.t().contiguous()  # [I, D]: rows gathered per active unit
+            rowsum = _sddmm(x2, up, idx, nnz, g, u, backward=False, gated=True)
+            out = _spmm(idx, nnz, g * u, downT, dtype=dt)
+            # the one host sync: how many rows overflow E (the backup is sized to exactly those)
+            rows = (nnz > E).nonzero().squeeze(1)
+            l1_sum = rowsum.sum()
+            if rows.numel():
+                xb, gb = x2[rows], pre[rows]
+                ub = xb @ up.t()
+                hb = torch.relu(gb) * ub
+                out.index_copy_(0, rows, hb @ down.t())
+                l1_sum = l1_sum + hb.float().abs().sum()
+            else:  # empty, not views of pre: a view would keep the dense [M, I] alive
+                gb = ub = pre.new_empty((0, I))
+            del pre
+            l1 = l1_sum / M
+            active = nnz.sum().float() / M
+        ctx.save_for_backward(x2, gate, up, down, idx, nnz, g, u, rows, gb, ub)
+        ctx.E = E
+        fired, backup = fired.long(), (nnz > E).sum()
+        ctx.mark_non_differentiable(active, fired, backup)
+        return out.reshape(*ctx.x_shape[:-1], down.shape[0]), l1, active, fired, backup
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, dout, dl1, *_):
+        x2, gate, up, down, idx, nnz, g, u, rows, gb, ub = ctx.saved_tensors
+        E = ctx.E
+        M, D = x2.shape
+        I = gate.shape[0]
+        dt = x2.dtype
+        need_x, need_gate, need_up, need_down = ctx.needs_input_grad[:4]
+        with torch.autocast(x2.device.type, enabled=False):
+            dout2 = dout.reshape(-1, D).to(dt).contiguous()
+            c = (dl1.float() / M).reshape(1)
+            downT = down.t().contiguous()
+            dgp, du = _sddmm(dout2, downT, idx, nnz, g, u, backward=True, gated=True, c=c)
+            if rows.numel():
+                xb, dob = x2[rows], dout2[rows]
+                hb = (torch.relu(gb) * ub).float()
+                dhb = (dob @ down).float() + c * torch.sign(hb)
+                dgpb = (dhb * ub.float() * (gb > 0)).to(dt)
+                dub = (dhb * torch.relu(gb).float()).to(dt)
+            dx = dgate = dup = ddown = None
+            if need_x:
+                dx = _spmm(idx, nnz, dgp, gate, du, up, dtype=dt)
+                if rows.numel():
+                    dx.index_copy_(0, rows, dgpb @ gate + dub @ up)
+                dx = dx.reshape(ctx.x_shape).to(ctx.dtypes[0])
+            if need_gate or need_up or need_down:
+                perm, offsets = _csc(idx, nnz, I)
+            if need_gate or need_up:
+                dgate, dup = _wgrad(perm, offsets, E, dgp, du, x2, mode=1)
+                if rows.numel():
+                    dgate += (dgpb.t() @ xb).float()
+                    dup += (dub.t() @ xb).float()
+                dgate, dup = dgate.to(ctx.dtypes[1]), dup.to(ctx.dtypes[2])
+            if need_down:
+                ddownT, _ = _wgrad(perm, offsets, E, g, u, dout2, mode=2)
+                if rows.numel():
+                    ddownT += (hb.to(dt).t() @ dob).float()
+                ddown = ddownT.t().to(dtype=ctx.dtypes[3], memory_format=torch.contiguous_format)
+        return dx, (dgate if need_gate else None), (dup if need_up else None), ddown, None
+
+
+class _HybridMLP(torch.autograd.Function):
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, x, up_w, down_w, max_nnz):
+        dt = _compute_dtype(x)
+        ctx.dtypes = (x.dtype, up_w.dtype, down_w.dtype)
+        ctx.x_shape = x.shape
+        D = x.shape[-1]
+        E = int(max_nnz)
+        with torch.autocast(x.device.type, enabled=False):
+            x2 = x.reshape(-1, D).to(dt).contiguous()
+            up, down = (w.to(dt).contiguous() for w in (up_w, down_w))
+            M = x2.shape[0]
+            pre = x2 @ up.t()
+            idx, h, nnz, rowsum, fired = _pack(pre, E)
+            out = _spmm(idx, nnz, h, down.t().contiguous(), dtype=dt)
+            rows = (nnz > E).nonzero().squeeze(1)  # the one host sync
+            if rows.numel():
+                hb = torch.relu(pre[rows])
+                out.index_copy_(0, rows, hb @ down.t())
+            else:
+                hb = pre.new_empty((0, pre.shape[1]))
+            del pre
+            l1 = rowsum.sum() / M  # the pack sums every row's positives, backup rows included
+            active = nnz.sum().float() / M
+        ctx.save_for_backward(x2, up, down, idx, nnz, h, rows, hb)
+        ctx.E = E
+        fired, backup = fired.long(), (nnz > E).sum()
+        ctx.mark_non_differentiable(active, fired, backup)
+        return out.reshape(*ctx.x_shape[:-1], down.shape[0]), l1, active, fired, backup
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, dout, dl1, *_):
+        x2, up, down, idx, nnz, h, rows, hb = ctx.saved_tensors
+        E = ctx.E
+        M, D = x2.shape
+        I = up.shape[0]
+        dt = x2.dtype
+        need_x, need_up, need_down = ctx.needs_input_grad[:3]
+        with torch.autocast(x2.device.type, enabled=False):
+            dout2 = dout.reshape(-1, D).to(dt).contiguous()
+            c = (dl1.float() / M).reshape(1)
+            downT = down.t().contiguous()
+            dpre, _ = _sddmm(dout2, downT, idx, nnz, None, None, backward=True, gated=False, c=c)
+            if rows.numel():
+                xb, dob = x2[rows], dout2[rows]
+                dpreb = (((dob @ down).float() + c) * (hb > 0)).to(dt)
+            dx = dup = ddown = None
+            if need_x:
+                dx = _spmm(idx, nnz, dpre, up, dtype=dt)
+                if rows.numel():
+                    dx.index_copy_(0, rows, dpreb @ up)
+                dx = dx.reshape(ctx.x_shape).to(ctx.dtypes[0])
+            if need_up or need_down:
+                perm, offsets = _csc(idx, nnz, I)
+            if need_up:
+                dup, _ = _wgrad(perm, offsets, E, dpre, None, x2, mode=0)
+                if rows.numel():
+                    dup += (dpreb.t() @ xb).float()
+                dup = dup.to(ctx.dtypes[1])
+            if need_down:
+                ddownT, _ = _wgrad(perm, offsets, E, h, None, dout2, mode=0)
+                if rows.numel():
+                    ddownT += (hb.t() @ dob).float()
+                ddown = ddownT.t().to(dtype=ctx.dtypes[2], memory_format=torch.contiguous_format)
+        return dx, dup, ddown, None
+
+
+def hybrid_gated_mlp(x, gate_weight, up_weight, down_weight, *, max_nnz=128):
+    """down(relu(gate(x)) * up(x)) on the hybrid sparse format; HF layouts gate/up [I, D], down [D, I].
+    Returns (out [..., D], HybridStats). Rows with more than max_nnz active units run dense."""
+    if not _use_kernels(x):
+        return hybrid_gated_mlp_reference(x, gate_weight, up_weight, down_weight, max_nnz=max_nnz)
+    out, l1, active, fired, backup = _HybridGatedMLP.apply(x, gate_weight, up_weight, down_weight,
+                                                           max_nnz)
+    return out, HybridStats(l1, active, fired, backup)
+
+
+def hybrid_mlp(x, up_weight, down_weight, *, max_nnz=128):
+    """Non-gated down(relu(up(x))) on the hybrid sparse format; returns (out, HybridStats)."""
+    if not _use_kernels(x):
+        return hybrid_mlp_reference(x, up_weight, down_weight, max_nnz=max_nnz)
+    out, l1, active, fired, backup = _HybridMLP.apply(x, up_weight, down_weight, max_nnz)
+    return out, HybridStats(l1, active, fired, backup)
+
+
+def _stats(pre, l1, max_nnz):
+    pos = (pre > 0).reshape(-1, pre.shape[-1])
+    per_row = pos.sum(1)
+    return HybridStats(l1, (per_row.sum().float() / pos.shape[0]).detach(), pos.sum(0).long(),
+                       (per_row > max_nnz).sum())
+
+
+def hybrid_gated_mlp_reference(x, gate_weight, up_weight, down_weight, *, max_nnz=128):
+    """Plain PyTorch (dense) block with the same outputs and stats as hybrid_gated_mlp."""
+    pre = x @ gate_weight.t()
+    h = torch.relu(pre) * (x @ up_weight.t())
+    l1 = h.abs().sum(-1).mean()
+    return h @ down_weight.t(), _stats(pre.detach(), l1, max_nnz)
+
+
+def hybrid_mlp_reference(x, up_weight, down_weight, *, max_nnz=128):
+    """Plain PyTorch (dense) non-gated block with the same outputs and stats as hybrid_mlp."""
+    pre = x @ up_weight.t()
+    h = torch.relu(pre)
+    l1 = h.abs().sum(-1).mean()
+    return h @ down_weight.t(), _stats(pre.detach(), l1, max_nnz)

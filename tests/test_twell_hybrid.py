@@ -1,0 +1,176 @@
+"""Hybrid TwELL training kernels against PyTorch autograd of the dense block (float64), with the L1 term
+in the loss. CPU: fp32 through the Triton interpreter, small shapes, not multiples of the tiles (the
+interpreter tiles are 16 wide in D, 4 slots, 32 units). GPU (-m gpu): bf16 under autocast."""
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from twell import hybrid as H
+
+L1_COEFF = 0.37  # large, so that a wrong L1 gradient shows in every weight's gradient
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def problem(M, D, I, k, *, gated=True, special_rows=True, device="cpu", seed=0):
+    """Bias-channel recipe (benchmarks.md): about k active units a row; row 0 (if M > 2) is empty and
+    row 1 fully dense (forces the backup)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, D, generator=gen)
+    x[:, 0] = 1.0
+    w = torch.randn(I, D, generator=gen) / D**0.5
+    w[:, 0] = -torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor(1 - k / I))
+    if special_rows and M > 2:
+        x[0, 0] = 50.0  # bias dominates: every pre-activation < 0
+        x[1, 0] = -50.0  # every pre-activation > 0
+    up = torch.randn(I, D, generator=gen) / D**0.5
+    down = torch.randn(D, I, generator=gen) / k**0.5
+    ts = (x, w, up, down) if gated else (x, w, down)
+    return [t.to(device) for t in ts]
+
+
+def run(fn, tensors, dout, max_nnz, **kw):
+    leaves = [t.detach().clone().requires_grad_() for t in tensors]
+    out, stats = fn(*leaves, max_nnz=max_nnz, **kw)
+    ((out.float() * dout).sum() + L1_COEFF * stats.l1).backward()
+    return out, stats, [t.grad for t in leaves]
+
+
+def check(gated, tensors, max_nnz, tol=1e-5):
+    fn, ref = (H.hybrid_gated_mlp, H.hybrid_gated_mlp_reference) if gated else \
+        (H.hybrid_mlp, H.hybrid_mlp_reference)
+    M, D = tensors[0].shape[0], tensors[-1].shape[0]
+    dout = torch.randn(M, D, generator=torch.Generator().manual_seed(1)).to(tensors[0].device)
+    out, st, grads = run(fn, tensors, dout, max_nnz)
+    rout, rst, rgrads = run(ref, [t.double() for t in tensors], dout.double(), max_nnz)
+    assert torch.isfinite(out).all()
+    assert rel(out, rout) < tol
+    assert rel(st.l1, rst.l1) < tol
+    for g, rg in zip(grads, rgrads):
+        assert g.dtype == torch.float32 and rel(g, rg) < tol
+    assert st.fired.dtype == torch.int64 and torch.equal(st.fired.cpu(), rst.fired.cpu())
+    assert abs(st.active.item() - rst.active.item()) < 1e-4
+    assert int(st.backup_rows) == int(rst.backup_rows)
+    assert not st.active.requires_grad and st.l1.requires_grad
+    return st
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("M,D,I,k,E", [(37, 45, 70, 6, 12), (1, 33, 50, 5, 16), (64, 19, 100, 9, 11)])
+def test_matches_dense_autograd(gated, M, D, I, k, E):
+    st = check(gated, problem(M, D, I, k, gated=gated), E)
+    if M > 2:  # the sparse path and the backup both ran
+        assert 1 <= int(st.backup_rows) < M
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_all_rows_dense_backup(gated):
+    st = check(gated, problem(21, 24, 40, 30, gated=gated, special_rows=False), max_nnz=3)
+    assert int(st.backup_rows) == 21
+
+
+def test_nan_poisoned_buffers(monkeypatch):
+    """Every buffer the kernels write starts as NaN (floats) or garbage (ints): all of it must be
+    written or never read."""
+    def poisoned(*shape, dtype=torch.float32, device=None):
+        t = torch.empty(*shape, dtype=dtype, device=device)
+        return t.fill_(float("nan") if dtype.is_floating_point else 987654)
+
+    monkeypatch.setattr(H, "_empty", poisoned)
+    check(True, problem(29, 35, 60, 7), max_nnz=10)
+    check(False, problem(29, 35, 60, 7, gated=False), max_nnz=10)
+
+
+def saved_activation_bytes(fn, tensors, max_nnz):
+    """Bytes saved for backward, not counting the inputs themselves (x and the weights)."""
+    leaves = [t.clone().requires_grad_() for t in tensors]
+    inputs = {t.data_ptr() for t in leaves}
+    saved = []
+
+    def pack(t):
+        if t.data_ptr() not in inputs:
+            saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        _, st = fn(*leaves, max_nnz=max_nnz)
+    return sum(saved), st
+
+
+def test_saves_sparse_state_only():
+    """Without backup rows, the saved activations are [M, max_nnz]-sized: under 1/4 of the dense
+    block's (which saves several [M, I] tensors)."""
+    tensors = problem(40, 24, 300, 4, special_rows=False)
+    hybrid, st = saved_activation_bytes(H.hybrid_gated_mlp, tensors, 32)
+    dense, _ = saved_activation_bytes(H.hybrid_gated_mlp_reference, tensors, 32)
+    assert int(st.backup_rows) == 0 and dense >= 4 * 40 * 300 * 4
+    assert 0 < hybrid <= dense / 4
+
+
+def test_grad_accumulation_checkpoint_noncontiguous():
+    x, gate, up, down = problem(26, 30, 55, 6)
+    # weights as non-contiguous views (as FSDP/DDP may hand them over), x a strided slice
+    gate_p = gate.t().contiguous().requires_grad_()
+    up_p, down_p = up.clone().requires_grad_(), down.clone().requires_grad_()
+    x_big = torch.stack([x, -x], 2).reshape(26, 60).requires_grad_()  # [:, ::2] is x
+    dout = torch.randn(26, 30)
+
+    def loss_fn(xx):
+        out, st = H.hybrid_gated_mlp(xx[:, ::2], gate_p.t(), up_p, down_p, max_nnz=9)
+        return (out * dout).sum() + L1_COEFF * st.l1
+
+    loss_fn(x_big).backward()
+    first = [p.grad.clone() for p in (x_big, gate_p, up_p, down_p)]
+    checkpoint(loss_fn, x_big, use_reentrant=False).backward()
+    for p, g in zip((x_big, gate_p, up_p, down_p), first):
+        assert rel(p.grad, 2 * g) < 1e-6
+    _, _, ref = run(H.hybrid_gated_mlp_reference, [t.double() for t in (x, gate, up, down)],
+                    dout.double(), 9)
+    assert rel(first[0][:, ::2], ref[0]) < 1e-5 and rel(first[1].t(), ref[1]) < 1e-5
+
+
+def test_without_triton_uses_reference(monkeypatch):
+    tensors = problem(17, 20, 33, 5)
+    dout = torch.randn(17, 20)
+    out, st, grads = run(H.hybrid_gated_mlp, tensors, dout, 6)
+    monkeypatch.setattr(H, "_HAS_TRITON", False)
+    out2, st2, grads2 = run(H.hybrid_gated_mlp, tensors, dout, 6)
+    assert rel(out, out2) < 1e-5 and all(rel(a, b) < 1e-5 for a, b in zip(grads, grads2))
+    for a, b in zip(st, st2):
+        assert a.dtype == b.dtype and torch.allclose(a.double(), b.double(), rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gated", [True, False])
+def test_gpu_bf16_autocast(gated):
+    """fp32 master weights under bf16 autocast: outputs and gradients as close to the fp64 reference
+    as the dense bf16 block, fp32 gradients; backup rows included."""
+    tensors = problem(3000, 320, 1100, 20, gated=gated, device="cuda")
+    fn, ref = (H.hybrid_gated_mlp, H.hybrid_gated_mlp_reference) if gated else \
+        (H.hybrid_mlp, H.hybrid_mlp_reference)
+    dout = torch.randn(3000, 320, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out, st, grads = run(fn, tensors, dout, 64)
+        dense_out, _, dgrads = run(ref, tensors, dout, 64)  # dense bf16 block under autocast
+    rout, rst, rgrads = run(ref, [t.double() for t in tensors], dout.double(), 64)
+    assert out.dtype == torch.bfloat16 and int(st.backup_rows) == int(rst.backup_rows) >= 1
+    assert torch.equal(st.fired, rst.fired)
+    assert rel(out, rout) < max(1e-2, 2 * rel(dense_out, rout))
+    assert rel(st.l1, rst.l1) < 1e-2
+    for g, dg, rg in zip(grads, dgrads, rgrads):
+        assert g.dtype == torch.float32 and rel(g, rg) < max(1e-2, 2 * rel(dg, rg))
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_matches_and_deterministic():
+    tensors = problem(1000, 200, 700, 15, device="cuda")
+    dout = torch.randn(1000, 200, device="cuda")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    out, st, grads = run(H.hybrid_gated_mlp, tensors, dout, 32)
+    out2, _, grads2 = run(H.hybrid_gated_mlp, tensors, dout, 32)
+    rout, _, rgrads = run(H.hybrid_gated_mlp_reference, [t.double() for t in tensors], dout.double(), 32)
+    assert rel(out, rout) < 1e-5 and all(rel(g, rg) < 1e-5 for g, rg in zip(grads, rgrads))
+    assert torch.equal(out, out2) and all(torch.equal(a, b) for a, b in zip(grads, grads2))
