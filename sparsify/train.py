@@ -153,7 +153,7 @@ def train(
     dead_window = config.dead_window_tokens or config.tokens_per_step(world)
 
     model.config.use_cache = False
-    if config.grad_checkpointing:
+    if config.grad_checkpointing:  # the older name: transformers < 5.23 lacks activation_checkpointing_enable
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)

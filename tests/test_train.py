@@ -1,0 +1,167 @@
+"""Training: the L1 term against a hand computation, config validation, the coefficient warm-up, dead-unit
+tracking, and Ctrl-C -> resume giving the same weights as an uninterrupted run."""
+import copy
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import tiny_model
+from sparsify.errors import ConfigError
+from sparsify.relufy import relufy
+from sparsify.train import TrainConfig, TrainingInterrupted, l1_coeff, train
+
+SEQ, BATCH = 16, 2
+
+
+def batches_from(seed=0):
+    def batches(start, rank, world):
+        g = torch.Generator().manual_seed(seed)
+        stream = (torch.randint(0, 256, (BATCH, SEQ), generator=g) for _ in range(10**6))
+        for i, b in enumerate(stream):
+            if i >= start and (i - start) % world == rank:
+                yield b
+
+    return batches
+
+
+def config(**kw):
+    return TrainConfig(**{"steps": 4, "seq_len": SEQ, "batch_size": BATCH, "lr": 1e-3, "l1": 1e-3, "log_every": 1, **kw})
+
+
+def test_l1_matches_hand_computation():
+    model, _ = tiny_model("llama")
+    reference = copy.deepcopy(model)
+    ids = next(batches_from()(0, 0, 1))
+    # Hand computation of twell.md section 1 on the original weights, with SiLU swapped for ReLU.
+    layer_l1, inputs = [], []
+    hooks = [layer.mlp.register_forward_hook(lambda m, a, o: inputs.append(a[0])) for layer in reference.model.layers]
+    reference.config.hidden_act = "relu"
+    for layer in reference.model.layers:
+        layer.mlp.act_fn = torch.nn.ReLU()
+    with torch.no_grad():
+        ce = reference(input_ids=ids, labels=ids).loss.item()
+    for layer, x in zip(reference.model.layers, inputs):
+        h = F.relu(x @ layer.mlp.gate_proj.weight.T) * (x @ layer.mlp.up_proj.weight.T)
+        layer_l1.append(h.abs().sum(-1).mean().item())
+    for h in hooks:
+        h.remove()
+
+    log = train(model, relufy(model), batches_from(), config(steps=1), device="cpu", show_progress=False).log
+    expected_l1 = sum(layer_l1) / len(layer_l1)
+    assert log[0]["l1"] == pytest.approx(expected_l1, rel=1e-5)
+    assert [l["l1"] for l in log[0]["layers"]] == pytest.approx(layer_l1, rel=1e-5)
+    assert log[0]["cross_entropy"] == pytest.approx(ce, rel=1e-5)
+    assert log[0]["loss"] == pytest.approx(ce + 1e-3 * expected_l1, rel=1e-5)
+
+
+def test_grad_accumulation_weights_l1_like_cross_entropy():
+    # One step of 2 micro-batches of 2 sequences == one step of 1 batch of 4 sequences (same tokens).
+    def stacked(start, rank, world):
+        stream = batches_from()(0, 0, 1)
+        while True:
+            yield torch.cat([next(stream), next(stream)])
+
+    a, _ = tiny_model("qwen3")
+    b = copy.deepcopy(a)
+    train(a, relufy(a), batches_from(), config(steps=1, grad_accum=2, l1=0.05, max_grad_norm=1e9), device="cpu", show_progress=False)
+    train(b, relufy(b), stacked, config(steps=1, batch_size=4, l1=0.05, max_grad_norm=1e9), device="cpu", show_progress=False)
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_training_reduces_l1_and_logs_layers():
+    model, _ = tiny_model("mistral")
+    # A coefficient far above any real one, so that the penalty dominates random-token cross-entropy.
+    log = train(model, relufy(model), batches_from(), config(steps=12, l1=0.5, lr=3e-3, log_every=4), device="cpu", show_progress=False).log
+    assert [e["step"] for e in log] == [4, 8, 12]
+    assert log[-1]["tokens"] == 12 * SEQ * BATCH
+    assert log[-1]["l1"] < log[0]["l1"] / 2 and log[-1]["mean_active"] < log[0]["mean_active"]
+    assert len(log[0]["layers"]) == 2 and log[0]["layers"][0]["units"] == 160
+    json.dumps(log)  # the log is plain JSON
+
+
+def test_dead_units_are_those_that_never_fire():
+    model, _ = tiny_model("llama")
+    mlps = relufy(model)
+    with torch.no_grad():  # zero gate rows: pre-activation exactly 0, never > 0, and no gradient revives them
+        mlps[0].gate_proj.weight[:40] = 0
+    log = train(model, mlps, batches_from(), config(steps=3, weight_decay=0.0), device="cpu", show_progress=False).log
+    assert log[-1]["layers"][0]["dead_frac"] == pytest.approx(40 / 160)
+    assert log[-1]["layers"][1]["dead_frac"] == 0
+
+
+def test_l1_warmup():
+    c = config(l1=1e-4, l1_warmup_steps=4)
+    assert [l1_coeff(c, s) for s in range(6)] == pytest.approx([2.5e-5, 5e-5, 7.5e-5, 1e-4, 1e-4, 1e-4])
+    assert l1_coeff(config(l1=1e-4), 0) == 1e-4
+
+
+def test_steps_and_tokens_bound_training():
+    assert config(steps=100, tokens=SEQ * BATCH * 10).total_steps() == 10
+    assert config(steps=3, tokens=10**9).total_steps() == 3
+    assert TrainConfig(tokens=1000, seq_len=10, batch_size=2, grad_accum=5).total_steps(world=2) == 5
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(l1=-1e-5), "l1 must be between"),
+        (dict(l1=5.0), "l1 must be between"),
+        (dict(l1=float("nan")), "l1 must be between"),
+        (dict(steps=0), "steps must be a positive integer"),
+        (dict(steps=None, tokens=None), "set the training length"),
+        (dict(tokens=-5), "tokens must be a positive integer"),
+        (dict(seq_len=4096), "beyond the model's maximum of 128"),
+        (dict(batch_size=0), "batch-size"),
+        (dict(lr=0.0), "lr must be"),
+        (dict(warmup_steps=-1), "warmup-steps"),
+    ],
+)
+def test_bad_config(kw, message):
+    with pytest.raises(ConfigError, match=message):
+        config(**kw).validate(max_positions=128)
+
+
+def test_from_dict_mends_yaml_values():
+    c = TrainConfig.from_dict({"l1": "2e-5", "tokens": 1e6, "betas": [0.9, 0.99]})
+    assert c.l1 == 2e-5 and c.tokens == 1_000_000 and isinstance(c.tokens, int) and c.betas == (0.9, 0.99)
+    with pytest.raises(ConfigError, match="unknown training settings: l2"):
+        TrainConfig.from_dict({"l2": 1})
+    with pytest.raises(ConfigError, match="not a float"):
+        TrainConfig.from_dict({"lr": "fast"})
+
+
+def test_interrupt_then_resume_equals_uninterrupted(tmp_path):
+    cfg = config(steps=6, grad_accum=2, warmup_steps=2, log_every=2)
+    straight, _ = tiny_model("qwen2")
+    interrupted = copy.deepcopy(straight)
+    train(straight, relufy(straight), batches_from(), cfg, device="cpu", show_progress=False)
+
+    def stop_after(n):  # Ctrl-C while reading the (n+1)-th micro-batch
+        def batches(start, rank, world):
+            for i, b in enumerate(batches_from()(start, rank, world)):
+                if i == n:
+                    raise KeyboardInterrupt
+                yield b
+
+        return batches
+
+    with pytest.raises(TrainingInterrupted, match="interrupted at step 3 of 6"):
+        train(interrupted, relufy(interrupted), stop_after(7), cfg, resume_dir=tmp_path / "r", device="cpu", show_progress=False)
+    assert json.loads((tmp_path / "r" / "state.json").read_text())["step"] == 3
+    resumed, _ = tiny_model("qwen2", seed=1)  # fresh process: other weights, all restored from the state
+    result = train(resumed, relufy(resumed), batches_from(), cfg, resume_dir=tmp_path / "r", resume=True, device="cpu", show_progress=False)
+    assert result.steps == 6 and [e["step"] for e in result.log] == [2, 4, 6]
+    for (name, a), b in zip(straight.named_parameters(), resumed.parameters()):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+def test_gradient_checkpointing_trains_the_same():
+    a, _ = tiny_model("llama")
+    b = copy.deepcopy(a)
+    train(a, relufy(a), batches_from(), config(steps=2), device="cpu", show_progress=False)
+    train(b, relufy(b), batches_from(), config(steps=2, grad_checkpointing=True), device="cpu", show_progress=False)
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb, msg=name)
