@@ -1,0 +1,204 @@
+"""TwELL inference benchmark against the dense bf16 block, per benchmarks.md.
+
+Synthetic sparsity: x ~ N(0, 1) with x[:, 0] = 1 (bias channel), gate ~ N(0, 1/D) with
+gate[:, 0] = -Phi^-1(1 - k/I), so each unit fires with probability k/I. Dense baseline: gate and up as
+one concatenated bf16 cuBLAS matmul, relu(g) * u, down matmul. Each row also checks correctness
+(||out - ref|| / ||ref|| against the fp32 block on fresh inputs) in the same run.
+Batched sizes: triton do_bench median (it flushes L2 before every call). Decode sizes (M <= 64): CUDA
+graph replays of LAYERS layer copies (so weights do not stay in L2), time per layer.
+
+  python benchmarks/bench_inference.py --grid main decode --json out.json
+  python benchmarks/bench_inference.py --sweep       # launch-config sweep at D=2048, I=5632
+"""
+import argparse
+import json
+import math
+import sys
+from statistics import NormalDist
+
+import torch
+import triton
+from triton.testing import do_bench, do_bench_cudagraph
+
+import twell
+from twell.format import slots
+from twell.gated_mlp import DECODE_ROWS, DECODE_TILE, gate_config, gate_pack, out_config, twell_out
+
+LAYERS = 8  # layer copies for decode timing
+GRIDS = {
+    "main": [(2048, 5632, m, k) for m in (4096, 16384, 65536) for k in (29, 100, 300)],
+    "decode": [(2048, 5632, m, k) for m in (1, 8, 64) for k in (29, 100)],
+    "real": [(d, i, m, 29) for d, i in ((896, 4864), (2048, 8192), (3584, 18944), (4096, 14336))
+             for m in (1, 16384)],
+}
+
+
+def make_layer(d, i, k, skew=0.0):
+    gate = torch.randn(i, d, device="cuda") / math.sqrt(d)
+    gate[:, 0] = -NormalDist().inv_cdf(1 - k / i) + skew * torch.randn(i, device="cuda")
+    up = torch.randn(i, d, device="cuda") / math.sqrt(d)
+    down = torch.randn(d, i, device="cuda") / math.sqrt(k)
+    gate, up, down = gate.bfloat16(), up.bfloat16(), down.bfloat16()
+    return dict(gate=gate, up=up, down=down, down_p=twell.prepare_down(down),
+                gate_up=torch.cat([gate, up]).contiguous())
+
+
+def make_x(m, d):
+    x = torch.randn(m, d, device="cuda")
+    x[:, 0] = 1.0
+    return x.bfloat16()
+
+
+def dense(x, w):
+    i = w["gate"].shape[0]
+    gu = x @ w["gate_up"].t()
+    return (torch.relu(gu[:, :i]) * gu[:, i:]) @ w["down"].t()
+
+
+def sparse(x, w, tile, compression, precision="default"):
+    return twell.gated_mlp(x, w["gate"], w["up"], w["down_p"], tile=tile, compression=compression,
+                           precision=precision)
+
+
+def rel_err(out, ref):
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+def reference(x, w):
+    return twell.gated_mlp_reference(x.float(), w["gate"], w["up"], w["down"]).float()
+
+
+def time_fn(fn, decode):
+    if decode:
+        return do_bench_cudagraph(fn, rep=50, return_mode="median") / LAYERS
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def bench_row(d, i, m, k, tile, compression, skew=0.0):
+    decode = m <= DECODE_ROWS
+    layers = [make_layer(d, i, k, skew) for _ in range(LAYERS if decode else 1)]
+    w = layers[0]
+    # correctness on fresh inputs, in the same run
+    x = make_x(m, d)
+    check = slice(0, min(m, 4096))
+    ref = reference(x[check], w)
+    err_dense = rel_err(dense(x, w)[check], ref)
+    err_sparse = rel_err(sparse(x, w, tile, compression)[check], ref)
+    err_highest = rel_err(sparse(x, w, tile, compression, "highest")[check], ref)
+    # measured activity, with the tile the kernel actually used
+    used_tile = min(tile, DECODE_TILE) if decode else tile
+    x = make_x(m, d)
+    tw = gate_pack(x, w["gate"], used_tile, compression, x.dtype, gate_config(m, used_tile, 2))
+    per_row = tw.counts.sum(1).float()
+    s = slots(used_tile, compression)
+    ovf = torch.zeros(1, dtype=torch.int64, device="cuda")
+    twell.gated_mlp(x, w["gate"], w["up"], w["down_p"], tile=tile, compression=compression, overflow=ovf)
+    t_dense = time_fn(lambda: [dense(x, lw) for lw in layers], decode)
+    t_sparse = time_fn(lambda: [sparse(x, lw, tile, compression) for lw in layers], decode)
+    row = dict(D=d, I=i, M=m, k=k, skew=skew, tile=used_tile, compression=compression, slots=s,
+               mean_active=per_row.mean().item(), max_active=per_row.max().item(),
+               max_tile_active=tw.counts.max().item(), overflow_tiles=int(ovf.item()),
+               dense_ms=t_dense, twell_ms=t_sparse, speedup=t_dense / t_sparse,
+               err_dense=err_dense, err_twell=err_sparse, err_twell_highest=err_highest)
+    if not decode:  # breakdown of the two launches
+        down_t = w["down_p"].t()
+        row["gate_ms"] = do_bench(lambda: gate_pack(x, w["gate"], tile, compression, x.dtype,
+                                                    gate_config(m, tile, 2)), return_mode="median")
+        tw = gate_pack(x, w["gate"], tile, compression, x.dtype, gate_config(m, tile, 2))
+        row["updown_ms"] = do_bench(lambda: twell_out(x, tw, w["gate"], w["up"], down_t, False, None,
+                                                      out_config(m, d)), return_mode="median")
+    return row
+
+
+def sweep():
+    """Launch configurations of both kernels at D=2048, I=5632, k=29 (batched and decode)."""
+    d, i, k = 2048, 5632, 29
+    rows = []
+    w = make_layer(d, i, k)
+    down_t = w["down_p"].t()
+    for m in (16384, 4096):
+        x = make_x(m, d)
+        ref = reference(x[:2048], w)
+        for tile, bm, bk, warps, stages, group in ((256, 128, 64, 8, 3, 8), (256, 128, 64, 8, 4, 8),
+                                                   (128, 128, 64, 4, 4, 8), (128, 128, 64, 8, 4, 8),
+                                                   (128, 256, 64, 8, 3, 8), (256, 64, 64, 4, 3, 8)):
+            cfg = dict(BM=bm, BK=bk, GROUP_M=group, num_warps=warps, num_stages=stages)
+            try:
+                t = do_bench(lambda: gate_pack(x, w["gate"], tile, 8, x.dtype, cfg), return_mode="median")
+            except Exception as e:  # out of shared memory etc.
+                print("gate", m, tile, cfg, "failed:", type(e).__name__)
+                continue
+            rows.append(dict(kernel="gate", M=m, tile=tile, **cfg, ms=t))
+            print(rows[-1])
+        tw = gate_pack(x, w["gate"], 256, 8, x.dtype, gate_config(m, 256, 2))
+        for ch in (4, 8, 16):
+            for warps in (2, 4, 8):
+                cfg = dict(CH=ch, num_warps=warps)
+                out = twell_out(x, tw, w["gate"], w["up"], down_t, False, None, cfg)
+                t = do_bench(lambda: twell_out(x, tw, w["gate"], w["up"], down_t, False, None, cfg),
+                             return_mode="median")
+                rows.append(dict(kernel="updown", M=m, **cfg, ms=t, err=rel_err(out[:2048], ref)))
+                print(rows[-1])
+    t_dense16 = do_bench(lambda: dense(make_x(16384, d), w), return_mode="median")
+    print("dense 16384 (incl. x gen)", t_dense16)
+    layers = [make_layer(d, i, k) for _ in range(LAYERS)]
+    for m in (1, 64):
+        x = make_x(m, d)
+        for tile in (16, 32, 64):
+            for bk, stages in ((128, 4), (256, 3)):
+                cfg = dict(BM=max(16, triton.next_power_of_2(m)), BK=bk, GROUP_M=1, num_warps=4,
+                           num_stages=stages)
+                t = do_bench_cudagraph(lambda: [gate_pack(x, lw["gate"], tile, 8, x.dtype, cfg)
+                                                for lw in layers], return_mode="median") / LAYERS
+                rows.append(dict(kernel="gate", M=m, tile=tile, **cfg, ms=t))
+                print(rows[-1])
+        tws = [gate_pack(x, lw["gate"], 32, 8, x.dtype, gate_config(m, 32, 2)) for lw in layers]
+        for ch in (8, 16, 32):
+            for warps in (4, 8, 16):
+                cfg = dict(CH=ch, num_warps=warps)
+                t = do_bench_cudagraph(lambda: [twell_out(x, tw, lw["gate"], lw["up"], lw["down_p"].t(),
+                                                          False, None, cfg)
+                                                for tw, lw in zip(tws, layers)],
+                                       return_mode="median") / LAYERS
+                rows.append(dict(kernel="updown", M=m, **cfg, ms=t))
+                print(rows[-1])
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--grid", nargs="*", default=["main", "decode"], choices=sorted(GRIDS))
+    p.add_argument("--tile", type=int, default=256)
+    p.add_argument("--compression", type=int, default=8)
+    p.add_argument("--sweep", action="store_true")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    torch.manual_seed(0)
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                command="python " + " ".join(sys.argv))
+    if args.sweep:
+        result = dict(meta, sweep=sweep())
+    else:
+        rows = []
+        for grid in args.grid:
+            for d, i, m, k in GRIDS[grid]:
+                comp = args.compression if k < 200 else min(args.compression, 4)
+                rows.append(bench_row(d, i, m, k, args.tile, comp))
+                print({key: round(v, 4) if isinstance(v, float) else v for key, v in rows[-1].items()},
+                      flush=True)
+        result = dict(meta, rows=rows)
+        print(f"\n{'D':>5} {'I':>6} {'M':>6} {'k':>4} {'mean':>6} {'max':>5} {'maxT':>4} {'ovf':>6} "
+              f"{'dense':>8} {'twell':>8} {'x':>5} {'gate':>7} {'updn':>7} {'errD':>7} {'errT':>7}")
+        for r in rows:
+            print(f"{r['D']:5d} {r['I']:6d} {r['M']:6d} {r['k']:4d} {r['mean_active']:6.1f} "
+                  f"{r['max_active']:5.0f} {r['max_tile_active']:4d} {r['overflow_tiles']:6d} "
+                  f"{r['dense_ms']:8.4f} {r['twell_ms']:8.4f} {r['speedup']:5.2f} "
+                  f"{r.get('gate_ms', float('nan')):7.4f} {r.get('updown_ms', float('nan')):7.4f} "
+                  f"{r['err_dense']:7.1e} {r['err_twell']:7.1e}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Gated TwELL block against its fp32 reference. CPU: Triton interpreter, tiny shapes, fp32/fp16.
+GPU (-m gpu): bf16 at real sizes, CUDA graphs, torch.compile, no host synchronization."""
+import math
+from statistics import NormalDist
+
+import pytest
+import torch
+
+import twell
+from twell.format import empty_twell, slots
+from twell.gated_mlp import gate_config, gate_pack, out_config, twell_out
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rel_err(out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def block(m, d, i, k, dtype=torch.float32, device=DEV):
+    """benchmarks.md recipe: x[:, 0] = 1 and gate[:, 0] set so each unit fires with probability k / i."""
+    x = torch.randn(m, d, device=device)
+    x[:, 0] = 1.0
+    gate = torch.randn(i, d, device=device) / math.sqrt(d)
+    gate[:, 0] = -NormalDist().inv_cdf(1 - k / i) if k < i else 10.0
+    up = torch.randn(i, d, device=device) / math.sqrt(d)
+    down = torch.randn(d, i, device=device) / math.sqrt(max(k, 1))
+    return [t.to(dtype) for t in (x, gate, up, down)]
+
+
+def reference(x, gate, up, down):
+    return twell.gated_mlp_reference(x.float(), gate, up, down).float()
+
+
+@pytest.mark.parametrize("m,d,i,tile,dtype,precision", [
+    (1, 40, 100, 32, torch.float32, "highest"),
+    (6, 33, 70, 16, torch.float16, "default"),
+    (70, 24, 80, 64, torch.float32, "default"),  # > 64 rows: batched configuration
+])
+def test_gated_mlp_matches_reference(m, d, i, tile, dtype, precision):
+    x, gate, up, down = block(m, d, i, k=8, dtype=dtype)
+    empty = slice(m // 2, m // 2 + 1 if m > 1 else 0)
+    x[empty, 0] = 50.0  # the bias channel is negative: one row with no active unit
+    out = twell.gated_mlp(x, gate, up, down, tile=tile, compression=4, precision=precision)
+    assert out.shape == x.shape and out.dtype == dtype
+    assert rel_err(out, reference(x, gate, up, down)) < (1e-5 if dtype == torch.float32 else 3e-3)
+    assert (out[empty] == 0).all()
+
+
+def test_dense_rows_overflow_without_losing_data():
+    x, gate, up, down = block(5, 24, 40, k=40)  # every unit active: every tile overflows
+    overflow = torch.zeros(1, dtype=torch.int32, device=DEV)
+    for _ in range(2):
+        out = twell.gated_mlp(x, gate, up, down, tile=16, compression=8, overflow=overflow)
+    assert rel_err(out, reference(x, gate, up, down)) < 1e-5
+    assert overflow.item() == 2 * 5 * 3  # two calls x 5 rows x ceil(40 / 16) tiles
+
+
+def test_kernels_write_every_output_and_read_only_valid_slots():
+    x, gate, up, down = block(70, 20, 48, k=6)
+    x[3, 0] = -40.0  # a row that overflows
+    tw = empty_twell(70, 48, 16, 4, x.dtype, x.device)
+    tw.values.fill_(float("nan"))
+    tw.counts.fill_(-1)
+    gate_pack(x, gate, 16, 4, x.dtype, gate_config(70, 16, 4), tw=tw)
+    assert (tw.counts >= 0).all()
+    out = torch.full_like(x, float("nan"))
+    twell_out(x, tw, gate, up, down.t().contiguous(), False, None, out_config(70, 20), out=out)
+    assert rel_err(out, reference(x, gate, up, down)) < 1e-5
+
+
+def test_noncontiguous_and_batched_input():
+    x, gate, up, down = block(6, 32, 64, k=10)
+    x3 = torch.stack([x, x], dim=2).reshape(6, 64)[:, ::2].reshape(2, 3, 32)  # strided, 3-D
+    assert not x3.is_contiguous()
+    out = twell.gated_mlp(x3, gate, up, twell.prepare_down(down), tile=16, compression=2)
+    assert out.shape == (2, 3, 32)
+    assert rel_err(out.reshape(6, 32), reference(x, gate, up, down)) < 1e-5
+
+
+def test_custom_op_schema_and_fake():
+    x, gate, up, down = block(3, 16, 32, k=5)
+    overflow = torch.zeros(1, dtype=torch.int64, device=DEV)
+    torch.library.opcheck(torch.ops.twell.gated_mlp, (x, gate, up, down, 16, 4, "default", overflow),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_argument_validation():
+    x, gate, up, down = block(2, 16, 32, k=5)
+    with pytest.raises(ValueError):
+        twell.gated_mlp(x, gate, up, down.t(), tile=16)
+    with pytest.raises(ValueError):
+        twell.gated_mlp(x, gate, up, down, tile=16, precision="fast")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 8, 64, 300, 4096])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_real_shape_precision(m, dtype):
+    x, gate, up, down = block(m, 2048, 5632, k=29, dtype=dtype)
+    ref = reference(x, gate, up, down)
+    dense = (torch.relu(x @ gate.t()) * (x @ up.t())) @ down.t()
+    err_dense = rel_err(dense, ref)
+    overflow = torch.zeros(1, dtype=torch.int64, device=DEV)
+    err = rel_err(twell.gated_mlp(x, gate, up, twell.prepare_down(down), overflow=overflow), ref)
+    err_hi = rel_err(twell.gated_mlp(x, gate, up, down, precision="highest"), ref)
+    assert err < max(1.25 * err_dense, 4e-3), (err, err_dense)
+    assert err_hi <= err * 1.1
+    assert overflow.item() == 0
+
+
+@pytest.mark.gpu
+def test_gpu_dense_rows_and_odd_shapes():
+    x, gate, up, down = block(130, 1000, 3000, k=40, dtype=torch.bfloat16)
+    x[::7, 0] = -30.0  # every 7th row fully dense
+    overflow = torch.zeros(1, dtype=torch.int64, device=DEV)
+    out = twell.gated_mlp(x, gate, up, down, overflow=overflow)
+    ref = reference(x, gate, up, down)
+    assert rel_err(out, ref) < 1e-2
+    assert overflow.item() == 19 * math.ceil(3000 / 256)
+
+
+@pytest.mark.gpu
+def test_gpu_no_sync_cuda_graph_and_compile():
+    x, gate, up, down = block(64, 512, 1536, k=20, dtype=torch.bfloat16)
+    down = twell.prepare_down(down)
+    overflow = torch.zeros(1, dtype=torch.int64, device=DEV)
+    fn = lambda: twell.gated_mlp(x, gate, up, down, overflow=overflow)
+    expected = fn()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    graph.replay()
+    assert torch.equal(out, expected)
+    compiled = torch.compile(lambda a: twell.gated_mlp(a, gate, up, down), fullgraph=True)
+    assert torch.equal(compiled(x), expected)
