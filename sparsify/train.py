@@ -216,10 +216,10 @@ def train(
                 log.append(entry)
                 window, window_started = _Window(len(mlps), accelerator.device), now
                 if progress:
-                    progress.update(0, completed=step, stats=_progress_text(entry))
+                    progress.stats = _progress_text(entry)
+            if progress:
+                progress.update(0, completed=step)
     except KeyboardInterrupt:
-        if progress:
-            progress.stop()
         if resume_dir is None:
             raise
         state = {"step": step, "log": log, "seconds": time.perf_counter() - started, "last_fired": last_fired}
@@ -231,8 +231,8 @@ def train(
     finally:
         for m in mlps:
             m.track = False
-    if progress:
-        progress.stop()
+        if progress:
+            progress.stop()
     model = accelerator.unwrap_model(model)
     model.eval()
     if config.grad_checkpointing:
@@ -274,22 +274,30 @@ class _Window:
         }
 
 
-def _progress(enabled: bool, total: int, step: int) -> Progress | None:
+class _Progress(Progress):
+    """A bar line with the latest logged figures on the line below (one line cannot hold both)."""
+
+    stats = "waiting for the first log step"
+
+    def get_renderables(self):
+        yield self.make_tasks_table(self.tasks)
+        yield self.stats
+
+
+def _progress(enabled: bool, total: int, step: int) -> _Progress | None:
     if not enabled:
         return None
-    progress = Progress(
-        TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
-        TextColumn("{task.fields[stats]}"),
-    )
-    progress.add_task("train", total=total, completed=step, stats="")
+    progress = _Progress(TextColumn("[bold]training"), BarColumn(bar_width=None), MofNCompleteColumn(),
+                         TimeElapsedColumn(), TimeRemainingColumn())
+    progress.add_task("train", total=total, completed=step)
     progress.start()
     return progress
 
 
 def _progress_text(e: dict) -> str:
     return (
-        f"{e['tokens']:,} tok  {e['tokens_per_s']:,.0f} tok/s  loss {e['loss']:.3f}  ce {e['cross_entropy']:.3f}  "
-        f"L1 {e['l1']:.3g}  active {e['mean_active']:.1f}  dead {100 * e['dead_frac']:.1f}%"
+        f"step {e['step']}  {e['tokens']:,} tok  {e['tokens_per_s']:,.0f} tok/s  loss {e['loss']:.3f}  "
+        f"ce {e['cross_entropy']:.3f}  L1 {e['l1']:.3g}  active {e['mean_active']:.1f}  dead {100 * e['dead_frac']:.1f}%"
     )
 
 

@@ -1,0 +1,122 @@
+"""The `sparsify` command: thin Click wrappers over sparsify.convert and sparsify.analyze. User errors
+(SparsifyError) print their message on stderr and exit with status 1, without a traceback."""
+from __future__ import annotations
+
+import functools
+import sys
+
+import click
+
+from sparsify.errors import SparsifyError
+
+
+def user_errors(command):
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except SparsifyError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(1)
+
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="sparsify")
+def main():
+    """Convert gated-MLP Hugging Face language models to >99% activation sparsity (ReLU gate + L1
+    penalty) and run them on TwELL Triton kernels."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()  # loading/saving bars would bury the training progress and tables
+
+
+# Training options: None means "not given", so that a recipe's value (or the default) stands.
+TRAIN_OPTIONS = [
+    click.option("--l1", type=float, help="L1 coefficient on the MLP hidden activations (paper: 2e-5)."),
+    click.option("--l1-warmup-steps", type=int, help="Raise the L1 coefficient linearly from 0 over these steps."),
+    click.option("--steps", type=int, help="Optimizer steps (with --tokens, whichever ends first)."),
+    click.option("--tokens", type=int, help="Training tokens (with --steps, whichever ends first)."),
+    click.option("--seq-len", type=int, help="Tokens per training sequence."),
+    click.option("--batch-size", type=int, help="Sequences per micro-batch and device."),
+    click.option("--grad-accum", type=int, help="Micro-batches per optimizer step."),
+    click.option("--lr", type=float, help="Peak learning rate (AdamW, cosine schedule)."),
+    click.option("--seed", type=int, help="Random seed."),
+    click.option("--grad-checkpointing/--no-grad-checkpointing", default=None, help="Recompute activations to save memory."),
+]
+
+
+def train_options(command):
+    for option in reversed(TRAIN_OPTIONS):
+        command = option(command)
+    return command
+
+
+@main.command()
+@click.argument("source")
+@click.option("-o", "--out", required=True, type=click.Path(file_okay=False), help="Output checkpoint folder.")
+@click.option("--data", help="Training text: .txt/.jsonl/.parquet file(s) or folder, or a `datasets` name. Default for demo: the demo corpus.")
+@click.option("--recipe", help="Training settings YAML (a path or a name in recipes/); options given here override it.")
+@train_options
+@click.option("--device", help="cpu or cuda (default: cuda if available). Several GPUs: `accelerate launch -m cli convert ...`.")
+@click.option("--resume", is_flag=True, help="Continue an interrupted conversion from OUT.resume/.")
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists and is not empty.")
+@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors shard.")
+@click.option("--push-to-hub", "push_to_hub", metavar="REPO_ID", help="Upload OUT to this Hub repository (created if needed).")
+@click.option("--private", is_flag=True, help="With --push-to-hub: make a new repository private.")
+@user_errors
+def convert(source, out, data, recipe, device, resume, overwrite, max_shard_size, push_to_hub, private, **options):
+    """Convert SOURCE (a Hub id, a checkpoint folder, or `demo`) into a >99%-sparse ReLU checkpoint in OUT."""
+    from sparsify.convert import convert as run, load_recipe
+    from sparsify.report import console, layer_table, perplexity_table
+    from sparsify.train import TrainConfig
+
+    settings = load_recipe(recipe, source)
+    settings.update({k: v for k, v in options.items() if v is not None})
+    summary = run(
+        source, out, TrainConfig.from_dict(settings), data=data, device=device, resume=resume, overwrite=overwrite,
+        max_shard_size=max_shard_size, push_to_hub=push_to_hub, private=private,
+    )
+    if _is_main():
+        t = summary["training"]
+        console.print(perplexity_table(summary["perplexity"]))
+        console.print(layer_table(summary["layers"], summary["plan"], f"sparsity on {summary['layers'][0]['tokens']:,} held-out tokens"))
+        console.print(f"trained {t['steps']} steps, {t['tokens']:,} tokens in {t['seconds']:.0f} s; wrote {out}")
+        if "url" in summary:
+            console.print(f"pushed to {summary['url']}")
+
+
+@main.command()
+@click.argument("model")
+@click.option("--data", help="Text to measure on (as for convert). Default for demo models: the demo corpus's held-out file.")
+@click.option("--tokens", type=int, default=65536, show_default=True, help="Tokens to measure on.")
+@click.option("--seq-len", type=int, default=512, show_default=True, help="Sequence length (capped at the model's).")
+@click.option("--batch-size", type=int, default=8, show_default=True, help="Sequences per forward pass.")
+@click.option("--device", help="cpu or cuda (default: cuda if available).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write all statistics to this JSON file.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write a heatmap PNG (layers x token position).")
+@user_errors
+def analyze(model, data, tokens, seq_len, batch_size, device, json_path, plot_path):
+    """Per-layer gate-activation sparsity of MODEL (a converted checkpoint or an original SiLU model)."""
+    from sparsify.analyze import analyze as run
+    from sparsify.errors import ConfigError
+    from sparsify.report import console, layer_table, plot_activity
+
+    if tokens < 1 or seq_len < 2 or batch_size < 1:
+        raise ConfigError("--tokens and --batch-size must be positive and --seq-len at least 2")
+    result = run(model, data=data, tokens=tokens, seq_len=seq_len, batch_size=batch_size, device=device, json_path=json_path)
+    console.print(layer_table(result["layers"], [l["recommended"] for l in result["layers"]],
+                              f"{model}: gate activity on {result['tokens']:,} tokens (perplexity {result['perplexity']:.3f})"))
+    if plot_path:
+        plot_activity(result["layers"], plot_path)
+
+
+def _is_main() -> bool:
+    from accelerate import PartialState
+
+    return PartialState().is_main_process
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""`sparsify analyze`: per-layer gate-activation statistics of any supported model on real text, with
+the kernel setting the plan rule would choose. Works on original SiLU models (active = gate
+pre-activation > 0: the starting point of a conversion) and on converted checkpoints, which load here
+as plain dense ReLU models. Without --data, the demo model and checkpoints converted from it use the
+demo corpus's held-out file; other models use the data they were converted on if it is still there.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .data import TextData
+from .errors import DataError
+from .load import demo_corpus_path, load_config, load_model, require_tokenizer
+from .measure import measure
+from .plan import plan_layers
+
+
+def default_data(source: str) -> str | Path:
+    """The text to analyze `source` on when --data is not given."""
+    if source == "demo":
+        return demo_corpus_path()
+    config, _ = load_config(source)
+    training = (getattr(config, "twell", None) or {}).get("training", {})
+    if training.get("base_model") == "demo":
+        return demo_corpus_path()
+    if training.get("data") and Path(training["data"]).exists():
+        return training["data"]
+    raise DataError("--data is required for this model (local .txt/.jsonl/.parquet files or folder, or a datasets name)")
+
+
+def analyze(
+    source: str,
+    *,
+    data: str | None = None,
+    tokens: int = 65536,
+    seq_len: int = 512,
+    batch_size: int = 8,
+    device: str | None = None,
+    json_path: str | Path | None = None,
+) -> dict:
+    """{"model", "data", "seq_len", "tokens", "perplexity", "layers": [statistics + "recommended"]}."""
+    data = data or default_data(source)
+    model, tokenizer, spec = load_model(source, device=device)
+    require_tokenizer(tokenizer, source)
+    seq_len = min(seq_len, getattr(model.config, "max_position_embeddings", seq_len))
+    text = TextData(data, tokenizer, seq_len, eval_tokens=tokens)
+    stats = measure(model, spec, text.eval_blocks, batch_size)
+    for layer, plan in zip(stats["layers"], plan_layers(stats["layers"])):
+        layer["recommended"] = {k: v for k, v in plan.items() if k != "stats"}
+    result = {"model": str(source), "family": spec.family, "data": str(data), "seq_len": seq_len, **stats}
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=1))
+    return result

@@ -1,0 +1,133 @@
+"""`sparsify convert`: the whole pipeline, one call per stage.
+
+check OUT (fail fast) -> load -> perplexity of the original -> relufy -> perplexity after the swap ->
+train (L1) -> measure on held-out text (perplexity after training) -> plan -> export (+ training log
+JSON and sparsity PNG) -> optional push. Weights are trained in fp32 (AdamW updates of ~lr are below
+bf16's resolution; bf16 autocast on GPU does the arithmetic) and exported in the dtype a plain load
+would use (bf16 on GPU, fp32 on CPU). Ctrl-C keeps the training state in `OUT.resume/`, a sibling that
+never looks like a checkpoint; `--resume` continues from it and a finished conversion deletes it.
+Under `accelerate launch` every process trains, the main one alone exports and reports.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import yaml
+from accelerate import PartialState
+
+from .data import TextData
+from .errors import ConfigError, DataError
+from .export import check_output_dir, export_checkpoint
+from .load import demo_corpus_path, load_model, require_tokenizer, resolve_dtype
+from .measure import measure, perplexity
+from .plan import plan_layers
+from .relufy import relufy
+from .report import plot_training
+from .train import TrainConfig, train
+
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+
+
+def load_recipe(recipe: str | Path | None, source: str) -> dict:
+    """Training settings of a recipe: a YAML path, or a name in recipes/ ("small" -> recipes/small.yaml).
+    Without one, `demo` uses recipes/demo.yaml and other sources the TrainConfig defaults."""
+    if recipe is None:
+        if source != "demo" or not (RECIPES / "demo.yaml").is_file():
+            return {}
+        recipe = RECIPES / "demo.yaml"
+    path = Path(recipe)
+    if not path.is_file() and (RECIPES / f"{recipe}.yaml").is_file():
+        path = RECIPES / f"{recipe}.yaml"
+    if not path.is_file():
+        names = ", ".join(sorted(p.stem for p in RECIPES.glob("*.yaml")))
+        raise ConfigError(f"recipe {recipe} not found (a YAML file, or one of: {names})")
+    try:
+        values = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"recipe {path}: not valid YAML ({e})") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"recipe {path}: expected a mapping of training settings")
+    return values
+
+
+def resume_dir_for(out: str | Path) -> Path:
+    out = Path(out).expanduser().resolve()
+    return out.with_name(out.name + ".resume")
+
+
+def convert(
+    source: str,
+    out: str | Path,
+    config: TrainConfig,
+    *,
+    data: str | None = None,
+    device: str | None = None,
+    resume: bool = False,
+    overwrite: bool = False,
+    max_shard_size: str = "5GB",
+    push_to_hub: str | None = None,
+    private: bool = False,
+    show_progress: bool = True,
+) -> dict:
+    """Convert `source` into a sparse checkpoint at `out`; returns the summary (perplexities, per-layer
+    statistics and plan, training log)."""
+    main = PartialState().is_main_process
+    check_output_dir(out, overwrite)
+    config.validate()
+    resume_dir = resume_dir_for(out)
+    if resume and not (resume_dir / "state.json").is_file():
+        raise ConfigError(f"--resume: no saved training state in {resume_dir}")
+    if data is None and source != "demo":
+        raise DataError("--data is required (local .txt/.jsonl/.parquet files or folder, or a datasets name)")
+
+    model, tokenizer, spec = load_model(source, dtype=torch.float32, device=device)
+    require_tokenizer(tokenizer, source)
+    config.validate(getattr(model.config, "max_position_embeddings", None))
+    text = TextData(data or demo_corpus_path(), tokenizer, config.seq_len, config.eval_tokens)
+    ppl = {"original": perplexity(model, text.eval_blocks, config.batch_size)}
+    mlps = relufy(model)
+    ppl["after swap"] = perplexity(model, text.eval_blocks, config.batch_size)
+
+    result = train(
+        model, mlps, lambda start, rank, world: text.train_batches(config.batch_size, start, rank, world), config,
+        resume_dir=resume_dir, resume=resume, device=device, show_progress=show_progress and main,
+    )
+    stats = measure(model, spec, text.eval_blocks, config.batch_size)
+    ppl["after training"] = stats["perplexity"]
+    plan = plan_layers(stats["layers"])
+    training = {
+        "base_model": source,
+        "data": str(data or "demo corpus"),
+        "tokens": result.tokens,
+        "steps": result.steps,
+        "seconds": round(result.seconds, 1),
+        "eval_tokens": stats["tokens"],
+        "perplexity": ppl,
+        **{k: v for k, v in asdict(config).items() if k not in ("steps", "tokens")},
+        "max_steps": config.steps,
+        "max_tokens": config.tokens,
+    }
+    summary = {"perplexity": ppl, "layers": stats["layers"], "plan": plan, "training": training, "log": result.log}
+    if not main:
+        return summary
+
+    model.to(resolve_dtype(None, next(model.parameters()).device))
+    with tempfile.TemporaryDirectory() as tmp:
+        artifacts = {"training_log.json": Path(tmp) / "training_log.json", "sparsity.png": Path(tmp) / "sparsity.png"}
+        artifacts["training_log.json"].write_text(json.dumps({"training": training, "log": result.log}, indent=1))
+        plot_training(result.log, artifacts["sparsity.png"])
+        export_checkpoint(
+            model, tokenizer, out, spec=spec, plan=plan, training=training, artifacts=artifacts,
+            max_shard_size=max_shard_size, overwrite=overwrite,
+        )
+    shutil.rmtree(resume_dir, ignore_errors=True)
+    if push_to_hub:
+        from .push import push_to_hub as push
+
+        summary["url"] = push(out, push_to_hub, private=private)
+    return summary

@@ -1,0 +1,92 @@
+"""Terminal tables (rich) and PNG plots (matplotlib, Agg: no display needed) shared by `convert` and
+`analyze`."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from .plan import describe
+
+console = Console(stderr=True)
+
+
+def layer_table(layer_stats: list[dict], plan: list[dict], title: str) -> Table:
+    """Per layer: active units per token (mean / median / p99 / max), sparsity, dead units, the
+    p99.9 of active units per (token, 256-wide tile) and the planned kernel setting."""
+    table = Table(title=f"{title}; active units per token of {layer_stats[0]['units']}")
+    for column in ("layer", "mean", "median", "p99", "max", "sparsity %", "dead %", "tile p99.9", "setting"):
+        table.add_column(column, justify="right")
+    for i, (s, p) in enumerate(zip(layer_stats, plan)):
+        tile = str(p.get("tile", max(int(t) for t in s["tiles"]) if s["tiles"] else ""))
+        table.add_row(
+            str(i), f"{s['mean_active']:.1f}", f"{s['median_active']:.0f}", f"{s['p99_active']:.0f}",
+            str(s["max_active"]), f"{100 * s['sparsity']:.2f}", f"{100 * s['dead_frac']:.1f}",
+            f"{s['tiles'][tile]['p999']}/{tile}" if tile else "-", describe(p),
+        )
+    return table
+
+
+def perplexity_table(perplexities: dict[str, float]) -> Table:
+    table = Table(title="perplexity on held-out text")
+    for name in perplexities:
+        table.add_column(name, justify="right")
+    table.add_row(*(f"{v:.3f}" for v in perplexities.values()))
+    return table
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_training(log: list[dict], path: str | Path) -> None:
+    """Sparsity per layer over training (left; one line per layer, darker = deeper) and the loss terms
+    (right)."""
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    tokens = [e["tokens"] for e in log]
+    layers = len(log[0]["layers"]) if log else 0
+    for i in range(layers):
+        sparsity = [100 * (1 - e["layers"][i]["active"] / e["layers"][i]["units"]) for e in log]
+        left.plot(tokens, sparsity, color=plt.cm.viridis(i / max(1, layers - 1)), label=f"layer {i}" if layers <= 12 else None)
+    left.set(xlabel="training tokens", ylabel="sparsity % (inactive hidden units)", title="sparsity per layer")
+    if 0 < layers <= 12:
+        left.legend(fontsize=7)
+    right.plot(tokens, [e["cross_entropy"] for e in log], label="cross-entropy")
+    right.plot(tokens, [e["loss"] for e in log], label="loss")
+    right.set(xlabel="training tokens", title="loss")
+    twin = right.twinx()
+    twin.plot(tokens, [e["l1"] for e in log], color="tab:red", label="L1")
+    twin.set_ylabel("L1", color="tab:red")
+    right.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_activity(layer_stats: list[dict], path: str | Path) -> None:
+    """Heatmap of mean active units per token, layers x token position (log colour scale), beside the
+    per-layer mean / p99 / max."""
+    import numpy as np
+    from matplotlib.colors import LogNorm
+
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 0.35 * len(layer_stats) + 3), gridspec_kw={"width_ratios": [3, 1]})
+    grid = np.array([s["position_active"] for s in layer_stats])
+    image = left.imshow(np.maximum(grid, 1e-2), aspect="auto", norm=LogNorm(), cmap="magma", interpolation="nearest")
+    fig.colorbar(image, ax=left, label="mean active units")
+    left.set(xlabel="token position", ylabel="layer", title="active hidden units by token position")
+    layers = range(len(layer_stats))
+    for key, label in (("mean_active", "mean"), ("p99_active", "p99"), ("max_active", "max")):
+        right.plot([max(s[key], 1e-2) for s in layer_stats], layers, marker="o", label=label)
+    right.set(xscale="log", xlabel="active units per token", ylim=(len(layer_stats) - 0.5, -0.5), title="per layer")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
