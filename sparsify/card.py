@@ -1,0 +1,89 @@
+"""The model card (README.md) of a converted checkpoint: Hub metadata through huggingface_hub's
+ModelCardData, then the per-layer sparsity table, the training settings and how to load the model."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from huggingface_hub import ModelCard, ModelCardData
+
+from .plan import describe
+
+TAGS = ["sparsify", "twell", "relu", "activation-sparsity", "sparse"]
+
+
+def _is_hub_id(name) -> bool:
+    return isinstance(name, str) and bool(re.fullmatch(r"[\w.-]+/[\w.-]+", name)) and not Path(name).exists()
+
+
+def _percent(value) -> str:
+    return "-" if value is None else f"{100 * value:.2f}"
+
+
+def layer_table(plan: list[dict], intermediate_size: int) -> str:
+    """Markdown table: layer, mean active units per token, sparsity %, dead %, kernel setting."""
+    rows = ["| layer | mean active units | sparsity % | dead units % | setting |", "|---:|---:|---:|---:|---|"]
+    for index, layer in enumerate(plan):
+        stats = layer.get("stats", {})
+        mean = stats.get("mean_active")
+        sparsity = None if mean is None else 1 - mean / intermediate_size
+        active = "-" if mean is None else f"{mean:.1f}"
+        rows.append(f"| {index} | {active} | {_percent(sparsity)} | {_percent(stats.get('dead_frac'))} | {describe(layer)} |")
+    return "\n".join(rows)
+
+
+def model_card(*, family: str, plan: list[dict], training: dict, intermediate_size: int,
+               artifacts: tuple[str, ...] = ()) -> ModelCard:
+    """The card of a checkpoint of `family` with per-layer `plan` (config.twell layers) and `training` dict."""
+    base = training.get("base_model")
+    data = ModelCardData(
+        base_model=base if _is_hub_id(base) else None,
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        tags=[*TAGS, family],
+    )
+    means = [layer["stats"]["mean_active"] for layer in plan if "mean_active" in layer.get("stats", {})]
+    overall = (
+        f"On held-out text, {sum(means) / len(means):.1f} of {intermediate_size} hidden units are active per "
+        f"token on average ({_percent(1 - sum(means) / len(means) / intermediate_size)}% sparsity).\n\n"
+        if means else ""
+    )
+    plots = "".join(f"![{name}]({name})\n\n" for name in artifacts if name.endswith(".png"))
+    settings = "\n".join(f"| {key} | {json.dumps(value)} |" for key, value in training.items())
+    body = f"""# {family} with ReLU-gated, activation-sparse MLPs (TwELL)
+
+Converted by sparsify from `{base}`: the MLP gate activation was replaced by ReLU
+and training continued with an L1 penalty on the MLP hidden activations (loss = cross-entropy + l1 * L1),
+so that almost all hidden units are zero for any token. The MLPs then run on TwELL sparse Triton kernels.
+
+{overall}## Per-layer sparsity and kernel setting
+
+{layer_table(plan, intermediate_size)}
+
+"dense" layers are too active for the sparse kernels to gain; `T<tile> C<compression>` is the TwELL
+tile width and compression factor chosen from the measured statistics.
+
+{plots}## Training
+
+| setting | value |
+|---|---|
+{settings}
+
+Tokens used: {training.get("tokens", "-")}.
+
+## How to load
+
+```python
+from transformers import AutoModelForCausalLM
+
+# TwELL kernels on CUDA (dense ReLU math where they cannot run); needs `triton` for the kernels
+model = AutoModelForCausalLM.from_pretrained("<this repo or folder>", trust_remote_code=True)
+
+# or: the same weights as a plain dense ReLU model, same logits
+model = AutoModelForCausalLM.from_pretrained("<this repo or folder>")
+```
+
+The per-layer plan and statistics are in `config.json` under `"twell"`.
+"""
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}")

@@ -1,0 +1,130 @@
+"""Write a converted model as a standard Hugging Face checkpoint that also runs on the TwELL kernels.
+
+OUT holds the safetensors weights under the original names (save_pretrained), config.json with the ReLU
+activation, an `auto_map` to modeling_twell.py and the `twell` section (docs/design.md), the modeling
+file with its base class patched in, the kernel files flat beside it, tokenizer and generation config,
+the model card and the trainer's artifacts. Everything is written to a temporary sibling folder and
+renamed into place at the end, so a failure never leaves an OUT that looks complete.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .card import model_card
+from .errors import OutputError
+from .families import FamilySpec
+
+FORMAT_VERSION = 1
+MODELING_FILE = Path(__file__).parent / "remote" / "modeling_twell.py"
+AUTO_MAP = {"AutoModelForCausalLM": "modeling_twell.TwellForCausalLM"}
+
+
+def check_output_dir(out_dir: str | Path, overwrite: bool) -> Path:
+    """OUT as a Path; OutputError if it is a file, or a non-empty folder and `overwrite` is False."""
+    out = Path(out_dir).expanduser()
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"{out}: exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise OutputError(f"{out}: exists and is not empty (pass --overwrite to replace it)")
+    return out
+
+
+def kernel_dir() -> Path:
+    """Folder of the `twell` kernel package, whose files are copied into checkpoints."""
+    found = importlib.util.find_spec("twell")
+    folder = Path(found.origin).parent if found else Path(__file__).resolve().parents[1] / "kernels"
+    if not (folder / "gated_mlp.py").is_file():
+        raise OutputError(f"the twell kernel files are missing (looked in {folder}); reinstall sparsify")
+    return folder
+
+
+def modeling_source(spec: FamilySpec) -> str:
+    """modeling_twell.py with BASE_MODEL set to the family's transformers CausalLM."""
+    source, count = re.subn(
+        r'^BASE_MODEL = ".*"$', f'BASE_MODEL = "{spec.causal_lm}"', MODELING_FILE.read_text(), flags=re.M
+    )
+    assert count == 1, "modeling_twell.py must have exactly one BASE_MODEL line"
+    return source
+
+
+def twell_section(spec: FamilySpec, plan: list[dict], training: dict) -> dict:
+    return {"format_version": FORMAT_VERSION, "family": spec.family, "mlp": spec.layout(), "layers": plan,
+            "training": training}
+
+
+def _check_layout(model: nn.Module, spec: FamilySpec, plan: list[dict]) -> None:
+    """The model saves under exactly the parameter names of the family's own class (so that both the plain
+    and the remote-code load find every weight), and the plan covers every layer."""
+    module, _, name = spec.causal_lm.rpartition(".")
+    with torch.device("meta"):
+        reference = getattr(importlib.import_module(module), name)(model.config)
+    expected, actual = set(reference.state_dict()), set(model.state_dict())
+    if expected != actual:
+        raise ValueError(f"state-dict keys differ from {name}: missing {sorted(expected - actual)[:5]}, "
+                         f"extra {sorted(actual - expected)[:5]}")
+    layers = len(model.get_submodule(spec.layers))
+    if len(plan) != layers:
+        raise ValueError(f"the plan has {len(plan)} layers, the model {layers}")
+
+
+def _write(folder: Path, model, tokenizer, spec, plan, training, artifacts, kernels: Path, max_shard_size) -> None:
+    model.save_pretrained(folder, max_shard_size=max_shard_size)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    config_file = folder / "config.json"
+    config = json.loads(config_file.read_text())
+    config.update({spec.act_key: "relu", "auto_map": AUTO_MAP, "twell": twell_section(spec, plan, training)})
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (folder / "modeling_twell.py").write_text(modeling_source(spec))
+    for kernel_file in kernels.glob("*.py"):
+        if kernel_file.name != "__init__.py":
+            shutil.copy2(kernel_file, folder / kernel_file.name)
+    for name, path in artifacts.items():
+        shutil.copy2(path, folder / name)
+    card = model_card(family=spec.family, plan=plan, training=training,
+                      intermediate_size=config["intermediate_size"], artifacts=tuple(artifacts))
+    card.save(folder / "README.md")
+
+
+def export_checkpoint(model: nn.Module, tokenizer, out_dir: str | Path, *, spec: FamilySpec, plan: list[dict],
+                      training: dict, artifacts: dict[str, str | Path] | None = None,
+                      max_shard_size: str | int = "5GB", overwrite: bool = False) -> Path:
+    """Write the relufied `model` (its MLPs keep the original parameter names) with `plan` (one config.twell
+    layer entry per decoder layer) and `training` (settings and tokens used) to `out_dir`; returns it.
+    `artifacts` maps file names in OUT to files to copy there (training log, plots)."""
+    out = check_output_dir(out_dir, overwrite)
+    _check_layout(model, spec, plan)
+    artifacts = {name: Path(path) for name, path in (artifacts or {}).items()}
+    for name, path in artifacts.items():
+        if not path.is_file():
+            raise OutputError(f"artifact {name}: {path} does not exist")
+    kernels = kernel_dir()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        _write(staging, model, tokenizer, spec, plan, training, artifacts, kernels, max_shard_size)
+        if out.exists():  # empty, or overwrite: move the old one aside only once the new one is complete
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            out.rename(old / out.name)
+            try:
+                staging.rename(out)
+            except BaseException:
+                (old / out.name).rename(out)
+                old.rmdir()
+                raise
+            shutil.rmtree(old)
+        else:
+            staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out

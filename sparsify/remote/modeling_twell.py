@@ -1,0 +1,91 @@
+"""Modeling file of checkpoints converted by sparsify: `AutoModelForCausalLM.from_pretrained(path,
+trust_remote_code=True)` builds the original transformers CausalLM (BASE_MODEL, written at export) and
+swaps each decoder layer's MLP for a `TwellGatedMLP` that keeps the projection children under their own
+names, so the standard weights load unchanged. Where the layer's plan says "sparse" and the TwELL
+kernels can run (CUDA; or CPU fp32/fp16 under TRITON_INTERPRET=1, which tests use), the MLP runs on
+them; otherwise, and whenever gradients are needed (the inference kernels have no backward), it runs
+the same ReLU math densely. The module layout and per-layer plan come from config.json's "twell"
+section, so this file holds no per-architecture table. It imports neither sparsify nor anything beyond
+torch and transformers: the kernel files sit beside it and are imported relatively.
+"""
+import importlib
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+try:
+    from .gated_mlp import gated_mlp, prepare_down
+except ImportError:  # no triton (or kernel files): dense ReLU math everywhere
+    gated_mlp = prepare_down = None
+
+BASE_MODEL = "transformers.models.llama.modeling_llama.LlamaForCausalLM"
+
+
+def _import(path):
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+class TwellGatedMLP(nn.Module):
+    """down(relu(gate(x)) * up(x)) over one layer's original projections, on TwELL kernels when planned."""
+
+    def __init__(self, original, layout, plan):
+        super().__init__()
+        self.gate_up_name = layout.get("gate_up")
+        self.names = (self.gate_up_name,) if self.gate_up_name else (layout["gate"], layout["up"])
+        self.down_name = layout["down"]
+        for name in (*self.names, self.down_name):
+            self.add_module(name, getattr(original, name))
+        self.mode = plan.get("mode", "dense")
+        self.tile = plan.get("tile")
+        self.compression = plan.get("compression")
+
+    def _projections(self):
+        return [getattr(self, name) for name in (*self.names, self.down_name)]
+
+    def _gate_up_weights(self):
+        if self.gate_up_name:
+            return getattr(self, self.gate_up_name).weight.chunk(2, dim=0)
+        return tuple(getattr(self, name).weight for name in self.names)
+
+    def _use_kernel(self, x):
+        if gated_mlp is None or self.mode != "sparse":
+            return False
+        projections = self._projections()
+        if any(p.bias is not None for p in projections):
+            return False
+        if torch.is_grad_enabled() and (x.requires_grad or any(p.weight.requires_grad for p in projections)):
+            return False
+        interpret = os.environ.get("TRITON_INTERPRET") == "1" and x.dtype in (torch.float32, torch.float16)
+        return x.is_cuda or interpret
+
+    def forward(self, x):
+        if self._use_kernel(x):
+            gate, up = self._gate_up_weights()
+            down = getattr(self, self.down_name).weight
+            if not down.t().is_contiguous():  # once: the kernel reads down transposed
+                with torch.inference_mode(False):  # a normal tensor even when first called in inference mode
+                    down.data = prepare_down(down.data)
+            precision = "highest" if x.dtype == torch.float32 else "default"
+            return gated_mlp(x, gate, up, down, tile=self.tile, compression=self.compression, precision=precision)
+        if self.gate_up_name:
+            gate, up = getattr(self, self.gate_up_name)(x).chunk(2, dim=-1)
+        else:
+            gate, up = (getattr(self, name)(x) for name in self.names)
+        return getattr(self, self.down_name)(F.relu(gate) * up)
+
+
+class TwellForCausalLM(_import(BASE_MODEL)):
+    """The base CausalLM with each decoder layer's MLP replaced by a TwellGatedMLP."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        twell = config.twell
+        layout = twell["mlp"]
+        layers = self.get_submodule(layout["layers"])
+        if len(twell["layers"]) != len(layers):
+            raise ValueError(f"config.twell plans {len(twell['layers'])} layers, the model has {len(layers)}")
+        for layer, plan in zip(layers, twell["layers"]):
+            setattr(layer, layout["mlp"], TwellGatedMLP(getattr(layer, layout["mlp"]), layout, plan))

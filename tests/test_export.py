@@ -1,0 +1,230 @@
+import ast
+import inspect
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers.dynamic_module_utils
+from huggingface_hub import ModelCard
+from transformers import AutoModelForCausalLM
+
+from helpers import INTERMEDIATE, tiny_input_ids, tiny_model
+from sparsify import export
+from sparsify.errors import OutputError
+from sparsify.export import MODELING_FILE, check_output_dir, export_checkpoint
+from sparsify.families import FAMILIES, spec_for
+from sparsify.relufy import relufy
+
+# Layer 0 on the kernels (tile 64, 2 slots per 64 -> random weights overflow: the dense fallback runs too),
+# layer 1 dense.
+PLAN = [
+    {"mode": "sparse", "tile": 64, "compression": 2,
+     "stats": {"mean_active": 70.5, "p99_active": 90, "dead_frac": 0.0125}},
+    {"mode": "dense", "stats": {"mean_active": 80.0, "p99_active": 100, "dead_frac": 0.0}},
+]
+TRAINING = {"base_model": "someone/tiny-base", "tokens": 4096, "steps": 2, "l1": 2e-5}
+
+
+@pytest.fixture(autouse=True)
+def modules_cache(tmp_path_factory, monkeypatch):
+    """Remote code goes to a fresh cache, not the user's ~/.cache/huggingface/modules."""
+    monkeypatch.setattr(transformers.dynamic_module_utils, "HF_MODULES_CACHE",
+                        str(tmp_path_factory.getbasetemp() / "hf_modules"))
+
+
+def _relufied(family):
+    model, tokenizer = tiny_model(family)
+    relufy(model)
+    return model, tokenizer, spec_for(model.config)
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def _close(actual, expected):
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+def _remote_module(model):
+    return sys.modules[type(model).__module__]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_export_reloads_both_ways_with_the_same_logits(family, tmp_path, monkeypatch):
+    model, tokenizer, spec = _relufied(family)
+    out = export_checkpoint(model, tokenizer, tmp_path / f"ckpt-{family}", spec=spec, plan=PLAN,
+                            training=TRAINING, max_shard_size="200KB")
+    assert len(list(out.glob("model-*.safetensors"))) > 1 and (out / "model.safetensors.index.json").is_file()
+    ids = tiny_input_ids()
+    expected = _logits(model, ids)
+
+    plain = AutoModelForCausalLM.from_pretrained(out)
+    assert type(plain).__name__ == type(model).__name__
+    _close(_logits(plain, ids), expected)
+
+    remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    assert type(remote).__name__ == "TwellForCausalLM" and isinstance(remote, type(model))
+    assert "hf_modules" in Path(inspect.getfile(type(remote))).parts  # the test's cache, not the user's
+    assert [type(layer.mlp).__name__ for layer in remote.get_submodule(spec.layers)] == ["TwellGatedMLP"] * 2
+    assert remote.state_dict().keys() == model.state_dict().keys()
+
+    calls = []
+    kernel = _remote_module(remote).gated_mlp
+    monkeypatch.setattr(_remote_module(remote), "gated_mlp", lambda *a, **k: calls.append(k) or kernel(*a, **k))
+    _close(_logits(remote, ids), expected)
+    assert calls == [{"tile": 64, "compression": 2, "precision": "highest"}]  # the sparse layer only
+
+    generated = remote.generate(ids[:1, :5], max_new_tokens=4, do_sample=False)
+    assert generated.shape == (1, 9) and len(calls) > 1  # prefill and cached decode steps on the kernel
+    assert torch.equal(generated, plain.generate(ids[:1, :5], max_new_tokens=4, do_sample=False))
+
+
+def test_checkpoint_layout(tmp_path):
+    model, tokenizer, spec = _relufied("phi3")
+    log = tmp_path / "log.json"
+    log.write_text("[]")
+    plot = tmp_path / "plot.png"
+    plot.write_bytes(b"\x89PNG")
+    out = export_checkpoint(model, tokenizer, tmp_path / "out-layout", spec=spec, plan=PLAN, training=TRAINING,
+                            artifacts={"training_log.json": log, "sparsity.png": plot})
+    names = {p.name for p in out.iterdir()}
+    kernel_files = {p.name for p in export.kernel_dir().glob("*.py")} - {"__init__.py"}
+    assert {"gated_mlp.py", "format.py"} <= kernel_files <= names and "__init__.py" not in names
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "README.md",
+            "modeling_twell.py", "training_log.json", "sparsity.png"} <= names
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging left behind
+
+    config = json.loads((out / "config.json").read_text())
+    assert config["hidden_act"] == "relu"
+    assert config["auto_map"] == {"AutoModelForCausalLM": "modeling_twell.TwellForCausalLM"}
+    assert config["twell"] == {
+        "format_version": 1, "family": "phi3", "layers": PLAN, "training": TRAINING,
+        "mlp": {"layers": "model.layers", "mlp": "mlp", "gate": None, "up": None, "down": "down_proj",
+                "gate_up": "gate_up_proj", "act_key": "hidden_act"},
+    }
+    modeling = (out / "modeling_twell.py").read_text()
+    assert 'BASE_MODEL = "transformers.models.phi3.modeling_phi3.Phi3ForCausalLM"' in modeling.splitlines()
+
+    card = ModelCard.load(out / "README.md")
+    assert card.data.base_model == "someone/tiny-base" and card.data.library_name == "transformers"
+    assert card.data.pipeline_tag == "text-generation" and "phi3" in card.data.tags
+    sparsity = 100 * (1 - 70.5 / INTERMEDIATE)
+    assert f"| 0 | 70.5 | {sparsity:.2f} | 1.25 | T64 C2 |" in card.text
+    assert "| 1 | 80.0 | 50.00 | 0.00 | dense |" in card.text
+    assert "![sparsity.png](sparsity.png)" in card.text and "Tokens used: 4096" in card.text
+
+
+def test_modeling_file_needs_only_torch_and_transformers():
+    tree = ast.parse(MODELING_FILE.read_text())
+    absolute = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    absolute |= {node.module.split(".")[0] for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom) and node.level == 0}
+    assert absolute == {"importlib", "os", "torch"}
+    relative = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 1}
+    assert relative == {"gated_mlp"}
+
+
+def test_remote_model_falls_back_to_dense_math(tmp_path, monkeypatch):
+    model, tokenizer, spec = _relufied("llama")
+    out = export_checkpoint(model, tokenizer, tmp_path / "ckpt-fallback", spec=spec, plan=PLAN, training=TRAINING)
+    remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    ids = tiny_input_ids()
+    calls = []
+    kernel = _remote_module(remote).gated_mlp
+    monkeypatch.setattr(_remote_module(remote), "gated_mlp", lambda *a, **k: calls.append(k) or kernel(*a, **k))
+    logits = remote(ids).logits  # gradients enabled: the inference kernels have no backward
+    assert calls == [] and logits.requires_grad
+    logits.sum().backward()
+    assert remote.model.layers[0].mlp.gate_proj.weight.grad is not None
+    monkeypatch.setattr(_remote_module(remote), "gated_mlp", None)  # no triton / kernel files
+    _close(_logits(remote, ids), _logits(model, ids))
+    assert calls == []
+
+
+def test_failure_mid_write_leaves_no_output(tmp_path, monkeypatch):
+    model, tokenizer, spec = _relufied("qwen2")
+
+    def broken_card(**kwargs):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(export, "model_card", broken_card)  # after the weights are written
+    with pytest.raises(RuntimeError, match="disk full"):
+        export_checkpoint(model, tokenizer, tmp_path / "out", spec=spec, plan=PLAN, training=TRAINING)
+    assert list(tmp_path.iterdir()) == []
+
+    old = tmp_path / "out"
+    old.mkdir()
+    (old / "keep.txt").write_text("previous")
+    with pytest.raises(RuntimeError, match="disk full"):
+        export_checkpoint(model, tokenizer, old, spec=spec, plan=PLAN, training=TRAINING, overwrite=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["out"] and [p.name for p in old.iterdir()] == ["keep.txt"]
+
+
+def test_existing_output(tmp_path, monkeypatch):
+    model, tokenizer, spec = _relufied("mistral")
+    out = tmp_path / "out"
+    out.mkdir()
+    export_checkpoint(model, tokenizer, out, spec=spec, plan=PLAN, training=TRAINING)  # empty: fine
+    (out / "stale.txt").write_text("old")
+
+    monkeypatch.setattr(type(model), "save_pretrained", lambda *a, **k: pytest.fail("wrote before checking"))
+    with pytest.raises(OutputError, match="not empty"):
+        export_checkpoint(model, tokenizer, out, spec=spec, plan=PLAN, training=TRAINING)
+    with pytest.raises(OutputError, match="not a folder"):
+        check_output_dir(out / "stale.txt", overwrite=True)
+    with pytest.raises(OutputError, match="does not exist"):
+        export_checkpoint(model, tokenizer, tmp_path / "new", spec=spec, plan=PLAN, training=TRAINING,
+                          artifacts={"log.json": tmp_path / "missing.json"})
+    monkeypatch.undo()
+
+    export_checkpoint(model, tokenizer, out, spec=spec, plan=PLAN, training=TRAINING, overwrite=True)
+    assert not (out / "stale.txt").exists() and (out / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_layout_mismatch_is_caught_before_writing(tmp_path):
+    model, tokenizer, spec = _relufied("llama")
+    with pytest.raises(ValueError, match="plan has 1 layers"):
+        export_checkpoint(model, tokenizer, tmp_path / "a", spec=spec, plan=PLAN[:1], training=TRAINING)
+    model.model.layers[0].mlp.extra = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="extra"):
+        export_checkpoint(model, tokenizer, tmp_path / "b", spec=spec, plan=PLAN, training=TRAINING)
+    assert list(tmp_path.iterdir()) == []
+
+
+class FakeHfApi:
+    calls = []
+
+    def __init__(self, token=None):
+        self.calls.append(("init", token))
+
+    def create_repo(self, repo_id, **kwargs):
+        self.calls.append(("create_repo", repo_id, kwargs))
+        return f"https://huggingface.co/{repo_id}"
+
+    def upload_folder(self, **kwargs):
+        self.calls.append(("upload_folder", kwargs))
+        if kwargs["repo_id"].endswith("denied"):
+            raise OSError("403 Forbidden")
+
+
+def test_push_to_hub_creates_the_repo_and_uploads_once(tmp_path, monkeypatch):
+    from sparsify import push
+
+    monkeypatch.setattr(push, "HfApi", FakeHfApi)
+    (tmp_path / "config.json").write_text("{}")
+    url = push.push_to_hub(tmp_path, "me/sparse", private=True, token="tok")
+    assert url == "https://huggingface.co/me/sparse"
+    (_, token), (_, repo, create), (_, upload) = FakeHfApi.calls
+    assert token == "tok" and repo == "me/sparse"
+    assert create == {"private": True, "repo_type": "model", "exist_ok": True}
+    assert upload["repo_id"] == "me/sparse" and Path(upload["folder_path"]) == tmp_path
+    with pytest.raises(OutputError, match="403"):
+        push.push_to_hub(tmp_path, "me/denied")
+    with pytest.raises(OutputError, match="no config.json"):
+        push.push_to_hub(tmp_path / "missing", "me/sparse")
