@@ -20,7 +20,7 @@ import torch
 import yaml
 from accelerate import PartialState
 
-from .data import TextData
+from .data import TextData, resolve as resolve_data
 from .errors import ConfigError, DataError
 from .export import check_output_dir, export_checkpoint
 from .load import demo_corpus_path, load_model, require_tokenizer, resolve_dtype
@@ -84,6 +84,7 @@ def convert(
         raise ConfigError(f"--resume: no saved training state in {resume_dir}")
     if data is None and source != "demo":
         raise DataError("--data is required (local .txt/.jsonl/.parquet files or folder, or a datasets name)")
+    resolve_data(data or demo_corpus_path())  # missing / empty / unknown format: before loading any weight
 
     model, tokenizer, spec = load_model(source, dtype=torch.float32, device=device)
     require_tokenizer(tokenizer, source)

@@ -1,0 +1,165 @@
+"""The `sparsify` command end to end on tiny random models (CliRunner, CPU): convert for a few steps for
+every family and reload both ways, Ctrl-C and --resume, and every bad input: a clear message, exit code
+non-zero, no traceback, nothing that looks like a complete OUT."""
+import json
+
+import pytest
+import torch
+import transformers.dynamic_module_utils
+from click.testing import CliRunner
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+from cli import main
+from helpers import tiny_input_ids, tiny_model, tiny_tokenizer
+from sparsify import data as data_module
+from sparsify import export
+from sparsify.families import FAMILIES
+
+# Tiny runs: 32-token sequences, 256 held-out tokens; options on the command line override the recipe.
+RECIPE = "seq_len: 32\nbatch_size: 2\neval_tokens: 256\nlr: 1.0e-3\nl1: '1e-3'\nsteps: 50\nlog_every: 1\n"
+
+
+@pytest.fixture(autouse=True)
+def modules_cache(tmp_path_factory, monkeypatch):
+    """Remote code goes to a fresh cache, not the user's ~/.cache/huggingface/modules."""
+    monkeypatch.setattr(transformers.dynamic_module_utils, "HF_MODULES_CACHE", str(tmp_path_factory.getbasetemp() / "hf_modules"))
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    (corpus / "train.jsonl").write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n" * 6}) + "\n" for i in range(60)))
+    (corpus / "valid.jsonl").write_text(json.dumps({"text": "def g(y):\n    return y + 1\n" * 20}) + "\n")
+    (root / "recipe.yaml").write_text(RECIPE)
+    return root
+
+
+def model_folder(root, family):
+    folder = root / f"tiny-{family}"
+    if not folder.exists():
+        model, tokenizer = tiny_model(family)
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    return folder
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def convert(files, family, out, *extra):
+    return run("convert", model_folder(files, family), "-o", out, "--data", files / "corpus", "--recipe", files / "recipe.yaml", "--steps", 2, *extra)
+
+
+def assert_user_error(result, message):
+    assert result.exit_code != 0
+    assert isinstance(result.exception, SystemExit), result.exception
+    assert "Traceback" not in result.output
+    assert message in result.output, result.output
+
+
+def test_help_lists_commands():
+    result = run("--help")
+    assert result.exit_code == 0 and "convert" in result.output and "analyze" in result.output
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_convert_every_family_and_reload_both_ways(files, family, tmp_path):
+    out = tmp_path / "out"
+    result = convert(files, family, out)
+    assert result.exit_code == 0, result.output
+    assert "after training" in result.output and "setting" in result.output
+    config = json.loads((out / "config.json").read_text())
+    assert config["twell"]["training"]["steps"] == 2 and config["twell"]["training"]["tokens"] == 2 * 2 * 32
+    assert len(config["twell"]["layers"]) == 2
+    log = json.loads((out / "training_log.json").read_text())
+    assert [e["step"] for e in log["log"]] == [1, 2] and (out / "sparsity.png").stat().st_size > 0
+    assert not (tmp_path / "out.resume").exists()
+    ids = tiny_input_ids()
+    with torch.no_grad():
+        plain = AutoModelForCausalLM.from_pretrained(out).eval()(ids).logits
+        remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()(ids).logits
+    torch.testing.assert_close(remote, plain, rtol=1e-5, atol=1e-5 * plain.abs().max().item())
+
+
+def test_ctrl_c_then_resume(files, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    real = data_module.TextData.train_batches
+
+    def interrupted(self, *args, **kwargs):
+        for i, batch in enumerate(real(self, *args, **kwargs)):
+            if i == 3:
+                raise KeyboardInterrupt
+            yield batch
+
+    monkeypatch.setattr(data_module.TextData, "train_batches", interrupted)
+    result = convert(files, "llama", out, "--steps", 5)
+    assert_user_error(result, "interrupted at step 3 of 5")
+    assert not out.exists() and (tmp_path / "out.resume" / "state.json").is_file()
+
+    monkeypatch.setattr(data_module.TextData, "train_batches", real)
+    result = convert(files, "llama", out, "--steps", 5, "--resume")
+    assert result.exit_code == 0, result.output
+    log = json.loads((out / "training_log.json").read_text())["log"]
+    assert [e["step"] for e in log] == [1, 2, 3, 4, 5]
+    assert not (tmp_path / "out.resume").exists()
+
+
+def test_resume_without_state(files, tmp_path):
+    assert_user_error(convert(files, "llama", tmp_path / "out", "--resume"), "no saved training state")
+
+
+def test_failure_while_writing_leaves_no_output(files, tmp_path, monkeypatch):
+    def fail(folder, *args):
+        (folder / "config.json").write_text("{}")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(export, "_write", fail)
+    result = convert(files, "llama", tmp_path / "out")
+    assert result.exit_code != 0 and "No space left" in str(result.exception)
+    assert list(tmp_path.iterdir()) == []
+
+
+def gpt2_folder(root):
+    folder = root / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=260)).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["convert", "./no-such-model", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1"], "no such folder"),
+        (["convert", "{tmp}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1"], "no config.json"),
+        (["convert", "{gpt2}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1"], "supported families"),
+        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{tmp}/missing.jsonl", "--steps", "1", "--seq-len", "32"], "does not exist"),
+        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{tmp}/empty.txt", "--steps", "1", "--seq-len", "32"], "empty"),
+        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{tmp}/data.csv", "--steps", "1", "--seq-len", "32"], "unknown data format"),
+        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{tmp}/short.txt", "--steps", "1", "--seq-len", "32"], "shorter than one sequence"),
+        (["convert", "{llama}", "-o", "{tmp}/out", "--steps", "1"], "--data is required"),
+        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--l1", "-1e-5"], "l1 must be between"),
+        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--l1", "3"], "l1 must be between"),
+        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "0"], "steps must be a positive integer"),
+        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}"], "set the training length"),
+        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--seq-len", "4096"], "beyond the model's maximum of 128 positions"),
+        (["convert", "{llama}", "-o", "{tmp}/full", "--data", "{corpus}", "--steps", "1"], "not empty (pass --overwrite"),
+        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--recipe", "nonexistent"], "recipe nonexistent not found"),
+        (["analyze", "{llama}"], "--data is required"),
+        (["analyze", "{llama}", "--data", "{corpus}", "--tokens", "0"], "--tokens"),
+    ],
+)
+def test_bad_input(files, tmp_path, args, message):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "data.csv").write_text("text\nhello\n")
+    (tmp_path / "short.txt").write_text("too short")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "something").write_text("x")
+    paths = {"tmp": tmp_path, "corpus": files / "corpus", "llama": model_folder(files, "llama")}
+    if "{gpt2}" in args:
+        paths["gpt2"] = gpt2_folder(tmp_path)
+    result = run(*(a.format(**paths) for a in args))
+    assert_user_error(result, message)
+    assert not (tmp_path / "out").exists()
