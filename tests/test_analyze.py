@@ -1,0 +1,48 @@
+"""`sparsify analyze`: the JSON holds every statistic and the recommendation, on an original SiLU model
+and on a converted checkpoint (which defaults to the data it was converted on)."""
+import json
+
+from click.testing import CliRunner
+
+from cli import main
+from helpers import tiny_model
+from sparsify.measure import COMPRESSIONS
+
+
+def test_analyze_json_plot_and_table(tmp_path):
+    model, tokenizer = tiny_model("qwen2")
+    model.save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    (tmp_path / "text.txt").write_text("class A:\n    pass\n" * 200)
+    result = CliRunner().invoke(main, ["analyze", str(tmp_path / "m"), "--data", str(tmp_path / "text.txt"), "--tokens", "256",
+                                       "--seq-len", "64", "--json", str(tmp_path / "a.json"), "--plot", str(tmp_path / "a.png")])
+    assert result.exit_code == 0, result.output
+    assert "setting" in result.output and "sparsity" in result.output
+    report = json.loads((tmp_path / "a.json").read_text())
+    assert report["family"] == "qwen2" and report["seq_len"] == 64 and report["tokens"] == 256
+    assert report["perplexity"] > 1 and len(report["layers"]) == 2
+    for layer in report["layers"]:
+        assert {"mean_active", "median_active", "p99_active", "max_active", "sparsity", "dead_frac"} <= set(layer)
+        assert layer["units"] == 160 and 0 < layer["mean_active"] < 160  # SiLU model: gate pre-activation > 0
+        assert layer["sparsity"] == 1 - layer["mean_active"] / 160
+        assert set(layer["tiles"]) == {"64", "128"}
+        assert set(layer["tiles"]["64"]) == {"max", "p999", "overflow_frac"}
+        assert set(layer["tiles"]["64"]["overflow_frac"]) == {str(c) for c in COMPRESSIONS}
+        assert len(layer["position_active"]) == 64
+        assert layer["recommended"]["mode"] in ("sparse", "dense")
+    assert (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_analyze_converted_checkpoint_defaults_to_its_training_data(tmp_path):
+    model, tokenizer = tiny_model("llama")
+    model.save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    (tmp_path / "text.txt").write_text("import os\nprint(os.getcwd())\n" * 300)
+    runner = CliRunner()
+    convert = runner.invoke(main, ["convert", str(tmp_path / "m"), "-o", str(tmp_path / "out"), "--data", str(tmp_path / "text.txt"),
+                                   "--steps", "1", "--seq-len", "32", "--batch-size", "2"])
+    assert convert.exit_code == 0, convert.output
+    result = runner.invoke(main, ["analyze", str(tmp_path / "out"), "--tokens", "128", "--json", str(tmp_path / "a.json")])
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "a.json").read_text())
+    assert report["data"] == str(tmp_path / "text.txt") and report["tokens"] == 128
