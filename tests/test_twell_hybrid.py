@@ -154,10 +154,11 @@ def test_gpu_bf16_autocast(gated):
     dout = torch.randn(3000, 320, device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
         out, st, grads = run(fn, tensors, dout, 64)
-        dense_out, _, dgrads = run(ref, tensors, dout, 64)  # dense bf16 block under autocast
+        dense_out, dst, dgrads = run(ref, tensors, dout, 64)  # dense bf16 block under autocast
     rout, rst, rgrads = run(ref, [t.double() for t in tensors], dout.double(), 64)
-    assert out.dtype == torch.bfloat16 and int(st.backup_rows) == int(rst.backup_rows) >= 1
-    assert torch.equal(st.fired, rst.fired)
+    # stats against the same bf16 gate matmul (fp64 flips units whose pre-activation rounds to ~0)
+    assert out.dtype == torch.bfloat16 and int(st.backup_rows) == int(dst.backup_rows) >= 1
+    assert torch.equal(st.fired, dst.fired) and abs(st.active.item() - dst.active.item()) < 1e-4
     assert rel(out, rout) < max(1e-2, 2 * rel(dense_out, rout))
     assert rel(st.l1, rst.l1) < 1e-2
     for g, dg, rg in zip(grads, dgrads, rgrads):

@@ -1,0 +1,209 @@
+"""Training benchmark of the gated MLP block (forward + backward, L1 term included): hybrid TwELL
+against the dense bf16 PyTorch block (gate and up as one fused matmul), per benchmarks.md.
+
+    python benchmarks/bench_training.py [--tokens 16384] [--json out.json]
+
+Synthetic sparsity: bias channel x[:, 0] = 1, gate[:, 0] set for k active units a row; "uneven" adds
+skew * N(0, 1) per unit to gate[:, 0], the skew chosen so that the mean lands near the target.
+Checks out and all gradients against an fp32 reference in the same run; measures the saved
+activation memory (bytes saved for backward, inputs and weights excluded) of both blocks.
+"""
+import argparse
+import json
+import math
+import platform
+import sys
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from twell import hybrid as H
+
+L1_COEFF = 2e-5
+
+
+def make_inputs(M, D, I, k, uneven_mean=None, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    normal = torch.distributions.Normal(0.0, 1.0)
+    x = torch.randn(M, D, device="cuda", generator=gen)
+    x[:, 0] = 1.0
+    gate = torch.randn(I, D, device="cuda", generator=gen) / D**0.5
+    b0 = normal.icdf(torch.tensor(k / I)).item()
+    gate[:, 0] = b0
+    if uneven_mean is not None:  # E[Phi(b0 + s z)] = Phi(b0 / sqrt(1 + s^2)) = uneven_mean / I
+        skew = math.sqrt((b0 / normal.icdf(torch.tensor(uneven_mean / I)).item()) ** 2 - 1)
+        gate[:, 0] += skew * torch.randn(I, device="cuda", generator=gen)
+    up = torch.randn(I, D, device="cuda", generator=gen) / D**0.5
+    down = torch.randn(D, I, device="cuda", generator=gen) / k**0.5
+    dout = torch.randn(M, D, device="cuda", generator=gen)
+    return x, gate, up, down, dout
+
+
+def dense_block(x, gate_up, down, I):
+    g, u = (x @ gate_up.t()).split(I, dim=-1)
+    h = torch.relu(g) * u
+    return h @ down.t(), h.abs().sum(-1).mean()
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def saved_bytes(fn, inputs):
+    ptrs = {t.data_ptr() for t in inputs}
+    total = [0]
+
+    def pack(t):
+        if t.data_ptr() not in ptrs:
+            total[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        res = fn()
+    return total[0], res
+
+
+def bench_case(name, M, D, I, k, uneven_mean, E):
+    x32, gate32, up32, down32, dout32 = make_inputs(M, D, I, k, uneven_mean)
+    bf = torch.bfloat16
+    x = x32.to(bf).requires_grad_()
+    gate, up, down = (w.to(bf).requires_grad_() for w in (gate32, up32, down32))
+    gate_up = torch.cat([gate, up]).detach().requires_grad_()
+    dout = dout32.to(bf)
+    coef = torch.tensor(L1_COEFF, device="cuda")
+
+    def dense_step():
+        out, l1 = dense_block(x, gate_up, down, I)
+        torch.autograd.backward([out, l1], [dout, coef])
+
+    def hybrid_step():
+        out, st = H.hybrid_gated_mlp(x, gate, up, down, max_nnz=E)
+        torch.autograd.backward([out, st.l1], [dout, coef])
+
+    def hybrid_fwd():
+        return H.hybrid_gated_mlp(x, gate, up, down, max_nnz=E)
+
+    # correctness against fp32 (tf32 off), same inputs
+    torch.backends.cuda.matmul.allow_tf32 = False
+    leaves32 = [t.clone().requires_grad_() for t in (x32, gate32, up32, down32)]
+    out_r, l1_r = dense_block(leaves32[0], torch.cat(leaves32[1:3]), leaves32[3], I)
+    torch.autograd.backward([out_r, l1_r], [dout32, coef])
+    ref = [out_r, l1_r] + [t.grad for t in leaves32]
+    del leaves32
+    errs = {}
+    for label, fn in (("dense_bf16", lambda: dense_block(x, gate_up, down, I)),
+                      ("hybrid", lambda: H.hybrid_gated_mlp(x, gate, up, down, max_nnz=E))):
+        for t in (x, gate, up, down, gate_up):
+            t.grad = None
+        out, l1 = fn()
+        l1 = l1.l1 if label == "hybrid" else l1
+        torch.autograd.backward([out, l1], [dout, coef])
+        dg, du = (gate.grad, up.grad) if label == "hybrid" else gate_up.grad.split(I)
+        errs[label] = dict(out=rel(out, ref[0]), l1=rel(l1, ref[1]), dx=rel(x.grad, ref[2]),
+                           d_gate=rel(dg, ref[3]), d_up=rel(du, ref[4]), d_down=rel(down.grad, ref[5]))
+    del ref, out_r, l1_r
+
+    with torch.no_grad():
+        _, st = hybrid_fwd()
+        cnt = (x @ gate.t() > 0).sum(1)
+    stats = dict(mean_active=st.active.item(), max_active=int(cnt.max()), backup_rows=int(st.backup_rows),
+                 dead_units=int((st.fired == 0).sum()))
+
+    mem = {}
+    for label, fn in (("dense", lambda: dense_block(x, gate_up, down, I)), ("hybrid", hybrid_fwd)):
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        nbytes, res = saved_bytes(fn, [x, gate, up, down, gate_up])
+        torch.cuda.synchronize()
+        after = torch.cuda.memory_allocated()
+        out_bytes = res[0].numel() * res[0].element_size()
+        mem[label] = dict(saved_bytes=nbytes, alloc_after_fwd_minus_out=after - before - out_bytes)
+        del res
+    mem["saved_ratio"] = mem["hybrid"]["saved_bytes"] / mem["dense"]["saved_bytes"]
+
+    grads = [x, gate, up, down, gate_up]
+    times = {}
+    for label, fn in (("dense", dense_step), ("hybrid", hybrid_step)):
+        times[label] = do_bench(fn, warmup=100, rep=500, grad_to_none=grads, return_mode="median")
+    times["hybrid_fwd_only"] = do_bench(hybrid_fwd, warmup=50, rep=300, return_mode="median")
+    times["gate_matmul"] = do_bench(lambda: x @ gate.t(), warmup=50, rep=300, return_mode="median")
+    times["speedup"] = times["dense"] / times["hybrid"]
+    return dict(name=name, tokens=M, D=D, I=I, k=k, uneven_mean_target=uneven_mean, max_nnz=E,
+                stats=stats, rel_err=errs, memory=mem, ms=times)
+
+
+def breakdown(M, D, I, k, uneven_mean, E):
+    """Median ms of each stage of the hybrid block on its own (where the time goes)."""
+    bf = torch.bfloat16
+    x, gate, up, down, dout = (t.to(bf) for t in make_inputs(M, D, I, k, uneven_mean))
+    bench = lambda fn: do_bench(fn, warmup=25, rep=100, return_mode="median")  # noqa: E731
+    pre = x @ gate.t()
+    idx, g, nnz, _, _ = H._pack(pre, E)
+    u = torch.empty(M, E, device="cuda")
+    downT = down.t().contiguous()
+    c = torch.full((1,), 1e-3, device="cuda")
+    H._sddmm(x, up, idx, nnz, g, u, backward=False, gated=True)
+    dgp, du = H._sddmm(dout, downT, idx, nnz, g, u, backward=True, gated=True, c=c)
+    perm, offsets = H._csc(idx, nnz, I)
+    variants = {}
+    for key, blocks in (("S16_D256", dict(BLOCK_S=16, BLOCK_D=256, BLOCK_N=16)),
+                        ("S8_D512", dict(BLOCK_S=8, BLOCK_D=512, BLOCK_N=8)),
+                        ("S32_D128", dict(BLOCK_S=32, BLOCK_D=128, BLOCK_N=32)),
+                        ("S4_D2048", dict(BLOCK_S=4, BLOCK_D=2048, BLOCK_N=4))):
+        saved = dict(H.GPU_BLOCKS)
+        H.GPU_BLOCKS.update(blocks)
+        variants["spmm_fwd_" + key] = bench(lambda: H._spmm(idx, nnz, g * u, downT, dtype=bf))
+        variants["wgrad_down_" + key] = bench(lambda: H._wgrad(perm, offsets, E, g, u, dout, mode=2))
+        H.GPU_BLOCKS.update(saved)
+    for bm in (8, 32):
+        H.GPU_BLOCKS["BLOCK_M"] = bm
+        variants[f"pack_M{bm}"] = bench(lambda: H._pack(pre, E))
+        H.GPU_BLOCKS["BLOCK_M"] = 16
+    return dict(
+        **variants,
+        gate_matmul=bench(lambda: x @ gate.t()),
+        pack=bench(lambda: H._pack(pre, E)),
+        transpose_down=bench(lambda: down.t().contiguous()),
+        sddmm_fwd=bench(lambda: H._sddmm(x, up, idx, nnz, g, u, backward=False, gated=True)),
+        spmm_fwd=bench(lambda: H._spmm(idx, nnz, g * u, downT, dtype=bf)),
+        sddmm_bwd=bench(lambda: H._sddmm(dout, downT, idx, nnz, g, u, backward=True, gated=True, c=c)),
+        spmm_bwd_dx=bench(lambda: H._spmm(idx, nnz, dgp, gate, du, up, dtype=bf)),
+        csc_sort=bench(lambda: H._csc(idx, nnz, I)),
+        wgrad_gate_up=bench(lambda: H._wgrad(perm, offsets, E, dgp, du, x, mode=1)),
+        wgrad_down=bench(lambda: H._wgrad(perm, offsets, E, g, u, dout, mode=2)),
+    )
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--D", type=int, default=2048)
+    ap.add_argument("--I", type=int, default=5632)
+    ap.add_argument("--max-nnz", type=int, default=128)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    cases = [("k29", 29, None), ("k98_uneven", 29, 98)]
+    results = []
+    for n, k, um in cases:
+        r = bench_case(n, args.tokens, args.D, args.I, k, um, args.max_nnz)
+        r["breakdown_ms"] = breakdown(args.tokens, args.D, args.I, k, um, args.max_nnz)
+        print(n, json.dumps(r), flush=True)
+        results.append(r)
+    doc = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+               python=platform.python_version(), command="python " + " ".join(sys.argv), results=results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    print(f"{'case':12} {'mean':>6} {'max':>5} {'bkp':>5} {'dense ms':>9} {'hybrid ms':>9} {'fwd ms':>7} "
+          f"{'speedup':>7} {'saved':>6} {'err out':>8} {'err dx':>8} {'err dW':>8} {'dense err':>9}")
+    for r in results:
+        e, s, t = r["rel_err"]["hybrid"], r["stats"], r["ms"]
+        print(f"{r['name']:12} {s['mean_active']:6.1f} {s['max_active']:5d} {s['backup_rows']:5d} "
+              f"{t['dense']:9.3f} {t['hybrid']:9.3f} {t['hybrid_fwd_only']:7.3f} {t['speedup']:7.2f} "
+              f"{r['memory']['saved_ratio']:6.3f} {e['out']:8.1e} {e['dx']:8.1e} "
+              f"{max(e['d_gate'], e['d_up'], e['d_down']):8.1e} {r['rel_err']['dense_bf16']['out']:9.1e}")
+
+
+if __name__ == "__main__":
+    main()
