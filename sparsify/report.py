@@ -64,7 +64,8 @@ def plot_training(log: list[dict], path: str | Path) -> None:
     twin = right.twinx()
     twin.plot(tokens, [e["l1"] for e in log], color="tab:red", label="L1")
     twin.set_ylabel("L1", color="tab:red")
-    right.legend(loc="upper right")
+    lines = right.get_lines() + twin.get_lines()
+    right.legend(lines, [line.get_label() for line in lines], loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -75,6 +76,7 @@ def plot_activity(layer_stats: list[dict], path: str | Path) -> None:
     per-layer mean / p99 / max."""
     import numpy as np
     from matplotlib.colors import LogNorm
+    from matplotlib.ticker import MaxNLocator
 
     plt = _pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 0.35 * len(layer_stats) + 3), gridspec_kw={"width_ratios": [3, 1]})
@@ -87,6 +89,8 @@ def plot_activity(layer_stats: list[dict], path: str | Path) -> None:
         right.plot([max(s[key], 1e-2) for s in layer_stats], layers, marker="o", label=label)
     right.set(xscale="log", xlabel="active units per token", ylim=(len(layer_stats) - 0.5, -0.5), title="per layer")
     right.legend(fontsize=8)
+    for axis in (left, right):
+        axis.yaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
