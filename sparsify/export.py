@@ -8,6 +8,7 @@ renamed into place at the end, so a failure never leaves an OUT that looks compl
 """
 from __future__ import annotations
 
+import copy
 import importlib
 import importlib.util
 import json
@@ -66,7 +67,7 @@ def _check_layout(model: nn.Module, spec: FamilySpec, plan: list[dict]) -> None:
     and the remote-code load find every weight), and the plan covers every layer."""
     module, _, name = spec.causal_lm.rpartition(".")
     with torch.device("meta"):
-        reference = getattr(importlib.import_module(module), name)(model.config)
+        reference = getattr(importlib.import_module(module), name)(copy.deepcopy(model.config))
     expected, actual = set(reference.state_dict()), set(model.state_dict())
     if expected != actual:
         raise ValueError(f"state-dict keys differ from {name}: missing {sorted(expected - actual)[:5]}, "

@@ -8,8 +8,9 @@ undoable conversion, as in PEFT).
 
 With `track = True` each forward stores `MLPStats`: l1 (differentiable: mean over tokens of the sum over
 units of |relu(gate(x)) * up(x)|, twell.md section 1 for one layer), active (mean units per token whose
-gate pre-activation is > 0) and fired (tokens in which each unit fired). With `use_hybrid = True` a CUDA
-forward goes through `twell.hybrid_gated_mlp`, which computes the same output and statistics sparsely.
+gate pre-activation is > 0) and fired (tokens in which each unit fired). With `use_hybrid = True` the
+forward goes through `twell.hybrid_gated_mlp` (sparse Triton kernels on CUDA and under the interpreter,
+its dense reference elsewhere), which returns the same output and statistics.
 """
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ class ReluGatedMLP(nn.Module):
         return getattr(self, self.spec.gate)(x), getattr(self, self.spec.up)(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_hybrid and hybrid_gated_mlp is not None and x.is_cuda and not has_bias(self, self.spec):
+        if self.use_hybrid and hybrid_gated_mlp is not None and not has_bias(self, self.spec):
             out, stats = hybrid_gated_mlp(x, *self.weights(), max_nnz=self.hybrid_max_nnz)
             if self.track:
                 self.stats = MLPStats(stats.l1, stats.active, stats.fired)
