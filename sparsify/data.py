@@ -2,9 +2,9 @@
 `datasets` Hub name, streamed, tokenized and packed into fixed blocks of `seq_len` token ids with the
 tokenizer's EOS between documents (labels = inputs: Hugging Face models shift them internally).
 
-Evaluation text is never trained on: files whose name starts with valid/validation/eval/test (like the
-demo corpus's valid.jsonl), or a Hub dataset's "validation" split, are held out whole; otherwise the
-first blocks of the training stream are held out and training starts after them. A .txt file is one
+Evaluation text is never trained on: in a folder, files whose name starts with valid/validation/eval/test
+(like the demo corpus's valid.jsonl) are held out whole; otherwise (single files, Hub datasets) the first
+blocks of the training stream are held out and every epoch of training starts after them. A .txt file is one
 document; .jsonl/.parquet rows are documents, read from their "text" column. The `datasets` library is
 imported lazily, so checkpoints and `analyze` with local files still work where it is missing.
 """
@@ -70,7 +70,7 @@ def _by_builder(files: list[Path]) -> dict[str, list[str]]:
     return groups
 
 
-def documents(source: dict[str, list[str]] | str, split: str = "train") -> Iterator[str]:
+def documents(source: dict[str, list[str]] | str) -> Iterator[str]:
     """Stream the documents' texts (each pass re-reads the source)."""
     try:
         import datasets
@@ -81,9 +81,9 @@ def documents(source: dict[str, list[str]] | str, split: str = "train") -> Itera
     datasets.disable_progress_bars()
     if isinstance(source, str):
         try:
-            stream = datasets.load_dataset(source, split=split, streaming=True)
+            stream = datasets.load_dataset(source, split="train", streaming=True)
         except Exception as e:  # the Hub client raises many kinds; all mean "cannot use this name"
-            raise DataError(f"cannot load dataset {source!r} (split {split}): {e}") from None
+            raise DataError(f"cannot load dataset {source!r}: {e}") from None
         streams = [(source, stream)]
     else:
         streams = []
@@ -144,7 +144,7 @@ class TextData:
         self.tokenizer, self.seq_len = tokenizer, seq_len
         n_eval = max(1, -(-eval_tokens // seq_len))
         if self.source.eval is not None:
-            self.eval_blocks = list(itertools.islice(self._blocks(self.source.eval, "validation"), n_eval))
+            self.eval_blocks = list(itertools.islice(self._blocks(self.source.eval), n_eval))
             self.skip = 0
             if not self.eval_blocks:
                 raise DataError(f"evaluation data is shorter than one sequence of {seq_len} tokens")
@@ -161,10 +161,9 @@ class TextData:
             # Small data: hold out a tenth, at least one block, and train on the rest.
             self.skip = n_eval if len(head) > n_eval else max(1, len(head) // 10)
             self.eval_blocks = head[: self.skip]
-        self.eval_source_name = self.source.description
 
-    def _blocks(self, source, split: str = "train") -> Iterator[torch.Tensor]:
-        return blocks(documents(source, split), self.tokenizer, self.seq_len)
+    def _blocks(self, source) -> Iterator[torch.Tensor]:
+        return blocks(documents(source), self.tokenizer, self.seq_len)
 
     def train_batches(self, batch_size: int, start: int = 0, rank: int = 0, world: int = 1) -> Iterator[torch.Tensor]:
         """Endless [batch_size, seq_len] batches. Batch i (counted over all ranks) goes to rank i % world;
@@ -176,10 +175,6 @@ class TextData:
 
         batches = _batched(epochs(), batch_size)
         yield from itertools.islice(batches, start + rank, None, world)
-
-    @property
-    def eval_tokens(self) -> int:
-        return len(self.eval_blocks) * self.seq_len
 
 
 def _batched(stream: Iterator[torch.Tensor], batch_size: int) -> Iterator[torch.Tensor]:

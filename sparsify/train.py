@@ -26,6 +26,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from transformers import get_cosine_schedule_with_warmup
 
 from .errors import ConfigError, SparsifyError
+from .report import console
 
 MAX_L1 = 1e-2  # 50x the paper's 2e-5; at 1e-4 models already drop under one active unit per token
 
@@ -164,16 +165,16 @@ def train(
 
     widths = [None] * len(mlps)  # hidden units per layer, known after the first forward
     last_fired: torch.Tensor | None = None  # [layers, I]: token count at each unit's last firing
-    step, log, elapsed = 0, [], 0.0
+    step, log, elapsed, consumed = 0, [], 0.0, 0  # consumed: batches read over all ranks
     if resume:
         state = _load(accelerator, resume_dir)
-        step, log, elapsed = state["step"], state["log"], state["seconds"]
+        step, log, elapsed, consumed = state["step"], state["log"], state["seconds"], state["batches"]
         if state["last_fired"] is not None:
             last_fired = state["last_fired"].to(accelerator.device)
     for m in mlps:
         m.track = True
 
-    stream = batches(step * config.grad_accum * world, accelerator.process_index, world)
+    stream = batches(consumed, accelerator.process_index, world)
     window = _Window(len(mlps), accelerator.device)
     progress = _progress(show_progress and accelerator.is_main_process, total, step)
     started, window_started = time.perf_counter() - elapsed, time.perf_counter()
@@ -201,6 +202,7 @@ def train(
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
+            consumed += config.grad_accum * world
 
             # Dead units, at optimizer-step granularity: fired counts summed over micro-batches and ranks.
             step_fired = accelerator.reduce(step_fired, reduction="sum")
@@ -217,12 +219,14 @@ def train(
                 window, window_started = _Window(len(mlps), accelerator.device), now
                 if progress:
                     progress.stats = _progress_text(entry)
+                    if not progress.console.is_terminal:  # logs to a file: one line per log step
+                        progress.console.print(progress.stats)
             if progress:
                 progress.update(0, completed=step)
     except KeyboardInterrupt:
         if resume_dir is None:
             raise
-        state = {"step": step, "log": log, "seconds": time.perf_counter() - started, "last_fired": last_fired}
+        state = {"step": step, "batches": consumed, "log": log, "seconds": time.perf_counter() - started, "last_fired": last_fired}
         _save(accelerator, resume_dir, state, config)
         raise TrainingInterrupted(
             f"interrupted at step {step} of {total}; the training state is in {resume_dir}: "
@@ -288,7 +292,7 @@ def _progress(enabled: bool, total: int, step: int) -> _Progress | None:
     if not enabled:
         return None
     progress = _Progress(TextColumn("[bold]training"), BarColumn(bar_width=None), MofNCompleteColumn(),
-                         TimeElapsedColumn(), TimeRemainingColumn())
+                         TimeElapsedColumn(), TimeRemainingColumn(), console=console)
     progress.add_task("train", total=total, completed=step)
     progress.start()
     return progress
