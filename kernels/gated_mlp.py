@@ -56,11 +56,12 @@ def gate_config(m: int, tile: int, element_size: int) -> dict:
 
 
 def out_config(m: int, d: int) -> dict:
-    """Fused up/down launch configuration: CH units per step, full D row per program."""
+    """Fused up/down launch configuration: CH units per step; BD output columns per program (decode
+    splits the row over several programs, each recomputing u from the L2-resident up rows)."""
     block_d = triton.next_power_of_2(d)
     if m <= DECODE_ROWS:
-        return dict(CH=16, num_warps=8)
-    return dict(CH=8 if block_d <= 2048 else 4, num_warps=4 if block_d <= 2048 else 8)
+        return dict(CH=16, BD=256, num_warps=4)
+    return dict(CH=4, num_warps=2 if block_d <= 2048 else 4)
 
 
 def gate_pack(x2, w, tile, compression, vals_dtype, cfg, tw: Optional[TwELL] = None) -> TwELL:
@@ -88,12 +89,14 @@ def twell_out(x2, tw: TwELL, w_dec, up, down_t, h_fp32: bool, overflow, cfg, out
     if out is None:
         out = torch.empty(m, d, dtype=x2.dtype, device=x2.device)
     cfg = dict(cfg)
-    _twell_out_kernel[(m,)](
+    block_d = triton.next_power_of_2(d)
+    bd = min(cfg.pop("BD", block_d), block_d)
+    _twell_out_kernel[(m, cdiv(d, bd))](
         x2, tw.values, tw.indices, tw.counts, w_dec, up if up is not None else down_t, down_t, out,
         overflow if overflow is not None else tw.counts,
         d, tw.width, nt, x2.stride(0), x2.stride(1),
         T=tw.tile, S=s, NT_PAD=max(2, triton.next_power_of_2(nt)), CH=cfg.pop("CH"),
-        BLOCK_D=triton.next_power_of_2(d), GATED=up is not None, H_FP32=h_fp32,
+        BLOCK_D=block_d, BD=bd, GATED=up is not None, H_FP32=h_fp32,
         HAS_OVF=overflow is not None, **cfg)
     return out
 
@@ -201,14 +204,13 @@ if triton is not None:
         pack_store(acc, rows, cols, pid_n, M, N, vals_ptr, idx_ptr, cnt_ptr, n_n, S)
 
     @triton.jit
-    def _accumulate_units(acc, x, j, g, active, d, dmask, up_ptr, down_ptr, D,
+    def _accumulate_units(acc, x, j, g, active, d, dmask, do, omask, up_ptr, down_ptr, D,
                           GATED: tl.constexpr, H_FP32: tl.constexpr):
-        """acc += sum over the CH units j (where active) of h_j * down_t[j, :], h_j = g_j * (x . up[j, :])."""
-        off = j[:, None].to(tl.int64) * D + d[None, :]
-        m2 = active[:, None] & dmask[None, :]
-        dw = tl.load(down_ptr + off, mask=m2, other=0.0)  # issued before the up reduction waits
-        if GATED:
-            uw = tl.load(up_ptr + off, mask=m2, other=0.0)
+        """acc += sum over the CH units j (where active) of h_j * down_t[j, do], h_j = g_j * (x . up[j, :])."""
+        rows = j[:, None].to(tl.int64) * D
+        dw = tl.load(down_ptr + rows + do[None, :], mask=active[:, None] & omask[None, :], other=0.0)
+        if GATED:  # the down rows above are already in flight while this reduction waits
+            uw = tl.load(up_ptr + rows + d[None, :], mask=active[:, None] & dmask[None, :], other=0.0)
             h = g * tl.sum(uw.to(tl.float32) * x[None, :], axis=1)
         else:
             h = g
@@ -217,36 +219,51 @@ if triton is not None:
         return acc + tl.sum(h[:, None] * dw.to(tl.float32), axis=0)
 
     @triton.jit
+    def _list_entries(e, incl, fits, total, row, NT, S: tl.constexpr, idx_ptr, vals_ptr):
+        """Units and gate values of entries e of a row's compact list (tiles that fit, in order)."""
+        # entry e lies in the first tile whose inclusive prefix exceeds e
+        before = incl[None, :] <= e[:, None]
+        tile_id = tl.sum(before.to(tl.int32), axis=1)
+        slot = e - tl.sum(tl.where(before, fits[None, :], 0), axis=1)
+        off = (row * NT + tile_id) * S + slot
+        active = e < total
+        j = tl.load(idx_ptr + off, mask=active, other=0)
+        g = tl.load(vals_ptr + off, mask=active, other=0.0).to(tl.float32)
+        return j, g, active
+
+    @triton.jit
     def _twell_out_kernel(x_ptr, vals_ptr, idx_ptr, cnt_ptr, wdec_ptr, up_ptr, down_ptr, out_ptr, ovf_ptr,
                           D, I, NT, stride_xm, stride_xk,
                           T: tl.constexpr, S: tl.constexpr, NT_PAD: tl.constexpr, CH: tl.constexpr,
-                          BLOCK_D: tl.constexpr, GATED: tl.constexpr, H_FP32: tl.constexpr,
-                          HAS_OVF: tl.constexpr):
+                          BLOCK_D: tl.constexpr, BD: tl.constexpr, GATED: tl.constexpr,
+                          H_FP32: tl.constexpr, HAS_OVF: tl.constexpr):
+        # program (row, output chunk): u needs the whole row of x and up, down only BD output columns
         row = tl.program_id(0).to(tl.int64)
+        pid_d = tl.program_id(1)
         d = tl.arange(0, BLOCK_D)
         dmask = d < D
+        do = pid_d * BD + tl.arange(0, BD)
+        omask = do < D
         x = tl.load(x_ptr + row * stride_xm + d * stride_xk, mask=dmask, other=0.0).to(tl.float32)
         t = tl.arange(0, NT_PAD)
         cnt = tl.load(cnt_ptr + row * NT + t, mask=t < NT, other=0)
         fits = tl.where(cnt <= S, cnt, 0)  # overflowed tiles go through the dense fallback below
         incl = tl.cumsum(fits, axis=0)
         total = tl.sum(fits, axis=0)
-        acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+        acc = tl.zeros((BD,), dtype=tl.float32)
+        e = tl.arange(0, CH)
+        j, g, active = _list_entries(e, incl, fits, total, row, NT, S, idx_ptr, vals_ptr)
         for e0 in range(0, total, CH):
-            # entry e of the row's compact list lies in the tile where the inclusive prefix first exceeds e
-            e = e0 + tl.arange(0, CH)
-            before = incl[None, :] <= e[:, None]
-            tile_id = tl.sum(before.to(tl.int32), axis=1)
-            slot = e - tl.sum(tl.where(before, fits[None, :], 0), axis=1)
-            off = (row * NT + tile_id) * S + slot
-            active = e < total
-            j = tl.load(idx_ptr + off, mask=active, other=0)
-            g = tl.load(vals_ptr + off, mask=active, other=0.0).to(tl.float32)
-            acc = _accumulate_units(acc, x, j, g, active, d, dmask, up_ptr, down_ptr, D, GATED, H_FP32)
+            # the next chunk's units are fetched before this chunk's weights are consumed
+            j_next, g_next, active_next = _list_entries(e + e0 + CH, incl, fits, total, row, NT, S,
+                                                        idx_ptr, vals_ptr)
+            acc = _accumulate_units(acc, x, j, g, active, d, dmask, do, omask, up_ptr, down_ptr, D,
+                                    GATED, H_FP32)
+            j, g, active = j_next, g_next, active_next
         n_over = tl.sum((cnt > S).to(tl.int32), axis=0)
         if n_over > 0:
             if HAS_OVF:
-                tl.atomic_add(ovf_ptr, n_over.to(ovf_ptr.dtype.element_ty))
+                tl.atomic_add(ovf_ptr, n_over.to(ovf_ptr.dtype.element_ty), mask=pid_d == 0)
             for tile in range(0, NT):
                 if tl.load(cnt_ptr + row * NT + tile) > S:
                     for u0 in range(0, T, CH):
@@ -256,6 +273,6 @@ if triton is not None:
                                      mask=inside[:, None] & dmask[None, :], other=0.0)
                         g = tl.sum(gw.to(tl.float32) * x[None, :], axis=1)
                         g = g.to(vals_ptr.dtype.element_ty).to(tl.float32)  # as the packed value would be
-                        acc = _accumulate_units(acc, x, j, g, inside & (g > 0), d, dmask, up_ptr, down_ptr,
-                                                D, GATED, H_FP32)
-        tl.store(out_ptr + row * D + d, acc.to(out_ptr.dtype.element_ty), mask=dmask)
+                        acc = _accumulate_units(acc, x, j, g, inside & (g > 0), d, dmask, do, omask,
+                                                up_ptr, down_ptr, D, GATED, H_FP32)
+        tl.store(out_ptr + row * D + do, acc.to(out_ptr.dtype.element_ty), mask=omask)

@@ -65,8 +65,11 @@ def test_kernels_write_every_output_and_read_only_valid_slots():
     gate_pack(x, gate, 16, 4, x.dtype, gate_config(70, 16, 4), tw=tw)
     assert (tw.counts >= 0).all()
     out = torch.full_like(x, float("nan"))
-    twell_out(x, tw, gate, up, down.t().contiguous(), False, None, out_config(70, 20), out=out)
+    overflow = torch.zeros(1, dtype=torch.int64, device=DEV)
+    # 8 output columns per program: each row split over 3 programs, the overflow counted once
+    twell_out(x, tw, gate, up, down.t().contiguous(), False, overflow, dict(CH=4, BD=8), out=out)
     assert rel_err(out, reference(x, gate, up, down)) < 1e-5
+    assert overflow.item() == (tw.counts > slots(16, 4)).sum().item() > 0
 
 
 def test_noncontiguous_and_batched_input():
