@@ -109,8 +109,11 @@ def export_checkpoint(model: nn.Module, tokenizer, out_dir: str | Path, *, spec:
         if not path.is_file():
             raise OutputError(f"artifact {name}: {path} does not exist")
     kernels = kernel_dir()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    except OSError as error:
+        raise OutputError(f"{out}: cannot write there ({error})") from error
     try:
         _write(staging, model, tokenizer, spec, plan, training, artifacts, kernels, max_shard_size)
         if out.exists():  # empty, or overwrite: move the old one aside only once the new one is complete
@@ -125,7 +128,9 @@ def export_checkpoint(model: nn.Module, tokenizer, out_dir: str | Path, *, spec:
             shutil.rmtree(old)
         else:
             staging.rename(out)
-    except BaseException:
+    except BaseException as error:
         shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(error, OSError):  # disk full, permissions: the user's to fix
+            raise OutputError(f"writing {out} failed ({error}); nothing was written") from error
         raise
     return out

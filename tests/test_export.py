@@ -149,21 +149,29 @@ def test_remote_model_falls_back_to_dense_math(tmp_path, monkeypatch):
     assert calls == []
 
 
+def _failing(error):
+    def card(**kwargs):
+        raise error
+
+    return card
+
+
 def test_failure_mid_write_leaves_no_output(tmp_path, monkeypatch):
     model, tokenizer, spec = _relufied("qwen2")
+    monkeypatch.setattr(export, "model_card", _failing(RuntimeError("bug")))  # after the weights are written
+    with pytest.raises(RuntimeError, match="bug"):
+        export_checkpoint(model, tokenizer, tmp_path / "out", spec=spec, plan=PLAN, training=TRAINING)
+    assert list(tmp_path.iterdir()) == []
 
-    def broken_card(**kwargs):
-        raise RuntimeError("disk full")
-
-    monkeypatch.setattr(export, "model_card", broken_card)  # after the weights are written
-    with pytest.raises(RuntimeError, match="disk full"):
+    monkeypatch.setattr(export, "model_card", _failing(OSError("No space left on device")))
+    with pytest.raises(OutputError, match="No space left"):  # the environment's problem: a user error
         export_checkpoint(model, tokenizer, tmp_path / "out", spec=spec, plan=PLAN, training=TRAINING)
     assert list(tmp_path.iterdir()) == []
 
     old = tmp_path / "out"
     old.mkdir()
     (old / "keep.txt").write_text("previous")
-    with pytest.raises(RuntimeError, match="disk full"):
+    with pytest.raises(OutputError, match="No space left"):
         export_checkpoint(model, tokenizer, old, spec=spec, plan=PLAN, training=TRAINING, overwrite=True)
     assert [p.name for p in tmp_path.iterdir()] == ["out"] and [p.name for p in old.iterdir()] == ["keep.txt"]
 
@@ -180,6 +188,8 @@ def test_existing_output(tmp_path, monkeypatch):
         export_checkpoint(model, tokenizer, out, spec=spec, plan=PLAN, training=TRAINING)
     with pytest.raises(OutputError, match="not a folder"):
         check_output_dir(out / "stale.txt", overwrite=True)
+    with pytest.raises(OutputError, match="cannot write there"):
+        export_checkpoint(model, tokenizer, out / "stale.txt" / "sub", spec=spec, plan=PLAN, training=TRAINING)
     with pytest.raises(OutputError, match="does not exist"):
         export_checkpoint(model, tokenizer, tmp_path / "new", spec=spec, plan=PLAN, training=TRAINING,
                           artifacts={"log.json": tmp_path / "missing.json"})
