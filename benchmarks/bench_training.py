@@ -147,19 +147,23 @@ def breakdown(M, D, I, k, uneven_mean, E):
     dgp, du = H._sddmm(dout, downT, idx, nnz, g, u, backward=True, gated=True, c=c)
     perm, offsets = H._csc(idx, nnz, I)
     variants = {}
-    for key, blocks in (("S16_D256", dict(BLOCK_S=16, BLOCK_D=256, BLOCK_N=16)),
-                        ("S8_D512", dict(BLOCK_S=8, BLOCK_D=512, BLOCK_N=8)),
-                        ("S32_D128", dict(BLOCK_S=32, BLOCK_D=128, BLOCK_N=32)),
-                        ("S4_D2048", dict(BLOCK_S=4, BLOCK_D=2048, BLOCK_N=4))):
+
+    def variant(name, fn, **blocks):
         saved = dict(H.GPU_BLOCKS)
         H.GPU_BLOCKS.update(blocks)
-        variants["spmm_fwd_" + key] = bench(lambda: H._spmm(idx, nnz, g * u, downT, dtype=bf))
-        variants["wgrad_down_" + key] = bench(lambda: H._wgrad(perm, offsets, E, g, u, dout, mode=2))
+        variants[name] = bench(fn)
         H.GPU_BLOCKS.update(saved)
-    for bm in (8, 32):
-        H.GPU_BLOCKS["BLOCK_M"] = bm
-        variants[f"pack_M{bm}"] = bench(lambda: H._pack(pre, E))
-        H.GPU_BLOCKS["BLOCK_M"] = 16
+
+    for bs, bd in ((4, 2048), (8, 1024), (2, 2048), (8, 2048)):
+        variant(f"spmm_fwd_S{bs}_D{bd}", lambda: H._spmm(idx, nnz, g * u, downT, dtype=bf),
+                BLOCK_S=bs, BLOCK_D=bd)
+        variant(f"wgrad_gate_up_N{bs}_D{bd}", lambda: H._wgrad(perm, offsets, E, dgp, du, x, mode=1),
+                BLOCK_N=bs, BLOCK_D=bd)
+    for bs, bd in ((8, 512), (4, 1024), (32, 128)):
+        variant(f"sddmm_fwd_S{bs}_D{bd}", lambda: H._sddmm(x, up, idx, nnz, g, u, backward=False,
+                                                           gated=True), SDDMM_S=bs, SDDMM_D=bd)
+    for bm, bi, nw in ((16, 256, 1), (16, 256, 8), (8, 512, 4), (32, 128, 4), (64, 64, 4)):
+        variant(f"pack_M{bm}_I{bi}_W{nw}", lambda: H._pack(pre, E), BLOCK_M=bm, BLOCK_I=bi, PACK_WARPS=nw)
     return dict(
         **variants,
         gate_matmul=bench(lambda: x @ gate.t()),

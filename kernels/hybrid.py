@@ -9,11 +9,10 @@ per-row sparse pattern of its gate (docs/twell.md section 4).
 - `_sddmm_kernel` (a program per row): the sampled dense-dense product a[row] . W[j] at the row's units:
   forward u = x . up[j], h = g * u and the row's sum |h| (L1); backward dh = dout . down[:, j], plus the
   L1 gradient sign(h) * dl1 / M, giving d_gate_pre = dh * u and d_up = dh * g on the pattern.
-- `_spmm_kernel` (a program per (D chunk, row)): out = h @ down^T and dx = d_gate_pre @ gate + d_up @ up,
-  gathering rows of [I, D] weights. The D chunk varies fastest over the program ids: programs running
-  together then read whole weight rows (with the row fastest, all read the same 1/8 of each 4 KB row,
-  the same low address bits, and ran ~7x slower on an H100).
-- `_wgrad_kernel` (a program per (D chunk, unit)): weight gradients as transposed-sparse x dense, from a
+- `_spmm_kernel` (a program per row): out = h @ down^T and dx = d_gate_pre @ gate + d_up @ up, gathering
+  rows of [I, D] weights. Whole rows a program: with a program per (row, 256-wide D chunk), a short
+  dependent chain per program, an H100 ran 10x slower (per-program cost, not bytes).
+- `_wgrad_kernel` (a program per unit, busiest units first): weight gradients as transposed-sparse x dense, from a
   per-unit list of the ELL entries (CSC, a stable sort of the unit indices): deterministic, no atomics.
 Saved for backward: x, the weights, ELL indices, g and u [M, E] (fp32), and the backup rows' g and u.
 """
@@ -111,66 +110,68 @@ if _HAS_TRITON:
             tl.store(rowsum_ptr + row, l1)
 
     @triton.jit
-    def _spmm_kernel(a_ptr, b_ptr, w1_ptr, w2_ptr, idx_ptr, nnz_ptr, out_ptr, D, N_D, E,
+    def _spmm_kernel(a_ptr, b_ptr, w1_ptr, w2_ptr, idx_ptr, nnz_ptr, out_ptr, D, E,
                      stride_w1, stride_w2, stride_out, TWO: tl.constexpr, BLOCK_S: tl.constexpr,
                      BLOCK_D: tl.constexpr):
-        pid = tl.program_id(0)  # 1-D grid, D chunk fastest (see the module docstring)
-        row = (pid // N_D).to(tl.int64)
-        cols = (pid % N_D) * BLOCK_D + tl.arange(0, BLOCK_D)
-        dmask = cols < D
+        row = tl.program_id(0).to(tl.int64)
         n = tl.load(nnz_ptr + row)
         n = tl.where(n > E, 0, n)
-        acc = tl.zeros([BLOCK_D], tl.float32)
-        for s0 in range(0, n, BLOCK_S):
-            slots = s0 + tl.arange(0, BLOCK_S)
-            smask = slots < n
-            e = row * E + slots
-            j = tl.load(idx_ptr + e, mask=smask, other=0).to(tl.int64)
-            m2 = smask[:, None] & dmask[None, :]
-            a = tl.load(a_ptr + e, mask=smask, other=0.0)
-            w = tl.load(w1_ptr + j[:, None] * stride_w1 + cols[None, :], mask=m2, other=0.0)
-            acc += tl.sum(a[:, None] * w.to(tl.float32), 0)
-            if TWO:
-                b = tl.load(b_ptr + e, mask=smask, other=0.0)
-                w = tl.load(w2_ptr + j[:, None] * stride_w2 + cols[None, :], mask=m2, other=0.0)
-                acc += tl.sum(b[:, None] * w.to(tl.float32), 0)
-        tl.store(out_ptr + row * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=dmask)
+        for d0 in range(0, D, BLOCK_D):
+            cols = d0 + tl.arange(0, BLOCK_D)
+            dmask = cols < D
+            acc = tl.zeros([BLOCK_D], tl.float32)
+            for s0 in range(0, n, BLOCK_S):
+                slots = s0 + tl.arange(0, BLOCK_S)
+                smask = slots < n
+                e = row * E + slots
+                j = tl.load(idx_ptr + e, mask=smask, other=0).to(tl.int64)
+                m2 = smask[:, None] & dmask[None, :]
+                a = tl.load(a_ptr + e, mask=smask, other=0.0)
+                w = tl.load(w1_ptr + j[:, None] * stride_w1 + cols[None, :], mask=m2, other=0.0)
+                acc += tl.sum(a[:, None] * w.to(tl.float32), 0)
+                if TWO:
+                    b = tl.load(b_ptr + e, mask=smask, other=0.0)
+                    w = tl.load(w2_ptr + j[:, None] * stride_w2 + cols[None, :], mask=m2, other=0.0)
+                    acc += tl.sum(b[:, None] * w.to(tl.float32), 0)
+            tl.store(out_ptr + row * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=dmask)
 
     @triton.jit
-    def _wgrad_kernel(perm_ptr, offsets_ptr, a_ptr, b_ptr, x_ptr, out1_ptr, out2_ptr, D, N_D, E,
+    def _wgrad_kernel(order_ptr, perm_ptr, offsets_ptr, a_ptr, b_ptr, x_ptr, out1_ptr, out2_ptr, D, E,
                       stride_x, MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
         # MODE 0: out1 = sum a x; 1: out1 = sum a x, out2 = sum b x; 2: out1 = sum (a b) x
-        pid = tl.program_id(0)
-        unit = (pid // N_D).to(tl.int64)
-        cols = (pid % N_D) * BLOCK_D + tl.arange(0, BLOCK_D)
-        dmask = cols < D
+        unit = tl.load(order_ptr + tl.program_id(0))  # units with the most entries first
         start = tl.load(offsets_ptr + unit)
         end = tl.load(offsets_ptr + unit + 1)
-        acc1 = tl.zeros([BLOCK_D], tl.float32)
-        acc2 = tl.zeros([BLOCK_D], tl.float32)
-        for e0 in range(start, end, BLOCK_N):
-            es = e0 + tl.arange(0, BLOCK_N)
-            emask = es < end
-            p = tl.load(perm_ptr + es, mask=emask, other=0)  # flat ELL position row * E + slot
-            t = p // E
-            xt = tl.load(x_ptr + t[:, None] * stride_x + cols[None, :],
-                         mask=emask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-            a = tl.load(a_ptr + p, mask=emask, other=0.0)
-            if MODE == 2:
-                a = a * tl.load(b_ptr + p, mask=emask, other=0.0)
-            acc1 += tl.sum(a[:, None] * xt, 0)
+        for d0 in range(0, D, BLOCK_D):
+            cols = d0 + tl.arange(0, BLOCK_D)
+            dmask = cols < D
+            acc1 = tl.zeros([BLOCK_D], tl.float32)
+            acc2 = tl.zeros([BLOCK_D], tl.float32)
+            for e0 in range(start, end, BLOCK_N):
+                es = e0 + tl.arange(0, BLOCK_N)
+                emask = es < end
+                p = tl.load(perm_ptr + es, mask=emask, other=0)  # flat ELL position row * E + slot
+                t = p // E
+                xt = tl.load(x_ptr + t[:, None] * stride_x + cols[None, :],
+                             mask=emask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+                a = tl.load(a_ptr + p, mask=emask, other=0.0)
+                if MODE == 2:
+                    a = a * tl.load(b_ptr + p, mask=emask, other=0.0)
+                acc1 += tl.sum(a[:, None] * xt, 0)
+                if MODE == 1:
+                    b = tl.load(b_ptr + p, mask=emask, other=0.0)
+                    acc2 += tl.sum(b[:, None] * xt, 0)
+            tl.store(out1_ptr + unit * D + cols, acc1, mask=dmask)
             if MODE == 1:
-                b = tl.load(b_ptr + p, mask=emask, other=0.0)
-                acc2 += tl.sum(b[:, None] * xt, 0)
-        tl.store(out1_ptr + unit * D + cols, acc1, mask=dmask)
-        if MODE == 1:
-            tl.store(out2_ptr + unit * D + cols, acc2, mask=dmask)
+                tl.store(out2_ptr + unit * D + cols, acc2, mask=dmask)
 
 
 # Tile sizes: GPU ones for speed; small ones in the CPU interpreter so that small test shapes still run
 # every loop several times.
-GPU_BLOCKS = dict(BLOCK_M=16, BLOCK_I=256, BLOCK_S=16, BLOCK_D=256, BLOCK_N=16)
-CPU_BLOCKS = dict(BLOCK_M=4, BLOCK_I=32, BLOCK_S=4, BLOCK_D=16, BLOCK_N=4)
+GPU_BLOCKS = dict(BLOCK_M=16, BLOCK_I=256, PACK_WARPS=4, SDDMM_S=16, SDDMM_D=256, BLOCK_S=4,
+                  BLOCK_D=2048, BLOCK_N=4)
+CPU_BLOCKS = dict(BLOCK_M=4, BLOCK_I=32, PACK_WARPS=4, SDDMM_S=4, SDDMM_D=16, BLOCK_S=4, BLOCK_D=16,
+                  BLOCK_N=4)
 
 
 def _blocks(device):
@@ -193,7 +194,7 @@ def _pack(pre, E):
     grid = triton.cdiv(M, bl["BLOCK_M"])
     fired = _empty((grid, I), dtype=torch.int32, device=pre.device)
     _pack_kernel[(grid,)](pre, idx, val, nnz, rowsum, fired, M, I, E, pre.stride(0),
-                          BLOCK_M=bl["BLOCK_M"], BLOCK_I=bl["BLOCK_I"], num_warps=4)
+                          BLOCK_M=bl["BLOCK_M"], BLOCK_I=bl["BLOCK_I"], num_warps=bl["PACK_WARPS"])
     return idx, val, nnz, rowsum, fired.sum(0)
 
 
@@ -204,11 +205,9 @@ def _spmm(idx, nnz, a, w1, b=None, w2=None, *, dtype):
     bl = _blocks(idx.device)
     out = _empty((M, D), dtype=dtype, device=idx.device)
     two = b is not None
-    n_d = triton.cdiv(D, bl["BLOCK_D"])
-    _spmm_kernel[(n_d * M,)](a, b if two else a, w1, w2 if two else w1, idx, nnz, out, D, n_d, E,
-                       w1.stride(0),
-                       (w2 if two else w1).stride(0), out.stride(0), TWO=two,
-                       BLOCK_S=bl["BLOCK_S"], BLOCK_D=bl["BLOCK_D"], num_warps=4)
+    _spmm_kernel[(M,)](a, b if two else a, w1, w2 if two else w1, idx, nnz, out, D, E, w1.stride(0),
+                       (w2 if two else w1).stride(0), out.stride(0), TWO=two, BLOCK_S=bl["BLOCK_S"],
+                       BLOCK_D=min(bl["BLOCK_D"], triton.next_power_of_2(D)), num_warps=4)
     return out
 
 
@@ -231,10 +230,11 @@ def _wgrad(perm, offsets, E, a, b, x, mode):
     bl = _blocks(x.device)
     out1 = _empty((I, D), dtype=torch.float32, device=x.device)
     out2 = _empty((I, D), dtype=torch.float32, device=x.device) if mode == 1 else out1
-    n_d = triton.cdiv(D, bl["BLOCK_D"])
-    _wgrad_kernel[(n_d * I,)](perm, offsets, a, b if b is not None else a, x, out1, out2, D, n_d, E,
+    order = torch.argsort(offsets[1:] - offsets[:-1], descending=True)
+    _wgrad_kernel[(I,)](order, perm, offsets, a, b if b is not None else a, x, out1, out2, D, E,
                         x.stride(0),
-                        MODE=mode, BLOCK_N=bl["BLOCK_N"], BLOCK_D=bl["BLOCK_D"], num_warps=4)
+                        MODE=mode, BLOCK_N=bl["BLOCK_N"],
+                        BLOCK_D=min(bl["BLOCK_D"], triton.next_power_of_2(D)), num_warps=4)
     return out1, out2
 
 
@@ -253,7 +253,7 @@ def _sddmm(a, w, idx, nnz, g, u, *, backward, gated, c=None):
                         out1 if out1 is not None else dummy, out2 if out2 is not None else dummy,
                         rowsum if rowsum is not None else dummy, c if c is not None else dummy,
                         D, E, a.stride(0), w.stride(0), BACKWARD=backward, GATED=gated,
-                        BLOCK_S=bl["BLOCK_S"], BLOCK_D=bl["BLOCK_D"], num_warps=4)
+                        BLOCK_S=bl["SDDMM_S"], BLOCK_D=bl["SDDMM_D"], num_warps=4)
     return rowsum if not backward else (out1, out2)
 
 
