@@ -117,8 +117,7 @@ def test_failure_while_writing_leaves_no_output(files, tmp_path, monkeypatch):
         raise OSError("No space left on device")
 
     monkeypatch.setattr(export, "_write", fail)
-    result = convert(files, "llama", tmp_path / "out")
-    assert result.exit_code != 0 and "No space left" in str(result.exception)
+    assert_user_error(convert(files, "llama", tmp_path / "out"), "No space left on device")
     assert list(tmp_path.iterdir()) == []
 
 
