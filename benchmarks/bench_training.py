@@ -145,7 +145,7 @@ def breakdown(M, D, I, k, uneven_mean, E):
     c = torch.full((1,), 1e-3, device="cuda")
     H._sddmm(x, up, idx, nnz, g, u, backward=False, gated=True)
     dgp, du = H._sddmm(dout, downT, idx, nnz, g, u, backward=True, gated=True, c=c)
-    perm, offsets = H._csc(idx, nnz, I)
+    csc = H._csc(idx, nnz, I)
     variants = {}
 
     def variant(name, fn, **blocks):
@@ -157,7 +157,7 @@ def breakdown(M, D, I, k, uneven_mean, E):
     for bs, bd in ((4, 2048), (8, 1024), (2, 2048), (8, 2048)):
         variant(f"spmm_fwd_S{bs}_D{bd}", lambda: H._spmm(idx, nnz, g * u, downT, dtype=bf),
                 BLOCK_S=bs, BLOCK_D=bd)
-        variant(f"wgrad_gate_up_N{bs}_D{bd}", lambda: H._wgrad(perm, offsets, E, dgp, du, x, mode=1),
+        variant(f"wgrad_gate_up_N{bs}_D{bd}", lambda: H._wgrad(csc, E, dgp, du, x, mode=1),
                 BLOCK_N=bs, BLOCK_D=bd)
     for bs, bd in ((8, 512), (4, 1024), (32, 128)):
         variant(f"sddmm_fwd_S{bs}_D{bd}", lambda: H._sddmm(x, up, idx, nnz, g, u, backward=False,
@@ -168,14 +168,15 @@ def breakdown(M, D, I, k, uneven_mean, E):
         **variants,
         gate_matmul=bench(lambda: x @ gate.t()),
         pack=bench(lambda: H._pack(pre, E)),
-        transpose_down=bench(lambda: down.t().contiguous()),
+        transpose_down_torch=bench(lambda: down.t().contiguous()),
+        transpose_down=bench(lambda: H._transpose(down, bf)),
         sddmm_fwd=bench(lambda: H._sddmm(x, up, idx, nnz, g, u, backward=False, gated=True)),
         spmm_fwd=bench(lambda: H._spmm(idx, nnz, g * u, downT, dtype=bf)),
         sddmm_bwd=bench(lambda: H._sddmm(dout, downT, idx, nnz, g, u, backward=True, gated=True, c=c)),
         spmm_bwd_dx=bench(lambda: H._spmm(idx, nnz, dgp, gate, du, up, dtype=bf)),
         csc_sort=bench(lambda: H._csc(idx, nnz, I)),
-        wgrad_gate_up=bench(lambda: H._wgrad(perm, offsets, E, dgp, du, x, mode=1)),
-        wgrad_down=bench(lambda: H._wgrad(perm, offsets, E, g, u, dout, mode=2)),
+        wgrad_gate_up=bench(lambda: H._wgrad(csc, E, dgp, du, x, mode=1)),
+        wgrad_down=bench(lambda: H._wgrad(csc, E, g, u, dout, mode=2)),
     )
 
 
