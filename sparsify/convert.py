@@ -77,7 +77,7 @@ def convert(
     """Convert `source` into a sparse checkpoint at `out`; returns the summary (perplexities, per-layer
     statistics and plan, training log)."""
     main = PartialState().is_main_process
-    check_output_dir(out, overwrite)
+    out = check_output_dir(out, overwrite)
     config.validate()
     resume_dir = resume_dir_for(out)
     if resume and not (resume_dir / "state.json").is_file():

@@ -107,6 +107,22 @@ def test_ctrl_c_then_resume(files, tmp_path, monkeypatch):
     assert not (tmp_path / "out.resume").exists()
 
 
+def test_push_to_hub_uploads_the_finished_folder(files, tmp_path, monkeypatch):
+    import sparsify.push
+
+    calls = []
+
+    def push(out, repo_id, private=False):
+        calls.append((out, repo_id, private, (out / "config.json").is_file()))
+        return f"https://huggingface.co/{repo_id}"
+
+    monkeypatch.setattr(sparsify.push, "push_to_hub", push)
+    result = convert(files, "llama", tmp_path / "out", "--push-to-hub", "me/tiny-sparse", "--private")
+    assert result.exit_code == 0, result.output
+    assert calls == [(tmp_path / "out", "me/tiny-sparse", True, True)]
+    assert "pushed to https://huggingface.co/me/tiny-sparse" in result.output
+
+
 def test_resume_without_state(files, tmp_path):
     assert_user_error(convert(files, "llama", tmp_path / "out", "--resume"), "no saved training state")
 
