@@ -23,7 +23,7 @@ from torch import nn
 from .families import FamilySpec, down_weight, gate_weight, has_bias, mlp_modules, spec_for, up_weight
 
 try:
-    from twell import hybrid_gated_mlp
+    from twell.hybrid import hybrid_gated_mlp  # the module: twell/__init__.py does not re-export it
 except ImportError:  # kernels not installed (or no triton): dense path only
     hybrid_gated_mlp = None
 

@@ -41,7 +41,7 @@ def test_relufy_keeps_parameters_and_matches_hf_relu(family):
 
 @pytest.mark.parametrize("family", ["llama", "phi3"])
 def test_tracked_stats_follow_the_definition(family):
-    model, _ = tiny_model("phi3", hidden_size=32, intermediate_size=48, head_dim=8)
+    model, _ = tiny_model(family)
     mlp = relufy(model)[0]
     mlp.track = True
     x = torch.randn(3, 7, model.config.hidden_size)
