@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import yaml
 from accelerate import PartialState
+from transformers.utils.hub import convert_file_size_to_int
 
 from .data import TextData, resolve as resolve_data
 from .errors import ConfigError, DataError
@@ -78,6 +79,10 @@ def convert(
     statistics and plan, training log)."""
     main = PartialState().is_main_process
     out = check_output_dir(out, overwrite)
+    try:
+        convert_file_size_to_int(max_shard_size)
+    except ValueError:
+        raise ConfigError(f"--max-shard-size {max_shard_size!r}: use a number and a unit, e.g. 5GB or 500MB") from None
     config.validate()
     resume_dir = resume_dir_for(out)
     if resume and not (resume_dir / "state.json").is_file():

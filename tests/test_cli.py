@@ -162,6 +162,7 @@ def gpt2_folder(root):
         (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--seq-len", "4096"], "beyond the model's maximum of 128 positions"),
         (["convert", "{llama}", "-o", "{tmp}/full", "--data", "{corpus}", "--steps", "1"], "not empty (pass --overwrite"),
         (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--recipe", "nonexistent"], "recipe nonexistent not found"),
+        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--max-shard-size", "big"], "--max-shard-size"),
         (["analyze", "{llama}"], "--data is required"),
         (["analyze", "{llama}", "--data", "{corpus}", "--tokens", "0"], "--tokens"),
     ],
