@@ -29,7 +29,8 @@ def layer_table(plan: list[dict], intermediate_size: int) -> str:
         mean = stats.get("mean_active")
         sparsity = None if mean is None else 1 - mean / intermediate_size
         active = "-" if mean is None else f"{mean:.1f}"
-        rows.append(f"| {index} | {active} | {_percent(sparsity)} | {_percent(stats.get('dead_frac'))} | {describe(layer)} |")
+        dead = _percent(stats.get("dead_frac"))
+        rows.append(f"| {index} | {active} | {_percent(sparsity)} | {dead} | {describe(layer)} |")
     return "\n".join(rows)
 
 
