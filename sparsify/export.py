@@ -63,8 +63,10 @@ def twell_section(spec: FamilySpec, plan: list[dict], training: dict) -> dict:
 
 
 def _check_layout(model: nn.Module, spec: FamilySpec, plan: list[dict]) -> None:
-    """The model saves under exactly the parameter names of the family's own class (so that both the plain
-    and the remote-code load find every weight), and the plan covers every layer."""
+    """The model has a ReLU gate, saves under exactly the parameter names of the family's own class (so that
+    both the plain and the remote-code load find every weight), and the plan covers every layer."""
+    if getattr(model.config, spec.act_key) != "relu":
+        raise ValueError(f"config.{spec.act_key} is {getattr(model.config, spec.act_key)!r}: export a relufied model")
     module, _, name = spec.causal_lm.rpartition(".")
     with torch.device("meta"):
         reference = getattr(importlib.import_module(module), name)(copy.deepcopy(model.config))
@@ -83,7 +85,7 @@ def _write(folder: Path, model, tokenizer, spec, plan, training, artifacts, kern
         tokenizer.save_pretrained(folder)
     config_file = folder / "config.json"
     config = json.loads(config_file.read_text())
-    config.update({spec.act_key: "relu", "auto_map": AUTO_MAP, "twell": twell_section(spec, plan, training)})
+    config.update({"auto_map": AUTO_MAP, "twell": twell_section(spec, plan, training)})
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     (folder / "modeling_twell.py").write_text(modeling_source(spec))
     for kernel_file in kernels.glob("*.py"):

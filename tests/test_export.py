@@ -201,6 +201,9 @@ def test_existing_output(tmp_path, monkeypatch):
 
 
 def test_layout_mismatch_is_caught_before_writing(tmp_path):
+    model, tokenizer = tiny_model("gemma2")
+    with pytest.raises(ValueError, match="hidden_activation is 'gelu_pytorch_tanh'"):
+        export_checkpoint(model, tokenizer, tmp_path / "a", spec=spec_for(model.config), plan=PLAN, training=TRAINING)
     model, tokenizer, spec = _relufied("llama")
     with pytest.raises(ValueError, match="plan has 1 layers"):
         export_checkpoint(model, tokenizer, tmp_path / "a", spec=spec, plan=PLAN[:1], training=TRAINING)
