@@ -1,8 +1,13 @@
-"""Test setup. Without a GPU, Triton kernels run under the interpreter on CPU tensors (set before triton
-is imported anywhere); tests marked `gpu` are skipped."""
+"""Test setup, before anything imports triton or transformers: without a GPU, Triton kernels run under
+the interpreter on CPU tensors and tests marked `gpu` are skipped; remote code loaded by the tests goes
+to a fresh modules cache (not the user's), and nothing tries to reach the Hub."""
 import os
+import tempfile
 
-import torch
+os.environ["HF_MODULES_CACHE"] = tempfile.mkdtemp(prefix="sparsify-hf-modules-")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

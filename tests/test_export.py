@@ -1,12 +1,12 @@
 import ast
 import inspect
 import json
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import transformers.dynamic_module_utils
 from huggingface_hub import ModelCard
 from transformers import AutoModelForCausalLM
 
@@ -26,13 +26,6 @@ PLAN = [
 ]
 TIED = ("gemma", "qwen3")  # released models of these families share the embedding with the LM head
 TRAINING = {"base_model": "someone/tiny-base", "tokens": 4096, "steps": 2, "l1": 2e-5}
-
-
-@pytest.fixture(autouse=True)
-def modules_cache(tmp_path_factory, monkeypatch):
-    """Remote code goes to a fresh cache, not the user's ~/.cache/huggingface/modules."""
-    monkeypatch.setattr(transformers.dynamic_module_utils, "HF_MODULES_CACHE",
-                        str(tmp_path_factory.getbasetemp() / "hf_modules"))
 
 
 def _relufied(family, **overrides):
@@ -69,7 +62,7 @@ def test_export_reloads_both_ways_with_the_same_logits(family, tmp_path, monkeyp
 
     remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
     assert type(remote).__name__ == "TwellForCausalLM" and isinstance(remote, type(model))
-    assert "hf_modules" in Path(inspect.getfile(type(remote))).parts  # the test's cache, not the user's
+    assert Path(inspect.getfile(type(remote))).is_relative_to(os.environ["HF_MODULES_CACHE"])  # not the user's cache
     assert [type(layer.mlp).__name__ for layer in remote.get_submodule(spec.layers)] == ["TwellGatedMLP"] * 2
     assert remote.state_dict().keys() == model.state_dict().keys()
     if family in TIED:
