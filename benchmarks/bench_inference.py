@@ -122,9 +122,9 @@ def sweep():
         rows.append(dict(kernel="cublas_gate", M=m, ms=do_bench(lambda: x @ w["gate"].t(), return_mode="median")))
         rows.append(dict(kernel="dense_block", M=m, ms=do_bench(lambda: dense(x, w), return_mode="median")))
         print(rows[-2], rows[-1])
-        for tile, bm, bk, warps, stages in ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 3),
-                                            (128, 64, 64, 4, 3), (64, 128, 64, 4, 4), (64, 128, 64, 4, 3),
-                                            (256, 64, 64, 8, 3), (256, 128, 64, 8, 2)):
+        for tile, bm, bk, warps, stages in ((128, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4),
+                                            (128, 128, 128, 8, 3), (256, 64, 64, 8, 3), (256, 128, 64, 8, 3),
+                                            (64, 128, 64, 4, 4)):
             cfg = dict(BM=bm, BK=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
             try:
                 t = do_bench(lambda: gate_pack(x, w["gate"], tile, 8, x.dtype, cfg), return_mode="median")
@@ -134,8 +134,8 @@ def sweep():
             rows.append(dict(kernel="gate", M=m, tile=tile, **cfg, ms=t))
             print(rows[-1])
         tw = gate_pack(x, w["gate"], 128, 8, x.dtype, gate_config(m, 128, 2))
-        for ch in (2, 4, 8):
-            for warps in (1, 2, 4):
+        for ch in (1, 2, 4):
+            for warps in (1, 2):
                 cfg = dict(CH=ch, num_warps=warps)
                 out = twell_out(x, tw, w["gate"], w["up"], down_t, False, None, cfg)
                 t = do_bench(lambda: twell_out(x, tw, w["gate"], w["up"], down_t, False, None, cfg),
@@ -148,30 +148,29 @@ def sweep():
         rows.append(dict(kernel="dense_block", M=m, ms=do_bench_cudagraph(
             lambda: [dense(x, lw) for lw in layers], return_mode="median") / LAYERS))
         print(rows[-1])
-        for tile, bk, stages, warps in ((32, 256, 4, 4), (64, 256, 3, 4), (64, 256, 4, 4), (64, 256, 5, 4),
-                                        (64, 512, 3, 4), (64, 256, 4, 8), (128, 256, 4, 4), (128, 128, 5, 4)):
-            cfg = dict(BM=max(16, triton.next_power_of_2(m)), BK=bk, GROUP_M=1, num_warps=warps,
-                       num_stages=stages)
+        bm = max(16, triton.next_power_of_2(m))
+        for tile, bk, stages in ((32, 256, 3), (64, 256, 3), (64, 128, 4), (128, 128, 3), (128, 128, 4)):
+            cfg = dict(BM=bm, BK=bk, GROUP_M=1, num_warps=4, num_stages=stages)
             try:
-                t = do_bench_cudagraph(lambda: [gate_pack(x, lw["gate"], tile, 8, x.dtype, cfg)
+                t = do_bench_cudagraph(lambda: [gate_pack(x, lw["gate"], tile, 8, x.dtype, cfg, up=lw["up"])
                                                 for lw in layers], return_mode="median") / LAYERS
             except Exception as e:
                 print("gate", m, tile, cfg, "failed:", type(e).__name__)
                 continue
-            rows.append(dict(kernel="gate", M=m, tile=tile, **cfg, ms=t))
+            rows.append(dict(kernel="gate_up", M=m, tile=tile, **cfg, ms=t))
             print(rows[-1])
-        tws = [gate_pack(x, lw["gate"], 64, 8, x.dtype, gate_config(m, 64, 2)) for lw in layers]
+        tws = [gate_pack(x, lw["gate"], 64, 8, x.dtype, gate_config(m, 64, 2), up=lw["up"]) for lw in layers]
         ref = reference(x, layers[0])
-        for ch in (8, 16, 32):
-            for bd in (128, 256, 512):
+        for ch in (16, 32):
+            for bd in (64, 128, 256):
                 cfg = dict(CH=ch, BD=bd, num_warps=4)
                 out = twell_out(x, tws[0], layers[0]["gate"], layers[0]["up"], layers[0]["down_p"].t(),
-                                False, None, cfg)
+                                False, None, cfg, packed_h=True)
                 t = do_bench_cudagraph(lambda: [twell_out(x, tw, lw["gate"], lw["up"], lw["down_p"].t(),
-                                                          False, None, cfg)
+                                                          False, None, cfg, packed_h=True)
                                                 for tw, lw in zip(tws, layers)],
                                        return_mode="median") / LAYERS
-                rows.append(dict(kernel="updown", M=m, **cfg, ms=t, err=rel_err(out, ref)))
+                rows.append(dict(kernel="down", M=m, **cfg, ms=t, err=rel_err(out, ref)))
                 print(rows[-1])
     return rows
 
@@ -179,7 +178,7 @@ def sweep():
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--grid", nargs="*", default=["main", "decode"], choices=sorted(GRIDS))
-    p.add_argument("--tile", type=int, default=256)
+    p.add_argument("--tile", type=int, default=128)
     p.add_argument("--compression", type=int, default=8)
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--json", default=None)

@@ -12,7 +12,7 @@ of the authors' packed uint32 words (no bit unpacking in the consumer, any I, fp
 NT = ceil(I / T). Only the first min(count, S) slots of a tile are written; the rest are undefined and
 never read. An overflowing tile keeps its first S positives here and is marked by its count: the compute
 kernels recompute such tiles densely (never drop data), and `pack` users can see it in `counts`.
-Slots come from a prefix sum over the positive mask (tl.cumsum): deterministic and sorted.
+Slots come from a prefix sum over the positive mask (a triangular matmul): deterministic and sorted.
 """
 import os
 from typing import NamedTuple
@@ -107,17 +107,21 @@ def pack(g: torch.Tensor, tile: int = 256, compression: int = 8) -> TwELL:
 if triton is not None:
 
     @triton.jit
-    def pack_store(g, rows, cols, tile_id, M, N, vals_ptr, idx_ptr, cnt_ptr, NT, S: tl.constexpr):
-        """Epilogue shared by every packing kernel: g [BM, T] fp32 tile at (rows, cols) -> TwELL."""
+    def pack_store(g, vals, rows, cols, tile_id, M, N, vals_ptr, idx_ptr, cnt_ptr, NT, S: tl.constexpr):
+        """Epilogue shared by every packing kernel: the positives of g [BM, T] (fp32, at rows x cols)
+        decide the entries; `vals` (g itself, or h in the decode path) is what is stored."""
         pos = (g > 0) & (rows < M)[:, None] & (cols < N)[None, :]
-        pos_i = pos.to(tl.int32)
-        slot = tl.cumsum(pos_i, axis=1) - 1
+        # slot = inclusive prefix sum along the row, as a matmul with an upper-triangular ones matrix:
+        # exact (integers <= T in fp32), and the tensor cores avoid a slow cross-thread scan
+        c = tl.arange(0, g.shape[1])
+        upper = (c[:, None] <= c[None, :]).to(tl.float16)
+        slot = tl.dot(pos.to(tl.float16), upper).to(tl.int32) - 1
         keep = pos & (slot < S)
         row_tile = rows.to(tl.int64) * NT + tile_id
         off = row_tile[:, None] * S + slot
-        tl.store(vals_ptr + off, g.to(vals_ptr.dtype.element_ty), mask=keep)
+        tl.store(vals_ptr + off, vals.to(vals_ptr.dtype.element_ty), mask=keep)
         tl.store(idx_ptr + off, cols[None, :] + tl.zeros_like(slot), mask=keep)
-        tl.store(cnt_ptr + row_tile, tl.sum(pos_i, axis=1), mask=rows < M)
+        tl.store(cnt_ptr + row_tile, tl.sum(pos.to(tl.int32), axis=1), mask=rows < M)
 
     @triton.jit
     def _pack_kernel(g_ptr, vals_ptr, idx_ptr, cnt_ptr, M, N, stride_gm, stride_gn,
@@ -128,4 +132,4 @@ if triton is not None:
         mask = (rows < M)[:, None] & (cols < N)[None, :]
         g = tl.load(g_ptr + rows[:, None].to(tl.int64) * stride_gm + cols[None, :] * stride_gn,
                     mask=mask, other=0.0).to(tl.float32)
-        pack_store(g, rows, cols, pid_n, M, N, vals_ptr, idx_ptr, cnt_ptr, tl.cdiv(N, T), S)
+        pack_store(g, g, rows, cols, pid_n, M, N, vals_ptr, idx_ptr, cnt_ptr, tl.cdiv(N, T), S)

@@ -8,11 +8,14 @@ Two launches, no host synchronization:
    of active units (prefix sum over the counts), walks it CH units at a time, gathers those rows of up and
    of the transposed down ([I, D], both contiguous rows), and accumulates out += (g * x.up_j) * down_j in
    fp32 registers: h never reaches device memory. A (row, tile) whose count exceeds the slots is
-   recomputed densely from the gate weights (never dropped) and counted into `overflow`.
-Few tokens (decode, M <= 64) run the same kernels with a narrower tile, so that the gate GEMV has enough
-programs to stream the gate matrix at full bandwidth; results are identical, only `overflow`'s unit
-(row, tile) is the narrower tile. The down weight is read transposed: pass `prepare_down(down)` (made
-once at load time) to avoid a per-call transpose copy.
+   recomputed densely from the gate and up weights (never dropped) and counted into `overflow`.
+Decode (M <= 64 tokens) is memory-bound and latency-bound instead: the gate kernel runs with a narrower
+tile (I / 64 programs stream the gate matrix) and, in the same program, computes u for its tile's active
+units only (a second K loop whose loads are masked to active columns, skipped when none), so it packs
+h = g * u instead of g; kernel 2 then only gathers down rows, split over output chunks of BD columns so
+that many SMs share the few rows. Results match the batched path; `overflow` counts the narrower tiles.
+The down weight is read transposed: pass `prepare_down(down)` (made once at load time) to avoid a
+per-call transpose copy.
 """
 from typing import Optional
 
@@ -30,7 +33,7 @@ except ImportError:  # CPU-only machines run the reference path
 
 PRECISIONS = ("default", "highest")
 DECODE_ROWS = 64   # at most this many tokens take the decode configuration
-DECODE_TILE = 32   # gate-matmul column tile in decode: I / 32 programs stream the gate matrix
+DECODE_TILE = 64   # gate-matmul column tile in decode: I / 64 programs stream the gate matrix
 
 
 def prepare_down(down_weight: torch.Tensor) -> torch.Tensor:
@@ -48,24 +51,28 @@ def gated_mlp_reference(x, gate_weight, up_weight, down_weight):
 def gate_config(m: int, tile: int, element_size: int) -> dict:
     """Gate-matmul launch configuration per shape class (tile is the matmul's column block)."""
     block_k = 64 if element_size <= 2 else 32
-    if m <= DECODE_ROWS:
-        return dict(BM=max(16, triton.next_power_of_2(m)), BK=2 * block_k, GROUP_M=1, num_warps=4, num_stages=4)
+    if m <= DECODE_ROWS:  # streams the gate matrix: deep K blocks, few rows
+        bm = max(16, triton.next_power_of_2(m))
+        return dict(BM=bm, BK=2 * block_k if bm <= 32 else block_k, GROUP_M=1, num_warps=4, num_stages=3)
     if tile >= 256:
-        return dict(BM=128, BK=block_k, GROUP_M=8, num_warps=8, num_stages=3)
-    return dict(BM=128, BK=block_k, GROUP_M=8, num_warps=4, num_stages=4)
+        return dict(BM=64, BK=block_k, GROUP_M=8, num_warps=8, num_stages=3)
+    return dict(BM=128, BK=block_k, GROUP_M=8, num_warps=8, num_stages=4)
 
 
 def out_config(m: int, d: int) -> dict:
-    """Fused up/down launch configuration: CH units per step; BD output columns per program (decode
-    splits the row over several programs, each recomputing u from the L2-resident up rows)."""
+    """TwELL-to-dense launch configuration: CH units per step, BD output columns per program.
+    Batched: one row per program, small CH and one or two warps (many programs in flight hide the
+    gather latency). Decode: the row is split over output chunks so that many SMs share its few units."""
     block_d = triton.next_power_of_2(d)
     if m <= DECODE_ROWS:
-        return dict(CH=16, BD=256, num_warps=4)
-    return dict(CH=4, num_warps=2 if block_d <= 2048 else 4)
+        return dict(CH=32, BD=128 if m <= 8 else 256, num_warps=4)
+    return dict(CH=2, BD=block_d, num_warps=1 if block_d <= 2048 else 2)
 
 
-def gate_pack(x2, w, tile, compression, vals_dtype, cfg, tw: Optional[TwELL] = None) -> TwELL:
-    """TwELL of relu(x2 @ w^T) for x2 [M, D], w [I, D] (any strides)."""
+def gate_pack(x2, w, tile, compression, vals_dtype, cfg, tw: Optional[TwELL] = None, up=None,
+              h_fp32=False) -> TwELL:
+    """TwELL of relu(x2 @ w^T) for x2 [M, D], w [I, D] (any strides). With `up`, the stored values are
+    h = relu(x2 @ w^T) * (x2 @ up^T) at the same entries (up rows read only for active columns)."""
     m, d = x2.shape
     width = w.shape[0]
     if tw is None:
@@ -73,17 +80,19 @@ def gate_pack(x2, w, tile, compression, vals_dtype, cfg, tw: Optional[TwELL] = N
     cfg = dict(cfg)
     bm, bk = cfg.pop("BM"), cfg.pop("BK")
     grid = (cdiv(m, bm) * cdiv(width, tile),)
+    upw = up if up is not None else w
     _gate_pack_kernel[grid](
-        x2, w, tw.values, tw.indices, tw.counts, m, width, d,
-        x2.stride(0), x2.stride(1), w.stride(0), w.stride(1),
+        x2, w, upw, tw.values, tw.indices, tw.counts, m, width, d,
+        x2.stride(0), x2.stride(1), w.stride(0), w.stride(1), upw.stride(0), upw.stride(1),
         T=tile, S=tw.values.shape[2], BM=bm, BK=bk, EVEN_K=d % bk == 0,
         DOT_PRECISION="ieee" if vals_dtype == torch.float32 and x2.dtype == torch.float32 else "tf32",
-        **cfg)
+        FUSE_UP=up is not None, H_FP32=h_fp32, **cfg)
     return tw
 
 
-def twell_out(x2, tw: TwELL, w_dec, up, down_t, h_fp32: bool, overflow, cfg, out=None):
-    """out [M, D] = sum over active units j of h_j * down_t[j], h_j = g_j * (x . up[j]) (or g_j without up)."""
+def twell_out(x2, tw: TwELL, w_dec, up, down_t, h_fp32: bool, overflow, cfg, out=None, packed_h=False):
+    """out [M, D] = sum over active units j of h_j * down_t[j], h_j = g_j * (x . up[j]) (or g_j without
+    up). With packed_h, tw already holds h (decode path) and up serves only the overflow fallback."""
     m, d = x2.shape
     nt, s = tw.counts.shape[1], tw.values.shape[2]
     if out is None:
@@ -96,8 +105,8 @@ def twell_out(x2, tw: TwELL, w_dec, up, down_t, h_fp32: bool, overflow, cfg, out
         overflow if overflow is not None else tw.counts,
         d, tw.width, nt, x2.stride(0), x2.stride(1),
         T=tw.tile, S=s, NT_PAD=max(2, triton.next_power_of_2(nt)), CH=cfg.pop("CH"),
-        BLOCK_D=block_d, BD=bd, GATED=up is not None, H_FP32=h_fp32,
-        HAS_OVF=overflow is not None, **cfg)
+        BLOCK_D=block_d, BD=bd, LIST_UP=up is not None and not packed_h, FALLBACK_UP=up is not None,
+        H_FP32=h_fp32, HAS_OVF=overflow is not None, **cfg)
     return out
 
 
@@ -127,55 +136,71 @@ def forward(x, w_dec, up, down, tile, compression, precision, overflow):
             overflow += (per_tile > s).sum().to(overflow.dtype)
         h = g * (xf @ up.float().t()) if up is not None else g
         return (h @ down.float().t()).to(x.dtype).view(x.shape)
-    if m <= DECODE_ROWS:
+    decode = m <= DECODE_ROWS
+    if decode:
         tile = min(tile, DECODE_TILE)
     down_t = down.t().contiguous()  # no copy when the weight came from prepare_down
-    vals_dtype = torch.float32 if precision == "highest" else x2.dtype
-    tw = gate_pack(x2, w_dec, tile, compression, vals_dtype, gate_config(m, tile, x2.element_size()))
-    out = twell_out(x2, tw, w_dec.contiguous(), up.contiguous() if up is not None else None, down_t,
-                    precision == "highest", overflow, out_config(m, d))
+    up = up.contiguous() if up is not None else None
+    h_fp32 = precision == "highest"
+    vals_dtype = torch.float32 if h_fp32 else x2.dtype
+    tw = gate_pack(x2, w_dec, tile, compression, vals_dtype, gate_config(m, tile, x2.element_size()),
+                   up=up if decode else None, h_fp32=h_fp32)
+    out = twell_out(x2, tw, w_dec.contiguous(), up, down_t, h_fp32, overflow, out_config(m, d),
+                    packed_h=decode)
     return out.view(x.shape)
 
 
-def register_op(name, fn, fake):
-    """torch custom op twell::<name>; an exported checkpoint may carry a second copy of these files."""
-    try:
-        return getattr(torch.ops.twell, name)
-    except (AttributeError, RuntimeError):
-        op = torch.library.custom_op(f"twell::{name}", fn, mutates_args=("overflow",))
-        op.register_fake(fake)
-        return op
+def register_ops(name, forward_fn):
+    """Custom ops twell::<name> (pure) and twell::<name>_overflow (adds into `overflow`). An exported
+    checkpoint may carry a second copy of these files: then the ops registered first are reused."""
+    def impl(*args):
+        return forward_fn(*args)
+
+    def fake(x, *args):
+        return x.new_empty(x.shape)
+
+    ops = []
+    for op_name, with_overflow in ((name, False), (f"{name}_overflow", True)):
+        try:
+            ops.append(getattr(torch.ops.twell, op_name).default)
+            continue
+        except (AttributeError, RuntimeError):
+            pass
+        schema = forward_fn.schema + (", Tensor(a!) overflow) -> Tensor" if with_overflow else ") -> Tensor")
+        lib_op = torch.library.custom_op(f"twell::{op_name}", impl, schema=schema,
+                                         mutates_args=("overflow",) if with_overflow else ())
+        lib_op.register_fake(fake)
+        ops.append(lib_op)
+    return ops
 
 
-def _gated_mlp_impl(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor,
-                    down_weight: torch.Tensor, tile: int, compression: int, precision: str,
-                    overflow: Optional[torch.Tensor]) -> torch.Tensor:
+def _gated_mlp_forward(x, gate_weight, up_weight, down_weight, tile, compression, precision, overflow=None):
     return forward(x, gate_weight, up_weight, down_weight, tile, compression, precision, overflow)
 
 
-def _gated_mlp_fake(x, gate_weight, up_weight, down_weight, tile, compression, precision, overflow):
-    return x.new_empty(x.shape)
+_gated_mlp_forward.schema = ("(Tensor x, Tensor gate_weight, Tensor up_weight, Tensor down_weight, "
+                             "int tile, int compression, str precision")
+_gated_mlp_op, _gated_mlp_overflow_op = register_ops("gated_mlp", _gated_mlp_forward)
 
 
-_gated_mlp_op = register_op("gated_mlp", _gated_mlp_impl, _gated_mlp_fake)
-
-
-def gated_mlp(x, gate_weight, up_weight, down_weight, *, tile: int = 256, compression: int = 8,
+def gated_mlp(x, gate_weight, up_weight, down_weight, *, tile: int = 128, compression: int = 8,
               precision: str = "default", overflow: Optional[torch.Tensor] = None) -> torch.Tensor:
     """down(relu(gate(x)) * up(x)) through TwELL. HF layouts: gate/up [I, D], down [D, I]; x [..., D].
 
     `overflow`, if given (one-element int32/int64), gets the number of overflowing (row, tile) pairs added.
     """
-    return _gated_mlp_op(x, gate_weight, up_weight, down_weight, tile, compression, precision, overflow)
+    args = (x, gate_weight, up_weight, down_weight, tile, compression, precision)
+    return _gated_mlp_op(*args) if overflow is None else _gated_mlp_overflow_op(*args, overflow)
 
 
 if triton is not None:
 
     @triton.jit
-    def _gate_pack_kernel(x_ptr, w_ptr, vals_ptr, idx_ptr, cnt_ptr, M, N, K,
-                          stride_xm, stride_xk, stride_wn, stride_wk,
+    def _gate_pack_kernel(x_ptr, w_ptr, up_ptr, vals_ptr, idx_ptr, cnt_ptr, M, N, K,
+                          stride_xm, stride_xk, stride_wn, stride_wk, stride_un, stride_uk,
                           T: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-                          EVEN_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                          EVEN_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                          FUSE_UP: tl.constexpr, H_FP32: tl.constexpr):
         pid = tl.program_id(0)
         n_m, n_n = tl.cdiv(M, BM), tl.cdiv(N, T)
         # grouped order: GROUP_M row blocks sweep the columns together so x blocks stay in L2
@@ -188,7 +213,8 @@ if triton is not None:
         cols = pid_n * T + tl.arange(0, T)
         rk = tl.arange(0, BK)
         # wrapped indices keep the main loop free of row/column masks; the epilogue masks instead
-        a_ptrs = x_ptr + (rows % M)[:, None].to(tl.int64) * stride_xm + rk[None, :] * stride_xk
+        x_rows = x_ptr + (rows % M)[:, None].to(tl.int64) * stride_xm
+        a_ptrs = x_rows + rk[None, :] * stride_xk
         b_ptrs = w_ptr + (cols % N)[None, :].to(tl.int64) * stride_wn + rk[:, None] * stride_wk
         acc = tl.zeros((BM, T), dtype=tl.float32)
         for k in range(0, tl.cdiv(K, BK)):
@@ -201,7 +227,26 @@ if triton is not None:
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
             a_ptrs += BK * stride_xk
             b_ptrs += BK * stride_wk
-        pack_store(acc, rows, cols, pid_n, M, N, vals_ptr, idx_ptr, cnt_ptr, n_n, S)
+        vals = acc
+        if FUSE_UP:
+            # u = x @ up^T on this tile, loading up rows only for columns active in some row of the block
+            col_on = tl.max(((acc > 0) & (rows < M)[:, None]).to(tl.int32), axis=0) > 0
+            u = tl.zeros((BM, T), dtype=tl.float32)
+            if tl.max(col_on.to(tl.int32), axis=0) > 0:
+                a_ptrs = x_rows + rk[None, :] * stride_xk
+                u_ptrs = up_ptr + (cols % N)[None, :].to(tl.int64) * stride_un + rk[:, None] * stride_uk
+                for k in range(0, tl.cdiv(K, BK)):
+                    kin = rk < K - k * BK
+                    a = tl.load(a_ptrs, mask=kin[None, :], other=0.0)
+                    b = tl.load(u_ptrs, mask=kin[:, None] & col_on[None, :], other=0.0)
+                    u = tl.dot(a, b, u, input_precision=DOT_PRECISION)
+                    a_ptrs += BK * stride_xk
+                    u_ptrs += BK * stride_uk
+            g = tl.maximum(acc, 0.0)
+            if not H_FP32:  # g as the packed gate value would be; h rounds when stored
+                g = g.to(vals_ptr.dtype.element_ty).to(tl.float32)
+            vals = g * u
+        pack_store(acc, vals, rows, cols, pid_n, M, N, vals_ptr, idx_ptr, cnt_ptr, n_n, S)
 
     @triton.jit
     def _accumulate_units(acc, x, j, g, active, d, dmask, do, omask, up_ptr, down_ptr, D,
@@ -235,8 +280,8 @@ if triton is not None:
     def _twell_out_kernel(x_ptr, vals_ptr, idx_ptr, cnt_ptr, wdec_ptr, up_ptr, down_ptr, out_ptr, ovf_ptr,
                           D, I, NT, stride_xm, stride_xk,
                           T: tl.constexpr, S: tl.constexpr, NT_PAD: tl.constexpr, CH: tl.constexpr,
-                          BLOCK_D: tl.constexpr, BD: tl.constexpr, GATED: tl.constexpr,
-                          H_FP32: tl.constexpr, HAS_OVF: tl.constexpr):
+                          BLOCK_D: tl.constexpr, BD: tl.constexpr, LIST_UP: tl.constexpr,
+                          FALLBACK_UP: tl.constexpr, H_FP32: tl.constexpr, HAS_OVF: tl.constexpr):
         # program (row, output chunk): u needs the whole row of x and up, down only BD output columns
         row = tl.program_id(0).to(tl.int64)
         pid_d = tl.program_id(1)
@@ -258,7 +303,7 @@ if triton is not None:
             j_next, g_next, active_next = _list_entries(e + e0 + CH, incl, fits, total, row, NT, S,
                                                         idx_ptr, vals_ptr)
             acc = _accumulate_units(acc, x, j, g, active, d, dmask, do, omask, up_ptr, down_ptr, D,
-                                    GATED, H_FP32)
+                                    LIST_UP, H_FP32)
             j, g, active = j_next, g_next, active_next
         n_over = tl.sum((cnt > S).to(tl.int32), axis=0)
         if n_over > 0:
@@ -267,12 +312,13 @@ if triton is not None:
             for tile in range(0, NT):
                 if tl.load(cnt_ptr + row * NT + tile) > S:
                     for u0 in range(0, T, CH):
-                        j = tile * T + u0 + tl.arange(0, CH)
-                        inside = j < I
+                        in_tile = u0 + tl.arange(0, CH)
+                        j = tile * T + in_tile
+                        inside = (in_tile < T) & (j < I)  # CH may exceed T
                         gw = tl.load(wdec_ptr + j[:, None].to(tl.int64) * D + d[None, :],
                                      mask=inside[:, None] & dmask[None, :], other=0.0)
                         g = tl.sum(gw.to(tl.float32) * x[None, :], axis=1)
                         g = g.to(vals_ptr.dtype.element_ty).to(tl.float32)  # as the packed value would be
                         acc = _accumulate_units(acc, x, j, g, inside & (g > 0), d, dmask, do, omask,
-                                                up_ptr, down_ptr, D, GATED, H_FP32)
+                                                up_ptr, down_ptr, D, FALLBACK_UP, H_FP32)
         tl.store(out_ptr + row * D + do, acc.to(out_ptr.dtype.element_ty), mask=omask)

@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from .gated_mlp import forward, register_op
+from .gated_mlp import forward, register_ops
 
 
 def mlp_reference(x, up_weight, down_weight):
@@ -16,19 +16,16 @@ def mlp_reference(x, up_weight, down_weight):
     return (torch.relu(x.float() @ up_weight.float().t()) @ down_weight.float().t()).to(x.dtype)
 
 
-def _mlp_impl(x: torch.Tensor, up_weight: torch.Tensor, down_weight: torch.Tensor, tile: int,
-              compression: int, precision: str, overflow: Optional[torch.Tensor]) -> torch.Tensor:
+def _mlp_forward(x, up_weight, down_weight, tile, compression, precision, overflow=None):
     return forward(x, up_weight, None, down_weight, tile, compression, precision, overflow)
 
 
-def _mlp_fake(x, up_weight, down_weight, tile, compression, precision, overflow):
-    return x.new_empty(x.shape)
+_mlp_forward.schema = "(Tensor x, Tensor up_weight, Tensor down_weight, int tile, int compression, str precision"
+_mlp_op, _mlp_overflow_op = register_ops("mlp", _mlp_forward)
 
 
-_mlp_op = register_op("mlp", _mlp_impl, _mlp_fake)
-
-
-def mlp(x, up_weight, down_weight, *, tile: int = 256, compression: int = 8, precision: str = "default",
+def mlp(x, up_weight, down_weight, *, tile: int = 128, compression: int = 8, precision: str = "default",
         overflow: Optional[torch.Tensor] = None) -> torch.Tensor:
     """down(relu(up(x))) through TwELL. HF layouts: up [I, D], down [D, I]; x [..., D]."""
-    return _mlp_op(x, up_weight, down_weight, tile, compression, precision, overflow)
+    args = (x, up_weight, down_weight, tile, compression, precision)
+    return _mlp_op(*args) if overflow is None else _mlp_overflow_op(*args, overflow)

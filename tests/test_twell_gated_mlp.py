@@ -84,7 +84,7 @@ def test_noncontiguous_and_batched_input():
 def test_custom_op_schema_and_fake():
     x, gate, up, down = block(3, 16, 32, k=5)
     overflow = torch.zeros(1, dtype=torch.int64, device=DEV)
-    torch.library.opcheck(torch.ops.twell.gated_mlp, (x, gate, up, down, 16, 4, "default", overflow),
+    torch.library.opcheck(torch.ops.twell.gated_mlp_overflow, (x, gate, up, down, 16, 4, "default", overflow),
                           test_utils=("test_schema", "test_faketensor"))
 
 
@@ -117,7 +117,7 @@ def test_gpu_dense_rows_and_odd_shapes():
     x, gate, up, down = block(130, 1000, 3000, k=40, dtype=torch.bfloat16)
     x[::7, 0] = -30.0  # every 7th row fully dense
     overflow = torch.zeros(1, dtype=torch.int64, device=DEV)
-    out = twell.gated_mlp(x, gate, up, down, overflow=overflow)
+    out = twell.gated_mlp(x, gate, up, down, tile=256, overflow=overflow)
     ref = reference(x, gate, up, down)
     assert rel_err(out, ref) < 1e-2
     assert overflow.item() == 19 * math.ceil(3000 / 256)
