@@ -154,15 +154,16 @@ def breakdown(M, D, I, k, uneven_mean, E):
         variants[name] = bench(fn)
         H.GPU_BLOCKS.update(saved)
 
-    for bs, bd in ((4, 2048), (8, 1024), (2, 2048), (8, 2048)):
+    for bs, bd in ((4, 2048), (16, 2048)):
         variant(f"spmm_fwd_S{bs}_D{bd}", lambda: H._spmm(idx, nnz, g * u, downT, dtype=bf),
                 BLOCK_S=bs, BLOCK_D=bd)
-        variant(f"wgrad_gate_up_N{bs}_D{bd}", lambda: H._wgrad(csc, E, dgp, du, x, mode=1),
-                BLOCK_N=bs, BLOCK_D=bd)
-    for bs, bd in ((8, 512), (4, 1024), (32, 128)):
+    for bn, seg in ((4, 512), (8, 256), (16, 512), (8, 1024)):
+        variant(f"wgrad_gate_up_N{bn}_SEG{seg}", lambda: H._wgrad(csc, E, dgp, du, x, mode=1),
+                BLOCK_N=bn, SEG=seg)
+    for bs, bd in ((16, 256), (8, 512), (32, 128)):
         variant(f"sddmm_fwd_S{bs}_D{bd}", lambda: H._sddmm(x, up, idx, nnz, g, u, backward=False,
                                                            gated=True), SDDMM_S=bs, SDDMM_D=bd)
-    for bm, bi, nw in ((16, 256, 1), (16, 256, 8), (8, 512, 4), (32, 128, 4), (64, 64, 4)):
+    for bm, bi, nw in ((128, 32, 4), (64, 32, 4), (128, 64, 8), (32, 64, 4), (256, 32, 8)):
         variant(f"pack_M{bm}_I{bi}_W{nw}", lambda: H._pack(pre, E), BLOCK_M=bm, BLOCK_I=bi, PACK_WARPS=nw)
     return dict(
         **variants,

@@ -12,8 +12,9 @@ per-row sparse pattern of its gate (docs/twell.md section 4).
 - `_spmm_kernel` (a program per row): out = h @ down^T and dx = d_gate_pre @ gate + d_up @ up, gathering
   rows of [I, D] weights. Whole rows a program: with a program per (row, 256-wide D chunk), a short
   dependent chain per program, an H100 ran 10x slower (per-program cost, not bytes).
-- `_wgrad_kernel` (a program per unit, busiest units first): weight gradients as transposed-sparse x dense, from a
-  per-unit list of the ELL entries (CSC, a stable sort of the unit indices): deterministic, no atomics.
+- `_wgrad_kernel` (a program per segment of <= SEG entries of one unit): weight gradients as
+  transposed-sparse x dense, from a per-unit list of the ELL entries (CSC, a stable sort of the unit
+  indices); busy units' extra segments are added in order after: deterministic, no atomics.
 Saved for backward: x, the weights, ELL indices, g and u [M, E] (fp32), and the backup rows' g and u.
 """
 import os
@@ -136,35 +137,58 @@ if _HAS_TRITON:
             tl.store(out_ptr + row * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=dmask)
 
     @triton.jit
-    def _wgrad_kernel(order_ptr, perm_ptr, offsets_ptr, a_ptr, b_ptr, x_ptr, out1_ptr, out2_ptr, D, E,
-                      stride_x, MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-        # MODE 0: out1 = sum a x; 1: out1 = sum a x, out2 = sum b x; 2: out1 = sum (a b) x
-        unit = tl.load(order_ptr + tl.program_id(0))  # units with the most entries first
-        start = tl.load(offsets_ptr + unit)
-        end = tl.load(offsets_ptr + unit + 1)
-        for d0 in range(0, D, BLOCK_D):
-            cols = d0 + tl.arange(0, BLOCK_D)
-            dmask = cols < D
-            acc1 = tl.zeros([BLOCK_D], tl.float32)
-            acc2 = tl.zeros([BLOCK_D], tl.float32)
-            for e0 in range(start, end, BLOCK_N):
-                es = e0 + tl.arange(0, BLOCK_N)
-                emask = es < end
-                p = tl.load(perm_ptr + es, mask=emask, other=0)  # flat ELL position row * E + slot
-                t = p // E
-                xt = tl.load(x_ptr + t[:, None] * stride_x + cols[None, :],
-                             mask=emask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-                a = tl.load(a_ptr + p, mask=emask, other=0.0)
-                if MODE == 2:
-                    a = a * tl.load(b_ptr + p, mask=emask, other=0.0)
-                acc1 += tl.sum(a[:, None] * xt, 0)
+    def _wgrad_kernel(seg_unit_ptr, seg_first_ptr, perm_ptr, offsets_ptr, a_ptr, b_ptr, x_ptr, out1_ptr,
+                      out2_ptr, part1_ptr, part2_ptr, I, D, E, stride_x, SEG: tl.constexpr,
+                      MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+        # MODE 0: out1 = sum a x; 1: out1 = sum a x, out2 = sum b x; 2: out1 = sum (a b) x.
+        # A program per segment of at most SEG entries of one unit (busy units would otherwise leave
+        # a long tail); a unit's first segment writes its output row, later ones a partial row that
+        # _wgrad_reduce_kernel adds in order: deterministic.
+        pid = tl.program_id(0)
+        unit = tl.load(seg_unit_ptr + pid).to(tl.int64)  # I past the last segment
+        if unit < I:
+            k = pid - tl.load(seg_first_ptr + unit)
+            start = tl.load(offsets_ptr + unit) + k * SEG
+            end = tl.minimum(tl.load(offsets_ptr + unit + 1), start + SEG)
+            row = tl.where(k == 0, unit, pid - unit - 1)
+            dst1 = tl.where(k == 0, out1_ptr, part1_ptr) + row * D
+            dst2 = tl.where(k == 0, out2_ptr, part2_ptr) + row * D
+            for d0 in range(0, D, BLOCK_D):
+                cols = d0 + tl.arange(0, BLOCK_D)
+                dmask = cols < D
+                acc1 = tl.zeros([BLOCK_D], tl.float32)
+                acc2 = tl.zeros([BLOCK_D], tl.float32)
+                for e0 in range(start, end, BLOCK_N):
+                    es = e0 + tl.arange(0, BLOCK_N)
+                    emask = es < end
+                    p = tl.load(perm_ptr + es, mask=emask, other=0)  # flat ELL position row * E + slot
+                    t = p // E
+                    xt = tl.load(x_ptr + t[:, None] * stride_x + cols[None, :],
+                                 mask=emask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+                    a = tl.load(a_ptr + p, mask=emask, other=0.0)
+                    if MODE == 2:
+                        a = a * tl.load(b_ptr + p, mask=emask, other=0.0)
+                    acc1 += tl.sum(a[:, None] * xt, 0)
+                    if MODE == 1:
+                        b = tl.load(b_ptr + p, mask=emask, other=0.0)
+                        acc2 += tl.sum(b[:, None] * xt, 0)
+                tl.store(dst1 + cols, acc1, mask=dmask)
                 if MODE == 1:
-                    b = tl.load(b_ptr + p, mask=emask, other=0.0)
-                    acc2 += tl.sum(b[:, None] * xt, 0)
-            tl.store(out1_ptr + unit * D + cols, acc1, mask=dmask)
-            if MODE == 1:
-                tl.store(out2_ptr + unit * D + cols, acc2, mask=dmask)
+                    tl.store(dst2 + cols, acc2, mask=dmask)
 
+    @triton.jit
+    def _wgrad_reduce_kernel(nseg_ptr, seg_first_ptr, out_ptr, part_ptr, D, BLOCK_D: tl.constexpr):
+        unit = tl.program_id(0).to(tl.int64)
+        nseg = tl.load(nseg_ptr + unit)
+        if nseg > 1:
+            first_part = tl.load(seg_first_ptr + unit) - unit  # = pid - unit - 1 at k = 1
+            for d0 in range(0, D, BLOCK_D):
+                cols = d0 + tl.arange(0, BLOCK_D)
+                dmask = cols < D
+                acc = tl.load(out_ptr + unit * D + cols, mask=dmask, other=0.0)
+                for q in range(0, nseg - 1):
+                    acc += tl.load(part_ptr + (first_part + q) * D + cols, mask=dmask, other=0.0)
+                tl.store(out_ptr + unit * D + cols, acc, mask=dmask)
 
     @triton.jit
     def _transpose_kernel(src_ptr, dst_ptr, R, C, stride_src, stride_dst, BLOCK: tl.constexpr):
@@ -178,10 +202,10 @@ if _HAS_TRITON:
 
 # Tile sizes: GPU ones for speed; small ones in the CPU interpreter so that small test shapes still run
 # every loop several times.
-GPU_BLOCKS = dict(BLOCK_M=16, BLOCK_I=256, PACK_WARPS=4, SDDMM_S=16, SDDMM_D=256, BLOCK_S=4,
-                  BLOCK_D=2048, BLOCK_N=4)
+GPU_BLOCKS = dict(BLOCK_M=64, BLOCK_I=64, PACK_WARPS=4, SDDMM_S=4, SDDMM_D=1024, BLOCK_S=4,
+                  BLOCK_D=2048, BLOCK_N=8, SEG=512)
 CPU_BLOCKS = dict(BLOCK_M=4, BLOCK_I=32, PACK_WARPS=4, SDDMM_S=4, SDDMM_D=16, BLOCK_S=4, BLOCK_D=16,
-                  BLOCK_N=4)
+                  BLOCK_N=4, SEG=8)
 
 
 def _blocks(device):
@@ -233,8 +257,7 @@ def _spmm(idx, nnz, a, w1, b=None, w2=None, *, dtype):
 
 def _csc(idx, nnz, I):
     """Per-unit lists of ELL entries: perm (flat positions row * E + slot, grouped by unit, rows in
-    order), offsets [I + 1], and the units by decreasing entry count. A stable sort: deterministic,
-    and no host sync."""
+    order) and offsets [I + 1]. A stable sort: deterministic, and no host sync."""
     M, E = idx.shape
     valid = torch.arange(E, device=idx.device)[None, :] < torch.where(nnz > E, 0, nnz)[:, None]
     key = torch.where(valid, idx, I).flatten()
@@ -242,22 +265,33 @@ def _csc(idx, nnz, I):
         key = key.to(torch.int16)
     keys, perm = torch.sort(key, stable=True)
     offsets = torch.searchsorted(keys, torch.arange(I + 1, dtype=keys.dtype, device=idx.device))
-    order = torch.argsort(offsets[1:] - offsets[:-1], descending=True)  # busiest units first
-    return perm, offsets, order
+    return perm, offsets
 
 
 def _wgrad(csc, E, a, b, x, mode):
-    perm, offsets, order = csc
+    perm, offsets = csc
     I = offsets.numel() - 1
-    D = x.shape[1]
+    M, D = x.shape
     bl = _blocks(x.device)
-    out1 = _empty((I, D), dtype=torch.float32, device=x.device)
-    out2 = _empty((I, D), dtype=torch.float32, device=x.device) if mode == 1 else out1
-    _wgrad_kernel[(I,)](order, perm, offsets, a, b if b is not None else a, x, out1, out2, D, E,
-                        x.stride(0),
-                        MODE=mode, BLOCK_N=bl["BLOCK_N"],
-                        BLOCK_D=min(bl["BLOCK_D"], triton.next_power_of_2(D)), num_warps=4)
-    return out1, out2
+    seg = bl["SEG"]
+    # segments: every unit gets at least one (it writes its row, zeros if it never fired)
+    nseg = torch.clamp_min((offsets[1:] - offsets[:-1] + seg - 1) // seg, 1)
+    seg_end = torch.cumsum(nseg, 0)
+    n_prog = I + triton.cdiv(perm.numel(), seg)  # upper bound of the segment count, no host sync
+    seg_unit = torch.searchsorted(seg_end, torch.arange(n_prog, device=x.device), right=True)
+    seg_first = seg_end - nseg
+    block_d = min(bl["BLOCK_D"], triton.next_power_of_2(D))
+    outs, parts = [], []
+    for _ in range(2 if mode == 1 else 1):
+        outs.append(_empty((I, D), dtype=torch.float32, device=x.device))
+        parts.append(_empty((n_prog - I, D), dtype=torch.float32, device=x.device))
+    out2, part2 = (outs[1], parts[1]) if mode == 1 else (outs[0], parts[0])
+    _wgrad_kernel[(n_prog,)](seg_unit, seg_first, perm, offsets, a, b if b is not None else a, x,
+                             outs[0], out2, parts[0], part2, I, D, E, x.stride(0), SEG=seg, MODE=mode,
+                             BLOCK_N=bl["BLOCK_N"], BLOCK_D=block_d, num_warps=4)
+    for out, part in zip(outs, parts):
+        _wgrad_reduce_kernel[(I,)](nseg, seg_first, out, part, D, BLOCK_D=block_d, num_warps=4)
+    return outs[0], (outs[1] if mode == 1 else None)
 
 
 def _sddmm(a, w, idx, nnz, g, u, *, backward, gated, c=None):

@@ -17,12 +17,13 @@ def rel(a, b):
 
 def problem(M, D, I, k, *, gated=True, special_rows=True, device="cpu", seed=0):
     """Bias-channel recipe (benchmarks.md): about k active units a row; row 0 (if M > 2) is empty and
-    row 1 fully dense (forces the backup)."""
+    row 1 fully dense (forces the backup); unit 2 fires in nearly every row."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(M, D, generator=gen)
     x[:, 0] = 1.0
     w = torch.randn(I, D, generator=gen) / D**0.5
     w[:, 0] = -torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor(1 - k / I))
+    w[2, 0] = 3.0  # a hot unit, in nearly every row: its weight gradient spans several segments
     if special_rows and M > 2:
         x[0, 0] = 50.0  # bias dominates: every pre-activation < 0
         x[1, 0] = -50.0  # every pre-activation > 0
