@@ -145,7 +145,7 @@ def breakdown(M, D, I, k, uneven_mean, E):
     c = torch.full((1,), 1e-3, device="cuda")
     H._sddmm(x, up, idx, nnz, g, u, backward=False, gated=True)
     dgp, du = H._sddmm(dout, downT, idx, nnz, g, u, backward=True, gated=True, c=c)
-    csc = H._csc(idx, nnz, I)
+    csc = H._csc(idx, I, H.GPU_BLOCKS["SEG"])
     variants = {}
 
     def variant(name, fn, **blocks):
@@ -155,10 +155,11 @@ def breakdown(M, D, I, k, uneven_mean, E):
         H.GPU_BLOCKS.update(saved)
 
     for bs, bd in ((4, 2048), (16, 2048)):
-        variant(f"spmm_fwd_S{bs}_D{bd}", lambda: H._spmm(idx, nnz, g * u, downT, dtype=bf),
+        variant(f"spmm_fwd_S{bs}_D{bd}", lambda: H._spmm(idx, nnz, g, downT, u, dtype=bf),
                 BLOCK_S=bs, BLOCK_D=bd)
     for bn, seg in ((4, 512), (8, 256), (16, 512), (8, 1024)):
-        variant(f"wgrad_gate_up_N{bn}_SEG{seg}", lambda: H._wgrad(csc, E, dgp, du, x, mode=1),
+        csc_v = H._csc(idx, I, seg)
+        variant(f"wgrad_gate_up_N{bn}_SEG{seg}", lambda: H._wgrad(csc_v, E, dgp, du, x, mode=1),
                 BLOCK_N=bn, SEG=seg)
     for bs, bd in ((16, 256), (8, 512), (32, 128)):
         variant(f"sddmm_fwd_S{bs}_D{bd}", lambda: H._sddmm(x, up, idx, nnz, g, u, backward=False,
@@ -172,10 +173,10 @@ def breakdown(M, D, I, k, uneven_mean, E):
         transpose_down_torch=bench(lambda: down.t().contiguous()),
         transpose_down=bench(lambda: H._transpose(down, bf)),
         sddmm_fwd=bench(lambda: H._sddmm(x, up, idx, nnz, g, u, backward=False, gated=True)),
-        spmm_fwd=bench(lambda: H._spmm(idx, nnz, g * u, downT, dtype=bf)),
+        spmm_fwd=bench(lambda: H._spmm(idx, nnz, g, downT, u, dtype=bf)),
         sddmm_bwd=bench(lambda: H._sddmm(dout, downT, idx, nnz, g, u, backward=True, gated=True, c=c)),
         spmm_bwd_dx=bench(lambda: H._spmm(idx, nnz, dgp, gate, du, up, dtype=bf)),
-        csc_sort=bench(lambda: H._csc(idx, nnz, I)),
+        csc_sort=bench(lambda: H._csc(idx, I, H.GPU_BLOCKS["SEG"])),
         wgrad_gate_up=bench(lambda: H._wgrad(csc, E, dgp, du, x, mode=1)),
         wgrad_down=bench(lambda: H._wgrad(csc, E, g, u, dout, mode=2)),
     )

@@ -69,6 +69,14 @@ if _HAS_TRITON:
             total += tl.sum(tl.where(pos, v, 0.0), 1)
         tl.store(nnz_ptr + rows, count, mask=rmask)
         tl.store(rowsum_ptr + rows, total, mask=rmask)
+        # unused slots (all of a backup row's) get unit I: idx is then the sort key of the CSC
+        tl.debug_barrier()  # backup rows overwrite slots that other threads of this program wrote
+        for s0 in range(0, E, BLOCK_I):
+            slots = s0 + tl.arange(0, BLOCK_I)
+            fill = rmask[:, None] & (slots < E)[None, :] & \
+                ((slots[None, :] >= count[:, None]) | (count[:, None] > E))
+            tl.store(idx_ptr + rows[:, None] * E + slots[None, :],
+                     tl.zeros([BLOCK_M, BLOCK_I], tl.int32) + I, mask=fill)
 
     @triton.jit
     def _sddmm_kernel(a_ptr, w_ptr, idx_ptr, nnz_ptr, g_ptr, u_ptr, out1_ptr, out2_ptr, rowsum_ptr,
@@ -112,8 +120,9 @@ if _HAS_TRITON:
 
     @triton.jit
     def _spmm_kernel(a_ptr, b_ptr, w1_ptr, w2_ptr, idx_ptr, nnz_ptr, out_ptr, D, E,
-                     stride_w1, stride_w2, stride_out, TWO: tl.constexpr, BLOCK_S: tl.constexpr,
+                     stride_w1, stride_w2, stride_out, MODE: tl.constexpr, BLOCK_S: tl.constexpr,
                      BLOCK_D: tl.constexpr):
+        # MODE 0: out = sum a w1[j]; 1: + sum b w2[j]; 2: out = sum (a b) w1[j]
         row = tl.program_id(0).to(tl.int64)
         n = tl.load(nnz_ptr + row)
         n = tl.where(n > E, 0, n)
@@ -128,9 +137,11 @@ if _HAS_TRITON:
                 j = tl.load(idx_ptr + e, mask=smask, other=0).to(tl.int64)
                 m2 = smask[:, None] & dmask[None, :]
                 a = tl.load(a_ptr + e, mask=smask, other=0.0)
+                if MODE == 2:
+                    a = a * tl.load(b_ptr + e, mask=smask, other=0.0)
                 w = tl.load(w1_ptr + j[:, None] * stride_w1 + cols[None, :], mask=m2, other=0.0)
                 acc += tl.sum(a[:, None] * w.to(tl.float32), 0)
-                if TWO:
+                if MODE == 1:
                     b = tl.load(b_ptr + e, mask=smask, other=0.0)
                     w = tl.load(w2_ptr + j[:, None] * stride_w2 + cols[None, :], mask=m2, other=0.0)
                     acc += tl.sum(b[:, None] * w.to(tl.float32), 0)
@@ -217,8 +228,9 @@ def _use_kernels(x):
 
 
 def _pack(pre, E):
-    """ELL of the positives of pre [M, I]: idx int32 [M, E], val fp32 [M, E], nnz int32 [M] (true
-    count; > E marks a backup row), rowsum fp32 [M] (sum of positives), fired int64 [I]."""
+    """ELL of the positives of pre [M, I]: idx int32 [M, E] (I in unused slots), val fp32 [M, E],
+    nnz int32 [M] (true count; > E marks a backup row), rowsum fp32 [M] (sum of positives),
+    fired int64 [I]."""
     M, I = pre.shape
     bl = _blocks(pre.device)
     idx = _empty((M, E), dtype=torch.int32, device=pre.device)
@@ -243,43 +255,42 @@ def _transpose(w, dtype):
 
 
 def _spmm(idx, nnz, a, w1, b=None, w2=None, *, dtype):
-    """out [M, D] = sum over the row's slots of a * w1[j] (+ b * w2[j]); w1, w2: [I, D] contiguous."""
+    """out [M, D] = sum over the row's slots of a * w1[j] (+ b * w2[j]; or (a * b) * w1[j] if w2 is
+    None); w1, w2: [I, D] contiguous."""
     M, E = idx.shape
     D = w1.shape[1]
     bl = _blocks(idx.device)
     out = _empty((M, D), dtype=dtype, device=idx.device)
-    two = b is not None
-    _spmm_kernel[(M,)](a, b if two else a, w1, w2 if two else w1, idx, nnz, out, D, E, w1.stride(0),
-                       (w2 if two else w1).stride(0), out.stride(0), TWO=two, BLOCK_S=bl["BLOCK_S"],
-                       BLOCK_D=min(bl["BLOCK_D"], triton.next_power_of_2(D)), num_warps=4)
+    mode = 0 if b is None else (1 if w2 is not None else 2)
+    _spmm_kernel[(M,)](a, a if b is None else b, w1, w1 if w2 is None else w2, idx, nnz, out, D, E,
+                       w1.stride(0), (w1 if w2 is None else w2).stride(0), out.stride(0), MODE=mode,
+                       BLOCK_S=bl["BLOCK_S"], BLOCK_D=min(bl["BLOCK_D"], triton.next_power_of_2(D)),
+                       num_warps=4)
     return out
 
 
-def _csc(idx, nnz, I):
+def _csc(idx, I, seg):
     """Per-unit lists of ELL entries: perm (flat positions row * E + slot, grouped by unit, rows in
-    order) and offsets [I + 1]. A stable sort: deterministic, and no host sync."""
-    M, E = idx.shape
-    valid = torch.arange(E, device=idx.device)[None, :] < torch.where(nnz > E, 0, nnz)[:, None]
-    key = torch.where(valid, idx, I).flatten()
+    order) and offsets [I + 1], from a stable sort (deterministic, no host sync); and the split of
+    each unit's list into segments of at most seg entries for _wgrad_kernel."""
+    key = idx.flatten()
     if I < 2**15 - 1:  # half the radix-sort passes
         key = key.to(torch.int16)
     keys, perm = torch.sort(key, stable=True)
     offsets = torch.searchsorted(keys, torch.arange(I + 1, dtype=keys.dtype, device=idx.device))
-    return perm, offsets
-
-
-def _wgrad(csc, E, a, b, x, mode):
-    perm, offsets = csc
-    I = offsets.numel() - 1
-    M, D = x.shape
-    bl = _blocks(x.device)
-    seg = bl["SEG"]
-    # segments: every unit gets at least one (it writes its row, zeros if it never fired)
+    # every unit gets at least one segment (it writes its row, zeros if it never fired)
     nseg = torch.clamp_min((offsets[1:] - offsets[:-1] + seg - 1) // seg, 1)
     seg_end = torch.cumsum(nseg, 0)
     n_prog = I + triton.cdiv(perm.numel(), seg)  # upper bound of the segment count, no host sync
-    seg_unit = torch.searchsorted(seg_end, torch.arange(n_prog, device=x.device), right=True)
-    seg_first = seg_end - nseg
+    seg_unit = torch.searchsorted(seg_end, torch.arange(n_prog, device=idx.device), right=True)
+    return perm, offsets, nseg, seg_end - nseg, seg_unit
+
+
+def _wgrad(csc, E, a, b, x, mode):
+    perm, offsets, nseg, seg_first, seg_unit = csc
+    I, n_prog = nseg.numel(), seg_unit.numel()
+    D = x.shape[1]
+    bl = _blocks(x.device)
     block_d = min(bl["BLOCK_D"], triton.next_power_of_2(D))
     outs, parts = [], []
     for _ in range(2 if mode == 1 else 1):
@@ -287,7 +298,7 @@ def _wgrad(csc, E, a, b, x, mode):
         parts.append(_empty((n_prog - I, D), dtype=torch.float32, device=x.device))
     out2, part2 = (outs[1], parts[1]) if mode == 1 else (outs[0], parts[0])
     _wgrad_kernel[(n_prog,)](seg_unit, seg_first, perm, offsets, a, b if b is not None else a, x,
-                             outs[0], out2, parts[0], part2, I, D, E, x.stride(0), SEG=seg, MODE=mode,
+                             outs[0], out2, parts[0], part2, I, D, E, x.stride(0), SEG=bl["SEG"], MODE=mode,
                              BLOCK_N=bl["BLOCK_N"], BLOCK_D=block_d, num_warps=4)
     for out, part in zip(outs, parts):
         _wgrad_reduce_kernel[(I,)](nseg, seg_first, out, part, D, BLOCK_D=block_d, num_warps=4)
@@ -337,7 +348,7 @@ class _HybridGatedMLP(torch.autograd.Function):
             u = _empty((M, E), dtype=torch.float32, device=x.device)
             downT = _transpose(down, dt)  # [I, D]: rows gathered per active unit
             rowsum = _sddmm(x2, up, idx, nnz, g, u, backward=False, gated=True)
-            out = _spmm(idx, nnz, g * u, downT, dtype=dt)
+            out = _spmm(idx, nnz, g, downT, u, dtype=dt)
             # the one host sync: how many rows overflow E (the backup is sized to exactly those)
             rows = (nnz > E).nonzero().squeeze(1)
             l1_sum = rowsum.sum()
@@ -385,7 +396,7 @@ class _HybridGatedMLP(torch.autograd.Function):
                     dx.index_copy_(0, rows, dgpb @ gate + dub @ up)
                 dx = dx.reshape(ctx.x_shape).to(ctx.dtypes[0])
             if need_gate or need_up or need_down:
-                csc = _csc(idx, nnz, I)
+                csc = _csc(idx, I, _blocks(x2.device)["SEG"])
             if need_gate or need_up:
                 dgate, dup = _wgrad(csc, E, dgp, du, x2, mode=1)
                 if rows.numel():
@@ -455,7 +466,7 @@ class _HybridMLP(torch.autograd.Function):
                     dx.index_copy_(0, rows, dpreb @ up)
                 dx = dx.reshape(ctx.x_shape).to(ctx.dtypes[0])
             if need_up or need_down:
-                csc = _csc(idx, nnz, I)
+                csc = _csc(idx, I, _blocks(x2.device)["SEG"])
             if need_up:
                 dup, _ = _wgrad(csc, E, dpre, None, x2, mode=0)
                 if rows.numel():
