@@ -5,7 +5,6 @@ import json
 
 import pytest
 import torch
-import transformers.dynamic_module_utils
 from click.testing import CliRunner
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
@@ -17,12 +16,6 @@ from sparsify.families import FAMILIES
 
 # Tiny runs: 32-token sequences, 256 held-out tokens; options on the command line override the recipe.
 RECIPE = "seq_len: 32\nbatch_size: 2\neval_tokens: 256\nlr: 1.0e-3\nl1: '1e-3'\nsteps: 50\nlog_every: 1\n"
-
-
-@pytest.fixture(autouse=True)
-def modules_cache(tmp_path_factory, monkeypatch):
-    """Remote code goes to a fresh cache, not the user's ~/.cache/huggingface/modules."""
-    monkeypatch.setattr(transformers.dynamic_module_utils, "HF_MODULES_CACHE", str(tmp_path_factory.getbasetemp() / "hf_modules"))
 
 
 @pytest.fixture(scope="module")
