@@ -22,6 +22,7 @@ from typing import Callable, Iterator
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import set_seed
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from transformers import get_cosine_schedule_with_warmup
 
@@ -148,7 +149,7 @@ def train(
         cpu=device == "cpu",
         mixed_precision="bf16" if device != "cpu" and torch.cuda.is_available() else "no",
     )
-    torch.manual_seed(config.seed)
+    set_seed(config.seed)
     world = accelerator.num_processes
     total = config.total_steps(world)
     dead_window = config.dead_window_tokens or config.tokens_per_step(world)
@@ -163,7 +164,6 @@ def train(
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
 
-    widths = [None] * len(mlps)  # hidden units per layer, known after the first forward
     last_fired: torch.Tensor | None = None  # [layers, I]: token count at each unit's last firing
     step, log, elapsed, consumed = 0, [], 0.0, 0  # consumed: batches read over all ranks
     if resume:
