@@ -182,6 +182,72 @@ def breakdown(M, D, I, k, uneven_mean, E):
     )
 
 
+def e2e(k=29, batch=4, seq=2048, steps=5):
+    """Training steps (forward, backward, AdamW) of a 1.5B-shape Llama (28 layers, D 2048, I 5632,
+    vocabulary 49152, random weights), dense MLPs vs hybrid; sparsity controlled by a bias channel
+    (MLP input channel 0 set to 1, gate[:, 0] set for k active units). Tokens/s and peak memory."""
+    import torch.nn.functional as F
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=28, num_attention_heads=16,
+                      num_key_value_heads=16, vocab_size=49152, max_position_embeddings=seq, hidden_act="relu")
+    cfg._attn_implementation = "sdpa"
+    b0 = torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor(k / 5632)).item()
+    results = {}
+    for mode in ("dense", "hybrid"):
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+        mlps = [layer.mlp for layer in model.model.layers]
+        with torch.no_grad():
+            for m in mlps:
+                m.gate_proj.weight.normal_(0, 2048**-0.5)[:, 0] = b0
+
+        def forward(self, x, mode=mode):
+            x = torch.cat([torch.ones_like(x[..., :1]), x[..., 1:]], -1)  # the bias channel
+            if mode == "hybrid":
+                out, st = H.hybrid_gated_mlp(x, self.gate_proj.weight, self.up_proj.weight,
+                                             self.down_proj.weight)
+                self.l1, self.active = st.l1, st.active
+                return out
+            h = torch.relu(F.linear(x, self.gate_proj.weight)) * F.linear(x, self.up_proj.weight)
+            self.l1, self.active = h.abs().sum(-1).mean(), (h != 0).sum(-1).float().mean().detach()
+            return F.linear(h, self.down_proj.weight)
+
+        for m in mlps:
+            m.forward = forward.__get__(m)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+        ids = torch.randint(0, 49152, (batch, seq), device="cuda")
+
+        def step():
+            loss = model(input_ids=ids, labels=ids).loss
+            loss = loss + L1_COEFF * torch.stack([m.l1 for m in mlps]).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            step()
+        end.record()
+        torch.cuda.synchronize()
+        ms = start.elapsed_time(end) / steps
+        results[mode] = dict(step_ms=ms, tokens_per_s=batch * seq / ms * 1e3,
+                             peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30,
+                             mean_active=torch.stack([m.active for m in mlps]).mean().item())
+        print(mode, json.dumps(results[mode]), flush=True)
+        del model, opt, mlps
+        torch.cuda.empty_cache()
+    results["speedup"] = results["dense"]["step_ms"] / results["hybrid"]["step_ms"]
+    return dict(model="llama 28 x (2048, 5632), vocab 49152", batch=batch, seq=seq, k=k, steps=steps,
+                **results)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=16384)
@@ -189,16 +255,20 @@ def main():
     ap.add_argument("--I", type=int, default=5632)
     ap.add_argument("--max-nnz", type=int, default=128)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--e2e", action="store_true", help="also time training steps of a 1.5B-shape model")
+    ap.add_argument("--skip-block", action="store_true")
     args = ap.parse_args()
     cases = [("k29", 29, None), ("k98_uneven", 29, 98)]
     results = []
-    for n, k, um in cases:
+    for n, k, um in ([] if args.skip_block else cases):
         r = bench_case(n, args.tokens, args.D, args.I, k, um, args.max_nnz)
         r["breakdown_ms"] = breakdown(args.tokens, args.D, args.I, k, um, args.max_nnz)
         print(n, json.dumps(r), flush=True)
         results.append(r)
     doc = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                python=platform.python_version(), command="python " + " ".join(sys.argv), results=results)
+    if args.e2e:
+        doc["e2e"] = e2e()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
@@ -210,6 +280,11 @@ def main():
               f"{t['dense']:9.3f} {t['hybrid']:9.3f} {t['hybrid_fwd_only']:7.3f} {t['speedup']:7.2f} "
               f"{r['memory']['saved_ratio']:6.3f} {e['out']:8.1e} {e['dx']:8.1e} "
               f"{max(e['d_gate'], e['d_up'], e['d_down']):8.1e} {r['rel_err']['dense_bf16']['out']:9.1e}")
+    if args.e2e:
+        for mode in ("dense", "hybrid"):
+            r = doc["e2e"][mode]
+            print(f"e2e {mode:7} step {r['step_ms']:8.1f} ms  {r['tokens_per_s']:9.0f} tok/s  "
+                  f"peak {r['peak_mem_gib']:6.2f} GiB  active {r['mean_active']:.1f}")
 
 
 if __name__ == "__main__":
