@@ -44,6 +44,7 @@ TRAIN_OPTIONS = [
     click.option("--lr", type=float, help="Peak learning rate (AdamW, cosine schedule)."),
     click.option("--seed", type=int, help="Random seed."),
     click.option("--grad-checkpointing/--no-grad-checkpointing", default=None, help="Recompute activations to save memory."),
+    click.option("--hybrid-kernels/--no-hybrid-kernels", default=None, help="Train the MLPs on the TwELL hybrid kernels (GPU)."),
 ]
 
 

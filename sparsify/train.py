@@ -53,6 +53,7 @@ class TrainConfig:
     warmup_steps: int = field(default=0, metadata={"help": "Linear learning-rate warm-up steps before the cosine decay."})
     max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping norm."})
     grad_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations in backward to save memory."})
+    hybrid_kernels: bool = field(default=False, metadata={"help": "Run the MLPs on the TwELL hybrid training kernels (twell.hybrid; same math, for GPUs)."})
     dead_window_tokens: int | None = field(default=None, metadata={"help": "A unit is dead when it has not fired in this many tokens (default: one optimizer step's tokens)."})
     eval_tokens: int = field(default=65536, metadata={"help": "Held-out tokens for perplexity and sparsity measurement."})
     seed: int = field(default=0, metadata={"help": "Random seed."})
@@ -172,7 +173,7 @@ def train(
         if state["last_fired"] is not None:
             last_fired = state["last_fired"].to(accelerator.device)
     for m in mlps:
-        m.track = True
+        m.track, m.use_hybrid = True, config.hybrid_kernels
 
     stream = batches(consumed, accelerator.process_index, world)
     window = _Window(len(mlps), accelerator.device)
@@ -234,7 +235,7 @@ def train(
         ) from None
     finally:
         for m in mlps:
-            m.track = False
+            m.track = m.use_hybrid = False
         if progress:
             progress.stop()
     model = accelerator.unwrap_model(model)

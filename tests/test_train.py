@@ -2,11 +2,13 @@
 tracking, and Ctrl-C -> resume giving the same weights as an uninterrupted run."""
 import copy
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import sparsify.relufy
 from helpers import tiny_model
 from sparsify.errors import ConfigError
 from sparsify.relufy import relufy
@@ -165,3 +167,22 @@ def test_gradient_checkpointing_trains_the_same():
     train(b, relufy(b), batches_from(), config(steps=2, grad_checkpointing=True), device="cpu", show_progress=False)
     for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
         torch.testing.assert_close(pa, pb, msg=name)
+
+
+def test_hybrid_kernels_switch(monkeypatch):
+    # The kernels themselves are tested against the dense path in test_relufy/test_twell_hybrid (slow
+    # under the interpreter); here only that training routes the MLPs through them and switches back.
+    calls = []
+
+    def fake_hybrid(x, gate, up, down, max_nnz):
+        calls.append(x.shape)
+        g, u = x @ gate.T, x @ up.T
+        h = F.relu(g) * u
+        active = (g > 0).flatten(0, -2)
+        return h @ down.T, SimpleNamespace(l1=h.abs().sum(-1).mean(), active=active.sum(-1).float().mean(), fired=active.sum(0))
+
+    monkeypatch.setattr(sparsify.relufy, "hybrid_gated_mlp", fake_hybrid)
+    model, _ = tiny_model("llama")
+    mlps = relufy(model)
+    train(model, mlps, batches_from(), config(steps=2, hybrid_kernels=True), device="cpu", show_progress=False)
+    assert len(calls) == 2 * 2 and all(not m.use_hybrid for m in mlps)
