@@ -104,13 +104,19 @@ def _documents_without_datasets(source: dict[str, list[str]] | str) -> Iterator[
     # Minimal reader for machines without `datasets` (the GPU image): plain text and JSON lines only.
     if isinstance(source, str) or "parquet" in source:
         raise DataError("reading a Hub dataset or parquet files needs the `datasets` package: pip install datasets")
-    for path in source.get("text", []):
-        yield Path(path).read_text(encoding="utf-8")
-    for path in source.get("json", []):
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                if line.strip():
-                    yield _text(json.loads(line), path)
+    for builder, files in source.items():
+        for path in files:
+            if builder == "text":
+                yield Path(path).read_text(encoding="utf-8")
+                continue
+            with open(path, encoding="utf-8") as f:
+                for number, line in enumerate(f, 1):
+                    if line.strip():
+                        try:
+                            row = json.loads(line)
+                        except json.JSONDecodeError as e:
+                            raise DataError(f"cannot read {path}: line {number}: {e}") from None
+                        yield _text(row, path)
 
 
 def _text(row: dict, name: str) -> str:

@@ -1,6 +1,7 @@
 """Data: formats, packing with EOS between documents, the held-out split, batching/resume positions, and
 every bad-data error."""
 import json
+import sys
 
 import pytest
 import torch
@@ -85,3 +86,17 @@ def test_parquet_and_mixed_folder(tmp_path):
 def test_bad_data(tmp_path, make, message):
     with pytest.raises(DataError, match=message):
         TextData(make(tmp_path), tiny_tokenizer(), seq_len=64, eval_tokens=64)
+
+
+def test_without_datasets_package_jsonl_and_txt_read_the_same(tmp_path, monkeypatch):
+    # The GPU image has no `datasets`: local .jsonl/.txt still work, through a plain reader.
+    write_jsonl(tmp_path / "a.jsonl", [f"row {i} " * 5 for i in range(30)])
+    (tmp_path / "b.txt").write_text("plain text " * 30)
+    with_datasets = TextData(tmp_path, tiny_tokenizer(), seq_len=16, eval_tokens=32)
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
+    without = TextData(tmp_path, tiny_tokenizer(), seq_len=16, eval_tokens=32)
+    assert all(torch.equal(a, b) for a, b in zip(with_datasets.eval_blocks, without.eval_blocks))
+    assert torch.equal(next(with_datasets.train_batches(8)), next(without.train_batches(8)))
+    (tmp_path / "c.parquet").write_bytes(b"PAR1")
+    with pytest.raises(DataError, match="needs the `datasets` package"):
+        TextData(tmp_path, tiny_tokenizer(), seq_len=16, eval_tokens=32)
