@@ -89,12 +89,13 @@ def convert(
         raise ConfigError(f"--resume: no saved training state in {resume_dir}")
     if data is None and source != "demo":
         raise DataError("--data is required (local .txt/.jsonl/.parquet files or folder, or a datasets name)")
-    resolve_data(data or demo_corpus_path())  # missing / empty / unknown format: before loading any weight
+    data_spec = data or demo_corpus_path()
+    resolve_data(data_spec)  # missing / empty / unknown format: before loading any weight
 
     model, tokenizer, spec = load_model(source, dtype=torch.float32, device=device)
     require_tokenizer(tokenizer, source)
     config.validate(getattr(model.config, "max_position_embeddings", None))
-    text = TextData(data or demo_corpus_path(), tokenizer, config.seq_len, config.eval_tokens)
+    text = TextData(data_spec, tokenizer, config.seq_len, config.eval_tokens)
     ppl = {"original": perplexity(model, text.eval_blocks, config.batch_size)}
     mlps = relufy(model)
     ppl["after swap"] = perplexity(model, text.eval_blocks, config.batch_size)
