@@ -46,3 +46,15 @@ def test_analyze_converted_checkpoint_defaults_to_its_training_data(tmp_path):
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "a.json").read_text())
     assert report["data"] == str(tmp_path / "text.txt") and report["tokens"] == 128
+
+
+def test_default_data_for_demo_models(tmp_path):
+    from helpers import tiny_config
+    from sparsify.analyze import default_data
+    from sparsify.load import demo_corpus_path
+
+    config = tiny_config("llama")
+    config.twell = {"training": {"base_model": "demo", "data": "demo corpus"}}
+    config.save_pretrained(tmp_path)
+    assert default_data("demo") == demo_corpus_path()
+    assert default_data(str(tmp_path)) == demo_corpus_path()
