@@ -164,8 +164,10 @@ def breakdown(M, D, I, k, uneven_mean, E):
     for bs, bd in ((16, 256), (8, 512), (32, 128)):
         variant(f"sddmm_fwd_S{bs}_D{bd}", lambda: H._sddmm(x, up, idx, nnz, g, u, backward=False,
                                                            gated=True), SDDMM_S=bs, SDDMM_D=bd)
-    for bm, bi, nw in ((128, 32, 4), (64, 32, 4), (128, 64, 8), (32, 64, 4), (256, 32, 8)):
-        variant(f"pack_M{bm}_I{bi}_W{nw}", lambda: H._pack(pre, E), BLOCK_M=bm, BLOCK_I=bi, PACK_WARPS=nw)
+    for bm, bi, nw, dot in ((64, 64, 4, False), (128, 32, 4, False), (32, 64, 4, True), (64, 128, 4, True),
+                            (128, 64, 8, True), (32, 128, 4, True), (16, 256, 4, True)):
+        variant(f"pack_M{bm}_I{bi}_W{nw}_dot{int(dot)}", lambda: H._pack(pre, E), BLOCK_M=bm, BLOCK_I=bi,
+                PACK_WARPS=nw, SCAN_DOT=dot)
     return dict(
         **variants,
         gate_matmul=bench(lambda: x @ gate.t()),
