@@ -46,6 +46,31 @@ def slots(tile: int, compression: int) -> int:
     return max(tile // compression, 1)
 
 
+# Cost model, fitted to one H100 run (benchmarks/results/inference_h100.json, D=2048, I=5632, bf16):
+# dense cuBLAS block 571 TFLOP/s; Triton gate matmul with packing epilogue 383 TFLOP/s; the gathers of
+# up and down rows (4 * D bytes per active unit and token) 6.0 TB/s from L2; decode (<= 64 tokens):
+# weights streamed at 2.0 TB/s, plus 14.6 us of fixed latency for the two sparse launches.
+DENSE_FLOPS, GATE_FLOPS, GATHER_BYTES, DECODE_BYTES, DECODE_LATENCY = 571e12, 383e12, 6.0e12, 2.0e12, 14.6e-6
+
+
+def choose_setting(mean_active: float, tile_active_max: float, d: int, i: int, tokens: int = 16384,
+                   tile: int = 128) -> dict:
+    """Per-layer plan from measured activity: `mean_active` units per token, `tile_active_max` a high
+    quantile (e.g. p99.9) of active units per (token, tile) at this tile width. Returns
+    {"mode": "sparse"|"dense", "tile", "compression", "predicted_speedup"} (speed-up of the MLP block
+    over dense bf16 at this token count, from the model above; sparse when it exceeds 1)."""
+    compression = next((c for c in (8, 4, 2) if slots(tile, c) >= tile_active_max), 1)
+    if tokens <= 64:
+        dense = 6 * d * i / DECODE_BYTES
+        sparse = (2 * d * i + 4 * d * mean_active * tokens) / DECODE_BYTES + DECODE_LATENCY
+    else:
+        dense = 6 * tokens * d * i / DENSE_FLOPS
+        sparse = 2 * tokens * d * i / GATE_FLOPS + 4 * d * mean_active * tokens / GATHER_BYTES
+    speedup = dense / sparse
+    return dict(mode="sparse" if speedup > 1 else "dense", tile=tile, compression=compression,
+                predicted_speedup=round(speedup, 3))
+
+
 def use_triton(t: torch.Tensor) -> bool:
     """Triton runs on CUDA tensors, and on CPU tensors under TRITON_INTERPRET=1 (the test setup)."""
     return triton is not None and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")

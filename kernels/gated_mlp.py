@@ -53,7 +53,9 @@ def gate_config(m: int, tile: int, element_size: int) -> dict:
     block_k = 64 if element_size <= 2 else 32
     if m <= DECODE_ROWS:  # streams the gate matrix: deep K blocks, few rows
         bm = max(16, triton.next_power_of_2(m))
-        return dict(BM=bm, BK=2 * block_k if bm <= 32 else block_k, GROUP_M=1, num_warps=4, num_stages=3)
+        if bm <= 32:
+            return dict(BM=bm, BK=4 * block_k, GROUP_M=1, num_warps=4, num_stages=3)
+        return dict(BM=bm, BK=2 * block_k, GROUP_M=1, num_warps=4, num_stages=4)
     if tile >= 256:
         return dict(BM=64, BK=block_k, GROUP_M=8, num_warps=8, num_stages=3)
     return dict(BM=128, BK=block_k, GROUP_M=8, num_warps=8, num_stages=4)
@@ -65,7 +67,7 @@ def out_config(m: int, d: int) -> dict:
     gather latency). Decode: the row is split over output chunks so that many SMs share its few units."""
     block_d = triton.next_power_of_2(d)
     if m <= DECODE_ROWS:
-        return dict(CH=32, BD=128 if m <= 8 else 256, num_warps=4)
+        return dict(CH=32, BD=64 if m <= 8 else 256, num_warps=4)
     return dict(CH=2, BD=block_d, num_warps=1 if block_d <= 2048 else 2)
 
 

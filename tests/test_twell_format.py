@@ -43,3 +43,11 @@ def test_slot_count_validation():
     assert slots(256, 8) == 32 and slots(16, 32) == 1
     with pytest.raises(ValueError):
         slots(100, 8)
+
+
+def test_choose_setting():
+    low = twell.choose_setting(29, 6, 2048, 5632, tokens=16384)
+    high = twell.choose_setting(300, 20, 2048, 5632, tokens=16384)
+    assert low["mode"] == "sparse" and low["compression"] == 8  # 16 slots hold 6
+    assert high["mode"] == "dense" and high["compression"] == 4  # 32 slots hold 20
+    assert twell.choose_setting(29, 3, 2048, 5632, tokens=1)["mode"] == "sparse"
