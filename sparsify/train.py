@@ -301,7 +301,7 @@ def _progress(enabled: bool, total: int, step: int) -> _Progress | None:
 
 def _progress_text(e: dict) -> str:
     return (
-        f"step {e['step']}  {e['tokens']:,} tok  {e['tokens_per_s']:,.0f} tok/s  loss {e['loss']:.3f}  "
+        f"{e['tokens']:,} tok  {e['tokens_per_s']:,.0f} tok/s  loss {e['loss']:.3f}  "
         f"ce {e['cross_entropy']:.3f}  L1 {e['l1']:.3g}  active {e['mean_active']:.1f}  dead {100 * e['dead_frac']:.1f}%"
     )
 
