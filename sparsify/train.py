@@ -221,7 +221,7 @@ def train(
                 if progress:
                     progress.stats = _progress_text(entry)
                     if not progress.console.is_terminal:  # logs to a file: one line per log step
-                        progress.console.print(progress.stats)
+                        progress.console.print(f"step {step}/{total}  {progress.stats}")
             if progress:
                 progress.update(0, completed=step)
     except KeyboardInterrupt:
