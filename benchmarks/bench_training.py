@@ -154,20 +154,11 @@ def breakdown(M, D, I, k, uneven_mean, E):
         variants[name] = bench(fn)
         H.GPU_BLOCKS.update(saved)
 
-    for bs, bd in ((4, 2048), (16, 2048)):
-        variant(f"spmm_fwd_S{bs}_D{bd}", lambda: H._spmm(idx, nnz, g, downT, u, dtype=bf),
-                BLOCK_S=bs, BLOCK_D=bd)
-    for bn, seg in ((4, 512), (8, 256), (16, 512), (8, 1024)):
+    for bn, seg in ((4, 256), (8, 512)):
         csc_v = H._csc(idx, I, seg)
         variant(f"wgrad_gate_up_N{bn}_SEG{seg}", lambda: H._wgrad(csc_v, E, dgp, du, x, mode=1),
                 BLOCK_N=bn, SEG=seg)
-    for bs, bd in ((16, 256), (8, 512), (32, 128)):
-        variant(f"sddmm_fwd_S{bs}_D{bd}", lambda: H._sddmm(x, up, idx, nnz, g, u, backward=False,
-                                                           gated=True), SDDMM_S=bs, SDDMM_D=bd)
-    for bm, bi, nw, dot in ((64, 64, 4, False), (128, 32, 4, False), (32, 64, 4, True), (64, 128, 4, True),
-                            (128, 64, 8, True), (32, 128, 4, True), (16, 256, 4, True)):
-        variant(f"pack_M{bm}_I{bi}_W{nw}_dot{int(dot)}", lambda: H._pack(pre, E), BLOCK_M=bm, BLOCK_I=bi,
-                PACK_WARPS=nw, SCAN_DOT=dot)
+    o1, o2 = torch.empty_like(dgp), torch.empty_like(du)
     return dict(
         **variants,
         gate_matmul=bench(lambda: x @ gate.t()),
@@ -181,6 +172,7 @@ def breakdown(M, D, I, k, uneven_mean, E):
         csc_sort=bench(lambda: H._csc(idx, I, H.GPU_BLOCKS["SEG"])),
         wgrad_gate_up=bench(lambda: H._wgrad(csc, E, dgp, du, x, mode=1)),
         wgrad_down=bench(lambda: H._wgrad(csc, E, g, u, dout, mode=2)),
+        wgrad_down_fused_dh=bench(lambda: H._wgrad(csc, E, g, u, dout, mode=3, w=downT, c=c, o1=o1, o2=o2)),
     )
 
 

@@ -8,13 +8,15 @@ per-row sparse pattern of its gate (docs/twell.md section 4).
   The backup is sized exactly from the overflow rows' list (torch.nonzero): the forward's one host sync.
 - `_sddmm_kernel` (a program per row): the sampled dense-dense product a[row] . W[j] at the row's units:
   forward u = x . up[j], h = g * u and the row's sum |h| (L1); backward dh = dout . down[:, j], plus the
-  L1 gradient sign(h) * dl1 / M, giving d_gate_pre = dh * u and d_up = dh * g on the pattern.
+  L1 gradient sign(h) * dl1 / M, giving d_gate_pre = dh * u and d_up = dh * g on the pattern. For
+  D <= 2048 the backward one is fused into the d_down weight-gradient kernel instead (see below).
 - `_spmm_kernel` (a program per row): out = h @ down^T and dx = d_gate_pre @ gate + d_up @ up, gathering
   rows of [I, D] weights. Whole rows a program: with a program per (row, 256-wide D chunk), a short
   dependent chain per program, an H100 ran 10x slower (per-program cost, not bytes).
 - `_wgrad_kernel` (a program per segment of <= SEG entries of one unit): weight gradients as
   transposed-sparse x dense, from a per-unit list of the ELL entries (CSC, a stable sort of the unit
-  indices); busy units' extra segments are added in order after: deterministic, no atomics.
+  indices); busy units' extra segments are added in order after: deterministic, no atomics. The d_down
+  one also computes dh per entry from the dout row it gathers anyway (saves one gather pass).
 Saved for backward: x, the weights, ELL indices, g and u [M, E] (fp32), and the backup rows' g and u.
 """
 import os
@@ -156,9 +158,14 @@ if _HAS_TRITON:
 
     @triton.jit
     def _wgrad_kernel(seg_unit_ptr, seg_first_ptr, perm_ptr, offsets_ptr, a_ptr, b_ptr, x_ptr, out1_ptr,
-                      out2_ptr, part1_ptr, part2_ptr, I, D, E, stride_x, SEG: tl.constexpr,
-                      MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                      out2_ptr, part1_ptr, part2_ptr, w_ptr, c_ptr, o1_ptr, o2_ptr, I, D, E, stride_x,
+                      SEG: tl.constexpr, MODE: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_D: tl.constexpr):
         # MODE 0: out1 = sum a x; 1: out1 = sum a x, out2 = sum b x; 2: out1 = sum (a b) x.
+        # MODE 3 (gated) / 4 (non-gated), x = dout, BLOCK_D >= D: also dh = dout . w[unit] for each
+        # entry (the backward SDDMM, fused: the dout row is gathered once for both), plus the L1 term,
+        # giving d_gate_pre -> o1, d_up -> o2 (gated: a = g, b = u; out1 = sum g u dout = d_down^T)
+        # or d_pre -> o1 (non-gated: a = h).
         # A program per segment of at most SEG entries of one unit (busy units would otherwise leave
         # a long tail); a unit's first segment writes its output row, later ones a partial row that
         # _wgrad_reduce_kernel adds in order: deterministic.
@@ -174,6 +181,9 @@ if _HAS_TRITON:
             for d0 in range(0, D, BLOCK_D):
                 cols = d0 + tl.arange(0, BLOCK_D)
                 dmask = cols < D
+                if MODE >= 3:
+                    wrow = tl.load(w_ptr + unit * D + cols, mask=dmask, other=0.0).to(tl.float32)
+                    c = tl.load(c_ptr)
                 acc1 = tl.zeros([BLOCK_D], tl.float32)
                 acc2 = tl.zeros([BLOCK_D], tl.float32)
                 for e0 in range(start, end, BLOCK_N):
@@ -186,6 +196,15 @@ if _HAS_TRITON:
                     a = tl.load(a_ptr + p, mask=emask, other=0.0)
                     if MODE == 2:
                         a = a * tl.load(b_ptr + p, mask=emask, other=0.0)
+                    if MODE == 3:  # g > 0 on the pattern: sign(h) = sign(u)
+                        u = tl.load(b_ptr + p, mask=emask, other=0.0)
+                        sgn = tl.where(u > 0.0, 1.0, tl.where(u < 0.0, -1.0, 0.0))
+                        dh = tl.sum(xt * wrow[None, :], 1) + c * sgn
+                        tl.store(o1_ptr + p, dh * u, mask=emask)
+                        tl.store(o2_ptr + p, dh * a, mask=emask)
+                        a = a * u
+                    if MODE == 4:  # h > 0 on the pattern
+                        tl.store(o1_ptr + p, tl.sum(xt * wrow[None, :], 1) + c, mask=emask)
                     acc1 += tl.sum(a[:, None] * xt, 0)
                     if MODE == 1:
                         b = tl.load(b_ptr + p, mask=emask, other=0.0)
@@ -220,10 +239,10 @@ if _HAS_TRITON:
 
 # Tile sizes: GPU ones for speed; small ones in the CPU interpreter so that small test shapes still run
 # every loop several times.
-GPU_BLOCKS = dict(BLOCK_M=64, BLOCK_I=64, PACK_WARPS=4, SCAN_DOT=True, SDDMM_S=4, SDDMM_D=1024, BLOCK_S=4,
-                  BLOCK_D=2048, BLOCK_N=8, SEG=512)
-CPU_BLOCKS = dict(BLOCK_M=16, BLOCK_I=32, PACK_WARPS=4, SCAN_DOT=True, SDDMM_S=4, SDDMM_D=16, BLOCK_S=4, BLOCK_D=16,
-                  BLOCK_N=4, SEG=8)
+GPU_BLOCKS = dict(BLOCK_M=64, BLOCK_I=64, PACK_WARPS=4, SCAN_DOT=False, SDDMM_S=4, SDDMM_D=1024,
+                  BLOCK_S=4, BLOCK_D=2048, BLOCK_N=4, SEG=512, FUSE_D=2048)
+CPU_BLOCKS = dict(BLOCK_M=16, BLOCK_I=32, PACK_WARPS=4, SCAN_DOT=False, SDDMM_S=4, SDDMM_D=16, BLOCK_S=4,
+                  BLOCK_D=16, BLOCK_N=4, SEG=8, FUSE_D=64)
 
 
 def _blocks(device):
@@ -294,19 +313,27 @@ def _csc(idx, I, seg):
     return perm, offsets, nseg, seg_end - nseg, seg_unit
 
 
-def _wgrad(csc, E, a, b, x, mode):
+def _fused_dh(D, device):
+    """Whether the backward SDDMM rides in the d_down kernel (a whole dout row in one tile)."""
+    return triton.next_power_of_2(D) <= _blocks(device)["FUSE_D"]
+
+
+def _wgrad(csc, E, a, b, x, mode, w=None, c=None, o1=None, o2=None):
+    """Weight gradient rows [I, D] (fp32) as transposed-sparse x dense; modes: see _wgrad_kernel."""
     perm, offsets, nseg, seg_first, seg_unit = csc
     I, n_prog = nseg.numel(), seg_unit.numel()
     D = x.shape[1]
     bl = _blocks(x.device)
-    block_d = min(bl["BLOCK_D"], triton.next_power_of_2(D))
+    block_d = triton.next_power_of_2(D) if mode >= 3 else min(bl["BLOCK_D"], triton.next_power_of_2(D))
     outs, parts = [], []
     for _ in range(2 if mode == 1 else 1):
         outs.append(_empty((I, D), dtype=torch.float32, device=x.device))
         parts.append(_empty((n_prog - I, D), dtype=torch.float32, device=x.device))
     out2, part2 = (outs[1], parts[1]) if mode == 1 else (outs[0], parts[0])
-    _wgrad_kernel[(n_prog,)](seg_unit, seg_first, perm, offsets, a, b if b is not None else a, x,
-                             outs[0], out2, parts[0], part2, I, D, E, x.stride(0), SEG=bl["SEG"], MODE=mode,
+    b = a if b is None else b
+    _wgrad_kernel[(n_prog,)](seg_unit, seg_first, perm, offsets, a, b, x, outs[0], out2, parts[0], part2,
+                             x if w is None else w, a if c is None else c, a if o1 is None else o1,
+                             a if o2 is None else o2, I, D, E, x.stride(0), SEG=bl["SEG"], MODE=mode,
                              BLOCK_N=bl["BLOCK_N"], BLOCK_D=block_d, num_warps=4)
     for out, part in zip(outs, parts):
         _wgrad_reduce_kernel[(I,)](nseg, seg_first, out, part, D, BLOCK_D=block_d, num_warps=4)
@@ -390,7 +417,14 @@ class _HybridGatedMLP(torch.autograd.Function):
             dout2 = dout.reshape(-1, D).to(dt).contiguous()
             c = (dl1.float() / M).reshape(1)
             downT = _transpose(down, dt)
-            dgp, du = _sddmm(dout2, downT, idx, nnz, g, u, backward=True, gated=True, c=c)
+            csc = _csc(idx, I, _blocks(x2.device)["SEG"])
+            ddownT = None
+            if _fused_dh(D, x2.device):  # dh rides in the d_down kernel (one gather of dout rows)
+                dgp = _empty((M, E), dtype=torch.float32, device=x2.device)
+                du = _empty((M, E), dtype=torch.float32, device=x2.device)
+                ddownT, _ = _wgrad(csc, E, g, u, dout2, mode=3, w=downT, c=c, o1=dgp, o2=du)
+            else:
+                dgp, du = _sddmm(dout2, downT, idx, nnz, g, u, backward=True, gated=True, c=c)
             if rows.numel():
                 xb, dob = x2[rows], dout2[rows]
                 hb = (torch.relu(gb) * ub).float()
@@ -403,8 +437,6 @@ class _HybridGatedMLP(torch.autograd.Function):
                 if rows.numel():
                     dx.index_copy_(0, rows, dgpb @ gate + dub @ up)
                 dx = dx.reshape(ctx.x_shape).to(ctx.dtypes[0])
-            if need_gate or need_up or need_down:
-                csc = _csc(idx, I, _blocks(x2.device)["SEG"])
             if need_gate or need_up:
                 dgate, dup = _wgrad(csc, E, dgp, du, x2, mode=1)
                 if rows.numel():
@@ -412,7 +444,8 @@ class _HybridGatedMLP(torch.autograd.Function):
                     dup += (dub.t() @ xb).float()
                 dgate, dup = dgate.to(ctx.dtypes[1]), dup.to(ctx.dtypes[2])
             if need_down:
-                ddownT, _ = _wgrad(csc, E, g, u, dout2, mode=2)
+                if ddownT is None:
+                    ddownT, _ = _wgrad(csc, E, g, u, dout2, mode=2)
                 if rows.numel():
                     ddownT += (hb.to(dt).t() @ dob).float()
                 ddown = _transpose(ddownT, ctx.dtypes[3])
@@ -463,7 +496,13 @@ class _HybridMLP(torch.autograd.Function):
             dout2 = dout.reshape(-1, D).to(dt).contiguous()
             c = (dl1.float() / M).reshape(1)
             downT = _transpose(down, dt)
-            dpre, _ = _sddmm(dout2, downT, idx, nnz, None, None, backward=True, gated=False, c=c)
+            csc = _csc(idx, I, _blocks(x2.device)["SEG"])
+            ddownT = None
+            if _fused_dh(D, x2.device):
+                dpre = _empty((M, E), dtype=torch.float32, device=x2.device)
+                ddownT, _ = _wgrad(csc, E, h, None, dout2, mode=4, w=downT, c=c, o1=dpre)
+            else:
+                dpre, _ = _sddmm(dout2, downT, idx, nnz, None, None, backward=True, gated=False, c=c)
             if rows.numel():
                 xb, dob = x2[rows], dout2[rows]
                 dpreb = (((dob @ down).float() + c) * (hb > 0)).to(dt)
@@ -473,15 +512,14 @@ class _HybridMLP(torch.autograd.Function):
                 if rows.numel():
                     dx.index_copy_(0, rows, dpreb @ up)
                 dx = dx.reshape(ctx.x_shape).to(ctx.dtypes[0])
-            if need_up or need_down:
-                csc = _csc(idx, I, _blocks(x2.device)["SEG"])
             if need_up:
                 dup, _ = _wgrad(csc, E, dpre, None, x2, mode=0)
                 if rows.numel():
                     dup += (dpreb.t() @ xb).float()
                 dup = dup.to(ctx.dtypes[1])
             if need_down:
-                ddownT, _ = _wgrad(csc, E, h, None, dout2, mode=0)
+                if ddownT is None:
+                    ddownT, _ = _wgrad(csc, E, h, None, dout2, mode=0)
                 if rows.numel():
                     ddownT += (hb.t() @ dob).float()
                 ddown = _transpose(ddownT, ctx.dtypes[2])
