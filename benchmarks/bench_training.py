@@ -242,6 +242,29 @@ def e2e(k=29, batch=4, seq=2048, steps=5):
                 **results)
 
 
+def profile(M, D, I, k, E, steps=10):
+    """Per-kernel GPU time of the hybrid step inside the real step (torch.profiler)."""
+    x, gate, up, down, dout = make_inputs(M, D, I, k)
+    x = x.to(torch.bfloat16).requires_grad_()
+    gate, up, down = (w.to(torch.bfloat16).requires_grad_() for w in (gate, up, down))
+    dout = dout.to(torch.bfloat16)
+
+    def step():
+        for t in (x, gate, up, down):
+            t.grad = None
+        out, st = H.hybrid_gated_mlp(x, gate, up, down, max_nnz=E)
+        torch.autograd.backward([out, st.l1], [dout, torch.tensor(L1_COEFF, device="cuda")])
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=16384)
@@ -251,7 +274,10 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--e2e", action="store_true", help="also time training steps of a 1.5B-shape model")
     ap.add_argument("--skip-block", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="only print per-kernel times of the k=29 step")
     args = ap.parse_args()
+    if args.profile:
+        return profile(args.tokens, args.D, args.I, 29, args.max_nnz)
     cases = [("k29", 29, None), ("k98_uneven", 29, 98)]
     results = []
     for n, k, um in ([] if args.skip_block else cases):
