@@ -29,7 +29,7 @@ from .measure import measure, perplexity
 from .plan import plan_layers
 from .relufy import relufy
 from .report import plot_training
-from .train import TrainConfig, train
+from .train import TrainConfig, on_cpu, train
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 
@@ -77,7 +77,7 @@ def convert(
 ) -> dict:
     """Convert `source` into a sparse checkpoint at `out`; returns the summary (perplexities, per-layer
     statistics and plan, training log)."""
-    main = PartialState().is_main_process
+    main = PartialState(cpu=on_cpu(device)).is_main_process
     out = check_output_dir(out, overwrite)
     try:
         convert_file_size_to_int(max_shard_size)

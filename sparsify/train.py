@@ -126,6 +126,12 @@ class TrainResult:
     log: list[dict]
 
 
+def on_cpu(device: str | None) -> bool:
+    """Whether training runs on CPU. accelerate must be told (`cpu=True`) even without a GPU, else
+    processes started by torchrun do not join one CPU (gloo) process group."""
+    return device == "cpu" or not torch.cuda.is_available()
+
+
 def l1_coeff(config: TrainConfig, step: int) -> float:
     """Coefficient at optimizer step `step` (0-based): linear from l1/warm-up to l1, then constant."""
     if config.l1_warmup_steps == 0:
@@ -146,10 +152,8 @@ def train(
 ) -> TrainResult:
     """Train `model` in place. `batches(start, rank, world)` yields [batch, seq_len] token ids, starting
     after `start` batches consumed over all ranks. Returns the log (one entry per logged step)."""
-    accelerator = Accelerator(
-        cpu=device == "cpu",
-        mixed_precision="bf16" if device != "cpu" and torch.cuda.is_available() else "no",
-    )
+    cpu = on_cpu(device)
+    accelerator = Accelerator(cpu=cpu, mixed_precision="no" if cpu else "bf16")
     set_seed(config.seed)
     world = accelerator.num_processes
     total = config.total_steps(world)

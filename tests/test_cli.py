@@ -2,10 +2,14 @@
 every family and reload both ways, Ctrl-C and --resume, and every bad input: a clear message, exit code
 non-zero, no traceback, nothing that looks like a complete OUT."""
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from cli import main
@@ -75,6 +79,21 @@ def test_convert_every_family_and_reload_both_ways(files, family, tmp_path):
         plain = AutoModelForCausalLM.from_pretrained(out).eval()(ids).logits
         remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()(ids).logits
     torch.testing.assert_close(remote, plain, rtol=1e-5, atol=1e-5 * plain.abs().max().item())
+
+
+def test_two_processes_train_like_one_with_both_batches(files, tmp_path):
+    # torchrun (what `accelerate launch` starts) with 2 CPU processes of batch 2 == 1 process of batch 4:
+    # rank r reads batches r, r+2, ...; DDP averages the two ranks' gradients.
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "cli",
+               "convert", model_folder(files, "llama"), "-o", tmp_path / "two", "--data", files / "corpus",
+               "--recipe", files / "recipe.yaml", "--steps", "2", "--batch-size", "2"]
+    done = subprocess.run([str(c) for c in command], cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert convert(files, "llama", tmp_path / "one", "--batch-size", "4").exit_code == 0
+    two, one = load_file(tmp_path / "two" / "model.safetensors"), load_file(tmp_path / "one" / "model.safetensors")
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert json.loads((tmp_path / "two" / "config.json").read_text())["twell"]["training"]["tokens"] == 2 * 2 * 2 * 32
 
 
 def test_ctrl_c_then_resume(files, tmp_path, monkeypatch):
