@@ -41,8 +41,8 @@ def slots(tile: int, compression: int) -> int:
     """Slots per (row, tile): T // compression (at least one)."""
     if tile not in TILES:
         raise ValueError(f"tile must be one of {TILES}, got {tile}")
-    if compression < 1:
-        raise ValueError(f"compression must be >= 1, got {compression}")
+    if compression < 1 or compression & (compression - 1):
+        raise ValueError(f"compression must be a power of two, got {compression}")
     return max(tile // compression, 1)
 
 
@@ -140,13 +140,25 @@ if triton is not None:
         # exact (integers <= T in fp32), and the tensor cores avoid a slow cross-thread scan
         c = tl.arange(0, g.shape[1])
         upper = (c[:, None] <= c[None, :]).to(tl.float16)
-        slot = tl.dot(pos.to(tl.float16), upper).to(tl.int32) - 1
-        keep = pos & (slot < S)
+        slot = tl.where(pos, tl.dot(pos.to(tl.float16), upper).to(tl.int32) - 1, -1)
+        count = tl.sum(pos.to(tl.int32), axis=1)
+        # gather slot s of every row by a masked row reduction, up to the fullest row of the block: a
+        # scatter of the whole [BM, T] tile would hold BM * T addresses in registers (and spill)
+        s_id = tl.arange(0, S)
+        out_v = tl.zeros((g.shape[0], S), dtype=tl.float32)
+        out_j = tl.zeros((g.shape[0], S), dtype=tl.int32)
+        for s in range(0, tl.minimum(tl.max(count, axis=0), S)):
+            hit = slot == s
+            v = tl.sum(tl.where(hit, vals, 0.0), axis=1)
+            j = tl.sum(tl.where(hit, cols[None, :], 0), axis=1)
+            out_v = tl.where(s_id[None, :] == s, v[:, None], out_v)
+            out_j = tl.where(s_id[None, :] == s, j[:, None], out_j)
         row_tile = rows.to(tl.int64) * NT + tile_id
-        off = row_tile[:, None] * S + slot
-        tl.store(vals_ptr + off, vals.to(vals_ptr.dtype.element_ty), mask=keep)
-        tl.store(idx_ptr + off, cols[None, :] + tl.zeros_like(slot), mask=keep)
-        tl.store(cnt_ptr + row_tile, tl.sum(pos.to(tl.int32), axis=1), mask=rows < M)
+        off = row_tile[:, None] * S + s_id[None, :]
+        keep = (s_id[None, :] < count[:, None]) & (rows < M)[:, None]
+        tl.store(vals_ptr + off, out_v.to(vals_ptr.dtype.element_ty), mask=keep)
+        tl.store(idx_ptr + off, out_j, mask=keep)
+        tl.store(cnt_ptr + row_tile, count, mask=rows < M)
 
     @triton.jit
     def _pack_kernel(g_ptr, vals_ptr, idx_ptr, cnt_ptr, M, N, stride_gm, stride_gn,

@@ -106,7 +106,7 @@ def twell_out(x2, tw: TwELL, w_dec, up, down_t, h_fp32: bool, overflow, cfg, out
         x2, tw.values, tw.indices, tw.counts, w_dec, up if up is not None else down_t, down_t, out,
         overflow if overflow is not None else tw.counts,
         d, tw.width, nt, x2.stride(0), x2.stride(1),
-        T=tw.tile, S=s, NT_PAD=max(2, triton.next_power_of_2(nt)), CH=cfg.pop("CH"),
+        T=tw.tile, S=s, NT_PAD=max(2, triton.next_power_of_2(nt)), CH=cfg["CH"], FB_CH=min(cfg.pop("CH"), 4),
         BLOCK_D=block_d, BD=bd, LIST_UP=up is not None and not packed_h, FALLBACK_UP=up is not None,
         H_FP32=h_fp32, HAS_OVF=overflow is not None, **cfg)
     return out
@@ -282,7 +282,7 @@ if triton is not None:
     def _twell_out_kernel(x_ptr, vals_ptr, idx_ptr, cnt_ptr, wdec_ptr, up_ptr, down_ptr, out_ptr, ovf_ptr,
                           D, I, NT, stride_xm, stride_xk,
                           T: tl.constexpr, S: tl.constexpr, NT_PAD: tl.constexpr, CH: tl.constexpr,
-                          BLOCK_D: tl.constexpr, BD: tl.constexpr, LIST_UP: tl.constexpr,
+                          FB_CH: tl.constexpr, BLOCK_D: tl.constexpr, BD: tl.constexpr, LIST_UP: tl.constexpr,
                           FALLBACK_UP: tl.constexpr, H_FP32: tl.constexpr, HAS_OVF: tl.constexpr):
         # program (row, output chunk): u needs the whole row of x and up, down only BD output columns
         row = tl.program_id(0).to(tl.int64)
@@ -313,14 +313,14 @@ if triton is not None:
                 tl.atomic_add(ovf_ptr, n_over.to(ovf_ptr.dtype.element_ty), mask=pid_d == 0)
             for tile in range(0, NT):
                 if tl.load(cnt_ptr + row * NT + tile) > S:
-                    for u0 in range(0, T, CH):
-                        in_tile = u0 + tl.arange(0, CH)
-                        j = tile * T + in_tile
-                        inside = (in_tile < T) & (j < I)  # CH may exceed T
-                        gw = tl.load(wdec_ptr + j[:, None].to(tl.int64) * D + d[None, :],
+                    for u0 in range(0, T, FB_CH):
+                        in_tile = u0 + tl.arange(0, FB_CH)
+                        unit = tile * T + in_tile
+                        inside = (in_tile < T) & (unit < I)
+                        gw = tl.load(wdec_ptr + unit[:, None].to(tl.int64) * D + d[None, :],
                                      mask=inside[:, None] & dmask[None, :], other=0.0)
-                        g = tl.sum(gw.to(tl.float32) * x[None, :], axis=1)
-                        g = g.to(vals_ptr.dtype.element_ty).to(tl.float32)  # as the packed value would be
-                        acc = _accumulate_units(acc, x, j, g, inside & (g > 0), d, dmask, do, omask,
+                        gate = tl.sum(gw.to(tl.float32) * x[None, :], axis=1)
+                        gate = gate.to(vals_ptr.dtype.element_ty).to(tl.float32)  # as the packed value would be
+                        acc = _accumulate_units(acc, x, unit, gate, inside & (gate > 0), d, dmask, do, omask,
                                                 up_ptr, down_ptr, D, FALLBACK_UP, H_FP32)
         tl.store(out_ptr + row * D + do, acc.to(out_ptr.dtype.element_ty), mask=omask)
