@@ -17,7 +17,9 @@ per-row sparse pattern of its gate (docs/twell.md section 4).
   transposed-sparse x dense, from a per-unit list of the ELL entries (CSC, a stable sort of the unit
   indices); busy units' extra segments are added in order after: deterministic, no atomics. The d_down
   one also computes dh per entry from the dout row it gathers anyway (saves one gather pass).
-Saved for backward: x, the weights, ELL indices, g and u [M, E] (fp32), and the backup rows' g and u.
+Saved for backward: x, the weights, ELL indices, g and u [M, E] (fp32), the CSC (perm [M * E] int32 and
+per-unit offsets/segments, built in the forward so that its small launches hide behind the big
+kernels), and the backup rows' g and u.
 """
 import os
 from typing import NamedTuple
@@ -190,7 +192,7 @@ if _HAS_TRITON:
                     es = e0 + tl.arange(0, BLOCK_N)
                     emask = es < end
                     p = tl.load(perm_ptr + es, mask=emask, other=0)  # flat ELL position row * E + slot
-                    t = p // E
+                    t = (p // E).to(tl.int64)
                     xt = tl.load(x_ptr + t[:, None] * stride_x + cols[None, :],
                                  mask=emask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
                     a = tl.load(a_ptr + p, mask=emask, other=0.0)
@@ -304,6 +306,7 @@ def _csc(idx, I, seg):
     if I < 2**15 - 1:  # half the radix-sort passes
         key = key.to(torch.int16)
     keys, perm = torch.sort(key, stable=True)
+    perm = perm.to(torch.int32)  # saved for backward: half the bytes
     offsets = torch.searchsorted(keys, torch.arange(I + 1, dtype=keys.dtype, device=idx.device))
     # every unit gets at least one segment (it writes its row, zeros if it never fired)
     nseg = torch.clamp_min((offsets[1:] - offsets[:-1] + seg - 1) // seg, 1)
@@ -384,9 +387,13 @@ class _HybridGatedMLP(torch.autograd.Function):
             downT = _transpose(down, dt)  # [I, D]: rows gathered per active unit
             rowsum = _sddmm(x2, up, idx, nnz, g, u, backward=False, gated=True)
             out = _spmm(idx, nnz, g, downT, u, dtype=dt)
-            # the one host sync: how many rows overflow E (the backup is sized to exactly those)
-            rows = (nnz > E).nonzero().squeeze(1)
+            # queued before the sync below, so that their launch cost hides behind the kernels above
+            csc = _csc(idx, I, _blocks(x.device)["SEG"]) if any(ctx.needs_input_grad[1:4]) else ()
             l1_sum = rowsum.sum()
+            active = nnz.sum().float() / M
+            fired, backup = fired.long(), (nnz > E).sum()
+            # the one host sync: which rows overflow E (the backup is sized to exactly those)
+            rows = (nnz > E).nonzero().squeeze(1)
             if rows.numel():
                 xb, gb = x2[rows], pre[rows]
                 ub = xb @ up.t()
@@ -397,17 +404,15 @@ class _HybridGatedMLP(torch.autograd.Function):
                 gb = ub = pre.new_empty((0, I))
             del pre
             l1 = l1_sum / M
-            active = nnz.sum().float() / M
-        ctx.save_for_backward(x2, gate, up, down, idx, nnz, g, u, rows, gb, ub)
+        ctx.save_for_backward(x2, gate, up, down, idx, nnz, g, u, rows, gb, ub, *csc)
         ctx.E = E
-        fired, backup = fired.long(), (nnz > E).sum()
         ctx.mark_non_differentiable(active, fired, backup)
         return out.reshape(*ctx.x_shape[:-1], down.shape[0]), l1, active, fired, backup
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, dout, dl1, *_):
-        x2, gate, up, down, idx, nnz, g, u, rows, gb, ub = ctx.saved_tensors
+        x2, gate, up, down, idx, nnz, g, u, rows, gb, ub, *csc = ctx.saved_tensors
         E = ctx.E
         M, D = x2.shape
         I = gate.shape[0]
@@ -417,7 +422,7 @@ class _HybridGatedMLP(torch.autograd.Function):
             dout2 = dout.reshape(-1, D).to(dt).contiguous()
             c = (dl1.float() / M).reshape(1)
             downT = _transpose(down, dt)
-            csc = _csc(idx, I, _blocks(x2.device)["SEG"])
+            csc = csc or _csc(idx, I, _blocks(x2.device)["SEG"])
             ddownT = None
             if _fused_dh(D, x2.device):  # dh rides in the d_down kernel (one gather of dout rows)
                 dgp = _empty((M, E), dtype=torch.float32, device=x2.device)
@@ -464,10 +469,14 @@ class _HybridMLP(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, D).to(dt).contiguous()
             up, down = (w.to(dt).contiguous() for w in (up_w, down_w))
-            M = x2.shape[0]
+            M, I = x2.shape[0], up.shape[0]
             pre = x2 @ up.t()
             idx, h, nnz, rowsum, fired = _pack(pre, E)
             out = _spmm(idx, nnz, h, _transpose(down, dt), dtype=dt)
+            csc = _csc(idx, I, _blocks(x.device)["SEG"]) if any(ctx.needs_input_grad[1:3]) else ()
+            l1 = rowsum.sum() / M  # the pack sums every row's positives, backup rows included
+            active = nnz.sum().float() / M
+            fired, backup = fired.long(), (nnz > E).sum()
             rows = (nnz > E).nonzero().squeeze(1)  # the one host sync
             if rows.numel():
                 hb = torch.relu(pre[rows])
@@ -475,18 +484,15 @@ class _HybridMLP(torch.autograd.Function):
             else:
                 hb = pre.new_empty((0, pre.shape[1]))
             del pre
-            l1 = rowsum.sum() / M  # the pack sums every row's positives, backup rows included
-            active = nnz.sum().float() / M
-        ctx.save_for_backward(x2, up, down, idx, nnz, h, rows, hb)
+        ctx.save_for_backward(x2, up, down, idx, nnz, h, rows, hb, *csc)
         ctx.E = E
-        fired, backup = fired.long(), (nnz > E).sum()
         ctx.mark_non_differentiable(active, fired, backup)
         return out.reshape(*ctx.x_shape[:-1], down.shape[0]), l1, active, fired, backup
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, dout, dl1, *_):
-        x2, up, down, idx, nnz, h, rows, hb = ctx.saved_tensors
+        x2, up, down, idx, nnz, h, rows, hb, *csc = ctx.saved_tensors
         E = ctx.E
         M, D = x2.shape
         I = up.shape[0]
@@ -496,7 +502,7 @@ class _HybridMLP(torch.autograd.Function):
             dout2 = dout.reshape(-1, D).to(dt).contiguous()
             c = (dl1.float() / M).reshape(1)
             downT = _transpose(down, dt)
-            csc = _csc(idx, I, _blocks(x2.device)["SEG"])
+            csc = csc or _csc(idx, I, _blocks(x2.device)["SEG"])
             ddownT = None
             if _fused_dh(D, x2.device):
                 dpre = _empty((M, E), dtype=torch.float32, device=x2.device)

@@ -135,6 +135,22 @@ def test_grad_accumulation_checkpoint_noncontiguous():
     assert rel(first[0][:, ::2], ref[0]) < 1e-5 and rel(first[1].t(), ref[1]) < 1e-5
 
 
+@pytest.mark.parametrize("gated", [True, False])
+def test_frozen_weights(gated):
+    """Only x needs a gradient (frozen weights): the backward builds the CSC it still needs."""
+    tensors = problem(23, 30, 40, 6, gated=gated)
+    fn, ref = (H.hybrid_gated_mlp, H.hybrid_gated_mlp_reference) if gated else \
+        (H.hybrid_mlp, H.hybrid_mlp_reference)
+    dout = torch.randn(23, 30)
+    grads = []
+    for f, dtype in ((fn, torch.float32), (ref, torch.float64)):
+        x = tensors[0].detach().to(dtype).requires_grad_()
+        out, st = f(x, *(w.to(dtype) for w in tensors[1:]), max_nnz=7)
+        ((out * dout.to(dtype)).sum() + L1_COEFF * st.l1).backward()
+        grads.append(x.grad)
+    assert rel(*grads) < 1e-5
+
+
 def test_without_triton_uses_reference(monkeypatch):
     tensors = problem(17, 20, 33, 5)
     dout = torch.randn(17, 20)
