@@ -263,6 +263,16 @@ def profile(M, D, I, k, E, steps=10):
             step()
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+    import time
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    print(f"host time to issue a step {1e3 * (t1 - t0) / steps:.3f} ms; wall a step {1e3 * (t2 - t0) / steps:.3f} ms; "
+          f"GPU kernels a step {sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / steps:.3f} ms")
 
 
 def main():
