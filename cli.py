@@ -44,7 +44,9 @@ TRAIN_OPTIONS = [
     click.option("--lr", type=float, help="Peak learning rate (AdamW, cosine schedule)."),
     click.option("--seed", type=int, help="Random seed."),
     click.option("--grad-checkpointing/--no-grad-checkpointing", default=None, help="Recompute activations to save memory."),
-    click.option("--hybrid-kernels/--no-hybrid-kernels", default=None, help="Train the MLPs on the TwELL hybrid kernels (GPU)."),
+    click.option("--hybrid-below", type=float, metavar="UNITS",
+                 help="Train a layer on the TwELL hybrid kernels while its mean active units per token are below this (GPU; default 40)."),
+    click.option("--no-hybrid", is_flag=True, help="Train every layer on the dense path (same as --hybrid-below 0)."),
 ]
 
 
@@ -74,6 +76,8 @@ def convert(source, out, data, recipe, device, resume, overwrite, max_shard_size
     from sparsify.train import TrainConfig
 
     settings = load_recipe(recipe, source)
+    if options.pop("no_hybrid"):
+        options["hybrid_below"] = 0
     settings.update({k: v for k, v in options.items() if v is not None})
     summary = run(
         source, out, TrainConfig.from_dict(settings), data=data, device=device, resume=resume, overwrite=overwrite,
@@ -82,7 +86,8 @@ def convert(source, out, data, recipe, device, resume, overwrite, max_shard_size
     if _is_main():
         t = summary["training"]
         console.print(perplexity_table(summary["perplexity"]))
-        console.print(layer_table(summary["layers"], summary["plan"], f"sparsity on {summary['layers'][0]['tokens']:,} held-out tokens"))
+        console.print(layer_table(summary["layers"], summary["plan"], f"sparsity on {summary['layers'][0]['tokens']:,} held-out tokens",
+                                  hybrid_share=summary["hybrid_share"]))
         console.print(f"trained {t['steps']} steps, {t['tokens']:,} tokens in {t['seconds']:.0f} s; wrote {out}")
         if "url" in summary:
             console.print(f"pushed to {summary['url']}")

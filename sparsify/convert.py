@@ -1,11 +1,12 @@
 """`sparsify convert`: the whole pipeline, one call per stage.
 
 check OUT (fail fast) -> load -> perplexity of the original -> relufy -> perplexity after the swap ->
-train (L1) -> measure on held-out text (perplexity after training) -> plan -> export (+ training log
-JSON and sparsity PNG) -> optional push. Weights are trained in fp32 (AdamW updates of ~lr are below
-bf16's resolution; bf16 autocast on GPU does the arithmetic) and exported in the dtype a plain load
-would use (bf16 on GPU, fp32 on CPU). Ctrl-C keeps the training state in `OUT.resume/`, a sibling that
-never looks like a checkpoint; `--resume` continues from it and a finished conversion deletes it.
+train (L1; each layer on the hybrid kernels or dense by its activity) -> measure on held-out text
+(perplexity after training) -> plan -> export (+ training log JSON and sparsity PNG) -> optional push.
+Weights are trained in fp32 (AdamW updates of ~lr are below bf16's resolution; bf16 autocast on GPU
+does the arithmetic) and exported in the dtype a plain load would use (bf16 on GPU, fp32 on CPU).
+Ctrl-C keeps the training state in `OUT.resume/`, a sibling that never looks like a checkpoint;
+`--resume` continues from it and a finished conversion deletes it.
 Under `accelerate launch` every process trains, the main one alone exports and reports.
 """
 from __future__ import annotations
@@ -29,7 +30,7 @@ from .measure import measure, perplexity
 from .plan import plan_layers
 from .relufy import relufy
 from .report import plot_training
-from .train import TrainConfig, on_cpu, train
+from .train import TrainConfig, hybrid_share, on_cpu, train
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 
@@ -119,7 +120,8 @@ def convert(
         "max_steps": config.steps,
         "max_tokens": config.tokens,
     }
-    summary = {"perplexity": ppl, "layers": stats["layers"], "plan": plan, "training": training, "log": result.log}
+    summary = {"perplexity": ppl, "layers": stats["layers"], "plan": plan, "training": training, "log": result.log,
+               "hybrid_share": hybrid_share(result.log)}
     if not main:
         return summary
 

@@ -8,9 +8,11 @@ undoable conversion, as in PEFT).
 
 With `track = True` each forward stores `MLPStats`: l1 (differentiable: mean over tokens of the sum over
 units of |relu(gate(x)) * up(x)|, twell.md section 1 for one layer), active (mean units per token whose
-gate pre-activation is > 0) and fired (tokens in which each unit fired). With `use_hybrid = True` the
-forward goes through `twell.hybrid_gated_mlp` (sparse Triton kernels on CUDA and under the interpreter,
-its dense reference elsewhere), which returns the same output and statistics.
+gate pre-activation is > 0) and fired (tokens in which each unit fired), and `backup_rows`: the token rows
+that went to the hybrid kernels' dense backup (0 on the dense path). With `use_hybrid = True` the forward
+goes through `twell.hybrid_gated_mlp` (sparse Triton kernels on CUDA and under the interpreter, its dense
+reference elsewhere), which returns the same output and statistics. Training (sparsify/train.py) sets
+`use_hybrid` per layer from the measured activity.
 """
 from __future__ import annotations
 
@@ -44,6 +46,8 @@ class ReluGatedMLP(nn.Module):
         self.spec = spec
         self.track = False
         self.stats: MLPStats | None = None
+        # Kept beside the stats (MLPStats is the same for both paths): int64 scalar, 0 on the dense path.
+        self.backup_rows: torch.Tensor | None = None
         self.use_hybrid = False
         self.hybrid_max_nnz = 128
         # Kept outside the module tree (no extra state-dict keys) so that unrelufy can put it back.
@@ -64,7 +68,7 @@ class ReluGatedMLP(nn.Module):
         if self.use_hybrid and hybrid_gated_mlp is not None and not has_bias(self, self.spec):
             out, stats = hybrid_gated_mlp(x, *self.weights(), max_nnz=self.hybrid_max_nnz)
             if self.track:
-                self.stats = MLPStats(stats.l1, stats.active, stats.fired)
+                self.stats, self.backup_rows = MLPStats(stats.l1, stats.active, stats.fired), stats.backup_rows
             return out
         gate, up = self.gate_up(x)
         h = F.relu(gate) * up
@@ -76,6 +80,7 @@ class ReluGatedMLP(nn.Module):
                 active=fired.sum(-1, dtype=torch.float32).mean(),
                 fired=fired.sum(0),
             )
+            self.backup_rows = self.stats.fired.new_zeros(())
         return getattr(self, self.spec.down)(h)
 
 

@@ -12,18 +12,23 @@ from .plan import describe
 console = Console(stderr=True)
 
 
-def layer_table(layer_stats: list[dict], plan: list[dict], title: str) -> Table:
+def layer_table(layer_stats: list[dict], plan: list[dict], title: str, hybrid_share: list[float] | None = None) -> Table:
     """Per layer: active units per token (mean / median / p99 / max), sparsity, dead units, the
-    p99.9 of active units per (token, 256-wide tile) and the planned kernel setting."""
+    p99.9 of active units per (token, 256-wide tile) and the planned kernel setting; with `hybrid_share`
+    (convert), the share of training steps the layer spent on the hybrid kernels, if any did."""
+    show_hybrid = any(hybrid_share or [])
     table = Table(title=f"{title}; active units per token of {layer_stats[0]['units']}")
     for column in ("layer", "mean", "median", "p99", "max", "sparsity %", "dead %", "tile p99.9", "setting"):
         table.add_column(column, justify="right")
+    if show_hybrid:
+        table.add_column("hybrid steps %", justify="right")
     for i, (s, p) in enumerate(zip(layer_stats, plan)):
         tile = str(p.get("tile", max(int(t) for t in s["tiles"]) if s["tiles"] else ""))
         table.add_row(
             str(i), f"{s['mean_active']:.1f}", f"{s['median_active']:.0f}", f"{s['p99_active']:.0f}",
             str(s["max_active"]), f"{100 * s['sparsity']:.2f}", f"{100 * s['dead_frac']:.1f}",
             f"{s['tiles'][tile]['p999']}/{tile}" if tile else "-", describe(p),
+            *([f"{100 * hybrid_share[i]:.0f}"] if show_hybrid else []),
         )
     return table
 

@@ -5,15 +5,25 @@ L1 is the method's definition (docs twell.md section 1): the mean over layers of
 Runs through accelerate's Accelerator, so `accelerate launch` spreads it over GPUs (DDP) and bf16
 autocast is on by default on GPU; AdamW, cosine schedule with warm-up, gradient accumulation, clipping,
 optional gradient checkpointing. Tracks per layer the mean active units per token (L0), L1 and dead
-units (not fired within the last `dead_window_tokens` tokens). Ctrl-C saves the complete training state
+units (not fired within the last `dead_window_tokens` tokens).
+
+Each MLP trains on one of two paths with the same math: dense PyTorch, or the TwELL hybrid kernels
+(twell.hybrid: sparse ELL rows plus a dense backup for rows above `hybrid_max_nnz` active units), which
+are faster only when few units are active. The path is chosen per layer at every log step from the
+layer's mean active units per token over the log window (summed on device, read at the log step that
+already syncs: no extra host sync): hybrid below `hybrid_below`, back to dense above HYBRID_EXIT times
+it (a layer near the threshold does not flip at every check). A freshly relufied model starts dense. The
+log records each layer's path and its backup rows per window. Ctrl-C saves the complete training state
 (accelerate's save_state: weights as safetensors, optimizer, scheduler, RNG; plus step, data position,
 log and dead-unit windows in state.json) to `resume_dir`, from which `resume=True` continues.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 from contextlib import nullcontext
 import math
+import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -26,10 +36,15 @@ from accelerate.utils import set_seed
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from transformers import get_cosine_schedule_with_warmup
 
+from . import relufy
 from .errors import ConfigError, SparsifyError
 from .report import console
 
 MAX_L1 = 1e-2  # 50x the paper's 2e-5; at 1e-4 models already drop under one active unit per token
+# A layer on the hybrid kernels goes back to dense only above this multiple of `hybrid_below`. With the
+# default 40 the band is 40-50 units: around the H100 block benchmark's break-even (~47), so a layer
+# hovering there costs at most a few percent on either path instead of flipping at every check.
+HYBRID_EXIT = 1.25
 
 
 class TrainingInterrupted(SparsifyError):
@@ -53,7 +68,12 @@ class TrainConfig:
     warmup_steps: int = field(default=0, metadata={"help": "Linear learning-rate warm-up steps before the cosine decay."})
     max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping norm."})
     grad_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations in backward to save memory."})
-    hybrid_kernels: bool = field(default=False, metadata={"help": "Run the MLPs on the TwELL hybrid training kernels (twell.hybrid; same math, for GPUs)."})
+    hybrid_below: float = field(default=40.0, metadata={"help": (
+        "Train a layer's MLP on the TwELL hybrid kernels while its mean active units per token are below this "
+        f"(back to dense above {HYBRID_EXIT}x it), re-checked at every log step; on CUDA with triton only; 0: "
+        "always dense. Default 40: the H100 block benchmark (I=5632, E=128) is 1.33x faster than dense at 29 "
+        "active units and 0.60x at 96, break-even near 47.")})
+    hybrid_max_nnz: int = field(default=128, metadata={"help": "E of the hybrid format: token rows with more active units run in the dense backup (paper: 128)."})
     dead_window_tokens: int | None = field(default=None, metadata={"help": "A unit is dead when it has not fired in this many tokens (default: one optimizer step's tokens)."})
     eval_tokens: int = field(default=65536, metadata={"help": "Held-out tokens for perplexity and sparsity measurement."})
     seed: int = field(default=0, metadata={"help": "Random seed."})
@@ -99,7 +119,7 @@ class TrainConfig:
             bad(f"l1 must be between 0 and {MAX_L1} (the paper uses 2e-5), got {self.l1}")
         if self.steps is None and self.tokens is None:
             bad("set the training length: --steps or --tokens (or a recipe that sets them)")
-        for name in ("steps", "tokens", "seq_len", "batch_size", "grad_accum", "log_every", "dead_window_tokens", "eval_tokens"):
+        for name in ("steps", "tokens", "seq_len", "batch_size", "grad_accum", "log_every", "dead_window_tokens", "eval_tokens", "hybrid_max_nnz"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 bad(f"{name.replace('_', '-')} must be a positive integer, got {value}")
@@ -108,6 +128,8 @@ class TrainConfig:
                 bad(f"{name.replace('_', '-')} must be an integer >= 0, got {getattr(self, name)}")
         if not 0 < self.lr <= 1:
             bad(f"lr must be in (0, 1], got {self.lr}")
+        if not 0 <= self.hybrid_below < math.inf:
+            bad(f"hybrid-below must be a number >= 0 (0: dense only), got {self.hybrid_below}")
         if not 0 <= self.weight_decay <= 1:
             bad(f"weight-decay must be in [0, 1], got {self.weight_decay}")
         if not self.max_grad_norm > 0:
@@ -130,6 +152,28 @@ def on_cpu(device: str | None) -> bool:
     """Whether training runs on CPU. accelerate must be told (`cpu=True`) even without a GPU, else
     processes started by torchrun do not join one CPU (gloo) process group."""
     return device == "cpu" or not torch.cuda.is_available()
+
+
+def hybrid_kernels_run(device: torch.device) -> bool:
+    """Whether twell.hybrid runs its kernels (not its dense reference) for tensors on `device`: CUDA with
+    triton, or CPU under the Triton interpreter (tests)."""
+    return (relufy.hybrid_gated_mlp is not None and importlib.util.find_spec("triton") is not None
+            and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"))
+
+
+def hybrid_paths(entry: dict, below: float) -> list[bool]:
+    """Per layer, whether it trains on the hybrid kernels until the next log step, from a log entry (the
+    window's mean active units and the path it ran on)."""
+    return [l["active"] < below or (l["path"] == "hybrid" and l["active"] <= HYBRID_EXIT * below) for l in entry["layers"]]
+
+
+def hybrid_share(log: list[dict]) -> list[float]:
+    """Per layer, the fraction of logged training steps it spent on the hybrid kernels."""
+    if not log:
+        return []
+    steps = [e["step"] - previous for e, previous in zip(log, [0] + [e["step"] for e in log])]
+    return [sum(n for n, e in zip(steps, log) if e["layers"][i]["path"] == "hybrid") / log[-1]["step"]
+            for i in range(len(log[0]["layers"]))]
 
 
 def l1_coeff(config: TrainConfig, step: int) -> float:
@@ -176,8 +220,11 @@ def train(
         step, log, elapsed, consumed = state["step"], state["log"], state["seconds"], state["batches"]
         if state["last_fired"] is not None:
             last_fired = state["last_fired"].to(accelerator.device)
-    for m in mlps:
-        m.track, m.use_hybrid = True, config.hybrid_kernels
+    routing = config.hybrid_below > 0 and hybrid_kernels_run(accelerator.device)
+    # Resumed: the paths that followed the last log entry; else dense until the first measurement.
+    paths = hybrid_paths(log[-1], config.hybrid_below) if routing and log else [False] * len(mlps)
+    for m, hybrid in zip(mlps, paths):
+        m.track, m.use_hybrid, m.hybrid_max_nnz = True, hybrid, config.hybrid_max_nnz
 
     stream = batches(consumed, accelerator.process_index, world)
     window = _Window(len(mlps), accelerator.device)
@@ -201,7 +248,8 @@ def train(
                     accelerator.backward(loss / config.grad_accum)
                 fired = torch.stack([m.stats.fired for m in mlps])
                 step_fired = fired if step_fired is None else step_fired + fired
-                window.add(ce, l1, layer_l1, torch.stack([m.stats.active.float() for m in mlps]))
+                window.add(ce, l1, layer_l1, torch.stack([m.stats.active.float() for m in mlps]),
+                           torch.stack([m.backup_rows for m in mlps]))
             accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
             optimizer.step()
             scheduler.step()
@@ -217,10 +265,14 @@ def train(
             last_fired[step_fired > 0] = tokens
             if step % config.log_every == 0 or step == total:
                 now = time.perf_counter()
-                entry = window.entry(accelerator, step, tokens, coeff, scheduler.get_last_lr()[0], last_fired, dead_window)
+                entry = window.entry(accelerator, step, tokens, coeff, scheduler.get_last_lr()[0], last_fired, dead_window,
+                                     [m.use_hybrid for m in mlps])
                 entry["tokens_per_s"] = window.count * ids.numel() * world / (now - window_started)
                 entry["seconds"] = now - started
                 log.append(entry)
+                if routing:  # the same reduced figures on every rank: all ranks choose the same paths
+                    for m, hybrid in zip(mlps, hybrid_paths(entry, config.hybrid_below)):
+                        m.use_hybrid = hybrid
                 window, window_started = _Window(len(mlps), accelerator.device), now
                 if progress:
                     progress.stats = _progress_text(entry)
@@ -256,13 +308,16 @@ class _Window:
     def __init__(self, layers: int, device):
         self.count = 0
         self.sums = torch.zeros(2 + 2 * layers, device=device)
+        self.backup_rows = torch.zeros(layers, dtype=torch.int64, device=device)
 
-    def add(self, ce, l1, layer_l1, layer_active):
+    def add(self, ce, l1, layer_l1, layer_active, backup_rows):
         self.count += 1
         self.sums += torch.cat([ce.detach().float().view(1), l1.detach().view(1), layer_l1.detach(), layer_active])
+        self.backup_rows += backup_rows
 
-    def entry(self, accelerator, step, tokens, coeff, lr, last_fired, dead_window) -> dict:
+    def entry(self, accelerator, step, tokens, coeff, lr, last_fired, dead_window, hybrid) -> dict:
         means = accelerator.reduce(self.sums / self.count, reduction="mean").tolist()
+        backup_rows = accelerator.reduce(self.backup_rows, reduction="sum").tolist()
         layers = len(means[2:]) // 2
         ce, l1, layer_l1, layer_active = means[0], means[1], means[2 : 2 + layers], means[2 + layers :]
         dead = ((tokens - last_fired) >= dead_window).float().mean(dim=1).tolist()
@@ -277,8 +332,9 @@ class _Window:
             "mean_active": sum(layer_active) / layers,
             "dead_frac": sum(dead) / layers,
             "layers": [
-                {"active": a, "l1": v, "dead_frac": d, "units": last_fired.shape[1]}
-                for a, v, d in zip(layer_active, layer_l1, dead)
+                {"active": a, "l1": v, "dead_frac": d, "units": last_fired.shape[1],
+                 "path": "hybrid" if h else "dense", "backup_rows": b}
+                for a, v, d, h, b in zip(layer_active, layer_l1, dead, hybrid, backup_rows)
             ],
         }
 
@@ -304,9 +360,11 @@ def _progress(enabled: bool, total: int, step: int) -> _Progress | None:
 
 
 def _progress_text(e: dict) -> str:
+    hybrid = sum(l["path"] == "hybrid" for l in e["layers"])
     return (
         f"{e['tokens']:,} tok  {e['tokens_per_s']:,.0f} tok/s  loss {e['loss']:.3f}  "
         f"ce {e['cross_entropy']:.3f}  L1 {e['l1']:.3g}  active {e['mean_active']:.1f}  dead {100 * e['dead_frac']:.1f}%"
+        + (f"  hybrid {hybrid}/{len(e['layers'])}" if hybrid else "")
     )
 
 

@@ -2,13 +2,11 @@
 tracking, and Ctrl-C -> resume giving the same weights as an uninterrupted run."""
 import copy
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-import sparsify.relufy
 from helpers import tiny_model
 from sparsify.errors import ConfigError
 from sparsify.relufy import relufy
@@ -29,7 +27,8 @@ def batches_from(seed=0):
 
 
 def config(**kw):
-    return TrainConfig(**{"steps": 4, "seq_len": SEQ, "batch_size": BATCH, "lr": 1e-3, "l1": 1e-3, "log_every": 1, **kw})
+    # Dense path only: the hybrid kernels and the routing to them are tested in test_hybrid_routing.py.
+    return TrainConfig(**{"steps": 4, "seq_len": SEQ, "batch_size": BATCH, "lr": 1e-3, "l1": 1e-3, "log_every": 1, "hybrid_below": 0, **kw})
 
 
 def test_l1_matches_hand_computation():
@@ -119,6 +118,9 @@ def test_steps_and_tokens_bound_training():
         (dict(batch_size=0), "batch-size"),
         (dict(lr=0.0), "lr must be"),
         (dict(warmup_steps=-1), "warmup-steps"),
+        (dict(hybrid_below=-1.0), "hybrid-below must be a number >= 0"),
+        (dict(hybrid_below=float("nan")), "hybrid-below must be a number >= 0"),
+        (dict(hybrid_max_nnz=0), "hybrid-max-nnz must be a positive integer"),
     ],
 )
 def test_bad_config(kw, message):
@@ -167,22 +169,3 @@ def test_gradient_checkpointing_trains_the_same():
     train(b, relufy(b), batches_from(), config(steps=2, grad_checkpointing=True), device="cpu", show_progress=False)
     for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
         torch.testing.assert_close(pa, pb, msg=name)
-
-
-def test_hybrid_kernels_switch(monkeypatch):
-    # The kernels themselves are tested against the dense path in test_relufy/test_twell_hybrid (slow
-    # under the interpreter); here only that training routes the MLPs through them and switches back.
-    calls = []
-
-    def fake_hybrid(x, gate, up, down, max_nnz):
-        calls.append(x.shape)
-        g, u = x @ gate.T, x @ up.T
-        h = F.relu(g) * u
-        active = (g > 0).flatten(0, -2)
-        return h @ down.T, SimpleNamespace(l1=h.abs().sum(-1).mean(), active=active.sum(-1).float().mean(), fired=active.sum(0))
-
-    monkeypatch.setattr(sparsify.relufy, "hybrid_gated_mlp", fake_hybrid)
-    model, _ = tiny_model("llama")
-    mlps = relufy(model)
-    train(model, mlps, batches_from(), config(steps=2, hybrid_kernels=True), device="cpu", show_progress=False)
-    assert len(calls) == 2 * 2 and all(not m.use_hybrid for m in mlps)

@@ -1,0 +1,90 @@
+"""Per-layer routing of training between the dense path and the TwELL hybrid kernels (run by the Triton
+interpreter on CPU fp32 here, about 2 s per layer and step at these sizes): layers switch by measured
+activity, with hysteresis, the log records paths and backup rows, and training on the hybrid kernels
+gives the dense path's losses and weights."""
+import copy
+
+import pytest
+import torch
+
+from helpers import tiny_model
+from sparsify.relufy import relufy
+from sparsify.train import HYBRID_EXIT, TrainConfig, hybrid_kernels_run, hybrid_paths, hybrid_share, train
+from test_train import BATCH, SEQ, batches_from
+
+
+def config(**kw):
+    return TrainConfig(**{"steps": 4, "seq_len": SEQ, "batch_size": BATCH, "lr": 1e-3, "l1": 1e-3, "log_every": 1, **kw})
+
+
+def entry(*layers):
+    return {"layers": [{"active": a, "path": p} for a, p in layers]}
+
+
+def test_paths_switch_below_threshold_and_back_above_the_band():
+    below = 40
+    paths = hybrid_paths(entry((39.9, "dense"), (40, "dense"), (45, "hybrid"), (HYBRID_EXIT * below, "hybrid"), (50.1, "hybrid")), below)
+    assert paths == [True, False, True, True, False]
+
+
+def test_hybrid_share_weights_log_windows_by_their_steps():
+    log = [{"step": 2, **entry((0, "dense"), (0, "hybrid"))}, {"step": 8, **entry((0, "hybrid"), (0, "hybrid"))}]
+    assert hybrid_share(log) == [0.75, 1.0]
+    assert hybrid_share([]) == []
+
+
+def test_kernels_run_on_cpu_only_under_the_interpreter(monkeypatch):
+    assert hybrid_kernels_run(torch.device("cpu"))  # conftest sets TRITON_INTERPRET=1 without a GPU
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert not hybrid_kernels_run(torch.device("cpu"))
+
+
+def test_layers_switch_by_activity_and_the_log_records_paths_and_backup_rows():
+    model, _ = tiny_model("llama")
+    mlps = relufy(model)
+    layer0 = mlps[0].gate_proj.weight
+    original = layer0.detach().clone()
+    with torch.no_grad():  # 140 of 160 gate rows at 0: at most 20 active units (no gradient revives them)
+        layer0[20:] = 0
+
+    def batches(start, rank, world):
+        for i, b in enumerate(batches_from()(start, rank, world)):
+            if i == 3:  # before step 4: layer 0 dense again (~80 active units of 160)
+                with torch.no_grad():
+                    layer0[20:] = original[20:]
+            yield b
+
+    # Layer 1 has ~80 active units: dense throughout. max_nnz 4: rows of layer 0 above 4 active units
+    # go to the dense backup.
+    log = train(model, mlps, batches, config(steps=5, l1=0.0, hybrid_below=50, hybrid_max_nnz=4),
+                device="cpu", show_progress=False).log
+    paths = [[l["path"] for l in e["layers"]] for e in log]
+    active = [[l["active"] for l in e["layers"]] for e in log]
+    assert all(a0 <= 20 for a0, _ in active[:3]) and all(a0 > 60 for a0, _ in active[3:])
+    assert all(a1 > HYBRID_EXIT * 50 for _, a1 in active)
+    # Step 1 dense (nothing measured yet), steps 2-3 hybrid, step 4 hybrid (chosen after step 3) with
+    # its measured activity high, so step 5 is dense again.
+    assert [p0 for p0, _ in paths] == ["dense", "hybrid", "hybrid", "hybrid", "dense"]
+    assert all(p1 == "dense" for _, p1 in paths)
+    backup = [[l["backup_rows"] for l in e["layers"]] for e in log]
+    assert all(b0 > 0 for b0, _ in backup[1:4]) and backup[0][0] == backup[4][0] == 0
+    assert all(b1 == 0 for _, b1 in backup)
+    assert backup[3][0] == SEQ * BATCH  # every row of the dense step 4 has more than 4 active units
+    assert hybrid_share(log) == [0.6, 0.0]
+    assert all(not m.use_hybrid for m in mlps)
+
+
+def test_training_on_the_hybrid_kernels_matches_dense():
+    dense, _ = tiny_model("qwen3")
+    hybrid = copy.deepcopy(dense)
+    runs = []
+    for model, below in ((dense, 0), (hybrid, 1e9)):  # 1e9: every layer hybrid from step 2 on
+        runs.append(train(model, relufy(model), batches_from(), config(hybrid_below=below, hybrid_max_nnz=64),
+                          device="cpu", show_progress=False).log)
+    dense_log, hybrid_log = runs
+    assert [[l["path"] for l in e["layers"]] for e in hybrid_log] == [["dense"] * 2] + [["hybrid"] * 2] * 3
+    assert all(l["path"] == "dense" for e in dense_log for l in e["layers"])
+    for key in ("loss", "cross_entropy", "l1", "mean_active"):
+        assert [e[key] for e in hybrid_log] == pytest.approx([e[key] for e in dense_log], rel=1e-5), key
+    for (name, a), b in zip(dense.named_parameters(), hybrid.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6, msg=name)
