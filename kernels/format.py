@@ -47,10 +47,11 @@ def slots(tile: int, compression: int) -> int:
 
 
 # Cost model, fitted to one H100 run (benchmarks/results/inference_h100.json, D=2048, I=5632, bf16):
-# dense cuBLAS block 571 TFLOP/s; Triton gate matmul with packing epilogue 383 TFLOP/s; the gathers of
-# up and down rows (4 * D bytes per active unit and token) 6.0 TB/s from L2; decode (<= 64 tokens):
-# weights streamed at 2.0 TB/s, plus 14.6 us of fixed latency for the two sparse launches.
-DENSE_FLOPS, GATE_FLOPS, GATHER_BYTES, DECODE_BYTES, DECODE_LATENCY = 571e12, 383e12, 6.0e12, 2.0e12, 14.6e-6
+# dense cuBLAS block 566 TFLOP/s; Triton gate matmul 421 TFLOP/s plus its packing epilogue, 0.117 ns per
+# active unit and token; the gathers of up and down rows (4 * D bytes per active unit and token) 6.0 TB/s
+# from L2. Decode (<= 64 tokens): weights streamed at 2.02 TB/s plus 12.1 us for the two sparse launches.
+DENSE_FLOPS, GATE_FLOPS, EPILOGUE_S, GATHER_BYTES = 566e12, 421e12, 1.17e-10, 6.0e12
+DECODE_BYTES, DECODE_LATENCY = 2.02e12, 12.1e-6
 
 
 def choose_setting(mean_active: float, tile_active_max: float, d: int, i: int, tokens: int = 16384,
@@ -65,7 +66,7 @@ def choose_setting(mean_active: float, tile_active_max: float, d: int, i: int, t
         sparse = (2 * d * i + 4 * d * mean_active * tokens) / DECODE_BYTES + DECODE_LATENCY
     else:
         dense = 6 * tokens * d * i / DENSE_FLOPS
-        sparse = 2 * tokens * d * i / GATE_FLOPS + 4 * d * mean_active * tokens / GATHER_BYTES
+        sparse = 2 * tokens * d * i / GATE_FLOPS + tokens * mean_active * (EPILOGUE_S + 4 * d / GATHER_BYTES)
     speedup = dense / sparse
     return dict(mode="sparse" if speedup > 1 else "dense", tile=tile, compression=compression,
                 predicted_speedup=round(speedup, 3))

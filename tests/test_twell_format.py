@@ -1,4 +1,8 @@
 """TwELL packing (Triton kernel; interpreter on CPU) against the PyTorch reference."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -51,3 +55,20 @@ def test_choose_setting():
     assert low["mode"] == "sparse" and low["compression"] == 8  # 16 slots hold 6
     assert high["mode"] == "dense" and high["compression"] == 4  # 32 slots hold 20
     assert twell.choose_setting(29, 3, 2048, 5632, tokens=1)["mode"] == "sparse"
+
+
+def test_package_runs_without_triton():
+    """Without triton (CPU-only installs) the package imports and falls back to the reference path."""
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch, twell\n"
+        "x, g, u, d = torch.randn(3, 8), torch.randn(16, 8), torch.randn(16, 8), torch.randn(8, 16)\n"
+        "g[:, 0] = 5.0; x[:, 0] = 1.0\n"  # every unit active: the one tile of each row overflows
+        "ov = torch.zeros(1, dtype=torch.int64)\n"
+        "out = twell.gated_mlp(x, g, u, d, tile=16, compression=8, overflow=ov)\n"
+        "assert torch.allclose(out, twell.gated_mlp_reference(x, g, u, d), atol=1e-5)\n"
+        "assert ov.item() == 3, ov\n"
+        "assert torch.equal(twell.unpack(twell.pack(torch.relu(x), 16, 2)), torch.relu(x))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
