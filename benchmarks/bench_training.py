@@ -248,12 +248,13 @@ def profile(M, D, I, k, E, steps=10):
     x = x.to(torch.bfloat16).requires_grad_()
     gate, up, down = (w.to(torch.bfloat16).requires_grad_() for w in (gate, up, down))
     dout = dout.to(torch.bfloat16)
+    coef = torch.tensor(L1_COEFF, device="cuda")
 
     def step():
         for t in (x, gate, up, down):
             t.grad = None
         out, st = H.hybrid_gated_mlp(x, gate, up, down, max_nnz=E)
-        torch.autograd.backward([out, st.l1], [dout, torch.tensor(L1_COEFF, device="cuda")])
+        torch.autograd.backward([out, st.l1], [dout, coef])
 
     for _ in range(3):
         step()
