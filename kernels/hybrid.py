@@ -49,7 +49,7 @@ if _HAS_TRITON:
 
     @triton.jit
     def _pack_kernel(g_ptr, idx_ptr, val_ptr, nnz_ptr, rowsum_ptr, fired_ptr, M, I, E, stride_g,
-                     BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, SCAN_DOT: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr):
         # BLOCK_M rows a program; per-unit counts of those rows go to a partial row of fired_ptr
         # (summed by torch afterwards): deterministic, no atomics
         pid = tl.program_id(0)
@@ -63,14 +63,9 @@ if _HAS_TRITON:
             v = tl.load(g_ptr + rows[:, None] * stride_g + cols[None, :], mask=m2, other=0.0)
             v = v.to(tl.float32)
             pos = v > 0.0
-            # prefix sum over the positive mask: each value's slot, sorted by unit, deterministic.
-            # As a matmul with an upper-triangular ones matrix (exact in fp16 -> fp32), on the tensor
-            # cores: tl.cumsum made this kernel compute-bound.
-            if SCAN_DOT:
-                tri = (tl.arange(0, BLOCK_I)[:, None] <= tl.arange(0, BLOCK_I)[None, :]).to(tl.float16)
-                incl = tl.dot(pos.to(tl.float16), tri).to(tl.int32)
-            else:
-                incl = tl.cumsum(pos.to(tl.int32), 1)
+            # prefix sum over the positive mask: each value's slot, sorted by unit, deterministic
+            # (a triangular-ones matmul on the tensor cores instead ran 2.6x slower on an H100)
+            incl = tl.cumsum(pos.to(tl.int32), 1)
             slot = count[:, None] + incl - 1
             keep = pos & (slot < E)
             tl.store(idx_ptr + rows[:, None] * E + slot, cols[None, :] + tl.zeros_like(slot), mask=keep)
@@ -241,9 +236,9 @@ if _HAS_TRITON:
 
 # Tile sizes: GPU ones for speed; small ones in the CPU interpreter so that small test shapes still run
 # every loop several times.
-GPU_BLOCKS = dict(BLOCK_M=64, BLOCK_I=64, PACK_WARPS=4, SCAN_DOT=False, SDDMM_S=4, SDDMM_D=1024,
+GPU_BLOCKS = dict(BLOCK_M=64, BLOCK_I=64, PACK_WARPS=4, SDDMM_S=4, SDDMM_D=1024,
                   BLOCK_S=4, BLOCK_D=2048, BLOCK_N=4, SEG=512, FUSE_D=2048)
-CPU_BLOCKS = dict(BLOCK_M=16, BLOCK_I=32, PACK_WARPS=4, SCAN_DOT=False, SDDMM_S=4, SDDMM_D=16, BLOCK_S=4,
+CPU_BLOCKS = dict(BLOCK_M=16, BLOCK_I=32, PACK_WARPS=4, SDDMM_S=4, SDDMM_D=16, BLOCK_S=4,
                   BLOCK_D=16, BLOCK_N=4, SEG=8, FUSE_D=64)
 
 
@@ -268,7 +263,7 @@ def _pack(pre, E):
     grid = triton.cdiv(M, bl["BLOCK_M"])
     fired = _empty((grid, I), dtype=torch.int32, device=pre.device)
     _pack_kernel[(grid,)](pre, idx, val, nnz, rowsum, fired, M, I, E, pre.stride(0),
-                          BLOCK_M=bl["BLOCK_M"], BLOCK_I=bl["BLOCK_I"], SCAN_DOT=bl["SCAN_DOT"],
+                          BLOCK_M=bl["BLOCK_M"], BLOCK_I=bl["BLOCK_I"],
                           num_warps=bl["PACK_WARPS"])
     return idx, val, nnz, rowsum, fired.sum(0)
 
