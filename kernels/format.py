@@ -12,7 +12,8 @@ of the authors' packed uint32 words (no bit unpacking in the consumer, any I, fp
 NT = ceil(I / T). Only the first min(count, S) slots of a tile are written; the rest are undefined and
 never read. An overflowing tile keeps its first S positives here and is marked by its count: the compute
 kernels recompute such tiles densely (never drop data), and `pack` users can see it in `counts`.
-Slots come from a prefix sum over the positive mask (a triangular matmul): deterministic and sorted.
+Slot s of a row holds its s-th positive column (found by a row-wise min after slot s-1): deterministic
+and sorted.
 """
 import os
 from typing import NamedTuple
@@ -136,29 +137,28 @@ if triton is not None:
     def pack_store(g, vals, rows, cols, tile_id, M, N, vals_ptr, idx_ptr, cnt_ptr, NT, S: tl.constexpr):
         """Epilogue shared by every packing kernel: the positives of g [BM, T] (fp32, at rows x cols)
         decide the entries; `vals` (g itself, or h in the decode path) is what is stored."""
-        pos = (g > 0) & (rows < M)[:, None] & (cols < N)[None, :]
-        # slot = inclusive prefix sum along the row, as a matmul with an upper-triangular ones matrix:
-        # exact (integers <= T in fp32), and the tensor cores avoid a slow cross-thread scan
-        c = tl.arange(0, g.shape[1])
-        upper = (c[:, None] <= c[None, :]).to(tl.float16)
-        slot = tl.where(pos, tl.dot(pos.to(tl.float16), upper).to(tl.int32) - 1, -1)
-        count = tl.sum(pos.to(tl.int32), axis=1)
-        # gather slot s of every row by a masked row reduction, up to the fullest row of the block: a
-        # scatter of the whole [BM, T] tile would hold BM * T addresses in registers (and spill)
+        T: tl.constexpr = g.shape[1]
+        local = tl.arange(0, T)
+        live = (rows < M)[:, None] & (cols < N)[None, :]
+        count = tl.sum(((g > 0) & live).to(tl.int32), axis=1)
+        # slot s of each row = its next positive column after slot s-1 (a min over the row), for s up to
+        # the fullest row of the block: deterministic and in column order. No [BM, T] scatter, prefix or
+        # slot tensor stays live, so the tile fits in registers (a scatter would spill its addresses).
         s_id = tl.arange(0, S)
         out_v = tl.zeros((g.shape[0], S), dtype=tl.float32)
         out_j = tl.zeros((g.shape[0], S), dtype=tl.int32)
+        prev = tl.full((g.shape[0],), -1, dtype=tl.int32)
         for s in range(0, tl.minimum(tl.max(count, axis=0), S)):
-            hit = slot == s
-            v = tl.sum(tl.where(hit, vals, 0.0), axis=1)
-            j = tl.sum(tl.where(hit, cols[None, :], 0), axis=1)
+            nxt = tl.min(tl.where((g > 0) & live & (local[None, :] > prev[:, None]), local[None, :], T), axis=1)
+            v = tl.sum(tl.where(local[None, :] == nxt[:, None], vals, 0.0), axis=1)
             out_v = tl.where(s_id[None, :] == s, v[:, None], out_v)
-            out_j = tl.where(s_id[None, :] == s, j[:, None], out_j)
+            out_j = tl.where(s_id[None, :] == s, nxt[:, None], out_j)
+            prev = nxt
         row_tile = rows.to(tl.int64) * NT + tile_id
         off = row_tile[:, None] * S + s_id[None, :]
         keep = (s_id[None, :] < count[:, None]) & (rows < M)[:, None]
         tl.store(vals_ptr + off, out_v.to(vals_ptr.dtype.element_ty), mask=keep)
-        tl.store(idx_ptr + off, out_j, mask=keep)
+        tl.store(idx_ptr + off, out_j + tile_id * T, mask=keep)
         tl.store(cnt_ptr + row_tile, count, mask=rows < M)
 
     @triton.jit

@@ -57,8 +57,8 @@ def gate_config(m: int, tile: int, element_size: int) -> dict:
             return dict(BM=bm, BK=4 * block_k, GROUP_M=1, num_warps=4, num_stages=3)
         return dict(BM=bm, BK=2 * block_k, GROUP_M=1, num_warps=4, num_stages=4)
     if tile >= 256:
-        return dict(BM=64, BK=block_k, GROUP_M=8, num_warps=8, num_stages=3)
-    return dict(BM=128, BK=block_k, GROUP_M=8, num_warps=8, num_stages=4)
+        return dict(BM=128, BK=block_k, GROUP_M=8, num_warps=8, num_stages=3)
+    return dict(BM=256 if tile == 128 else 128, BK=block_k, GROUP_M=8, num_warps=8, num_stages=3)
 
 
 def out_config(m: int, d: int) -> dict:
