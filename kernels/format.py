@@ -89,7 +89,7 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def pack_reference(g: torch.Tensor, tile: int = 256, compression: int = 8) -> TwELL:
+def pack_reference(g: torch.Tensor, tile: int = 128, compression: int = 8) -> TwELL:
     """Plain PyTorch packing; slots beyond a tile's count are zero (values) and 0 (indices)."""
     m, width = g.shape
     s, nt = slots(tile, compression), cdiv(width, tile)
@@ -116,7 +116,7 @@ def unpack(tw: TwELL) -> torch.Tensor:
     return dense.scatter_(1, cols, vals)[:, :tw.width]
 
 
-def pack(g: torch.Tensor, tile: int = 256, compression: int = 8) -> TwELL:
+def pack(g: torch.Tensor, tile: int = 128, compression: int = 8) -> TwELL:
     """Pack the positives of a dense [M, I] activation (Triton on GPU / interpreter, else reference)."""
     if g.dim() != 2:
         raise ValueError(f"pack expects [M, I], got {tuple(g.shape)}")
