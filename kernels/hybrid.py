@@ -378,29 +378,27 @@ class _HybridGatedMLP(torch.autograd.Function):
             M, I = x2.shape[0], gate.shape[0]
             pre = x2 @ gate.t()  # [M, I] dense, transient
             idx, g, nnz, _, fired = _pack(pre, E)
-            # The one host sync: which rows overflow E (the backup is sized to exactly those). Right
-            # after the pack, so that the host issues all the work below while the GPU runs it and
-            # reaches the backward ahead of the GPU (the step is otherwise bound by launch cost).
-            rows = (nnz > E).nonzero().squeeze(1)
-            gb = pre[rows] if rows.numel() else pre.new_empty((0, I))  # not a view: frees pre
-            del pre
             u = _empty((M, E), dtype=torch.float32, device=x.device)
             downT = _transpose(down, dt)  # [I, D]: rows gathered per active unit
             rowsum = _sddmm(x2, up, idx, nnz, g, u, backward=False, gated=True)
             out = _spmm(idx, nnz, g, downT, u, dtype=dt)
+            # queued before the sync below, so that their launch cost hides behind the kernels above
+            csc = _csc(idx, I, _blocks(x.device)["SEG"]) if any(ctx.needs_input_grad[1:4]) else ()
             l1_sum = rowsum.sum()
+            active = nnz.sum().float() / M
+            fired, backup = fired.long(), (nnz > E).sum()
+            # the one host sync: which rows overflow E (the backup is sized to exactly those)
+            rows = (nnz > E).nonzero().squeeze(1)
             if rows.numel():
-                xb = x2[rows]
+                xb, gb = x2[rows], pre[rows]
                 ub = xb @ up.t()
                 hb = torch.relu(gb) * ub
                 out.index_copy_(0, rows, hb @ down.t())
                 l1_sum = l1_sum + hb.float().abs().sum()
-            else:
-                ub = gb
-            csc = _csc(idx, I, _blocks(x.device)["SEG"]) if any(ctx.needs_input_grad[1:4]) else ()
+            else:  # empty, not views of pre: a view would keep the dense [M, I] alive
+                gb = ub = pre.new_empty((0, I))
+            del pre
             l1 = l1_sum / M
-            active = nnz.sum().float() / M
-            fired, backup = fired.long(), (nnz > E).sum()
         ctx.save_for_backward(x2, gate, up, down, idx, nnz, g, u, rows, gb, ub, *csc)
         ctx.E = E
         ctx.mark_non_differentiable(active, fired, backup)
@@ -469,16 +467,18 @@ class _HybridMLP(torch.autograd.Function):
             M, I = x2.shape[0], up.shape[0]
             pre = x2 @ up.t()
             idx, h, nnz, rowsum, fired = _pack(pre, E)
-            rows = (nnz > E).nonzero().squeeze(1)  # the one host sync, early (see _HybridGatedMLP)
-            hb = torch.relu(pre[rows]) if rows.numel() else pre.new_empty((0, I))
-            del pre
             out = _spmm(idx, nnz, h, _transpose(down, dt), dtype=dt)
-            if rows.numel():
-                out.index_copy_(0, rows, hb @ down.t())
             csc = _csc(idx, I, _blocks(x.device)["SEG"]) if any(ctx.needs_input_grad[1:3]) else ()
             l1 = rowsum.sum() / M  # the pack sums every row's positives, backup rows included
             active = nnz.sum().float() / M
             fired, backup = fired.long(), (nnz > E).sum()
+            rows = (nnz > E).nonzero().squeeze(1)  # the one host sync
+            if rows.numel():
+                hb = torch.relu(pre[rows])
+                out.index_copy_(0, rows, hb @ down.t())
+            else:
+                hb = pre.new_empty((0, pre.shape[1]))
+            del pre
         ctx.save_for_backward(x2, up, down, idx, nnz, h, rows, hb, *csc)
         ctx.E = E
         ctx.mark_non_differentiable(active, fired, backup)
