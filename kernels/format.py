@@ -48,11 +48,11 @@ def slots(tile: int, compression: int) -> int:
 
 
 # Cost model, fitted to one H100 run (benchmarks/results/inference_h100.json, D=2048, I=5632, bf16):
-# dense cuBLAS block 566 TFLOP/s; Triton gate matmul 421 TFLOP/s plus its packing epilogue, 0.117 ns per
+# dense cuBLAS block 570 TFLOP/s; Triton gate matmul 481 TFLOP/s plus its packing epilogue, 0.128 ns per
 # active unit and token; the gathers of up and down rows (4 * D bytes per active unit and token) 6.0 TB/s
-# from L2. Decode (<= 64 tokens): weights streamed at 2.02 TB/s plus 12.1 us for the two sparse launches.
-DENSE_FLOPS, GATE_FLOPS, EPILOGUE_S, GATHER_BYTES = 566e12, 421e12, 1.17e-10, 6.0e12
-DECODE_BYTES, DECODE_LATENCY = 2.02e12, 12.1e-6
+# from L2. Decode (<= 64 tokens): weights streamed at 2.02 TB/s plus 11.6 us for the two sparse launches.
+DENSE_FLOPS, GATE_FLOPS, EPILOGUE_S, GATHER_BYTES = 570e12, 481e12, 1.28e-10, 6.0e12
+DECODE_BYTES, DECODE_LATENCY = 2.02e12, 11.6e-6
 
 
 def choose_setting(mean_active: float, tile_active_max: float, d: int, i: int, tokens: int = 16384,
