@@ -191,3 +191,24 @@ def test_bad_input(files, tmp_path, args, message):
     result = run(*(a.format(**paths) for a in args))
     assert_user_error(result, message)
     assert not (tmp_path / "out").exists()
+
+
+def test_hybrid_routing_options(files, tmp_path):
+    # A threshold above the tiny model's activity (~80 of 160 units) puts every layer on the hybrid kernels
+    # after the first log step; --no-hybrid keeps them dense. The recipe's E = 4 sends every row to the
+    # dense backup, which keeps the Triton interpreter fast (the kernels are tested elsewhere).
+    recipe = tmp_path / "hybrid.yaml"
+    recipe.write_text(RECIPE + "hybrid_max_nnz: 4\n")
+    args = ["convert", model_folder(files, "llama"), "--data", files / "corpus", "--recipe", recipe, "--steps", 2, "--hybrid-below", 1000]
+    result = run(*args, "-o", tmp_path / "hybrid")
+    assert result.exit_code == 0, result.output
+    log = json.loads((tmp_path / "hybrid" / "training_log.json").read_text())["log"]
+    assert [[l["path"] for l in e["layers"]] for e in log] == [["dense", "dense"], ["hybrid", "hybrid"]]
+    assert [l["backup_rows"] for l in log[1]["layers"]] == [2 * 32, 2 * 32]
+    assert "hybrid 2/2" in " ".join(result.output.split())  # the progress line (wrapped at 80 columns)
+    assert "hybr" in result.output.replace("hybrid 2/2", "")  # the table's column (truncated to its width)
+    result = run(*args, "--no-hybrid", "-o", tmp_path / "dense")
+    assert result.exit_code == 0, result.output
+    log = json.loads((tmp_path / "dense" / "training_log.json").read_text())
+    assert log["training"]["hybrid_below"] == 0 and all(l["path"] == "dense" for e in log["log"] for l in e["layers"])
+    assert "hybr" not in result.output.replace(str(tmp_path), "")
