@@ -152,7 +152,7 @@ def forward(x, w_dec, up, down, tile, compression, precision, overflow):
     return out.view(x.shape)
 
 
-def register_ops(name, forward_fn):
+def register_ops(name, forward_fn, args_schema):
     """Custom ops twell::<name> (pure) and twell::<name>_overflow (adds into `overflow`). An exported
     checkpoint may carry a second copy of these files: then the ops registered first are reused."""
     def impl(*args):
@@ -168,7 +168,7 @@ def register_ops(name, forward_fn):
             continue
         except (AttributeError, RuntimeError):
             pass
-        schema = forward_fn.schema + (", Tensor(a!) overflow) -> Tensor" if with_overflow else ") -> Tensor")
+        schema = f"({args_schema}" + (", Tensor(a!) overflow) -> Tensor" if with_overflow else ") -> Tensor")
         lib_op = torch.library.custom_op(f"twell::{op_name}", impl, schema=schema,
                                          mutates_args=("overflow",) if with_overflow else ())
         lib_op.register_fake(fake)
@@ -180,9 +180,9 @@ def _gated_mlp_forward(x, gate_weight, up_weight, down_weight, tile, compression
     return forward(x, gate_weight, up_weight, down_weight, tile, compression, precision, overflow)
 
 
-_gated_mlp_forward.schema = ("(Tensor x, Tensor gate_weight, Tensor up_weight, Tensor down_weight, "
-                             "int tile, int compression, str precision")
-_gated_mlp_op, _gated_mlp_overflow_op = register_ops("gated_mlp", _gated_mlp_forward)
+_gated_mlp_op, _gated_mlp_overflow_op = register_ops(
+    "gated_mlp", _gated_mlp_forward, "Tensor x, Tensor gate_weight, Tensor up_weight, Tensor down_weight, "
+    "int tile, int compression, str precision")
 
 
 def gated_mlp(x, gate_weight, up_weight, down_weight, *, tile: int = 128, compression: int = 8,

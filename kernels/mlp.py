@@ -20,8 +20,8 @@ def _mlp_forward(x, up_weight, down_weight, tile, compression, precision, overfl
     return forward(x, up_weight, None, down_weight, tile, compression, precision, overflow)
 
 
-_mlp_forward.schema = "(Tensor x, Tensor up_weight, Tensor down_weight, int tile, int compression, str precision"
-_mlp_op, _mlp_overflow_op = register_ops("mlp", _mlp_forward)
+_mlp_op, _mlp_overflow_op = register_ops(
+    "mlp", _mlp_forward, "Tensor x, Tensor up_weight, Tensor down_weight, int tile, int compression, str precision")
 
 
 def mlp(x, up_weight, down_weight, *, tile: int = 128, compression: int = 8, precision: str = "default",

@@ -8,7 +8,7 @@ import torch
 
 import twell
 from twell.format import empty_twell, slots
-from twell.gated_mlp import gate_config, gate_pack, out_config, twell_out
+from twell.gated_mlp import gate_config, gate_pack, twell_out
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
