@@ -1,0 +1,231 @@
+"""Remake the embedded demo: sparsify/demo/corpus (text) and sparsify/demo/model (a small SiLU Llama).
+
+No machine of ours reaches the Hugging Face Hub, so the demo is built from material every Python
+install has: the standard library's own documentation, rendered by pydoc from the imported modules
+(module, class and function docstrings with signatures) plus the language reference topics that pydoc
+ships (pydoc_data.topics). Three stages, each writing into sparsify/demo/:
+
+    python recipes/make_demo.py corpus      # ~1 min: corpus/train.jsonl, corpus/valid.jsonl (by document, 95/5)
+    python recipes/make_demo.py tokenizer   # ~10 s: byte-level BPE, vocab 4096, saved into model/
+    python recipes/make_demo.py pretrain --device cuda --minutes 3   # model/ weights; CPU works, slowly
+    python recipes/make_demo.py all --device cuda                    # the three in order
+
+The corpus depends on the Python version (corpus/README.md records it); seeds are fixed. Pretraining
+ends at --steps or after --minutes, whichever comes first (the cosine schedule follows whichever is
+nearer), and keeps the weights with the best validation loss.
+"""
+import argparse, contextlib, hashlib, importlib, io, json, math, os, pkgutil, re, sys, sysconfig, time, warnings
+from pathlib import Path
+
+DEMO = Path(__file__).resolve().parent.parent / "sparsify" / "demo"
+CORPUS, MODEL = DEMO / "corpus", DEMO / "model"
+# Modules with side effects on import (browser, printing, GUI, package installs) or that are tests/tools.
+SKIP = {"antigravity", "this", "tkinter", "idlelib", "turtle", "turtledemo", "test", "tests", "lib2to3",
+        "ensurepip", "venv", "pydoc_data", "__main__", "site", "xxsubtype", "xxlimited", "xxlimited_35"}
+
+
+def module_names():
+    """Public stdlib module names (built-in and on disk, packages walked), sorted."""
+    root = sysconfig.get_paths()["stdlib"]
+    names = {n for n in sys.builtin_module_names}
+    for info in pkgutil.iter_modules([root, os.path.join(root, "lib-dynload")]):
+        names.add(info.name.split(".")[0])
+    keep = lambda n: not any(p.startswith("_") or p in SKIP or p.startswith("test") for p in n.split("."))
+    names = {n for n in names if keep(n)}
+    for pkg in sorted(names):
+        try:
+            mod = safe_import(pkg)
+        except Exception:
+            continue
+        if hasattr(mod, "__path__"):
+            for info in pkgutil.walk_packages(mod.__path__, pkg + ".", onerror=lambda n: None):
+                if keep(info.name):
+                    names.add(info.name)
+    return sorted(names)
+
+
+def safe_import(name):
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return importlib.import_module(name)
+
+
+def clean(text):
+    text = re.sub(r" at 0x[0-9a-f]+|(?<=handle) [0-9a-f]+", "", text)  # object addresses, DLL handles
+    text = re.sub(r"\nFILE\n.*?\n\n|\nMODULE REFERENCE\n.*?\n\n", "\n", text, flags=re.S)  # local paths, URLs
+    # Inherited members repeat their base class's docs: drop those sections (up to the next rule or class end).
+    text = re.sub(r" *\| *-{70}\n *\|  \w[\w ]* inherited from [^\n]*:\n(?: *\|[^\n]*\n)*?(?= *\| *-{70}\n| *[^ |])",
+                  "", text)
+    text = re.sub(r"[ \t]+\n", "\n", text)
+    return re.sub(r"\n{3,}", "\n\n", text).strip()
+
+
+def make_corpus(args):
+    import pydoc, pydoc_data.topics
+    docs, root, site = [], sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"]
+    for name in module_names():
+        try:
+            mod = safe_import(name)
+            file = getattr(mod, "__file__", None) or root                 # built-in modules have none
+            if not file.startswith(root) or file.startswith(site):       # e.g. setuptools' distutils shim
+                continue
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                docs.append((name, clean(pydoc.render_doc(mod, renderer=pydoc.plaintext))))
+        except BaseException:                                             # broken or platform-specific modules
+            continue
+    docs += [("topic:" + k, clean(v)) for k, v in sorted(pydoc_data.topics.topics.items())]
+    seen, train, valid = set(), [], []
+    for name, text in docs:                    # drop paragraphs seen before (shared docstrings, repeated classes)
+        paras = []
+        for p in text.split("\n\n"):
+            key = hashlib.sha1(p.strip().encode()).digest()
+            if len(p) > 40 and key in seen:
+                continue
+            seen.add(key)
+            paras.append(p)
+        text = "\n\n".join(paras).strip()
+        if len(text) < 200:
+            continue
+        split = valid if hashlib.sha1(name.encode()).digest()[0] < 256 * 0.05 else train
+        split.append(text)
+    CORPUS.mkdir(parents=True, exist_ok=True)
+    for fname, split in (("train.jsonl", train), ("valid.jsonl", valid)):
+        with open(CORPUS / fname, "w") as f:
+            f.writelines(json.dumps({"text": t}) + "\n" for t in split)
+    sizes = {s: (CORPUS / f"{s}.jsonl").stat().st_size for s in ("train", "valid")}
+    print(f"corpus: {len(train)} train / {len(valid)} valid documents, {sizes} bytes")
+    (CORPUS / "README.md").write_text(f"""# Demo corpus
+Python {sys.version.split()[0]} standard library documentation: pydoc's plain-text rendering of every
+importable public stdlib module (module, class and function docstrings with signatures) plus the language
+reference topics shipped in `pydoc_data.topics`. Made by `python recipes/make_demo.py corpus`: modules
+in sorted order; object addresses, local file paths and "inherited from" sections removed; paragraphs
+longer than 40 characters kept only at their first occurrence; documents under 200 characters dropped;
+split by document (a hash of the module name) into train (95%) and validation (5%).
+
+- train.jsonl: {len(train)} documents, {sizes['train'] / 1e6:.2f} MB
+- valid.jsonl: {len(valid)} documents, {sizes['valid'] / 1e6:.2f} MB
+
+One `{{"text": ...}}` per line. The text is Python's documentation, under the PSF license.
+""")
+
+
+def read_texts(split):
+    return [json.loads(l)["text"] for l in open(CORPUS / f"{split}.jsonl")]
+
+
+def make_tokenizer(args):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=args.vocab, special_tokens=["<s>", "</s>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(read_texts("train"), trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 0)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   model_max_length=512)
+    fast.save_pretrained(MODEL)
+    print(f"tokenizer: vocab {len(fast)} saved to {MODEL}")
+
+
+def token_stream(tok, split):
+    import torch
+    ids = []
+    for text in read_texts(split):
+        ids += tok(text, verbose=False)["input_ids"] + [tok.eos_token_id]                # <s> doc </s>
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def pretrain(args):
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(args.seed)
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    train, valid = token_stream(tok, "train").to(args.device), token_stream(tok, "valid")
+    print(f"tokens: train {len(train):,}  valid {len(valid):,}")
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=192, intermediate_size=528, num_hidden_layers=5,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
+                         hidden_act="silu", tie_word_embeddings=True, bos_token_id=tok.bos_token_id,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, rope_theta=10000.0)
+    model = LlamaForCausalLM(config).to(args.device)
+    print(f"parameters: {sum(p.numel() for p in model.parameters()):,}")
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    gen = torch.Generator().manual_seed(args.seed)
+    T, cuda = args.seq_len, args.device.startswith("cuda")
+    vx = valid[: (len(valid) - 1) // T * T + 1]
+    vx, vy = vx[:-1].view(-1, T), vx[1:].view(-1, T)
+
+    @torch.no_grad()
+    def evaluate():
+        model.eval()
+        tot = 0.0
+        for i in range(0, len(vx), args.batch):
+            with torch.autocast("cuda", torch.bfloat16, enabled=cuda):
+                out = model(vx[i:i + args.batch].to(args.device), labels=vy[i:i + args.batch].to(args.device))
+            tot += out.loss.float().item() * len(vx[i:i + args.batch])
+        model.train()
+        return tot / len(vx)
+
+    best, start, step = float("inf"), time.time(), 0
+    while True:
+        frac = max(step / args.steps, (time.time() - start) / (60 * args.minutes))
+        if step % args.eval_every == 0 or frac >= 1:
+            loss = evaluate()
+            if loss < best:
+                best, state = loss, {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+            print(f"step {step}  {time.time() - start:.0f}s  valid loss {loss:.3f}  ppl {math.exp(loss):.2f}", flush=True)
+        if frac >= 1:
+            break
+        lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        ix = torch.randint(len(train) - T - 1, (args.batch,), generator=gen)
+        x = torch.stack([train[i:i + T] for i in ix])
+        y = torch.stack([train[i + 1:i + T + 1] for i in ix])
+        with torch.autocast("cuda", torch.bfloat16, enabled=cuda):
+            loss = model(x, labels=y).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+    model.load_state_dict(state)
+    out = Path(args.out or MODEL)
+    model.to(torch.float32).save_pretrained(out)
+    GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                     do_sample=True, temperature=0.8, top_k=50, max_new_tokens=100).save_pretrained(out)
+    tok.save_pretrained(out)
+    summary = (f"best validation loss {best:.3f} (perplexity {math.exp(best):.2f}) after {step} steps of "
+               f"{args.batch} x {T} tokens, {time.time() - start:.0f} s on {args.device}")
+    (out / "README.md").write_text(f"""# sparsify demo model
+A small Llama-style causal LM with SiLU gated MLPs ({sum(p.numel() for p in model.parameters()):,} parameters:
+hidden {config.hidden_size}, intermediate {config.intermediate_size}, {config.num_hidden_layers} layers,
+{config.num_attention_heads} heads, vocabulary {config.vocab_size}, tied embeddings, fp32), pretrained from scratch on
+../corpus (Python's standard library documentation) by `python recipes/make_demo.py pretrain`:
+AdamW lr {args.lr}, warm-up {args.warmup}, cosine, seed {args.seed}; {summary}.
+It is the input of `sparsify convert demo`, which swaps its SiLU gates for ReLU and trains them sparse.
+""")
+    print(summary, "; saved to", out)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("stage", choices=["corpus", "tokenizer", "pretrain", "all"])
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    ap.add_argument("--minutes", type=float, default=3.0)
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--eval-every", type=int, default=50)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", help="folder for the pretrained model (default sparsify/demo/model)")
+    args = ap.parse_args()
+    for stage, fn in (("corpus", make_corpus), ("tokenizer", make_tokenizer), ("pretrain", pretrain)):
+        if args.stage in (stage, "all"):
+            fn(args)
