@@ -1,0 +1,163 @@
+"""`sparsify bench CHECKPOINT`: dense vs TwELL speed of a converted checkpoint, in one process, on a GPU.
+
+The checkpoint loads twice in bf16: plain (the family's own class with a ReLU gate: dense math, no
+remote code) and with trust_remote_code=True (TwellGatedMLP: each layer on its planned kernel setting).
+Figures (benchmarks.md method, CUDA events through triton's do_bench, medians after warm-up):
+- prefill: the decoder stack (no LM head, as the paper's figure) over batch x seq_len token ids;
+- decode: `generate`, greedy, exactly `decode_tokens` new tokens after a short prompt, in tokens/s.
+Inputs are random token ids (seed 0): the mean active units that the figures go with are measured on
+that same input (gate pre-activation > 0) and reported. A logits check runs before any timing: relative
+error of the final-position logits over a short batch, and how many greedy tokens of a short generation
+agree (bf16 rounding can flip a near-tie, after which the continuations differ: both are reported).
+"""
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+from pathlib import Path
+
+import torch
+
+from .errors import ConfigError
+from .families import mlp_modules, spec_for
+from .plan import describe
+from .tune import relative_error, require_cuda
+
+PROMPT_TOKENS = 16
+CHECK_BATCH, CHECK_LEN, CHECK_NEW = 4, 128, 32
+
+
+def logits_agreement(dense_logits: torch.Tensor, twell_logits: torch.Tensor, dense_tokens: torch.Tensor,
+                     twell_tokens: torch.Tensor) -> dict:
+    """Relative error of the logits and the fraction of greedy tokens that agree, position by position
+    (also the length of the common prefix, the positions before the first disagreement, per sequence)."""
+    same = dense_tokens == twell_tokens
+    prefix = same.int().cumprod(-1).sum(-1)
+    return {"logits_rel_err": relative_error(twell_logits, dense_logits),
+            "greedy_match": same.float().mean().item(),
+            "greedy_common_prefix": prefix.float().mean().item(),
+            "greedy_tokens": same.numel()}
+
+
+def plan_summary(config) -> dict:
+    """Per-layer settings of a checkpoint's config.twell plan, and the count of sparse layers."""
+    layers = config.twell["layers"]
+    return {"layers": [describe(layer) for layer in layers],
+            "sparse_layers": sum(layer["mode"] == "sparse" for layer in layers),
+            "predicted_speedup": [layer.get("stats", {}).get("predicted_speedup") for layer in layers]}
+
+
+def versions() -> dict:
+    import transformers
+    import triton
+
+    return {"torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version()}
+
+
+def _generate(model, prompt, new_tokens):
+    return model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                          pad_token_id=0)[:, prompt.shape[1]:]
+
+
+def _median_seconds(fn, warmup: int = 1, repeats: int = 3) -> float:
+    """Median wall time of fn() between CUDA events (for calls too long for do_bench's repetitions)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def mean_active(model, ids) -> list[float]:
+    """Mean active units per token of each layer on `ids` (hooks on the gate projections)."""
+    spec = spec_for(model.config)
+    sums = []
+    handles = []
+    for mlp in mlp_modules(model, spec):
+        sums.append([])
+        handles.append(getattr(mlp, spec.gate_source).register_forward_hook(
+            lambda mod, inp, out, s=sums[-1]: s.append((spec.gate_from_output(out) > 0).sum(-1).float().mean())))
+    try:
+        model.get_decoder()(input_ids=ids, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return [torch.stack(s).mean().item() for s in sums]
+
+
+def bench_checkpoint(path: str | Path, *, batch: int = 64, seq_len: int = 2048, decode_tokens: int = 128,
+                     decode_batch: int = 1, device: str = "cuda") -> dict:
+    """Prefill and decode figures of the dense and the TwELL load of the checkpoint at `path`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    device = require_cuda(device, "sparsify bench")
+    if min(batch, seq_len, decode_tokens, decode_batch) < 1:
+        raise ConfigError("--batch, --seq-len, --decode-tokens and the decode batch must be positive")
+    config = AutoConfig.from_pretrained(path)
+    if not getattr(config, "twell", None):
+        raise ConfigError(f"{path}: not a sparsify checkpoint (config.json has no twell section)")
+    load = dict(dtype=torch.bfloat16)
+    dense = AutoModelForCausalLM.from_pretrained(path, **load).to(device).eval()
+    sparse = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, **load).to(device).eval()
+    vocab = config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (batch, seq_len), generator=gen).to(device)
+    check_ids = torch.randint(0, vocab, (CHECK_BATCH, min(CHECK_LEN, seq_len)), generator=gen).to(device)
+    prompt = torch.randint(0, vocab, (decode_batch, PROMPT_TOKENS), generator=gen).to(device)
+
+    with torch.inference_mode():
+        check = logits_agreement(dense(check_ids).logits[:, -1], sparse(check_ids).logits[:, -1],
+                                 _generate(dense, check_ids[:, :PROMPT_TOKENS], CHECK_NEW),
+                                 _generate(sparse, check_ids[:, :PROMPT_TOKENS], CHECK_NEW))
+        active = mean_active(dense, ids)
+        figures = {}
+        for name, model in (("dense", dense), ("twell", sparse)):
+            decoder = model.get_decoder()
+            prefill = _median_seconds(lambda: decoder(input_ids=ids, use_cache=False))
+            decode = _median_seconds(lambda: _generate(model, prompt, decode_tokens))
+            figures[name] = {"prefill_ms": 1e3 * prefill, "prefill_tokens_per_s": batch * seq_len / prefill,
+                             "decode_s": decode, "decode_tokens_per_s": decode_batch * decode_tokens / decode}
+    figures["prefill_speedup"] = figures["dense"]["prefill_ms"] / figures["twell"]["prefill_ms"]
+    figures["decode_speedup"] = figures["twell"]["decode_tokens_per_s"] / figures["dense"]["decode_tokens_per_s"]
+    return {
+        "checkpoint": str(path), "device": torch.cuda.get_device_name(device), "versions": versions(),
+        "batch": batch, "seq_len": seq_len, "decode_tokens": decode_tokens, "decode_batch": decode_batch,
+        "prompt_tokens": PROMPT_TOKENS, "figures": figures, "check": check, "plan": plan_summary(config),
+        "mean_active": active, "mean_active_all_layers": statistics.fmean(active),
+    }
+
+
+def bench_table(result: dict):
+    """Rich table of a `bench_checkpoint` result."""
+    from rich.table import Table
+
+    f, c = result["figures"], result["check"]
+    table = Table(title=f"{result['checkpoint']} on {result['device']}: {result['batch']} x {result['seq_len']} prefill, "
+                        f"{result['decode_tokens']} decode tokens (batch {result['decode_batch']}); "
+                        f"mean active units {result['mean_active_all_layers']:.1f}, "
+                        f"{result['plan']['sparse_layers']}/{len(result['plan']['layers'])} layers sparse")
+    for column in ("", "prefill ms", "prefill tokens/s", "decode tokens/s"):
+        table.add_column(column, justify="right")
+    for name in ("dense", "twell"):
+        table.add_row(name, f"{f[name]['prefill_ms']:.2f}", f"{f[name]['prefill_tokens_per_s']:,.0f}",
+                      f"{f[name]['decode_tokens_per_s']:,.1f}")
+    table.add_row("speed-up", f"{f['prefill_speedup']:.2f}x", "", f"{f['decode_speedup']:.2f}x")
+    table.caption = (f"logits rel. err {c['logits_rel_err']:.1e}; greedy tokens agreeing {100 * c['greedy_match']:.0f}% "
+                     f"(common prefix {c['greedy_common_prefix']:.1f} of {CHECK_NEW})")
+    return table
+
+
+def write_json(result: dict, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    return path

@@ -1,0 +1,128 @@
+"""`--measure`: the per-layer plan from timings on the GPU instead of the cost model.
+
+Each layer's MLP input is captured (forward pre-hook) on held-out token blocks, repeated to `tokens`
+rows, and the layer's own weights in bf16 run every candidate: the dense path a layer planned dense
+runs (gate, up and down linears, ReLU) and `twell.gated_mlp` at each (tile, compression). Times are
+`triton.testing.do_bench` medians; a candidate counts only if its relative error against the fp32 block
+stays within twice the dense bf16 path's own error (plus 1e-3), so a fast but wrong setting never wins.
+The fastest candidate is the layer's plan; its stats keep the measured times and errors.
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+from .errors import ConfigError
+from .families import FamilySpec, down_weight, gate_weight, has_bias, mlp_modules, up_weight
+
+CANDIDATES = tuple(itertools.product((64, 128, 256), (16, 8, 4, 2)))
+TOKENS = 16384
+
+
+def require_cuda(device, what: str) -> torch.device:
+    """The CUDA device to run on; ConfigError naming `what` when there is none."""
+    device = torch.device(device or "cuda")
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise ConfigError(f"{what} needs a CUDA GPU (got device {device}, CUDA available: {torch.cuda.is_available()})")
+    return device
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+
+
+@torch.no_grad()
+def capture_mlp_inputs(model, spec: FamilySpec, blocks, tokens: int) -> list[torch.Tensor]:
+    """Per layer, the MLP input rows [tokens, D] on the blocks (repeated, or cut, to `tokens` rows)."""
+    mlps = mlp_modules(model, spec)
+    captured = [[] for _ in mlps]
+    handles = [mlp.register_forward_pre_hook(lambda mod, args, c=c: c.append(args[0].flatten(0, -2)))
+               for mlp, c in zip(mlps, captured)]
+    device = next(model.parameters()).device
+    try:
+        for block in blocks:
+            model(input_ids=torch.as_tensor(block, device=device).view(1, -1), use_cache=False)
+            if sum(len(x) for x in captured[0]) >= tokens:
+                break
+    finally:
+        for h in handles:
+            h.remove()
+    inputs = []
+    for rows in captured:
+        x = torch.cat(rows)
+        inputs.append(x.repeat(-(-tokens // len(x)), 1)[:tokens].contiguous())
+    return inputs
+
+
+def time_layer(x, gate, up, down, candidates, rel_tolerance: float = 1e-3) -> dict:
+    """{"dense": {ms, rel_err}, (tile, compression): {ms, rel_err, overflow_frac, ok}} for one layer's
+    bf16 weights and input rows x [M, D]."""
+    import twell
+    from triton.testing import do_bench
+
+    ref = twell.gated_mlp_reference(x.float(), gate.float(), up.float(), down.float())
+
+    def dense():
+        return F.linear(F.relu(F.linear(x, gate)) * F.linear(x, up), down)
+
+    dense_err = relative_error(dense(), ref)
+    results = {"dense": {"ms": do_bench(dense, return_mode="median"), "rel_err": dense_err}}
+    down_t = twell.prepare_down(down)
+    units = gate.shape[0]
+    for tile, compression in [(t, c) for t, c in candidates if t <= units]:  # as measure's tiles
+        overflow = torch.zeros(1, dtype=torch.int64, device=x.device)
+        out = twell.gated_mlp(x, gate, up, down_t, tile=tile, compression=compression, overflow=overflow)
+        err = relative_error(out, ref)
+        ms = do_bench(lambda: twell.gated_mlp(x, gate, up, down_t, tile=tile, compression=compression),
+                      return_mode="median")
+        results[(tile, compression)] = {
+            "ms": ms, "rel_err": err, "overflow_frac": overflow.item() / (len(x) * -(-units // tile)),
+            "ok": err <= 2 * dense_err + rel_tolerance,
+        }
+    return results
+
+
+def layer_plan(activity_stats: dict, results: dict) -> dict:
+    """The fastest correct candidate of `time_layer`'s results (dense unless a sparse one is faster)."""
+    dense = results["dense"]
+    stats = {**activity_stats, "dense_ms": round(dense["ms"], 4), "dense_rel_err": dense["rel_err"]}
+    sparse = [(r["ms"], key) for key, r in results.items() if key != "dense" and r["ok"]]
+    if not sparse:
+        return {"mode": "dense", "stats": stats}
+    ms, (tile, compression) = min(sparse)
+    r = results[(tile, compression)]
+    stats.update(sparse_ms=round(ms, 4), measured_speedup=round(dense["ms"] / ms, 3), rel_err=r["rel_err"],
+                 overflow_frac=r["overflow_frac"])
+    if ms >= dense["ms"]:  # the best sparse setting's figures stay in stats: why the layer runs dense
+        return {"mode": "dense", "stats": stats}
+    return {"mode": "sparse", "tile": tile, "compression": compression, "stats": stats}
+
+
+def activity(x, gate) -> dict:
+    """Mean and p99 active units per token and the never-firing fraction of units on rows x."""
+    active = F.linear(x, gate) > 0
+    per_token = active.sum(-1).float()
+    return {"mean_active": per_token.mean().item(), "p99_active": per_token.quantile(0.99).item(),
+            "dead_frac": (~active.any(0)).float().mean().item()}
+
+
+def measure_plan(model, spec: FamilySpec, inputs, candidates=CANDIDATES, device="cuda", *,
+                 tokens: int = TOKENS) -> list[dict]:
+    """config.twell "layers" from timings: `inputs` are token-id blocks (held-out text), `candidates`
+    (tile, compression) pairs tried beside dense on every layer. The model must be on the CUDA device."""
+    device = require_cuda(device, "--measure")
+    if next(model.parameters()).device.type != "cuda":
+        raise ConfigError("--measure: the model must be on the CUDA GPU")
+    xs = capture_mlp_inputs(model, spec, inputs, tokens)
+    plan = []
+    for mlp, x in zip(mlp_modules(model, spec), xs):
+        weights = [w.detach().to(device, torch.bfloat16).contiguous()
+                   for w in (gate_weight(mlp, spec), up_weight(mlp, spec), down_weight(mlp, spec))]
+        x = x.to(device, torch.bfloat16)
+        if has_bias(mlp, spec):  # the kernels take no bias: such layers run dense
+            plan.append({"mode": "dense", "stats": activity(x, weights[0])})
+            continue
+        plan.append(layer_plan(activity(x, weights[0]), time_layer(x, *weights, candidates)))
+    return plan

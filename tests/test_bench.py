@@ -1,0 +1,75 @@
+"""bench and --measure on CPU (clear errors), bench's pure helpers, and tune's choice rule."""
+import json
+
+import pytest
+import torch
+from rich.console import Console
+
+from sparsify.bench import bench_checkpoint, bench_table, logits_agreement, plan_summary, write_json
+from sparsify.errors import ConfigError
+from sparsify.families import spec_for
+from sparsify.tune import layer_plan, measure_plan
+
+from helpers import tiny_model
+
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU error")
+
+
+@cpu_only
+def test_bench_and_measure_need_a_gpu(tmp_path):
+    with pytest.raises(ConfigError, match="sparsify bench needs a CUDA GPU"):
+        bench_checkpoint(tmp_path)
+    model, _ = tiny_model("llama")
+    with pytest.raises(ConfigError, match="--measure needs a CUDA GPU"):
+        measure_plan(model, spec_for(model.config), [torch.arange(8)], device="cpu")
+
+
+def test_logits_agreement():
+    ref = torch.randn(3, 50)
+    dense_tokens = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    twell_tokens = torch.tensor([[1, 2, 9, 4], [5, 6, 7, 8]])
+    check = logits_agreement(ref, ref * 1.01, dense_tokens, twell_tokens)
+    assert check["logits_rel_err"] == pytest.approx(0.01, rel=1e-4)
+    assert check["greedy_match"] == 7 / 8
+    assert check["greedy_common_prefix"] == (2 + 4) / 2
+    assert check["greedy_tokens"] == 8
+
+
+def result():
+    figures = {"dense": {"prefill_ms": 100.0, "prefill_tokens_per_s": 1.3e6, "decode_s": 1.0, "decode_tokens_per_s": 128.0},
+               "twell": {"prefill_ms": 80.0, "prefill_tokens_per_s": 1.6e6, "decode_s": 0.8, "decode_tokens_per_s": 160.0},
+               "prefill_speedup": 1.25, "decode_speedup": 1.25}
+    return {"checkpoint": "ckpt", "device": "GPU", "versions": {}, "batch": 64, "seq_len": 2048, "decode_tokens": 128,
+            "decode_batch": 1, "figures": figures, "mean_active_all_layers": 29.3,
+            "check": {"logits_rel_err": 4e-3, "greedy_match": 1.0, "greedy_common_prefix": 32.0, "greedy_tokens": 128},
+            "plan": {"layers": ["T128 C8", "dense"], "sparse_layers": 1, "predicted_speedup": [1.3, 0.6]}}
+
+
+def test_table_and_json(tmp_path):
+    console = Console(record=True, width=200)
+    console.print(bench_table(result()))
+    text = console.export_text()
+    assert "1.25x" in text and "29.3" in text and "1/2 layers sparse" in text and "4.0e-03" in text
+    path = write_json(result(), tmp_path / "sub" / "bench.json")
+    assert json.loads(path.read_text()) == result()
+
+
+def test_plan_summary():
+    class Config:
+        twell = {"layers": [{"mode": "sparse", "tile": 128, "compression": 8, "stats": {"predicted_speedup": 1.3}},
+                            {"mode": "dense", "stats": {}}]}
+    assert plan_summary(Config) == {"layers": ["T128 C8", "dense"], "sparse_layers": 1, "predicted_speedup": [1.3, None]}
+
+
+def test_measured_plan_takes_the_fastest_correct_candidate():
+    activity = {"mean_active": 29.0, "p99_active": 60.0, "dead_frac": 0.1}
+    results = {"dense": {"ms": 2.0, "rel_err": 3.3e-3},
+               (128, 8): {"ms": 1.5, "rel_err": 2.9e-3, "overflow_frac": 0.0, "ok": True},
+               (256, 16): {"ms": 1.0, "rel_err": 0.5, "overflow_frac": 0.0, "ok": False},  # fast but wrong
+               (64, 4): {"ms": 1.7, "rel_err": 2.9e-3, "overflow_frac": 0.0, "ok": True}}
+    layer = layer_plan(activity, results)
+    assert (layer["mode"], layer["tile"], layer["compression"]) == ("sparse", 128, 8)
+    assert layer["stats"]["measured_speedup"] == pytest.approx(2.0 / 1.5, abs=1e-3)
+    slower = {"dense": {"ms": 1.0, "rel_err": 3.3e-3}, (128, 8): {"ms": 1.5, "rel_err": 2.9e-3, "overflow_frac": 0.0, "ok": True}}
+    dense = layer_plan(activity, slower)
+    assert dense["mode"] == "dense" and dense["stats"]["measured_speedup"] == pytest.approx(0.667, abs=1e-3)
