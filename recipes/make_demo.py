@@ -156,8 +156,7 @@ def pretrain(args):
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     gen = torch.Generator().manual_seed(args.seed)
     T, cuda = args.seq_len, args.device.startswith("cuda")
-    vx = valid[: (len(valid) - 1) // T * T + 1]
-    vx, vy = vx[:-1].view(-1, T), vx[1:].view(-1, T)
+    vx = valid[: len(valid) // T * T].view(-1, T)
 
     @torch.no_grad()
     def evaluate():
@@ -165,7 +164,8 @@ def pretrain(args):
         tot = 0.0
         for i in range(0, len(vx), args.batch):
             with torch.autocast("cuda", torch.bfloat16, enabled=cuda):
-                out = model(vx[i:i + args.batch].to(args.device), labels=vy[i:i + args.batch].to(args.device))
+                batch = vx[i:i + args.batch].to(args.device)
+                out = model(batch, labels=batch)  # transformers shifts the labels itself
             tot += out.loss.float().item() * len(vx[i:i + args.batch])
         model.train()
         return tot / len(vx)
@@ -185,9 +185,8 @@ def pretrain(args):
             g["lr"] = lr
         ix = torch.randint(len(train) - T - 1, (args.batch,), generator=gen)
         x = torch.stack([train[i:i + T] for i in ix])
-        y = torch.stack([train[i + 1:i + T + 1] for i in ix])
         with torch.autocast("cuda", torch.bfloat16, enabled=cuda):
-            loss = model(x, labels=y).loss
+            loss = model(x, labels=x).loss  # transformers shifts the labels itself
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
