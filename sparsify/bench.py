@@ -57,8 +57,9 @@ def versions() -> dict:
 
 
 def _generate(model, prompt, new_tokens):
-    return model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                          pad_token_id=0)[:, prompt.shape[1]:]
+    # an explicit mask: random ids may contain the pad id, which must not be masked out
+    return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                          min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)[:, prompt.shape[1]:]
 
 
 def _median_seconds(fn, warmup: int = 1, repeats: int = 3) -> float:

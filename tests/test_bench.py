@@ -73,3 +73,30 @@ def test_measured_plan_takes_the_fastest_correct_candidate():
     slower = {"dense": {"ms": 1.0, "rel_err": 3.3e-3}, (128, 8): {"ms": 1.5, "rel_err": 2.9e-3, "overflow_frac": 0.0, "ok": True}}
     dense = layer_plan(activity, slower)
     assert dense["mode"] == "dense" and dense["stats"]["measured_speedup"] == pytest.approx(0.667, abs=1e-3)
+
+
+def load_model_bench():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "model_bench.py"
+    spec = importlib.util.spec_from_file_location("model_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_synthetic_model_has_the_requested_activity_and_exports(tmp_path):
+    from sparsify.measure import measure
+
+    model_bench = load_model_bench()
+    model = model_bench.build_model(hidden=64, intermediate=512, layers=2, heads=4, vocab=300, active=12,
+                                    calibration_tokens=512)
+    fresh = list(torch.randint(0, 300, (4, 128), generator=torch.Generator().manual_seed(5)))
+    stats = measure(model, spec_for(model.config), fresh)
+    for layer in stats["layers"]:  # measured on tokens the calibration never saw
+        assert layer["mean_active"] == pytest.approx(12, rel=0.25)
+    path = model_bench.export(model, tmp_path / "ckpt", active=12, eval_tokens=256)
+    config = json.loads((path / "config.json").read_text())
+    assert config["hidden_act"] == "relu" and len(config["twell"]["layers"]) == 2
+    assert all(layer["stats"]["mean_active"] == pytest.approx(12, rel=0.25) for layer in config["twell"]["layers"])
