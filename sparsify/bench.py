@@ -21,6 +21,7 @@ import torch
 
 from .errors import ConfigError
 from .families import mlp_modules, spec_for
+from .load import load_config, resolve_source
 from .plan import describe
 from .tune import relative_error, require_cuda
 
@@ -98,12 +99,13 @@ def mean_active(model, ids) -> list[float]:
 def bench_checkpoint(path: str | Path, *, batch: int = 64, seq_len: int = 2048, decode_tokens: int = 128,
                      decode_batch: int = 1, device: str = "cuda") -> dict:
     """Prefill and decode figures of the dense and the TwELL load of the checkpoint at `path`."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     device = require_cuda(device, "sparsify bench")
     if min(batch, seq_len, decode_tokens, decode_batch) < 1:
         raise ConfigError("--batch, --seq-len, --decode-tokens and the decode batch must be positive")
-    config = AutoConfig.from_pretrained(path)
+    config, _ = load_config(path)  # SourceError / UnsupportedModelError for what cannot be a checkpoint
+    path = resolve_source(path)
     if not getattr(config, "twell", None):
         raise ConfigError(f"{path}: not a sparsify checkpoint (config.json has no twell section)")
     load = dict(dtype=torch.bfloat16)
