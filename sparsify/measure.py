@@ -4,7 +4,7 @@ A forward hook on each MLP's gate projection reads the gate pre-activation (the 
 fused gate_up_proj); a unit is active for a token when it is > 0. The same hook works on original SiLU
 models (where this is the starting point of a conversion) and on converted ReLU ones. Beside per-token
 counts it counts active units per (token, tile) for the candidate TwELL tile widths, which decides
-whether a packed tile of `tile / compression - 1` slots overflows (twell.md sections 2 and 5).
+whether a packed tile of `twell.slots(tile, compression)` slots overflows (twell.md sections 2 and 5).
 """
 from __future__ import annotations
 
@@ -14,15 +14,12 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
+from twell import slots
+
 from .families import FamilySpec, mlp_modules
 
 TILES = (64, 128, 256)
 COMPRESSIONS = (2, 4, 8, 16)
-
-
-def slots(tile: int, compression: int) -> int:
-    """Non-zeros a packed (row, tile) holds: tile / compression words, one of which is the count."""
-    return tile // compression - 1
 
 
 def _batches(blocks: list[torch.Tensor], batch_size: int):
