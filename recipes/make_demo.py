@@ -7,7 +7,7 @@ ships (pydoc_data.topics). Three stages, each writing into sparsify/demo/:
 
     python recipes/make_demo.py corpus      # ~10 s: corpus/train.jsonl, corpus/valid.jsonl (by document, 95/5)
     python recipes/make_demo.py tokenizer   # ~2 s: byte-level BPE, vocab 4096, saved into model/
-    python recipes/make_demo.py pretrain --device cuda   # model/ weights: 600 steps, ~20 s on one H100
+    python recipes/make_demo.py pretrain --device cuda   # model/ weights: 1200 steps (best kept), ~35 s on one H100
     python recipes/make_demo.py all --device cuda        # the three in order
 
 Pretraining also runs on CPU, slowly: `pretrain --device cpu --minutes 60` (roughly 2-3 s a step on 2 cores).
@@ -217,7 +217,7 @@ if __name__ == "__main__":
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     ap.add_argument("--minutes", type=float, default=3.0)
-    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--steps", type=int, default=1200)
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seq-len", type=int, default=512)
