@@ -64,8 +64,13 @@ class ReluGatedMLP(nn.Module):
             return getattr(self, self.spec.gate_up)(x).chunk(2, dim=-1)
         return getattr(self, self.spec.gate)(x), getattr(self, self.spec.up)(x)
 
+    @property
+    def runs_hybrid(self) -> bool:
+        """Whether forward goes through the hybrid kernels: asked for, importable, and no projection bias."""
+        return self.use_hybrid and hybrid_gated_mlp is not None and not has_bias(self, self.spec)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_hybrid and hybrid_gated_mlp is not None and not has_bias(self, self.spec):
+        if self.runs_hybrid:
             out, stats = hybrid_gated_mlp(x, *self.weights(), max_nnz=self.hybrid_max_nnz)
             if self.track:
                 self.stats, self.backup_rows = MLPStats(stats.l1, stats.active, stats.fired), stats.backup_rows

@@ -268,7 +268,7 @@ def train(
             if step % config.log_every == 0 or step == total:
                 now = time.perf_counter()
                 entry = window.entry(accelerator, step, tokens, coeff, scheduler.get_last_lr()[0], last_fired, dead_window,
-                                     [m.use_hybrid for m in mlps])
+                                     [m.runs_hybrid for m in mlps])
                 entry["tokens_per_s"] = window.count * ids.numel() * world / (now - window_started)
                 entry["seconds"] = now - started
                 log.append(entry)

@@ -92,3 +92,10 @@ def test_training_on_the_hybrid_kernels_matches_dense():
         assert [e[key] for e in hybrid_log] == pytest.approx([e[key] for e in dense_log], rel=1e-5), key
     for (name, a), b in zip(dense.named_parameters(), hybrid.parameters()):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_mlps_with_bias_stay_dense_in_the_log():
+    # The hybrid kernels have no bias terms: such MLPs run dense whatever their activity, and say so.
+    model, _ = tiny_model("llama", mlp_bias=True)
+    log = train(model, relufy(model), batches_from(), config(steps=2, hybrid_below=1e9), device="cpu", show_progress=False).log
+    assert all(l["path"] == "dense" and l["backup_rows"] == 0 for e in log for l in e["layers"])
