@@ -12,8 +12,9 @@ units and backup rows over time, and tokens/s of both; the printed table puts th
         --batch-size 2 --eval-tokens 256 --hybrid-below 1000 --hybrid-max-nnz 4   # CPU smoke run
 
 Settings left out come from --recipe if given, else from DEFAULTS below (not from recipes/demo.yaml:
-the check needs its own short, fixed setting); log_every is always 1. Tokens/s leave out the first
---skip-steps steps (kernel compilation, allocator warm-up).
+the check needs its own short, fixed setting); log_every is always 1. Tokens/s are medians of the
+per-step rates after the first --skip-steps steps (allocator warm-up), over all those steps and over the
+steps where the routed run had layers on the hybrid kernels (the same steps of both runs).
 """
 from __future__ import annotations
 
@@ -56,15 +57,14 @@ def versions() -> dict:
     return found
 
 
-def tokens_per_s(log: list[dict], skip: int) -> float | None:
-    """Training tokens per second over the logged steps after the first `skip` ones."""
-    start = min(skip, len(log) - 1) - 1
-    first = log[start] if start >= 0 else {"tokens": 0, "seconds": 0.0}
-    seconds = log[-1]["seconds"] - first["seconds"]
-    return (log[-1]["tokens"] - first["tokens"]) / seconds if seconds > 0 else None
+def median_tokens_per_s(run: dict, steps: set[int]) -> float | None:
+    """Median of the per-step training rates over `steps`: robust to the one-off Triton compilation of
+    the hybrid kernels at the step where the first layer switches."""
+    rates = sorted(r for step, r in zip(run["steps"], run["tokens_per_s_per_step"]) if step in steps)
+    return rates[len(rates) // 2] if rates else None
 
 
-def run_summary(summary: dict, skip: int) -> dict:
+def run_summary(summary: dict) -> dict:
     log = summary["log"]
     return {
         "config": summary["training"],
@@ -79,7 +79,7 @@ def run_summary(summary: dict, skip: int) -> dict:
              "backup_rows": [e["layers"][i]["backup_rows"] for e in log], "hybrid_share": summary["hybrid_share"][i]}
             for i in range(len(log[0]["layers"]))
         ],
-        "tokens_per_s": tokens_per_s(log, skip),
+        "tokens_per_s_per_step": [e["tokens_per_s"] for e in log],
         "seconds": summary["training"]["seconds"],
     }
 
@@ -91,7 +91,7 @@ def main() -> None:
     ap.add_argument("--recipe", default=None, help="Recipe (a YAML path or a name in recipes/); the options below override it.")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--json", default=None, help="Write the results here.")
-    ap.add_argument("--skip-steps", type=int, default=10, help="First steps left out of tokens/s.")
+    ap.add_argument("--skip-steps", type=int, default=10, help="First steps left out of the tokens/s medians.")
     ap.add_argument("--print-every", type=int, default=None, help="Steps between rows of the printed table (default: steps/20).")
     for name, kind in (("steps", int), ("seq_len", int), ("batch_size", int), ("grad_accum", int), ("lr", float),
                        ("l1", float), ("l1_warmup_steps", int), ("warmup_steps", int), ("eval_tokens", int),
@@ -117,9 +117,14 @@ def main() -> None:
             print(f"{name} run: {config.steps} steps, hybrid_below {config.hybrid_below}", flush=True)
             summary = convert(args.source, Path(tmp) / name, config, data=args.data, device=args.device,
                               overwrite=True, show_progress=False)
-            runs[name] = run_summary(summary, args.skip_steps)
+            runs[name] = run_summary(summary)
 
     hybrid, dense = runs["hybrid"], runs["dense"]
+    measured = {step for step in dense["steps"] if step > args.skip_steps}
+    while_hybrid = {step for step, n in zip(hybrid["steps"], hybrid["layers_on_hybrid"]) if n and step in measured}
+    for run in runs.values():
+        run["tokens_per_s"] = median_tokens_per_s(run, measured)
+        run["tokens_per_s_while_hybrid"] = median_tokens_per_s(run, while_hybrid)
     loss_rel_diff = [abs(h - d) / abs(d) for h, d in zip(hybrid["loss"], dense["loss"])]
     doc = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
@@ -130,6 +135,7 @@ def main() -> None:
         "source": args.source,
         "data": args.data or "demo corpus",
         "loss_rel_diff": {"max": max(loss_rel_diff), "final": loss_rel_diff[-1]},
+        "steps_while_hybrid": len(while_hybrid),
         "runs": runs,
     }
     if args.json:
@@ -138,7 +144,8 @@ def main() -> None:
 
     every = args.print_every or max(1, len(dense["steps"]) // 20)
     layers = len(hybrid["layers"])
-    print(f"\n{'step':>6} {'loss dense':>11} {'loss hybrid':>12} {'rel diff':>9} {'active':>8} {'hybrid layers':>14} {'backup rows':>12}")
+    print("\nlosses of both runs; mean active units, layers on hybrid and backup rows of the routed run")
+    print(f"{'step':>6} {'loss dense':>11} {'loss hybrid':>12} {'rel diff':>9} {'active':>8} {'hybrid layers':>14} {'backup rows':>12}")
     for i, step in enumerate(dense["steps"]):
         if step % every == 0 or i == len(dense["steps"]) - 1:
             backup = sum(l["backup_rows"][i] for l in hybrid["layers"])
@@ -147,9 +154,10 @@ def main() -> None:
     print("\nper layer, share of steps on the hybrid path:",
           " ".join(f"{i}:{100 * l['hybrid_share']:.0f}%" for i, l in enumerate(hybrid["layers"])))
     for name, run in runs.items():
-        tps = f"{run['tokens_per_s']:,.0f}" if run["tokens_per_s"] else "-"
-        print(f"{name:>6}: {tps} tokens/s after step {args.skip_steps}, perplexity after training "
-              f"{run['perplexity']['after training']:.3f}, {run['seconds']:.0f} s")
+        rates = [f"{r:,.0f}" if r else "-" for r in (run["tokens_per_s"], run["tokens_per_s_while_hybrid"])]
+        print(f"{name:>6}: median tokens/s {rates[0]} after step {args.skip_steps}, {rates[1]} over the "
+              f"{len(while_hybrid)} steps with layers on hybrid; perplexity after training "
+              f"{run['perplexity']['after training']:.3f}; {run['seconds']:.0f} s")
     print(f"device {doc['device']}, hybrid kernels run: {doc['hybrid_kernels_run']}, max loss rel diff {doc['loss_rel_diff']['max']:.2e}")
 
 
