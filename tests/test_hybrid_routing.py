@@ -9,7 +9,7 @@ import torch
 
 from helpers import tiny_model
 from sparsify.relufy import relufy
-from sparsify.train import HYBRID_EXIT, TrainConfig, hybrid_kernels_run, hybrid_paths, hybrid_share, train
+from sparsify.train import HYBRID_EXIT, TrainConfig, TrainingInterrupted, hybrid_kernels_run, hybrid_paths, hybrid_share, train
 from test_train import BATCH, SEQ, batches_from
 
 
@@ -99,3 +99,34 @@ def test_mlps_with_bias_stay_dense_in_the_log():
     model, _ = tiny_model("llama", mlp_bias=True)
     log = train(model, relufy(model), batches_from(), config(steps=2, hybrid_below=1e9), device="cpu", show_progress=False).log
     assert all(l["path"] == "dense" and l["backup_rows"] == 0 for e in log for l in e["layers"])
+
+
+def test_resume_continues_on_the_paths_chosen_before_the_interrupt(tmp_path):
+    def sparse_layer0(seed=0):  # layer 0 at most 20 active units: hybrid from step 2 on
+        model, _ = tiny_model("llama", seed=seed)
+        mlps = relufy(model)
+        with torch.no_grad():
+            mlps[0].gate_proj.weight[20:] = 0
+        return model, mlps
+
+    def stop_after(n):  # Ctrl-C while reading the (n+1)-th batch
+        def batches(start, rank, world):
+            for i, b in enumerate(batches_from()(start, rank, world)):
+                if i == n:
+                    raise KeyboardInterrupt
+                yield b
+
+        return batches
+
+    cfg = config(steps=4, hybrid_below=50, hybrid_max_nnz=4)
+    straight, mlps = sparse_layer0()
+    expected = train(straight, mlps, batches_from(), cfg, device="cpu", show_progress=False).log
+    interrupted, mlps = sparse_layer0()
+    with pytest.raises(TrainingInterrupted):
+        train(interrupted, mlps, stop_after(2), cfg, resume_dir=tmp_path / "r", device="cpu", show_progress=False)
+    resumed, mlps = sparse_layer0(seed=1)  # every weight comes back from the saved state
+    log = train(resumed, mlps, batches_from(), cfg, resume_dir=tmp_path / "r", resume=True, device="cpu", show_progress=False).log
+    assert [[l["path"] for l in e["layers"]] for e in log] == [[l["path"] for l in e["layers"]] for e in expected]
+    assert [e["layers"][0]["path"] for e in log] == ["dense", "hybrid", "hybrid", "hybrid"]
+    for (name, a), b in zip(straight.named_parameters(), resumed.parameters()):
+        torch.testing.assert_close(b, a, msg=name)
