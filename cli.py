@@ -1,4 +1,4 @@
-"""The `sparsify` command: thin Click wrappers over sparsify.convert and sparsify.analyze. User errors
+"""The `sparsify` command: thin Click wrappers over sparsify.convert, sparsify.analyze and sparsify.bench. User errors
 (SparsifyError) print their message on stderr and exit with status 1, without a traceback."""
 from __future__ import annotations
 
@@ -68,8 +68,11 @@ def train_options(command):
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors shard.")
 @click.option("--push-to-hub", "push_to_hub", metavar="REPO_ID", help="Upload OUT to this Hub repository (created if needed).")
 @click.option("--private", is_flag=True, help="With --push-to-hub: make a new repository private.")
+@click.option("--measure", "measure_kernels", is_flag=True,
+              help="Choose each layer's kernel setting by timing the candidates on this GPU (CUDA only).")
 @user_errors
-def convert(source, out, data, recipe, device, resume, overwrite, max_shard_size, push_to_hub, private, **options):
+def convert(source, out, data, recipe, device, resume, overwrite, max_shard_size, push_to_hub, private,
+            measure_kernels, **options):
     """Convert SOURCE (a Hub id, a checkpoint folder, or `demo`) into a >99%-sparse ReLU checkpoint in OUT."""
     from sparsify.convert import convert as run, load_recipe
     from sparsify.report import console, layer_table, perplexity_table
@@ -81,7 +84,7 @@ def convert(source, out, data, recipe, device, resume, overwrite, max_shard_size
     settings.update({k: v for k, v in options.items() if v is not None})
     summary = run(
         source, out, TrainConfig.from_dict(settings), data=data, device=device, resume=resume, overwrite=overwrite,
-        max_shard_size=max_shard_size, push_to_hub=push_to_hub, private=private,
+        max_shard_size=max_shard_size, push_to_hub=push_to_hub, private=private, measure_kernels=measure_kernels,
     )
     if _is_main():
         t = summary["training"]
@@ -102,8 +105,10 @@ def convert(source, out, data, recipe, device, resume, overwrite, max_shard_size
 @click.option("--device", help="cpu or cuda (default: cuda if available).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write all statistics to this JSON file.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write a heatmap PNG (layers x token position).")
+@click.option("--measure", "measure_kernels", is_flag=True,
+              help="Recommend kernel settings by timing the candidates on this GPU (CUDA only).")
 @user_errors
-def analyze(model, data, tokens, seq_len, batch_size, device, json_path, plot_path):
+def analyze(model, data, tokens, seq_len, batch_size, device, json_path, plot_path, measure_kernels):
     """Per-layer gate-activation sparsity of MODEL (a converted checkpoint or an original SiLU model)."""
     from sparsify.analyze import analyze as run
     from sparsify.errors import ConfigError
@@ -111,11 +116,31 @@ def analyze(model, data, tokens, seq_len, batch_size, device, json_path, plot_pa
 
     if tokens < 1 or seq_len < 2 or batch_size < 1:
         raise ConfigError("--tokens and --batch-size must be positive and --seq-len at least 2")
-    result = run(model, data=data, tokens=tokens, seq_len=seq_len, batch_size=batch_size, device=device, json_path=json_path)
+    result = run(model, data=data, tokens=tokens, seq_len=seq_len, batch_size=batch_size, device=device,
+                 json_path=json_path, measure_kernels=measure_kernels)
     console.print(layer_table(result["layers"], [l["recommended"] for l in result["layers"]],
                               f"{model}: gate activity on {result['tokens']:,} tokens (perplexity {result['perplexity']:.3f})"))
     if plot_path:
         plot_activity(result["layers"], plot_path)
+
+
+@main.command()
+@click.argument("checkpoint")
+@click.option("--batch", type=int, default=64, show_default=True, help="Sequences in the prefill forward.")
+@click.option("--seq-len", type=int, default=2048, show_default=True, help="Tokens per prefill sequence.")
+@click.option("--decode-tokens", type=int, default=128, show_default=True, help="New tokens per greedy generation (decode figure).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write all figures to this JSON file.")
+@user_errors
+def bench(checkpoint, batch, seq_len, decode_tokens, json_path):
+    """Dense vs TwELL speed of a converted CHECKPOINT on a GPU: decoder prefill over batch x seq-len
+    tokens and greedy decode tokens/s, in one process, with a logits check."""
+    from sparsify.bench import bench_checkpoint, bench_table, write_json
+    from sparsify.report import console
+
+    result = bench_checkpoint(checkpoint, batch=batch, seq_len=seq_len, decode_tokens=decode_tokens)
+    console.print(bench_table(result))
+    if json_path:
+        write_json(result, json_path)
 
 
 def _is_main() -> bool:

@@ -14,6 +14,7 @@ from .errors import DataError
 from .load import demo_corpus_path, load_config, load_model, require_tokenizer
 from .measure import measure
 from .plan import plan_layers
+from .tune import measure_plan, require_cuda
 
 
 def default_data(source: str) -> str | Path:
@@ -38,15 +39,23 @@ def analyze(
     batch_size: int = 8,
     device: str | None = None,
     json_path: str | Path | None = None,
+    measure_kernels: bool = False,
 ) -> dict:
-    """{"model", "data", "seq_len", "tokens", "perplexity", "layers": [statistics + "recommended"]}."""
+    """{"model", "data", "seq_len", "tokens", "perplexity", "layers": [statistics + "recommended"]}.
+    `measure_kernels`: recommend by timing the kernel settings on this GPU instead of by the cost model."""
     data = data or default_data(source)
+    if measure_kernels:
+        require_cuda(device, "--measure")
     model, tokenizer, spec = load_model(source, device=device)
     require_tokenizer(tokenizer, source)
     seq_len = min(seq_len, getattr(model.config, "max_position_embeddings", seq_len))
     text = TextData(data, tokenizer, seq_len, eval_tokens=tokens)
     stats = measure(model, spec, text.eval_blocks, batch_size)
-    for layer, plan in zip(stats["layers"], plan_layers(stats["layers"])):
+    if measure_kernels:
+        plans = measure_plan(model, spec, text.eval_blocks, device=device)
+    else:
+        plans = plan_layers(stats["layers"], hidden_size=model.config.hidden_size)
+    for layer, plan in zip(stats["layers"], plans):
         layer["recommended"] = {k: v for k, v in plan.items() if k != "stats"}
     result = {"model": str(source), "family": spec.family, "data": str(data), "seq_len": seq_len, **stats}
     if json_path:

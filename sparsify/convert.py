@@ -28,6 +28,7 @@ from .export import check_output_dir, export_checkpoint
 from .load import demo_corpus_path, load_model, require_tokenizer, resolve_dtype
 from .measure import measure, perplexity
 from .plan import plan_layers
+from .tune import measure_plan, require_cuda
 from .relufy import relufy
 from .report import plot_training
 from .train import TrainConfig, hybrid_share, on_cpu, train
@@ -74,10 +75,12 @@ def convert(
     max_shard_size: str = "5GB",
     push_to_hub: str | None = None,
     private: bool = False,
+    measure_kernels: bool = False,
     show_progress: bool = True,
 ) -> dict:
     """Convert `source` into a sparse checkpoint at `out`; returns the summary (perplexities, per-layer
-    statistics and plan, training log)."""
+    statistics and plan, training log). `measure_kernels` plans each layer by timing the kernel settings
+    on this GPU (sparsify.tune) instead of by the cost model."""
     main = PartialState(cpu=on_cpu(device)).is_main_process
     out = check_output_dir(out, overwrite)
     try:
@@ -85,6 +88,8 @@ def convert(
     except ValueError:
         raise ConfigError(f"--max-shard-size {max_shard_size!r}: use a number and a unit, e.g. 5GB or 500MB") from None
     config.validate()
+    if measure_kernels:
+        require_cuda(device, "--measure")
     resume_dir = resume_dir_for(out)
     if resume and not (resume_dir / "state.json").is_file():
         raise ConfigError(f"--resume: no saved training state in {resume_dir}")
@@ -107,7 +112,10 @@ def convert(
     )
     stats = measure(model, spec, text.eval_blocks, config.batch_size)
     ppl["after training"] = stats["perplexity"]
-    plan = plan_layers(stats["layers"])
+    if measure_kernels and main:
+        plan = measure_plan(model, spec, text.eval_blocks, device=device)
+    else:
+        plan = plan_layers(stats["layers"], hidden_size=model.config.hidden_size)
     training = {
         "base_model": source,
         "data": str(data or "demo corpus"),

@@ -178,6 +178,9 @@ def gpt2_folder(root):
         (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--max-shard-size", "big"], "--max-shard-size"),
         (["analyze", "{llama}"], "--data is required"),
         (["analyze", "{llama}", "--data", "{corpus}", "--tokens", "0"], "--tokens"),
+        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--measure", "--device", "cpu"], "--measure needs a CUDA GPU"),
+        (["analyze", "{llama}", "--data", "{corpus}", "--measure", "--device", "cpu"], "--measure needs a CUDA GPU"),
+        (["bench", "{tmp}/no-such-checkpoint"], "sparsify bench needs a CUDA GPU"),
     ],
 )
 def test_bad_input(files, tmp_path, args, message):
