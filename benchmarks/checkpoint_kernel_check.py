@@ -31,15 +31,17 @@ def load_pair(path, dtype, force):
 
 
 def count_kernel_calls(remote):
-    """Wrap the remote module's gated_mlp: count calls and overflowing (row, tile) pairs."""
+    """Wrap the remote module's gated_mlp: count calls and overflowing (row, tile) pairs. Both loads share
+    the module, so the wrapper is installed once and its counters reset for each load."""
     module = sys.modules[type(remote).__module__]
+    kernel = getattr(module.gated_mlp, "kernel", module.gated_mlp)
     calls, overflow = [0], torch.zeros(1, dtype=torch.int64, device="cuda")
-    kernel = module.gated_mlp
 
     def counted(*args, **kwargs):
         calls[0] += 1
         return kernel(*args, overflow=overflow, **kwargs)
 
+    counted.kernel = kernel
     module.gated_mlp = counted
     return calls, overflow
 
