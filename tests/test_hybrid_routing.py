@@ -10,7 +10,7 @@ import torch
 from helpers import tiny_model
 from sparsify.relufy import relufy
 from sparsify.train import HYBRID_EXIT, TrainConfig, TrainingInterrupted, hybrid_kernels_run, hybrid_paths, hybrid_share, train
-from test_train import BATCH, SEQ, batches_from
+from test_train import BATCH, SEQ, batches_from, stop_after
 
 
 def config(**kw):
@@ -108,15 +108,6 @@ def test_resume_continues_on_the_paths_chosen_before_the_interrupt(tmp_path):
         with torch.no_grad():
             mlps[0].gate_proj.weight[20:] = 0
         return model, mlps
-
-    def stop_after(n):  # Ctrl-C while reading the (n+1)-th batch
-        def batches(start, rank, world):
-            for i, b in enumerate(batches_from()(start, rank, world)):
-                if i == n:
-                    raise KeyboardInterrupt
-                yield b
-
-        return batches
 
     cfg = config(steps=4, hybrid_below=50, hybrid_max_nnz=4)
     straight, mlps = sparse_layer0()

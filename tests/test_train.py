@@ -26,6 +26,17 @@ def batches_from(seed=0):
     return batches
 
 
+def stop_after(n):
+    """batches_from(), with Ctrl-C while reading the (n+1)-th micro-batch."""
+    def batches(start, rank, world):
+        for i, b in enumerate(batches_from()(start, rank, world)):
+            if i == n:
+                raise KeyboardInterrupt
+            yield b
+
+    return batches
+
+
 def config(**kw):
     # Dense path only: the hybrid kernels and the routing to them are tested in test_hybrid_routing.py.
     return TrainConfig(**{"steps": 4, "seq_len": SEQ, "batch_size": BATCH, "lr": 1e-3, "l1": 1e-3, "log_every": 1, "hybrid_below": 0, **kw})
@@ -142,15 +153,6 @@ def test_interrupt_then_resume_equals_uninterrupted(tmp_path):
     straight, _ = tiny_model("qwen2")
     interrupted = copy.deepcopy(straight)
     train(straight, relufy(straight), batches_from(), cfg, device="cpu", show_progress=False)
-
-    def stop_after(n):  # Ctrl-C while reading the (n+1)-th micro-batch
-        def batches(start, rank, world):
-            for i, b in enumerate(batches_from()(start, rank, world)):
-                if i == n:
-                    raise KeyboardInterrupt
-                yield b
-
-        return batches
 
     with pytest.raises(TrainingInterrupted, match="interrupted at step 3 of 6"):
         train(interrupted, relufy(interrupted), stop_after(7), cfg, resume_dir=tmp_path / "r", device="cpu", show_progress=False)
