@@ -11,8 +11,7 @@ up and down rows), refined with the two costs that its inputs leave out and `mea
 Every measured (tile, compression) gets a predicted speed-up over the dense block at `tokens` tokens
 (default: a 16k-token prefill, the regime the fit and the paper's benchmark use); the best one runs if it
 beats dense by `min_speedup`, otherwise the layer runs dense. `measure` counts a tile as overflowing
-above T / C - 1 non-zeros (the authors' layout); the kernel holds T / C, so its overflow is at most that.
-`sparsify.tune.measure_plan` replaces the prediction by timings on a GPU.
+above the kernel's T / C slots (`twell.slots`). `sparsify.tune.measure_plan` replaces the prediction by timings on a GPU.
 """
 from __future__ import annotations
 
