@@ -32,6 +32,7 @@ from sparsify.export import export_checkpoint
 from sparsify.families import spec_for
 from sparsify.measure import measure
 from sparsify.plan import plan_layers
+from sparsify.tune import measure_plan
 
 BIAS = 0          # the constant residual channel
 BIAS_VALUE = 1.0  # its value in every token embedding
@@ -74,8 +75,10 @@ def build_model(*, hidden: int = 2048, intermediate: int = 5632, layers: int = 4
     return model
 
 
-def export(model, out: Path, *, active: float, eval_tokens: int = 4096) -> Path:
-    """The model as a converted checkpoint (bf16 on CUDA, as convert exports) planned on fresh tokens."""
+def export(model, out: Path, *, active: float, eval_tokens: int = 4096, measure_kernels: bool = False) -> Path:
+    """The model as a converted checkpoint (bf16 on CUDA, as convert exports) planned on fresh tokens, by
+    the cost model or, with `measure_kernels`, by timings (sparsify.tune; the cost model's plan is kept in
+    the training section for comparison)."""
     spec = spec_for(model.config)
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(1)
@@ -83,11 +86,14 @@ def export(model, out: Path, *, active: float, eval_tokens: int = 4096) -> Path:
     blocks = list(torch.randint(0, model.config.vocab_size, (max(1, eval_tokens // seq), seq), generator=generator))
     stats = measure(model, spec, blocks)
     plan = plan_layers(stats["layers"], hidden_size=model.config.hidden_size)
+    cost_model_plan = plan
+    if measure_kernels:
+        plan = measure_plan(model, spec, blocks, device=device)
     if device.type == "cuda":
         model.to(torch.bfloat16)
     training = {"base_model": "synthetic", "recipe": "benchmarks/model_bench.py: random weights, bias channel",
                 "target_active": active, "measured_active": [layer["mean_active"] for layer in stats["layers"]],
-                "tokens": 0, "steps": 0}
+                "tokens": 0, "steps": 0, "cost_model_plan": cost_model_plan}
     return export_checkpoint(model, None, out, spec=spec, plan=plan, training=training, overwrite=True)
 
 
@@ -102,6 +108,7 @@ def main(argv=None):
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--out", type=Path, required=True, help="Folder for the JSON results.")
     parser.add_argument("--work", type=Path, help="Folder for the checkpoints (default: a temporary one).")
+    parser.add_argument("--measure", action="store_true", help="Plan by timing the kernel settings (as convert --measure).")
     args = parser.parse_args(argv)
     from rich.console import Console
 
@@ -110,17 +117,18 @@ def main(argv=None):
     for active in args.active:
         model = build_model(hidden=args.hidden, intermediate=args.intermediate, layers=args.layers, active=active,
                             device="cuda")
-        path = export(model, work / f"llama-k{active:g}", active=active)
+        path = export(model, work / f"llama-k{active:g}", active=active, measure_kernels=args.measure)
         del model
         torch.cuda.empty_cache()
         result = bench_checkpoint(path, batch=args.batch, seq_len=args.seq_len, decode_tokens=args.decode_tokens)
+        twell_section = json.loads((path / "config.json").read_text())["twell"]
         result.update(command="python " + " ".join(sys.argv), target_active=active,
                       shape={"hidden": args.hidden, "intermediate": args.intermediate, "layers": args.layers},
-                      plan_stats=json.loads((path / "config.json").read_text())["twell"]["layers"])
+                      plan_stats=twell_section["layers"], cost_model_plan=twell_section["training"]["cost_model_plan"])
         console.print(bench_table(result))
         console.print(f"plan: {result['plan']['layers']}; mean active per layer on the bench input: "
                       f"{[round(a, 1) for a in result['mean_active']]}")
-        write_json(result, args.out / f"model_bench_k{active:g}.json")
+        write_json(result, args.out / f"model_bench_k{active:g}{'_measured' if args.measure else ''}.json")
     console.print(f"versions: {versions()}")
 
 
