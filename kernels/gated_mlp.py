@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from .format import TwELL, cdiv, empty_twell, slots, use_triton
+from .format import cdiv, slots, use_triton
 
 try:
     import triton
@@ -71,49 +71,90 @@ def out_config(m: int, d: int) -> dict:
     return dict(CH=2, BD=block_d, num_warps=1 if block_d <= 2048 else 2)
 
 
-def gate_pack(x2, w, tile, compression, vals_dtype, cfg, tw: Optional[TwELL] = None, up=None,
-              h_fp32=False) -> TwELL:
-    """TwELL of relu(x2 @ w^T) for x2 [M, D], w [I, D] (any strides). With `up`, the stored values are
-    h = relu(x2 @ w^T) * (x2 @ up^T) at the same entries (up rows read only for active columns)."""
+class _Launch:
+    """One kernel at a fixed grid, scalar arguments and options; called with its tensor arguments. The
+    first call goes through Triton's JIT (compiling if needed); later ones run the compiled kernel directly,
+    skipping Triton's per-call argument binding and cache lookup. That is sound while the tensors keep the
+    dtypes and 16-byte alignment of the first call, which the plan key (_plan_key) guarantees: Triton
+    specializes on nothing else (the scalars are fixed here)."""
+
+    def __init__(self, kernel, grid, scalars: dict, options: dict):
+        names = kernel.arg_names[len(kernel.arg_names) - len(scalars):]
+        self.kernel, self.grid, self.options = kernel, grid, options
+        self.scalars = tuple(scalars[n] for n in names)  # tensors first, then these, in signature order
+        self.run = None
+
+    def __call__(self, *tensors):
+        if self.run is not None:
+            self.run(*tensors, *self.scalars)
+            return
+        compiled = self.kernel[self.grid](*tensors, *self.scalars, **self.options)
+        if compiled is not None:  # None under the interpreter
+            self.run = compiled[self.grid]
+
+
+def gate_launch(x2, w, up, tile, s, vals_dtype, cfg, h_fp32=False) -> _Launch:
+    """Launch of relu(x2 @ w^T) packed into TwELL, for x2 [M, D], w [I, D] (any strides). With `up`, the
+    stored values are h = relu(x2 @ w^T) * (x2 @ up^T) at the same entries (up rows read only for active
+    columns). Called with (x2, w, up or w, values, indices, counts)."""
     m, d = x2.shape
     width = w.shape[0]
-    if tw is None:
-        tw = empty_twell(m, width, tile, compression, vals_dtype, x2.device)
     cfg = dict(cfg)
     bm, bk = cfg.pop("BM"), cfg.pop("BK")
-    grid = (cdiv(m, bm) * cdiv(width, tile),)
     upw = up if up is not None else w
-    _gate_pack_kernel[grid](
-        x2, w, upw, tw.values, tw.indices, tw.counts, m, width, d,
-        x2.stride(0), x2.stride(1), w.stride(0), w.stride(1), upw.stride(0), upw.stride(1),
-        T=tile, S=tw.values.shape[2], BM=bm, BK=bk, EVEN_K=d % bk == 0,
-        DOT_PRECISION="ieee" if vals_dtype == torch.float32 and x2.dtype == torch.float32 else "tf32",
-        FUSE_UP=up is not None, H_FP32=h_fp32, **cfg)
-    return tw
+    dot = "ieee" if vals_dtype == torch.float32 and x2.dtype == torch.float32 else "tf32"
+    return _Launch(_gate_pack_kernel, (cdiv(m, bm) * cdiv(width, tile), 1, 1), dict(
+        M=m, N=width, K=d, stride_xm=x2.stride(0), stride_xk=x2.stride(1), stride_wn=w.stride(0),
+        stride_wk=w.stride(1), stride_un=upw.stride(0), stride_uk=upw.stride(1), T=tile, S=s, BM=bm, BK=bk,
+        EVEN_K=d % bk == 0, GROUP_M=cfg.pop("GROUP_M"), DOT_PRECISION=dot, FUSE_UP=up is not None,
+        H_FP32=h_fp32), cfg)
 
 
-def twell_out(x2, tw: TwELL, w_dec, up, down_t, h_fp32: bool, overflow, cfg, out=None, packed_h=False):
-    """out [M, D] = sum over active units j of h_j * down_t[j], h_j = g_j * (x . up[j]) (or g_j without
-    up). With packed_h, tw already holds h (decode path) and up serves only the overflow fallback."""
+def out_launch(x2, width, tile, s, gated, h_fp32, has_overflow, cfg, packed_h=False) -> _Launch:
+    """Launch of out [M, D] = sum over active units j of h_j * down_t[j], h_j = g_j * (x . up[j]) (or g_j
+    when not gated). With packed_h, the TwELL already holds h (decode path) and up serves only the
+    overflow fallback. Called with (x2, values, indices, counts, w_dec, up or down_t, down_t, out,
+    overflow or counts); w_dec, up and down_t contiguous."""
     m, d = x2.shape
-    nt, s = tw.counts.shape[1], tw.values.shape[2]
-    if out is None:
-        out = torch.empty(m, d, dtype=x2.dtype, device=x2.device)
+    nt = cdiv(width, tile)
     cfg = dict(cfg)
     block_d = triton.next_power_of_2(d)
     bd = min(cfg.pop("BD", block_d), block_d)
-    _twell_out_kernel[(m, cdiv(d, bd))](
-        x2, tw.values, tw.indices, tw.counts, w_dec, up if up is not None else down_t, down_t, out,
-        overflow if overflow is not None else tw.counts,
-        d, tw.width, nt, x2.stride(0), x2.stride(1),
-        T=tw.tile, S=s, NT_PAD=max(2, triton.next_power_of_2(nt)), CH=cfg["CH"], FB_CH=min(cfg.pop("CH"), 4),
-        BLOCK_D=block_d, BD=bd, LIST_UP=up is not None and not packed_h, FALLBACK_UP=up is not None,
-        H_FP32=h_fp32, HAS_OVF=overflow is not None, **cfg)
-    return out
+    ch = cfg.pop("CH")
+    return _Launch(_twell_out_kernel, (m, cdiv(d, bd), 1), dict(
+        D=d, I=width, NT=nt, stride_xm=x2.stride(0), stride_xk=x2.stride(1), T=tile, S=s,
+        NT_PAD=max(2, triton.next_power_of_2(nt)), CH=ch, FB_CH=min(ch, 4), BLOCK_D=block_d, BD=bd,
+        LIST_UP=gated and not packed_h, FALLBACK_UP=gated, H_FP32=h_fp32, HAS_OVF=has_overflow), cfg)
 
 
-def forward(x, w_dec, up, down, tile, compression, precision, overflow):
-    """Shared body of the gated (up given) and non-gated (up None) blocks; w_dec decides activity."""
+class _Plan:
+    """Everything a call derives from its plan key: checked arguments, buffer shapes and both launches."""
+
+    def __init__(self, x2, w_dec, up, tile, compression, precision, overflow):
+        m, d = x2.shape
+        self.decode = m <= DECODE_ROWS
+        tile = min(tile, DECODE_TILE) if self.decode else tile
+        s = slots(tile, compression)
+        h_fp32 = precision == "highest"
+        self.vals_dtype = torch.float32 if h_fp32 else x2.dtype
+        self.twell_shape = (m, cdiv(w_dec.shape[0], tile), s)
+        self.gate = gate_launch(x2, w_dec, up if self.decode else None, tile, s, self.vals_dtype,
+                                gate_config(m, tile, x2.element_size()), h_fp32)
+        self.out = out_launch(x2, w_dec.shape[0], tile, s, up is not None, h_fp32, overflow is not None,
+                              out_config(m, d), packed_h=self.decode)
+
+
+_PLANS = {}  # decode-size plans (M <= DECODE_ROWS), the sizes whose host time matters
+
+
+def _plan_key(x2, w_dec, up, down_t, tile, compression, precision, overflow):
+    """Shapes, strides, dtypes, device and pointer alignment: what the launches depend on."""
+    tensors = [t for t in (x2, w_dec, down_t, up, overflow) if t is not None]
+    return (tile, compression, precision, up is not None, overflow is not None, x2.get_device(),
+            all(t.data_ptr() % 16 == 0 for t in tensors), *((t.shape, t.stride(), t.dtype) for t in tensors))
+
+
+def check_args(x, w_dec, up, down, tile, compression, precision, overflow):
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     width, d = w_dec.shape
@@ -124,36 +165,60 @@ def forward(x, w_dec, up, down, tile, compression, precision, overflow):
         raise ValueError(f"I = {width} > 65536 is not supported")
     if overflow is not None and (overflow.numel() != 1 or overflow.dtype not in (torch.int32, torch.int64)):
         raise ValueError("overflow must be a one-element int32 or int64 tensor")
-    x2 = x.reshape(-1, d)
-    m = x2.shape[0]
-    if m == 0:
-        return x.new_empty(x.shape)
-    s = slots(tile, compression)
-    if not use_triton(x2):
-        xf = x2.float()
-        g = torch.relu(xf @ w_dec.float().t())
-        if overflow is not None:
-            nt = cdiv(width, tile)
-            per_tile = torch.nn.functional.pad(g > 0, (0, nt * tile - width)).view(m, nt, tile).sum(-1)
-            overflow += (per_tile > s).sum().to(overflow.dtype)
-        h = g * (xf @ up.float().t()) if up is not None else g
-        return (h @ down.float().t()).to(x.dtype).view(x.shape)
-    decode = m <= DECODE_ROWS
-    if decode:
-        tile = min(tile, DECODE_TILE)
+    slots(tile, compression)
+
+
+def forward(x, w_dec, up, down, tile, compression, precision, overflow):
+    """Shared body of the gated (up given) and non-gated (up None) blocks; w_dec decides activity.
+    Decode-size calls look their checked arguments and launches up by _plan_key instead of rebuilding them."""
+    if not use_triton(x):
+        check_args(x, w_dec, up, down, tile, compression, precision, overflow)
+        return _forward_reference(x, w_dec, up, down, tile, compression, overflow)
+    if x.shape[-1] != w_dec.shape[1]:  # before the reshape, so that it fails as a ValueError
+        check_args(x, w_dec, up, down, tile, compression, precision, overflow)
+    x2 = x.reshape(-1, x.shape[-1])
     down_t = down.t().contiguous()  # no copy when the weight came from prepare_down
     up = up.contiguous() if up is not None else None
-    h_fp32 = precision == "highest"
-    vals_dtype = torch.float32 if h_fp32 else x2.dtype
-    tw = gate_pack(x2, w_dec, tile, compression, vals_dtype, gate_config(m, tile, x2.element_size()),
-                   up=up if decode else None, h_fp32=h_fp32)
-    out = twell_out(x2, tw, w_dec.contiguous(), up, down_t, h_fp32, overflow, out_config(m, d),
-                    packed_h=decode)
-    return out.view(x.shape)
+    w_dec = w_dec.contiguous()  # the overflow fallback reads contiguous rows; one copy serves both kernels
+    key = _plan_key(x2, w_dec, up, down_t, tile, compression, precision, overflow)
+    plan = _PLANS.get(key)
+    if plan is None:
+        check_args(x, w_dec, up, down, tile, compression, precision, overflow)
+        if x2.shape[0] == 0:
+            return x.new_empty(x.shape)
+        plan = _Plan(x2, w_dec, up, tile, compression, precision, overflow)
+        if plan.decode:
+            _PLANS[key] = plan
+    device = x.device
+    tw = (torch.empty(plan.twell_shape, dtype=plan.vals_dtype, device=device),
+          torch.empty(plan.twell_shape, dtype=torch.int32, device=device),
+          torch.empty(plan.twell_shape[:2], dtype=torch.int32, device=device))
+    out = x.new_empty(x.shape)  # contiguous, so the kernel's [M, D] rows
+    plan.gate(x2, w_dec, up if up is not None else w_dec, *tw)
+    plan.out(x2, *tw, w_dec, up if up is not None else down_t, down_t, out,
+             overflow if overflow is not None else tw[2])
+    return out
+
+
+def _forward_reference(x, w_dec, up, down, tile, compression, overflow):
+    """PyTorch path for CPU tensors without the interpreter; counts overflow at the caller's tile."""
+    width, d = w_dec.shape
+    x2 = x.reshape(-1, d)
+    xf = x2.float()
+    g = torch.relu(xf @ w_dec.float().t())
+    if overflow is not None:
+        nt = cdiv(width, tile)
+        per_tile = torch.nn.functional.pad(g > 0, (0, nt * tile - width)).view(x2.shape[0], nt, tile).sum(-1)
+        overflow += (per_tile > slots(tile, compression)).sum().to(overflow.dtype)
+    h = g * (xf @ up.float().t()) if up is not None else g
+    return (h @ down.float().t()).to(x.dtype).view(x.shape)
 
 
 def register_ops(name, forward_fn, args_schema):
-    """Custom ops twell::<name> (pure) and twell::<name>_overflow (adds into `overflow`). An exported
+    """Custom ops twell::<name> (pure) and twell::<name>_overflow (adds into `overflow`), and the entry
+    point `call(*args, overflow)` that runs forward_fn directly in eager mode: the custom-op dispatch costs
+    tens of microseconds a call, as much as the decode kernels. The ops serve whatever traces the call
+    (torch.compile, export, fake tensors and other dispatch modes, tensor subclasses). An exported
     checkpoint may carry a second copy of these files: then the ops registered first are reused."""
     def impl(*args):
         return forward_fn(*args)
@@ -173,14 +238,21 @@ def register_ops(name, forward_fn, args_schema):
                                          mutates_args=("overflow",) if with_overflow else ())
         lib_op.register_fake(fake)
         ops.append(lib_op)
-    return ops
+    pure_op, overflow_op = ops
+
+    def call(x, *args, overflow=None):
+        if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or type(x) is not torch.Tensor:
+            return pure_op(x, *args) if overflow is None else overflow_op(x, *args, overflow)
+        return forward_fn(x, *args, overflow)
+
+    return call
 
 
 def _gated_mlp_forward(x, gate_weight, up_weight, down_weight, tile, compression, precision, overflow=None):
     return forward(x, gate_weight, up_weight, down_weight, tile, compression, precision, overflow)
 
 
-_gated_mlp_op, _gated_mlp_overflow_op = register_ops(
+_gated_mlp_call = register_ops(
     "gated_mlp", _gated_mlp_forward, "Tensor x, Tensor gate_weight, Tensor up_weight, Tensor down_weight, "
     "int tile, int compression, str precision")
 
@@ -191,8 +263,7 @@ def gated_mlp(x, gate_weight, up_weight, down_weight, *, tile: int = 128, compre
 
     `overflow`, if given (one-element int32/int64), gets the number of overflowing (row, tile) pairs added.
     """
-    args = (x, gate_weight, up_weight, down_weight, tile, compression, precision)
-    return _gated_mlp_op(*args) if overflow is None else _gated_mlp_overflow_op(*args, overflow)
+    return _gated_mlp_call(x, gate_weight, up_weight, down_weight, tile, compression, precision, overflow=overflow)
 
 
 if triton is not None:

@@ -20,12 +20,11 @@ def _mlp_forward(x, up_weight, down_weight, tile, compression, precision, overfl
     return forward(x, up_weight, None, down_weight, tile, compression, precision, overflow)
 
 
-_mlp_op, _mlp_overflow_op = register_ops(
+_mlp_call = register_ops(
     "mlp", _mlp_forward, "Tensor x, Tensor up_weight, Tensor down_weight, int tile, int compression, str precision")
 
 
 def mlp(x, up_weight, down_weight, *, tile: int = 128, compression: int = 8, precision: str = "default",
         overflow: Optional[torch.Tensor] = None) -> torch.Tensor:
     """down(relu(up(x))) through TwELL. HF layouts: up [I, D], down [D, I]; x [..., D]."""
-    args = (x, up_weight, down_weight, tile, compression, precision)
-    return _mlp_op(*args) if overflow is None else _mlp_overflow_op(*args, overflow)
+    return _mlp_call(x, up_weight, down_weight, tile, compression, precision, overflow=overflow)

@@ -8,7 +8,7 @@ import torch
 
 import twell
 from twell.format import empty_twell, slots
-from twell.gated_mlp import gate_config, gate_pack, twell_out
+from twell.gated_mlp import gate_config, gate_launch, out_launch
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -62,12 +62,14 @@ def test_kernels_write_every_output_and_read_only_valid_slots():
     tw = empty_twell(70, 48, 16, 4, x.dtype, x.device)
     tw.values.fill_(float("nan"))
     tw.counts.fill_(-1)
-    gate_pack(x, gate, 16, 4, x.dtype, gate_config(70, 16, 4), tw=tw)
+    s = slots(16, 4)
+    gate_launch(x, gate, None, 16, s, x.dtype, gate_config(70, 16, 4))(x, gate, gate, *tw[:3])
     assert (tw.counts >= 0).all()
     out = torch.full_like(x, float("nan"))
     overflow = torch.zeros(1, dtype=torch.int64, device=DEV)
     # 8 output columns per program: each row split over 3 programs, the overflow counted once
-    twell_out(x, tw, gate, up, down.t().contiguous(), False, overflow, dict(CH=4, BD=8), out=out)
+    out_launch(x, 48, 16, s, True, False, True, dict(CH=4, BD=8))(
+        x, *tw[:3], gate, up, down.t().contiguous(), out, overflow)
     assert rel_err(out, reference(x, gate, up, down)) < 1e-5
     assert overflow.item() == (tw.counts > slots(16, 4)).sum().item() > 0
 
@@ -88,6 +90,19 @@ def test_custom_op_schema_and_fake():
                           test_utils=("test_schema", "test_faketensor"))
 
 
+def test_eager_calls_skip_the_custom_op_and_traced_calls_use_it():
+    x, gate, up, down = block(3, 16, 32, k=5)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        first = twell.gated_mlp(x, gate, up, down, tile=16)
+        second = twell.gated_mlp(x, gate, up, down, tile=16)  # from the cached plan
+    assert not [e.name for e in prof.events() if e.name.startswith("twell::")]
+    assert torch.equal(first, second)
+    assert torch.equal(first, torch.ops.twell.gated_mlp(x, gate, up, down, 16, 8, "default"))
+    with torch._subclasses.FakeTensorMode() as mode:  # a dispatch mode must see the op (fake kernel)
+        fake = twell.gated_mlp(*map(mode.from_tensor, (x, gate, up, down)), tile=16)
+    assert fake.shape == x.shape
+
+
 def test_argument_validation():
     x, gate, up, down = block(2, 16, 32, k=5)
     with pytest.raises(ValueError):
@@ -105,7 +120,10 @@ def test_gpu_real_shape_precision(m, dtype):
     dense = (torch.relu(x @ gate.t()) * (x @ up.t())) @ down.t()
     err_dense = rel_err(dense, ref)
     overflow = torch.zeros(1, dtype=torch.int64, device=DEV)
-    err = rel_err(twell.gated_mlp(x, gate, up, twell.prepare_down(down), overflow=overflow), ref)
+    out = twell.gated_mlp(x, gate, up, twell.prepare_down(down), overflow=overflow)
+    # the second call of a decode size runs the compiled kernels directly (cached plan)
+    assert torch.equal(twell.gated_mlp(x, gate, up, twell.prepare_down(down), overflow=overflow), out)
+    err = rel_err(out, ref)
     err_hi = rel_err(twell.gated_mlp(x, gate, up, down, precision="highest"), ref)
     assert err < max(1.25 * err_dense, 4e-3), (err, err_dense)
     assert err_hi <= err * 1.1
