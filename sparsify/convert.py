@@ -107,7 +107,8 @@ def convert(
     ppl["after swap"] = perplexity(model, text.eval_blocks, config.batch_size)
 
     result = train(
-        model, mlps, lambda start, rank, world: text.train_batches(config.batch_size, start, rank, world), config,
+        model, mlps, lambda start, rank, world: text.train_batches(
+            config.batch_size, start, rank, world, shuffle_buffer=config.shuffle_buffer, seed=config.seed), config,
         resume_dir=resume_dir, resume=resume, device=device, show_progress=show_progress and main,
     )
     stats = measure(model, spec, text.eval_blocks, config.batch_size)

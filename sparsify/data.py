@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -171,16 +172,29 @@ class TextData:
     def _blocks(self, source) -> Iterator[torch.Tensor]:
         return blocks(documents(source), self.tokenizer, self.seq_len)
 
-    def train_batches(self, batch_size: int, start: int = 0, rank: int = 0, world: int = 1) -> Iterator[torch.Tensor]:
+    def train_batches(self, batch_size: int, start: int = 0, rank: int = 0, world: int = 1, *,
+                      shuffle_buffer: int = 0, seed: int = 0) -> Iterator[torch.Tensor]:
         """Endless [batch_size, seq_len] batches. Batch i (counted over all ranks) goes to rank i % world;
-        `start` is the number of batches already consumed (all ranks), to resume where training stopped."""
+        `start` is the number of batches already consumed (all ranks), to resume where training stopped.
+        With `shuffle_buffer` > 0, blocks pass through a buffer of that many blocks drawn at random (seeded:
+        every rank and a resumed run see the same order), so that batches mix documents of the whole
+        stream instead of following the files' order."""
 
         def epochs():
             while True:
                 yield from itertools.islice(self._blocks(self.source.train), self.skip, None)
 
-        batches = _batched(epochs(), batch_size)
-        yield from itertools.islice(batches, start + rank, None, world)
+        stream = _shuffled(epochs(), shuffle_buffer, seed) if shuffle_buffer > 0 else epochs()
+        yield from itertools.islice(_batched(stream, batch_size), start + rank, None, world)
+
+
+def _shuffled(stream: Iterator[torch.Tensor], buffer_size: int, seed: int) -> Iterator[torch.Tensor]:
+    rng = random.Random(seed)
+    buffer = list(itertools.islice(stream, buffer_size))
+    for block in stream:  # endless: each new block takes the place of a random one, which goes out
+        i = rng.randrange(len(buffer))
+        yield buffer[i]
+        buffer[i] = block
 
 
 def _batched(stream: Iterator[torch.Tensor], batch_size: int) -> Iterator[torch.Tensor]:

@@ -77,6 +77,7 @@ class TrainConfig:
         "active units and 0.60x at 96, break-even near 47.")})
     hybrid_max_nnz: int = field(default=128, metadata={"help": "E of the hybrid format: token rows with more active units run in the dense backup (paper: 128)."})
     dead_window_tokens: int | None = field(default=None, metadata={"help": "A unit is dead when it has not fired in this many tokens (default: one optimizer step's tokens)."})
+    shuffle_buffer: int = field(default=1024, metadata={"help": "Training blocks drawn at random from a buffer of this many (0: the data's own order)."})
     eval_tokens: int = field(default=65536, metadata={"help": "Held-out tokens for perplexity and sparsity measurement."})
     seed: int = field(default=0, metadata={"help": "Random seed."})
     log_every: int = field(default=10, metadata={"help": "Log (JSON and progress bar) every this many steps."})
@@ -125,7 +126,7 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 bad(f"{name.replace('_', '-')} must be a positive integer, got {value}")
-        for name in ("l1_warmup_steps", "warmup_steps"):
+        for name in ("l1_warmup_steps", "warmup_steps", "shuffle_buffer"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 bad(f"{name.replace('_', '-')} must be an integer >= 0, got {getattr(self, name)}")
         if not 0 < self.lr <= 1:

@@ -1,6 +1,8 @@
 """Data: formats, packing with EOS between documents, the held-out split, batching/resume positions, and
 every bad-data error."""
+import itertools
 import json
+import random
 import sys
 
 import pytest
@@ -100,3 +102,24 @@ def test_without_datasets_package_jsonl_and_txt_read_the_same(tmp_path, monkeypa
     (tmp_path / "c.parquet").write_bytes(b"PAR1")
     with pytest.raises(DataError, match="needs the `datasets` package"):
         TextData(tmp_path, tiny_tokenizer(), seq_len=16, eval_tokens=32)
+
+
+def test_shuffled_batches_are_seeded_resumable_and_keep_held_out_blocks_out(tmp_path):
+    letters = random.Random(0)  # random text: no two blocks alike, so blocks can be told apart by content
+    write_jsonl(tmp_path / "d.jsonl", ["".join(letters.choices("abcdefghij", k=64)) for _ in range(40)])
+    data = TextData(tmp_path / "d.jsonl", tiny_tokenizer(), seq_len=8, eval_tokens=16)
+    ordered = [b for batch in itertools.islice(data.train_batches(1), 30) for b in batch]
+    shuffled = [b for batch in itertools.islice(data.train_batches(1, shuffle_buffer=16, seed=3), 30) for b in batch]
+    key = lambda blocks: [tuple(b.tolist()) for b in blocks]
+    assert key(shuffled) != key(ordered)
+    epoch = list(itertools.islice(data._blocks(data.source.train), data.skip, None))
+    assert len(epoch) > 30 and set(key(shuffled)) <= set(key(epoch))  # training blocks only
+    assert not set(key(data.eval_blocks)) & set(key(shuffled))
+    again = list(itertools.islice(data.train_batches(2, shuffle_buffer=16, seed=3), 8))
+    assert all(torch.equal(a, b) for a, b in zip(again, list(itertools.islice(data.train_batches(2, shuffle_buffer=16, seed=3), 8))))
+    resumed = data.train_batches(2, start=5, shuffle_buffer=16, seed=3)
+    assert torch.equal(next(resumed), again[5])
+    rank1 = data.train_batches(2, start=2, rank=1, world=2, shuffle_buffer=16, seed=3)
+    assert torch.equal(next(rank1), again[3])
+    other_seed = list(itertools.islice(data.train_batches(2, shuffle_buffer=16, seed=4), 8))
+    assert not all(torch.equal(a, b) for a, b in zip(again, other_seed))
