@@ -5,6 +5,7 @@ the TwELL (remote-code) load: torch.profiler over a few decode steps, top operat
 """
 import argparse
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -12,6 +13,17 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM
 
 from model_bench import build_model, export
+
+
+def host_us(fn, calls=200):
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
 
 
 def main():
@@ -25,6 +37,9 @@ def main():
     prompt = torch.randint(0, 32000, (1, 16), device="cuda")
     for name, remote in (("dense", False), ("twell", True)):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, trust_remote_code=remote).cuda().eval()
+        mlp, x = model.model.layers[0].mlp, torch.randn(1, 1, model.config.hidden_size, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            print(f"{name}: one layer's MLP module at 1 token, issued back to back: {host_us(lambda: mlp(x)):.1f} us a call")
         generate = lambda: model.generate(prompt, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
                                           do_sample=False)
         with torch.no_grad():
