@@ -129,6 +129,7 @@ def test_steps_and_tokens_bound_training():
         (dict(batch_size=0), "batch-size"),
         (dict(lr=0.0), "lr must be"),
         (dict(warmup_steps=-1), "warmup-steps"),
+        (dict(shuffle_buffer=-1), "shuffle-buffer must be an integer >= 0"),
         (dict(hybrid_below=-1.0), "hybrid-below must be a number >= 0"),
         (dict(hybrid_below=float("nan")), "hybrid-below must be a number >= 0"),
         (dict(hybrid_max_nnz=0), "hybrid-max-nnz must be a positive integer"),
