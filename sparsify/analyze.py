@@ -13,8 +13,8 @@ from .data import TextData
 from .errors import DataError
 from .load import demo_corpus_path, load_config, load_model, require_tokenizer
 from .measure import measure
-from .plan import plan_layers
-from .tune import measure_plan, require_cuda
+from .plan import plan_model
+from .tune import require_cuda
 
 
 def default_data(source: str) -> str | Path:
@@ -51,10 +51,7 @@ def analyze(
     seq_len = min(seq_len, getattr(model.config, "max_position_embeddings", seq_len))
     text = TextData(data, tokenizer, seq_len, eval_tokens=tokens)
     stats = measure(model, spec, text.eval_blocks, batch_size)
-    if measure_kernels:
-        plans = measure_plan(model, spec, text.eval_blocks, device=device)
-    else:
-        plans = plan_layers(stats["layers"], hidden_size=model.config.hidden_size)
+    plans = plan_model(model, spec, stats, text.eval_blocks, measure_kernels=measure_kernels, device=device)
     for layer, plan in zip(stats["layers"], plans):
         layer["recommended"] = {k: v for k, v in plan.items() if k != "stats"}
     result = {"model": str(source), "family": spec.family, "data": str(data), "seq_len": seq_len, **stats}

@@ -27,8 +27,8 @@ from .errors import ConfigError, DataError
 from .export import check_output_dir, export_checkpoint
 from .load import demo_corpus_path, load_model, require_tokenizer, resolve_dtype
 from .measure import measure, perplexity
-from .plan import plan_layers
-from .tune import measure_plan, require_cuda
+from .plan import plan_model
+from .tune import require_cuda
 from .relufy import relufy
 from .report import plot_training
 from .train import TrainConfig, hybrid_share, on_cpu, train
@@ -113,10 +113,7 @@ def convert(
     )
     stats = measure(model, spec, text.eval_blocks, config.batch_size)
     ppl["after training"] = stats["perplexity"]
-    if measure_kernels and main:
-        plan = measure_plan(model, spec, text.eval_blocks, device=device)
-    else:
-        plan = plan_layers(stats["layers"], hidden_size=model.config.hidden_size)
+    plan = plan_model(model, spec, stats, text.eval_blocks, measure_kernels=measure_kernels and main, device=device)
     training = {
         "base_model": source,
         "data": str(data or "demo corpus"),

@@ -67,3 +67,13 @@ def plan_layers(layer_stats: list[dict], **options) -> list[dict]:
 def describe(layer: dict) -> str:
     """Short text of a layer's setting for tables: 'T256 C8' or 'dense'."""
     return f"T{layer['tile']} C{layer['compression']}" if layer["mode"] == "sparse" else "dense"
+
+
+def plan_model(model, spec, stats: dict, blocks, *, measure_kernels: bool = False, device=None) -> list[dict]:
+    """The plan of a measured model: by the cost model from `stats` (measure's output), or with
+    `measure_kernels` by timing each layer's candidates on the GPU over `blocks` (sparsify.tune)."""
+    if measure_kernels:
+        from .tune import measure_plan
+
+        return measure_plan(model, spec, blocks, device=device)
+    return plan_layers(stats["layers"], hidden_size=model.config.hidden_size)
