@@ -22,6 +22,7 @@ import torch
 from .errors import ConfigError
 from .families import mlp_modules, spec_for
 from .load import load_config, resolve_source
+from .measure import gate_hooks
 from .plan import describe
 from .tune import relative_error, require_cuda
 
@@ -82,17 +83,9 @@ def _median_seconds(fn, warmup: int = 1, repeats: int = 3) -> float:
 def mean_active(model, ids) -> list[float]:
     """Mean active units per token of each layer on `ids` (hooks on the gate projections)."""
     spec = spec_for(model.config)
-    sums = []
-    handles = []
-    for mlp in mlp_modules(model, spec):
-        sums.append([])
-        handles.append(getattr(mlp, spec.gate_source).register_forward_hook(
-            lambda mod, inp, out, s=sums[-1]: s.append((spec.gate_from_output(out) > 0).sum(-1).float().mean())))
-    try:
+    sums = [[] for _ in mlp_modules(model, spec)]
+    with gate_hooks(model, spec, [lambda gate, s=s: s.append((gate > 0).sum(-1).float().mean()) for s in sums]):
         model.get_decoder()(input_ids=ids, use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
     return [torch.stack(s).mean().item() for s in sums]
 
 

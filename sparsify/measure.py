@@ -98,10 +98,11 @@ class _LayerCounter:
 
 
 @contextmanager
-def _gate_hooks(model, spec: FamilySpec, counters: list[_LayerCounter]):
+def gate_hooks(model, spec: FamilySpec, callbacks: list):
+    """While active, each layer's callback gets that layer's gate pre-activation [..., I] at every forward."""
     handles = [
         getattr(mlp, spec.gate_source).register_forward_hook(lambda mod, inp, out, c=c: c(spec.gate_from_output(out)))
-        for mlp, c in zip(mlp_modules(model, spec), counters)
+        for mlp, c in zip(mlp_modules(model, spec), callbacks)
     ]
     try:
         yield
@@ -119,7 +120,7 @@ def measure(model, spec: FamilySpec, blocks: list[torch.Tensor], batch_size: int
     per (token, tile) and the fraction of (token, tile) pairs overflowing each compression's slots, and
     position_active (mean active units at each sequence position)."""
     counters = [_LayerCounter() for _ in mlp_modules(model, spec)]
-    with _gate_hooks(model, spec, counters):
+    with gate_hooks(model, spec, counters):
         ppl = _forward(model, blocks, batch_size)
     return {
         "tokens": sum(b.numel() for b in blocks),
