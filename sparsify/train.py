@@ -265,7 +265,7 @@ def train(
             tokens = step * config.tokens_per_step(world)
             if last_fired is None:
                 last_fired = torch.zeros_like(step_fired)
-            last_fired[step_fired > 0] = tokens
+            last_fired = torch.where(step_fired > 0, tokens, last_fired)  # a masked assignment would sync the host
             if step % config.log_every == 0 or step == total:
                 now = time.perf_counter()
                 entry = window.entry(accelerator, step, tokens, coeff, scheduler.get_last_lr()[0], last_fired, dead_window,
