@@ -21,10 +21,11 @@ Saved for backward: x, the weights, ELL indices, g and u [M, E] (fp32), the CSC 
 per-unit offsets/segments, built in the forward so that its small launches hide behind the big
 kernels), and the backup rows' g and u.
 """
-import os
 from typing import NamedTuple
 
 import torch
+
+from .format import use_triton
 
 try:
     import triton
@@ -244,10 +245,6 @@ CPU_BLOCKS = dict(BLOCK_M=16, BLOCK_I=32, PACK_WARPS=4, SDDMM_S=4, SDDMM_D=16, B
 
 def _blocks(device):
     return GPU_BLOCKS if device.type == "cuda" else CPU_BLOCKS
-
-
-def _use_kernels(x):
-    return _HAS_TRITON and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def _pack(pre, E):
@@ -530,7 +527,7 @@ class _HybridMLP(torch.autograd.Function):
 def hybrid_gated_mlp(x, gate_weight, up_weight, down_weight, *, max_nnz=128):
     """down(relu(gate(x)) * up(x)) on the hybrid sparse format; HF layouts gate/up [I, D], down [D, I].
     Returns (out [..., D], HybridStats). Rows with more than max_nnz active units run dense."""
-    if not _use_kernels(x):
+    if not use_triton(x):
         return hybrid_gated_mlp_reference(x, gate_weight, up_weight, down_weight, max_nnz=max_nnz)
     out, l1, active, fired, backup = _HybridGatedMLP.apply(x, gate_weight, up_weight, down_weight,
                                                            max_nnz)
@@ -539,7 +536,7 @@ def hybrid_gated_mlp(x, gate_weight, up_weight, down_weight, *, max_nnz=128):
 
 def hybrid_mlp(x, up_weight, down_weight, *, max_nnz=128):
     """Non-gated down(relu(up(x))) on the hybrid sparse format; returns (out, HybridStats)."""
-    if not _use_kernels(x):
+    if not use_triton(x):
         return hybrid_mlp_reference(x, up_weight, down_weight, max_nnz=max_nnz)
     out, l1, active, fired, backup = _HybridMLP.apply(x, up_weight, down_weight, max_nnz)
     return out, HybridStats(l1, active, fired, backup)

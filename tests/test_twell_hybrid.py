@@ -155,7 +155,7 @@ def test_without_triton_uses_reference(monkeypatch):
     tensors = problem(17, 20, 33, 5)
     dout = torch.randn(17, 20)
     out, st, grads = run(H.hybrid_gated_mlp, tensors, dout, 6)
-    monkeypatch.setattr(H, "_HAS_TRITON", False)
+    monkeypatch.setattr(H, "use_triton", lambda x: False)  # as on a machine without triton
     out2, st2, grads2 = run(H.hybrid_gated_mlp, tensors, dout, 6)
     assert rel(out, out2) < 1e-5 and all(rel(a, b) < 1e-5 for a, b in zip(grads, grads2))
     for a, b in zip(st, st2):
