@@ -6,8 +6,11 @@ one concatenated bf16 cuBLAS matmul, relu(g) * u, down matmul. Each row also che
 (||out - ref|| / ||ref|| against the fp32 block on fresh inputs) in the same run.
 Batched sizes: triton do_bench median (it flushes L2 before every call). Decode sizes (M <= 64): CUDA
 graph replays of LAYERS layer copies (so weights do not stay in L2), time per layer.
+Grid "decode_dense": decode with every unit active (k = I: gate[:, 0] = 10, so every pre-activation is
+positive), so every (row, tile) overflows: the cost of the decode overflow fallback against dense.
 
   python benchmarks/bench_inference.py --grid main decode --json out.json
+  python benchmarks/bench_inference.py --grid decode_dense
   python benchmarks/bench_inference.py --sweep       # launch-config sweep at D=2048, I=5632
 """
 import argparse
@@ -21,8 +24,8 @@ import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
 import twell
-from twell.format import slots
-from twell.gated_mlp import DECODE_ROWS, DECODE_TILE, gate_config, gate_pack, out_config, twell_out
+from twell.format import empty_twell, slots
+from twell.gated_mlp import DECODE_ROWS, DECODE_TILE, gate_config, gate_launch, out_config, out_launch
 
 LAYERS = 8  # layer copies for decode timing
 GRIDS = {
@@ -30,12 +33,14 @@ GRIDS = {
     "decode": [(2048, 5632, m, k) for m in (1, 8, 64) for k in (29, 100)],
     "real": [(d, i, m, 29) for d, i in ((896, 4864), (2048, 8192), (3584, 18944), (4096, 14336))
              for m in (1, 16384)],
+    "decode_dense": [(2048, 5632, m, 5632) for m in (1, 8)],  # k = I: every tile overflows
 }
 
 
 def make_layer(d, i, k, skew=0.0):
     gate = torch.randn(i, d, device="cuda") / math.sqrt(d)
-    gate[:, 0] = -NormalDist().inv_cdf(1 - k / i) + skew * torch.randn(i, device="cuda")
+    bias = -NormalDist().inv_cdf(1 - k / i) if k < i else 10.0  # k = I: every unit active
+    gate[:, 0] = bias + skew * torch.randn(i, device="cuda")
     up = torch.randn(i, d, device="cuda") / math.sqrt(d)
     down = torch.randn(d, i, device="cuda") / math.sqrt(k)
     gate, up, down = gate.bfloat16(), up.bfloat16(), down.bfloat16()
@@ -58,6 +63,26 @@ def dense(x, w):
 def sparse(x, w, tile, compression, precision="default"):
     return twell.gated_mlp(x, w["gate"], w["up"], w["down_p"], tile=tile, compression=compression,
                            precision=precision)
+
+
+def gate_pack(x, gate, tile, compression, cfg, up=None):
+    """The gate launch alone: TwELL of relu(x @ gate^T), h = relu(g) * u with up (decode); returns
+    (TwELL, dense_h), dense_h holding the overflowing (row, tile) pairs' values with up."""
+    tw = empty_twell(x.shape[0], gate.shape[0], tile, compression, x.dtype, x.device)
+    dense_h = tw.values if up is None else torch.empty(x.shape[0], gate.shape[0], dtype=x.dtype, device=x.device)
+    gate_launch(x, gate, up, tile, tw.values.shape[2], x.dtype, cfg, dense_h=up is not None)(
+        x, gate, gate if up is None else up, *tw[:3], dense_h)
+    return tw, dense_h
+
+
+def twell_out(x, packed, w, cfg, packed_h=False):
+    """The out launch alone, on gate_pack's result (packed_h: it holds h, decode path)."""
+    tw, dense_h = packed
+    down_t = w["down_p"].t()
+    out = torch.empty_like(x)
+    out_launch(x, tw.width, tw.tile, tw.values.shape[2], True, False, False, cfg, packed_h=packed_h)(
+        x, *tw[:3], dense_h, w["gate"], w["up"], down_t, out, tw.counts)
+    return out
 
 
 def rel_err(out, ref):
@@ -88,7 +113,7 @@ def bench_row(d, i, m, k, tile, compression, skew=0.0):
     # measured activity, with the tile the kernel actually used
     used_tile = min(tile, DECODE_TILE) if decode else tile
     x = make_x(m, d)
-    tw = gate_pack(x, w["gate"], used_tile, compression, x.dtype, gate_config(m, used_tile, 2))
+    tw, _ = gate_pack(x, w["gate"], used_tile, compression, gate_config(m, used_tile, 2))
     per_row = tw.counts.sum(1).float()
     s = slots(used_tile, compression)
     ovf = torch.zeros(1, dtype=torch.int64, device="cuda")
@@ -101,12 +126,10 @@ def bench_row(d, i, m, k, tile, compression, skew=0.0):
                dense_ms=t_dense, twell_ms=t_sparse, speedup=t_dense / t_sparse,
                err_dense=err_dense, err_twell=err_sparse, err_twell_highest=err_highest)
     if not decode:  # breakdown of the two launches
-        down_t = w["down_p"].t()
-        row["gate_ms"] = do_bench(lambda: gate_pack(x, w["gate"], tile, compression, x.dtype,
-                                                    gate_config(m, tile, 2)), return_mode="median")
-        tw = gate_pack(x, w["gate"], tile, compression, x.dtype, gate_config(m, tile, 2))
-        row["updown_ms"] = do_bench(lambda: twell_out(x, tw, w["gate"], w["up"], down_t, False, None,
-                                                      out_config(m, d)), return_mode="median")
+        row["gate_ms"] = do_bench(lambda: gate_pack(x, w["gate"], tile, compression, gate_config(m, tile, 2)),
+                                  return_mode="median")
+        packed = gate_pack(x, w["gate"], tile, compression, gate_config(m, tile, 2))
+        row["updown_ms"] = do_bench(lambda: twell_out(x, packed, w, out_config(m, d)), return_mode="median")
     return row
 
 
@@ -115,7 +138,6 @@ def sweep():
     d, i, k = 2048, 5632, 29
     rows = []
     w = make_layer(d, i, k)
-    down_t = w["down_p"].t()
     for m in (16384, 4096):
         x = make_x(m, d)
         ref = reference(x[:2048], w)
@@ -127,19 +149,18 @@ def sweep():
                                             (64, 128, 64, 4, 4)):
             cfg = dict(BM=bm, BK=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
             try:
-                t = do_bench(lambda: gate_pack(x, w["gate"], tile, 8, x.dtype, cfg), return_mode="median")
+                t = do_bench(lambda: gate_pack(x, w["gate"], tile, 8, cfg), return_mode="median")
             except Exception as e:  # out of shared memory etc.
                 print("gate", m, tile, cfg, "failed:", type(e).__name__)
                 continue
             rows.append(dict(kernel="gate", M=m, tile=tile, **cfg, ms=t))
             print(rows[-1])
-        tw = gate_pack(x, w["gate"], 128, 8, x.dtype, gate_config(m, 128, 2))
+        packed = gate_pack(x, w["gate"], 128, 8, gate_config(m, 128, 2))
         for ch in (1, 2, 4):
             for warps in (1, 2):
                 cfg = dict(CH=ch, num_warps=warps)
-                out = twell_out(x, tw, w["gate"], w["up"], down_t, False, None, cfg)
-                t = do_bench(lambda: twell_out(x, tw, w["gate"], w["up"], down_t, False, None, cfg),
-                             return_mode="median")
+                out = twell_out(x, packed, w, cfg)
+                t = do_bench(lambda: twell_out(x, packed, w, cfg), return_mode="median")
                 rows.append(dict(kernel="updown", M=m, **cfg, ms=t, err=rel_err(out[:2048], ref)))
                 print(rows[-1])
     layers = [make_layer(d, i, k) for _ in range(LAYERS)]
@@ -152,22 +173,20 @@ def sweep():
         for tile, bk, stages in ((32, 256, 3), (64, 256, 3), (64, 128, 4), (128, 128, 3), (128, 128, 4)):
             cfg = dict(BM=bm, BK=bk, GROUP_M=1, num_warps=4, num_stages=stages)
             try:
-                t = do_bench_cudagraph(lambda: [gate_pack(x, lw["gate"], tile, 8, x.dtype, cfg, up=lw["up"])
+                t = do_bench_cudagraph(lambda: [gate_pack(x, lw["gate"], tile, 8, cfg, up=lw["up"])
                                                 for lw in layers], return_mode="median") / LAYERS
             except Exception as e:
                 print("gate", m, tile, cfg, "failed:", type(e).__name__)
                 continue
             rows.append(dict(kernel="gate_up", M=m, tile=tile, **cfg, ms=t))
             print(rows[-1])
-        tws = [gate_pack(x, lw["gate"], 64, 8, x.dtype, gate_config(m, 64, 2), up=lw["up"]) for lw in layers]
+        tws = [gate_pack(x, lw["gate"], 64, 8, gate_config(m, 64, 2), up=lw["up"]) for lw in layers]
         ref = reference(x, layers[0])
         for ch in (16, 32):
             for bd in (64, 128, 256):
                 cfg = dict(CH=ch, BD=bd, num_warps=4)
-                out = twell_out(x, tws[0], layers[0]["gate"], layers[0]["up"], layers[0]["down_p"].t(),
-                                False, None, cfg, packed_h=True)
-                t = do_bench_cudagraph(lambda: [twell_out(x, tw, lw["gate"], lw["up"], lw["down_p"].t(),
-                                                          False, None, cfg, packed_h=True)
+                out = twell_out(x, tws[0], layers[0], cfg, packed_h=True)
+                t = do_bench_cudagraph(lambda: [twell_out(x, tw, lw, cfg, packed_h=True)
                                                 for tw, lw in zip(tws, layers)],
                                        return_mode="median") / LAYERS
                 rows.append(dict(kernel="down", M=m, **cfg, ms=t, err=rel_err(out, ref)))

@@ -11,7 +11,8 @@ of the authors' packed uint32 words (no bit unpacking in the consumer, any I, fp
 
 NT = ceil(I / T). Only the first min(count, S) slots of a tile are written; the rest are undefined and
 never read. An overflowing tile keeps its first S positives here and is marked by its count: the compute
-kernels recompute such tiles densely (never drop data), and `pack` users can see it in `counts`.
+kernels handle such tiles densely (never drop data: recomputed, or at decode size read from a dense copy
+the gate kernel wrote), and `pack` users can see it in `counts`.
 Slot s of a row holds its s-th positive column (found by a row-wise min after slot s-1): deterministic
 and sorted.
 """
@@ -136,7 +137,8 @@ if triton is not None:
     @triton.jit
     def pack_store(g, vals, rows, cols, tile_id, M, N, vals_ptr, idx_ptr, cnt_ptr, NT, S: tl.constexpr):
         """Epilogue shared by every packing kernel: the positives of g [BM, T] (fp32, at rows x cols)
-        decide the entries; `vals` (g itself, or h in the decode path) is what is stored."""
+        decide the entries; `vals` (g itself, or h in the decode path) is what is stored. Returns the
+        per-row counts [BM] (0 for rows >= M), so that a caller can tell overflowing rows."""
         T: tl.constexpr = g.shape[1]
         local = tl.arange(0, T)
         live = (rows < M)[:, None] & (cols < N)[None, :]
@@ -160,6 +162,7 @@ if triton is not None:
         tl.store(vals_ptr + off, out_v.to(vals_ptr.dtype.element_ty), mask=keep)
         tl.store(idx_ptr + off, out_j + tile_id * T, mask=keep)
         tl.store(cnt_ptr + row_tile, count, mask=rows < M)
+        return count
 
     @triton.jit
     def _pack_kernel(g_ptr, vals_ptr, idx_ptr, cnt_ptr, M, N, stride_gm, stride_gn,

@@ -14,6 +14,12 @@ tile (I / 64 programs stream the gate matrix) and, in the same program, computes
 units only (a second K loop whose loads are masked to active columns, skipped when none), so it packs
 h = g * u instead of g; kernel 2 then only gathers down rows, split over output chunks of BD columns so
 that many SMs share the few rows. Results match the batched path; `overflow` counts the narrower tiles.
+Decode overflow: the gate program already holds its tile's h densely, so it writes an overflowing
+(row, tile)'s h (rounded as a packed value would be) to a side buffer dense_h [M, I], and kernel 2's
+fallback streams those h with the tile's down rows. Recomputing gate and up there instead (the batched
+fallback) would repeat the two D-long dot products per unit in each of the row's output-chunk programs
+(~35x the dense block for a fully dense token). dense_h is written and read only at overflowing
+(row, tile) pairs; the batched path keeps the recompute (an [M, I] buffer there would be large).
 The down weight is read transposed: pass `prepare_down(down)` (made once at load time) to avoid a
 per-call transpose copy.
 """
@@ -93,10 +99,12 @@ class _Launch:
             self.run = compiled[self.grid]
 
 
-def gate_launch(x2, w, up, tile, s, vals_dtype, cfg, h_fp32=False) -> _Launch:
+def gate_launch(x2, w, up, tile, s, vals_dtype, cfg, h_fp32=False, dense_h=False) -> _Launch:
     """Launch of relu(x2 @ w^T) packed into TwELL, for x2 [M, D], w [I, D] (any strides). With `up`, the
     stored values are h = relu(x2 @ w^T) * (x2 @ up^T) at the same entries (up rows read only for active
-    columns). Called with (x2, w, up or w, values, indices, counts)."""
+    columns). With `dense_h`, each overflowing (row, tile) also gets its stored values (h, or g without
+    up; 0 where inactive) written densely into an [M, I] buffer of the values' dtype. Called with
+    (x2, w, up or w, values, indices, counts, dense_h buffer or values)."""
     m, d = x2.shape
     width = w.shape[0]
     cfg = dict(cfg)
@@ -107,24 +115,29 @@ def gate_launch(x2, w, up, tile, s, vals_dtype, cfg, h_fp32=False) -> _Launch:
         M=m, N=width, K=d, stride_xm=x2.stride(0), stride_xk=x2.stride(1), stride_wn=w.stride(0),
         stride_wk=w.stride(1), stride_un=upw.stride(0), stride_uk=upw.stride(1), T=tile, S=s, BM=bm, BK=bk,
         EVEN_K=d % bk == 0, GROUP_M=cfg.pop("GROUP_M"), DOT_PRECISION=dot, FUSE_UP=up is not None,
-        H_FP32=h_fp32), cfg)
+        H_FP32=h_fp32, DENSE_H=dense_h), cfg)
 
 
 def out_launch(x2, width, tile, s, gated, h_fp32, has_overflow, cfg, packed_h=False) -> _Launch:
     """Launch of out [M, D] = sum over active units j of h_j * down_t[j], h_j = g_j * (x . up[j]) (or g_j
-    when not gated). With packed_h, the TwELL already holds h (decode path) and up serves only the
-    overflow fallback. Called with (x2, values, indices, counts, w_dec, up or down_t, down_t, out,
-    overflow or counts); w_dec, up and down_t contiguous."""
+    when not gated). With packed_h (decode path), the TwELL already holds h and overflowing tiles read
+    theirs from the dense_h buffer that gate_launch(dense_h=True) wrote; otherwise they are recomputed
+    from w_dec and up. Called with (x2, values, indices, counts, dense_h or values, w_dec, up or down_t,
+    down_t, out, overflow or counts); w_dec, up and down_t contiguous."""
     m, d = x2.shape
     nt = cdiv(width, tile)
     cfg = dict(cfg)
     block_d = triton.next_power_of_2(d)
     bd = min(cfg.pop("BD", block_d), block_d)
     ch = cfg.pop("CH")
+    # fallback units a step: recomputing reduces [FB_CH, BLOCK_D] gate/up tiles, so few; reading dense_h
+    # only loads [FB_CH, BD] down tiles, so up to a whole tile (about 4K elements a step)
+    fb_ch = min(tile, max(ch, 4096 // bd)) if packed_h else min(ch, 4)
     return _Launch(_twell_out_kernel, (m, cdiv(d, bd), 1), dict(
         D=d, I=width, NT=nt, stride_xm=x2.stride(0), stride_xk=x2.stride(1), T=tile, S=s,
-        NT_PAD=max(2, triton.next_power_of_2(nt)), CH=ch, FB_CH=min(ch, 4), BLOCK_D=block_d, BD=bd,
-        LIST_UP=gated and not packed_h, FALLBACK_UP=gated, H_FP32=h_fp32, HAS_OVF=has_overflow), cfg)
+        NT_PAD=max(2, triton.next_power_of_2(nt)), CH=ch, FB_CH=fb_ch, BLOCK_D=block_d, BD=bd,
+        LIST_UP=gated and not packed_h, FALLBACK_UP=gated, H_FP32=h_fp32, HAS_OVF=has_overflow,
+        DENSE_H=packed_h), cfg)
 
 
 class _Plan:
@@ -138,8 +151,9 @@ class _Plan:
         h_fp32 = precision == "highest"
         self.vals_dtype = torch.float32 if h_fp32 else x2.dtype
         self.twell_shape = (m, cdiv(w_dec.shape[0], tile), s)
+        self.dense_h_shape = (m, w_dec.shape[0]) if self.decode else None  # decode overflow side buffer
         self.gate = gate_launch(x2, w_dec, up if self.decode else None, tile, s, self.vals_dtype,
-                                gate_config(m, tile, x2.element_size()), h_fp32)
+                                gate_config(m, tile, x2.element_size()), h_fp32, dense_h=self.decode)
         self.out = out_launch(x2, w_dec.shape[0], tile, s, up is not None, h_fp32, overflow is not None,
                               out_config(m, d), packed_h=self.decode)
 
@@ -193,9 +207,12 @@ def forward(x, w_dec, up, down, tile, compression, precision, overflow):
     tw = (torch.empty(plan.twell_shape, dtype=plan.vals_dtype, device=device),
           torch.empty(plan.twell_shape, dtype=torch.int32, device=device),
           torch.empty(plan.twell_shape[:2], dtype=torch.int32, device=device))
+    # decode: h of overflowing (row, tile) pairs, written only there (so never initialized); else unused
+    dense_h = tw[0] if plan.dense_h_shape is None else torch.empty(
+        plan.dense_h_shape, dtype=plan.vals_dtype, device=device)
     out = x.new_empty(x.shape)  # contiguous, so the kernel's [M, D] rows
-    plan.gate(x2, w_dec, up if up is not None else w_dec, *tw)
-    plan.out(x2, *tw, w_dec, up if up is not None else down_t, down_t, out,
+    plan.gate(x2, w_dec, up if up is not None else w_dec, *tw, dense_h)
+    plan.out(x2, *tw, dense_h, w_dec, up if up is not None else down_t, down_t, out,
              overflow if overflow is not None else tw[2])
     return out
 
@@ -269,11 +286,11 @@ def gated_mlp(x, gate_weight, up_weight, down_weight, *, tile: int = 128, compre
 if triton is not None:
 
     @triton.jit
-    def _gate_pack_kernel(x_ptr, w_ptr, up_ptr, vals_ptr, idx_ptr, cnt_ptr, M, N, K,
+    def _gate_pack_kernel(x_ptr, w_ptr, up_ptr, vals_ptr, idx_ptr, cnt_ptr, hd_ptr, M, N, K,
                           stride_xm, stride_xk, stride_wn, stride_wk, stride_un, stride_uk,
                           T: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
                           EVEN_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                          FUSE_UP: tl.constexpr, H_FP32: tl.constexpr):
+                          FUSE_UP: tl.constexpr, H_FP32: tl.constexpr, DENSE_H: tl.constexpr):
         pid = tl.program_id(0)
         n_m, n_n = tl.cdiv(M, BM), tl.cdiv(N, T)
         # grouped order: GROUP_M row blocks sweep the columns together so x blocks stay in L2
@@ -319,7 +336,15 @@ if triton is not None:
             if not H_FP32:  # g as the packed gate value would be; h rounds when stored
                 g = g.to(vals_ptr.dtype.element_ty).to(tl.float32)
             vals = g * u
-        pack_store(acc, vals, rows, cols, pid_n, M, N, vals_ptr, idx_ptr, cnt_ptr, n_n, S)
+        count = pack_store(acc, vals, rows, cols, pid_n, M, N, vals_ptr, idx_ptr, cnt_ptr, n_n, S)
+        if DENSE_H:
+            # overflowing rows of this tile: their stored values densely (bit-identical to packed ones,
+            # 0 where inactive), for kernel 2's fallback; nothing is written for tiles that fit
+            over = (count > S) & (rows < M)
+            if tl.max(over.to(tl.int32), axis=0) > 0:
+                h = tl.where(acc > 0, vals, 0.0).to(hd_ptr.dtype.element_ty)
+                tl.store(hd_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], h,
+                         mask=over[:, None] & (cols < N)[None, :])
 
     @triton.jit
     def _accumulate_units(acc, x, j, g, active, d, dmask, do, omask, up_ptr, down_ptr, D,
@@ -350,11 +375,22 @@ if triton is not None:
         return j, g, active
 
     @triton.jit
-    def _twell_out_kernel(x_ptr, vals_ptr, idx_ptr, cnt_ptr, wdec_ptr, up_ptr, down_ptr, out_ptr, ovf_ptr,
-                          D, I, NT, stride_xm, stride_xk,
+    def _dense_h_entries(c, ov_incl, n_chunks, row, I, hd_ptr, T: tl.constexpr, FB_CH: tl.constexpr):
+        """Units and h of chunk c of a row's overflowing tiles (FB_CH units of one tile), from dense_h."""
+        k = c // (T // FB_CH)  # the k-th overflowing tile: the first whose inclusive prefix exceeds k
+        tile_id = tl.sum((ov_incl <= k).to(tl.int32), axis=0)
+        unit = tile_id * T + (c % (T // FB_CH)) * FB_CH + tl.arange(0, FB_CH)
+        inside = (unit < I) & (unit * 0 + c < n_chunks)  # c < n_chunks, as a [FB_CH] mask
+        h = tl.load(hd_ptr + row * I + unit, mask=inside, other=0.0).to(tl.float32)
+        return unit, h, inside & (h != 0)
+
+    @triton.jit
+    def _twell_out_kernel(x_ptr, vals_ptr, idx_ptr, cnt_ptr, hd_ptr, wdec_ptr, up_ptr, down_ptr, out_ptr,
+                          ovf_ptr, D, I, NT, stride_xm, stride_xk,
                           T: tl.constexpr, S: tl.constexpr, NT_PAD: tl.constexpr, CH: tl.constexpr,
                           FB_CH: tl.constexpr, BLOCK_D: tl.constexpr, BD: tl.constexpr, LIST_UP: tl.constexpr,
-                          FALLBACK_UP: tl.constexpr, H_FP32: tl.constexpr, HAS_OVF: tl.constexpr):
+                          FALLBACK_UP: tl.constexpr, H_FP32: tl.constexpr, HAS_OVF: tl.constexpr,
+                          DENSE_H: tl.constexpr):
         # program (row, output chunk): u needs the whole row of x and up, down only BD output columns
         row = tl.program_id(0).to(tl.int64)
         pid_d = tl.program_id(1)
@@ -382,16 +418,29 @@ if triton is not None:
         if n_over > 0:
             if HAS_OVF:
                 tl.atomic_add(ovf_ptr, n_over.to(ovf_ptr.dtype.element_ty), mask=pid_d == 0)
-            for tile in range(0, NT):
-                if tl.load(cnt_ptr + row * NT + tile) > S:
-                    for u0 in range(0, T, FB_CH):
-                        in_tile = u0 + tl.arange(0, FB_CH)
-                        unit = tile * T + in_tile
-                        inside = (in_tile < T) & (unit < I)
-                        gw = tl.load(wdec_ptr + unit[:, None].to(tl.int64) * D + d[None, :],
-                                     mask=inside[:, None] & dmask[None, :], other=0.0)
-                        gate = tl.sum(gw.to(tl.float32) * x[None, :], axis=1)
-                        gate = gate.to(vals_ptr.dtype.element_ty).to(tl.float32)  # as the packed value would be
-                        acc = _accumulate_units(acc, x, unit, gate, inside & (gate > 0), d, dmask, do, omask,
-                                                up_ptr, down_ptr, D, FALLBACK_UP, H_FP32)
+            if DENSE_H:
+                # h from dense_h, one flat walk over the chunks of the overflowing tiles, the next chunk's
+                # h fetched before this chunk's down rows are consumed (like the list above)
+                ov_incl = tl.cumsum((cnt > S).to(tl.int32), axis=0)
+                n_chunks = n_over * (T // FB_CH)
+                unit, h, live = _dense_h_entries(0, ov_incl, n_chunks, row, I, hd_ptr, T, FB_CH)
+                for c in range(0, n_chunks):
+                    unit_next, h_next, live_next = _dense_h_entries(c + 1, ov_incl, n_chunks, row, I, hd_ptr,
+                                                                    T, FB_CH)
+                    acc = _accumulate_units(acc, x, unit, h, live, d, dmask, do, omask, up_ptr, down_ptr, D,
+                                            False, H_FP32)
+                    unit, h, live = unit_next, h_next, live_next
+            else:  # recompute the tile densely from the gate (and up) weights
+                for tile in range(0, NT):
+                    if tl.load(cnt_ptr + row * NT + tile) > S:
+                        for u0 in range(0, T, FB_CH):
+                            in_tile = u0 + tl.arange(0, FB_CH)
+                            unit = tile * T + in_tile
+                            inside = (in_tile < T) & (unit < I)
+                            gw = tl.load(wdec_ptr + unit[:, None].to(tl.int64) * D + d[None, :],
+                                         mask=inside[:, None] & dmask[None, :], other=0.0)
+                            gate = tl.sum(gw.to(tl.float32) * x[None, :], axis=1)
+                            gate = gate.to(vals_ptr.dtype.element_ty).to(tl.float32)  # as the packed value
+                            acc = _accumulate_units(acc, x, unit, gate, inside & (gate > 0), d, dmask, do,
+                                                    omask, up_ptr, down_ptr, D, FALLBACK_UP, H_FP32)
         tl.store(out_ptr + row * D + do, acc.to(out_ptr.dtype.element_ty), mask=omask)

@@ -2,7 +2,8 @@
 
 The same two kernels as the gated block (gated_mlp.py): the up matmul packs relu(x @ up^T) into TwELL
 in its epilogue, and the TwELL-to-dense kernel, built without the up gather (GATED=False), accumulates
-out += g_j * down_t[j] per active unit; overflowing tiles are recomputed densely from up.
+out += g_j * down_t[j] per active unit; overflowing tiles are recomputed densely from up (at decode size,
+read back from the dense copy of g that the up matmul wrote for them).
 """
 from typing import Optional
 

@@ -63,15 +63,73 @@ def test_kernels_write_every_output_and_read_only_valid_slots():
     tw.values.fill_(float("nan"))
     tw.counts.fill_(-1)
     s = slots(16, 4)
-    gate_launch(x, gate, None, 16, s, x.dtype, gate_config(70, 16, 4))(x, gate, gate, *tw[:3])
+    gate_launch(x, gate, None, 16, s, x.dtype, gate_config(70, 16, 4))(x, gate, gate, *tw[:3], tw.values)
     assert (tw.counts >= 0).all()
     out = torch.full_like(x, float("nan"))
     overflow = torch.zeros(1, dtype=torch.int64, device=DEV)
     # 8 output columns per program: each row split over 3 programs, the overflow counted once
     out_launch(x, 48, 16, s, True, False, True, dict(CH=4, BD=8))(
-        x, *tw[:3], gate, up, down.t().contiguous(), out, overflow)
+        x, *tw[:3], tw.values, gate, up, down.t().contiguous(), out, overflow)
     assert rel_err(out, reference(x, gate, up, down)) < 1e-5
     assert overflow.item() == (tw.counts > slots(16, 4)).sum().item() > 0
+
+
+def overflow_count(g, tile, compression):
+    """Overflowing (row, tile) pairs of a gate pre-activation [M, I], at the kernels' decode tile width."""
+    tile = min(tile, 64)
+    nt = math.ceil(g.shape[1] / tile)
+    per_tile = torch.nn.functional.pad(g > 0, (0, nt * tile - g.shape[1])).view(g.shape[0], nt, tile).sum(-1)
+    return (per_tile > slots(tile, compression)).sum().item()
+
+
+@pytest.mark.parametrize("m,dense_rows", [(1, [0]), (3, [0, 2])])
+@pytest.mark.parametrize("dtype,precision", [(torch.float32, "highest"), (torch.float16, "default")])
+def test_decode_dense_rows(m, dense_rows, dtype, precision):
+    """Decode sizes: fully dense rows overflow every tile (h read back from dense_h), others fit."""
+    torch.manual_seed(m)
+    x, gate, up, down = block(m, 37, 151, k=6, dtype=dtype)  # odd D and I, I not a multiple of the tile
+    x[dense_rows, 0] = -40.0  # every unit of these rows active
+    ref = reference(x, gate, up, down)
+    expected = overflow_count(x.float() @ gate.float().t(), 128, 8)
+    assert expected >= len(dense_rows) * 3
+    overflow = torch.zeros(1, dtype=torch.int64, device=DEV)
+    out = twell.gated_mlp(x, gate, up, down, tile=128, compression=8, precision=precision, overflow=overflow)
+    assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 3e-3)
+    assert overflow.item() == expected
+    assert torch.equal(twell.gated_mlp(x, gate, up, down, tile=128, precision=precision), out)  # cached plan
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_decode_kernels_read_dense_h_only_where_written(gated):
+    """Decode launches on NaN-poisoned buffers: dense_h holds exactly the overflowing (row, tile) pairs'
+    stored values (the packed ones, bit for bit) and is read nowhere else."""
+    torch.manual_seed(1)
+    m, d, i, tile, comp = 3, 20, 72, 16, 4
+    x, gate, up, down = block(m, d, i, k=5)
+    x[1, 0] = -40.0  # a fully dense row
+    tw = empty_twell(m, i, tile, comp, x.dtype, x.device)
+    tw.values.fill_(float("nan"))
+    dense_h = torch.full((m, i), float("nan"), device=DEV)
+    s = slots(tile, comp)
+    upw = up if gated else None
+    gate_launch(x, gate, upw, tile, s, x.dtype, gate_config(m, tile, 4), dense_h=True)(
+        x, gate, up if gated else gate, *tw[:3], dense_h)
+    over = tw.counts > s
+    assert over[1].all() and over.sum() < over.numel()
+    g = torch.relu(x @ gate.t())
+    h = g * (x @ up.t()) if gated else g
+    written = ~dense_h.isnan()
+    assert torch.equal(written, over.repeat_interleave(tile, dim=1)[:, :i])
+    assert torch.allclose(dense_h[written], h[written], atol=1e-6)
+    packed = twell.unpack(tw)  # the fitting and the first S entries of overflowing tiles
+    assert torch.equal(torch.where(written & (packed != 0), dense_h, packed), packed)
+    out = torch.full_like(x, float("nan"))
+    overflow = torch.zeros(1, dtype=torch.int64, device=DEV)
+    down_t = down.t().contiguous()
+    out_launch(x, i, tile, s, gated, False, True, dict(CH=4, BD=8), packed_h=True)(
+        x, *tw[:3], dense_h, gate, up if gated else down_t, down_t, out, overflow)
+    assert rel_err(out, (h @ down.t())) < 1e-5
+    assert overflow.item() == over.sum().item()
 
 
 def test_noncontiguous_and_batched_input():

@@ -35,6 +35,23 @@ def test_mlp_matches_reference(m, d, i, dtype):
     assert overflow.item() >= math.ceil(i / 16)
 
 
+@pytest.mark.parametrize("m,dtype,precision", [(1, torch.float32, "highest"), (3, torch.float16, "default")])
+def test_mlp_decode_dense_rows(m, dtype, precision):
+    """Decode sizes: fully dense rows overflow every (64-wide) tile; g comes back from dense_h."""
+    torch.manual_seed(m)
+    up, down = weights(37, 151, dtype)
+    x = torch.randn(m, 37, device=DEV)
+    x[:, 0] = 1.0
+    x[0, 0] = -40.0  # every unit active
+    x = x.to(dtype)
+    g = x.float() @ up.float().t()
+    per_tile = torch.nn.functional.pad(g > 0, (0, 192 - 151)).view(m, 3, 64).sum(-1)
+    overflow = torch.zeros(1, dtype=torch.int64, device=DEV)
+    out = twell.mlp(x, up, down, tile=128, compression=8, precision=precision, overflow=overflow)
+    assert rel_err(out, twell.mlp_reference(x.float(), up, down)) < (1e-5 if dtype == torch.float32 else 3e-3)
+    assert overflow.item() == (per_tile > 8).sum().item() >= 3
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 4096])
 def test_gpu_mlp_bf16(m):
