@@ -3,6 +3,8 @@ against the dense bf16 PyTorch block (gate and up as one fused matmul), per benc
 
     python benchmarks/bench_training.py [--tokens 16384] [--json out.json] [--e2e] [--profile]
 
+Each block step is timed eagerly (host launch costs included) and as a CUDA-graph replay (GPU alone).
+
 --e2e adds training steps of a 1.5B-shape Llama (dense vs hybrid MLPs); --profile prints per-kernel
 times of the k=29 step and the host issue time against the wall time.
 
@@ -67,6 +69,25 @@ def saved_bytes(fn, inputs):
     return total[0], res
 
 
+def graphed(step, grads):
+    """The step captured in a CUDA graph (neither block synchronizes with the host): a replay costs the
+    GPU time alone, as in a training loop whose host runs ahead of the GPU."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            for t in grads:
+                t.grad = None
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    for t in grads:
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
 def bench_case(name, M, D, I, k, uneven_mean, E):
     x32, gate32, up32, down32, dout32 = make_inputs(M, D, I, k, uneven_mean)
     bf = torch.bfloat16
@@ -76,11 +97,11 @@ def bench_case(name, M, D, I, k, uneven_mean, E):
     dout = dout32.to(bf)
     coef = torch.tensor(L1_COEFF, device="cuda")
 
-    def dense_step():
+    def dense_step(x=x, gate_up=gate_up, down=down):
         out, l1 = dense_block(x, gate_up, down, I)
         torch.autograd.backward([out, l1], [dout, coef])
 
-    def hybrid_step():
+    def hybrid_step(x=x, gate=gate, up=up, down=down):
         out, st = H.hybrid_gated_mlp(x, gate, up, down, max_nnz=E)
         torch.autograd.backward([out, st.l1], [dout, coef])
 
@@ -129,9 +150,15 @@ def bench_case(name, M, D, I, k, uneven_mean, E):
     times = {}
     for label, fn in (("dense", dense_step), ("hybrid", hybrid_step)):
         times[label] = do_bench(fn, warmup=100, rep=500, grad_to_none=grads, return_mode="median")
+    # graphs capture steps on fresh leaves: autograd nodes of the eager steps above stay cached on theirs
+    fresh = [t.detach().clone().requires_grad_() for t in grads]
+    for label, fn in (("dense", lambda: dense_step(fresh[0], fresh[4], fresh[3])),
+                      ("hybrid", lambda: hybrid_step(*fresh[:4]))):
+        times[label + "_graph"] = do_bench(graphed(fn, fresh), warmup=50, rep=300, return_mode="median")
     times["hybrid_fwd_only"] = do_bench(hybrid_fwd, warmup=50, rep=300, return_mode="median")
     times["gate_matmul"] = do_bench(lambda: x @ gate.t(), warmup=50, rep=300, return_mode="median")
     times["speedup"] = times["dense"] / times["hybrid"]
+    times["speedup_graph"] = times["dense_graph"] / times["hybrid_graph"]
     return dict(name=name, tokens=M, D=D, I=I, k=k, uneven_mean_target=uneven_mean, max_nnz=E,
                 stats=stats, rel_err=errs, memory=mem, ms=times)
 
@@ -309,11 +336,12 @@ def main():
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
     print(f"{'case':12} {'mean':>6} {'max':>5} {'bkp':>5} {'dense ms':>9} {'hybrid ms':>9} {'fwd ms':>7} "
-          f"{'speedup':>7} {'saved':>6} {'err out':>8} {'err dx':>8} {'err dW':>8} {'dense err':>9}")
+          f"{'speedup':>7} {'graphed':>7} {'saved':>6} {'err out':>8} {'err dx':>8} {'err dW':>8} {'dense err':>9}")
     for r in results:
         e, s, t = r["rel_err"]["hybrid"], r["stats"], r["ms"]
         print(f"{r['name']:12} {s['mean_active']:6.1f} {s['max_active']:5d} {s['backup_rows']:5d} "
               f"{t['dense']:9.3f} {t['hybrid']:9.3f} {t['hybrid_fwd_only']:7.3f} {t['speedup']:7.2f} "
+              f"{t['speedup_graph']:7.2f} "
               f"{r['memory']['saved_ratio']:6.3f} {e['out']:8.1e} {e['dx']:8.1e} "
               f"{max(e['d_gate'], e['d_up'], e['d_down']):8.1e} {r['rel_err']['dense_bf16']['out']:9.1e}")
     if args.e2e:

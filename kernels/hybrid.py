@@ -4,8 +4,13 @@ per-row sparse pattern of its gate (docs/twell.md section 4).
 - The gate pre-activation x @ gate^T is one dense matmul (cuBLAS); it is transient, never saved.
 - `_pack_kernel` (a program per block of rows) compacts the row's positives, in unit order, into ELL slots
   (int32 unit index + fp32 value, at most E = max_nnz), and counts them (row nnz, per-unit `fired`).
-  A row with more than E positives goes whole to the dense backup: torch matmuls on the gathered rows.
-  The backup is sized exactly from the overflow rows' list (torch.nonzero): the forward's one host sync.
+  A row with more than E positives goes whole to the dense backup.
+- The dense backup (`_rows_*` kernels) runs tensor-core tiles over the backup rows, gathered through a
+  device-side list (rows with nnz > E first, their count on the device): persistent programs loop over
+  as many tiles as the count needs, so there is no host synchronization anywhere, any number of rows
+  fits (all M of them included: nothing is dropped), and an empty backup costs a few idle launches.
+  Forward: h of the backup rows is written over their rows of the (transient) gate pre-activation, then
+  out = h @ down^T for those rows. Backward recomputes their g, u and dh (nothing dense is saved).
 - `_sddmm_kernel` (a program per row): the sampled dense-dense product a[row] . W[j] at the row's units:
   forward u = x . up[j], h = g * u and the row's sum |h| (L1); backward dh = dout . down[:, j], plus the
   L1 gradient sign(h) * dl1 / M, giving d_gate_pre = dh * u and d_up = dh * g on the pattern. For
@@ -19,7 +24,7 @@ per-row sparse pattern of its gate (docs/twell.md section 4).
   one also computes dh per entry from the dout row it gathers anyway (saves one gather pass).
 Saved for backward: x, the weights, ELL indices, g and u [M, E] (fp32), the CSC (perm [M * E] int32 and
 per-unit offsets/segments, built in the forward so that its small launches hide behind the big
-kernels), and the backup rows' g and u.
+kernels), and the backup row list.
 """
 from typing import NamedTuple
 
@@ -235,12 +240,141 @@ if _HAS_TRITON:
                  t.to(dst_ptr.dtype.element_ty), mask=m)
 
 
+    @triton.jit
+    def _backup_tile(pid_tile, n_n, order_ptr, count, BM: tl.constexpr, BN: tl.constexpr):
+        """Rows (gathered through the backup list) and columns of one backup tile."""
+        i = (pid_tile // n_n) * BM + tl.arange(0, BM)
+        rmask = i < count
+        rows = tl.load(order_ptr + i, mask=rmask, other=0).to(tl.int64)
+        return rows, rmask, (pid_tile % n_n) * BN + tl.arange(0, BN)
+
+    @triton.jit
+    def _rows_dots(x_ptr, dout_ptr, w1_ptr, w2_ptr, w3_ptr, rows, rmask, cols, N, K, stride_x, stride_dout,
+                   stride_w3k, stride_w3n, TWO_W: tl.constexpr, WITH_DOUT: tl.constexpr, DOT: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        """x[rows] @ w1[cols]^T (and @ w2[cols]^T), and dout[rows] @ w3[:, cols] (w3 [K, N] by strides)."""
+        acc1 = tl.zeros((BM, BN), tl.float32)
+        acc2 = tl.zeros((BM, BN), tl.float32)
+        acc3 = tl.zeros((BM, BN), tl.float32)
+        cmask = cols < N
+        for k0 in range(0, K, BK):
+            ks = k0 + tl.arange(0, BK)
+            kmask = ks < K
+            am = rmask[:, None] & kmask[None, :]
+            wm = kmask[:, None] & cmask[None, :]
+            a = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=am, other=0.0)
+            w = tl.load(w1_ptr + cols[None, :].to(tl.int64) * K + ks[:, None], mask=wm, other=0.0)
+            acc1 = tl.dot(a, w, acc1, input_precision=DOT)
+            if TWO_W:
+                w = tl.load(w2_ptr + cols[None, :].to(tl.int64) * K + ks[:, None], mask=wm, other=0.0)
+                acc2 = tl.dot(a, w, acc2, input_precision=DOT)
+            if WITH_DOUT:
+                a = tl.load(dout_ptr + rows[:, None] * stride_dout + ks[None, :], mask=am, other=0.0)
+                w = tl.load(w3_ptr + ks[:, None].to(tl.int64) * stride_w3k + cols[None, :] * stride_w3n,
+                            mask=wm, other=0.0)
+                acc3 = tl.dot(a, w, acc3, input_precision=DOT)
+        return acc1, acc2, acc3
+
+    @triton.jit
+    def _rows_units_kernel(order_ptr, count_ptr, x_ptr, dout_ptr, w1_ptr, w2_ptr, w3_ptr, o1_ptr, o2_ptr,
+                           o3_ptr, l1_ptr, c_ptr, N, K, stride_x, stride_dout, stride_o, stride_w3k,
+                           stride_w3n, MODE: tl.constexpr, DOT: tl.constexpr, NPROG: tl.constexpr,
+                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        # Dense [backup rows, units] tiles. MODE 0 (gated forward): h = relu(o1) * (x @ up^T) over o1 =
+        # the gate pre-activation, in place, and the program's sum |h| into l1_ptr. MODE 1 (gated
+        # backward): g, u recomputed (w1 = gate, w2 = up), dh = dout @ down (w3) + c sign(h):
+        # o1 = dh u [g > 0], o2 = dh relu(g), o3 = h. MODE 2 (non-gated backward, w1 = up):
+        # o1 = (dh + c) [pre > 0], o3 = relu(pre).
+        count = tl.load(count_ptr)
+        n_n = tl.cdiv(N, BN)
+        dt = o1_ptr.dtype.element_ty
+        l1 = tl.zeros((BM, BN), tl.float32)
+        for t in range(tl.program_id(0), tl.cdiv(count, BM) * n_n, NPROG):
+            rows, rmask, cols = _backup_tile(t, n_n, order_ptr, count, BM, BN)
+            m = rmask[:, None] & (cols < N)[None, :]
+            offs = rows[:, None] * stride_o + cols[None, :]
+            acc1, acc2, acc3 = _rows_dots(x_ptr, dout_ptr, w1_ptr, w2_ptr, w3_ptr, rows, rmask, cols, N, K,
+                                          stride_x, stride_dout, stride_w3k, stride_w3n, MODE == 1, MODE > 0,
+                                          DOT, BM, BN, BK)
+            if MODE == 0:
+                g = tl.maximum(tl.load(o1_ptr + offs, mask=m, other=0.0).to(tl.float32), 0.0)
+                h = (g * acc1.to(dt).to(tl.float32)).to(dt)
+                tl.store(o1_ptr + offs, h, mask=m)
+                l1 += tl.abs(h.to(tl.float32))
+            else:
+                c = tl.load(c_ptr)
+                pre = acc1.to(dt).to(tl.float32)  # as the forward's matmul output
+                g = tl.maximum(pre, 0.0)
+                if MODE == 1:
+                    u = acc2.to(dt).to(tl.float32)
+                    h = (g * u).to(dt).to(tl.float32)
+                    dh = acc3 + c * tl.where(h > 0.0, 1.0, tl.where(h < 0.0, -1.0, 0.0))
+                    tl.store(o1_ptr + offs, (dh * u * (pre > 0.0)).to(dt), mask=m)
+                    tl.store(o2_ptr + offs, (dh * g).to(dt), mask=m)
+                    tl.store(o3_ptr + offs, h.to(dt), mask=m)
+                else:
+                    tl.store(o1_ptr + offs, ((acc3 + c) * (pre > 0.0)).to(dt), mask=m)
+                    tl.store(o3_ptr + offs, g.to(dt), mask=m)
+        if MODE == 0:
+            tl.store(l1_ptr + tl.program_id(0), tl.sum(tl.sum(l1, 1), 0))
+
+    @triton.jit
+    def _rows_mm_kernel(order_ptr, count_ptr, a_ptr, a2_ptr, b_ptr, b2_ptr, c_ptr, N, K, stride_a,
+                        stride_bk, stride_bn, stride_c, TWO: tl.constexpr, RELU_A: tl.constexpr,
+                        DOT: tl.constexpr, NPROG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                        BK: tl.constexpr):
+        # c[rows] = a[rows] @ b (+ a2[rows] @ b2) for the backup rows; b, b2 [K, N] by the same strides
+        count = tl.load(count_ptr)
+        n_n = tl.cdiv(N, BN)
+        for t in range(tl.program_id(0), tl.cdiv(count, BM) * n_n, NPROG):
+            rows, rmask, cols = _backup_tile(t, n_n, order_ptr, count, BM, BN)
+            cmask = cols < N
+            acc = tl.zeros((BM, BN), tl.float32)
+            for k0 in range(0, K, BK):
+                ks = k0 + tl.arange(0, BK)
+                am = rmask[:, None] & (ks < K)[None, :]
+                bm = (ks < K)[:, None] & cmask[None, :]
+                a_offs = rows[:, None] * stride_a + ks[None, :]
+                b_offs = ks[:, None].to(tl.int64) * stride_bk + cols[None, :] * stride_bn
+                a = tl.load(a_ptr + a_offs, mask=am, other=0.0)
+                if RELU_A:
+                    a = tl.maximum(a, 0.0).to(a.dtype)
+                acc = tl.dot(a, tl.load(b_ptr + b_offs, mask=bm, other=0.0), acc, input_precision=DOT)
+                if TWO:
+                    acc = tl.dot(tl.load(a2_ptr + a_offs, mask=am, other=0.0),
+                                 tl.load(b2_ptr + b_offs, mask=bm, other=0.0), acc, input_precision=DOT)
+            tl.store(c_ptr + rows[:, None] * stride_c + cols[None, :], acc.to(c_ptr.dtype.element_ty),
+                     mask=rmask[:, None] & cmask[None, :])
+
+    @triton.jit
+    def _rows_wgrad_kernel(order_ptr, count_ptr, a_ptr, b_ptr, c_ptr, N, K, stride_a, stride_b,
+                           DOT: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        # c [N, K] (fp32) += a[rows]^T @ b[rows] over the backup rows; nothing to do (no write) when none
+        count = tl.load(count_ptr)
+        if count > 0:
+            cols = tl.program_id(0) * BN + tl.arange(0, BN)
+            ks = tl.program_id(1) * BK + tl.arange(0, BK)
+            acc = tl.zeros((BN, BK), tl.float32)
+            for i0 in range(0, count, BR):
+                i = i0 + tl.arange(0, BR)
+                rmask = i < count
+                rows = tl.load(order_ptr + i, mask=rmask, other=0).to(tl.int64)
+                a = tl.load(a_ptr + rows[:, None] * stride_a + cols[None, :],
+                            mask=rmask[:, None] & (cols < N)[None, :], other=0.0)
+                b = tl.load(b_ptr + rows[:, None] * stride_b + ks[None, :],
+                            mask=rmask[:, None] & (ks < K)[None, :], other=0.0)
+                acc = tl.dot(tl.trans(a), b, acc, input_precision=DOT)
+            offs = cols[:, None].to(tl.int64) * K + ks[None, :]
+            m = (cols < N)[:, None] & (ks < K)[None, :]
+            tl.store(c_ptr + offs, tl.load(c_ptr + offs, mask=m, other=0.0) + acc, mask=m)
+
+
 # Tile sizes: GPU ones for speed; small ones in the CPU interpreter so that small test shapes still run
 # every loop several times.
 GPU_BLOCKS = dict(BLOCK_M=64, BLOCK_I=64, PACK_WARPS=4, SDDMM_S=4, SDDMM_D=1024,
-                  BLOCK_S=4, BLOCK_D=2048, BLOCK_N=4, SEG=512, FUSE_D=2048)
+                  BLOCK_S=4, BLOCK_D=2048, BLOCK_N=4, SEG=512, FUSE_D=2048, BACKUP=(64, 64, 64), NPROG=528)
 CPU_BLOCKS = dict(BLOCK_M=16, BLOCK_I=32, PACK_WARPS=4, SDDMM_S=4, SDDMM_D=16, BLOCK_S=4,
-                  BLOCK_D=16, BLOCK_N=4, SEG=8, FUSE_D=64)
+                  BLOCK_D=16, BLOCK_N=4, SEG=8, FUSE_D=64, BACKUP=(16, 16, 16), NPROG=3)
 
 
 def _blocks(device):
@@ -354,6 +488,68 @@ def _sddmm(a, w, idx, nnz, g, u, *, backward, gated, c=None):
     return rowsum if not backward else (out1, out2)
 
 
+def _backup_list(nnz, E):
+    """The dense backup's rows (nnz > E) first, in row order (int32 [M]), and their count (int32 [1]),
+    both on the device: no host sync; and the count as the int64 scalar of the stats."""
+    over = nnz > E
+    order = torch.argsort((~over).to(torch.uint8), stable=True).to(torch.int32)
+    count = over.sum()
+    return order, count.to(torch.int32).reshape(1), count
+
+
+def _dot(t):
+    return "ieee" if t.dtype == torch.float32 else "tf32"
+
+
+def _rows_units(mode, backup, x, w1, *, pre=None, w2=None, dout=None, down=None, c=None):
+    """_rows_units_kernel over the backup rows. Mode 0 writes h over `pre` and returns the backup's
+    sum |h|; modes 1 / 2 return [M, I] buffers with only the backup rows written: (d_gate_pre, d_up, h)
+    / (d_pre, None, h). (Transient, dense-sized: the backup's size is known only on the device.)"""
+    order, count = backup
+    M, K = x.shape
+    N = w1.shape[0]
+    bl = _blocks(x.device)
+    bm, bn, bk = bl["BACKUP"]
+    nprog = min(bl["NPROG"], triton.cdiv(M, bm) * triton.cdiv(N, bn))
+    if mode == 0:
+        o1 = o2 = o3 = pre
+        l1 = _empty(nprog, dtype=torch.float32, device=x.device)
+    else:
+        o1, o3 = (_empty((M, N), dtype=x.dtype, device=x.device) for _ in range(2))
+        o2 = _empty((M, N), dtype=x.dtype, device=x.device) if mode == 1 else o1
+        l1 = o1
+    _rows_units_kernel[(nprog,)](order, count, x, x if dout is None else dout, w1, w1 if w2 is None else w2,
+                                 x if down is None else down, o1, o2, o3, l1, l1 if c is None else c, N, K,
+                                 x.stride(0), x.stride(0) if dout is None else dout.stride(0), o1.stride(0),
+                                 0 if down is None else down.stride(0), 0 if down is None else down.stride(1),
+                                 MODE=mode, DOT=_dot(x), NPROG=nprog, BM=bm, BN=bn, BK=bk, num_warps=4)
+    return l1.sum() if mode == 0 else (o1, o2 if mode == 1 else None, o3)
+
+
+def _rows_mm(backup, a, b, out, a2=None, b2=None, relu_a=False):
+    """out[rows] = a[rows] @ b (+ a2[rows] @ b2) over the backup rows; a, a2 [M, K]; b, b2 [K, N]
+    contiguous."""
+    order, count = backup
+    M, K = a.shape
+    N = b.shape[1]
+    bl = _blocks(a.device)
+    bm, bn, bk = bl["BACKUP"]
+    nprog = min(bl["NPROG"], triton.cdiv(M, bm) * triton.cdiv(N, bn))
+    _rows_mm_kernel[(nprog,)](order, count, a, a if a2 is None else a2, b, b if b2 is None else b2, out, N, K,
+                              a.stride(0), b.stride(0), b.stride(1), out.stride(0), TWO=a2 is not None,
+                              RELU_A=relu_a, DOT=_dot(a), NPROG=nprog, BM=bm, BN=bn, BK=bk, num_warps=4)
+
+
+def _rows_wgrad(backup, a, b, grad):
+    """grad [N, K] (fp32) += a[rows]^T @ b[rows] over the backup rows; a [M, N], b [M, K]."""
+    order, count = backup
+    N, K = grad.shape
+    bm, bn, bk = _blocks(a.device)["BACKUP"]
+    _rows_wgrad_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bk))](order, count, a, b, grad, N, K, a.stride(0),
+                                                                 b.stride(0), DOT=_dot(a), BR=bm, BN=bn,
+                                                                 BK=bk, num_warps=4)
+
+
 def _compute_dtype(x):
     if x.is_cuda and torch.is_autocast_enabled("cuda"):
         return torch.get_autocast_dtype("cuda")
@@ -377,34 +573,26 @@ class _HybridGatedMLP(torch.autograd.Function):
             idx, g, nnz, _, fired = _pack(pre, E)
             u = _empty((M, E), dtype=torch.float32, device=x.device)
             downT = _transpose(down, dt)  # [I, D]: rows gathered per active unit
+            *backup, n_backup = _backup_list(nnz, E)
+            l1_backup = _rows_units(0, backup, x2, up, pre=pre)  # pre's backup rows now hold h
             rowsum = _sddmm(x2, up, idx, nnz, g, u, backward=False, gated=True)
             out = _spmm(idx, nnz, g, downT, u, dtype=dt)
-            # queued before the sync below, so that their launch cost hides behind the kernels above
-            csc = _csc(idx, I, _blocks(x.device)["SEG"]) if any(ctx.needs_input_grad[1:4]) else ()
-            l1_sum = rowsum.sum()
-            active = nnz.sum().float() / M
-            fired, backup = fired.long(), (nnz > E).sum()
-            # the one host sync: which rows overflow E (the backup is sized to exactly those)
-            rows = (nnz > E).nonzero().squeeze(1)
-            if rows.numel():
-                xb, gb = x2[rows], pre[rows]
-                ub = xb @ up.t()
-                hb = torch.relu(gb) * ub
-                out.index_copy_(0, rows, hb @ down.t())
-                l1_sum = l1_sum + hb.float().abs().sum()
-            else:  # empty, not views of pre: a view would keep the dense [M, I] alive
-                gb = ub = pre.new_empty((0, I))
+            _rows_mm(backup, pre, downT, out)
             del pre
-            l1 = l1_sum / M
-        ctx.save_for_backward(x2, gate, up, down, idx, nnz, g, u, rows, gb, ub, *csc)
+            csc = _csc(idx, I, _blocks(x.device)["SEG"]) if any(ctx.needs_input_grad[1:4]) else ()
+            l1 = (rowsum.sum() + l1_backup) / M
+            active = nnz.sum().float() / M
+            fired = fired.long()
+        ctx.save_for_backward(x2, gate, up, down, idx, nnz, g, u, *backup, *csc)
         ctx.E = E
-        ctx.mark_non_differentiable(active, fired, backup)
-        return out.reshape(*ctx.x_shape[:-1], down.shape[0]), l1, active, fired, backup
+        ctx.mark_non_differentiable(active, fired, n_backup)
+        return out.reshape(*ctx.x_shape[:-1], down.shape[0]), l1, active, fired, n_backup
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, dout, dl1, *_):
-        x2, gate, up, down, idx, nnz, g, u, rows, gb, ub, *csc = ctx.saved_tensors
+        x2, gate, up, down, idx, nnz, g, u, *saved = ctx.saved_tensors
+        backup, csc = saved[:2], saved[2:]
         E = ctx.E
         M, D = x2.shape
         I = gate.shape[0]
@@ -422,29 +610,22 @@ class _HybridGatedMLP(torch.autograd.Function):
                 ddownT, _ = _wgrad(csc, E, g, u, dout2, mode=3, w=downT, c=c, o1=dgp, o2=du)
             else:
                 dgp, du = _sddmm(dout2, downT, idx, nnz, g, u, backward=True, gated=True, c=c)
-            if rows.numel():
-                xb, dob = x2[rows], dout2[rows]
-                hb = (torch.relu(gb) * ub).float()
-                dhb = (dob @ down).float() + c * torch.sign(hb)
-                dgpb = (dhb * ub.float() * (gb > 0)).to(dt)
-                dub = (dhb * torch.relu(gb).float()).to(dt)
+            # the backup rows' dense [rows, I] gradients (other rows of these buffers are never written)
+            dgpb, dub, hb = _rows_units(1, backup, x2, gate, w2=up, dout=dout2, down=down, c=c)
             dx = dgate = dup = ddown = None
             if need_x:
                 dx = _spmm(idx, nnz, dgp, gate, du, up, dtype=dt)
-                if rows.numel():
-                    dx.index_copy_(0, rows, dgpb @ gate + dub @ up)
+                _rows_mm(backup, dgpb, gate, dx, dub, up)
                 dx = dx.reshape(ctx.x_shape).to(ctx.dtypes[0])
             if need_gate or need_up:
                 dgate, dup = _wgrad(csc, E, dgp, du, x2, mode=1)
-                if rows.numel():
-                    dgate += (dgpb.t() @ xb).float()
-                    dup += (dub.t() @ xb).float()
+                _rows_wgrad(backup, dgpb, x2, dgate)
+                _rows_wgrad(backup, dub, x2, dup)
                 dgate, dup = dgate.to(ctx.dtypes[1]), dup.to(ctx.dtypes[2])
             if need_down:
                 if ddownT is None:
                     ddownT, _ = _wgrad(csc, E, g, u, dout2, mode=2)
-                if rows.numel():
-                    ddownT += (hb.to(dt).t() @ dob).float()
+                _rows_wgrad(backup, hb, dout2, ddownT)
                 ddown = _transpose(ddownT, ctx.dtypes[3])
         return dx, (dgate if need_gate else None), (dup if need_up else None), ddown, None
 
@@ -464,27 +645,25 @@ class _HybridMLP(torch.autograd.Function):
             M, I = x2.shape[0], up.shape[0]
             pre = x2 @ up.t()
             idx, h, nnz, rowsum, fired = _pack(pre, E)
-            out = _spmm(idx, nnz, h, _transpose(down, dt), dtype=dt)
+            downT = _transpose(down, dt)
+            *backup, n_backup = _backup_list(nnz, E)
+            out = _spmm(idx, nnz, h, downT, dtype=dt)
+            _rows_mm(backup, pre, downT, out, relu_a=True)
+            del pre
             csc = _csc(idx, I, _blocks(x.device)["SEG"]) if any(ctx.needs_input_grad[1:3]) else ()
             l1 = rowsum.sum() / M  # the pack sums every row's positives, backup rows included
             active = nnz.sum().float() / M
-            fired, backup = fired.long(), (nnz > E).sum()
-            rows = (nnz > E).nonzero().squeeze(1)  # the one host sync
-            if rows.numel():
-                hb = torch.relu(pre[rows])
-                out.index_copy_(0, rows, hb @ down.t())
-            else:
-                hb = pre.new_empty((0, pre.shape[1]))
-            del pre
-        ctx.save_for_backward(x2, up, down, idx, nnz, h, rows, hb, *csc)
+            fired = fired.long()
+        ctx.save_for_backward(x2, up, down, idx, nnz, h, *backup, *csc)
         ctx.E = E
-        ctx.mark_non_differentiable(active, fired, backup)
-        return out.reshape(*ctx.x_shape[:-1], down.shape[0]), l1, active, fired, backup
+        ctx.mark_non_differentiable(active, fired, n_backup)
+        return out.reshape(*ctx.x_shape[:-1], down.shape[0]), l1, active, fired, n_backup
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, dout, dl1, *_):
-        x2, up, down, idx, nnz, h, rows, hb, *csc = ctx.saved_tensors
+        x2, up, down, idx, nnz, h, *saved = ctx.saved_tensors
+        backup, csc = saved[:2], saved[2:]
         E = ctx.E
         M, D = x2.shape
         I = up.shape[0]
@@ -501,25 +680,20 @@ class _HybridMLP(torch.autograd.Function):
                 ddownT, _ = _wgrad(csc, E, h, None, dout2, mode=4, w=downT, c=c, o1=dpre)
             else:
                 dpre, _ = _sddmm(dout2, downT, idx, nnz, None, None, backward=True, gated=False, c=c)
-            if rows.numel():
-                xb, dob = x2[rows], dout2[rows]
-                dpreb = (((dob @ down).float() + c) * (hb > 0)).to(dt)
+            dpreb, _, hb = _rows_units(2, backup, x2, up, dout=dout2, down=down, c=c)
             dx = dup = ddown = None
             if need_x:
                 dx = _spmm(idx, nnz, dpre, up, dtype=dt)
-                if rows.numel():
-                    dx.index_copy_(0, rows, dpreb @ up)
+                _rows_mm(backup, dpreb, up, dx)
                 dx = dx.reshape(ctx.x_shape).to(ctx.dtypes[0])
             if need_up:
                 dup, _ = _wgrad(csc, E, dpre, None, x2, mode=0)
-                if rows.numel():
-                    dup += (dpreb.t() @ xb).float()
+                _rows_wgrad(backup, dpreb, x2, dup)
                 dup = dup.to(ctx.dtypes[1])
             if need_down:
                 if ddownT is None:
                     ddownT, _ = _wgrad(csc, E, h, None, dout2, mode=0)
-                if rows.numel():
-                    ddownT += (hb.t() @ dob).float()
+                _rows_wgrad(backup, hb, dout2, ddownT)
                 ddown = _transpose(ddownT, ctx.dtypes[2])
         return dx, dup, ddown, None
 

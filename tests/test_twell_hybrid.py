@@ -194,3 +194,40 @@ def test_gpu_fp32_matches_and_deterministic():
     rout, _, rgrads = run(H.hybrid_gated_mlp_reference, [t.double() for t in tensors], dout.double(), 32)
     assert rel(out, rout) < 1e-5 and all(rel(g, rg) < 1e-5 for g, rg in zip(grads, rgrads))
     assert torch.equal(out, out2) and all(torch.equal(a, b) for a, b in zip(grads, grads2))
+
+
+@pytest.mark.gpu
+def test_gpu_no_host_sync_and_cuda_graph():
+    """Forward and backward (backup rows included) never synchronize with the host, so a whole step
+    captures in a CUDA graph; its replay gives the eager step's results."""
+    tensors = problem(1500, 192, 700, 12, device="cuda")
+    leaves = [t.detach().clone().requires_grad_() for t in tensors]
+    dout = torch.randn(1500, 192, device="cuda")
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        out, st = H.hybrid_gated_mlp(*leaves, max_nnz=24)
+        ((out * dout).sum() + L1_COEFF * st.l1).backward()
+        return out.detach(), st.backup_rows  # a live autograd graph would break the capture below
+
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out, backup = step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert int(backup) >= 1
+    eager = [out.clone()] + [t.grad.clone() for t in leaves]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    for t in leaves:
+        t.grad = None
+    with torch.cuda.graph(graph):
+        g_out, _ = step()
+    graph.replay()
+    for a, b in zip(eager, [g_out] + [t.grad for t in leaves]):
+        assert torch.equal(a, b)
