@@ -62,9 +62,9 @@ def gate_config(m: int, tile: int, element_size: int) -> dict:
         if bm <= 32:
             return dict(BM=bm, BK=4 * block_k, GROUP_M=1, num_warps=4, num_stages=3)
         return dict(BM=bm, BK=2 * block_k, GROUP_M=1, num_warps=4, num_stages=4)
-    if tile >= 256:
-        return dict(BM=128, BK=block_k, GROUP_M=8, num_warps=8, num_stages=3)
-    return dict(BM=256 if tile == 128 else 128, BK=block_k, GROUP_M=8, num_warps=8, num_stages=3)
+    if tile == 128:  # 4 warps: two programs share an SM, one's packing epilogue beside the other's matmul
+        return dict(BM=128, BK=block_k, GROUP_M=8, num_warps=4, num_stages=3)
+    return dict(BM=128, BK=block_k, GROUP_M=8, num_warps=8, num_stages=3)
 
 
 def out_config(m: int, d: int) -> dict:
@@ -351,9 +351,11 @@ if triton is not None:
                           GATED: tl.constexpr, H_FP32: tl.constexpr):
         """acc += sum over the CH units j (where active) of h_j * down_t[j, do], h_j = g_j * (x . up[j, :])."""
         rows = j[:, None].to(tl.int64) * D
-        dw = tl.load(down_ptr + rows + do[None, :], mask=active[:, None] & omask[None, :], other=0.0)
+        dw = tl.load(down_ptr + rows + do[None, :], mask=active[:, None] & omask[None, :], other=0.0,
+                     eviction_policy="evict_last")
         if GATED:  # the down rows above are already in flight while this reduction waits
-            uw = tl.load(up_ptr + rows + d[None, :], mask=active[:, None] & dmask[None, :], other=0.0)
+            uw = tl.load(up_ptr + rows + d[None, :], mask=active[:, None] & dmask[None, :], other=0.0,
+                         eviction_policy="evict_last")
             h = g * tl.sum(uw.to(tl.float32) * x[None, :], axis=1)
         else:
             h = g
@@ -370,8 +372,8 @@ if triton is not None:
         slot = e - tl.sum(tl.where(before, fits[None, :], 0), axis=1)
         off = (row * NT + tile_id) * S + slot
         active = e < total
-        j = tl.load(idx_ptr + off, mask=active, other=0)
-        g = tl.load(vals_ptr + off, mask=active, other=0.0).to(tl.float32)
+        j = tl.load(idx_ptr + off, mask=active, other=0, eviction_policy="evict_first")
+        g = tl.load(vals_ptr + off, mask=active, other=0.0, eviction_policy="evict_first").to(tl.float32)
         return j, g, active
 
     @triton.jit
@@ -398,9 +400,10 @@ if triton is not None:
         dmask = d < D
         do = pid_d * BD + tl.arange(0, BD)
         omask = do < D
-        x = tl.load(x_ptr + row * stride_xm + d * stride_xk, mask=dmask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + row * stride_xm + d * stride_xk, mask=dmask, other=0.0,
+                    eviction_policy="evict_first").to(tl.float32)
         t = tl.arange(0, NT_PAD)
-        cnt = tl.load(cnt_ptr + row * NT + t, mask=t < NT, other=0)
+        cnt = tl.load(cnt_ptr + row * NT + t, mask=t < NT, other=0, eviction_policy="evict_first")
         fits = tl.where(cnt <= S, cnt, 0)  # overflowed tiles go through the dense fallback below
         incl = tl.cumsum(fits, axis=0)
         total = tl.sum(fits, axis=0)
@@ -443,4 +446,4 @@ if triton is not None:
                             gate = gate.to(vals_ptr.dtype.element_ty).to(tl.float32)  # as the packed value
                             acc = _accumulate_units(acc, x, unit, gate, inside & (gate > 0), d, dmask, do,
                                                     omask, up_ptr, down_ptr, D, FALLBACK_UP, H_FP32)
-        tl.store(out_ptr + row * D + do, acc.to(out_ptr.dtype.element_ty), mask=omask)
+        tl.store(out_ptr + row * D + do, acc.to(out_ptr.dtype.element_ty), mask=omask, eviction_policy="evict_first")
