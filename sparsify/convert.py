@@ -15,6 +15,7 @@ import json
 import shutil
 import tempfile
 from dataclasses import asdict
+from importlib.resources import files
 from pathlib import Path
 
 import torch
@@ -33,7 +34,22 @@ from .relufy import relufy
 from .report import plot_training
 from .train import TrainConfig, hybrid_share, on_cpu, train
 
-RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+
+def recipes_dir():
+    """The folder of named recipes. The repository keeps them in a top-level recipes/, which pyproject
+    installs as sparsify/recipes (package data), so a regular install reads them from the package; a
+    checkout or editable install has no sparsify/recipes and reads the repository's folder."""
+    installed = files("sparsify") / "recipes"
+    return installed if installed.is_dir() else Path(__file__).resolve().parent.parent / "recipes"
+
+
+RECIPES = recipes_dir()  # a Path, or an importlib.resources Traversable (is_file, iterdir, read_text)
+
+
+def recipe_names() -> list[str]:
+    if not RECIPES.is_dir():
+        return []
+    return sorted(p.name[:-len(".yaml")] for p in RECIPES.iterdir() if p.name.endswith(".yaml"))
 
 
 def load_recipe(recipe: str | Path | None, source: str) -> dict:
@@ -42,13 +58,15 @@ def load_recipe(recipe: str | Path | None, source: str) -> dict:
     if recipe is None:
         if source != "demo":
             return {}
-        recipe = RECIPES / "demo.yaml"  # missing only in a broken install: reported below, never skipped
-    path = Path(recipe)
-    if not path.is_file() and (RECIPES / f"{recipe}.yaml").is_file():
-        path = RECIPES / f"{recipe}.yaml"
+        path = recipe = RECIPES / "demo.yaml"  # missing only in a broken install: reported below, never skipped
+    else:
+        path = Path(recipe)
+        if not path.is_file() and (RECIPES / f"{recipe}.yaml").is_file():
+            path = RECIPES / f"{recipe}.yaml"
     if not path.is_file():
-        names = ", ".join(sorted(p.stem for p in RECIPES.glob("*.yaml")))
-        raise ConfigError(f"recipe {recipe} not found (a YAML file, or one of: {names})")
+        names = recipe_names()
+        known = f"one of: {', '.join(names)}" if names else f"no named recipes are installed at {RECIPES}"
+        raise ConfigError(f"recipe {recipe} not found (a YAML file, or {known})")
     try:
         values = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:

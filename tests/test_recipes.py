@@ -1,0 +1,25 @@
+"""Named recipes: found from the checkout (editable install) and shipped in the wheel (pyproject maps
+recipes/ to sparsify/recipes with its YAMLs as package data; sparsify.convert.recipes_dir finds either)."""
+from pathlib import Path
+
+import pytest
+
+from sparsify.convert import load_recipe, recipe_names
+from sparsify.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_named_recipes_resolve():
+    assert {"demo", "paper", "small", "midsize"} <= set(recipe_names())
+    assert load_recipe(None, "demo") == load_recipe("demo", "other")
+    with pytest.raises(ConfigError, match="recipe nope not found .*one of: demo"):
+        load_recipe("nope", "other")
+
+
+def test_pyproject_ships_every_recipe():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert setuptools["package-dir"]["sparsify.recipes"] == "recipes" and "sparsify.recipes" in setuptools["packages"]
+    assert setuptools["package-data"]["sparsify.recipes"] == ["*.yaml"]
+    assert sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml")) == recipe_names()
