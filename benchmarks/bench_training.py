@@ -88,7 +88,10 @@ def graphed(step, grads):
     return graph.replay
 
 
-def bench_case(name, M, D, I, k, uneven_mean, E):
+def bench_case(name, M, D, I, k, uneven_mean, E, hot=False):
+    """One block case; with `hot`, units that fire in more than twell.hybrid.HOT_RATE of the tokens (from
+    a first forward's counts, as a training loop would take them from an earlier step) run as dense
+    columns."""
     x32, gate32, up32, down32, dout32 = make_inputs(M, D, I, k, uneven_mean)
     bf = torch.bfloat16
     x = x32.to(bf).requires_grad_()
@@ -96,17 +99,19 @@ def bench_case(name, M, D, I, k, uneven_mean, E):
     gate_up = torch.cat([gate, up]).detach().requires_grad_()
     dout = dout32.to(bf)
     coef = torch.tensor(L1_COEFF, device="cuda")
+    with torch.no_grad():
+        hot_units = H.hot_units(H.hybrid_gated_mlp(x, gate, up, down, max_nnz=E)[1].fired, M) if hot else None
 
     def dense_step(x=x, gate_up=gate_up, down=down):
         out, l1 = dense_block(x, gate_up, down, I)
         torch.autograd.backward([out, l1], [dout, coef])
 
     def hybrid_step(x=x, gate=gate, up=up, down=down):
-        out, st = H.hybrid_gated_mlp(x, gate, up, down, max_nnz=E)
+        out, st = H.hybrid_gated_mlp(x, gate, up, down, max_nnz=E, hot_units=hot_units)
         torch.autograd.backward([out, st.l1], [dout, coef])
 
     def hybrid_fwd():
-        return H.hybrid_gated_mlp(x, gate, up, down, max_nnz=E)
+        return H.hybrid_gated_mlp(x, gate, up, down, max_nnz=E, hot_units=hot_units)
 
     # correctness against fp32 (tf32 off), same inputs
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -117,7 +122,7 @@ def bench_case(name, M, D, I, k, uneven_mean, E):
     del leaves32
     errs = {}
     for label, fn in (("dense_bf16", lambda: dense_block(x, gate_up, down, I)),
-                      ("hybrid", lambda: H.hybrid_gated_mlp(x, gate, up, down, max_nnz=E))):
+                      ("hybrid", lambda: H.hybrid_gated_mlp(x, gate, up, down, max_nnz=E, hot_units=hot_units))):
         for t in (x, gate, up, down, gate_up):
             t.grad = None
         out, l1 = fn()
@@ -132,6 +137,7 @@ def bench_case(name, M, D, I, k, uneven_mean, E):
         _, st = hybrid_fwd()
         cnt = (x @ gate.t() > 0).sum(1)
     stats = dict(mean_active=st.active.item(), max_active=int(cnt.max()), backup_rows=int(st.backup_rows),
+                 hot_units=0 if hot_units is None else hot_units.numel(),
                  dead_units=int((st.fired == 0).sum()))
 
     mem = {}
@@ -321,11 +327,13 @@ def main():
     args = ap.parse_args()
     if args.profile:
         return profile(args.tokens, args.D, args.I, 29, args.max_nnz)
-    cases = [("k29", 29, None), ("k98_uneven", 29, 98)]
+    cases = [("k29", 29, None, False), ("k29_hot", 29, None, True), ("k98_uneven", 29, 98, False),
+             ("k98_uneven_hot", 29, 98, True)]
     results = []
-    for n, k, um in ([] if args.skip_block else cases):
-        r = bench_case(n, args.tokens, args.D, args.I, k, um, args.max_nnz)
-        r["breakdown_ms"] = breakdown(args.tokens, args.D, args.I, k, um, args.max_nnz)
+    for n, k, um, hot in ([] if args.skip_block else cases):
+        r = bench_case(n, args.tokens, args.D, args.I, k, um, args.max_nnz, hot)
+        if not hot:
+            r["breakdown_ms"] = breakdown(args.tokens, args.D, args.I, k, um, args.max_nnz)
         print(n, json.dumps(r), flush=True)
         results.append(r)
     doc = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,

@@ -54,8 +54,8 @@ _empty = torch.empty  # every buffer a kernel writes comes from here (tests pois
 if _HAS_TRITON:
 
     @triton.jit
-    def _pack_kernel(g_ptr, idx_ptr, val_ptr, nnz_ptr, rowsum_ptr, fired_ptr, M, I, E, stride_g,
-                     BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr):
+    def _pack_kernel(g_ptr, idx_ptr, val_ptr, nnz_ptr, rowsum_ptr, fired_ptr, cold_ptr, M, I, E, stride_g,
+                     HOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr):
         # BLOCK_M rows a program; per-unit counts of those rows go to a partial row of fired_ptr
         # (summed by torch afterwards): deterministic, no atomics
         pid = tl.program_id(0)
@@ -69,6 +69,8 @@ if _HAS_TRITON:
             v = tl.load(g_ptr + rows[:, None] * stride_g + cols[None, :], mask=m2, other=0.0)
             v = v.to(tl.float32)
             pos = v > 0.0
+            if HOT:  # hot units are dense columns, computed outside
+                pos = pos & (tl.load(cold_ptr + cols, mask=cols < I, other=0) != 0)[None, :]
             # prefix sum over the positive mask: each value's slot, sorted by unit, deterministic
             # (a triangular-ones matmul on the tensor cores instead ran 2.6x slower on an H100)
             incl = tl.cumsum(pos.to(tl.int32), 1)
@@ -277,14 +279,15 @@ if _HAS_TRITON:
 
     @triton.jit
     def _rows_units_kernel(order_ptr, count_ptr, x_ptr, dout_ptr, w1_ptr, w2_ptr, w3_ptr, o1_ptr, o2_ptr,
-                           o3_ptr, l1_ptr, c_ptr, N, K, stride_x, stride_dout, stride_o, stride_w3k,
-                           stride_w3n, MODE: tl.constexpr, DOT: tl.constexpr, NPROG: tl.constexpr,
-                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                           o3_ptr, l1_ptr, c_ptr, cold_ptr, N, K, stride_x, stride_dout, stride_o, stride_w3k,
+                           stride_w3n, MODE: tl.constexpr, HOT: tl.constexpr, DOT: tl.constexpr,
+                           NPROG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         # Dense [backup rows, units] tiles. MODE 0 (gated forward): h = relu(o1) * (x @ up^T) over o1 =
         # the gate pre-activation, in place, and the program's sum |h| into l1_ptr. MODE 1 (gated
         # backward): g, u recomputed (w1 = gate, w2 = up), dh = dout @ down (w3) + c sign(h):
         # o1 = dh u [g > 0], o2 = dh relu(g), o3 = h. MODE 2 (non-gated backward, w1 = up):
-        # o1 = (dh + c) [pre > 0], o3 = relu(pre).
+        # o1 = (dh + c) [pre > 0], o3 = relu(pre). With HOT, units where cold_ptr is 0 count as inactive
+        # (they are dense columns, computed outside).
         count = tl.load(count_ptr)
         n_n = tl.cdiv(N, BN)
         dt = o1_ptr.dtype.element_ty
@@ -296,14 +299,18 @@ if _HAS_TRITON:
             acc1, acc2, acc3 = _rows_dots(x_ptr, dout_ptr, w1_ptr, w2_ptr, w3_ptr, rows, rmask, cols, N, K,
                                           stride_x, stride_dout, stride_w3k, stride_w3n, MODE == 1, MODE > 0,
                                           DOT, BM, BN, BK)
+            if HOT:
+                on = (tl.load(cold_ptr + cols, mask=cols < N, other=0) != 0)[None, :]
+            else:
+                on = cols[None, :] >= 0
             if MODE == 0:
-                g = tl.maximum(tl.load(o1_ptr + offs, mask=m, other=0.0).to(tl.float32), 0.0)
+                g = tl.where(on, tl.maximum(tl.load(o1_ptr + offs, mask=m, other=0.0).to(tl.float32), 0.0), 0.0)
                 h = (g * acc1.to(dt).to(tl.float32)).to(dt)
                 tl.store(o1_ptr + offs, h, mask=m)
                 l1 += tl.abs(h.to(tl.float32))
             else:
                 c = tl.load(c_ptr)
-                pre = acc1.to(dt).to(tl.float32)  # as the forward's matmul output
+                pre = tl.where(on, acc1.to(dt).to(tl.float32), 0.0)  # as the forward's matmul output
                 g = tl.maximum(pre, 0.0)
                 if MODE == 1:
                     u = acc2.to(dt).to(tl.float32)
@@ -317,6 +324,20 @@ if _HAS_TRITON:
                     tl.store(o3_ptr + offs, g.to(dt), mask=m)
         if MODE == 0:
             tl.store(l1_ptr + tl.program_id(0), tl.sum(tl.sum(l1, 1), 0))
+
+    @triton.jit
+    def _hot_grads_kernel(g_ptr, u_ptr, dh_ptr, c_ptr, dgp_ptr, du_ptr, h_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = i < n
+        dt = h_ptr.dtype.element_ty
+        g = tl.load(g_ptr + i, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + i, mask=m, other=0.0).to(tl.float32)
+        h = (tl.maximum(g, 0.0) * u).to(dt).to(tl.float32)  # as the forward's h
+        dh = tl.load(dh_ptr + i, mask=m, other=0.0).to(tl.float32) + \
+            tl.load(c_ptr) * tl.where(h > 0.0, 1.0, tl.where(h < 0.0, -1.0, 0.0))
+        tl.store(dgp_ptr + i, (dh * u * (g > 0.0)).to(dt), mask=m)
+        tl.store(du_ptr + i, (dh * tl.maximum(g, 0.0)).to(dt), mask=m)
+        tl.store(h_ptr + i, h.to(dt), mask=m)
 
     @triton.jit
     def _rows_mm_kernel(order_ptr, count_ptr, a_ptr, a2_ptr, b_ptr, b2_ptr, c_ptr, N, K, stride_a,
@@ -381,10 +402,10 @@ def _blocks(device):
     return GPU_BLOCKS if device.type == "cuda" else CPU_BLOCKS
 
 
-def _pack(pre, E):
+def _pack(pre, E, cold=None):
     """ELL of the positives of pre [M, I]: idx int32 [M, E] (I in unused slots), val fp32 [M, E],
     nnz int32 [M] (true count; > E marks a backup row), rowsum fp32 [M] (sum of positives),
-    fired int64 [I]."""
+    fired int64 [I]. Units where `cold` (int8 [I]) is 0 are skipped (hot units)."""
     M, I = pre.shape
     bl = _blocks(pre.device)
     idx = _empty((M, E), dtype=torch.int32, device=pre.device)
@@ -393,8 +414,8 @@ def _pack(pre, E):
     rowsum = _empty(M, dtype=torch.float32, device=pre.device)
     grid = triton.cdiv(M, bl["BLOCK_M"])
     fired = _empty((grid, I), dtype=torch.int32, device=pre.device)
-    _pack_kernel[(grid,)](pre, idx, val, nnz, rowsum, fired, M, I, E, pre.stride(0),
-                          BLOCK_M=bl["BLOCK_M"], BLOCK_I=bl["BLOCK_I"],
+    _pack_kernel[(grid,)](pre, idx, val, nnz, rowsum, fired, idx if cold is None else cold, M, I, E,
+                          pre.stride(0), HOT=cold is not None, BLOCK_M=bl["BLOCK_M"], BLOCK_I=bl["BLOCK_I"],
                           num_warps=bl["PACK_WARPS"])
     return idx, val, nnz, rowsum, fired.sum(0)
 
@@ -497,11 +518,20 @@ def _backup_list(nnz, E):
     return order, count.to(torch.int32).reshape(1), count
 
 
+def _hot_grads(g, u, dh, c):
+    """d_gate_pre, d_up and h of the hot columns from g, u and dout @ down[:, hot], one pass."""
+    outs = [_empty(g.shape, dtype=g.dtype, device=g.device) for _ in range(3)]
+    n = g.numel()
+    block = 1024 if g.is_cuda else 64
+    _hot_grads_kernel[(triton.cdiv(n, block),)](g, u, dh, c, *outs, n, BLOCK=block, num_warps=4)
+    return outs
+
+
 def _dot(t):
     return "ieee" if t.dtype == torch.float32 else "tf32"
 
 
-def _rows_units(mode, backup, x, w1, *, pre=None, w2=None, dout=None, down=None, c=None):
+def _rows_units(mode, backup, x, w1, *, pre=None, w2=None, dout=None, down=None, c=None, cold=None):
     """_rows_units_kernel over the backup rows. Mode 0 writes h over `pre` and returns the backup's
     sum |h|; modes 1 / 2 return [M, I] buffers with only the backup rows written: (d_gate_pre, d_up, h)
     / (d_pre, None, h). (Transient, dense-sized: the backup's size is known only on the device.)"""
@@ -519,10 +549,12 @@ def _rows_units(mode, backup, x, w1, *, pre=None, w2=None, dout=None, down=None,
         o2 = _empty((M, N), dtype=x.dtype, device=x.device) if mode == 1 else o1
         l1 = o1
     _rows_units_kernel[(nprog,)](order, count, x, x if dout is None else dout, w1, w1 if w2 is None else w2,
-                                 x if down is None else down, o1, o2, o3, l1, l1 if c is None else c, N, K,
+                                 x if down is None else down, o1, o2, o3, l1, l1 if c is None else c,
+                                 order if cold is None else cold, N, K,
                                  x.stride(0), x.stride(0) if dout is None else dout.stride(0), o1.stride(0),
                                  0 if down is None else down.stride(0), 0 if down is None else down.stride(1),
-                                 MODE=mode, DOT=_dot(x), NPROG=nprog, BM=bm, BN=bn, BK=bk, num_warps=4)
+                                 MODE=mode, HOT=cold is not None, DOT=_dot(x), NPROG=nprog, BM=bm, BN=bn, BK=bk,
+                                 num_warps=4)
     return l1.sum() if mode == 0 else (o1, o2 if mode == 1 else None, o3)
 
 
@@ -559,7 +591,7 @@ def _compute_dtype(x):
 class _HybridGatedMLP(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, x, gate_w, up_w, down_w, max_nnz):
+    def forward(ctx, x, gate_w, up_w, down_w, max_nnz, hot):
         dt = _compute_dtype(x)
         ctx.dtypes = (x.dtype, gate_w.dtype, up_w.dtype, down_w.dtype)
         ctx.x_shape = x.shape
@@ -570,20 +602,36 @@ class _HybridGatedMLP(torch.autograd.Function):
             gate, up, down = (w.to(dt).contiguous() for w in (gate_w, up_w, down_w))
             M, I = x2.shape[0], gate.shape[0]
             pre = x2 @ gate.t()  # [M, I] dense, transient
-            idx, g, nnz, _, fired = _pack(pre, E)
+            cold = None
+            if hot is not None:  # dense columns: kept out of the ELL and the backup
+                g_hot = pre[:, hot]
+                cold = torch.ones(I, dtype=torch.int8, device=x.device).index_fill_(0, hot, 0)
+            idx, g, nnz, _, fired = _pack(pre, E, cold)
             u = _empty((M, E), dtype=torch.float32, device=x.device)
             downT = _transpose(down, dt)  # [I, D]: rows gathered per active unit
             *backup, n_backup = _backup_list(nnz, E)
-            l1_backup = _rows_units(0, backup, x2, up, pre=pre)  # pre's backup rows now hold h
+            l1_backup = _rows_units(0, backup, x2, up, pre=pre, cold=cold)  # pre's backup rows now hold h
             rowsum = _sddmm(x2, up, idx, nnz, g, u, backward=False, gated=True)
             out = _spmm(idx, nnz, g, downT, u, dtype=dt)
             _rows_mm(backup, pre, downT, out)
             del pre
             csc = _csc(idx, I, _blocks(x.device)["SEG"]) if any(ctx.needs_input_grad[1:4]) else ()
-            l1 = (rowsum.sum() + l1_backup) / M
-            active = nnz.sum().float() / M
-            fired = fired.long()
-        ctx.save_for_backward(x2, gate, up, down, idx, nnz, g, u, *backup, *csc)
+            l1_sum, n_active, fired = rowsum.sum() + l1_backup, nnz.sum(), fired.long()
+            if hot is not None:
+                u_hot = x2 @ up[hot].t()
+                h_hot = torch.relu(g_hot) * u_hot
+                out.addmm_(h_hot, downT[hot])
+                l1_sum = l1_sum + h_hot.float().abs().sum()
+                on = g_hot > 0
+                n_active = n_active + on.sum()
+                fired = fired.index_add(0, hot, on.sum(0))
+                hot_state = (hot, cold, g_hot, u_hot)
+            else:
+                hot_state = ()
+            l1 = l1_sum / M
+            active = n_active.float() / M
+        ctx.save_for_backward(x2, gate, up, down, idx, nnz, g, u, *backup, *hot_state, *csc)
+        ctx.n_hot = len(hot_state)
         ctx.E = E
         ctx.mark_non_differentiable(active, fired, n_backup)
         return out.reshape(*ctx.x_shape[:-1], down.shape[0]), l1, active, fired, n_backup
@@ -592,7 +640,7 @@ class _HybridGatedMLP(torch.autograd.Function):
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, dout, dl1, *_):
         x2, gate, up, down, idx, nnz, g, u, *saved = ctx.saved_tensors
-        backup, csc = saved[:2], saved[2:]
+        backup, hot_state, csc = saved[:2], saved[2:2 + ctx.n_hot], saved[2 + ctx.n_hot:]
         E = ctx.E
         M, D = x2.shape
         I = gate.shape[0]
@@ -611,23 +659,33 @@ class _HybridGatedMLP(torch.autograd.Function):
             else:
                 dgp, du = _sddmm(dout2, downT, idx, nnz, g, u, backward=True, gated=True, c=c)
             # the backup rows' dense [rows, I] gradients (other rows of these buffers are never written)
-            dgpb, dub, hb = _rows_units(1, backup, x2, gate, w2=up, dout=dout2, down=down, c=c)
+            hot, cold, g_hot, u_hot = hot_state or (None,) * 4
+            dgpb, dub, hb = _rows_units(1, backup, x2, gate, w2=up, dout=dout2, down=down, c=c, cold=cold)
+            if hot_state:  # the hot columns' gradients, dense for every row
+                dgp_hot, du_hot, h_hot = _hot_grads(g_hot, u_hot, dout2 @ down[:, hot], c)
             dx = dgate = dup = ddown = None
             if need_x:
                 dx = _spmm(idx, nnz, dgp, gate, du, up, dtype=dt)
                 _rows_mm(backup, dgpb, gate, dx, dub, up)
+                if hot_state:
+                    dx.addmm_(dgp_hot, gate[hot]).addmm_(du_hot, up[hot])
                 dx = dx.reshape(ctx.x_shape).to(ctx.dtypes[0])
             if need_gate or need_up:
                 dgate, dup = _wgrad(csc, E, dgp, du, x2, mode=1)
                 _rows_wgrad(backup, dgpb, x2, dgate)
                 _rows_wgrad(backup, dub, x2, dup)
+                if hot_state:
+                    dgate.index_add_(0, hot, (dgp_hot.t() @ x2).float())
+                    dup.index_add_(0, hot, (du_hot.t() @ x2).float())
                 dgate, dup = dgate.to(ctx.dtypes[1]), dup.to(ctx.dtypes[2])
             if need_down:
                 if ddownT is None:
                     ddownT, _ = _wgrad(csc, E, g, u, dout2, mode=2)
                 _rows_wgrad(backup, hb, dout2, ddownT)
+                if hot_state:
+                    ddownT.index_add_(0, hot, (h_hot.t() @ dout2).float())
                 ddown = _transpose(ddownT, ctx.dtypes[3])
-        return dx, (dgate if need_gate else None), (dup if need_up else None), ddown, None
+        return dx, (dgate if need_gate else None), (dup if need_up else None), ddown, None, None
 
 
 class _HybridMLP(torch.autograd.Function):
@@ -698,14 +756,32 @@ class _HybridMLP(torch.autograd.Function):
         return dx, dup, ddown, None
 
 
-def hybrid_gated_mlp(x, gate_weight, up_weight, down_weight, *, max_nnz=128):
+def hybrid_gated_mlp(x, gate_weight, up_weight, down_weight, *, max_nnz=128, hot_units=None):
     """down(relu(gate(x)) * up(x)) on the hybrid sparse format; HF layouts gate/up [I, D], down [D, I].
-    Returns (out [..., D], HybridStats). Rows with more than max_nnz active units run dense."""
+    Returns (out [..., D], HybridStats). Rows with more than max_nnz active units run dense.
+    `hot_units` (distinct int64 unit indices, e.g. from `hot_units(stats.fired, tokens)` of an earlier
+    step) run as dense columns for every row, outside the ELL and the row budget max_nnz."""
     if not use_triton(x):
-        return hybrid_gated_mlp_reference(x, gate_weight, up_weight, down_weight, max_nnz=max_nnz)
+        return hybrid_gated_mlp_reference(x, gate_weight, up_weight, down_weight, max_nnz=max_nnz,
+                                          hot_units=hot_units)
     out, l1, active, fired, backup = _HybridGatedMLP.apply(x, gate_weight, up_weight, down_weight,
-                                                           max_nnz)
+                                                           max_nnz, hot_units)
     return out, HybridStats(l1, active, fired, backup)
+
+
+# A unit that fires in a share r of M tokens costs, in the sparse passes, about r M x 6 gathers of 2 D
+# bytes (6 TB/s from L2); as a dense column, 8 matmul columns of 2 M D FLOPs (about 600 TFLOP/s): equal
+# at r = (16 / 600e12) / (12 / 6e12), about 1.3% on an H100, whatever D and M.
+HOT_RATE = 0.013
+
+
+def hot_units(fired: torch.Tensor, tokens, rate: float = HOT_RATE):
+    """The busiest units among those that fired in more than `rate` of `tokens` tokens (int64 indices,
+    sorted), as many as the largest multiple of 64 (of 8 below 64) that fits, so that the dense columns'
+    matmuls keep aligned shapes (cuBLAS ran 2.5x slower at 1716 columns than the FLOPs allow); or None."""
+    n = int((fired > rate * tokens).sum())
+    n = n - n % (64 if n >= 64 else 8)
+    return torch.topk(fired, n).indices.sort().values if n else None
 
 
 def hybrid_mlp(x, up_weight, down_weight, *, max_nnz=128):
@@ -716,19 +792,20 @@ def hybrid_mlp(x, up_weight, down_weight, *, max_nnz=128):
     return out, HybridStats(l1, active, fired, backup)
 
 
-def _stats(pre, l1, max_nnz):
+def _stats(pre, l1, max_nnz, hot_units=None):
     pos = (pre > 0).reshape(-1, pre.shape[-1])
     per_row = pos.sum(1)
+    cold = per_row if hot_units is None else per_row - pos[:, hot_units].sum(1)  # the backup's row budget
     return HybridStats(l1, (per_row.sum().float() / pos.shape[0]).detach(), pos.sum(0).long(),
-                       (per_row > max_nnz).sum())
+                       (cold > max_nnz).sum())
 
 
-def hybrid_gated_mlp_reference(x, gate_weight, up_weight, down_weight, *, max_nnz=128):
+def hybrid_gated_mlp_reference(x, gate_weight, up_weight, down_weight, *, max_nnz=128, hot_units=None):
     """Plain PyTorch (dense) block with the same outputs and stats as hybrid_gated_mlp."""
     pre = x @ gate_weight.t()
     h = torch.relu(pre) * (x @ up_weight.t())
     l1 = h.abs().sum(-1).mean()
-    return h @ down_weight.t(), _stats(pre.detach(), l1, max_nnz)
+    return h @ down_weight.t(), _stats(pre.detach(), l1, max_nnz, hot_units)
 
 
 def hybrid_mlp_reference(x, up_weight, down_weight, *, max_nnz=128):

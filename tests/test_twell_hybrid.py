@@ -40,13 +40,13 @@ def run(fn, tensors, dout, max_nnz, **kw):
     return out, stats, [t.grad for t in leaves]
 
 
-def check(gated, tensors, max_nnz, tol=1e-5):
+def check(gated, tensors, max_nnz, tol=1e-5, **kw):
     fn, ref = (H.hybrid_gated_mlp, H.hybrid_gated_mlp_reference) if gated else \
         (H.hybrid_mlp, H.hybrid_mlp_reference)
     M, D = tensors[0].shape[0], tensors[-1].shape[0]
     dout = torch.randn(M, D, generator=torch.Generator().manual_seed(1)).to(tensors[0].device)
-    out, st, grads = run(fn, tensors, dout, max_nnz)
-    rout, rst, rgrads = run(ref, [t.double() for t in tensors], dout.double(), max_nnz)
+    out, st, grads = run(fn, tensors, dout, max_nnz, **kw)
+    rout, rst, rgrads = run(ref, [t.double() for t in tensors], dout.double(), max_nnz, **kw)
     assert torch.isfinite(out).all()
     assert rel(out, rout) < tol
     assert rel(st.l1, rst.l1) < tol
@@ -75,6 +75,28 @@ def test_all_rows_dense_backup(gated):
     assert int(st.backup_rows) == 21
 
 
+@pytest.mark.parametrize("all_dense", [False, True])
+def test_hot_units_as_dense_columns(all_dense):
+    """Hot units (a busy one, a quiet one, one that never fires) run as dense columns: same outputs and
+    gradients; they no longer count towards a row's ELL budget, so fewer rows go to the backup."""
+    tensors = problem(45, 30, 70, 8, special_rows=not all_dense)
+    if all_dense:
+        tensors[0][:, 0] = -50.0  # every unit of every row active
+    pre = tensors[0] @ tensors[1].t()
+    fired = (pre > 0).sum(0)
+    never = int((fired == 0).nonzero()[0]) if (fired == 0).any() else 0
+    hot = torch.tensor(sorted({2, 9, never}))
+    st = check(True, tensors, 10, hot_units=hot)
+    assert int(st.backup_rows) == int(((pre > 0).sum(1) - (pre[:, hot] > 0).sum(1) > 10).sum())
+
+
+def test_hot_units_rule():
+    fired = torch.arange(200).flip(0)  # unit j fired 199 - j times
+    assert H.hot_units(fired, 1000, rate=0.05).tolist() == list(range(128))  # 149 above the rate: 128 kept
+    assert H.hot_units(fired, 1000, rate=0.19).tolist() == list(range(8))  # 9 above: 8 kept
+    assert H.hot_units(fired, 1000, rate=0.9) is None
+
+
 def test_nan_poisoned_buffers(monkeypatch):
     """Every buffer the kernels write starts as NaN (floats) or garbage (ints): all of it must be
     written or never read."""
@@ -84,6 +106,7 @@ def test_nan_poisoned_buffers(monkeypatch):
 
     monkeypatch.setattr(H, "_empty", poisoned)
     check(True, problem(29, 35, 60, 7), max_nnz=10)
+    check(True, problem(29, 35, 60, 7), max_nnz=10, hot_units=torch.tensor([2, 40]))
     check(False, problem(29, 35, 60, 7, gated=False), max_nnz=10)
 
 
