@@ -12,7 +12,8 @@ gate pre-activation is > 0) and fired (tokens in which each unit fired), and `ba
 that went to the hybrid kernels' dense backup (0 on the dense path). With `use_hybrid = True` the forward
 goes through `twell.hybrid_gated_mlp` (sparse Triton kernels on CUDA and under the interpreter, its dense
 reference elsewhere), which returns the same output and statistics. Training (sparsify/train.py) sets
-`use_hybrid` per layer from the measured activity.
+`use_hybrid` per layer from the measured activity, and `hot_units`: the units that fire in so many tokens
+that the hybrid path runs them as dense columns.
 """
 from __future__ import annotations
 
@@ -25,9 +26,9 @@ from torch import nn
 from .families import FamilySpec, down_weight, gate_weight, has_bias, mlp_modules, spec_for, up_weight
 
 try:
-    from twell.hybrid import hybrid_gated_mlp  # the module: twell/__init__.py does not re-export it
+    from twell.hybrid import hot_units, hybrid_gated_mlp
 except ImportError:  # kernels not installed (or no triton): dense path only
-    hybrid_gated_mlp = None
+    hybrid_gated_mlp = hot_units = None
 
 
 class MLPStats(NamedTuple):
@@ -50,6 +51,7 @@ class ReluGatedMLP(nn.Module):
         self.backup_rows: torch.Tensor | None = None
         self.use_hybrid = False
         self.hybrid_max_nnz = 128
+        self.hot_units: torch.Tensor | None = None  # units the hybrid path runs as dense columns
         # Kept outside the module tree (no extra state-dict keys) so that unrelufy can put it back.
         object.__setattr__(self, "_original", original)
         self._original_act = original_act
@@ -71,7 +73,7 @@ class ReluGatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.runs_hybrid:
-            out, stats = hybrid_gated_mlp(x, *self.weights(), max_nnz=self.hybrid_max_nnz)
+            out, stats = hybrid_gated_mlp(x, *self.weights(), max_nnz=self.hybrid_max_nnz, hot_units=self.hot_units)
             if self.track:
                 self.stats, self.backup_rows = MLPStats(stats.l1, stats.active, stats.fired), stats.backup_rows
             return out

@@ -12,8 +12,10 @@ Each MLP trains on one of two paths with the same math: dense PyTorch, or the Tw
 are faster only when few units are active. The path is chosen per layer at every log step from the
 layer's mean active units per token over the log window (summed on device, read at the log step that
 already syncs: no extra host sync): hybrid below `hybrid_below`, back to dense above HYBRID_EXIT times
-it (a layer near the threshold does not flip at every check). A freshly relufied model starts dense. The
-log records each layer's path and its backup rows per window. Ctrl-C saves the complete training state
+it (a layer near the threshold does not flip at every check). A hybrid layer also gets its hot units
+from the last step's counts (twell.hybrid.hot_units: units firing in more tokens than per-pair gathers
+pay for run as dense columns). A freshly relufied model starts dense. The log records each layer's path,
+its backup rows per window and its hot units. Ctrl-C saves the complete training state
 (accelerate's save_state: weights as safetensors, optimizer, scheduler, RNG; plus step, data position,
 log and dead-unit windows in state.json) to `resume_dir`, from which `resume=True` continues.
 """
@@ -73,9 +75,13 @@ class TrainConfig:
     hybrid_below: float = field(default=40.0, metadata={"help": (
         "Train a layer's MLP on the TwELL hybrid kernels while its mean active units per token are below this "
         f"(back to dense above {HYBRID_EXIT}x it), re-checked at every log step; on CUDA with triton only; 0: "
-        "always dense. Default 40: the H100 block benchmark (I=5632, E=128) is 1.33x faster than dense at 29 "
-        "active units and 0.60x at 96, break-even near 47.")})
+        "always dense. Default 40: the H100 block benchmark (I=5632, E=128) is 1.85x faster than dense at 29 "
+        "uniform active units, 0.74x at ~96 with uneven units and 1.28x there with hot units as dense columns.")})
     hybrid_max_nnz: int = field(default=128, metadata={"help": "E of the hybrid format: token rows with more active units run in the dense backup (paper: 128)."})
+    hybrid_hot_rate: float = field(default=0.013, metadata={"help": (
+        "On the hybrid path, units that fired in more than this share of the last step's tokens run as dense "
+        "columns (re-chosen at every log step; 1: never). Default 0.013: the H100 break-even of a dense column "
+        "against per-pair gathers (twell.hybrid.HOT_RATE).")})
     dead_window_tokens: int | None = field(default=None, metadata={"help": "A unit is dead when it has not fired in this many tokens (default: one optimizer step's tokens)."})
     shuffle_buffer: int = field(default=1024, metadata={"help": "Training blocks drawn at random from a buffer of this many (0: the data's own order)."})
     eval_tokens: int = field(default=65536, metadata={"help": "Held-out tokens for perplexity and sparsity measurement."})
@@ -131,6 +137,8 @@ class TrainConfig:
                 bad(f"{name.replace('_', '-')} must be an integer >= 0, got {getattr(self, name)}")
         if not 0 < self.lr <= 1:
             bad(f"lr must be in (0, 1], got {self.lr}")
+        if not 0 < self.hybrid_hot_rate <= 1:
+            bad(f"hybrid-hot-rate must be in (0, 1], got {self.hybrid_hot_rate}")
         if not 0 <= self.hybrid_below < math.inf:
             bad(f"hybrid-below must be a number >= 0 (0: dense only), got {self.hybrid_below}")
         if not 0 <= self.weight_decay <= 1:
@@ -274,8 +282,13 @@ def train(
                 entry["seconds"] = now - started
                 log.append(entry)
                 if routing:  # the same reduced figures on every rank: all ranks choose the same paths
-                    for m, hybrid in zip(mlps, hybrid_paths(entry, config.hybrid_below)):
+                    for m, hybrid, fired, layer in zip(mlps, hybrid_paths(entry, config.hybrid_below), step_fired,
+                                                       entry["layers"]):
                         m.use_hybrid = hybrid
+                        # busy units (from the last step's counts) run as dense columns on the hybrid path
+                        m.hot_units = relufy.hot_units(fired, config.tokens_per_step(world), config.hybrid_hot_rate) \
+                            if hybrid else None
+                        layer["hot_units"] = 0 if m.hot_units is None else m.hot_units.numel()
                 window, window_started = _Window(len(mlps), accelerator.device), now
                 if progress:
                     progress.stats = _progress_text(entry)
@@ -295,6 +308,7 @@ def train(
     finally:
         for m in mlps:
             m.track = m.use_hybrid = False
+            m.hot_units = None
         if progress:
             progress.stop()
     model = accelerator.unwrap_model(model)

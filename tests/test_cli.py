@@ -200,9 +200,10 @@ def test_bad_input(files, tmp_path, args, message):
 def test_hybrid_routing_options(files, tmp_path):
     # A threshold above the tiny model's activity (~80 of 160 units) puts every layer on the hybrid kernels
     # after the first log step; --no-hybrid keeps them dense. The recipe's E = 4 sends every row to the
-    # dense backup, which keeps the Triton interpreter fast (the kernels are tested elsewhere).
+    # dense backup (no hot units as dense columns either), which keeps the Triton interpreter fast (the
+    # kernels are tested elsewhere).
     recipe = tmp_path / "hybrid.yaml"
-    recipe.write_text(RECIPE + "hybrid_max_nnz: 4\n")
+    recipe.write_text(RECIPE + "hybrid_max_nnz: 4\nhybrid_hot_rate: 1.0\n")
     args = ["convert", model_folder(files, "llama"), "--data", files / "corpus", "--recipe", recipe, "--steps", 2, "--hybrid-below", 1000]
     result = run(*args, "-o", tmp_path / "hybrid")
     assert result.exit_code == 0, result.output

@@ -56,7 +56,7 @@ def test_layers_switch_by_activity_and_the_log_records_paths_and_backup_rows():
 
     # Layer 1 has ~80 active units: dense throughout. max_nnz 4: rows of layer 0 above 4 active units
     # go to the dense backup.
-    log = train(model, mlps, batches, config(steps=5, l1=0.0, hybrid_below=50, hybrid_max_nnz=4),
+    log = train(model, mlps, batches, config(steps=5, l1=0.0, hybrid_below=50, hybrid_max_nnz=4, hybrid_hot_rate=1.0),
                 device="cpu", show_progress=False).log
     paths = [[l["path"] for l in e["layers"]] for e in log]
     active = [[l["active"] for l in e["layers"]] for e in log]
@@ -72,21 +72,44 @@ def test_layers_switch_by_activity_and_the_log_records_paths_and_backup_rows():
     assert backup[3][0] == SEQ * BATCH  # every row of the dense step 4 has more than 4 active units
     assert hybrid_share(log) == [0.6, 0.0]
     assert all(not m.use_hybrid for m in mlps)
+    assert all(l["hot_units"] == 0 for e in log for l in e["layers"])
 
 
-def test_training_on_the_hybrid_kernels_matches_dense():
+def test_busy_units_of_hybrid_layers_run_as_dense_columns():
+    model, _ = tiny_model("llama")
+    mlps = relufy(model)
+    with torch.no_grad():  # layer 0: at most 20 active units of 160, each in far more than 1.3% of tokens
+        mlps[0].gate_proj.weight[20:] = 0
+    log = train(model, mlps, batches_from(), config(steps=3, l1=0.0, hybrid_below=50, hybrid_max_nnz=4),
+                device="cpu", show_progress=False).log
+    hot = [[l["hot_units"] for l in e["layers"]] for e in log]
+    backup = [[l["backup_rows"] for l in e["layers"]] for e in log]
+    # chosen at the first log step, a multiple of 8 of the 20 busy units; outside the row budget, so
+    # the rows that went to the backup without them (test above) fit the ELL now
+    assert hot[0][0] in (8, 16) and hot[0][1] == 0 and hot[1] == hot[0]
+    assert all(b0 < SEQ * BATCH for b0, _ in backup[1:]) and all(p == "hybrid" for p in [e["layers"][0]["path"] for e in log[1:]])
+
+
+@pytest.mark.parametrize("hot_rate", [1.0, 0.5])
+def test_training_on_the_hybrid_kernels_matches_dense(hot_rate):
     # 32 units, ~16 active per token, E = 16: about half the rows go through the ELL kernels, the rest
     # through the dense backup (the interpreter's time grows with E and D: small ones keep this fast).
+    # hot_rate 0.5: the units firing in over half the tokens run as dense columns instead.
     dense, _ = tiny_model("qwen3", hidden_size=16, intermediate_size=32, head_dim=8)
     hybrid = copy.deepcopy(dense)
     runs = []
     for model, below in ((dense, 0), (hybrid, 1e9)):  # 1e9: every layer hybrid from step 2 on
-        runs.append(train(model, relufy(model), batches_from(), config(hybrid_below=below, hybrid_max_nnz=16),
+        runs.append(train(model, relufy(model), batches_from(), config(hybrid_below=below, hybrid_max_nnz=16,
+                                                                       hybrid_hot_rate=hot_rate),
                           device="cpu", show_progress=False).log)
     dense_log, hybrid_log = runs
     assert [[l["path"] for l in e["layers"]] for e in hybrid_log] == [["dense"] * 2] + [["hybrid"] * 2] * 3
     backup = [l["backup_rows"] for e in hybrid_log[1:] for l in e["layers"]]
-    assert 0 < sum(backup) < 0.8 * len(backup) * SEQ * BATCH
+    hot = [l["hot_units"] for e in hybrid_log[1:] for l in e["layers"]]
+    if hot_rate == 1.0:
+        assert 0 < sum(backup) < 0.8 * len(backup) * SEQ * BATCH and not any(hot)
+    else:
+        assert all(h >= 8 for h in hot)
     assert all(l["path"] == "dense" for e in dense_log for l in e["layers"])
     for key in ("loss", "cross_entropy", "l1", "mean_active"):
         assert [e[key] for e in hybrid_log] == pytest.approx([e[key] for e in dense_log], rel=1e-5), key

@@ -132,6 +132,7 @@ def test_steps_and_tokens_bound_training():
         (dict(shuffle_buffer=-1), "shuffle-buffer must be an integer >= 0"),
         (dict(hybrid_below=-1.0), "hybrid-below must be a number >= 0"),
         (dict(hybrid_below=float("nan")), "hybrid-below must be a number >= 0"),
+        (dict(hybrid_hot_rate=0.0), r"hybrid-hot-rate must be in \(0, 1\]"),
         (dict(hybrid_max_nnz=0), "hybrid-max-nnz must be a positive integer"),
     ],
 )
