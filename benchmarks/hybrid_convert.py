@@ -77,7 +77,8 @@ def run_summary(summary: dict) -> dict:
         "layers_on_hybrid": [sum(l["path"] == "hybrid" for l in e["layers"]) for e in log],
         "layers": [
             {"path": [e["layers"][i]["path"] for e in log], "active": [e["layers"][i]["active"] for e in log],
-             "backup_rows": [e["layers"][i]["backup_rows"] for e in log], "hybrid_share": summary["hybrid_share"][i]}
+             "backup_rows": [e["layers"][i]["backup_rows"] for e in log],
+             "hot_units": [e["layers"][i].get("hot_units", 0) for e in log], "hybrid_share": summary["hybrid_share"][i]}
             for i in range(len(log[0]["layers"]))
         ],
         "tokens_per_s_per_step": [e["tokens_per_s"] for e in log],
@@ -145,13 +146,15 @@ def main() -> None:
 
     every = args.print_every or max(1, len(dense["steps"]) // 20)
     layers = len(hybrid["layers"])
-    print("\nlosses of both runs; mean active units, layers on hybrid and backup rows of the routed run")
-    print(f"{'step':>6} {'loss dense':>11} {'loss hybrid':>12} {'rel diff':>9} {'active':>8} {'hybrid layers':>14} {'backup rows':>12}")
+    print("\nlosses of both runs; mean active units, layers on hybrid, backup rows and hot units of the routed run")
+    print(f"{'step':>6} {'loss dense':>11} {'loss hybrid':>12} {'rel diff':>9} {'active':>8} {'hybrid layers':>14} "
+          f"{'backup rows':>12} {'hot units':>10}")
     for i, step in enumerate(dense["steps"]):
         if step % every == 0 or i == len(dense["steps"]) - 1:
             backup = sum(l["backup_rows"][i] for l in hybrid["layers"])
+            hot = sum(l["hot_units"][i] for l in hybrid["layers"])
             print(f"{step:>6} {dense['loss'][i]:>11.4f} {hybrid['loss'][i]:>12.4f} {loss_rel_diff[i]:>9.2e} "
-                  f"{hybrid['mean_active'][i]:>8.1f} {hybrid['layers_on_hybrid'][i]:>10}/{layers:<3} {backup:>12}")
+                  f"{hybrid['mean_active'][i]:>8.1f} {hybrid['layers_on_hybrid'][i]:>10}/{layers:<3} {backup:>12} {hot:>10}")
     print("\nper layer, share of steps on the hybrid path:",
           " ".join(f"{i}:{100 * l['hybrid_share']:.0f}%" for i, l in enumerate(hybrid["layers"])))
     for name, run in runs.items():
