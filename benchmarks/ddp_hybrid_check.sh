@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# DDP check of the hybrid training path on 2 GPUs: `sparsify convert demo` for 40 steps with every layer
+# routed to twell.hybrid (--hybrid-below 1000), once by torchrun on 2 GPUs (batch 8 each) and once on 1 GPU
+# with batch 16; prints the weights' largest relative difference and both logs (loss, path and hot units
+# per layer). Run from the repository root with twell importable (pip install -e . or PYTHONPATH).
+set -euo pipefail
+out=${1:-/tmp/ddp_hybrid_check}
+python3 -m torch.distributed.run --standalone --nproc_per_node 2 -m cli convert demo -o "$out/two" --steps 40 \
+    --hybrid-below 1000 --overwrite | tail -3
+python3 -m cli convert demo -o "$out/one" --steps 40 --hybrid-below 1000 --batch-size 16 --overwrite | tail -3
+OUT_DIR="$out" python3 - <<'PY'
+import json, os
+from safetensors.torch import load_file
+out = os.environ["OUT_DIR"]
+a, b = load_file(f"{out}/two/model.safetensors"), load_file(f"{out}/one/model.safetensors")
+print("max rel weight diff 2 GPUs vs 1:", max(((a[k].float() - b[k].float()).norm() / b[k].float().norm()).item() for k in b))
+for name in ("two", "one"):
+    log = json.load(open(f"{out}/{name}/training_log.json"))["log"]
+    print(name, [(e["step"], round(e["loss"], 4), [l["path"][0] + str(l.get("hot_units", "")) for l in e["layers"]]) for e in log])
+PY
