@@ -531,6 +531,14 @@ def _dot(t):
     return "ieee" if t.dtype == torch.float32 else "tf32"
 
 
+def _backup_launch(device, M, N):
+    """Persistent programs of a backup kernel over at most [M, N] (the count decides the tiles they
+    take): (programs, tile rows, tile columns, K step)."""
+    bl = _blocks(device)
+    bm, bn, bk = bl["BACKUP"]
+    return min(bl["NPROG"], triton.cdiv(M, bm) * triton.cdiv(N, bn)), bm, bn, bk
+
+
 def _rows_units(mode, backup, x, w1, *, pre=None, w2=None, dout=None, down=None, c=None, cold=None):
     """_rows_units_kernel over the backup rows. Mode 0 writes h over `pre` and returns the backup's
     sum |h|; modes 1 / 2 return [M, I] buffers with only the backup rows written: (d_gate_pre, d_up, h)
@@ -538,9 +546,7 @@ def _rows_units(mode, backup, x, w1, *, pre=None, w2=None, dout=None, down=None,
     order, count = backup
     M, K = x.shape
     N = w1.shape[0]
-    bl = _blocks(x.device)
-    bm, bn, bk = bl["BACKUP"]
-    nprog = min(bl["NPROG"], triton.cdiv(M, bm) * triton.cdiv(N, bn))
+    nprog, bm, bn, bk = _backup_launch(x.device, M, N)
     if mode == 0:
         o1 = o2 = o3 = pre
         l1 = _empty(nprog, dtype=torch.float32, device=x.device)
@@ -564,9 +570,7 @@ def _rows_mm(backup, a, b, out, a2=None, b2=None, relu_a=False):
     order, count = backup
     M, K = a.shape
     N = b.shape[1]
-    bl = _blocks(a.device)
-    bm, bn, bk = bl["BACKUP"]
-    nprog = min(bl["NPROG"], triton.cdiv(M, bm) * triton.cdiv(N, bn))
+    nprog, bm, bn, bk = _backup_launch(a.device, M, N)
     _rows_mm_kernel[(nprog,)](order, count, a, a if a2 is None else a2, b, b if b2 is None else b2, out, N, K,
                               a.stride(0), b.stride(0), b.stride(1), out.stride(0), TWO=a2 is not None,
                               RELU_A=relu_a, DOT=_dot(a), NPROG=nprog, BM=bm, BN=bn, BK=bk, num_warps=4)
