@@ -13,6 +13,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
+from bench_inference import make_layer, make_x
 from twell.format import cdiv, slots
 from twell.gated_mlp import gate_config, gate_launch
 
@@ -24,13 +25,7 @@ CONFIGS = {  # tile: [(BM, BK, num_warps, num_stages), ...]
 
 
 def run(m, d=2048, i=5632, k=29, compression=8):
-    # benchmarks.md's bias-channel recipe: k active units a row on average
-    w = dict(gate=torch.randn(i, d, device="cuda") / d**0.5)
-    w["gate"][:, 0] = -torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor(1 - k / i)).item()
-    w["gate"] = w["gate"].bfloat16()
-    x = torch.randn(m, d, device="cuda")
-    x[:, 0] = 1.0
-    x = x.bfloat16()
+    w, x = make_layer(d, i, k), make_x(m, d)  # benchmarks.md's bias-channel recipe
     rows = [dict(kernel="cublas_gate", ms=do_bench(lambda: x @ w["gate"].t(), return_mode="median"))]
     print(rows[-1], flush=True)
     for tile, configs in CONFIGS.items():

@@ -7,7 +7,6 @@ lacks the model's constant channel, so about half the units fire: this measures 
 """
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -15,18 +14,7 @@ from transformers import AutoModelForCausalLM
 from triton.testing import do_bench
 
 import twell
-from model_bench import build_model, export
-
-
-def host_us(fn, calls=100):
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
+from model_bench import build_model, export, host_us
 
 
 path = export(build_model(layers=1, active=29, device="cuda"), Path(tempfile.mkdtemp()) / "ckpt", active=29)
@@ -36,10 +24,10 @@ remote = sys.modules[type(mlp).__module__]
 print("plan", mlp.mode, mlp.tile, mlp.compression)
 x = torch.randn(1, 1, 2048, device="cuda", dtype=torch.bfloat16)
 with torch.no_grad():
-    print("module", host_us(lambda: mlp(x)))
+    print("module", host_us(calls=100, fn=lambda: mlp(x)))
     g, u, d = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
     print("down strides", d.stride(), "grad", d.requires_grad, "use_kernel", mlp._use_kernel(x))
-    print("remote gated_mlp", host_us(lambda: remote.gated_mlp(x, g, u, d, tile=mlp.tile, compression=mlp.compression)))
-    print("twell gated_mlp same weights", host_us(lambda: twell.gated_mlp(x, g, u, d, tile=mlp.tile, compression=mlp.compression)))
-    print("twell tile 128 c8", host_us(lambda: twell.gated_mlp(x, g, u, d, tile=128, compression=8)))
+    print("remote gated_mlp", host_us(calls=100, fn=lambda: remote.gated_mlp(x, g, u, d, tile=mlp.tile, compression=mlp.compression)))
+    print("twell gated_mlp same weights", host_us(calls=100, fn=lambda: twell.gated_mlp(x, g, u, d, tile=mlp.tile, compression=mlp.compression)))
+    print("twell tile 128 c8", host_us(calls=100, fn=lambda: twell.gated_mlp(x, g, u, d, tile=128, compression=8)))
     print("gpu do_bench", do_bench(lambda: twell.gated_mlp(x, g, u, d, tile=mlp.tile, compression=mlp.compression)) * 1e3)

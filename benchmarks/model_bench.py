@@ -22,6 +22,7 @@ import json
 import math
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -73,6 +74,18 @@ def build_model(*, hidden: int = 2048, intermediate: int = 5632, layers: int = 4
         k = max(1, round(ratio.numel() * (1 - active / intermediate)))
         gate[:, BIAS] = -ratio.flatten().kthvalue(k).values
     return model
+
+
+def host_us(fn, calls: int = 200) -> float:
+    """Microseconds a call when calls are issued back to back (host and GPU together), after warm-up."""
+    for _ in range(calls // 10):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
 
 
 def export(model, out: Path, *, active: float, eval_tokens: int = 4096, measure_kernels: bool = False) -> Path:

@@ -5,25 +5,13 @@ the TwELL (remote-code) load: torch.profiler over a few decode steps, top operat
 """
 import argparse
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM
 
-from model_bench import build_model, export
-
-
-def host_us(fn, calls=200):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
+from model_bench import build_model, export, host_us
 
 
 def main():
