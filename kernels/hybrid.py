@@ -765,12 +765,23 @@ def hybrid_gated_mlp(x, gate_weight, up_weight, down_weight, *, max_nnz=128, hot
     Returns (out [..., D], HybridStats). Rows with more than max_nnz active units run dense.
     `hot_units` (distinct int64 unit indices, e.g. from `hot_units(stats.fired, tokens)` of an earlier
     step) run as dense columns for every row, outside the ELL and the row budget max_nnz."""
+    if hot_units is not None:
+        _check_hot_units(hot_units, x, gate_weight.shape[0])
     if not use_triton(x):
         return hybrid_gated_mlp_reference(x, gate_weight, up_weight, down_weight, max_nnz=max_nnz,
                                           hot_units=hot_units)
     out, l1, active, fired, backup = _HybridGatedMLP.apply(x, gate_weight, up_weight, down_weight,
                                                            max_nnz, hot_units)
     return out, HybridStats(l1, active, fired, backup)
+
+
+def _check_hot_units(hot, x, width):
+    if not isinstance(hot, torch.Tensor) or hot.dim() != 1 or hot.dtype != torch.int64 or hot.device != x.device:
+        raise ValueError(f"hot_units must be a 1-D int64 tensor on {x.device}, got "
+                         f"{type(hot).__name__ if not isinstance(hot, torch.Tensor) else (hot.dtype, tuple(hot.shape), hot.device)}")
+    if hot.numel():  # a repeated unit would count twice: checked on the device, without a host sync
+        ok = (hot[0] >= 0) & (hot[-1] < width) & (hot[1:] > hot[:-1]).all()
+        torch._assert_async(ok, "hot_units must be sorted, distinct unit indices in [0, I)")
 
 
 # A unit that fires in a share r of M tokens costs, in the sparse passes, about r M x 6 gathers of 2 D

@@ -90,6 +90,14 @@ def test_hot_units_as_dense_columns(all_dense):
     assert int(st.backup_rows) == int(((pre > 0).sum(1) - (pre[:, hot] > 0).sum(1) > 10).sum())
 
 
+@pytest.mark.parametrize("hot", [torch.tensor([3, 3]), torch.tensor([5, 2]), torch.tensor([0, 70]),
+                                 torch.tensor([1.0]), [2, 5], torch.tensor([[1, 2]])])
+def test_bad_hot_units_are_refused(hot):
+    tensors = problem(9, 20, 70, 5)
+    with pytest.raises((ValueError, RuntimeError), match="hot_units must be"):
+        H.hybrid_gated_mlp(*tensors, max_nnz=8, hot_units=hot)
+
+
 def test_hot_units_rule():
     fired = torch.arange(200).flip(0)  # unit j fired 199 - j times
     assert H.hot_units(fired, 1000, rate=0.05).tolist() == list(range(128))  # 149 above the rate: 128 kept
@@ -186,18 +194,19 @@ def test_without_triton_uses_reference(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gated", [True, False])
-def test_gpu_bf16_autocast(gated):
+@pytest.mark.parametrize("gated,hot", [(True, False), (False, False), (True, True)])
+def test_gpu_bf16_autocast(gated, hot):
     """fp32 master weights under bf16 autocast: outputs and gradients as close to the fp64 reference
-    as the dense bf16 block, fp32 gradients; backup rows included."""
+    as the dense bf16 block, fp32 gradients; backup rows included (and hot units as dense columns)."""
     tensors = problem(3000, 320, 1100, 20, gated=gated, device="cuda")
     fn, ref = (H.hybrid_gated_mlp, H.hybrid_gated_mlp_reference) if gated else \
         (H.hybrid_mlp, H.hybrid_mlp_reference)
+    kw = dict(hot_units=torch.arange(0, 1100, 17, device="cuda")) if hot else {}  # 65 units, unit 2 not among them
     dout = torch.randn(3000, 320, device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        out, st, grads = run(fn, tensors, dout, 64)
-        dense_out, dst, dgrads = run(ref, tensors, dout, 64)  # dense bf16 block under autocast
-    rout, rst, rgrads = run(ref, [t.double() for t in tensors], dout.double(), 64)
+        out, st, grads = run(fn, tensors, dout, 64, **kw)
+        dense_out, dst, dgrads = run(ref, tensors, dout, 64, **kw)  # dense bf16 block under autocast
+    rout, rst, rgrads = run(ref, [t.double() for t in tensors], dout.double(), 64, **kw)
     # stats against the same bf16 gate matmul (fp64 flips units whose pre-activation rounds to ~0)
     assert out.dtype == torch.bfloat16 and int(st.backup_rows) == int(dst.backup_rows) >= 1
     assert torch.equal(st.fired, dst.fired) and abs(st.active.item() - dst.active.item()) < 1e-4
@@ -220,17 +229,19 @@ def test_gpu_fp32_matches_and_deterministic():
 
 
 @pytest.mark.gpu
-def test_gpu_no_host_sync_and_cuda_graph():
-    """Forward and backward (backup rows included) never synchronize with the host, so a whole step
-    captures in a CUDA graph; its replay gives the eager step's results."""
+@pytest.mark.parametrize("hot", [False, True])
+def test_gpu_no_host_sync_and_cuda_graph(hot):
+    """Forward and backward (backup rows and hot units included) never synchronize with the host, so a
+    whole step captures in a CUDA graph; its replay gives the eager step's results."""
     tensors = problem(1500, 192, 700, 12, device="cuda")
     leaves = [t.detach().clone().requires_grad_() for t in tensors]
     dout = torch.randn(1500, 192, device="cuda")
+    hot_units = torch.tensor([2, 50, 51, 600], device="cuda") if hot else None
 
     def step():
         for t in leaves:
             t.grad = None
-        out, st = H.hybrid_gated_mlp(*leaves, max_nnz=24)
+        out, st = H.hybrid_gated_mlp(*leaves, max_nnz=24, hot_units=hot_units)
         ((out * dout).sum() + L1_COEFF * st.l1).backward()
         return out.detach(), st.backup_rows  # a live autograd graph would break the capture below
 
