@@ -49,11 +49,11 @@ def slots(tile: int, compression: int) -> int:
 
 
 # Cost model, fitted to one H100 run (benchmarks/results/inference_h100.json, D=2048, I=5632, bf16):
-# dense cuBLAS block 570 TFLOP/s; Triton gate matmul 481 TFLOP/s plus its packing epilogue, 0.128 ns per
+# dense cuBLAS block 570 TFLOP/s; Triton gate matmul 526 TFLOP/s plus its packing epilogue, 0.028 ns per
 # active unit and token; the gathers of up and down rows (4 * D bytes per active unit and token) 6.0 TB/s
-# from L2. Decode (<= 64 tokens): weights streamed at 2.02 TB/s plus 11.6 us for the two sparse launches.
-DENSE_FLOPS, GATE_FLOPS, EPILOGUE_S, GATHER_BYTES = 570e12, 481e12, 1.28e-10, 6.0e12
-DECODE_BYTES, DECODE_LATENCY = 2.02e12, 11.6e-6
+# from L2. Decode (<= 64 tokens): weights streamed at 2.02 TB/s plus 8 us for the two sparse launches.
+DENSE_FLOPS, GATE_FLOPS, EPILOGUE_S, GATHER_BYTES = 570e12, 526e12, 2.8e-11, 6.0e12
+DECODE_BYTES, DECODE_LATENCY = 2.02e12, 8.0e-6
 
 
 def choose_setting(mean_active: float, tile_active_max: float, d: int, i: int, tokens: int = 16384,
@@ -135,9 +135,10 @@ def pack(g: torch.Tensor, tile: int = 128, compression: int = 8) -> TwELL:
 if triton is not None:
 
     @triton.jit
-    def pack_store(g, vals, rows, cols, tile_id, M, N, vals_ptr, idx_ptr, cnt_ptr, NT, S: tl.constexpr):
+    def pack_store(g, vals, rows, cols, tile_id, col0, M, N, vals_ptr, idx_ptr, cnt_ptr, NT, S: tl.constexpr):
         """Epilogue shared by every packing kernel: the positives of g [BM, T] (fp32, at rows x cols)
-        decide the entries; `vals` (g itself, or h in the decode path) is what is stored. Returns the
+        decide the entries; `vals` (g itself, or h in the decode path) is what is stored; local column c of
+        the tile is unit col0 + c (columns marked >= N are not part of it). Returns the
         per-row counts [BM] (0 for rows >= M), so that a caller can tell overflowing rows."""
         T: tl.constexpr = g.shape[1]
         local = tl.arange(0, T)
@@ -147,20 +148,35 @@ if triton is not None:
         # the fullest row of the block: deterministic and in column order. No [BM, T] scatter, prefix or
         # slot tensor stays live, so the tile fits in registers (a scatter would spill its addresses).
         s_id = tl.arange(0, S)
-        out_v = tl.zeros((g.shape[0], S), dtype=tl.float32)
-        out_j = tl.zeros((g.shape[0], S), dtype=tl.int32)
-        prev = tl.full((g.shape[0],), -1, dtype=tl.int32)
-        for s in range(0, tl.minimum(tl.max(count, axis=0), S)):
-            nxt = tl.min(tl.where((g > 0) & live & (local[None, :] > prev[:, None]), local[None, :], T), axis=1)
-            v = tl.sum(tl.where(local[None, :] == nxt[:, None], vals, 0.0), axis=1)
-            out_v = tl.where(s_id[None, :] == s, v[:, None], out_v)
-            out_j = tl.where(s_id[None, :] == s, nxt[:, None], out_j)
-            prev = nxt
+        vt: tl.constexpr = vals_ptr.dtype.element_ty
+        if vt.primitive_bitwidth == 16:
+            # one min a slot: key = column << 16 | the stored value's 16 bits, so the smallest key past
+            # the previous slot's gives the column and its value at once (no second pass for the value)
+            bits = vals.to(vt).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            key = tl.where((g > 0) & live, (local[None, :] << 16) | bits, 0x7FFFFFFF)
+            out_key = tl.zeros((g.shape[0], S), dtype=tl.int32)
+            prev = tl.full((g.shape[0],), -1, dtype=tl.int32)
+            for s in range(0, tl.minimum(tl.max(count, axis=0), S)):
+                nxt = tl.min(tl.where(key > prev[:, None], key, 0x7FFFFFFF), axis=1)
+                out_key = tl.where(s_id[None, :] == s, nxt[:, None], out_key)
+                prev = nxt
+            out_j = out_key >> 16
+            out_v = (out_key & 0xFFFF).to(tl.int16).to(vt, bitcast=True)
+        else:
+            out_v = tl.zeros((g.shape[0], S), dtype=tl.float32)
+            out_j = tl.zeros((g.shape[0], S), dtype=tl.int32)
+            prev = tl.full((g.shape[0],), -1, dtype=tl.int32)
+            for s in range(0, tl.minimum(tl.max(count, axis=0), S)):
+                nxt = tl.min(tl.where((g > 0) & live & (local[None, :] > prev[:, None]), local[None, :], T), axis=1)
+                v = tl.sum(tl.where(local[None, :] == nxt[:, None], vals, 0.0), axis=1)
+                out_v = tl.where(s_id[None, :] == s, v[:, None], out_v)
+                out_j = tl.where(s_id[None, :] == s, nxt[:, None], out_j)
+                prev = nxt
         row_tile = rows.to(tl.int64) * NT + tile_id
         off = row_tile[:, None] * S + s_id[None, :]
         keep = (s_id[None, :] < count[:, None]) & (rows < M)[:, None]
-        tl.store(vals_ptr + off, out_v.to(vals_ptr.dtype.element_ty), mask=keep)
-        tl.store(idx_ptr + off, out_j + tile_id * T, mask=keep)
+        tl.store(vals_ptr + off, out_v.to(vt), mask=keep)
+        tl.store(idx_ptr + off, out_j + col0, mask=keep)
         tl.store(cnt_ptr + row_tile, count, mask=rows < M)
         return count
 
@@ -173,4 +189,4 @@ if triton is not None:
         mask = (rows < M)[:, None] & (cols < N)[None, :]
         g = tl.load(g_ptr + rows[:, None].to(tl.int64) * stride_gm + cols[None, :] * stride_gn,
                     mask=mask, other=0.0).to(tl.float32)
-        pack_store(g, g, rows, cols, pid_n, M, N, vals_ptr, idx_ptr, cnt_ptr, tl.cdiv(N, T), S)
+        pack_store(g, g, rows, cols, pid_n, pid_n * T, M, N, vals_ptr, idx_ptr, cnt_ptr, tl.cdiv(N, T), S)

@@ -1,19 +1,21 @@
 """TwELL inference kernels for a ReLU-gated MLP: out = down(relu(gate(x)) * up(x)).
 
 Two launches, no host synchronization:
-1. `_gate_pack_kernel`: tiled x @ gate^T (fp32 accumulation, tensor cores); its epilogue applies ReLU and
-   packs each program's [BM, T] output tile into TwELL (format.py), so the dense gate activation never
-   reaches device memory.
+1. `_gate_pack_kernel`: tiled x @ gate^T (fp32 accumulation, tensor cores; x and the weight read through
+   TMA descriptors on Hopper when their strides allow); its epilogue applies ReLU and packs each program's
+   [BM, T] output tile into TwELL (format.py), so the dense gate activation never reaches device memory.
 2. `_twell_out_kernel`: one program per token row. It turns the row's tile counts into one compact list
    of active units (prefix sum over the counts), walks it CH units at a time, gathers those rows of up and
    of the transposed down ([I, D], both contiguous rows), and accumulates out += (g * x.up_j) * down_j in
    fp32 registers: h never reaches device memory. A (row, tile) whose count exceeds the slots is
    recomputed densely from the gate and up weights (never dropped) and counted into `overflow`.
 Decode (M <= 64 tokens) is memory-bound and latency-bound instead: the gate kernel runs with a narrower
-tile (I / 64 programs stream the gate matrix) and, in the same program, computes u for its tile's active
-units only (a second K loop whose loads are masked to active columns, skipped when none), so it packs
+tile (I / 64 programs stream the gate matrix; above 16 rows I / #SMs, one program per SM) and, in the
+same program, computes u for its tile's active units only (up to 16 rows: the active columns compacted and
+read 512 deep, a few wide loads; above: a K loop whose loads are masked to active columns), so it packs
 h = g * u instead of g; kernel 2 then only gathers down rows, split over output chunks of BD columns so
-that many SMs share the few rows. Results match the batched path; `overflow` counts the narrower tiles.
+that many SMs share the few rows, and is launched as a programmatic dependent launch (Hopper): it starts
+while the gate kernel runs and waits for it on the device. `overflow` counts the narrower tiles.
 Decode overflow: the gate program already holds its tile's h densely, so it writes an overflowing
 (row, tile)'s h (rounded as a packed value would be) to a side buffer dense_h [M, I], and kernel 2's
 fallback streams those h with the tile's down rows. Recomputing gate and up there instead (the batched
@@ -23,6 +25,7 @@ fallback) would repeat the two D-long dot products per unit in each of the row's
 The down weight is read transposed: pass `prepare_down(down)` (made once at load time) to avoid a
 per-call transpose copy.
 """
+import os
 from typing import Optional
 
 import torch
@@ -32,6 +35,10 @@ from .format import cdiv, slots, use_triton
 try:
     import triton
     import triton.language as tl
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:  # older Triton: pointer loads only
+        TensorDescriptor = None
 
     from .format import pack_store
 except ImportError:  # CPU-only machines run the reference path
@@ -59,6 +66,8 @@ def gate_config(m: int, tile: int, element_size: int) -> dict:
     block_k = 64 if element_size <= 2 else 32
     if m <= DECODE_ROWS:  # streams the gate matrix: deep K blocks, few rows
         bm = max(16, triton.next_power_of_2(m))
+        if bm <= 16:  # up rows of the active columns read 8 * block_k deep (few dependent loads)
+            return dict(BM=bm, BK=4 * block_k, GROUP_M=1, num_warps=4, num_stages=3, UP_BK=8 * block_k)
         if bm <= 32:
             return dict(BM=bm, BK=4 * block_k, GROUP_M=1, num_warps=4, num_stages=3)
         return dict(BM=bm, BK=2 * block_k, GROUP_M=1, num_warps=4, num_stages=4)
@@ -84,13 +93,15 @@ class _Launch:
     dtypes and 16-byte alignment of the first call, which the plan key (_plan_key) guarantees: Triton
     specializes on nothing else (the scalars are fixed here)."""
 
-    def __init__(self, kernel, grid, scalars: dict, options: dict):
+    def __init__(self, kernel, grid, scalars: dict, options: dict, extra=None):
         names = kernel.arg_names[len(kernel.arg_names) - len(scalars):]
-        self.kernel, self.grid, self.options = kernel, grid, options
+        self.kernel, self.grid, self.options, self.extra = kernel, grid, options, extra
         self.scalars = tuple(scalars[n] for n in names)  # tensors first, then these, in signature order
         self.run = None
 
     def __call__(self, *tensors):
+        if self.extra is not None:  # arguments made from the tensors at each call (TMA descriptors)
+            tensors = tensors + self.extra(*tensors)
         if self.run is not None:
             self.run(*tensors, *self.scalars)
             return
@@ -99,34 +110,62 @@ class _Launch:
             self.run = compiled[self.grid]
 
 
-def gate_launch(x2, w, up, tile, s, vals_dtype, cfg, h_fp32=False, dense_h=False) -> _Launch:
+def tma_ok(*tensors) -> bool:
+    """Whether TMA descriptors can address these 2-D tensors: Hopper or newer (or the interpreter, which
+    emulates them), unit inner stride, 16-byte aligned base and row stride."""
+    t0 = tensors[0]
+    if t0.is_cuda:
+        if torch.cuda.get_device_capability(t0.device)[0] < 9:
+            return False
+    elif os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    return all(t.stride(1) == 1 and t.stride(0) * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0
+               for t in tensors)
+
+
+def gate_launch(x2, w, up, tile, s, vals_dtype, cfg, h_fp32=False, dense_h=False, tile_stride=None,
+                pdl=False) -> _Launch:
     """Launch of relu(x2 @ w^T) packed into TwELL, for x2 [M, D], w [I, D] (any strides). With `up`, the
     stored values are h = relu(x2 @ w^T) * (x2 @ up^T) at the same entries (up rows read only for active
     columns). With `dense_h`, each overflowing (row, tile) also gets its stored values (h, or g without
-    up; 0 where inactive) written densely into an [M, I] buffer of the values' dtype. Called with
-    (x2, w, up or w, values, indices, counts, dense_h buffer or values)."""
+    up; 0 where inactive) written densely into an [M, I] buffer of the values' dtype. Tiles are
+    `tile_stride` units wide (default `tile`; less spreads a decode over more programs). Without `up`, the
+    main loop reads x and w through TMA descriptors where tma_ok. Called with (x2, w, up or w, values,
+    indices, counts, dense_h buffer or values)."""
     m, d = x2.shape
     width = w.shape[0]
     cfg = dict(cfg)
-    bm, bk = cfg.pop("BM"), cfg.pop("BK")
+    bm, bk, up_bk = cfg.pop("BM"), cfg.pop("BK"), cfg.pop("UP_BK", 0)
     upw = up if up is not None else w
     dot = "ieee" if vals_dtype == torch.float32 and x2.dtype == torch.float32 else "tf32"
-    return _Launch(_gate_pack_kernel, (cdiv(m, bm) * cdiv(width, tile), 1, 1), dict(
+    ts = tile_stride or tile
+    tma = up is None and ts == tile and TensorDescriptor is not None and tma_ok(x2, w)
+    if tma:
+        def extra(x2, w, *_):
+            return TensorDescriptor.from_tensor(x2, [bm, bk]), TensorDescriptor.from_tensor(w, [tile, bk])
+    else:
+        def extra(x2, w, *_):
+            return x2, w  # placeholders of the descriptor arguments, unused
+    return _Launch(_gate_pack_kernel, (cdiv(m, bm) * cdiv(width, ts), 1, 1), dict(
         M=m, N=width, K=d, stride_xm=x2.stride(0), stride_xk=x2.stride(1), stride_wn=w.stride(0),
         stride_wk=w.stride(1), stride_un=upw.stride(0), stride_uk=upw.stride(1), T=tile, S=s, BM=bm, BK=bk,
         EVEN_K=d % bk == 0, GROUP_M=cfg.pop("GROUP_M"), DOT_PRECISION=dot, FUSE_UP=up is not None,
-        H_FP32=h_fp32, DENSE_H=dense_h), cfg)
+        H_FP32=h_fp32, DENSE_H=dense_h, UP_BK=min(up_bk, triton.next_power_of_2(d)), UC=16, TS=ts,
+        PDL=pdl, USE_TMA=tma), cfg, extra)
 
 
-def out_launch(x2, width, tile, s, gated, h_fp32, has_overflow, cfg, packed_h=False) -> _Launch:
+def out_launch(x2, width, tile, s, gated, h_fp32, has_overflow, cfg, packed_h=False, tile_stride=None,
+               pdl=False) -> _Launch:
     """Launch of out [M, D] = sum over active units j of h_j * down_t[j], h_j = g_j * (x . up[j]) (or g_j
     when not gated). With packed_h (decode path), the TwELL already holds h and overflowing tiles read
     theirs from the dense_h buffer that gate_launch(dense_h=True) wrote; otherwise they are recomputed
-    from w_dec and up. Called with (x2, values, indices, counts, dense_h or values, w_dec, up or down_t,
-    down_t, out, overflow or counts); w_dec, up and down_t contiguous."""
+    from w_dec and up. `tile_stride` and `pdl` as in gate_launch (the out kernel then waits for the gate
+    kernel on the device). Called with (x2, values, indices, counts, dense_h or values, w_dec, up or
+    down_t, down_t, out, overflow or counts); w_dec, up and down_t contiguous."""
     m, d = x2.shape
-    nt = cdiv(width, tile)
-    cfg = dict(cfg)
+    ts = tile_stride or tile
+    nt = cdiv(width, ts)
+    cfg = dict(cfg, launch_pdl=True) if pdl else dict(cfg)
     block_d = triton.next_power_of_2(d)
     bd = min(cfg.pop("BD", block_d), block_d)
     ch = cfg.pop("CH")
@@ -137,7 +176,24 @@ def out_launch(x2, width, tile, s, gated, h_fp32, has_overflow, cfg, packed_h=Fa
         D=d, I=width, NT=nt, stride_xm=x2.stride(0), stride_xk=x2.stride(1), T=tile, S=s,
         NT_PAD=max(2, triton.next_power_of_2(nt)), CH=ch, FB_CH=fb_ch, BLOCK_D=block_d, BD=bd,
         LIST_UP=gated and not packed_h, FALLBACK_UP=gated, H_FP32=h_fp32, HAS_OVF=has_overflow,
-        DENSE_H=packed_h), cfg)
+        DENSE_H=packed_h, TS=ts, PDL=pdl), cfg)
+
+
+def decode_tile_stride(width: int, tile: int, m: int, device: torch.device) -> int:
+    """Decode tile width (units a gate program streams). Above 16 rows: I / #SMs where that fits in the
+    tile, one program per SM (I / 64 programs leave SMs idle: 88 of 132 at I = 5632); measured faster at
+    64 rows, slower at 1 and 8 (benchmarks/NOTES-inference.md, session 3)."""
+    if device.type != "cuda" or m <= 16:
+        return tile
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return min(tile, max(cdiv(width, sms), tile // 2))
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch (Hopper and newer): the out kernel is launched while the gate kernel
+    runs and waits for it on the device, which hides its launch latency (decode)."""
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+            and hasattr(tl.extra.cuda, "gdc_wait"))  # Triton >= 3.4
 
 
 class _Plan:
@@ -145,17 +201,21 @@ class _Plan:
 
     def __init__(self, x2, w_dec, up, tile, compression, precision, overflow):
         m, d = x2.shape
+        width = w_dec.shape[0]
         self.decode = m <= DECODE_ROWS
         tile = min(tile, DECODE_TILE) if self.decode else tile
+        ts = decode_tile_stride(width, tile, m, x2.device) if self.decode else tile
+        pdl = self.decode and use_pdl(x2.device)
         s = slots(tile, compression)
         h_fp32 = precision == "highest"
         self.vals_dtype = torch.float32 if h_fp32 else x2.dtype
-        self.twell_shape = (m, cdiv(w_dec.shape[0], tile), s)
-        self.dense_h_shape = (m, w_dec.shape[0]) if self.decode else None  # decode overflow side buffer
+        self.twell_shape = (m, cdiv(width, ts), s)
+        self.dense_h_shape = (m, width) if self.decode else None  # decode overflow side buffer
         self.gate = gate_launch(x2, w_dec, up if self.decode else None, tile, s, self.vals_dtype,
-                                gate_config(m, tile, x2.element_size()), h_fp32, dense_h=self.decode)
-        self.out = out_launch(x2, w_dec.shape[0], tile, s, up is not None, h_fp32, overflow is not None,
-                              out_config(m, d), packed_h=self.decode)
+                                gate_config(m, tile, x2.element_size()), h_fp32,
+                                dense_h=self.decode, tile_stride=ts, pdl=pdl)
+        self.out = out_launch(x2, width, tile, s, up is not None, h_fp32, overflow is not None, out_config(m, d),
+                              packed_h=self.decode, tile_stride=ts, pdl=pdl)
 
 
 _PLANS = {}  # decode-size plans (M <= DECODE_ROWS), the sizes whose host time matters
@@ -286,13 +346,17 @@ def gated_mlp(x, gate_weight, up_weight, down_weight, *, tile: int = 128, compre
 if triton is not None:
 
     @triton.jit
-    def _gate_pack_kernel(x_ptr, w_ptr, up_ptr, vals_ptr, idx_ptr, cnt_ptr, hd_ptr, M, N, K,
+    def _gate_pack_kernel(x_ptr, w_ptr, up_ptr, vals_ptr, idx_ptr, cnt_ptr, hd_ptr, x_desc, w_desc, M, N, K,
                           stride_xm, stride_xk, stride_wn, stride_wk, stride_un, stride_uk,
                           T: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
                           EVEN_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                          FUSE_UP: tl.constexpr, H_FP32: tl.constexpr, DENSE_H: tl.constexpr):
+                          FUSE_UP: tl.constexpr, H_FP32: tl.constexpr, DENSE_H: tl.constexpr,
+                          UP_BK: tl.constexpr, UC: tl.constexpr, TS: tl.constexpr, PDL: tl.constexpr,
+                          USE_TMA: tl.constexpr):
+        if PDL:  # let the out kernel launch now; it waits for this grid before reading its results
+            tl.extra.cuda.gdc_launch_dependents()
         pid = tl.program_id(0)
-        n_m, n_n = tl.cdiv(M, BM), tl.cdiv(N, T)
+        n_m, n_n = tl.cdiv(M, BM), tl.cdiv(N, TS)
         # grouped order: GROUP_M row blocks sweep the columns together so x blocks stay in L2
         in_group = GROUP_M * n_n
         first_m = (pid // in_group) * GROUP_M
@@ -300,29 +364,58 @@ if triton is not None:
         pid_m = first_m + (pid % in_group) % group_m
         pid_n = (pid % in_group) // group_m
         rows = pid_m * BM + tl.arange(0, BM)
-        cols = pid_n * T + tl.arange(0, T)
+        # the tile is TS units wide (TS < T: the block's last T - TS columns are not part of it, marked N)
+        local = tl.arange(0, T)
+        cols = tl.where(local < TS, pid_n * TS + local, N)
         rk = tl.arange(0, BK)
         # wrapped indices keep the main loop free of row/column masks; the epilogue masks instead
         x_rows = x_ptr + (rows % M)[:, None].to(tl.int64) * stride_xm
         a_ptrs = x_rows + rk[None, :] * stride_xk
         b_ptrs = w_ptr + (cols % N)[None, :].to(tl.int64) * stride_wn + rk[:, None] * stride_wk
+        in_tile = (local < TS)[None, :]
         acc = tl.zeros((BM, T), dtype=tl.float32)
         for k in range(0, tl.cdiv(K, BK)):
-            if EVEN_K:
+            if USE_TMA:  # bulk copies, zero-filled out of bounds; frees the registers of the addresses
+                a = x_desc.load([pid_m * BM, k * BK])
+                b = w_desc.load([pid_n * T, k * BK]).T
+            elif EVEN_K:
                 a = tl.load(a_ptrs)
-                b = tl.load(b_ptrs)
+                if TS < T:
+                    b = tl.load(b_ptrs, mask=in_tile, other=0.0)
+                else:
+                    b = tl.load(b_ptrs)
             else:
                 a = tl.load(a_ptrs, mask=rk[None, :] < K - k * BK, other=0.0)
-                b = tl.load(b_ptrs, mask=rk[:, None] < K - k * BK, other=0.0)
+                b = tl.load(b_ptrs, mask=(rk[:, None] < K - k * BK) & in_tile, other=0.0)
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
             a_ptrs += BK * stride_xk
             b_ptrs += BK * stride_wk
         vals = acc
         if FUSE_UP:
             # u = x @ up^T on this tile, loading up rows only for columns active in some row of the block
-            col_on = tl.max(((acc > 0) & (rows < M)[:, None]).to(tl.int32), axis=0) > 0
+            col_on = tl.max(((acc > 0) & (rows < M)[:, None] & (cols < N)[None, :]).to(tl.int32), axis=0) > 0
             u = tl.zeros((BM, T), dtype=tl.float32)
-            if tl.max(col_on.to(tl.int32), axis=0) > 0:
+            n_on = tl.sum(col_on.to(tl.int32), axis=0)
+            if UP_BK > 0:
+                # the active columns compacted UC at a time and read UP_BK deep: few, wide loads instead of
+                # a K loop of T-wide masked loads (the latency of the dependent loads is what costs here)
+                pos = tl.cumsum(col_on.to(tl.int32), axis=0) - 1
+                cu = tl.arange(0, UC)
+                rkk = tl.arange(0, UP_BK)
+                for c0 in range(0, n_on, UC):
+                    sel = col_on[None, :] & (pos[None, :] == (c0 + cu)[:, None])  # [UC, T] one-hot
+                    ucol = pid_n * TS + tl.sum(tl.where(sel, local[None, :], 0), axis=1)
+                    uvalid = (c0 + cu) < n_on
+                    uc = tl.zeros((BM, UC), dtype=tl.float32)
+                    for k in range(0, tl.cdiv(K, UP_BK)):
+                        kin = rkk < K - k * UP_BK
+                        a = tl.load(x_rows + (k * UP_BK + rkk)[None, :] * stride_xk, mask=kin[None, :], other=0.0)
+                        b = tl.load(up_ptr + ucol[None, :].to(tl.int64) * stride_un
+                                    + (k * UP_BK + rkk)[:, None] * stride_uk,
+                                    mask=kin[:, None] & uvalid[None, :], other=0.0)
+                        uc = tl.dot(a, b, uc, input_precision=DOT_PRECISION)
+                    u += tl.dot(uc, sel.to(tl.float32), input_precision="ieee")  # back to tile columns, exact
+            elif n_on > 0:
                 a_ptrs = x_rows + rk[None, :] * stride_xk
                 u_ptrs = up_ptr + (cols % N)[None, :].to(tl.int64) * stride_un + rk[:, None] * stride_uk
                 for k in range(0, tl.cdiv(K, BK)):
@@ -336,7 +429,7 @@ if triton is not None:
             if not H_FP32:  # g as the packed gate value would be; h rounds when stored
                 g = g.to(vals_ptr.dtype.element_ty).to(tl.float32)
             vals = g * u
-        count = pack_store(acc, vals, rows, cols, pid_n, M, N, vals_ptr, idx_ptr, cnt_ptr, n_n, S)
+        count = pack_store(acc, vals, rows, cols, pid_n, pid_n * TS, M, N, vals_ptr, idx_ptr, cnt_ptr, n_n, S)
         if DENSE_H:
             # overflowing rows of this tile: their stored values densely (bit-identical to packed ones,
             # 0 where inactive), for kernel 2's fallback; nothing is written for tiles that fit
@@ -377,12 +470,14 @@ if triton is not None:
         return j, g, active
 
     @triton.jit
-    def _dense_h_entries(c, ov_incl, n_chunks, row, I, hd_ptr, T: tl.constexpr, FB_CH: tl.constexpr):
+    def _dense_h_entries(c, ov_incl, n_chunks, row, I, hd_ptr, T: tl.constexpr, TS: tl.constexpr,
+                         FB_CH: tl.constexpr):
         """Units and h of chunk c of a row's overflowing tiles (FB_CH units of one tile), from dense_h."""
         k = c // (T // FB_CH)  # the k-th overflowing tile: the first whose inclusive prefix exceeds k
         tile_id = tl.sum((ov_incl <= k).to(tl.int32), axis=0)
-        unit = tile_id * T + (c % (T // FB_CH)) * FB_CH + tl.arange(0, FB_CH)
-        inside = (unit < I) & (unit * 0 + c < n_chunks)  # c < n_chunks, as a [FB_CH] mask
+        within = (c % (T // FB_CH)) * FB_CH + tl.arange(0, FB_CH)
+        unit = tile_id * TS + within
+        inside = (within < TS) & (unit < I) & (unit * 0 + c < n_chunks)  # c < n_chunks, as a [FB_CH] mask
         h = tl.load(hd_ptr + row * I + unit, mask=inside, other=0.0).to(tl.float32)
         return unit, h, inside & (h != 0)
 
@@ -392,7 +487,7 @@ if triton is not None:
                           T: tl.constexpr, S: tl.constexpr, NT_PAD: tl.constexpr, CH: tl.constexpr,
                           FB_CH: tl.constexpr, BLOCK_D: tl.constexpr, BD: tl.constexpr, LIST_UP: tl.constexpr,
                           FALLBACK_UP: tl.constexpr, H_FP32: tl.constexpr, HAS_OVF: tl.constexpr,
-                          DENSE_H: tl.constexpr):
+                          DENSE_H: tl.constexpr, TS: tl.constexpr, PDL: tl.constexpr):
         # program (row, output chunk): u needs the whole row of x and up, down only BD output columns
         row = tl.program_id(0).to(tl.int64)
         pid_d = tl.program_id(1)
@@ -402,6 +497,8 @@ if triton is not None:
         omask = do < D
         x = tl.load(x_ptr + row * stride_xm + d * stride_xk, mask=dmask, other=0.0,
                     eviction_policy="evict_first").to(tl.float32)
+        if PDL:  # launched before the gate kernel finished: wait for its results
+            tl.extra.cuda.gdc_wait()
         t = tl.arange(0, NT_PAD)
         cnt = tl.load(cnt_ptr + row * NT + t, mask=t < NT, other=0, eviction_policy="evict_first")
         fits = tl.where(cnt <= S, cnt, 0)  # overflowed tiles go through the dense fallback below
@@ -426,10 +523,10 @@ if triton is not None:
                 # h fetched before this chunk's down rows are consumed (like the list above)
                 ov_incl = tl.cumsum((cnt > S).to(tl.int32), axis=0)
                 n_chunks = n_over * (T // FB_CH)
-                unit, h, live = _dense_h_entries(0, ov_incl, n_chunks, row, I, hd_ptr, T, FB_CH)
+                unit, h, live = _dense_h_entries(0, ov_incl, n_chunks, row, I, hd_ptr, T, TS, FB_CH)
                 for c in range(0, n_chunks):
                     unit_next, h_next, live_next = _dense_h_entries(c + 1, ov_incl, n_chunks, row, I, hd_ptr,
-                                                                    T, FB_CH)
+                                                                    T, TS, FB_CH)
                     acc = _accumulate_units(acc, x, unit, h, live, d, dmask, do, omask, up_ptr, down_ptr, D,
                                             False, H_FP32)
                     unit, h, live = unit_next, h_next, live_next
@@ -438,8 +535,8 @@ if triton is not None:
                     if tl.load(cnt_ptr + row * NT + tile) > S:
                         for u0 in range(0, T, FB_CH):
                             in_tile = u0 + tl.arange(0, FB_CH)
-                            unit = tile * T + in_tile
-                            inside = (in_tile < T) & (unit < I)
+                            unit = tile * TS + in_tile
+                            inside = (in_tile < TS) & (unit < I)
                             gw = tl.load(wdec_ptr + unit[:, None].to(tl.int64) * D + d[None, :],
                                          mask=inside[:, None] & dmask[None, :], other=0.0)
                             gate = tl.sum(gw.to(tl.float32) * x[None, :], axis=1)

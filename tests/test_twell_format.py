@@ -22,9 +22,14 @@ def valid_mask(tw):
     return torch.arange(tw.values.shape[2]) < tw.counts.clamp(max=tw.values.shape[2])[..., None]
 
 
-@pytest.mark.parametrize("m,width,tile,compression", [(5, 100, 32, 8), (19, 64, 16, 2)])
-def test_pack_matches_reference(m, width, tile, compression):
-    g = activation(m, width, 0.1)
+@pytest.mark.parametrize("m,width,tile,compression,dtype", [
+    (5, 100, 32, 8, torch.float32),
+    (19, 64, 16, 2, torch.float32),
+    (9, 300, 128, 8, torch.float16),  # 16-bit values: the epilogue's one-min-a-slot keys
+    (6, 80, 64, 4, torch.bfloat16),
+])
+def test_pack_matches_reference(m, width, tile, compression, dtype):
+    g = activation(m, width, 0.1).to(dtype)
     tw, ref = twell.pack(g, tile, compression), pack_reference(g, tile, compression)
     assert torch.equal(tw.counts, ref.counts)
     valid = valid_mask(ref)

@@ -82,7 +82,7 @@ def overflow_count(g, tile, compression):
     return (per_tile > slots(tile, compression)).sum().item()
 
 
-@pytest.mark.parametrize("m,dense_rows", [(1, [0]), (3, [0, 2])])
+@pytest.mark.parametrize("m,dense_rows", [(1, [0]), (3, [0, 2]), (20, [5])])  # 20: the T-wide up loop
 @pytest.mark.parametrize("dtype,precision", [(torch.float32, "highest"), (torch.float16, "default")])
 def test_decode_dense_rows(m, dense_rows, dtype, precision):
     """Decode sizes: fully dense rows overflow every tile (h read back from dense_h), others fit."""
@@ -130,6 +130,59 @@ def test_decode_kernels_read_dense_h_only_where_written(gated):
         x, *tw[:3], dense_h, gate, up if gated else down_t, down_t, out, overflow)
     assert rel_err(out, (h @ down.t())) < 1e-5
     assert overflow.item() == over.sum().item()
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_decode_tiles_narrower_than_the_block(gated):
+    """Decode spread over more programs: tiles of tile_stride units inside T-wide blocks (the block's
+    last columns belong to the next tile). NaN-poisoned buffers, a dense row, I not a multiple."""
+    torch.manual_seed(2)
+    m, d, i, tile, ts, comp = 20, 24, 130, 32, 20, 4
+    x, gate, up, down = block(m, d, i, k=6)
+    x[4, 0] = -40.0  # every unit active: all of the row's tiles overflow
+    nt, s = math.ceil(i / ts), slots(tile, comp)
+    vals = torch.full((m, nt, s), float("nan"), device=DEV)
+    idx = torch.full((m, nt, s), -1, dtype=torch.int32, device=DEV)
+    cnt = torch.full((m, nt), -1, dtype=torch.int32, device=DEV)
+    dense_h = torch.full((m, i), float("nan"), device=DEV)
+    upw = up if gated else None
+    gate_launch(x, gate, upw, tile, s, x.dtype, gate_config(m, tile, 4), dense_h=True, tile_stride=ts)(
+        x, gate, up if gated else gate, vals, idx, cnt, dense_h)
+    g = torch.relu(x @ gate.t())
+    per_tile = torch.nn.functional.pad(g > 0, (0, nt * ts - i)).view(m, nt, ts).sum(-1)
+    assert torch.equal(cnt, per_tile.int()) and (cnt[4] > s).all()
+    out = torch.full_like(x, float("nan"))
+    overflow = torch.zeros(1, dtype=torch.int64, device=DEV)
+    down_t = down.t().contiguous()
+    out_launch(x, i, tile, s, gated, False, True, dict(CH=4, BD=8), packed_h=True, tile_stride=ts)(
+        x, vals, idx, cnt, dense_h, gate, up if gated else down_t, down_t, out, overflow)
+    h = g * (x @ up.t()) if gated else g
+    assert rel_err(out, h @ down.t()) < 1e-5
+    assert overflow.item() == (per_tile > s).sum().item()
+
+
+def test_tma_and_pointer_main_loops_pack_alike():
+    """The batched gate kernel reads x and the weight through TMA descriptors when they allow it (the
+    interpreter emulates them), else through pointers: both must give the same TwELL."""
+    from twell.gated_mlp import tma_ok
+    x, gate, up, down = block(70, 32, 96, k=8)
+    x[7, 0] = -40.0  # a dense row: overflowing tiles
+    wide = torch.zeros(70, 33, device=DEV)
+    wide[:, :32] = x
+    x_unaligned = wide[:, :32]  # row stride of 33 floats: no TMA descriptor
+    assert tma_ok(x, gate) == (DEV == "cpu" or torch.cuda.get_device_capability()[0] >= 9)
+    assert not tma_ok(x_unaligned, gate)
+    packed = []
+    for xx in (x, x_unaligned):
+        tw = empty_twell(70, 96, 32, 4, x.dtype, x.device)
+        tw.values.fill_(float("nan"))
+        gate_launch(xx, gate, None, 32, slots(32, 4), x.dtype, gate_config(70, 32, 4))(
+            xx, gate, gate, *tw[:3], tw.values)
+        packed.append(tw)
+    a, b = packed
+    valid = torch.arange(a.values.shape[2], device=DEV) < a.counts.clamp(max=a.values.shape[2])[..., None]
+    assert torch.equal(a.counts, b.counts) and (a.counts[7] > slots(32, 4)).all()
+    assert torch.equal(a.indices[valid], b.indices[valid]) and torch.equal(a.values[valid], b.values[valid])
 
 
 def test_noncontiguous_and_batched_input():
