@@ -123,6 +123,14 @@ def tma_ok(*tensors) -> bool:
                for t in tensors)
 
 
+def _tile_stride(tile: int, tile_stride) -> int:
+    if tile_stride is None:
+        return tile
+    if not 0 < tile_stride <= tile:
+        raise ValueError(f"tile_stride must be in 1..tile ({tile}), got {tile_stride}")
+    return tile_stride
+
+
 def gate_launch(x2, w, up, tile, s, vals_dtype, cfg, h_fp32=False, dense_h=False, tile_stride=None,
                 pdl=False) -> _Launch:
     """Launch of relu(x2 @ w^T) packed into TwELL, for x2 [M, D], w [I, D] (any strides). With `up`, the
@@ -138,7 +146,7 @@ def gate_launch(x2, w, up, tile, s, vals_dtype, cfg, h_fp32=False, dense_h=False
     bm, bk, up_bk = cfg.pop("BM"), cfg.pop("BK"), cfg.pop("UP_BK", 0)
     upw = up if up is not None else w
     dot = "ieee" if vals_dtype == torch.float32 and x2.dtype == torch.float32 else "tf32"
-    ts = tile_stride or tile
+    ts = _tile_stride(tile, tile_stride)
     tma = up is None and ts == tile and TensorDescriptor is not None and tma_ok(x2, w)
     if tma:
         def extra(x2, w, *_):
@@ -163,7 +171,7 @@ def out_launch(x2, width, tile, s, gated, h_fp32, has_overflow, cfg, packed_h=Fa
     kernel on the device). Called with (x2, values, indices, counts, dense_h or values, w_dec, up or
     down_t, down_t, out, overflow or counts); w_dec, up and down_t contiguous."""
     m, d = x2.shape
-    ts = tile_stride or tile
+    ts = _tile_stride(tile, tile_stride)
     nt = cdiv(width, ts)
     cfg = dict(cfg, launch_pdl=True) if pdl else dict(cfg)
     block_d = triton.next_power_of_2(d)
@@ -182,7 +190,8 @@ def out_launch(x2, width, tile, s, gated, h_fp32, has_overflow, cfg, packed_h=Fa
 def decode_tile_stride(width: int, tile: int, m: int, device: torch.device) -> int:
     """Decode tile width (units a gate program streams). Above 16 rows: I / #SMs where that fits in the
     tile, one program per SM (I / 64 programs leave SMs idle: 88 of 132 at I = 5632); measured faster at
-    64 rows, slower at 1 and 8 (benchmarks/NOTES-inference.md, session 3)."""
+    64 rows, slower at 1 and 8 (benchmarks/NOTES-inference.md, session 3). At least half the tile, so
+    that a narrow layer does not pay for mostly empty T-wide blocks."""
     if device.type != "cuda" or m <= 16:
         return tile
     sms = torch.cuda.get_device_properties(device).multi_processor_count

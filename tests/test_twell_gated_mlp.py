@@ -8,7 +8,7 @@ import torch
 
 import twell
 from twell.format import empty_twell, slots
-from twell.gated_mlp import gate_config, gate_launch, out_launch
+from twell.gated_mlp import decode_tile_stride, gate_config, gate_launch, out_launch
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -75,10 +75,12 @@ def test_kernels_write_every_output_and_read_only_valid_slots():
 
 
 def overflow_count(g, tile, compression):
-    """Overflowing (row, tile) pairs of a gate pre-activation [M, I], at the kernels' decode tile width."""
+    """Overflowing (row, tile) pairs of a gate pre-activation [M, I], at the kernels' decode tiles (blocks of
+    min(tile, 64), each holding a tile of decode_tile_stride units: narrower on a GPU above 16 rows)."""
     tile = min(tile, 64)
-    nt = math.ceil(g.shape[1] / tile)
-    per_tile = torch.nn.functional.pad(g > 0, (0, nt * tile - g.shape[1])).view(g.shape[0], nt, tile).sum(-1)
+    ts = decode_tile_stride(g.shape[1], tile, g.shape[0], g.device)
+    nt = math.ceil(g.shape[1] / ts)
+    per_tile = torch.nn.functional.pad(g > 0, (0, nt * ts - g.shape[1])).view(g.shape[0], nt, ts).sum(-1)
     return (per_tile > slots(tile, compression)).sum().item()
 
 
