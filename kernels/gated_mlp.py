@@ -12,7 +12,7 @@ Two launches, no host synchronization:
 Decode (M <= 64 tokens) is memory-bound and latency-bound instead: the gate kernel runs with a narrower
 tile (I / 64 programs stream the gate matrix; above 16 rows I / #SMs, one program per SM) and, in the
 same program, computes u for its tile's active units only (up to 16 rows: the active columns compacted and
-read 512 deep, a few wide loads; above: a K loop whose loads are masked to active columns), so it packs
+read 512 deep, three such blocks in flight; above: a K loop whose loads are masked to active columns), so it packs
 h = g * u instead of g; kernel 2 then only gathers down rows, split over output chunks of BD columns so
 that many SMs share the few rows, and is launched as a programmatic dependent launch (Hopper): it starts
 while the gate kernel runs and waits for it on the device. `overflow` counts the narrower tiles.
@@ -66,8 +66,9 @@ def gate_config(m: int, tile: int, element_size: int) -> dict:
     block_k = 64 if element_size <= 2 else 32
     if m <= DECODE_ROWS:  # streams the gate matrix: deep K blocks, few rows
         bm = max(16, triton.next_power_of_2(m))
-        if bm <= 16:  # up rows of the active columns read 8 * block_k deep (few dependent loads)
-            return dict(BM=bm, BK=4 * block_k, GROUP_M=1, num_warps=4, num_stages=3, UP_BK=8 * block_k)
+        if bm <= 16:  # up rows of the active columns read 8 * block_k deep, 3 blocks in flight
+            return dict(BM=bm, BK=4 * block_k, GROUP_M=1, num_warps=4, num_stages=4, UP_BK=8 * block_k,
+                        UP_STAGES=3)
         if bm <= 32:
             return dict(BM=bm, BK=4 * block_k, GROUP_M=1, num_warps=4, num_stages=3)
         return dict(BM=bm, BK=2 * block_k, GROUP_M=1, num_warps=4, num_stages=4)
@@ -137,17 +138,18 @@ def gate_launch(x2, w, up, tile, s, vals_dtype, cfg, h_fp32=False, dense_h=False
     stored values are h = relu(x2 @ w^T) * (x2 @ up^T) at the same entries (up rows read only for active
     columns). With `dense_h`, each overflowing (row, tile) also gets its stored values (h, or g without
     up; 0 where inactive) written densely into an [M, I] buffer of the values' dtype. Tiles are
-    `tile_stride` units wide (default `tile`; less spreads a decode over more programs). Without `up`, the
-    main loop reads x and w through TMA descriptors where tma_ok. Called with (x2, w, up or w, values,
+    `tile_stride` units wide (default `tile`; less spreads a decode over more programs). With whole tiles,
+    the main loop reads x and w through TMA descriptors where tma_ok. Called with (x2, w, up or w, values,
     indices, counts, dense_h buffer or values)."""
     m, d = x2.shape
     width = w.shape[0]
     cfg = dict(cfg)
     bm, bk, up_bk = cfg.pop("BM"), cfg.pop("BK"), cfg.pop("UP_BK", 0)
+    up_stages = cfg.pop("UP_STAGES", 1)
     upw = up if up is not None else w
     dot = "ieee" if vals_dtype == torch.float32 and x2.dtype == torch.float32 else "tf32"
     ts = _tile_stride(tile, tile_stride)
-    tma = up is None and ts == tile and TensorDescriptor is not None and tma_ok(x2, w)
+    tma = ts == tile and TensorDescriptor is not None and tma_ok(x2, w)
     if tma:
         def extra(x2, w, *_):
             return TensorDescriptor.from_tensor(x2, [bm, bk]), TensorDescriptor.from_tensor(w, [tile, bk])
@@ -159,7 +161,7 @@ def gate_launch(x2, w, up, tile, s, vals_dtype, cfg, h_fp32=False, dense_h=False
         stride_wk=w.stride(1), stride_un=upw.stride(0), stride_uk=upw.stride(1), T=tile, S=s, BM=bm, BK=bk,
         EVEN_K=d % bk == 0, GROUP_M=cfg.pop("GROUP_M"), DOT_PRECISION=dot, FUSE_UP=up is not None,
         H_FP32=h_fp32, DENSE_H=dense_h, UP_BK=min(up_bk, triton.next_power_of_2(d)), UC=16, TS=ts,
-        PDL=pdl, USE_TMA=tma), cfg, extra)
+        PDL=pdl, USE_TMA=tma, UP_STAGES=up_stages), cfg, extra)
 
 
 def out_launch(x2, width, tile, s, gated, h_fp32, has_overflow, cfg, packed_h=False, tile_stride=None,
@@ -361,7 +363,7 @@ if triton is not None:
                           EVEN_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
                           FUSE_UP: tl.constexpr, H_FP32: tl.constexpr, DENSE_H: tl.constexpr,
                           UP_BK: tl.constexpr, UC: tl.constexpr, TS: tl.constexpr, PDL: tl.constexpr,
-                          USE_TMA: tl.constexpr):
+                          USE_TMA: tl.constexpr, UP_STAGES: tl.constexpr):
         if PDL:  # let the out kernel launch now; it waits for this grid before reading its results
             tl.extra.cuda.gdc_launch_dependents()
         pid = tl.program_id(0)
@@ -416,7 +418,7 @@ if triton is not None:
                     ucol = pid_n * TS + tl.sum(tl.where(sel, local[None, :], 0), axis=1)
                     uvalid = (c0 + cu) < n_on
                     uc = tl.zeros((BM, UC), dtype=tl.float32)
-                    for k in range(0, tl.cdiv(K, UP_BK)):
+                    for k in tl.range(0, tl.cdiv(K, UP_BK), num_stages=UP_STAGES):
                         kin = rkk < K - k * UP_BK
                         a = tl.load(x_rows + (k * UP_BK + rkk)[None, :] * stride_xk, mask=kin[None, :], other=0.0)
                         b = tl.load(up_ptr + ucol[None, :].to(tl.int64) * stride_un
