@@ -647,14 +647,9 @@ class _HybridGatedMLP(torch.autograd.Function):
         backup, hot_state, csc = saved[:2], saved[2:2 + ctx.n_hot], saved[2 + ctx.n_hot:]
         E = ctx.E
         M, D = x2.shape
-        I = gate.shape[0]
-        dt = x2.dtype
         need_x, need_gate, need_up, need_down = ctx.needs_input_grad[:4]
         with torch.autocast(x2.device.type, enabled=False):
-            dout2 = dout.reshape(-1, D).to(dt).contiguous()
-            c = (dl1.float() / M).reshape(1)
-            downT = _transpose(down, dt)
-            csc = csc or _csc(idx, I, _blocks(x2.device)["SEG"])
+            dout2, c, downT, csc = _backward_inputs(x2, down, idx, gate.shape[0], csc, dout, dl1)
             ddownT = None
             if _fused_dh(D, x2.device):  # dh rides in the d_down kernel (one gather of dout rows)
                 dgp = _empty((M, E), dtype=torch.float32, device=x2.device)
@@ -669,7 +664,7 @@ class _HybridGatedMLP(torch.autograd.Function):
                 dgp_hot, du_hot, h_hot = _hot_grads(g_hot, u_hot, dout2 @ down[:, hot], c)
             dx = dgate = dup = ddown = None
             if need_x:
-                dx = _spmm(idx, nnz, dgp, gate, du, up, dtype=dt)
+                dx = _spmm(idx, nnz, dgp, gate, du, up, dtype=x2.dtype)
                 _rows_mm(backup, dgpb, gate, dx, dub, up)
                 if hot_state:
                     dx.addmm_(dgp_hot, gate[hot]).addmm_(du_hot, up[hot])
@@ -690,6 +685,15 @@ class _HybridGatedMLP(torch.autograd.Function):
                     ddownT.index_add_(0, hot, (h_hot.t() @ dout2).float())
                 ddown = _transpose(ddownT, ctx.dtypes[3])
         return dx, (dgate if need_gate else None), (dup if need_up else None), ddown, None, None
+
+
+def _backward_inputs(x2, down, idx, width, csc, dout, dl1):
+    """What both backwards start from: dout as [M, D] in the compute dtype, the L1 term's gradient scale
+    (dl1 / M), the transposed down weight, and the pattern's CSC (rebuilt when the forward did not save it)."""
+    m, d = x2.shape
+    dout2 = dout.reshape(-1, d).to(x2.dtype).contiguous()
+    c = (dl1.float() / m).reshape(1)
+    return dout2, c, _transpose(down, x2.dtype), csc or _csc(idx, width, _blocks(x2.device)["SEG"])
 
 
 class _HybridMLP(torch.autograd.Function):
@@ -728,14 +732,9 @@ class _HybridMLP(torch.autograd.Function):
         backup, csc = saved[:2], saved[2:]
         E = ctx.E
         M, D = x2.shape
-        I = up.shape[0]
-        dt = x2.dtype
         need_x, need_up, need_down = ctx.needs_input_grad[:3]
         with torch.autocast(x2.device.type, enabled=False):
-            dout2 = dout.reshape(-1, D).to(dt).contiguous()
-            c = (dl1.float() / M).reshape(1)
-            downT = _transpose(down, dt)
-            csc = csc or _csc(idx, I, _blocks(x2.device)["SEG"])
+            dout2, c, downT, csc = _backward_inputs(x2, down, idx, up.shape[0], csc, dout, dl1)
             ddownT = None
             if _fused_dh(D, x2.device):
                 dpre = _empty((M, E), dtype=torch.float32, device=x2.device)
@@ -745,7 +744,7 @@ class _HybridMLP(torch.autograd.Function):
             dpreb, _, hb = _rows_units(2, backup, x2, up, dout=dout2, down=down, c=c)
             dx = dup = ddown = None
             if need_x:
-                dx = _spmm(idx, nnz, dpre, up, dtype=dt)
+                dx = _spmm(idx, nnz, dpre, up, dtype=x2.dtype)
                 _rows_mm(backup, dpreb, up, dx)
                 dx = dx.reshape(ctx.x_shape).to(ctx.dtypes[0])
             if need_up:
