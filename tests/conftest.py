@@ -16,9 +16,11 @@ import pytest  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    # Triton reads TRITON_INTERPRET when a kernel is defined, so a test cannot switch it on for itself
+    interpreter = os.environ.get("TRITON_INTERPRET") == "1"
+    skips = {"gpu": None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA GPU"),
+             "interpreter": None if interpreter else pytest.mark.skip(reason="needs TRITON_INTERPRET=1 (CPU)")}
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        for marker, skip in skips.items():
+            if skip is not None and marker in item.keywords:
+                item.add_marker(skip)

@@ -33,12 +33,14 @@ def test_hybrid_share_weights_log_windows_by_their_steps():
     assert hybrid_share([]) == []
 
 
+@pytest.mark.interpreter
 def test_kernels_run_on_cpu_only_under_the_interpreter(monkeypatch):
     assert hybrid_kernels_run(torch.device("cpu"))  # conftest sets TRITON_INTERPRET=1 without a GPU
     monkeypatch.delenv("TRITON_INTERPRET")
     assert not hybrid_kernels_run(torch.device("cpu"))
 
 
+@pytest.mark.interpreter
 def test_layers_switch_by_activity_and_the_log_records_paths_and_backup_rows():
     model, _ = tiny_model("llama")
     mlps = relufy(model)
@@ -75,6 +77,7 @@ def test_layers_switch_by_activity_and_the_log_records_paths_and_backup_rows():
     assert all(l["hot_units"] == 0 for e in log for l in e["layers"])
 
 
+@pytest.mark.interpreter
 def test_busy_units_of_hybrid_layers_run_as_dense_columns():
     model, _ = tiny_model("llama")
     mlps = relufy(model)
@@ -90,6 +93,7 @@ def test_busy_units_of_hybrid_layers_run_as_dense_columns():
     assert all(b0 < SEQ * BATCH for b0, _ in backup[1:]) and all(p == "hybrid" for p in [e["layers"][0]["path"] for e in log[1:]])
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("hot_rate", [1.0, 0.5])
 def test_training_on_the_hybrid_kernels_matches_dense(hot_rate):
     # 32 units, ~16 active per token, E = 16: about half the rows go through the ELL kernels, the rest
@@ -117,6 +121,7 @@ def test_training_on_the_hybrid_kernels_matches_dense(hot_rate):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.interpreter
 def test_mlps_with_bias_stay_dense_in_the_log():
     # The hybrid kernels have no bias terms: such MLPs run dense whatever their activity, and say so.
     model, _ = tiny_model("llama", mlp_bias=True)
@@ -124,6 +129,7 @@ def test_mlps_with_bias_stay_dense_in_the_log():
     assert all(l["path"] == "dense" and l["backup_rows"] == 0 for e in log for l in e["layers"])
 
 
+@pytest.mark.interpreter
 def test_resume_continues_on_the_paths_chosen_before_the_interrupt(tmp_path):
     def sparse_layer0(seed=0):  # layer 0 at most 20 active units: hybrid from step 2 on
         model, _ = tiny_model("llama", seed=seed)
