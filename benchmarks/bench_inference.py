@@ -4,8 +4,8 @@ Synthetic sparsity: x ~ N(0, 1) with x[:, 0] = 1 (bias channel), gate ~ N(0, 1/D
 gate[:, 0] = -Phi^-1(1 - k/I), so each unit fires with probability k/I. Dense baseline: gate and up as
 one concatenated bf16 cuBLAS matmul, relu(g) * u, down matmul. Each row also checks correctness
 (||out - ref|| / ||ref|| against the fp32 block on fresh inputs) in the same run.
-Batched sizes: triton do_bench median (it flushes L2 before every call). Decode sizes (M <= 64): CUDA
-graph replays of LAYERS layer copies (so weights do not stay in L2), time per layer.
+Large sizes: triton do_bench median (it flushes L2 before every call). Up to GRAPH_ROWS tokens (decode and
+the "mid" grid): CUDA graph replays of LAYERS layer copies (so weights do not stay in L2), time per layer.
 Grid "decode_dense": decode with every unit active (k = I: gate[:, 0] = 10, so every pre-activation is
 positive), so every (row, tile) overflows: the cost of the decode overflow fallback against dense.
 
@@ -27,10 +27,13 @@ import twell
 from twell.format import empty_twell, slots
 from twell.gated_mlp import DECODE_ROWS, DECODE_TILE, gate_config, gate_launch, out_config, out_launch
 
-LAYERS = 8  # layer copies for decode timing
+LAYERS = 8  # layer copies for graph-replay timing
+GRAPH_ROWS = 1024  # up to this many tokens: CUDA-graph replays (the launches are short enough for host time to show)
 GRIDS = {
     "main": [(2048, 5632, m, k) for m in (4096, 16384, 65536) for k in (29, 100, 300)],
     "decode": [(2048, 5632, m, k) for m in (1, 8, 64) for k in (29, 100)],
+    # between decode and the batched sizes
+    "mid": [(d, i, m, 29) for d, i in ((2048, 5632), (4096, 14336)) for m in (96, 256, 512, 1024)],
     "real": [(d, i, m, 29) for d, i in ((896, 4864), (2048, 8192), (3584, 18944), (4096, 14336))
              for m in (1, 16384)],
     "decode_dense": [(2048, 5632, m, 5632) for m in (1, 8)],  # k = I: every tile overflows
@@ -93,15 +96,16 @@ def reference(x, w):
     return twell.gated_mlp_reference(x.float(), w["gate"], w["up"], w["down"]).float()
 
 
-def time_fn(fn, decode):
-    if decode:
+def time_fn(fn, graphs):
+    if graphs:
         return do_bench_cudagraph(fn, rep=50, return_mode="median") / LAYERS
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 def bench_row(d, i, m, k, tile, compression, skew=0.0):
     decode = m <= DECODE_ROWS
-    layers = [make_layer(d, i, k, skew) for _ in range(LAYERS if decode else 1)]
+    graphs = m <= GRAPH_ROWS
+    layers = [make_layer(d, i, k, skew) for _ in range(LAYERS if graphs else 1)]
     w = layers[0]
     # correctness on fresh inputs, in the same run
     x = make_x(m, d)
@@ -118,14 +122,14 @@ def bench_row(d, i, m, k, tile, compression, skew=0.0):
     s = slots(used_tile, compression)
     ovf = torch.zeros(1, dtype=torch.int64, device="cuda")
     twell.gated_mlp(x, w["gate"], w["up"], w["down_p"], tile=tile, compression=compression, overflow=ovf)
-    t_dense = time_fn(lambda: [dense(x, lw) for lw in layers], decode)
-    t_sparse = time_fn(lambda: [sparse(x, lw, tile, compression) for lw in layers], decode)
+    t_dense = time_fn(lambda: [dense(x, lw) for lw in layers], graphs)
+    t_sparse = time_fn(lambda: [sparse(x, lw, tile, compression) for lw in layers], graphs)
     row = dict(D=d, I=i, M=m, k=k, skew=skew, tile=used_tile, compression=compression, slots=s,
                mean_active=per_row.mean().item(), max_active=per_row.max().item(),
                max_tile_active=tw.counts.max().item(), overflow_tiles=int(ovf.item()),
                dense_ms=t_dense, twell_ms=t_sparse, speedup=t_dense / t_sparse,
                err_dense=err_dense, err_twell=err_sparse, err_twell_highest=err_highest)
-    if not decode:  # breakdown of the two launches
+    if not graphs:  # breakdown of the two launches (single do_bench launches: meaningless at graph sizes)
         row["gate_ms"] = do_bench(lambda: gate_pack(x, w["gate"], tile, compression, gate_config(m, tile, 2)),
                                   return_mode="median")
         packed = gate_pack(x, w["gate"], tile, compression, gate_config(m, tile, 2))

@@ -79,12 +79,16 @@ def gate_config(m: int, tile: int, element_size: int) -> dict:
 
 def out_config(m: int, d: int) -> dict:
     """TwELL-to-dense launch configuration: CH units per step, BD output columns per program.
-    Batched: one row per program, small CH and one or two warps (many programs in flight hide the
-    gather latency). Decode: the row is split over output chunks so that many SMs share its few units."""
+    Batched: one row per program, small CH and one or two warps where many rows are in flight to hide the
+    gather latency; with few rows (<= 512) more units a step instead, fewer dependent steps a row (D 2048,
+    96 tokens: 71 -> 48 us). Warps grow with CH * D (the step's up and down rows sit in registers).
+    Decode: the row is split over output chunks so that many SMs share its few units."""
     block_d = triton.next_power_of_2(d)
     if m <= DECODE_ROWS:
         return dict(CH=32, BD=64 if m <= 8 else 256, num_warps=4)
-    return dict(CH=2, BD=block_d, num_warps=1 if block_d <= 2048 else 2)
+    ch = 8 if m <= 256 else 4 if m <= 512 else 2
+    ch = min(ch, max(2, 32768 // block_d))
+    return dict(CH=ch, BD=block_d, num_warps=min(8, max(1, ch * block_d // 4096)))
 
 
 class _Launch:
