@@ -11,6 +11,7 @@ positive), so every (row, tile) overflows: the cost of the decode overflow fallb
 
   python benchmarks/bench_inference.py --grid main decode --json out.json
   python benchmarks/bench_inference.py --grid decode_dense
+  python benchmarks/bench_inference.py --grid window --json out.json  # speed-up against token count
   python benchmarks/bench_inference.py --sweep       # launch-config sweep at D=2048, I=5632
 """
 import argparse
@@ -25,7 +26,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 import twell
 from twell.format import empty_twell, slots
-from twell.gated_mlp import DECODE_ROWS, DECODE_TILE, gate_config, gate_launch, out_config, out_launch
+from twell.gated_mlp import DECODE_TILE, decode_rows, gate_config, gate_launch, out_config, out_launch
 
 LAYERS = 8  # layer copies for graph-replay timing
 GRAPH_ROWS = 1024  # up to this many tokens: CUDA-graph replays (the launches are short enough for host time to show)
@@ -37,7 +38,21 @@ GRIDS = {
     "real": [(d, i, m, 29) for d, i in ((896, 4864), (2048, 8192), (3584, 18944), (4096, 14336))
              for m in (1, 16384)],
     "decode_dense": [(2048, 5632, m, 5632) for m in (1, 8)],  # k = I: every tile overflows
+    # speed-up against token count at the benchmark and real shapes: where the plan's dense window falls
+    "window": [(d, i, m, 29) for d, i in ((2048, 5632), (896, 4864), (2048, 8192), (3584, 18944), (4096, 14336))
+               for m in (1, 16, 64, 65, 96, 128, 192, 256, 384, 512, 768, 1024, 2048, 4096)],
 }
+
+
+_layers = {}  # the last shape's layer copies, reused by the grid rows of that shape
+
+
+def make_layers(d, i, k, skew, n):
+    key = (d, i, k, skew)
+    if key not in _layers or len(_layers[key]) < n:
+        _layers.clear()
+        _layers[key] = [make_layer(d, i, k, skew) for _ in range(n)]
+    return _layers[key][:n]
 
 
 def make_layer(d, i, k, skew=0.0):
@@ -103,9 +118,9 @@ def time_fn(fn, graphs):
 
 
 def bench_row(d, i, m, k, tile, compression, skew=0.0):
-    decode = m <= DECODE_ROWS
+    decode = m <= decode_rows(d, i)
     graphs = m <= GRAPH_ROWS
-    layers = [make_layer(d, i, k, skew) for _ in range(LAYERS if graphs else 1)]
+    layers = make_layers(d, i, k, skew, LAYERS if graphs else 1)
     w = layers[0]
     # correctness on fresh inputs, in the same run
     x = make_x(m, d)
@@ -117,7 +132,7 @@ def bench_row(d, i, m, k, tile, compression, skew=0.0):
     # measured activity, with the tile the kernel actually used
     used_tile = min(tile, DECODE_TILE) if decode else tile
     x = make_x(m, d)
-    tw, _ = gate_pack(x, w["gate"], used_tile, compression, gate_config(m, used_tile, 2))
+    tw, _ = gate_pack(x, w["gate"], used_tile, compression, gate_config(m, used_tile, 2, decode))
     per_row = tw.counts.sum(1).float()
     s = slots(used_tile, compression)
     ovf = torch.zeros(1, dtype=torch.int64, device="cuda")
@@ -129,11 +144,13 @@ def bench_row(d, i, m, k, tile, compression, skew=0.0):
                max_tile_active=tw.counts.max().item(), overflow_tiles=int(ovf.item()),
                dense_ms=t_dense, twell_ms=t_sparse, speedup=t_dense / t_sparse,
                err_dense=err_dense, err_twell=err_sparse, err_twell_highest=err_highest)
-    if not graphs:  # breakdown of the two launches (single do_bench launches: meaningless at graph sizes)
-        row["gate_ms"] = do_bench(lambda: gate_pack(x, w["gate"], tile, compression, gate_config(m, tile, 2)),
-                                  return_mode="median")
-        packed = gate_pack(x, w["gate"], tile, compression, gate_config(m, tile, 2))
-        row["updown_ms"] = do_bench(lambda: twell_out(x, packed, w, out_config(m, d)), return_mode="median")
+    if not decode:  # breakdown of the two launches, and cuBLAS's x @ gate^T beside the gate kernel
+        cfg = gate_config(m, tile, 2, decode=False)
+        row["gate_ms"] = time_fn(lambda: [gate_pack(x, lw["gate"], tile, compression, cfg) for lw in layers], graphs)
+        packed = [gate_pack(x, lw["gate"], tile, compression, cfg) for lw in layers]
+        ocfg = out_config(m, d, decode=False)
+        row["updown_ms"] = time_fn(lambda: [twell_out(x, p, lw, ocfg) for p, lw in zip(packed, layers)], graphs)
+        row["cublas_gate_ms"] = time_fn(lambda: [x @ lw["gate"].t() for lw in layers], graphs)
     return row
 
 
@@ -159,7 +176,7 @@ def sweep():
                 continue
             rows.append(dict(kernel="gate", M=m, tile=tile, **cfg, ms=t))
             print(rows[-1])
-        packed = gate_pack(x, w["gate"], 128, 8, gate_config(m, 128, 2))
+        packed = gate_pack(x, w["gate"], 128, 8, gate_config(m, 128, 2, decode=False))
         for ch in (1, 2, 4):
             for warps in (1, 2):
                 cfg = dict(CH=ch, num_warps=warps)
@@ -184,7 +201,7 @@ def sweep():
                 continue
             rows.append(dict(kernel="gate_up", M=m, tile=tile, **cfg, ms=t))
             print(rows[-1])
-        tws = [gate_pack(x, lw["gate"], 64, 8, gate_config(m, 64, 2), up=lw["up"]) for lw in layers]
+        tws = [gate_pack(x, lw["gate"], 64, 8, gate_config(m, 64, 2, decode=True), up=lw["up"]) for lw in layers]
         ref = reference(x, layers[0])
         for ch in (16, 32):
             for bd in (64, 128, 256):
@@ -213,20 +230,24 @@ def main():
         result = dict(meta, sweep=sweep())
     else:
         rows = []
+        result = dict(meta, rows=rows)
         for grid in args.grid:
             for d, i, m, k in GRIDS[grid]:
                 comp = args.compression if k < 200 else min(args.compression, 4)
                 rows.append(bench_row(d, i, m, k, args.tile, comp))
                 print({key: round(v, 4) if isinstance(v, float) else v for key, v in rows[-1].items()},
                       flush=True)
-        result = dict(meta, rows=rows)
+                if args.json:  # after every row, so that a run cut short keeps what it measured
+                    with open(args.json, "w") as f:
+                        json.dump(result, f, indent=1)
         print(f"\n{'D':>5} {'I':>6} {'M':>6} {'k':>4} {'mean':>6} {'max':>5} {'maxT':>4} {'ovf':>6} "
-              f"{'dense':>8} {'twell':>8} {'x':>5} {'gate':>7} {'updn':>7} {'errD':>7} {'errT':>7}")
+              f"{'dense':>8} {'twell':>8} {'x':>5} {'gate':>7} {'updn':>7} {'cuBLAS':>7} {'errD':>7} {'errT':>7}")
         for r in rows:
             print(f"{r['D']:5d} {r['I']:6d} {r['M']:6d} {r['k']:4d} {r['mean_active']:6.1f} "
                   f"{r['max_active']:5.0f} {r['max_tile_active']:4d} {r['overflow_tiles']:6d} "
                   f"{r['dense_ms']:8.4f} {r['twell_ms']:8.4f} {r['speedup']:5.2f} "
                   f"{r.get('gate_ms', float('nan')):7.4f} {r.get('updown_ms', float('nan')):7.4f} "
+                  f"{r.get('cublas_gate_ms', float('nan')):7.4f} "
                   f"{r['err_dense']:7.1e} {r['err_twell']:7.1e}")
     if args.json:
         with open(args.json, "w") as f:

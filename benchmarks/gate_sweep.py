@@ -34,7 +34,7 @@ def run(m, d=2048, i=5632, k=29, compression=8):
                         torch.full((m, cdiv(i, tile), s), -1, dtype=torch.int32, device="cuda"),
                         torch.full((m, cdiv(i, tile)), -1, dtype=torch.int32, device="cuda"))
         ref = bufs()
-        gate_launch(x, w["gate"], None, tile, s, x.dtype, gate_config(m, tile, 2))(x, w["gate"], w["gate"], *ref)
+        gate_launch(x, w["gate"], None, tile, s, x.dtype, gate_config(m, tile, 2, m <= 64))(x, w["gate"], w["gate"], *ref)
         for bm, bk, warps, stages in configs:
             cfg = dict(BM=bm, BK=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
             launch = gate_launch(x, w["gate"], None, tile, s, x.dtype, cfg)

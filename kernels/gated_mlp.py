@@ -9,7 +9,7 @@ Two launches, no host synchronization:
    of the transposed down ([I, D], both contiguous rows), and accumulates out += (g * x.up_j) * down_j in
    fp32 registers: h never reaches device memory. A (row, tile) whose count exceeds the slots is
    recomputed densely from the gate and up weights (never dropped) and counted into `overflow`.
-Decode (M <= 64 tokens) is memory-bound and latency-bound instead: the gate kernel runs with a narrower
+Decode (M <= 64 tokens, 16 for layers with D * I > 2^24: decode_rows) is memory-bound and latency-bound instead: the gate kernel runs with a narrower
 tile (I / 64 programs stream the gate matrix; above 16 rows I / #SMs, one program per SM) and, in the
 same program, computes u for its tile's active units only (up to 16 rows: the active columns compacted and
 read 512 deep, three such blocks in flight; above: a K loop whose loads are masked to active columns), so it packs
@@ -26,6 +26,7 @@ The down weight is read transposed: pass `prepare_down(down)` (made once at load
 per-call transpose copy.
 """
 import os
+from collections import OrderedDict
 from typing import Optional
 
 import torch
@@ -45,7 +46,8 @@ except ImportError:  # CPU-only machines run the reference path
     triton = None
 
 PRECISIONS = ("default", "highest")
-DECODE_ROWS = 64   # at most this many tokens take the decode configuration
+DECODE_ROWS = 64   # at most this many tokens take the decode path (16 for large layers: decode_rows)
+LARGE_LAYER = 1 << 24  # D * I above which the decode path ends at 16 rows
 DECODE_TILE = 64   # gate-matmul column tile in decode: I / 64 programs stream the gate matrix
 
 
@@ -61,10 +63,18 @@ def gated_mlp_reference(x, gate_weight, up_weight, down_weight):
     return (h @ down_weight.float().t()).to(x.dtype)
 
 
-def gate_config(m: int, tile: int, element_size: int) -> dict:
+def decode_rows(d: int, width: int) -> int:
+    """Most tokens that take the decode path. Above 16 rows its up loop reads the active columns of
+    T-wide blocks through a masked K loop, which at D * I > 2^24 loses to the batched path (H100, 24-64
+    rows: 3584 / 18944 and 4096 / 14336 1.2-1.4x slower; 2048 / 8192 even at 64 rows; smaller layers
+    faster up to 64; benchmarks/results/decode_rows_h100.json)."""
+    return DECODE_ROWS if d * width <= LARGE_LAYER else 16
+
+
+def gate_config(m: int, tile: int, element_size: int, decode: bool) -> dict:
     """Gate-matmul launch configuration per shape class (tile is the matmul's column block)."""
     block_k = 64 if element_size <= 2 else 32
-    if m <= DECODE_ROWS:  # streams the gate matrix: deep K blocks, few rows
+    if decode:  # streams the gate matrix: deep K blocks, few rows
         bm = max(16, triton.next_power_of_2(m))
         if bm <= 16:  # up rows of the active columns read 8 * block_k deep, 3 blocks in flight
             return dict(BM=bm, BK=4 * block_k, GROUP_M=1, num_warps=4, num_stages=4, UP_BK=8 * block_k,
@@ -73,22 +83,26 @@ def gate_config(m: int, tile: int, element_size: int) -> dict:
             return dict(BM=bm, BK=4 * block_k, GROUP_M=1, num_warps=4, num_stages=3)
         return dict(BM=bm, BK=2 * block_k, GROUP_M=1, num_warps=4, num_stages=4)
     if tile == 128:  # 4 warps: two programs share an SM, one's packing epilogue beside the other's matmul
+        if m <= 256:  # few row blocks: half-height ones, twice the programs, a deeper pipeline
+            return dict(BM=64, BK=block_k, GROUP_M=8, num_warps=4, num_stages=4)
         return dict(BM=128, BK=block_k, GROUP_M=8, num_warps=4, num_stages=3)
     return dict(BM=128, BK=block_k, GROUP_M=8, num_warps=8, num_stages=3)
 
 
-def out_config(m: int, d: int) -> dict:
+def out_config(m: int, d: int, decode: bool) -> dict:
     """TwELL-to-dense launch configuration: CH units per step, BD output columns per program.
     Batched: one row per program, small CH and one or two warps where many rows are in flight to hide the
     gather latency; with few rows (<= 512) more units a step instead, fewer dependent steps a row (D 2048,
-    96 tokens: 71 -> 48 us). Warps grow with CH * D (the step's up and down rows sit in registers).
+    96 tokens: 71 -> 48 us). Warps grow with CH * D (the step's up and down rows sit in registers), twice
+    as fast up to 128 rows (benchmarks/results/mid_sweep_h100.json).
     Decode: the row is split over output chunks so that many SMs share its few units."""
     block_d = triton.next_power_of_2(d)
-    if m <= DECODE_ROWS:
+    if decode:
         return dict(CH=32, BD=64 if m <= 8 else 256, num_warps=4)
     ch = 8 if m <= 256 else 4 if m <= 512 else 2
     ch = min(ch, max(2, 32768 // block_d))
-    return dict(CH=ch, BD=block_d, num_warps=min(8, max(1, ch * block_d // 4096)))
+    per_warp = 2048 if m <= 128 else 4096  # fewer rows than SMs: one program an SM, so more warps each
+    return dict(CH=ch, BD=block_d, num_warps=min(8, max(1, ch * block_d // per_warp)))
 
 
 class _Launch:
@@ -217,7 +231,7 @@ class _Plan:
     def __init__(self, x2, w_dec, up, tile, compression, precision, overflow):
         m, d = x2.shape
         width = w_dec.shape[0]
-        self.decode = m <= DECODE_ROWS
+        self.decode = m <= decode_rows(d, width)
         tile = min(tile, DECODE_TILE) if self.decode else tile
         ts = decode_tile_stride(width, tile, m, x2.device) if self.decode else tile
         pdl = self.decode and use_pdl(x2.device)
@@ -227,13 +241,15 @@ class _Plan:
         self.twell_shape = (m, cdiv(width, ts), s)
         self.dense_h_shape = (m, width) if self.decode else None  # decode overflow side buffer
         self.gate = gate_launch(x2, w_dec, up if self.decode else None, tile, s, self.vals_dtype,
-                                gate_config(m, tile, x2.element_size()), h_fp32,
+                                gate_config(m, tile, x2.element_size(), self.decode), h_fp32,
                                 dense_h=self.decode, tile_stride=ts, pdl=pdl)
-        self.out = out_launch(x2, width, tile, s, up is not None, h_fp32, overflow is not None, out_config(m, d),
+        self.out = out_launch(x2, width, tile, s, up is not None, h_fp32, overflow is not None,
+                              out_config(m, d, self.decode),
                               packed_h=self.decode, tile_stride=ts, pdl=pdl)
 
 
-_PLANS = {}  # decode-size plans (M <= DECODE_ROWS), the sizes whose host time matters
+PLAN_CACHE = 256  # plans kept (layers of one shape share them; a new prompt length adds one)
+_PLANS = OrderedDict()  # recent plans by _plan_key, least recently used first
 
 
 def _plan_key(x2, w_dec, up, down_t, tile, compression, precision, overflow):
@@ -259,7 +275,9 @@ def check_args(x, w_dec, up, down, tile, compression, precision, overflow):
 
 def forward(x, w_dec, up, down, tile, compression, precision, overflow):
     """Shared body of the gated (up given) and non-gated (up None) blocks; w_dec decides activity.
-    Decode-size calls look their checked arguments and launches up by _plan_key instead of rebuilding them."""
+    Calls look their checked arguments and launches up by _plan_key instead of rebuilding them: building
+    costs about 50 us of host time and a first launch through Triton's JIT about 150 more (H100 host), more
+    than the GPU time of a whole block below about 1000 tokens."""
     if not use_triton(x):
         check_args(x, w_dec, up, down, tile, compression, precision, overflow)
         return _forward_reference(x, w_dec, up, down, tile, compression, overflow)
@@ -275,9 +293,11 @@ def forward(x, w_dec, up, down, tile, compression, precision, overflow):
         check_args(x, w_dec, up, down, tile, compression, precision, overflow)
         if x2.shape[0] == 0:
             return x.new_empty(x.shape)
-        plan = _Plan(x2, w_dec, up, tile, compression, precision, overflow)
-        if plan.decode:
-            _PLANS[key] = plan
+        plan = _PLANS[key] = _Plan(x2, w_dec, up, tile, compression, precision, overflow)
+        if len(_PLANS) > PLAN_CACHE:
+            _PLANS.popitem(last=False)
+    else:
+        _PLANS.move_to_end(key)
     device = x.device
     tw = (torch.empty(plan.twell_shape, dtype=plan.vals_dtype, device=device),
           torch.empty(plan.twell_shape, dtype=torch.int32, device=device),

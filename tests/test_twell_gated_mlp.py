@@ -36,6 +36,7 @@ def reference(x, gate, up, down):
     (1, 40, 100, 32, torch.float32, "highest"),
     (6, 33, 70, 16, torch.float16, "default"),
     (70, 24, 80, 64, torch.float32, "default"),  # > 64 rows: batched configuration
+    (100, 40, 300, 128, torch.float16, "default"),  # tile 128, up to 256 rows: 64-row gate blocks
 ])
 def test_gated_mlp_matches_reference(m, d, i, tile, dtype, precision):
     x, gate, up, down = block(m, d, i, k=8, dtype=dtype)
@@ -64,7 +65,7 @@ def test_kernels_write_every_output_and_read_only_valid_slots():
     tw.values.fill_(float("nan"))
     tw.counts.fill_(-1)
     s = slots(16, 4)
-    gate_launch(x, gate, None, 16, s, x.dtype, gate_config(70, 16, 4))(x, gate, gate, *tw[:3], tw.values)
+    gate_launch(x, gate, None, 16, s, x.dtype, gate_config(70, 16, 4, decode=False))(x, gate, gate, *tw[:3], tw.values)
     assert (tw.counts >= 0).all()
     out = torch.full_like(x, float("nan"))
     overflow = torch.zeros(1, dtype=torch.int64, device=DEV)
@@ -115,7 +116,7 @@ def test_decode_kernels_read_dense_h_only_where_written(gated):
     dense_h = torch.full((m, i), float("nan"), device=DEV)
     s = slots(tile, comp)
     upw = up if gated else None
-    gate_launch(x, gate, upw, tile, s, x.dtype, gate_config(m, tile, 4), dense_h=True)(
+    gate_launch(x, gate, upw, tile, s, x.dtype, gate_config(m, tile, 4, decode=True), dense_h=True)(
         x, gate, up if gated else gate, *tw[:3], dense_h)
     over = tw.counts > s
     assert over[1].all() and over.sum() < over.numel()
@@ -149,7 +150,7 @@ def test_decode_tiles_narrower_than_the_block(gated):
     cnt = torch.full((m, nt), -1, dtype=torch.int32, device=DEV)
     dense_h = torch.full((m, i), float("nan"), device=DEV)
     upw = up if gated else None
-    gate_launch(x, gate, upw, tile, s, x.dtype, gate_config(m, tile, 4), dense_h=True, tile_stride=ts)(
+    gate_launch(x, gate, upw, tile, s, x.dtype, gate_config(m, tile, 4, decode=True), dense_h=True, tile_stride=ts)(
         x, gate, up if gated else gate, vals, idx, cnt, dense_h)
     g = torch.relu(x @ gate.t())
     per_tile = torch.nn.functional.pad(g > 0, (0, nt * ts - i)).view(m, nt, ts).sum(-1)
@@ -179,7 +180,7 @@ def test_tma_and_pointer_main_loops_pack_alike():
     for xx in (x, x_unaligned):
         tw = empty_twell(70, 96, 32, 4, x.dtype, x.device)
         tw.values.fill_(float("nan"))
-        gate_launch(xx, gate, None, 32, slots(32, 4), x.dtype, gate_config(70, 32, 4))(
+        gate_launch(xx, gate, None, 32, slots(32, 4), x.dtype, gate_config(70, 32, 4, decode=False))(
             xx, gate, gate, *tw[:3], tw.values)
         packed.append(tw)
     a, b = packed
@@ -226,7 +227,7 @@ def test_argument_validation():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 8, 64, 300, 4096])
+@pytest.mark.parametrize("m", [1, 8, 64, 96, 300, 4096])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_real_shape_precision(m, dtype):
     x, gate, up, down = block(m, 2048, 5632, k=29, dtype=dtype)
