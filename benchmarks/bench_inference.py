@@ -26,7 +26,8 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 import twell
 from twell.format import empty_twell, slots
-from twell.gated_mlp import DECODE_TILE, decode_rows, gate_config, gate_launch, out_config, out_launch
+from twell.format import decode_rows
+from twell.gated_mlp import DECODE_TILE, gate_config, gate_launch, out_config, out_launch
 
 LAYERS = 8  # layer copies for graph-replay timing
 GRAPH_ROWS = 1024  # up to this many tokens: CUDA-graph replays (the launches are short enough for host time to show)

@@ -48,13 +48,50 @@ def slots(tile: int, compression: int) -> int:
     return max(tile // compression, 1)
 
 
-# Cost model, fitted to one H100 run (benchmarks/results/inference_h100.json, D=2048, I=5632, bf16):
-# dense cuBLAS block 570 TFLOP/s; Triton gate matmul 526 TFLOP/s plus its packing epilogue, 0.028 ns per
-# active unit and token; the gathers of up and down rows (4 * D bytes per active unit and token) 6.0 TB/s
-# from L2. Decode (<= 64 tokens): weights streamed at 2.02 TB/s plus 7 us of latency after the gate stream
-# (up rows, then the down pass; 1 token: 18.1 us measured, 18.5 predicted).
-DENSE_FLOPS, GATE_FLOPS, EPILOGUE_S, GATHER_BYTES = 570e12, 526e12, 2.8e-11, 6.0e12
-DECODE_BYTES, DECODE_LATENCY = 2.02e12, 7.0e-6
+DECODE_ROWS = 64  # at most this many tokens take the decode path (16 for large layers: decode_rows)
+LARGE_LAYER = 1 << 24  # D * I above which the decode path ends at 16 rows
+
+
+def decode_rows(d: int, width: int) -> int:
+    """Most tokens that take the decode path. Above 16 rows its up loop reads the active columns of
+    T-wide blocks through a masked K loop, which at D * I > 2^24 loses to the batched path (H100, 24-64
+    rows: 3584 / 18944 and 4096 / 14336 1.2-1.4x slower; 2048 / 8192 even at 64 rows; smaller layers
+    faster up to 64; benchmarks/results/decode_rows_h100.json)."""
+    return DECODE_ROWS if d * width <= LARGE_LAYER else 16
+
+
+# Cost model of one block on an H100 in bf16, fitted by benchmarks/fit_cost_model.py to the block
+# benchmark's window and main grids (5 shapes, 1-65536 tokens, 29-300 active units; fit quality in
+# benchmarks/NOTES-inference.md). A launch costs a smooth maximum of its compute and its weight-streaming
+# time plus a fixed latency; compute runs at peak * D / (D + D_half) (narrow matmuls are less efficient).
+DENSE = (738e12, 685, 2.72e12, 13.7e-6)  # cuBLAS block: peak flop/s, D_half, weight bytes/s, latency s
+GATE = (669e12, 703, 2.48e12, 6.0e-6)    # gate matmul with its packing epilogue: same terms
+GATHER = (6.24e12, 2.58e12, 0.028e-9, 20.4e-6)  # up + down rows of the active pairs: bytes/s from L2 and
+#                                                 from HBM, seconds per pair, latency of the out kernel
+DECODE = (2.46e12, 5.4e-9, 11.2e-6)  # decode: weight bytes/s (gate matrix, active up/down rows), s per pair, latency
+L2_BYTES = 50e6
+
+
+def _roofline(flops: float, nbytes: float, rates: tuple, d: int) -> float:
+    peak, d_half, bandwidth, latency = rates
+    return ((flops * (d + d_half) / (peak * d)) ** 4 + (nbytes / bandwidth) ** 4) ** 0.25 + latency
+
+
+def dense_time(d: int, i: int, tokens: int) -> float:
+    """Predicted seconds of the dense bf16 block (gate and up as one matmul, ReLU product, down)."""
+    return _roofline(6 * tokens * d * i, 6 * d * i, DENSE, d)
+
+
+def twell_time(mean_active: float, d: int, i: int, tokens: int) -> float:
+    """Predicted seconds of `gated_mlp` at `mean_active` units per token (no overflow)."""
+    pairs = tokens * mean_active
+    if tokens <= decode_rows(d, i):
+        bandwidth, per_pair, latency = DECODE
+        return (2 * d * i + 4 * d * pairs) / bandwidth + pairs * per_pair + latency
+    l2, hbm, per_pair, latency = GATHER
+    from_hbm = max(0.0, 1 - L2_BYTES / (4 * d * i))  # share of the row reads that miss L2
+    gather = pairs * (4 * d * ((1 - from_hbm) / l2 + from_hbm / hbm) + per_pair) + latency
+    return _roofline(2 * tokens * d * i, 2 * d * i, GATE, d) + gather
 
 
 def choose_setting(mean_active: float, tile_active_max: float, d: int, i: int, tokens: int = 16384,
@@ -64,13 +101,7 @@ def choose_setting(mean_active: float, tile_active_max: float, d: int, i: int, t
     {"mode": "sparse"|"dense", "tile", "compression", "predicted_speedup"} (speed-up of the MLP block
     over dense bf16 at this token count, from the model above; sparse when it exceeds 1)."""
     compression = next((c for c in (8, 4, 2) if slots(tile, c) >= tile_active_max), 1)
-    if tokens <= 64:
-        dense = 6 * d * i / DECODE_BYTES
-        sparse = (2 * d * i + 4 * d * mean_active * tokens) / DECODE_BYTES + DECODE_LATENCY
-    else:
-        dense = 6 * tokens * d * i / DENSE_FLOPS
-        sparse = 2 * tokens * d * i / GATE_FLOPS + tokens * mean_active * (EPILOGUE_S + 4 * d / GATHER_BYTES)
-    speedup = dense / sparse
+    speedup = dense_time(d, i, tokens) / twell_time(mean_active, d, i, tokens)
     return dict(mode="sparse" if speedup > 1 else "dense", tile=tile, compression=compression,
                 predicted_speedup=round(speedup, 3))
 

@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from .format import cdiv, slots, use_triton
+from .format import cdiv, decode_rows, slots, use_triton
 
 try:
     import triton
@@ -46,8 +46,6 @@ except ImportError:  # CPU-only machines run the reference path
     triton = None
 
 PRECISIONS = ("default", "highest")
-DECODE_ROWS = 64   # at most this many tokens take the decode path (16 for large layers: decode_rows)
-LARGE_LAYER = 1 << 24  # D * I above which the decode path ends at 16 rows
 DECODE_TILE = 64   # gate-matmul column tile in decode: I / 64 programs stream the gate matrix
 
 
@@ -61,14 +59,6 @@ def gated_mlp_reference(x, gate_weight, up_weight, down_weight):
     xf = x.float()
     h = torch.relu(xf @ gate_weight.float().t()) * (xf @ up_weight.float().t())
     return (h @ down_weight.float().t()).to(x.dtype)
-
-
-def decode_rows(d: int, width: int) -> int:
-    """Most tokens that take the decode path. Above 16 rows its up loop reads the active columns of
-    T-wide blocks through a masked K loop, which at D * I > 2^24 loses to the batched path (H100, 24-64
-    rows: 3584 / 18944 and 4096 / 14336 1.2-1.4x slower; 2048 / 8192 even at 64 rows; smaller layers
-    faster up to 64; benchmarks/results/decode_rows_h100.json)."""
-    return DECODE_ROWS if d * width <= LARGE_LAYER else 16
 
 
 def gate_config(m: int, tile: int, element_size: int, decode: bool) -> dict:
@@ -94,7 +84,8 @@ def out_config(m: int, d: int, decode: bool) -> dict:
     Batched: one row per program, small CH and one or two warps where many rows are in flight to hide the
     gather latency; with few rows (<= 512) more units a step instead, fewer dependent steps a row (D 2048,
     96 tokens: 71 -> 48 us). Warps grow with CH * D (the step's up and down rows sit in registers), twice
-    as fast up to 128 rows (benchmarks/results/mid_sweep_h100.json).
+    as fast up to 128 rows, and are at least 4 up to 512 rows (D 896, 384 tokens: 47 us at 1 warp, 24 at 4;
+    benchmarks/results/mid_sweep_h100.json).
     Decode: the row is split over output chunks so that many SMs share its few units."""
     block_d = triton.next_power_of_2(d)
     if decode:
@@ -102,7 +93,7 @@ def out_config(m: int, d: int, decode: bool) -> dict:
     ch = 8 if m <= 256 else 4 if m <= 512 else 2
     ch = min(ch, max(2, 32768 // block_d))
     per_warp = 2048 if m <= 128 else 4096  # fewer rows than SMs: one program an SM, so more warps each
-    return dict(CH=ch, BD=block_d, num_warps=min(8, max(1, ch * block_d // per_warp)))
+    return dict(CH=ch, BD=block_d, num_warps=min(8, max(4 if m <= 512 else 1, ch * block_d // per_warp)))
 
 
 class _Launch:

@@ -1,23 +1,31 @@
 """Per-layer kernel settings from measured statistics (twell.md section 5), through a cost model.
 
-The model is `twell.choose_setting`'s (rates fitted to the H100 block benchmark at tile 128,
-compression 8: dense cuBLAS block, Triton gate matmul + packing epilogue per active unit, L2 gathers of
-up and down rows), refined with the two costs that its inputs leave out and `measure` gives per
-(tile, compression):
+The model is `twell.format`'s (dense_time, twell_time: roofline terms and latencies fitted to the H100 block
+benchmark at tile 128, compression 8), refined with the two costs that its inputs leave out and `measure`
+gives per (tile, compression):
 - overflow: an overflowing (token, tile) is recomputed densely in the fallback (T gate rows, 2 * T * D
-  bytes, at the gather rate), so a fraction f of overflowing pairs costs f * 2 * D * I bytes per token;
+  bytes, at the L2 gather rate), so a fraction f of overflowing pairs costs f * 2 * D * I bytes per token;
 - packed width: values (2 B) and indices (4 B) of I / C slots per token are written and read once; the
   difference to the fitted C = 8 goes at HBM speed.
 Every measured (tile, compression) gets a predicted speed-up over the dense block at `tokens` tokens
-(default: a 16k-token prefill, the regime the fit and the paper's benchmark use); the best one runs if it
-beats dense by `min_speedup`, otherwise the layer runs dense. `measure` counts a tile as overflowing
-above the kernel's T / C slots (`twell.slots`). `sparsify.tune.measure_plan` replaces the prediction by timings on a GPU.
+(default: a 16k-token prefill, the regime of the paper's benchmark); the best one is the layer's setting.
+The speed-up depends on the token count (decode is memory-bound and wins most; a few hundred tokens can
+lose on narrow layers, where the kernels' fixed latencies weigh most), so the plan also records
+"sparse_tokens": the token-count ranges [lo, hi] (hi None: no bound) in which the setting beats dense by
+`min_speedup`, judged at the points of TOKEN_GRID with boundaries halfway (geometrically) between them.
+The modeling file runs the kernels only there; a layer with no such range is "dense". `measure` counts a
+tile as overflowing above the kernel's T / C slots (`twell.slots`). `sparsify.tune.measure_plan` replaces
+the predictions by timings on a GPU.
 """
 from __future__ import annotations
 
-from twell.format import DENSE_FLOPS, GATE_FLOPS, EPILOGUE_S, GATHER_BYTES, choose_setting
+from math import isqrt
+
+from twell.format import GATHER, dense_time, twell_time
 
 TOKENS = 16384
+# token counts the window is judged at: both sides of the decode path's ends (16 or 64 rows), then prefills
+TOKEN_GRID = (1, 4, 16, 17, 32, 64, 65, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 4096, 16384)
 FITTED_COMPRESSION, FITTED_TILE = 8, 128
 HBM_BYTES = 3.0e12      # H100 device copy (benchmarks.md)
 PACKED_ENTRY_BYTES = 12  # a bf16 value and an int32 index, written once and read once
@@ -27,18 +35,32 @@ LLAMA_RATIO = 2.75      # I / D of the paper's models, used when the caller give
 def predicted_speedup(mean_active: float, overflow_frac: float, compression: int, d: int, i: int,
                       tokens: int = TOKENS) -> float:
     """Dense block time over TwELL block time predicted for one layer setting."""
-    if tokens <= 64:  # decode: memory-bound; packed width and fallback are negligible next to the weights
-        return choose_setting(mean_active, 0, d, i, tokens)["predicted_speedup"]
-    dense = 6 * tokens * d * i / DENSE_FLOPS
-    sparse = 2 * tokens * d * i / GATE_FLOPS + tokens * mean_active * (EPILOGUE_S + 4 * d / GATHER_BYTES)
-    sparse += tokens * overflow_frac * 2 * d * i / GATHER_BYTES
+    sparse = twell_time(mean_active, d, i, tokens)
+    # decode reads overflowing tiles from a dense copy and packs few rows: both negligible there
+    sparse += tokens * overflow_frac * 2 * d * i / GATHER[0]
     sparse += tokens * PACKED_ENTRY_BYTES * i * (1 / compression - 1 / FITTED_COMPRESSION) / HBM_BYTES
-    return dense / sparse
+    return dense_time(d, i, tokens) / sparse
+
+
+def token_ranges(wins: list[tuple[int, bool]]) -> list[list]:
+    """[lo, hi] token-count ranges (hi None: unbounded) from (tokens, sparse wins) verdicts sorted by
+    tokens; a range ends halfway (geometric mean, rounded down) to the next point with the other verdict."""
+    ranges = []
+    for n, (tokens, win) in enumerate(wins):
+        if not win:
+            continue
+        lo = 1 if n == 0 else isqrt(wins[n - 1][0] * tokens) + 1
+        hi = None if n == len(wins) - 1 else isqrt(tokens * wins[n + 1][0])
+        if ranges and ranges[-1][1] == lo - 1:  # the previous point won too: extend its range
+            ranges[-1][1] = hi
+        else:
+            ranges.append([lo, hi])
+    return ranges
 
 
 def plan_layer(stats: dict, *, hidden_size: int | None = None, tokens: int = TOKENS,
                min_speedup: float = 1.0) -> dict:
-    """One layer's {"mode", "tile", "compression", "stats"} from its `measure` statistics."""
+    """One layer's {"mode", "tile", "compression", "sparse_tokens", "stats"} from its `measure` statistics."""
     units = stats["units"]
     d = hidden_size or round(units / LLAMA_RATIO)
     summary = {k: stats[k] for k in ("mean_active", "p99_active", "dead_frac")}
@@ -51,12 +73,20 @@ def plan_layer(stats: dict, *, hidden_size: int | None = None, tokens: int = TOK
         return {"mode": "dense", "stats": summary}
     # ties (no overflow anywhere): the tile the rates were fitted at, then the narrower packing
     speedup, tile, compression = max(candidates, key=lambda s: (s[0], s[1] == FITTED_TILE, s[2]))
-    summary["predicted_speedup"] = speedup
-    if speedup <= min_speedup:
-        return {"mode": "dense", "stats": summary}
     t = stats["tiles"][str(tile)]
-    summary.update(max_tile_active_p999=t["p999"], overflow_frac=t["overflow_frac"][str(compression)])
-    return {"mode": "sparse", "tile": tile, "compression": compression, "stats": summary}
+    overflow = t["overflow_frac"][str(compression)]
+    summary.update(predicted_speedup=speedup, max_tile_active_p999=t["p999"], overflow_frac=overflow)
+    ranges = token_ranges([(n, predicted_speedup(stats["mean_active"], overflow, compression, d, units, n) > min_speedup)
+                           for n in TOKEN_GRID])
+    return layer_setting(tile, compression, ranges, summary)
+
+
+def layer_setting(tile: int, compression: int, sparse_tokens: list[list], stats: dict) -> dict:
+    """A plan entry: sparse with its token ranges, or dense (keeping the stats) where there are none."""
+    if not sparse_tokens:
+        return {"mode": "dense", "stats": stats}
+    return {"mode": "sparse", "tile": tile, "compression": compression, "sparse_tokens": sparse_tokens,
+            "stats": stats}
 
 
 def plan_layers(layer_stats: list[dict], **options) -> list[dict]:
@@ -65,8 +95,13 @@ def plan_layers(layer_stats: list[dict], **options) -> list[dict]:
 
 
 def describe(layer: dict) -> str:
-    """Short text of a layer's setting for tables: 'T256 C8' or 'dense'."""
-    return f"T{layer['tile']} C{layer['compression']}" if layer["mode"] == "sparse" else "dense"
+    """Short text of a layer's setting for tables: 'T256 C8', 'T128 C8 at 1-64, 700+' or 'dense'."""
+    if layer["mode"] != "sparse":
+        return "dense"
+    ranges = layer.get("sparse_tokens", [[1, None]])
+    where = "" if ranges == [[1, None]] else " at " + ", ".join(
+        f"{lo}+" if hi is None else f"{lo}-{hi}" for lo, hi in ranges)
+    return f"T{layer['tile']} C{layer['compression']}{where}"
 
 
 def plan_model(model, spec, stats: dict, blocks, *, measure_kernels: bool = False, device=None) -> list[dict]:

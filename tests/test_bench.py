@@ -8,7 +8,7 @@ from rich.console import Console
 from sparsify.bench import bench_checkpoint, bench_table, logits_agreement, plan_summary, write_json
 from sparsify.errors import ConfigError
 from sparsify.families import spec_for
-from sparsify.tune import layer_plan, measure_plan
+from sparsify.tune import WINDOW, layer_plan, measure_plan
 
 from helpers import tiny_model
 
@@ -67,12 +67,36 @@ def test_measured_plan_takes_the_fastest_correct_candidate():
                (128, 8): {"ms": 1.5, "rel_err": 2.9e-3, "overflow_frac": 0.0, "ok": True},
                (256, 16): {"ms": 1.0, "rel_err": 0.5, "overflow_frac": 0.0, "ok": False},  # fast but wrong
                (64, 4): {"ms": 1.7, "rel_err": 2.9e-3, "overflow_frac": 0.0, "ok": True}}
-    layer = layer_plan(activity, results)
+    # the chosen setting at fewer tokens: wins at decode sizes, loses at 128-256, one wrong result at 4096
+    window = [{"tokens": n, "dense_ms": 0.04, "sparse_ms": s, "ok": n != 4096}
+              for n, s in ((1, 0.02), (64, 0.03), (128, 0.05), (256, 0.05), (1024, 0.03), (4096, 0.01))]
+    layer = layer_plan(activity, results, window)
     assert (layer["mode"], layer["tile"], layer["compression"]) == ("sparse", 128, 8)
     assert layer["stats"]["measured_speedup"] == pytest.approx(2.0 / 1.5, abs=1e-3)
+    assert layer["sparse_tokens"] == [[1, 90], [513, 2048], [8193, None]]
+    assert layer["stats"]["window"][0] == [1, 0.04, 0.02]
     slower = {"dense": {"ms": 1.0, "rel_err": 3.3e-3}, (128, 8): {"ms": 1.5, "rel_err": 2.9e-3, "overflow_frac": 0.0, "ok": True}}
-    dense = layer_plan(activity, slower)
+    dense = layer_plan(activity, slower, window[2:4])
     assert dense["mode"] == "dense" and dense["stats"]["measured_speedup"] == pytest.approx(0.667, abs=1e-3)
+    decode_only = layer_plan(activity, slower, window[:3])
+    assert decode_only["sparse_tokens"] == [[1, 90]]
+    wrong = {"dense": results["dense"], (256, 16): results[(256, 16)]}
+    assert layer_plan(activity, wrong, []) == {"mode": "dense", "stats": {**activity, "dense_ms": 2.0, "dense_rel_err": 3.3e-3}}
+
+
+@pytest.mark.gpu
+def test_measure_plan_times_the_window_on_gpu():
+    model, _ = tiny_model("llama", hidden_size=256, intermediate_size=1024)
+    model = model.cuda().to(torch.bfloat16)
+    blocks = [torch.randint(0, 256, (64,)) for _ in range(4)]
+    plan = measure_plan(model, spec_for(model.config), blocks, candidates=[(128, 8), (64, 4)], tokens=2048)
+    assert len(plan) == model.config.num_hidden_layers
+    for layer in plan:
+        assert layer["stats"]["dense_ms"] > 0 and layer["stats"]["dense_rel_err"] < 1e-2
+        if "window" in layer["stats"]:  # a correct candidate was timed at every window size below 2048
+            assert [w[0] for w in layer["stats"]["window"]] == [n for n in WINDOW if n < 2048]
+        for lo, hi in layer.get("sparse_tokens", []):
+            assert 1 <= lo and (hi is None or lo <= hi)
 
 
 def load_model_bench():

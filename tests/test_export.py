@@ -79,6 +79,24 @@ def test_export_reloads_both_ways_with_the_same_logits(family, tmp_path, monkeyp
     assert torch.equal(generated, plain.generate(ids[:1, :5], max_new_tokens=4, do_sample=False))
 
 
+def test_sparse_tokens_window_picks_the_path_per_call(tmp_path, monkeypatch):
+    """A layer planned sparse for decode sizes only: prefill runs dense, each one-token step on the kernels."""
+    model, tokenizer, spec = _relufied("llama")
+    plan = [dict(PLAN[0], sparse_tokens=[[1, 1]]), PLAN[1]]
+    out = export_checkpoint(model, tokenizer, tmp_path / "ckpt-window", spec=spec, plan=plan, training=TRAINING)
+    remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    calls = []
+    kernel = _remote_module(remote).gated_mlp
+    monkeypatch.setattr(_remote_module(remote), "gated_mlp",
+                        lambda x, *a, **k: calls.append(x.numel() // x.shape[-1]) or kernel(x, *a, **k))
+    ids = tiny_input_ids()
+    _close(_logits(remote, ids), _logits(model, ids))
+    assert calls == []  # 24 tokens: outside the window
+    generated = remote.generate(ids[:1, :5], max_new_tokens=4, do_sample=False)
+    assert calls == [1, 1, 1]  # the 5-token prefill dense, then three single-token steps on the kernel
+    assert torch.equal(generated, model.generate(ids[:1, :5], max_new_tokens=4, do_sample=False))
+
+
 def test_checkpoint_layout(tmp_path):
     model, tokenizer, spec = _relufied("phi3")
     log = tmp_path / "log.json"

@@ -1,12 +1,16 @@
 """TwELL packing (Triton kernel; interpreter on CPU) against the PyTorch reference."""
+import json
+import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import twell
+import twell.format
 from twell.format import pack_reference, slots
 
 
@@ -60,6 +64,23 @@ def test_choose_setting():
     assert low["mode"] == "sparse" and low["compression"] == 8  # 16 slots hold 6
     assert high["mode"] == "dense" and high["compression"] == 4  # 32 slots hold 20
     assert twell.choose_setting(29, 3, 2048, 5632, tokens=1)["mode"] == "sparse"
+
+
+def test_cost_model_predicts_the_committed_h100_measurements():
+    """The fitted constants against the block benchmark's results (every shape and token count): a wrong
+    constant, or a kernel change that moves the timings without a refit, fails here."""
+    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    rows = [r for name in ("inference_window_h100.json", "inference_h100.json")
+            for r in json.loads((results / name).read_text())["rows"] if r["overflow_tiles"] == 0]
+    errors = []
+    for r in rows:
+        measured = r["dense_ms"] / r["twell_ms"]
+        predicted = (twell.format.dense_time(r["D"], r["I"], r["M"])
+                     / twell.format.twell_time(r["mean_active"], r["D"], r["I"], r["M"]))
+        errors.append(math.log(predicted / measured))
+        if abs(math.log(measured)) > 0.15:  # clear wins and losses are predicted on the right side of 1
+            assert (predicted > 1) == (measured > 1), r
+    assert len(rows) > 60 and math.sqrt(sum(e * e for e in errors) / len(errors)) < 0.12
 
 
 def test_package_runs_without_triton():

@@ -134,6 +134,7 @@ def saved_activation_bytes(fn, tensors, max_nnz):
     return sum(saved), st
 
 
+@pytest.mark.interpreter  # the kernels' saved state: on a GPU machine CPU tensors take the reference path
 def test_saves_sparse_state_only():
     """Without backup rows, the saved activations are [M, max_nnz]-sized: under 1/4 of the dense
     block's (which saves several [M, I] tensors)."""

@@ -1,10 +1,11 @@
 """Modeling file of checkpoints converted by sparsify: `AutoModelForCausalLM.from_pretrained(path,
 trust_remote_code=True)` builds the original transformers CausalLM (BASE_MODEL, written at export) and
 swaps each decoder layer's MLP for a `TwellGatedMLP` that keeps the projection children under their own
-names, so the standard weights load unchanged. Where the layer's plan says "sparse" and the TwELL
-kernels can run (CUDA; or CPU fp32/fp16 under TRITON_INTERPRET=1, which tests use), the MLP runs on
-them; otherwise, and whenever gradients are needed (the inference kernels have no backward), it runs
-the same ReLU math densely. The module layout and per-layer plan come from config.json's "twell"
+names, so the standard weights load unchanged. Where the layer's plan says "sparse", the call's token
+count lies in one of the plan's "sparse_tokens" ranges (where the kernels beat dense on this layer's
+shape), and the TwELL kernels can run (CUDA; or CPU fp32/fp16 under TRITON_INTERPRET=1, which tests use),
+the MLP runs on them; otherwise, and whenever gradients are needed (the inference kernels have no
+backward), it runs the same ReLU math densely. The module layout and per-layer plan come from config.json's "twell"
 section, so this file holds no per-architecture table. It imports neither sparsify nor anything beyond
 torch and transformers: the kernel files sit beside it and are imported relatively.
 """
@@ -41,6 +42,7 @@ class TwellGatedMLP(nn.Module):
         self.mode = plan.get("mode", "dense")
         self.tile = plan.get("tile")
         self.compression = plan.get("compression")
+        self.sparse_tokens = plan.get("sparse_tokens", [[1, None]])  # plans written before windows: all
 
     def _projections(self):
         return [getattr(self, name) for name in (*self.names, self.down_name)]
@@ -52,6 +54,9 @@ class TwellGatedMLP(nn.Module):
 
     def _use_kernel(self, x):
         if gated_mlp is None or self.mode != "sparse":
+            return False
+        tokens = x.numel() // x.shape[-1]
+        if not any(lo <= tokens and (hi is None or tokens <= hi) for lo, hi in self.sparse_tokens):
             return False
         projections = self._projections()
         if any(p.bias is not None for p in projections):
