@@ -25,7 +25,7 @@ def load_pair(path, dtype, force):
     if force:
         tile, compression = force
         for layer in config.twell["layers"]:
-            layer.update(mode="sparse", tile=tile, compression=compression)
+            layer.update(mode="sparse", tile=tile, compression=compression, sparse_tokens=[[1, None]])
     remote = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, trust_remote_code=True)
     return plain, remote.cuda().eval()
 
