@@ -96,6 +96,11 @@ def test_sparse_tokens_window_picks_the_path_per_call(tmp_path, monkeypatch):
     assert calls == [1, 1, 1]  # the 5-token prefill dense, then three single-token steps on the kernel
     assert torch.equal(generated, model.generate(ids[:1, :5], max_new_tokens=4, do_sample=False))
 
+    bad = [dict(PLAN[0], sparse_tokens=[[0, 4]]), PLAN[1]]
+    out = export_checkpoint(model, tokenizer, tmp_path / "ckpt-bad-window", spec=spec, plan=bad, training=TRAINING)
+    with pytest.raises(ValueError, match=r"sparse_tokens must be \[lo, hi\] ranges"):
+        AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+
 
 def test_checkpoint_layout(tmp_path):
     model, tokenizer, spec = _relufied("phi3")

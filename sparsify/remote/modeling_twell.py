@@ -43,6 +43,11 @@ class TwellGatedMLP(nn.Module):
         self.tile = plan.get("tile")
         self.compression = plan.get("compression")
         self.sparse_tokens = plan.get("sparse_tokens", [[1, None]])  # plans written before windows: all
+        for bounds in self.sparse_tokens:
+            if not (isinstance(bounds, list) and len(bounds) == 2 and isinstance(bounds[0], int) and bounds[0] >= 1
+                    and (bounds[1] is None or isinstance(bounds[1], int) and bounds[1] >= bounds[0])):
+                raise ValueError(f"config.twell: sparse_tokens must be [lo, hi] ranges (1 <= lo <= hi, hi null "
+                                 f"for no bound), got {self.sparse_tokens!r}")
 
     def _projections(self):
         return [getattr(self, name) for name in (*self.names, self.down_name)]
