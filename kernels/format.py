@@ -68,7 +68,7 @@ DENSE = (738e12, 685, 2.72e12, 13.7e-6)  # cuBLAS block: peak flop/s, D_half, we
 GATE = (669e12, 703, 2.48e12, 6.0e-6)    # gate matmul with its packing epilogue: same terms
 GATHER = (6.24e12, 2.58e12, 0.028e-9, 20.4e-6)  # up + down rows of the active pairs: bytes/s from L2 and
 #                                                 from HBM, seconds per pair, latency of the out kernel
-DECODE = (2.46e12, 5.4e-9, 11.2e-6)  # decode: weight bytes/s (gate matrix, active up/down rows), s per pair, latency
+DECODE = (2.46e12, 5.4e-9, 11.2e-6)  # decode: bytes/s (gate matrix, active up/down rows), s per pair, latency
 L2_BYTES = 50e6
 
 

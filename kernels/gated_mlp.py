@@ -9,13 +9,14 @@ Two launches, no host synchronization:
    of the transposed down ([I, D], both contiguous rows), and accumulates out += (g * x.up_j) * down_j in
    fp32 registers: h never reaches device memory. A (row, tile) whose count exceeds the slots is
    recomputed densely from the gate and up weights (never dropped) and counted into `overflow`.
-Decode (M <= 64 tokens, 16 for layers with D * I > 2^24: decode_rows) is memory-bound and latency-bound instead: the gate kernel runs with a narrower
-tile (I / 64 programs stream the gate matrix; above 16 rows I / #SMs, one program per SM) and, in the
-same program, computes u for its tile's active units only (up to 16 rows: the active columns compacted and
-read 512 deep, three such blocks in flight; above: a K loop whose loads are masked to active columns), so it packs
-h = g * u instead of g; kernel 2 then only gathers down rows, split over output chunks of BD columns so
-that many SMs share the few rows, and is launched as a programmatic dependent launch (Hopper): it starts
-while the gate kernel runs and waits for it on the device. `overflow` counts the narrower tiles.
+Decode (M <= 64 tokens, 16 for layers with D * I > 2^24: decode_rows) is memory-bound and latency-bound
+instead: the gate kernel runs with a narrower tile (I / 64 programs stream the gate matrix; above 16 rows
+I / #SMs, one program per SM) and, in the same program, computes u for its tile's active units only (up to
+16 rows: the active columns compacted and read 512 deep, three such blocks in flight; above: a K loop whose
+loads are masked to active columns), so it packs h = g * u instead of g; kernel 2 then only gathers down
+rows, split over output chunks of BD columns so that many SMs share the few rows, and is launched as a
+programmatic dependent launch (Hopper): it starts while the gate kernel runs and waits for it on the device.
+`overflow` counts the narrower tiles.
 Decode overflow: the gate program already holds its tile's h densely, so it writes an overflowing
 (row, tile)'s h (rounded as a packed value would be) to a side buffer dense_h [M, I], and kernel 2's
 fallback streams those h with the tile's down rows. Recomputing gate and up there instead (the batched

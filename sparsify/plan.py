@@ -36,7 +36,8 @@ def predicted_speedup(mean_active: float, overflow_frac: float, compression: int
                       tokens: int = TOKENS) -> float:
     """Dense block time over TwELL block time predicted for one layer setting."""
     sparse = twell_time(mean_active, d, i, tokens)
-    # decode reads overflowing tiles from a dense copy and packs few rows: both negligible there
+    # overflow: the batched fallback recomputes the tile; decode reads its h densely and all its down rows,
+    # about the same bytes. Packed width: written and read once (negligible at decode sizes)
     sparse += tokens * overflow_frac * 2 * d * i / GATHER[0]
     sparse += tokens * PACKED_ENTRY_BYTES * i * (1 / compression - 1 / FITTED_COMPRESSION) / HBM_BYTES
     return dense_time(d, i, tokens) / sparse

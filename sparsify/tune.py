@@ -116,19 +116,21 @@ def time_window(x, gate, up, down, tile: int, compression: int, points=WINDOW) -
     def sparse(rows, gate, up, down, down_t):
         return twell.gated_mlp(rows, gate, up, down_t, tile=tile, compression=compression)
 
+    def dense(rows, gate, up, down, down_t):
+        return dense_block(rows, gate, up, down)
+
+    def bench(fn, rows):
+        if len(rows) <= GRAPH_TOKENS:
+            return do_bench_cudagraph(lambda: [fn(rows, *w) for w in copies], return_mode="median") / len(copies)
+        return do_bench(lambda: fn(rows, *copies[0]), return_mode="median")
+
+    fp32 = [w.float() for w in (gate, up, down)]
     window = []
     for tokens in [n for n in points if n < len(x)]:
         rows = x[:tokens]
-        ref = twell.gated_mlp_reference(rows.float(), gate.float(), up.float(), down.float())
-        ok = error_ok(relative_error(sparse(rows, *copies[0]), ref), relative_error(dense_block(rows, gate, up, down), ref))
-        if tokens <= GRAPH_TOKENS:
-            def bench(fn):
-                return do_bench_cudagraph(lambda: [fn(rows, *w) for w in copies], return_mode="median") / len(copies)
-        else:
-            def bench(fn):
-                return do_bench(lambda: fn(rows, *copies[0]), return_mode="median")
-        window.append({"tokens": tokens, "dense_ms": bench(lambda rows, g, u, d, _: dense_block(rows, g, u, d)),
-                       "sparse_ms": bench(sparse), "ok": ok})
+        ref = twell.gated_mlp_reference(rows.float(), *fp32)
+        ok = error_ok(relative_error(sparse(rows, *copies[0]), ref), relative_error(dense(rows, *copies[0]), ref))
+        window.append({"tokens": tokens, "dense_ms": bench(dense, rows), "sparse_ms": bench(sparse, rows), "ok": ok})
     return window
 
 

@@ -5,9 +5,9 @@ names, so the standard weights load unchanged. Where the layer's plan says "spar
 count lies in one of the plan's "sparse_tokens" ranges (where the kernels beat dense on this layer's
 shape), and the TwELL kernels can run (CUDA; or CPU fp32/fp16 under TRITON_INTERPRET=1, which tests use),
 the MLP runs on them; otherwise, and whenever gradients are needed (the inference kernels have no
-backward), it runs the same ReLU math densely. The module layout and per-layer plan come from config.json's "twell"
-section, so this file holds no per-architecture table. It imports neither sparsify nor anything beyond
-torch and transformers: the kernel files sit beside it and are imported relatively.
+backward), it runs the same ReLU math densely. The module layout and per-layer plan come from
+config.json's "twell" section, so this file holds no per-architecture table. It imports neither sparsify
+nor anything beyond torch and transformers: the kernel files sit beside it and are imported relatively.
 """
 import importlib
 import os
