@@ -128,16 +128,21 @@ def analyze(model, data, tokens, seq_len, batch_size, device, json_path, plot_pa
 @click.argument("checkpoint")
 @click.option("--batch", type=int, default=64, show_default=True, help="Sequences in the prefill forward.")
 @click.option("--seq-len", type=int, default=2048, show_default=True, help="Tokens per prefill sequence.")
-@click.option("--decode-tokens", type=int, default=128, show_default=True, help="New tokens per greedy generation (decode figure).")
+@click.option("--decode-tokens", type=int, default=128, show_default=True, help="New tokens per eager greedy generation.")
+@click.option("--decode-context", type=int, default=512, show_default=True,
+              help="Tokens in the KV cache at the timed decode step (CUDA graph).")
+@click.option("--decode-batch", type=int, default=1, show_default=True, help="Sequences decoded together.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write all figures to this JSON file.")
 @user_errors
-def bench(checkpoint, batch, seq_len, decode_tokens, json_path):
-    """Dense vs TwELL speed of a converted CHECKPOINT on a GPU: decoder prefill over batch x seq-len
-    tokens and greedy decode tokens/s, in one process, with a logits check."""
+def bench(checkpoint, batch, seq_len, decode_tokens, decode_context, decode_batch, json_path):
+    """Dense vs TwELL speed of a converted CHECKPOINT on a GPU, in one process, with a logits check:
+    decoder prefill over batch x seq-len tokens, one decode step replayed as a CUDA graph, and eager
+    greedy generate tokens/s."""
     from sparsify.bench import bench_checkpoint, bench_table, write_json
     from sparsify.report import console
 
-    result = bench_checkpoint(checkpoint, batch=batch, seq_len=seq_len, decode_tokens=decode_tokens)
+    result = bench_checkpoint(checkpoint, batch=batch, seq_len=seq_len, decode_tokens=decode_tokens,
+                              decode_context=decode_context, decode_batch=decode_batch)
     console.print(bench_table(result))
     if json_path:
         write_json(result, json_path)

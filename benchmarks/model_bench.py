@@ -119,6 +119,8 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--decode-context", type=int, default=512)
+    parser.add_argument("--decode-batch", type=int, default=1)
     parser.add_argument("--out", type=Path, required=True, help="Folder for the JSON results.")
     parser.add_argument("--work", type=Path, help="Folder for the checkpoints (default: a temporary one).")
     parser.add_argument("--measure", action="store_true", help="Plan by timing the kernel settings (as convert --measure).")
@@ -133,7 +135,8 @@ def main(argv=None):
         path = export(model, work / f"llama-k{active:g}", active=active, measure_kernels=args.measure)
         del model
         torch.cuda.empty_cache()
-        result = bench_checkpoint(path, batch=args.batch, seq_len=args.seq_len, decode_tokens=args.decode_tokens)
+        result = bench_checkpoint(path, batch=args.batch, seq_len=args.seq_len, decode_tokens=args.decode_tokens,
+                                  decode_context=args.decode_context, decode_batch=args.decode_batch)
         twell_section = json.loads((path / "config.json").read_text())["twell"]
         result.update(command="python " + " ".join(sys.argv), target_active=active,
                       shape={"hidden": args.hidden, "intermediate": args.intermediate, "layers": args.layers},

@@ -4,7 +4,12 @@ The checkpoint loads twice in bf16: plain (the family's own class with a ReLU ga
 remote code) and with trust_remote_code=True (TwellGatedMLP: each layer on its planned kernel setting).
 Figures (benchmarks.md method, CUDA events through triton's do_bench, medians after warm-up):
 - prefill: the decoder stack (no LM head, as the paper's figure) over batch x seq_len token ids;
-- decode: `generate`, greedy, exactly `decode_tokens` new tokens after a short prompt, in tokens/s.
+- decode step: one greedy step (a one-token forward of the whole model over a static KV cache holding
+  `decode_context` tokens) captured as a CUDA graph and replayed: the GPU time a serving loop that captures
+  its step pays (as transformers' compiled static-cache generate and vLLM-style servers do);
+- decode: `generate`, eager, greedy, exactly `decode_tokens` new tokens after a short prompt, in tokens/s.
+  Its per-step Python (sampling logic, cache bookkeeping, module calls) costs about as much as the GPU
+  work of a small model, so this figure is host-bound and shows little of the MLP's speed-up.
 Inputs are random token ids (seed 0): the mean active units that the figures go with are measured on
 that same input (gate pre-activation > 0) and reported. A logits check runs before any timing: relative
 error of the final-position logits over a short batch, and how many greedy tokens of a short generation
@@ -64,19 +69,64 @@ def _generate(model, prompt, new_tokens):
                           min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)[:, prompt.shape[1]:]
 
 
-def _median_seconds(fn, warmup: int = 1, repeats: int = 3) -> float:
-    """Median wall time of fn() between CUDA events (for calls too long for do_bench's repetitions)."""
-    for _ in range(warmup):
-        fn()
-    times = []
+def _median_seconds(fns: dict, warmup: int = 1, repeats: int = 5) -> dict:
+    """Median wall time of each fn() between CUDA events (for calls too long for do_bench's repetitions).
+    The functions take turns, so that a drift of the host's speed during the run (seen on shared GPU
+    hosts: the same eager `generate` 1.8x slower a minute later) falls on all of them alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times = {name: [] for name in fns}
     for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times[name].append(start.elapsed_time(end) / 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+@torch.inference_mode()
+def decode_step(model, context: torch.Tensor) -> tuple[float, torch.Tensor]:
+    """GPU seconds and logits [batch, vocab] of one decode step of `model` after the prompt `context`
+    [batch, n]: a one-token forward over a static KV cache, captured as a CUDA graph (after warm-up on a
+    side stream, which also compiles the kernels and builds their launch plans) and timed by replaying it.
+    The logits are the replay's, checked against the same step run eagerly."""
+    from transformers import StaticCache
+    from triton.testing import do_bench
+
+    batch, n = context.shape
+    device = context.device
+    cache = StaticCache(config=model.config, max_cache_len=n + 1)
+    model(input_ids=context, past_key_values=cache, cache_position=torch.arange(n, device=device), use_cache=True)
+    ids = context[:, -1:].clone()
+    position = torch.full((1,), n, device=device)
+
+    counters = [layer.cumulative_length for layer in cache.layers
+                if torch.is_tensor(getattr(layer, "cumulative_length", None))]
+
+    def step():  # rewrites cache slot n with the same values at every call
+        for counter in counters:  # transformers 5 static layers count what they hold: back to n
+            counter.fill_(n)
+        return model(input_ids=ids, past_key_values=cache, cache_position=position,
+                     position_ids=position.expand(batch, 1), use_cache=True).logits[:, -1]
+
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            eager = step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = step()
+    seconds = do_bench(graph.replay, return_mode="median") / 1e3
+    error = relative_error(replayed.float(), eager.float())
+    if error > 1e-3:
+        raise RuntimeError(f"the CUDA-graph decode step differs from the eager one (relative error {error:.1e})")
+    return seconds, replayed.clone()
 
 
 @torch.inference_mode()
@@ -90,13 +140,13 @@ def mean_active(model, ids) -> list[float]:
 
 
 def bench_checkpoint(path: str | Path, *, batch: int = 64, seq_len: int = 2048, decode_tokens: int = 128,
-                     decode_batch: int = 1, device: str = "cuda") -> dict:
+                     decode_batch: int = 1, decode_context: int = 512, device: str = "cuda") -> dict:
     """Prefill and decode figures of the dense and the TwELL load of the checkpoint at `path`."""
     from transformers import AutoModelForCausalLM
 
     device = require_cuda(device, "sparsify bench")
-    if min(batch, seq_len, decode_tokens, decode_batch) < 1:
-        raise ConfigError("--batch, --seq-len, --decode-tokens and the decode batch must be positive")
+    if min(batch, seq_len, decode_tokens, decode_batch, decode_context) < 1:
+        raise ConfigError("--batch, --seq-len, --decode-tokens, --decode-context and the decode batch must be positive")
     config, _ = load_config(path)  # SourceError / UnsupportedModelError for what cannot be a checkpoint
     path = resolve_source(path)
     if not getattr(config, "twell", None):
@@ -109,24 +159,31 @@ def bench_checkpoint(path: str | Path, *, batch: int = 64, seq_len: int = 2048, 
     ids = torch.randint(0, vocab, (batch, seq_len), generator=gen).to(device)
     check_ids = torch.randint(0, vocab, (CHECK_BATCH, min(CHECK_LEN, seq_len)), generator=gen).to(device)
     prompt = torch.randint(0, vocab, (decode_batch, PROMPT_TOKENS), generator=gen).to(device)
+    context = torch.randint(0, vocab, (decode_batch, decode_context), generator=gen).to(device)
 
     with torch.inference_mode():
         check = logits_agreement(dense(check_ids).logits[:, -1], sparse(check_ids).logits[:, -1],
                                  _generate(dense, check_ids[:, :PROMPT_TOKENS], CHECK_NEW),
                                  _generate(sparse, check_ids[:, :PROMPT_TOKENS], CHECK_NEW))
         active = mean_active(dense, ids)
-        figures = {}
-        for name, model in (("dense", dense), ("twell", sparse)):
-            decoder = model.get_decoder()
-            prefill = _median_seconds(lambda: decoder(input_ids=ids, use_cache=False))
-            decode = _median_seconds(lambda: _generate(model, prompt, decode_tokens))
-            figures[name] = {"prefill_ms": 1e3 * prefill, "prefill_tokens_per_s": batch * seq_len / prefill,
-                             "decode_s": decode, "decode_tokens_per_s": decode_batch * decode_tokens / decode}
+        models = {"dense": dense, "twell": sparse}
+        steps = {name: decode_step(model, context) for name, model in models.items()}
+        prefill = _median_seconds({name: lambda m=model: m.get_decoder()(input_ids=ids, use_cache=False)
+                                   for name, model in models.items()})
+        decode = _median_seconds({name: lambda m=model: _generate(m, prompt, decode_tokens)
+                                  for name, model in models.items()})
+    figures = {name: {"prefill_ms": 1e3 * prefill[name], "prefill_tokens_per_s": batch * seq_len / prefill[name],
+                      "decode_step_ms": 1e3 * steps[name][0], "decode_step_tokens_per_s": decode_batch / steps[name][0],
+                      "decode_s": decode[name], "decode_tokens_per_s": decode_batch * decode_tokens / decode[name]}
+               for name in models}
     figures["prefill_speedup"] = figures["dense"]["prefill_ms"] / figures["twell"]["prefill_ms"]
+    figures["decode_step_speedup"] = figures["dense"]["decode_step_ms"] / figures["twell"]["decode_step_ms"]
+    check["decode_step_logits_rel_err"] = relative_error(steps["twell"][1], steps["dense"][1])
     figures["decode_speedup"] = figures["twell"]["decode_tokens_per_s"] / figures["dense"]["decode_tokens_per_s"]
     return {
         "checkpoint": str(path), "device": torch.cuda.get_device_name(device), "versions": versions(),
         "batch": batch, "seq_len": seq_len, "decode_tokens": decode_tokens, "decode_batch": decode_batch,
+        "decode_context": decode_context,
         "prompt_tokens": PROMPT_TOKENS, "figures": figures, "check": check, "plan": plan_summary(config),
         "mean_active": active, "mean_active_all_layers": statistics.fmean(active),
     }
@@ -137,17 +194,21 @@ def bench_table(result: dict):
     from rich.table import Table
 
     f, c = result["figures"], result["check"]
-    table = Table(title=f"{result['checkpoint']} on {result['device']}: {result['batch']} x {result['seq_len']} prefill, "
-                        f"{result['decode_tokens']} decode tokens (batch {result['decode_batch']}); "
+    table = Table(title=f"{result['checkpoint']} on {result['device']}: {result['batch']} x {result['seq_len']} prefill; "
+                        f"decode at batch {result['decode_batch']}: one step after {result['decode_context']} tokens "
+                        f"(CUDA graph), {result['decode_tokens']} tokens of eager generate; "
                         f"mean active units {result['mean_active_all_layers']:.1f}, "
                         f"{result['plan']['sparse_layers']}/{len(result['plan']['layers'])} layers sparse")
-    for column in ("", "prefill ms", "prefill tokens/s", "decode tokens/s"):
+    for column in ("", "prefill ms", "prefill tokens/s", "decode step ms", "decode step tokens/s",
+                   "generate tokens/s"):
         table.add_column(column, justify="right")
     for name in ("dense", "twell"):
         table.add_row(name, f"{f[name]['prefill_ms']:.2f}", f"{f[name]['prefill_tokens_per_s']:,.0f}",
+                      f"{f[name]['decode_step_ms']:.3f}", f"{f[name]['decode_step_tokens_per_s']:,.0f}",
                       f"{f[name]['decode_tokens_per_s']:,.1f}")
-    table.add_row("speed-up", f"{f['prefill_speedup']:.2f}x", "", f"{f['decode_speedup']:.2f}x")
-    table.caption = (f"logits rel. err {c['logits_rel_err']:.1e}; greedy tokens agreeing {100 * c['greedy_match']:.0f}% "
+    table.add_row("speed-up", f"{f['prefill_speedup']:.2f}x", "", f"{f['decode_step_speedup']:.2f}x", "",
+                  f"{f['decode_speedup']:.2f}x")
+    table.caption = (f"logits rel. err {c['logits_rel_err']:.1e} (decode step {c['decode_step_logits_rel_err']:.1e}); greedy tokens agreeing {100 * c['greedy_match']:.0f}% "
                      f"(common prefix {c['greedy_common_prefix']:.1f} of {CHECK_NEW})")
     return table
 

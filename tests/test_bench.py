@@ -36,12 +36,14 @@ def test_logits_agreement():
 
 
 def result():
-    figures = {"dense": {"prefill_ms": 100.0, "prefill_tokens_per_s": 1.3e6, "decode_s": 1.0, "decode_tokens_per_s": 128.0},
-               "twell": {"prefill_ms": 80.0, "prefill_tokens_per_s": 1.6e6, "decode_s": 0.8, "decode_tokens_per_s": 160.0},
-               "prefill_speedup": 1.25, "decode_speedup": 1.25}
+    figures = {"dense": {"prefill_ms": 100.0, "prefill_tokens_per_s": 1.3e6, "decode_step_ms": 2.0,
+                         "decode_step_tokens_per_s": 500.0, "decode_s": 1.0, "decode_tokens_per_s": 128.0},
+               "twell": {"prefill_ms": 80.0, "prefill_tokens_per_s": 1.6e6, "decode_step_ms": 1.25,
+                         "decode_step_tokens_per_s": 800.0, "decode_s": 0.8, "decode_tokens_per_s": 160.0},
+               "prefill_speedup": 1.25, "decode_step_speedup": 1.6, "decode_speedup": 1.25}
     return {"checkpoint": "ckpt", "device": "GPU", "versions": {}, "batch": 64, "seq_len": 2048, "decode_tokens": 128,
-            "decode_batch": 1, "figures": figures, "mean_active_all_layers": 29.3,
-            "check": {"logits_rel_err": 4e-3, "greedy_match": 1.0, "greedy_common_prefix": 32.0, "greedy_tokens": 128},
+            "decode_batch": 1, "decode_context": 512, "figures": figures, "mean_active_all_layers": 29.3,
+            "check": {"logits_rel_err": 4e-3, "decode_step_logits_rel_err": 5e-3, "greedy_match": 1.0, "greedy_common_prefix": 32.0, "greedy_tokens": 128},
             "plan": {"layers": ["T128 C8", "dense"], "sparse_layers": 1, "predicted_speedup": [1.3, 0.6]}}
 
 
@@ -49,7 +51,8 @@ def test_table_and_json(tmp_path):
     console = Console(record=True, width=200)
     console.print(bench_table(result()))
     text = console.export_text()
-    assert "1.25x" in text and "29.3" in text and "1/2 layers sparse" in text and "4.0e-03" in text
+    assert "1.25x" in text and "1.60x" in text and "29.3" in text and "1/2 layers sparse" in text and "4.0e-03" in text
+    assert "after 512 tokens" in text and "5.0e-03" in text
     path = write_json(result(), tmp_path / "sub" / "bench.json")
     assert json.loads(path.read_text()) == result()
 
@@ -124,3 +127,18 @@ def test_synthetic_model_has_the_requested_activity_and_exports(tmp_path):
     config = json.loads((path / "config.json").read_text())
     assert config["hidden_act"] == "relu" and len(config["twell"]["layers"]) == 2
     assert all(layer["stats"]["mean_active"] == pytest.approx(12, rel=0.25) for layer in config["twell"]["layers"])
+
+
+@pytest.mark.gpu
+def test_bench_checkpoint_on_gpu(tmp_path):
+    model_bench = load_model_bench()
+    model = model_bench.build_model(hidden=256, intermediate=2048, layers=2, heads=4, vocab=300, active=12,
+                                    calibration_tokens=512, device="cuda")
+    path = model_bench.export(model, tmp_path / "ckpt", active=12, eval_tokens=512)
+    result = bench_checkpoint(path, batch=2, seq_len=64, decode_tokens=8, decode_context=32, decode_batch=2)
+    f, c = result["figures"], result["check"]
+    for name in ("dense", "twell"):
+        assert f[name]["decode_step_ms"] > 0 and f[name]["prefill_ms"] > 0 and f[name]["decode_tokens_per_s"] > 0
+    assert f["decode_step_speedup"] == pytest.approx(f["dense"]["decode_step_ms"] / f["twell"]["decode_step_ms"])
+    assert c["logits_rel_err"] < 2e-2 and c["decode_step_logits_rel_err"] < 2e-2
+    assert result["decode_context"] == 32 and result["decode_batch"] == 2
