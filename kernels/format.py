@@ -70,6 +70,18 @@ GATHER = (6.24e12, 2.58e12, 0.028e-9, 20.4e-6)  # up + down rows of the active p
 #                                                 from HBM, seconds per pair, latency of the out kernel
 DECODE = (2.46e12, 5.4e-9, 11.2e-6)  # decode: bytes/s (gate matrix, active up/down rows), s per pair, latency
 L2_BYTES = 50e6
+# Batched, the out kernel walks each row in one program, a few units a step: a heavy row (a token with
+# hundreds of active units, like a sequence's first token in real models) is a serial chain that the
+# launch cannot end before. Seconds per step of that walk at 2 units a step: fixed + per hidden column,
+# fitted to benchmarks/heavy_row_probe.py (results/heavy_row_h100.json: 1.1 us a unit at D 2048 and
+# 16384 tokens, 1.7 us at D 4096).
+ROW_WALK = (9.8e-7, 6.0e-10)
+
+
+def out_units_per_step(m: int) -> int:
+    """Units the batched out kernel takes a step (gated_mlp.out_config): with few rows in flight, more
+    units a step, fewer dependent steps a row; with many, fewer, to keep more rows in flight."""
+    return 8 if m <= 256 else 4 if m <= 512 else 2
 
 
 def _roofline(flops: float, nbytes: float, rates: tuple, d: int) -> float:
@@ -82,16 +94,22 @@ def dense_time(d: int, i: int, tokens: int) -> float:
     return _roofline(6 * tokens * d * i, 6 * d * i, DENSE, d)
 
 
-def twell_time(mean_active: float, d: int, i: int, tokens: int) -> float:
-    """Predicted seconds of `gated_mlp` at `mean_active` units per token (no overflow)."""
+def twell_time(mean_active: float, d: int, i: int, tokens: int, max_active: float | None = None) -> float:
+    """Predicted seconds of `gated_mlp` at `mean_active` units per token (no overflow); `max_active`, the
+    heaviest token's count, bounds the batched out kernel from below by that row's serial walk (a
+    smooth maximum with the throughput term: the row runs beside the others)."""
     pairs = tokens * mean_active
-    if tokens <= decode_rows(d, i):
+    if tokens <= decode_rows(d, i):  # decode spreads a row's units over the gate programs' tiles
         bandwidth, per_pair, latency = DECODE
         return (2 * d * i + 4 * d * pairs) / bandwidth + pairs * per_pair + latency
     l2, hbm, per_pair, latency = GATHER
     from_hbm = max(0.0, 1 - L2_BYTES / (4 * d * i))  # share of the row reads that miss L2
     gather = pairs * (4 * d * ((1 - from_hbm) / l2 + from_hbm / hbm) + per_pair) + latency
-    return _roofline(2 * tokens * d * i, 2 * d * i, GATE, d) + gather
+    # the fitted terms already hold ordinary rows (a batch's heaviest is about twice the mean): only the
+    # walk beyond that counts
+    excess = max(0.0, (max_active or 0.0) - 2 * mean_active)
+    walk = excess / out_units_per_step(tokens) * (ROW_WALK[0] + ROW_WALK[1] * d)
+    return _roofline(2 * tokens * d * i, 2 * d * i, GATE, d) + (gather ** 4 + walk ** 4) ** 0.25
 
 
 def choose_setting(mean_active: float, tile_active_max: float, d: int, i: int, tokens: int = 16384,

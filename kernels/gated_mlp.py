@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from .format import cdiv, decode_rows, slots, use_triton
+from .format import cdiv, decode_rows, out_units_per_step, slots, use_triton
 
 try:
     import triton
@@ -91,8 +91,7 @@ def out_config(m: int, d: int, decode: bool) -> dict:
     block_d = triton.next_power_of_2(d)
     if decode:
         return dict(CH=32, BD=64 if m <= 8 else 256, num_warps=4)
-    ch = 8 if m <= 256 else 4 if m <= 512 else 2
-    ch = min(ch, max(2, 32768 // block_d))
+    ch = min(out_units_per_step(m), max(2, 32768 // block_d))
     per_warp = 2048 if m <= 128 else 4096  # fewer rows than SMs: one program an SM, so more warps each
     return dict(CH=ch, BD=block_d, num_warps=min(8, max(4 if m <= 512 else 1, ch * block_d // per_warp)))
 

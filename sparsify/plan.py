@@ -6,7 +6,10 @@ gives per (tile, compression):
 - overflow: an overflowing (token, tile) is recomputed densely in the fallback (T gate rows, 2 * T * D
   bytes, at the L2 gather rate), so a fraction f of overflowing pairs costs f * 2 * D * I bytes per token;
 - packed width: values (2 B) and indices (4 B) of I / C slots per token are written and read once; the
-  difference to the fitted C = 8 goes at HBM speed.
+  difference to the fitted C = 8 goes at HBM speed;
+- the heaviest token (`max_active`): the batched out kernel walks a row in one program, so one token with
+  thousands of active units (a sequence's first token often is one) bounds the launch by its serial walk
+  (twell.format.ROW_WALK); it moves the window's lower end of prefill sizes up.
 Every measured (tile, compression) gets a predicted speed-up over the dense block at `tokens` tokens
 (default: a 16k-token prefill, the regime of the paper's benchmark); the best one is the layer's setting.
 The speed-up depends on the token count (decode is memory-bound and wins most; a few hundred tokens can
@@ -33,9 +36,10 @@ LLAMA_RATIO = 2.75      # I / D of the paper's models, used when the caller give
 
 
 def predicted_speedup(mean_active: float, overflow_frac: float, compression: int, d: int, i: int,
-                      tokens: int = TOKENS) -> float:
-    """Dense block time over TwELL block time predicted for one layer setting."""
-    sparse = twell_time(mean_active, d, i, tokens)
+                      tokens: int = TOKENS, max_active: float | None = None) -> float:
+    """Dense block time over TwELL block time predicted for one layer setting (`max_active`: the
+    heaviest token's active count, whose serial walk bounds a batched launch)."""
+    sparse = twell_time(mean_active, d, i, tokens, max_active)
     # overflow: the batched fallback recomputes the tile; decode reads its h densely and all its down rows,
     # about the same bytes. Packed width: written and read once (negligible at decode sizes)
     sparse += tokens * overflow_frac * 2 * d * i / GATHER[0]
@@ -64,9 +68,11 @@ def plan_layer(stats: dict, *, hidden_size: int | None = None, tokens: int = TOK
     """One layer's {"mode", "tile", "compression", "sparse_tokens", "stats"} from its `measure` statistics."""
     units = stats["units"]
     d = hidden_size or round(units / LLAMA_RATIO)
-    summary = {k: stats[k] for k in ("mean_active", "p99_active", "dead_frac")}
+    summary = {k: stats[k] for k in ("mean_active", "p99_active", "max_active", "dead_frac") if k in stats}
+    heaviest = stats.get("max_active")
     candidates = [
-        (round(predicted_speedup(stats["mean_active"], overflow, int(c), d, units, tokens), 3), int(tile), int(c))
+        (round(predicted_speedup(stats["mean_active"], overflow, int(c), d, units, tokens, heaviest), 3), int(tile),
+         int(c))
         for tile, t in stats["tiles"].items()
         for c, overflow in t["overflow_frac"].items()
     ]
@@ -77,8 +83,8 @@ def plan_layer(stats: dict, *, hidden_size: int | None = None, tokens: int = TOK
     t = stats["tiles"][str(tile)]
     overflow = t["overflow_frac"][str(compression)]
     summary.update(predicted_speedup=speedup, max_tile_active_p999=t["p999"], overflow_frac=overflow)
-    ranges = token_ranges([(n, predicted_speedup(stats["mean_active"], overflow, compression, d, units, n) > min_speedup)
-                           for n in TOKEN_GRID])
+    ranges = token_ranges([(n, predicted_speedup(stats["mean_active"], overflow, compression, d, units, n, heaviest)
+                               > min_speedup) for n in TOKEN_GRID])
     return layer_setting(tile, compression, ranges, summary)
 
 

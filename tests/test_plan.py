@@ -91,3 +91,16 @@ def test_narrow_layer_without_tiles_is_dense():
 def test_plan_layers_keeps_order():
     plans = plan_layers([stats(5), stats(300)], hidden_size=D)
     assert [p["sparse_tokens"][0][1] for p in plans] == [None, plans[1]["sparse_tokens"][0][1]] != [None, None]
+
+
+def test_a_heavy_token_moves_prefills_to_dense():
+    """A token with 1000-2000 active units walks its row serially: short prefills lose, then all of them;
+    decode spreads a row over the gate programs' tiles and stays sparse."""
+    light = plan_layer(stats(29) | {"max_active": 60}, hidden_size=D)  # about twice the mean: ordinary
+    assert light["sparse_tokens"] == plan_layer(stats(29), hidden_size=D)["sparse_tokens"]
+    heavy = plan_layer(stats(29) | {"max_active": 1000}, hidden_size=D)
+    assert heavy["stats"]["max_active"] == 1000
+    assert heavy["stats"]["predicted_speedup"] < light["stats"]["predicted_speedup"]
+    assert heavy["sparse_tokens"][0][0] == 1 and heavy["sparse_tokens"][-1][0] > 4 * light["sparse_tokens"][-1][0]
+    heaviest = plan_layer(stats(29) | {"max_active": 2000}, hidden_size=D)
+    assert heaviest["sparse_tokens"] == [[1, heaviest["sparse_tokens"][0][1]]] and heaviest["sparse_tokens"][0][1] <= 64

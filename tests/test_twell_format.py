@@ -83,6 +83,19 @@ def test_cost_model_predicts_the_committed_h100_measurements():
     assert len(rows) > 60 and math.sqrt(sum(e * e for e in errors) / len(errors)) < 0.12
 
 
+def test_cost_model_predicts_the_heavy_row_tail():
+    """A token with thousands of active units bounds the batched launch by its row's serial walk: the
+    committed H100 probe (one heavy row among 16384, no overflow) against the model with max_active."""
+    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "heavy_row_h100.json"
+    rows = [r for r in json.loads(results.read_text())["rows"] if r["overflowing_pairs"] == 0]
+    for r in rows:
+        measured = r["dense_ms"] / r["block_ms"]
+        predicted = (twell.format.dense_time(r["D"], r["I"], 16384)
+                     / twell.format.twell_time(29, r["D"], r["I"], 16384, r["heavy_units"]))
+        assert abs(math.log(predicted / measured)) < 0.15, r
+    assert any(r["dense_ms"] / r["block_ms"] < 0.8 for r in rows)  # the probe does reach the tail
+
+
 def test_package_runs_without_triton():
     """Without triton (CPU-only installs) the package imports and falls back to the reference path."""
     code = (
