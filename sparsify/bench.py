@@ -208,7 +208,8 @@ def bench_table(result: dict):
                       f"{f[name]['decode_tokens_per_s']:,.1f}")
     table.add_row("speed-up", f"{f['prefill_speedup']:.2f}x", "", f"{f['decode_step_speedup']:.2f}x", "",
                   f"{f['decode_speedup']:.2f}x")
-    table.caption = (f"logits rel. err {c['logits_rel_err']:.1e} (decode step {c['decode_step_logits_rel_err']:.1e}); greedy tokens agreeing {100 * c['greedy_match']:.0f}% "
+    table.caption = (f"logits rel. err {c['logits_rel_err']:.1e} (decode step {c['decode_step_logits_rel_err']:.1e}); "
+                     f"greedy tokens agreeing {100 * c['greedy_match']:.0f}% "
                      f"(common prefix {c['greedy_common_prefix']:.1f} of {CHECK_NEW})")
     return table
 
