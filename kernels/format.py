@@ -60,6 +60,17 @@ def decode_rows(d: int, width: int) -> int:
     return DECODE_ROWS if d * width <= LARGE_LAYER else 16
 
 
+SPAN = 32  # list entries in one work item of a heavy row (gated_mlp's span kernel): 4 steps of 8 units
+
+
+def heavy_units(m: int) -> int:
+    """Units (list entries, plus T per overflowing tile) above which a batched row's walk goes to the span
+    kernel as work items. A row program walks about 1 unit a microsecond at D 2048 beside the other rows,
+    so a row up to about m / 50 units ends before the launch does (H100, 16384 tokens: one row of 250
+    units costs nothing, 950 units 25%; benchmarks/results/heavy_row_h100.json, before the split)."""
+    return max(128, m // 64)
+
+
 # Cost model of one block on an H100 in bf16, fitted by benchmarks/fit_cost_model.py to the block
 # benchmark's window and main grids (5 shapes, 1-65536 tokens, 29-300 active units; fit quality in
 # benchmarks/NOTES-inference.md). A launch costs a smooth maximum of its compute and its weight-streaming
@@ -70,12 +81,16 @@ GATHER = (6.24e12, 2.58e12, 0.028e-9, 20.4e-6)  # up + down rows of the active p
 #                                                 from HBM, seconds per pair, latency of the out kernel
 DECODE = (2.46e12, 5.4e-9, 11.2e-6)  # decode: bytes/s (gate matrix, active up/down rows), s per pair, latency
 L2_BYTES = 50e6
-# Batched, the out kernel walks each row in one program, a few units a step: a heavy row (a token with
-# hundreds of active units, like a sequence's first token in real models) is a serial chain that the
-# launch cannot end before. Seconds per step of that walk at 2 units a step: fixed + per hidden column,
-# fitted to benchmarks/heavy_row_probe.py (results/heavy_row_h100.json: 1.1 us a unit at D 2048 and
-# 16384 tokens, 1.7 us at D 4096).
+# Batched, the out kernel walks each row in one program, a few units a step, beside the other rows: a row
+# heavier than the rest (a sequence's first token often activates hundreds of units) is a serial chain.
+# Seconds per step of that walk at 2 units a step: fixed + per hidden column, fitted to
+# benchmarks/heavy_row_probe.py before the split (results/heavy_row_h100.json: 1.1 us a unit at D 2048,
+# 1.7 us at D 4096). A row above heavy_units(tokens) posts its walk as work items to the span kernel
+# instead, which runs after the out kernel: SPLIT, fixed + per hidden column, fitted to the out kernel's
+# time with one such row against none (results/heavy_row_split_h100.json: 11-22 us at D 2048, 20-38 us
+# at D 4096, whatever the row's count; more where several heavy rows or their overflowing tiles add up).
 ROW_WALK = (9.8e-7, 6.0e-10)
+SPLIT = (6.9e-6, 5.9e-9)
 
 
 def out_units_per_step(m: int) -> int:
@@ -96,8 +111,9 @@ def dense_time(d: int, i: int, tokens: int) -> float:
 
 def twell_time(mean_active: float, d: int, i: int, tokens: int, max_active: float | None = None) -> float:
     """Predicted seconds of `gated_mlp` at `mean_active` units per token (no overflow); `max_active`, the
-    heaviest token's count, bounds the batched out kernel from below by that row's serial walk (a
-    smooth maximum with the throughput term: the row runs beside the others)."""
+    heaviest token's count: up to heavy_units(tokens), its serial walk bounds the batched out kernel from
+    below (a smooth maximum with the throughput term: the row runs beside the others); above, the span
+    kernel's time is added."""
     pairs = tokens * mean_active
     if tokens <= decode_rows(d, i):  # decode spreads a row's units over the gate programs' tiles
         bandwidth, per_pair, latency = DECODE
@@ -105,11 +121,13 @@ def twell_time(mean_active: float, d: int, i: int, tokens: int, max_active: floa
     l2, hbm, per_pair, latency = GATHER
     from_hbm = max(0.0, 1 - L2_BYTES / (4 * d * i))  # share of the row reads that miss L2
     gather = pairs * (4 * d * ((1 - from_hbm) / l2 + from_hbm / hbm) + per_pair) + latency
+    heaviest = max_active or 0.0
     # the fitted terms already hold ordinary rows (a batch's heaviest is about twice the mean): only the
     # walk beyond that counts
-    excess = max(0.0, (max_active or 0.0) - 2 * mean_active)
+    excess = max(0.0, min(heaviest, heavy_units(tokens)) - 2 * mean_active)
     walk = excess / out_units_per_step(tokens) * (ROW_WALK[0] + ROW_WALK[1] * d)
-    return _roofline(2 * tokens * d * i, 2 * d * i, GATE, d) + (gather ** 4 + walk ** 4) ** 0.25
+    split = SPLIT[0] + SPLIT[1] * d if heaviest > heavy_units(tokens) else 0.0
+    return _roofline(2 * tokens * d * i, 2 * d * i, GATE, d) + (gather ** 4 + walk ** 4) ** 0.25 + split
 
 
 def choose_setting(mean_active: float, tile_active_max: float, d: int, i: int, tokens: int = 16384,

@@ -9,6 +9,10 @@ Two launches, no host synchronization:
    of the transposed down ([I, D], both contiguous rows), and accumulates out += (g * x.up_j) * down_j in
    fp32 registers: h never reaches device memory. A (row, tile) whose count exceeds the slots is
    recomputed densely from the gate and up weights (never dropped) and counted into `overflow`.
+   A heavy row (more units than heavy_units(M), like a sequence's first token) would bound the launch with
+   its serial walk: it posts its work instead, as items (list spans of SPAN entries, overflowing tiles),
+   and `_twell_span_kernel`, launched next, spreads the items over its programs; each writes an fp32
+   partial row, and the row's last item to finish sums them in item order (deterministic).
 Decode (M <= 64 tokens, 16 for layers with D * I > 2^24: decode_rows) is memory-bound and latency-bound
 instead: the gate kernel runs with a narrower tile (I / 64 programs stream the gate matrix; above 16 rows
 I / #SMs, one program per SM) and, in the same program, computes u for its tile's active units only (up to
@@ -32,7 +36,7 @@ from typing import Optional
 
 import torch
 
-from .format import cdiv, decode_rows, out_units_per_step, slots, use_triton
+from .format import SPAN, cdiv, decode_rows, heavy_units, out_units_per_step, slots, use_triton
 
 try:
     import triton
@@ -174,13 +178,15 @@ def gate_launch(x2, w, up, tile, s, vals_dtype, cfg, h_fp32=False, dense_h=False
 
 
 def out_launch(x2, width, tile, s, gated, h_fp32, has_overflow, cfg, packed_h=False, tile_stride=None,
-               pdl=False) -> _Launch:
-    """Launch of out [M, D] = sum over active units j of h_j * down_t[j], h_j = g_j * (x . up[j]) (or g_j
+               pdl=False) -> "_OutLaunches":
+    """Launches of out [M, D] = sum over active units j of h_j * down_t[j], h_j = g_j * (x . up[j]) (or g_j
     when not gated). With packed_h (decode path), the TwELL already holds h and overflowing tiles read
     theirs from the dense_h buffer that gate_launch(dense_h=True) wrote; otherwise they are recomputed
     from w_dec and up. `tile_stride` and `pdl` as in gate_launch (the out kernel then waits for the gate
     kernel on the device). Called with (x2, values, indices, counts, dense_h or values, w_dec, up or
-    down_t, down_t, out, overflow or counts); w_dec, up and down_t contiguous."""
+    down_t, down_t, out, overflow or counts); w_dec, up and down_t contiguous.
+    Batched (one program a whole row), a heavy row posts its walk as work items for the span kernel,
+    launched after the out kernel (programmatic dependent launch where available)."""
     m, d = x2.shape
     ts = _tile_stride(tile, tile_stride)
     nt = cdiv(width, ts)
@@ -191,11 +197,56 @@ def out_launch(x2, width, tile, s, gated, h_fp32, has_overflow, cfg, packed_h=Fa
     # fallback units a step: recomputing reduces [FB_CH, BLOCK_D] gate/up tiles, so few; reading dense_h
     # only loads [FB_CH, BD] down tiles, so up to a whole tile (about 4K elements a step)
     fb_ch = min(tile, max(ch, 4096 // bd)) if packed_h else min(ch, 4)
-    return _Launch(_twell_out_kernel, (m, cdiv(d, bd), 1), dict(
-        D=d, I=width, NT=nt, stride_xm=x2.stride(0), stride_xk=x2.stride(1), T=tile, S=s,
-        NT_PAD=max(2, triton.next_power_of_2(nt)), CH=ch, FB_CH=fb_ch, BLOCK_D=block_d, BD=bd,
-        LIST_UP=gated and not packed_h, FALLBACK_UP=gated, H_FP32=h_fp32, HAS_OVF=has_overflow,
-        DENSE_H=packed_h, TS=ts, PDL=pdl), cfg)
+    split = not packed_h and bd == block_d
+    out = _Launch(_twell_out_kernel, (m, cdiv(d, bd), 1), dict(
+        D=d, I=width, NT=nt, HEAVY=heavy_units(m), CAP=span_capacity(d), stride_xm=x2.stride(0),
+        stride_xk=x2.stride(1), T=tile, S=s, NT_PAD=max(2, triton.next_power_of_2(nt)), CH=ch, FB_CH=fb_ch,
+        BLOCK_D=block_d, BD=bd, LIST_UP=gated and not packed_h, FALLBACK_UP=gated, H_FP32=h_fp32,
+        HAS_OVF=has_overflow, DENSE_H=packed_h, TS=ts, PDL=pdl, SPAN=SPAN if split else 0), cfg)
+    # the span kernel has few programs: the step width of a few-row launch
+    spans = span_launch(x2, width, tile, s, gated, h_fp32, out_config(128, d, False),
+                        min(span_capacity(d), 2 * sm_count(x2.device)), use_pdl(x2.device)) if split else None
+    return _OutLaunches(out, spans, d)
+
+
+class _OutLaunches:
+    """The out kernel and, where it posts heavy rows' work items, the span kernel; allocates the span
+    kernel's zeroed workspace and partial rows at each call (they cannot be shared across streams)."""
+
+    def __init__(self, out: _Launch, spans: Optional[_Launch], d: int):
+        self.out, self.spans, self.d = out, spans, d
+
+    def __call__(self, x2, values, indices, counts, dense_h, w_dec, up_or_down, down_t, out, overflow):
+        if self.spans is None:
+            self.out(x2, values, indices, counts, dense_h, w_dec, up_or_down, down_t, out, overflow, counts)
+            return
+        cap = span_capacity(self.d)
+        workspace = torch.zeros(1 + 3 * cap, dtype=torch.int32, device=x2.device)
+        self.out(x2, values, indices, counts, dense_h, w_dec, up_or_down, down_t, out, overflow, workspace)
+        partials = torch.empty(cap, self.d, dtype=torch.float32, device=x2.device)
+        self.spans(x2, values, indices, counts, w_dec, up_or_down, down_t, out, workspace, partials)
+
+
+def span_capacity(d: int) -> int:
+    """Work-item slots of the span kernel: 16 MB of fp32 partial rows (2048 slots at D 2048: 32 tokens of
+    2000 units). Heavy rows beyond it walk themselves: slower, never wrong."""
+    return max(64, 2 ** 22 // d)
+
+
+def span_launch(x2, width, tile, s, gated, h_fp32, cfg, programs: int, pdl=False) -> _Launch:
+    """Launch of the span kernel: the work items that heavy rows of out_launch's kernel posted, strided over
+    `programs` programs, each item's partial row written to a [span_capacity(D), D] fp32 buffer and summed
+    in item order by the row's last item to finish. Called with (x2, values, indices, counts, w_dec,
+    up or down_t, down_t, out, workspace, partials); the workspace is int32 [1 + 3 * capacity], zeroed."""
+    d = x2.shape[1]
+    nt = cdiv(width, tile)
+    cfg = dict(cfg, launch_pdl=True) if pdl else dict(cfg)
+    cfg.pop("BD")
+    ch = cfg.pop("CH")
+    return _Launch(_twell_span_kernel, (programs, 1, 1), dict(
+        D=d, I=width, NT=nt, CAP=span_capacity(d), stride_xm=x2.stride(0), stride_xk=x2.stride(1), T=tile,
+        S=s, NT_PAD=max(2, triton.next_power_of_2(nt)), CH=ch, FB_CH=ch, BLOCK_D=triton.next_power_of_2(d),
+        SPAN=SPAN, LIST_UP=gated, FALLBACK_UP=gated, H_FP32=h_fp32, TS=tile, PDL=pdl), cfg)
 
 
 def decode_tile_stride(width: int, tile: int, m: int, device: torch.device) -> int:
@@ -205,8 +256,12 @@ def decode_tile_stride(width: int, tile: int, m: int, device: torch.device) -> i
     that a narrow layer does not pay for mostly empty T-wide blocks."""
     if device.type != "cuda" or m <= 16:
         return tile
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return min(tile, max(cdiv(width, sms), tile // 2))
+    return min(tile, max(cdiv(width, sm_count(device)), tile // 2))
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors (4 under the interpreter: a few programs, each taking several items)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def use_pdl(device: torch.device) -> bool:
@@ -508,12 +563,53 @@ if triton is not None:
         return unit, h, inside & (h != 0)
 
     @triton.jit
+    def _row_list(row, cnt_ptr, NT, S: tl.constexpr, NT_PAD: tl.constexpr):
+        """A row's tile counts as its compact list: (inclusive prefix of the fitting tiles' counts, fitting
+        counts, list length, overflowing tiles' mask)."""
+        t = tl.arange(0, NT_PAD)
+        cnt = tl.load(cnt_ptr + row * NT + t, mask=t < NT, other=0, eviction_policy="evict_first")
+        fits = tl.where(cnt <= S, cnt, 0)  # overflowed tiles go through the dense fallback
+        return tl.cumsum(fits, axis=0), fits, tl.sum(fits, axis=0), cnt > S
+
+    @triton.jit
+    def _walk_list(acc, x, lo, hi, incl, fits, row, NT, S: tl.constexpr, CH: tl.constexpr, idx_ptr, vals_ptr,
+                   d, dmask, do, omask, up_ptr, down_ptr, D, GATED: tl.constexpr, H_FP32: tl.constexpr):
+        """acc += the units of list entries lo..hi - 1, CH a step; the next step's units are fetched before
+        this step's weights are consumed."""
+        e = tl.arange(0, CH)
+        j, g, active = _list_entries(e + lo, incl, fits, hi, row, NT, S, idx_ptr, vals_ptr)
+        for e0 in range(lo, hi, CH):
+            j_next, g_next, active_next = _list_entries(e + e0 + CH, incl, fits, hi, row, NT, S, idx_ptr,
+                                                        vals_ptr)
+            acc = _accumulate_units(acc, x, j, g, active, d, dmask, do, omask, up_ptr, down_ptr, D, GATED,
+                                    H_FP32)
+            j, g, active = j_next, g_next, active_next
+        return acc
+
+    @triton.jit
+    def _recompute_tile(acc, x, tile, d, dmask, do, omask, vals_ptr, wdec_ptr, up_ptr, down_ptr, D, I,
+                        T: tl.constexpr, TS: tl.constexpr, FB_CH: tl.constexpr, GATED: tl.constexpr,
+                        H_FP32: tl.constexpr):
+        """acc += an overflowing tile's units, recomputed densely from the gate (and up) weights."""
+        for u0 in range(0, T, FB_CH):
+            in_tile = u0 + tl.arange(0, FB_CH)
+            unit = tile * TS + in_tile
+            inside = (in_tile < TS) & (unit < I)
+            gw = tl.load(wdec_ptr + unit[:, None].to(tl.int64) * D + d[None, :],
+                         mask=inside[:, None] & dmask[None, :], other=0.0)
+            gate = tl.sum(gw.to(tl.float32) * x[None, :], axis=1)
+            gate = gate.to(vals_ptr.dtype.element_ty).to(tl.float32)  # as the packed value
+            acc = _accumulate_units(acc, x, unit, gate, inside & (gate > 0), d, dmask, do, omask, up_ptr,
+                                    down_ptr, D, GATED, H_FP32)
+        return acc
+
+    @triton.jit
     def _twell_out_kernel(x_ptr, vals_ptr, idx_ptr, cnt_ptr, hd_ptr, wdec_ptr, up_ptr, down_ptr, out_ptr,
-                          ovf_ptr, D, I, NT, stride_xm, stride_xk,
+                          ovf_ptr, ws_ptr, D, I, NT, HEAVY, CAP, stride_xm, stride_xk,
                           T: tl.constexpr, S: tl.constexpr, NT_PAD: tl.constexpr, CH: tl.constexpr,
                           FB_CH: tl.constexpr, BLOCK_D: tl.constexpr, BD: tl.constexpr, LIST_UP: tl.constexpr,
                           FALLBACK_UP: tl.constexpr, H_FP32: tl.constexpr, HAS_OVF: tl.constexpr,
-                          DENSE_H: tl.constexpr, TS: tl.constexpr, PDL: tl.constexpr):
+                          DENSE_H: tl.constexpr, TS: tl.constexpr, PDL: tl.constexpr, SPAN: tl.constexpr):
         # program (row, output chunk): u needs the whole row of x and up, down only BD output columns
         row = tl.program_id(0).to(tl.int64)
         pid_d = tl.program_id(1)
@@ -525,29 +621,34 @@ if triton is not None:
                     eviction_policy="evict_first").to(tl.float32)
         if PDL:  # launched before the gate kernel finished: wait for its results
             tl.extra.cuda.gdc_wait()
-        t = tl.arange(0, NT_PAD)
-        cnt = tl.load(cnt_ptr + row * NT + t, mask=t < NT, other=0, eviction_policy="evict_first")
-        fits = tl.where(cnt <= S, cnt, 0)  # overflowed tiles go through the dense fallback below
-        incl = tl.cumsum(fits, axis=0)
-        total = tl.sum(fits, axis=0)
+        incl, fits, total, over = _row_list(row, cnt_ptr, NT, S, NT_PAD)
+        n_over = tl.sum(over.to(tl.int32), axis=0)
+        own = total >= 0  # whether this program walks its row (a heavy one may post it as work items instead)
+        if SPAN > 0:
+            # a heavy row (more than HEAVY units to walk) would bound the launch with its serial walk: it posts
+            # its work as items instead (list spans of SPAN entries, then its overflowing tiles) into the
+            # workspace [items allocated, row of each item slot (CAP), first slot of its row (CAP), items
+            # done per row (CAP)], for the span kernel, which runs after this one and writes the row
+            if total + n_over * TS > HEAVY:
+                n_items = tl.cdiv(total, SPAN) + n_over
+                base = tl.atomic_add(ws_ptr, n_items)
+                own = base + n_items > CAP  # workspace full: the row walks itself, as a light one
+                for q0 in range(0, n_items, 64):
+                    q = base + q0 + tl.arange(0, 64)
+                    slot = (q < base + n_items) & (q < CAP)
+                    tl.store(ws_ptr + 1 + q, tl.where(own, -1, row).to(tl.int32), mask=slot)
+                    tl.store(ws_ptr + 1 + CAP + q, base, mask=slot)
         acc = tl.zeros((BD,), dtype=tl.float32)
-        e = tl.arange(0, CH)
-        j, g, active = _list_entries(e, incl, fits, total, row, NT, S, idx_ptr, vals_ptr)
-        for e0 in range(0, total, CH):
-            # the next chunk's units are fetched before this chunk's weights are consumed
-            j_next, g_next, active_next = _list_entries(e + e0 + CH, incl, fits, total, row, NT, S,
-                                                        idx_ptr, vals_ptr)
-            acc = _accumulate_units(acc, x, j, g, active, d, dmask, do, omask, up_ptr, down_ptr, D,
-                                    LIST_UP, H_FP32)
-            j, g, active = j_next, g_next, active_next
-        n_over = tl.sum((cnt > S).to(tl.int32), axis=0)
+        if own:
+            acc = _walk_list(acc, x, 0, total, incl, fits, row, NT, S, CH, idx_ptr, vals_ptr, d, dmask, do,
+                             omask, up_ptr, down_ptr, D, LIST_UP, H_FP32)
         if n_over > 0:
             if HAS_OVF:
                 tl.atomic_add(ovf_ptr, n_over.to(ovf_ptr.dtype.element_ty), mask=pid_d == 0)
             if DENSE_H:
                 # h from dense_h, one flat walk over the chunks of the overflowing tiles, the next chunk's
                 # h fetched before this chunk's down rows are consumed (like the list above)
-                ov_incl = tl.cumsum((cnt > S).to(tl.int32), axis=0)
+                ov_incl = tl.cumsum(over.to(tl.int32), axis=0)
                 n_chunks = n_over * (T // FB_CH)
                 unit, h, live = _dense_h_entries(0, ov_incl, n_chunks, row, I, hd_ptr, T, TS, FB_CH)
                 for c in range(0, n_chunks):
@@ -556,17 +657,55 @@ if triton is not None:
                     acc = _accumulate_units(acc, x, unit, h, live, d, dmask, do, omask, up_ptr, down_ptr, D,
                                             False, H_FP32)
                     unit, h, live = unit_next, h_next, live_next
-            else:  # recompute the tile densely from the gate (and up) weights
+            elif own:  # recompute the tiles densely from the gate (and up) weights
                 for tile in range(0, NT):
                     if tl.load(cnt_ptr + row * NT + tile) > S:
-                        for u0 in range(0, T, FB_CH):
-                            in_tile = u0 + tl.arange(0, FB_CH)
-                            unit = tile * TS + in_tile
-                            inside = (in_tile < TS) & (unit < I)
-                            gw = tl.load(wdec_ptr + unit[:, None].to(tl.int64) * D + d[None, :],
-                                         mask=inside[:, None] & dmask[None, :], other=0.0)
-                            gate = tl.sum(gw.to(tl.float32) * x[None, :], axis=1)
-                            gate = gate.to(vals_ptr.dtype.element_ty).to(tl.float32)  # as the packed value
-                            acc = _accumulate_units(acc, x, unit, gate, inside & (gate > 0), d, dmask, do,
-                                                    omask, up_ptr, down_ptr, D, FALLBACK_UP, H_FP32)
-        tl.store(out_ptr + row * D + do, acc.to(out_ptr.dtype.element_ty), mask=omask, eviction_policy="evict_first")
+                        acc = _recompute_tile(acc, x, tile, d, dmask, do, omask, vals_ptr, wdec_ptr, up_ptr,
+                                              down_ptr, D, I, T, TS, FB_CH, FALLBACK_UP, H_FP32)
+        if own:  # else the span kernel writes the row
+            tl.store(out_ptr + row * D + do, acc.to(out_ptr.dtype.element_ty), mask=omask,
+                     eviction_policy="evict_first")
+
+    @triton.jit
+    def _twell_span_kernel(x_ptr, vals_ptr, idx_ptr, cnt_ptr, wdec_ptr, up_ptr, down_ptr, out_ptr, ws_ptr,
+                           part_ptr, D, I, NT, CAP, stride_xm, stride_xk,
+                           T: tl.constexpr, S: tl.constexpr, NT_PAD: tl.constexpr, CH: tl.constexpr,
+                           FB_CH: tl.constexpr, BLOCK_D: tl.constexpr, SPAN: tl.constexpr,
+                           LIST_UP: tl.constexpr, FALLBACK_UP: tl.constexpr, H_FP32: tl.constexpr,
+                           TS: tl.constexpr, PDL: tl.constexpr):
+        # the work items that heavy rows posted (see _twell_out_kernel), strided over the programs
+        if PDL:  # launched before the out kernel finished: wait for its results
+            tl.extra.cuda.gdc_wait()
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < D
+        for q in range(tl.program_id(0), tl.minimum(tl.load(ws_ptr), CAP), tl.num_programs(0)):
+            row = tl.load(ws_ptr + 1 + q)
+            if row >= 0:  # -1: a slot of a row that found no room and walked itself
+                r = row.to(tl.int64)
+                base = tl.load(ws_ptr + 1 + CAP + q)
+                x = tl.load(x_ptr + r * stride_xm + d * stride_xk, mask=dmask, other=0.0).to(tl.float32)
+                incl, fits, total, over = _row_list(r, cnt_ptr, NT, S, NT_PAD)
+                n_list = tl.cdiv(total, SPAN)
+                n_items = n_list + tl.sum(over.to(tl.int32), axis=0)
+                item = q - base
+                acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+                if item < n_list:  # a span of the list
+                    acc = _walk_list(acc, x, item * SPAN, tl.minimum(item * SPAN + SPAN, total), incl, fits,
+                                     r, NT, S, CH, idx_ptr, vals_ptr, d, dmask, d, dmask, up_ptr, down_ptr, D,
+                                     LIST_UP, H_FP32)
+                else:  # an overflowing tile: the (item - n_list)-th
+                    tile = tl.sum((tl.cumsum(over.to(tl.int32), axis=0) <= item - n_list).to(tl.int32), axis=0)
+                    acc = _recompute_tile(acc, x, tile, d, dmask, d, dmask, vals_ptr, wdec_ptr, up_ptr,
+                                          down_ptr, D, I, T, TS, FB_CH, FALLBACK_UP, H_FP32)
+                tl.store(part_ptr + q * D + d, acc, mask=dmask)
+                # the last item of the row to finish sums the row's partials in item order (deterministic);
+                # the barrier puts every thread's partial ahead of the atomic's release
+                tl.debug_barrier()
+                if tl.atomic_add(ws_ptr + 1 + 2 * CAP + base, 1) == n_items - 1:
+                    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+                    for p0 in range(base, base + n_items, 8):  # 8 partial rows a step, in flight together
+                        p = p0 + tl.arange(0, 8)
+                        acc += tl.sum(tl.load(part_ptr + p[:, None] * D + d[None, :], other=0.0,
+                                              mask=(p < base + n_items)[:, None] & dmask[None, :],
+                                              cache_modifier=".cg"), axis=0)
+                    tl.store(out_ptr + r * D + d, acc.to(out_ptr.dtype.element_ty), mask=dmask)

@@ -7,9 +7,9 @@ gives per (tile, compression):
   bytes, at the L2 gather rate), so a fraction f of overflowing pairs costs f * 2 * D * I bytes per token;
 - packed width: values (2 B) and indices (4 B) of I / C slots per token are written and read once; the
   difference to the fitted C = 8 goes at HBM speed;
-- the heaviest token (`max_active`): the batched out kernel walks a row in one program, so one token with
-  thousands of active units (a sequence's first token often is one) bounds the launch by its serial walk
-  (twell.format.ROW_WALK); it moves the window's lower end of prefill sizes up.
+- the heaviest token (`max_active`): the batched out kernel walks a row in one program; a row above
+  `twell.format.heavy_units` (a sequence's first token often is one) goes to the span kernel instead, a
+  fixed cost of about 20 us (twell.format.SPLIT) that moves the window's lower end of prefill sizes up.
 Every measured (tile, compression) gets a predicted speed-up over the dense block at `tokens` tokens
 (default: a 16k-token prefill, the regime of the paper's benchmark); the best one is the layer's setting.
 The speed-up depends on the token count (decode is memory-bound and wins most; a few hundred tokens can
@@ -38,7 +38,7 @@ LLAMA_RATIO = 2.75      # I / D of the paper's models, used when the caller give
 def predicted_speedup(mean_active: float, overflow_frac: float, compression: int, d: int, i: int,
                       tokens: int = TOKENS, max_active: float | None = None) -> float:
     """Dense block time over TwELL block time predicted for one layer setting (`max_active`: the
-    heaviest token's active count, whose serial walk bounds a batched launch)."""
+    heaviest token's active count)."""
     sparse = twell_time(mean_active, d, i, tokens, max_active)
     # overflow: the batched fallback recomputes the tile; decode reads its h densely and all its down rows,
     # about the same bytes. Packed width: written and read once (negligible at decode sizes)

@@ -93,14 +93,16 @@ def test_plan_layers_keeps_order():
     assert [p["sparse_tokens"][0][1] for p in plans] == [None, plans[1]["sparse_tokens"][0][1]] != [None, None]
 
 
-def test_a_heavy_token_moves_prefills_to_dense():
-    """A token with 1000-2000 active units walks its row serially: short prefills lose, then all of them;
-    decode spreads a row over the gate programs' tiles and stays sparse."""
+def test_heavy_tokens_cost_the_span_kernel_only():
+    """A token with 1000-2000 active units goes to the span kernel, a fixed cost of about 20 us: decode
+    and prefills from a couple of thousand tokens stay sparse (before the split, 2000 units made such a
+    layer decode-only), short prefills lose. Below heavy_units the row walks itself, in the fitted terms."""
     light = plan_layer(stats(29) | {"max_active": 60}, hidden_size=D)  # about twice the mean: ordinary
     assert light["sparse_tokens"] == plan_layer(stats(29), hidden_size=D)["sparse_tokens"]
-    heavy = plan_layer(stats(29) | {"max_active": 1000}, hidden_size=D)
-    assert heavy["stats"]["max_active"] == 1000
-    assert heavy["stats"]["predicted_speedup"] < light["stats"]["predicted_speedup"]
-    assert heavy["sparse_tokens"][0][0] == 1 and heavy["sparse_tokens"][-1][0] > 4 * light["sparse_tokens"][-1][0]
-    heaviest = plan_layer(stats(29) | {"max_active": 2000}, hidden_size=D)
-    assert heaviest["sparse_tokens"] == [[1, heaviest["sparse_tokens"][0][1]]] and heaviest["sparse_tokens"][0][1] <= 64
+    for heaviest in (1000, 2000):
+        heavy = plan_layer(stats(29) | {"max_active": heaviest}, hidden_size=D)
+        assert heavy["stats"]["max_active"] == heaviest
+        assert 0.95 * light["stats"]["predicted_speedup"] < heavy["stats"]["predicted_speedup"] \
+            < light["stats"]["predicted_speedup"]
+        assert heavy["sparse_tokens"][0][0] == 1 and heavy["sparse_tokens"][-1][1] is None
+        assert light["sparse_tokens"][-1][0] < heavy["sparse_tokens"][-1][0] <= 2048

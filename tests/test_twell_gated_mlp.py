@@ -1,14 +1,18 @@
 """Gated TwELL block against its fp32 reference. CPU: Triton interpreter, tiny shapes, fp32/fp16.
 GPU (-m gpu): bf16 at real sizes, CUDA graphs, torch.compile, no host synchronization."""
 import math
+import sys
 from statistics import NormalDist
 
 import pytest
 import torch
 
 import twell
-from twell.format import empty_twell, slots
-from twell.gated_mlp import decode_tile_stride, gate_config, gate_launch, out_launch
+from twell.format import SPAN, empty_twell, heavy_units, slots
+import twell.gated_mlp  # noqa: F401  (the module, beside the function of the same name)
+from twell.gated_mlp import decode_tile_stride, gate_config, gate_launch, out_config, out_launch
+
+gm = sys.modules["twell.gated_mlp"]
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -74,6 +78,76 @@ def test_kernels_write_every_output_and_read_only_valid_slots():
         x, *tw[:3], tw.values, gate, up, down.t().contiguous(), out, overflow)
     assert rel_err(out, reference(x, gate, up, down)) < 1e-5
     assert overflow.item() == (tw.counts > slots(16, 4)).sum().item() > 0
+
+
+def heavy_rows_block(m, d, i, dtype=torch.float32):
+    """block() with rows far above the mean (k = 8): about 45% and 30% of the units active, one row with
+    every unit (all of its tiles overflow), one empty."""
+    x, gate, up, down = block(m, d, i, k=8, dtype=dtype)
+    bias = NormalDist().inv_cdf(1 - 8 / i)
+    x[3, 0] = NormalDist().inv_cdf(0.55) / bias
+    x[m // 2, 0] = NormalDist().inv_cdf(0.7) / bias
+    x[m - 1, 0] = -40.0
+    x[m - 2, 0] = 50.0
+    return x, gate, up, down
+
+
+def split_work(counts, s, ts, m):
+    """Per row: whether the batched out kernel posts it to the span kernel, and its work items."""
+    over = counts > s
+    units = torch.where(over, 0, counts).sum(1)
+    heavy = units + over.sum(1) * ts > heavy_units(m)
+    return heavy, torch.where(heavy, -(-units // SPAN) + over.sum(1), 0)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_heavy_rows_split_into_work_items(gated):
+    """Batched: the out kernel leaves heavy rows unwritten and posts their work items (list spans and
+    overflowing tiles); the span kernel computes them into partial rows and sums those. NaN-poisoned."""
+    torch.manual_seed(3)
+    m, d, i, tile, comp = 70, 24, 300, 64, 2  # 5 tiles of 32 slots: heavy rows fit up to 160 units
+    x, gate, up, down = heavy_rows_block(m, d, i)
+    s = slots(tile, comp)
+    tw = empty_twell(m, i, tile, comp, x.dtype, x.device)
+    tw.values.fill_(float("nan"))
+    gate_launch(x, gate, None, tile, s, x.dtype, gate_config(m, tile, 4, decode=False))(x, gate, gate, *tw[:3], tw.values)
+    heavy, items = split_work(tw.counts, s, tile, m)
+    assert heavy[3] and heavy[m - 1] and not heavy[m // 2] and items[3] >= 3
+    out = torch.full_like(x, float("nan"))
+    overflow = torch.zeros(1, dtype=torch.int64, device=DEV)
+    down_t = down.t().contiguous()
+    launches = out_launch(x, i, tile, s, gated, False, True, out_config(m, d, decode=False))
+    workspace = torch.zeros(1 + 3 * gm.span_capacity(d), dtype=torch.int32, device=DEV)
+    weights = (gate, up if gated else down_t, down_t, out)
+    launches.out(x, *tw[:3], tw.values, *weights, overflow, workspace)
+    assert out[heavy].isnan().all() and not out[~heavy].isnan().any()
+    assert workspace[0].item() == items.sum().item()
+    assert overflow.item() == (tw.counts > s).sum().item()
+    partials = torch.full((gm.span_capacity(d), d), float("nan"), device=DEV)
+    launches.spans(x, *tw[:3], *weights, workspace, partials)
+    h = torch.relu(x @ gate.t()) * (x @ up.t()) if gated else torch.relu(x @ gate.t())
+    ref = h @ down.t()
+    assert rel_err(out, ref) < 1e-5
+    for row in heavy.nonzero().flatten().tolist():
+        assert rel_err(out[row], ref[row]) < 1e-5, row
+
+
+def test_heavy_rows_beyond_the_workspace_walk_themselves(monkeypatch):
+    """A workspace too small for every heavy row's items: rows that find no room walk themselves."""
+    torch.manual_seed(4)
+    m, d, i = 70, 24, 300
+    x, gate, up, down = heavy_rows_block(m, d, i)
+    x[5, 0] = x[3, 0]  # three heavy rows: two of about 135 units, one with 5 overflowing tiles
+    counts = twell.pack(torch.relu(x @ gate.t()), tile=64, compression=2).counts
+    heavy, items = split_work(counts, slots(64, 2), 64, m)
+    assert heavy.sum() == 3
+    # room for the first heavy row's items only (the interpreter runs the programs in row order)
+    monkeypatch.setattr(gm, "_PLANS", type(gm._PLANS)())  # plans built with the real capacity
+    monkeypatch.setattr(gm, "span_capacity", lambda d: items[3].item())
+    overflow = torch.zeros(1, dtype=torch.int64, device=DEV)
+    out = twell.gated_mlp(x, gate, up, down, tile=64, compression=2, overflow=overflow)
+    assert rel_err(out, reference(x, gate, up, down)) < 1e-5
+    assert overflow.item() == (counts > slots(64, 2)).sum().item()
 
 
 def overflow_count(g, tile, compression):
@@ -276,3 +350,29 @@ def test_gpu_no_sync_cuda_graph_and_compile():
     assert torch.equal(out, expected)
     compiled = torch.compile(lambda a: twell.gated_mlp(a, gate, up, down), fullgraph=True)
     assert torch.equal(compiled(x), expected)
+
+
+@pytest.mark.gpu
+def test_gpu_heavy_rows_deterministic_and_capturable():
+    """Batched bf16 with heavy tokens (1000-2000 units, a dense one): within the dense block's error,
+    bit-equal across calls (the span kernel sums partials in item order), replayable as a CUDA graph."""
+    x, gate, up, down = block(4096, 2048, 5632, k=29, dtype=torch.bfloat16)
+    bias = NormalDist().inv_cdf(1 - 29 / 5632)
+    x[0, 0] = NormalDist().inv_cdf(1 - 2000 / 5632) / bias
+    x[1000, 0] = NormalDist().inv_cdf(1 - 1000 / 5632) / bias
+    x[2000, 0] = -30.0
+    down = twell.prepare_down(down)
+    ref = reference(x, gate, up, down)
+    dense = (torch.relu(x @ gate.t()) * (x @ up.t())) @ down.t()
+    fn = lambda: twell.gated_mlp(x, gate, up, down, compression=2)
+    expected = fn()
+    for row in (0, 1000, 2000):
+        assert rel_err(expected[row], ref[row]) < max(1.25 * rel_err(dense[row], ref[row]), 4e-3), row
+    assert rel_err(expected, ref) < 4e-3
+    assert all(torch.equal(fn(), expected) for _ in range(3))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    out.fill_(float("nan"))
+    graph.replay()
+    assert torch.equal(out, expected)
