@@ -12,8 +12,8 @@ Figures (benchmarks.md method, CUDA events through triton's do_bench, medians af
   work of a small model, so this figure is host-bound and shows little of the MLP's speed-up.
 Inputs are random token ids (seed 0): the mean active units that the figures go with are measured on
 that same input (gate pre-activation > 0) and reported. A logits check runs before any timing: relative
-error of the final-position logits over a short batch, and how many greedy tokens of a short generation
-agree (bf16 rounding can flip a near-tie, after which the continuations differ: both are reported).
+error of the final-position logits of the prefill input (the token count each layer's window is judged
+at), and how many greedy tokens of a short generation from 16-token prompts agree (bf16 rounding can flip a near-tie, after which the continuations differ: both are reported).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from .plan import describe
 from .tune import relative_error, require_cuda
 
 PROMPT_TOKENS = 16
-CHECK_BATCH, CHECK_LEN, CHECK_NEW = 4, 128, 32
+CHECK_BATCH, CHECK_NEW = 4, 32  # greedy agreement: prompts of PROMPT_TOKENS, CHECK_NEW new tokens
 
 
 def logits_agreement(dense_logits: torch.Tensor, twell_logits: torch.Tensor, dense_tokens: torch.Tensor,
@@ -157,14 +157,15 @@ def bench_checkpoint(path: str | Path, *, batch: int = 64, seq_len: int = 2048, 
     vocab = config.vocab_size
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (batch, seq_len), generator=gen).to(device)
-    check_ids = torch.randint(0, vocab, (CHECK_BATCH, min(CHECK_LEN, seq_len)), generator=gen).to(device)
+    check_prompts = torch.randint(0, vocab, (CHECK_BATCH, PROMPT_TOKENS), generator=gen).to(device)
     prompt = torch.randint(0, vocab, (decode_batch, PROMPT_TOKENS), generator=gen).to(device)
     context = torch.randint(0, vocab, (decode_batch, decode_context), generator=gen).to(device)
 
     with torch.inference_mode():
-        check = logits_agreement(dense(check_ids).logits[:, -1], sparse(check_ids).logits[:, -1],
-                                 _generate(dense, check_ids[:, :PROMPT_TOKENS], CHECK_NEW),
-                                 _generate(sparse, check_ids[:, :PROMPT_TOKENS], CHECK_NEW))
+        # logits on the timed prefill input itself (last position only), so that the check runs the layers
+        # at the token count the figures are for: a smaller input could fall outside a layer's sparse window
+        check = logits_agreement(*(m(ids, logits_to_keep=1, use_cache=False).logits[:, -1] for m in (dense, sparse)),
+                                 _generate(dense, check_prompts, CHECK_NEW), _generate(sparse, check_prompts, CHECK_NEW))
         active = mean_active(dense, ids)
         models = {"dense": dense, "twell": sparse}
         steps = {name: decode_step(model, context) for name, model in models.items()}
