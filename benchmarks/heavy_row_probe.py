@@ -5,7 +5,7 @@ spans, overflowing tiles) that the span kernel spreads over many programs. Compr
 One heavy row in the middle, or one in every 2048 rows (a sequence's first token at 2048-token prompts).
 The block is checked against the fp32 reference at the heavy rows in the same run.
 
-    python benchmarks/heavy_row_probe.py --json results/heavy_row_split_h100.json
+    python benchmarks/heavy_row_probe.py --json benchmarks/results/heavy_row_split_h100.json
 """
 import argparse
 import json

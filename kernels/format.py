@@ -121,12 +121,12 @@ def twell_time(mean_active: float, d: int, i: int, tokens: int, max_active: floa
     l2, hbm, per_pair, latency = GATHER
     from_hbm = max(0.0, 1 - L2_BYTES / (4 * d * i))  # share of the row reads that miss L2
     gather = pairs * (4 * d * ((1 - from_hbm) / l2 + from_hbm / hbm) + per_pair) + latency
-    heaviest = max_active or 0.0
+    heaviest, walked_alone = max_active or 0.0, heavy_units(tokens)
     # the fitted terms already hold ordinary rows (a batch's heaviest is about twice the mean): only the
     # walk beyond that counts
-    excess = max(0.0, min(heaviest, heavy_units(tokens)) - 2 * mean_active)
+    excess = max(0.0, min(heaviest, walked_alone) - 2 * mean_active)
     walk = excess / out_units_per_step(tokens) * (ROW_WALK[0] + ROW_WALK[1] * d)
-    split = SPLIT[0] + SPLIT[1] * d if heaviest > heavy_units(tokens) else 0.0
+    split = SPLIT[0] + SPLIT[1] * d if heaviest > walked_alone else 0.0
     return _roofline(2 * tokens * d * i, 2 * d * i, GATE, d) + (gather ** 4 + walk ** 4) ** 0.25 + split
 
 

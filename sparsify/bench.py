@@ -13,7 +13,8 @@ Figures (benchmarks.md method, CUDA events through triton's do_bench, medians af
 Inputs are random token ids (seed 0): the mean active units that the figures go with are measured on
 that same input (gate pre-activation > 0) and reported. A logits check runs before any timing: relative
 error of the final-position logits of the prefill input (the token count each layer's window is judged
-at), and how many greedy tokens of a short generation from 16-token prompts agree (bf16 rounding can flip a near-tie, after which the continuations differ: both are reported).
+at), and how many greedy tokens of a short generation from 16-token prompts agree (bf16 rounding can flip
+a near-tie, after which the continuations differ: both are reported).
 """
 from __future__ import annotations
 
@@ -164,8 +165,8 @@ def bench_checkpoint(path: str | Path, *, batch: int = 64, seq_len: int = 2048, 
     with torch.inference_mode():
         # logits on the timed prefill input itself (last position only), so that the check runs the layers
         # at the token count the figures are for: a smaller input could fall outside a layer's sparse window
-        check = logits_agreement(*(m(ids, logits_to_keep=1, use_cache=False).logits[:, -1] for m in (dense, sparse)),
-                                 _generate(dense, check_prompts, CHECK_NEW), _generate(sparse, check_prompts, CHECK_NEW))
+        last = [m(ids, logits_to_keep=1, use_cache=False).logits[:, -1] for m in (dense, sparse)]
+        check = logits_agreement(*last, *(_generate(m, check_prompts, CHECK_NEW) for m in (dense, sparse)))
         active = mean_active(dense, ids)
         models = {"dense": dense, "twell": sparse}
         steps = {name: decode_step(model, context) for name, model in models.items()}

@@ -110,7 +110,8 @@ def test_heavy_rows_split_into_work_items(gated):
     s = slots(tile, comp)
     tw = empty_twell(m, i, tile, comp, x.dtype, x.device)
     tw.values.fill_(float("nan"))
-    gate_launch(x, gate, None, tile, s, x.dtype, gate_config(m, tile, 4, decode=False))(x, gate, gate, *tw[:3], tw.values)
+    gate_launch(x, gate, None, tile, s, x.dtype, gate_config(m, tile, 4, decode=False))(
+        x, gate, gate, *tw[:3], tw.values)
     heavy, items = split_work(tw.counts, s, tile, m)
     assert heavy[3] and heavy[m - 1] and not heavy[m // 2] and items[3] >= 3
     out = torch.full_like(x, float("nan"))
