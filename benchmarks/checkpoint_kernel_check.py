@@ -2,9 +2,10 @@
 
 The checkpoint is loaded twice: plain (dense ReLU, no remote code) and with trust_remote_code (TwELL).
 `--force-sparse TILE COMPRESSION` overrides the plan so every layer runs the kernels, which shows the
-wiring on models whose plan is dense (the demo: its layers are too narrow to gain). Kernel calls and
-overflowing (row, tile) pairs are counted by wrapping the modeling file's `gated_mlp`. Prints and
-writes to --json: logits relative error (fp32 and bf16), greedy-generation agreement, calls, overflow.
+wiring on models whose plan is dense (the demo: its layers are too narrow to gain). Kernel calls are
+counted where the MLP module routes a call to the kernels (replays of its CUDA graphs included), and
+overflowing (row, tile) pairs through an overflow counter passed to the modeling file's `gated_mlp`. Prints
+and writes to --json: logits relative error (fp32 and bf16), greedy-generation agreement, calls, overflow.
 
     python benchmarks/checkpoint_kernel_check.py demo-sparse --force-sparse 64 4 --json out.json
 """
@@ -31,18 +32,29 @@ def load_pair(path, dtype, force):
 
 
 def count_kernel_calls(remote):
-    """Wrap the remote module's gated_mlp: count calls and overflowing (row, tile) pairs. Both loads share
-    the module, so the wrapper is installed once and its counters reset for each load."""
+    """Count the MLP calls that take the kernels (replays of the modeling file's CUDA graphs included) and
+    the overflowing (row, tile) pairs: the remote module's gated_mlp is wrapped to pass an overflow counter,
+    which graphs captured through the wrapper keep adding into. Both loads share the module, so each call
+    wraps the original kernel again, with fresh counters."""
     module = sys.modules[type(remote).__module__]
     kernel = getattr(module.gated_mlp, "kernel", module.gated_mlp)
     calls, overflow = [0], torch.zeros(1, dtype=torch.int64, device="cuda")
 
     def counted(*args, **kwargs):
-        calls[0] += 1
         return kernel(*args, overflow=overflow, **kwargs)
 
     counted.kernel = kernel
     module.gated_mlp = counted
+    mlp = module.TwellGatedMLP
+    use_kernel = getattr(mlp._use_kernel, "original", mlp._use_kernel)
+
+    def counted_use(self, x):
+        use = use_kernel(self, x)
+        calls[0] += use
+        return use
+
+    counted_use.original = use_kernel
+    mlp._use_kernel = counted_use
     return calls, overflow
 
 

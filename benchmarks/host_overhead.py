@@ -1,4 +1,5 @@
-"""Host-side cost of decode-size calls (M = 1, 8, 64 tokens) of twell.gated_mlp against the dense block, on a
+"""Host-side cost of decode-size calls (M = 1, 8, 64 tokens) of twell.gated_mlp, called directly ("twell")
+and through twell.DecodeGraphs as converted checkpoints call it ("twell_graphs"), against the dense block, on a
 GPU: wall time per call when issued back to back (what an eager `generate` loop pays) and the host's share of
 it, do_bench time (the GPU waits on the host between launches when the host is slower) and CUDA-graph replay
 time (the GPU alone).
@@ -42,6 +43,8 @@ if args.baseline:
 import twell  # noqa: E402  (after the baseline: see the docstring)
 
 variants["twell"] = twell.gated_mlp
+graphs = twell.DecodeGraphs()  # what the modeling file of a converted checkpoint calls
+variants["twell_graphs"] = lambda x, *weights: graphs(twell.gated_mlp, x, *weights)
 
 D, I, k = 2048, 5632, 29
 torch.manual_seed(0)

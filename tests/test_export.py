@@ -145,7 +145,7 @@ def test_modeling_file_needs_only_torch_and_transformers():
                  if isinstance(node, ast.ImportFrom) and node.level == 0}
     assert absolute == {"importlib", "os", "torch"}
     relative = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 1}
-    assert relative == {"gated_mlp"}
+    assert relative == {"gated_mlp", "graphs"}
 
 
 def test_remote_model_falls_back_to_dense_math(tmp_path, monkeypatch):

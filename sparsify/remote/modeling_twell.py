@@ -4,10 +4,11 @@ swaps each decoder layer's MLP for a `TwellGatedMLP` that keeps the projection c
 names, so the standard weights load unchanged. Where the layer's plan says "sparse", the call's token
 count lies in one of the plan's "sparse_tokens" ranges (where the kernels beat dense on this layer's
 shape), and the TwELL kernels can run (CUDA; or CPU fp32/fp16 under TRITON_INTERPRET=1, which tests use),
-the MLP runs on them; otherwise, and whenever gradients are needed (the inference kernels have no
-backward), it runs the same ReLU math densely. The module layout and per-layer plan come from
-config.json's "twell" section, so this file holds no per-architecture table. It imports neither sparsify
-nor anything beyond torch and transformers: the kernel files sit beside it and are imported relatively.
+the MLP runs on them (eager calls of up to 64 tokens replayed as CUDA graphs); otherwise, and whenever
+gradients are needed (the inference kernels have no backward), it runs the same ReLU math densely. The
+module layout and per-layer plan come from config.json's "twell" section, so this file holds no
+per-architecture table. It imports neither sparsify nor anything beyond torch and transformers: the
+kernel files sit beside it and are imported relatively.
 """
 import importlib
 import os
@@ -18,10 +19,12 @@ from torch import nn
 
 try:
     from .gated_mlp import gated_mlp, prepare_down
+    from .graphs import DecodeGraphs
 except ImportError:  # no triton (or kernel files): dense ReLU math everywhere
-    gated_mlp = prepare_down = None
+    gated_mlp = prepare_down = DecodeGraphs = None
 
 BASE_MODEL = "transformers.models.llama.modeling_llama.LlamaForCausalLM"
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton reads it when the kernels are defined, too
 
 
 def _import(path):
@@ -48,6 +51,11 @@ class TwellGatedMLP(nn.Module):
                     and (bounds[1] is None or isinstance(bounds[1], int) and bounds[1] >= bounds[0])):
                 raise ValueError(f"config.twell: sparse_tokens must be [lo, hi] ranges (1 <= lo <= hi, hi null "
                                  f"for no bound), got {self.sparse_tokens!r}")
+        # whether the kernels may serve this layer at all (a bias is structural: fixed once built)
+        self.kernel_ready = self.mode == "sparse" and all(p.bias is None for p in self._projections())
+        # eager decode calls replay CUDA graphs of the kernels: the two launches cost more host time than
+        # the dense block's cuBLAS calls, the graph far less (graphs.py)
+        self.graphs = DecodeGraphs() if DecodeGraphs is not None else None
 
     def _projections(self):
         return [getattr(self, name) for name in (*self.names, self.down_name)]
@@ -58,18 +66,14 @@ class TwellGatedMLP(nn.Module):
         return tuple(getattr(self, name).weight for name in self.names)
 
     def _use_kernel(self, x):
-        if gated_mlp is None or self.mode != "sparse":
+        if gated_mlp is None or not self.kernel_ready:
             return False
         tokens = x.numel() // x.shape[-1]
         if not any(lo <= tokens and (hi is None or tokens <= hi) for lo, hi in self.sparse_tokens):
             return False
-        projections = self._projections()
-        if any(p.bias is not None for p in projections):
+        if torch.is_grad_enabled() and (x.requires_grad or any(p.weight.requires_grad for p in self._projections())):
             return False
-        if torch.is_grad_enabled() and (x.requires_grad or any(p.weight.requires_grad for p in projections)):
-            return False
-        interpret = os.environ.get("TRITON_INTERPRET") == "1" and x.dtype in (torch.float32, torch.float16)
-        return x.is_cuda or interpret
+        return x.is_cuda or INTERPRET and x.dtype in (torch.float32, torch.float16)
 
     def forward(self, x):
         if self._use_kernel(x):
@@ -79,7 +83,8 @@ class TwellGatedMLP(nn.Module):
                 with torch.inference_mode(False):  # a normal tensor even when first called in inference mode
                     down.data = prepare_down(down.data)
             precision = "highest" if x.dtype == torch.float32 else "default"
-            return gated_mlp(x, gate, up, down, tile=self.tile, compression=self.compression, precision=precision)
+            return self.graphs(gated_mlp, x, gate, up, down, tile=self.tile, compression=self.compression,
+                               precision=precision)
         if self.gate_up_name:
             gate, up = getattr(self, self.gate_up_name)(x).chunk(2, dim=-1)
         else:
