@@ -16,6 +16,7 @@ the gate kernel wrote), and `pack` users can see it in `counts`.
 Slot s of a row holds its s-th positive column (found by a row-wise min after slot s-1): deterministic
 and sorted.
 """
+import contextlib
 import os
 from typing import NamedTuple
 
@@ -147,6 +148,15 @@ def use_triton(t: torch.Tensor) -> bool:
     return triton is not None and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 
+def on_device(t: torch.Tensor):
+    """Context in which Triton launches on t's GPU. Triton launches on the current CUDA device, which is not
+    always the tensors' (a model spread over GPUs by device_map runs each layer on its own GPU without
+    setting it). A no-op on CPU and when t's GPU is already current."""
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
+
 def empty_twell(m: int, width: int, tile: int, compression: int, dtype, device) -> TwELL:
     nt, s = cdiv(width, tile), slots(tile, compression)
     return TwELL(torch.empty(m, nt, s, dtype=dtype, device=device),
@@ -195,8 +205,9 @@ def pack(g: torch.Tensor, tile: int = 128, compression: int = 8) -> TwELL:
     tw = empty_twell(m, width, tile, compression, g.dtype, g.device)
     block_m = 16
     grid = (triton.cdiv(m, block_m), triton.cdiv(width, tile))
-    _pack_kernel[grid](g, tw.values, tw.indices, tw.counts, m, width, g.stride(0), g.stride(1),
-                       T=tile, S=tw.values.shape[2], BM=block_m)
+    with on_device(g):
+        _pack_kernel[grid](g, tw.values, tw.indices, tw.counts, m, width, g.stride(0), g.stride(1),
+                           T=tile, S=tw.values.shape[2], BM=block_m)
     return tw
 
 

@@ -36,7 +36,7 @@ from typing import Optional
 
 import torch
 
-from .format import SPAN, cdiv, decode_rows, heavy_units, out_units_per_step, slots, use_triton
+from .format import SPAN, cdiv, decode_rows, heavy_units, on_device, out_units_per_step, slots, use_triton
 
 try:
     import triton
@@ -299,15 +299,19 @@ _PLANS = OrderedDict()  # recent plans by _plan_key, least recently used first
 
 
 def _plan_key(x2, w_dec, up, down_t, tile, compression, precision, overflow):
-    """Shapes, strides, dtypes, device and pointer alignment: what the launches depend on."""
+    """Shapes, strides, dtypes, devices and pointer alignment: what the launches depend on."""
     tensors = [t for t in (x2, w_dec, down_t, up, overflow) if t is not None]
-    return (tile, compression, precision, up is not None, overflow is not None, x2.get_device(),
-            all(t.data_ptr() % 16 == 0 for t in tensors), *((t.shape, t.stride(), t.dtype) for t in tensors))
+    return (tile, compression, precision, up is not None, overflow is not None,
+            all(t.data_ptr() % 16 == 0 for t in tensors),
+            *((t.shape, t.stride(), t.dtype, t.device) for t in tensors))
 
 
 def check_args(x, w_dec, up, down, tile, compression, precision, overflow):
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    devices = {str(t.device) for t in (x, w_dec, up, down, overflow) if t is not None}
+    if len(devices) > 1:
+        raise ValueError(f"x, the weights and overflow must be on one device, got {sorted(devices)}")
     width, d = w_dec.shape
     if x.shape[-1] != d or down.shape != (d, width) or (up is not None and up.shape != w_dec.shape):
         raise ValueError(f"shape mismatch: x {tuple(x.shape)}, weights [I, D] = {tuple(w_dec.shape)}, "
@@ -327,6 +331,11 @@ def forward(x, w_dec, up, down, tile, compression, precision, overflow):
     if not use_triton(x):
         check_args(x, w_dec, up, down, tile, compression, precision, overflow)
         return _forward_reference(x, w_dec, up, down, tile, compression, overflow)
+    with on_device(x):
+        return _forward_triton(x, w_dec, up, down, tile, compression, precision, overflow)
+
+
+def _forward_triton(x, w_dec, up, down, tile, compression, precision, overflow):
     if x.shape[-1] != w_dec.shape[1]:  # before the reshape, so that it fails as a ValueError
         check_args(x, w_dec, up, down, tile, compression, precision, overflow)
     x2 = x.reshape(-1, x.shape[-1])

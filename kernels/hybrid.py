@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-from .format import use_triton
+from .format import on_device, use_triton
 
 try:
     import triton
@@ -769,8 +769,9 @@ def hybrid_gated_mlp(x, gate_weight, up_weight, down_weight, *, max_nnz=128, hot
     if not use_triton(x):
         return hybrid_gated_mlp_reference(x, gate_weight, up_weight, down_weight, max_nnz=max_nnz,
                                           hot_units=hot_units)
-    out, l1, active, fired, backup = _HybridGatedMLP.apply(x, gate_weight, up_weight, down_weight,
-                                                           max_nnz, hot_units)
+    with on_device(x):  # the backward runs on the autograd engine's thread of x's device
+        out, l1, active, fired, backup = _HybridGatedMLP.apply(x, gate_weight, up_weight, down_weight,
+                                                               max_nnz, hot_units)
     return out, HybridStats(l1, active, fired, backup)
 
 
@@ -802,7 +803,8 @@ def hybrid_mlp(x, up_weight, down_weight, *, max_nnz=128):
     """Non-gated down(relu(up(x))) on the hybrid sparse format; returns (out, HybridStats)."""
     if not use_triton(x):
         return hybrid_mlp_reference(x, up_weight, down_weight, max_nnz=max_nnz)
-    out, l1, active, fired, backup = _HybridMLP.apply(x, up_weight, down_weight, max_nnz)
+    with on_device(x):
+        out, l1, active, fired, backup = _HybridMLP.apply(x, up_weight, down_weight, max_nnz)
     return out, HybridStats(l1, active, fired, backup)
 
 

@@ -299,6 +299,8 @@ def test_argument_validation():
         twell.gated_mlp(x, gate, up, down.t(), tile=16)
     with pytest.raises(ValueError):
         twell.gated_mlp(x, gate, up, down, tile=16, precision="fast")
+    with pytest.raises(ValueError, match="one device"):
+        twell.gated_mlp(x, gate, up.to("meta"), down, tile=16)
 
 
 @pytest.mark.gpu
@@ -377,3 +379,33 @@ def test_gpu_heavy_rows_deterministic_and_capturable():
     out.fill_(float("nan"))
     graph.replay()
     assert torch.equal(out, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_gpu_tensors_on_a_gpu_that_is_not_current():
+    """A model spread over GPUs (device_map) runs each layer on its GPU without making it current: the
+    kernels launch on the tensors' GPU (decode, batched, graphed, hybrid forward and backward, pack)."""
+    assert torch.cuda.current_device() == 0
+    for m in (1, 8, 4096):
+        x, gate, up, down = block(m, 512, 1536, k=20, dtype=torch.bfloat16, device="cuda:1")
+        down_t = twell.prepare_down(down)
+        with torch.cuda.device(1):
+            expected = twell.gated_mlp(x, gate, up, down_t)
+            packed = twell.unpack(twell.pack(torch.relu(x @ gate.t()), tile=64, compression=4))
+        assert rel_err(expected, reference(x, gate, up, down)) < 4e-3
+        assert torch.equal(twell.gated_mlp(x, gate, up, down_t), expected)
+        graphs = twell.DecodeGraphs()
+        for _ in range(3):
+            assert torch.equal(graphs(twell.gated_mlp, x, gate, up, down_t), expected)
+        assert len(graphs) == (1 if m <= 64 else 0)
+        assert torch.equal(twell.unpack(twell.pack(torch.relu(x @ gate.t()), tile=64, compression=4)), packed)
+
+    def hybrid_grads(current):
+        leaves = [t.clone().requires_grad_() for t in (x, gate, up, down)]
+        with torch.cuda.device(current):
+            out, stats = twell.hybrid_gated_mlp(*leaves, max_nnz=32)
+            (out.float().square().mean() + stats.l1).backward()
+        return [out] + [t.grad for t in leaves]
+
+    assert all(torch.equal(a, b) for a, b in zip(hybrid_grads(0), hybrid_grads(1)))
