@@ -1,9 +1,9 @@
 """CUDA graphs for decode-size calls made from eager code.
 
-An eager decode step is host-bound: on an H100 host one M = 1 call of gated_mlp costs about 120 us of
-host time (plan lookup, four allocations, two Triton launches) for 25 us of GPU work, and the dense block's
-cuBLAS calls about 80 us. Replayed as a CUDA graph, the same call costs a copy in, one graph launch and a
-copy out: 28 us (benchmarks/results/host_overhead_h100.json).
+An eager decode step is host-bound. On an H100 host one M = 1 call of gated_mlp costs 88 us of host
+time for 25 us of GPU work: the plan lookup, five allocations and two Triton launches. The dense block's
+cuBLAS calls cost 56 us. Replayed as a CUDA graph, the same call costs a copy in, one graph launch and a
+copy out: 29 us (benchmarks/results/host_overhead_h100.json).
 
 `DecodeGraphs` keeps one graph per call signature: the function, x's shape and dtype, the device and
 current stream, the addresses, shapes, strides and dtypes of the tensor arguments, and the other arguments.
@@ -17,8 +17,8 @@ new signature, and one changed in place is read as it is now.
 - This is safe because one lock makes copy in, replay and copy out a single step, so the graphs of a
   stream replay one at a time.
 - Calls that a graph cannot serve run directly: CPU tensors, tracing (torch.compile, dispatch modes,
-  tensor subclasses), calls inside a CUDA graph capture, calls recorded by autograd, and calls with more
-  than `rows` rows.
+  tensor subclasses other than Parameter), calls inside a CUDA graph capture, calls recorded by
+  autograd, and calls with more than `rows` rows. `fn` returns one tensor.
 """
 import threading
 from collections import OrderedDict
