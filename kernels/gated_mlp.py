@@ -16,8 +16,9 @@ Two launches, no host synchronization:
 Decode (M <= 64 tokens, 16 for layers with D * I > 2^24: decode_rows) is memory-bound and latency-bound
 instead: the gate kernel runs with a narrower tile (I / 64 programs stream the gate matrix; above 16 rows
 I / #SMs, one program per SM) and, in the same program, computes u for its tile's active units only (up to
-16 rows: the active columns compacted and read 512 deep, three such blocks in flight; above: a K loop whose
-loads are masked to active columns), so it packs h = g * u instead of g; kernel 2 then only gathers down
+4 rows: whole up rows of the active columns in one round of loads, dot products on CUDA cores; up to 16: the
+active columns compacted and read 512 deep, three such blocks in flight; above: a K loop whose loads are
+masked to active columns), so it packs h = g * u instead of g; kernel 2 then only gathers down
 rows, split over output chunks of BD columns so that many SMs share the few rows, and is launched as a
 programmatic dependent launch (Hopper): it starts while the gate kernel runs and waits for it on the device.
 `overflow` counts the narrower tiles.
@@ -52,6 +53,7 @@ except ImportError:  # CPU-only machines run the reference path
 
 PRECISIONS = ("default", "highest")
 DECODE_TILE = 64   # gate-matmul column tile in decode: I / 64 programs stream the gate matrix
+WHOLE_UP_ROWS = 16384  # elements of up rows a decode gate program loads at once (128 a thread of 4 warps)
 
 
 def prepare_down(down_weight: torch.Tensor) -> torch.Tensor:
@@ -71,9 +73,12 @@ def gate_config(m: int, tile: int, element_size: int, decode: bool) -> dict:
     block_k = 64 if element_size <= 2 else 32
     if decode:  # streams the gate matrix: deep K blocks, few rows
         bm = max(16, triton.next_power_of_2(m))
-        if bm <= 16:  # up rows of the active columns read 8 * block_k deep, 3 blocks in flight
-            return dict(BM=bm, BK=4 * block_k, GROUP_M=1, num_warps=4, num_stages=4, UP_BK=8 * block_k,
-                        UP_STAGES=3)
+        if bm <= 16:
+            # up rows of the active columns read 8 * block_k deep, 3 blocks in flight; up to 4 rows, tiles
+            # with up to 8 active columns read whole rows instead, 4 at a time, where they fit (gate_launch)
+            cfg = dict(BM=bm, BK=4 * block_k, GROUP_M=1, num_warps=4, num_stages=4, UP_BK=8 * block_k,
+                       UP_STAGES=3)
+            return dict(cfg, UP_ROWS=triton.next_power_of_2(m), ROWS_UC=4) if m <= 4 else cfg
         if bm <= 32:
             return dict(BM=bm, BK=4 * block_k, GROUP_M=1, num_warps=4, num_stages=3)
         return dict(BM=bm, BK=2 * block_k, GROUP_M=1, num_warps=4, num_stages=4)
@@ -158,7 +163,9 @@ def gate_launch(x2, w, up, tile, s, vals_dtype, cfg, h_fp32=False, dense_h=False
     width = w.shape[0]
     cfg = dict(cfg)
     bm, bk, up_bk = cfg.pop("BM"), cfg.pop("BK"), cfg.pop("UP_BK", 0)
-    up_stages = cfg.pop("UP_STAGES", 1)
+    up_stages, up_rows, rows_uc = cfg.pop("UP_STAGES", 1), cfg.pop("UP_ROWS", 0), cfg.pop("ROWS_UC", 1)
+    if triton.next_power_of_2(d) * rows_uc > WHOLE_UP_ROWS:  # whole up rows would not fit in registers
+        up_rows = 0
     upw = up if up is not None else w
     dot = "ieee" if vals_dtype == torch.float32 and x2.dtype == torch.float32 else "tf32"
     ts = _tile_stride(tile, tile_stride)
@@ -174,7 +181,8 @@ def gate_launch(x2, w, up, tile, s, vals_dtype, cfg, h_fp32=False, dense_h=False
         stride_wk=w.stride(1), stride_un=upw.stride(0), stride_uk=upw.stride(1), T=tile, S=s, BM=bm, BK=bk,
         EVEN_K=d % bk == 0, GROUP_M=cfg.pop("GROUP_M"), DOT_PRECISION=dot, FUSE_UP=up is not None,
         H_FP32=h_fp32, DENSE_H=dense_h, UP_BK=min(up_bk, triton.next_power_of_2(d)), UC=16, TS=ts,
-        PDL=pdl, USE_TMA=tma, UP_STAGES=up_stages), cfg, extra)
+        PDL=pdl, USE_TMA=tma, UP_STAGES=up_stages, UP_ROWS=up_rows, ROWS_UC=rows_uc,
+        ROWS_BK=triton.next_power_of_2(d)), cfg, extra)
 
 
 def out_launch(x2, width, tile, s, gated, h_fp32, has_overflow, cfg, packed_h=False, tile_stride=None,
@@ -436,13 +444,62 @@ def gated_mlp(x, gate_weight, up_weight, down_weight, *, tile: int = 128, compre
 if triton is not None:
 
     @triton.jit
+    def _up_whole_rows(u, col_on, n_on, local, row0, col0, x_ptr, up_ptr, M, K, stride_xm, stride_xk, stride_un,
+                       stride_uk, UP_ROWS: tl.constexpr, ROWS_UC: tl.constexpr, ROWS_BK: tl.constexpr):
+        """u [BM, T] += x @ up^T at the tile's active columns (col_on, n_on of them), for the block's first
+        UP_ROWS rows: the columns' whole up rows, ROWS_UC at a time, and x's rows in one round of loads, the
+        dot products on CUDA cores. (The K loop pays a memory latency a step; that chain, after the gate
+        stream, bounded a one-token decode: 4.6 us of 19.)"""
+        pos = tl.cumsum(col_on.to(tl.int32), axis=0) - 1
+        cu = tl.arange(0, ROWS_UC)
+        kk = tl.arange(0, ROWS_BK)
+        for c0 in range(0, n_on, ROWS_UC):
+            sel = col_on[None, :] & (pos[None, :] == (c0 + cu)[:, None])  # [ROWS_UC, T] one-hot
+            ucol = col0 + tl.sum(tl.where(sel, local[None, :], 0), axis=1)
+            uw = tl.load(up_ptr + ucol[:, None].to(tl.int64) * stride_un + kk[None, :] * stride_uk,
+                         mask=((c0 + cu) < n_on)[:, None] & (kk < K)[None, :], other=0.0)
+            for r in tl.static_range(UP_ROWS):
+                xr = tl.load(x_ptr + (row0 + r) * stride_xm + kk * stride_xk,
+                             mask=kk < tl.where(row0 + r < M, K, 0), other=0.0)
+                ur = tl.sum(uw.to(tl.float32) * xr.to(tl.float32)[None, :], axis=1)  # [ROWS_UC]
+                # back to the tile's columns by a select, not a product summed over ROWS_UC: Triton 3.6
+                # turns that into a dot, which comes out 8 / ROWS_UC times too large
+                u_r = tl.sum(tl.where(sel, ur[:, None], 0.0), axis=0)
+                u += tl.where((tl.arange(0, u.shape[0]) == r)[:, None], u_r[None, :], 0.0)
+        return u
+
+    @triton.jit
+    def _up_k_loop(u, col_on, n_on, local, col0, x_rows, up_ptr, K, stride_xk, stride_un, stride_uk,
+                   UC: tl.constexpr, UP_BK: tl.constexpr, UP_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """u [BM, T] += x @ up^T at the tile's active columns: compacted UC at a time and read UP_BK deep, few
+        wide loads instead of a K loop of T-wide masked loads (the latency of the dependent loads is what
+        costs here)."""
+        pos = tl.cumsum(col_on.to(tl.int32), axis=0) - 1
+        cu = tl.arange(0, UC)
+        rkk = tl.arange(0, UP_BK)
+        for c0 in range(0, n_on, UC):
+            sel = col_on[None, :] & (pos[None, :] == (c0 + cu)[:, None])  # [UC, T] one-hot
+            ucol = col0 + tl.sum(tl.where(sel, local[None, :], 0), axis=1)
+            uvalid = (c0 + cu) < n_on
+            uc = tl.zeros((u.shape[0], UC), dtype=tl.float32)
+            for k in tl.range(0, tl.cdiv(K, UP_BK), num_stages=UP_STAGES):
+                kin = rkk < K - k * UP_BK
+                a = tl.load(x_rows + (k * UP_BK + rkk)[None, :] * stride_xk, mask=kin[None, :], other=0.0)
+                b = tl.load(up_ptr + ucol[None, :].to(tl.int64) * stride_un
+                            + (k * UP_BK + rkk)[:, None] * stride_uk, mask=kin[:, None] & uvalid[None, :], other=0.0)
+                uc = tl.dot(a, b, uc, input_precision=DOT_PRECISION)
+            u += tl.dot(uc, sel.to(tl.float32), input_precision="ieee")  # back to tile columns, exact
+        return u
+
+    @triton.jit
     def _gate_pack_kernel(x_ptr, w_ptr, up_ptr, vals_ptr, idx_ptr, cnt_ptr, hd_ptr, x_desc, w_desc, M, N, K,
                           stride_xm, stride_xk, stride_wn, stride_wk, stride_un, stride_uk,
                           T: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
                           EVEN_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
                           FUSE_UP: tl.constexpr, H_FP32: tl.constexpr, DENSE_H: tl.constexpr,
                           UP_BK: tl.constexpr, UC: tl.constexpr, TS: tl.constexpr, PDL: tl.constexpr,
-                          USE_TMA: tl.constexpr, UP_STAGES: tl.constexpr):
+                          USE_TMA: tl.constexpr, UP_STAGES: tl.constexpr, UP_ROWS: tl.constexpr,
+                          ROWS_UC: tl.constexpr, ROWS_BK: tl.constexpr):
         if PDL:  # let the out kernel launch now; it waits for this grid before reading its results
             tl.extra.cuda.gdc_launch_dependents()
         pid = tl.program_id(0)
@@ -486,25 +543,15 @@ if triton is not None:
             col_on = tl.max(((acc > 0) & (rows < M)[:, None] & (cols < N)[None, :]).to(tl.int32), axis=0) > 0
             u = tl.zeros((BM, T), dtype=tl.float32)
             n_on = tl.sum(col_on.to(tl.int32), axis=0)
-            if UP_BK > 0:
-                # the active columns compacted UC at a time and read UP_BK deep: few, wide loads instead of
-                # a K loop of T-wide masked loads (the latency of the dependent loads is what costs here)
-                pos = tl.cumsum(col_on.to(tl.int32), axis=0) - 1
-                cu = tl.arange(0, UC)
-                rkk = tl.arange(0, UP_BK)
-                for c0 in range(0, n_on, UC):
-                    sel = col_on[None, :] & (pos[None, :] == (c0 + cu)[:, None])  # [UC, T] one-hot
-                    ucol = pid_n * TS + tl.sum(tl.where(sel, local[None, :], 0), axis=1)
-                    uvalid = (c0 + cu) < n_on
-                    uc = tl.zeros((BM, UC), dtype=tl.float32)
-                    for k in tl.range(0, tl.cdiv(K, UP_BK), num_stages=UP_STAGES):
-                        kin = rkk < K - k * UP_BK
-                        a = tl.load(x_rows + (k * UP_BK + rkk)[None, :] * stride_xk, mask=kin[None, :], other=0.0)
-                        b = tl.load(up_ptr + ucol[None, :].to(tl.int64) * stride_un
-                                    + (k * UP_BK + rkk)[:, None] * stride_uk,
-                                    mask=kin[:, None] & uvalid[None, :], other=0.0)
-                        uc = tl.dot(a, b, uc, input_precision=DOT_PRECISION)
-                    u += tl.dot(uc, sel.to(tl.float32), input_precision="ieee")  # back to tile columns, exact
+            whole_rows = False
+            if UP_ROWS > 0:  # up to two rounds; the K loop below takes denser tiles in fewer latencies
+                whole_rows = n_on <= 2 * ROWS_UC
+            if whole_rows:
+                u = _up_whole_rows(u, col_on, n_on, local, pid_m * BM, pid_n * TS, x_ptr, up_ptr, M, K,
+                                   stride_xm, stride_xk, stride_un, stride_uk, UP_ROWS, ROWS_UC, ROWS_BK)
+            elif UP_BK > 0:
+                u = _up_k_loop(u, col_on, n_on, local, pid_n * TS, x_rows, up_ptr, K, stride_xk, stride_un,
+                               stride_uk, UC, UP_BK, UP_STAGES, DOT_PRECISION)
             elif n_on > 0:
                 a_ptrs = x_rows + rk[None, :] * stride_xk
                 u_ptrs = up_ptr + (cols % N)[None, :].to(tl.int64) * stride_un + rk[:, None] * stride_uk

@@ -6,6 +6,7 @@ from statistics import NormalDist
 
 import pytest
 import torch
+import triton
 
 import twell
 from twell.format import SPAN, empty_twell, heavy_units, slots
@@ -209,6 +210,60 @@ def test_decode_kernels_read_dense_h_only_where_written(gated):
         x, *tw[:3], dense_h, gate, up if gated else down_t, down_t, out, overflow)
     assert rel_err(out, (h @ down.t())) < 1e-5
     assert overflow.item() == over.sum().item()
+
+
+def launch_scalar(launch, name):
+    """A compile-time argument of a launch (its scalars follow the tensors, in signature order)."""
+    names = launch.kernel.arg_names[len(launch.kernel.arg_names) - len(launch.scalars):]
+    return dict(zip(names, launch.scalars))[name]
+
+
+@pytest.mark.parametrize("m", [1, 2, 4])
+def test_decode_whole_up_rows_match_the_k_loop(m):
+    """Up to 4 decode rows, a gate program whose tile has at most 8 active columns reads their whole up rows
+    in one round of loads per 4 columns (UP_ROWS) instead of the K loop; both store the same TwELL and
+    dense_h. Tiles of 64: 6 active columns (two rounds), all 64 (the K loop, overflowing), 3 (one round).
+    NaN-poisoned buffers; D and I not multiples of the blocks."""
+    torch.manual_seed(m)
+    d, i, tile, comp = 37, 151, 64, 8
+    x, gate, up, down = block(m, d, i, k=20)
+    active = torch.cat([torch.tensor([3, 9, 10, 30, 31, 63]), torch.arange(64, 128), torch.tensor([130, 140, 150])])
+    gate[:, 0] = -40.0
+    gate[active, 0] = 40.0  # x[:, 0] = 1: the same units are active in every row
+    s = slots(tile, comp)
+    cfg = gate_config(m, tile, 4, decode=True)
+    k_loop = {k: v for k, v in cfg.items() if k not in ("UP_ROWS", "ROWS_UC")}
+    results = []
+    for c in (cfg, k_loop):
+        tw = empty_twell(m, i, tile, comp, x.dtype, x.device)
+        tw.values.fill_(float("nan"))
+        tw.indices.fill_(-1)
+        dense_h = torch.full((m, i), float("nan"), device=DEV)
+        launch = gate_launch(x, gate, up, tile, s, x.dtype, c, dense_h=True)
+        launch(x, gate, up, *tw[:3], dense_h)
+        results.append((launch_scalar(launch, "UP_ROWS"), tw, dense_h))
+    (rows_a, a, dense_a), (rows_b, b, dense_b) = results
+    assert (rows_a, rows_b) == (triton.next_power_of_2(m), 0)
+    assert torch.equal(a.counts, b.counts)
+    assert a.counts.tolist() == [[6, 64, 3]] * m
+    stored = torch.arange(s, device=DEV) < a.counts.clamp(max=s)[..., None]
+    assert torch.equal(a.indices[stored], b.indices[stored])
+    h = torch.relu(x @ gate.t()) * (x @ up.t())
+    for tw in (a, b):
+        assert torch.allclose(tw.values[stored], h.gather(1, tw.indices.clamp(min=0).flatten(1).long())
+                              .view_as(tw.values)[stored], rtol=1e-5, atol=1e-6)
+    assert torch.equal(dense_a.isnan(), dense_b.isnan())
+    written = ~dense_a.isnan()
+    assert written.sum() == 64 * m
+    assert torch.allclose(dense_a[written], h[written], rtol=1e-5, atol=1e-6)
+
+
+def test_whole_up_rows_only_where_they_fit_in_registers():
+    """Past WHOLE_UP_ROWS elements (D above 4096 at 4 columns a round) the decode gate keeps the K loop."""
+    for d, expected in ((4096, 1), (4097, 0)):
+        x, gate = torch.zeros(1, d), torch.zeros(8, d)
+        launch = gate_launch(x, gate, gate, 64, 8, x.dtype, gate_config(1, 64, 2, decode=True), dense_h=True)
+        assert launch_scalar(launch, "UP_ROWS") == expected
 
 
 @pytest.mark.parametrize("gated", [True, False])
