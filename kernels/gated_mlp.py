@@ -450,6 +450,14 @@ def gated_mlp(x, gate_weight, up_weight, down_weight, *, tile: int = 128, compre
 if triton is not None:
 
     @triton.jit
+    def _active_columns(col_on, pos, n_on, c0, local, col0, UC: tl.constexpr):
+        """Active columns c0 .. c0 + UC - 1 of a tile (in column order; pos: inclusive prefix of col_on,
+        minus one): their [UC, T] one-hot selection, their units, and which of the UC exist."""
+        cu = tl.arange(0, UC)
+        sel = col_on[None, :] & (pos[None, :] == (c0 + cu)[:, None])
+        return sel, col0 + tl.sum(tl.where(sel, local[None, :], 0), axis=1), (c0 + cu) < n_on
+
+    @triton.jit
     def _up_whole_rows(u, col_on, n_on, local, row0, col0, x_ptr, up_ptr, M, K, stride_xm, stride_xk, stride_un,
                        stride_uk, UP_ROWS: tl.constexpr, ROWS_UC: tl.constexpr, ROWS_BK: tl.constexpr):
         """u [BM, T] += x @ up^T at the tile's active columns (col_on, n_on of them), for the block's first
@@ -457,13 +465,11 @@ if triton is not None:
         dot products on CUDA cores. (The K loop pays a memory latency a step; that chain, after the gate
         stream, bounded a one-token decode: 4.6 us of 19.)"""
         pos = tl.cumsum(col_on.to(tl.int32), axis=0) - 1
-        cu = tl.arange(0, ROWS_UC)
         kk = tl.arange(0, ROWS_BK)
         for c0 in range(0, n_on, ROWS_UC):
-            sel = col_on[None, :] & (pos[None, :] == (c0 + cu)[:, None])  # [ROWS_UC, T] one-hot
-            ucol = col0 + tl.sum(tl.where(sel, local[None, :], 0), axis=1)
+            sel, ucol, uvalid = _active_columns(col_on, pos, n_on, c0, local, col0, ROWS_UC)
             uw = tl.load(up_ptr + ucol[:, None].to(tl.int64) * stride_un + kk[None, :] * stride_uk,
-                         mask=((c0 + cu) < n_on)[:, None] & (kk < K)[None, :], other=0.0)
+                         mask=uvalid[:, None] & (kk < K)[None, :], other=0.0)
             for r in tl.static_range(UP_ROWS):
                 xr = tl.load(x_ptr + (row0 + r) * stride_xm + kk * stride_xk,
                              mask=kk < tl.where(row0 + r < M, K, 0), other=0.0)
@@ -481,12 +487,9 @@ if triton is not None:
         wide loads instead of a K loop of T-wide masked loads (the latency of the dependent loads is what
         costs here)."""
         pos = tl.cumsum(col_on.to(tl.int32), axis=0) - 1
-        cu = tl.arange(0, UC)
         rkk = tl.arange(0, UP_BK)
         for c0 in range(0, n_on, UC):
-            sel = col_on[None, :] & (pos[None, :] == (c0 + cu)[:, None])  # [UC, T] one-hot
-            ucol = col0 + tl.sum(tl.where(sel, local[None, :], 0), axis=1)
-            uvalid = (c0 + cu) < n_on
+            sel, ucol, uvalid = _active_columns(col_on, pos, n_on, c0, local, col0, UC)
             uc = tl.zeros((u.shape[0], UC), dtype=tl.float32)
             for k in tl.range(0, tl.cdiv(K, UP_BK), num_stages=UP_STAGES):
                 kin = rkk < K - k * UP_BK
