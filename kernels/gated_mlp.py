@@ -16,9 +16,9 @@ Two launches, no host synchronization:
 Decode (M <= 64 tokens, 16 for layers with D * I > 2^24: decode_rows) is memory-bound and latency-bound
 instead: the gate kernel runs with a narrower tile (I / 64 programs stream the gate matrix; above 16 rows
 I / #SMs, one program per SM) and, in the same program, computes u for its tile's active units only (up to
-4 rows: whole up rows of the active columns in one round of loads, dot products on CUDA cores; up to 16: the
-active columns compacted and read 512 deep, three such blocks in flight; above: a K loop whose loads are
-masked to active columns), so it packs h = g * u instead of g; kernel 2 then only gathers down
+4 rows, for a tile with up to 8 active columns and D up to 4096: whole up rows of the active columns in one
+round of loads, dot products on CUDA cores; else up to 16 rows: the active columns compacted and read 512
+deep, three such blocks in flight; above: a K loop whose loads are masked to active columns), so it packs h = g * u instead of g; kernel 2 then only gathers down
 rows, split over output chunks of BD columns so that many SMs share the few rows, and is launched as a
 programmatic dependent launch (Hopper): it starts while the gate kernel runs and waits for it on the device.
 Up to 16 rows it loads its row's whole TwELL together with the counts (one round of loads, not two).
