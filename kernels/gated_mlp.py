@@ -12,16 +12,18 @@ Two launches, no host synchronization:
    A heavy row (more units than heavy_units(M), like a sequence's first token) would bound the launch with
    its serial walk: it posts its work instead, as items (list spans of SPAN entries, overflowing tiles),
    and `_twell_span_kernel`, launched next, spreads the items over its programs; each writes an fp32
-   partial row, and the row's last item to finish sums them in item order (deterministic).
+   partial row, and the row's last item to finish sums them in item order (deterministic while the
+   workspace has room: a heavy row that finds it full walks itself, and which rows do depends on timing).
 Decode (M <= 64 tokens, 16 for layers with D * I > 2^24: decode_rows) is memory-bound and latency-bound
 instead: the gate kernel runs with a narrower tile (I / 64 programs stream the gate matrix; above 16 rows
 I / #SMs, one program per SM) and, in the same program, computes u for its tile's active units only (up to
 4 rows, for a tile with up to 8 active columns and D up to 4096: whole up rows of the active columns in one
 round of loads, dot products on CUDA cores; else up to 16 rows: the active columns compacted and read 512
-deep, three such blocks in flight; above: a K loop whose loads are masked to active columns), so it packs h = g * u instead of g; kernel 2 then only gathers down
-rows, split over output chunks of BD columns so that many SMs share the few rows, and is launched as a
-programmatic dependent launch (Hopper): it starts while the gate kernel runs and waits for it on the device.
-Up to 16 rows it loads its row's whole TwELL together with the counts (one round of loads, not two).
+deep, three such blocks in flight; above: a K loop whose loads are masked to active columns), so it packs
+h = g * u instead of g; kernel 2 then only gathers down rows, split over output chunks of BD columns so that
+many SMs share the few rows, and is launched as a programmatic dependent launch (Hopper): it starts while
+the gate kernel runs and waits for it on the device. Up to 16 rows it loads its row's whole TwELL together
+with the counts (one round of loads, not two).
 `overflow` counts the narrower tiles.
 Decode overflow: the gate program already holds its tile's h densely, so it writes an overflowing
 (row, tile)'s h (rounded as a packed value would be) to a side buffer dense_h [M, I], and kernel 2's
