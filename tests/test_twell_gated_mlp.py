@@ -266,6 +266,15 @@ def test_whole_up_rows_only_where_they_fit_in_registers():
         assert launch_scalar(launch, "UP_ROWS") == expected
 
 
+def test_decode_out_holds_the_row_twell_only_where_it_fits():
+    """Up to 16 decode rows and HELD_SLOTS slots a row, the out kernel loads a row's whole TwELL with its
+    counts (HELD, a power of two covering the row's slots); otherwise it reads list entries after them."""
+    for m, width, expected in ((1, 151, 32), (16, 4096, 512), (17, 4096, 0), (1, 64 * 513, 0)):
+        x = torch.zeros(m, 8)
+        launch = out_launch(x, width, 64, 8, True, False, True, out_config(m, 8, True), packed_h=True).out
+        assert launch_scalar(launch, "HELD") == expected, (m, width)
+
+
 @pytest.mark.parametrize("gated", [True, False])
 def test_decode_tiles_narrower_than_the_block(gated):
     """Decode spread over more programs: tiles of tile_stride units inside T-wide blocks (the block's
