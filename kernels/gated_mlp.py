@@ -4,6 +4,8 @@ Two launches, no host synchronization:
 1. `_gate_pack_kernel`: tiled x @ gate^T (fp32 accumulation, tensor cores; x and the weight read through
    TMA descriptors on Hopper when their strides allow); its epilogue applies ReLU and packs each program's
    [BM, T] output tile into TwELL (format.py), so the dense gate activation never reaches device memory.
+   Batched on an sm_90 GPU with enough tiles, gate_hopper.py's warp-specialized Gluon kernel does the same
+   (same bits) with the packing hidden behind the other half of the program's matmuls.
 2. `_twell_out_kernel`: one program per token row. It turns the row's tile counts into one compact list
    of active units (prefix sum over the counts), walks it CH units at a time, gathers those rows of up and
    of the transposed down ([I, D], both contiguous rows), and accumulates out += (g * x.up_j) * down_j in
@@ -41,6 +43,7 @@ from typing import Optional
 import torch
 
 from .format import SPAN, cdiv, decode_rows, heavy_units, on_device, out_units_per_step, slots, use_triton
+from .gate_hopper import hopper_gate_launch
 
 try:
     import triton
@@ -163,8 +166,9 @@ def gate_launch(x2, w, up, tile, s, vals_dtype, cfg, h_fp32=False, dense_h=False
     columns). With `dense_h`, each overflowing (row, tile) also gets its stored values (h, or g without
     up; 0 where inactive) written densely into an [M, I] buffer of the values' dtype. Tiles are
     `tile_stride` units wide (default `tile`; less spreads a decode over more programs). With whole tiles,
-    the main loop reads x and w through TMA descriptors where tma_ok. Called with (x2, w, up or w, values,
-    indices, counts, dense_h buffer or values)."""
+    the main loop reads x and w through TMA descriptors where tma_ok; batched on an sm_90 GPU the Gluon
+    kernel of gate_hopper.py runs instead (same TwELL). Called with (x2, w, up or w, values, indices,
+    counts, dense_h buffer or values)."""
     m, d = x2.shape
     width = w.shape[0]
     cfg = dict(cfg)
@@ -172,9 +176,12 @@ def gate_launch(x2, w, up, tile, s, vals_dtype, cfg, h_fp32=False, dense_h=False
     up_stages, up_rows, rows_uc = cfg.pop("UP_STAGES", 1), cfg.pop("UP_ROWS", 0), cfg.pop("ROWS_UC", 1)
     if triton.next_power_of_2(d) * rows_uc > WHOLE_UP_ROWS:  # whole up rows would not fit in registers
         up_rows = 0
+    ts = _tile_stride(tile, tile_stride)
+    hopper = hopper_gate_launch(x2, w, tile, s, vals_dtype) if up is None and not dense_h and ts == tile else None
+    if hopper is not None:
+        return _Launch(*hopper)
     upw = up if up is not None else w
     dot = "ieee" if vals_dtype == torch.float32 and x2.dtype == torch.float32 else "tf32"
-    ts = _tile_stride(tile, tile_stride)
     tma = ts == tile and TensorDescriptor is not None and tma_ok(x2, w)
     if tma:
         def extra(x2, w, *_):

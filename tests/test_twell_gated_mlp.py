@@ -14,6 +14,7 @@ import twell.gated_mlp  # noqa: F401  (the module, beside the function of the sa
 from twell.gated_mlp import decode_tile_stride, gate_config, gate_launch, out_config, out_launch
 
 gm = sys.modules["twell.gated_mlp"]
+gh = sys.modules["twell.gate_hopper"]
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -395,6 +396,43 @@ def test_gpu_dense_rows_and_odd_shapes():
     ref = reference(x, gate, up, down)
     assert rel_err(out, ref) < 1e-2
     assert overflow.item() == 19 * math.ceil(3000 / 256)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
+                    or gh.gluon is None, reason="needs an sm_90 GPU and Gluon")
+@pytest.mark.parametrize("m,d,i,compression,dtype", [
+    (4096, 2048, 5632, 8, torch.bfloat16),
+    (1000, 1000, 3000, 4, torch.float16),  # row, column and K tails
+    (300, 136, 200, 8, torch.bfloat16),  # fewer tiles than SMs: the second consumer has none
+    (20000, 512, 1536, 8, torch.bfloat16),  # ~14 tiles a program: both consumers, the ring wraps
+])
+def test_gpu_hopper_gate_kernel_packs_like_the_triton_kernel(m, d, i, compression, dtype, monkeypatch):
+    """The Gluon gate kernel (gate_hopper.py, sm_90 only) against the Triton kernel that CI tests: the same
+    counts and the same values and indices in every valid slot, NaN- and -1-poisoned buffers. Small cases
+    too: the product uses it from TILES_PER_SM tiles an SM only."""
+    monkeypatch.setattr(gh, "TILES_PER_SM", 0)
+    x, gate, _, _ = block(m, d, i, k=29, dtype=dtype)
+    x[5, 0] = -30.0  # a dense row: every tile overflows
+    x[7, 0] = 50.0  # an empty row
+    s = slots(128, compression)
+    packed = []
+    for hopper in (True, False):
+        if not hopper:
+            monkeypatch.setattr(gm, "hopper_gate_launch", lambda *args: None)
+        launch = gate_launch(x, gate, None, 128, s, dtype, gate_config(m, 128, 2, decode=False))
+        assert (launch.kernel is gh.gate_pack_kernel) == hopper
+        tw = empty_twell(m, i, 128, compression, dtype, x.device)
+        tw.values.fill_(float("nan"))
+        tw.indices.fill_(-1)
+        tw.counts.fill_(-1)
+        launch(x, gate, gate, *tw[:3], tw.values)
+        packed.append(tw)
+    a, b = packed
+    valid = torch.arange(s, device=DEV) < a.counts.clamp(max=s)[..., None]
+    assert torch.equal(a.counts, b.counts) and (a.counts[5] > s).all() and (a.counts[7] == 0).all()
+    assert torch.equal(a.indices[valid], b.indices[valid]) and torch.equal(a.values[valid], b.values[valid])
+    assert not a.values[valid].isnan().any()
 
 
 @pytest.mark.gpu

@@ -1,0 +1,180 @@
+"""The batched gate kernel of gated_mlp.py for Hopper, written in Gluon: the same output bits, faster.
+
+Batched, x @ gate^T is compute-bound, and the packing epilogue (format.pack_store) took about a fifth of
+the Triton kernel: a tile's epilogue left the tensor cores idle, and the second program sharing the SM did
+not fill them (D 2048 / I 5632, 16384 tokens: 0.72 ms, with cuBLAS's matmul alone at 0.54). Here each
+persistent program splits into warp groups with one task each:
+- a producer warp streams x and gate-weight blocks through TMA into a ring of STAGES shared buffers;
+- two consumer warp groups take alternate output tiles of the program's tile list (ping-pong). A turn
+  barrier makes their main loops alternate strictly, so that one packs its tile while the other's MMAs
+  keep the tensor cores busy. (The strict order is also what keeps the ring's phase parities valid: a
+  consumer only waits on a stage once every earlier use of it has completed.)
+The epilogue is pack_store's (the same key-min loop over the same fp32 accumulator of the same MMA
+sequence), so the TwELL is bit-identical to the Triton kernel's (GPU test). Same time as the main loop
+alone at 29 active units (0.58 ms there; benchmarks/NOTES-inference.md, session 10).
+Gluon is experimental and has no interpreter: where it is missing (or not on an sm_90 GPU) the Triton
+kernel runs, which is also the one CI tests under TRITON_INTERPRET.
+"""
+import os
+
+import torch
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # Triton without Gluon's Hopper API (older than 3.5, or none at all)
+    gluon = None
+
+BM, BN, BK = 128, 128, 64  # a consumer's tile (the TwELL tile is BN wide) and the K block of the ring
+STAGES = 4  # ring depth (4 x 32 KB); 5 and 6 measured no faster
+GROUP_M = 8  # row blocks that sweep the columns together, so x blocks stay in L2
+MAXNREG = 168  # 12 warps (3 groups) x 32 x 168 fits the register file; the consumers take 232 each
+TILES_PER_SM = 4  # used from this many output tiles an SM (hopper_gate_launch): 2048 tokens at D 2048
+
+
+def usable(x2: torch.Tensor, w: torch.Tensor, tile: int, vals_dtype: torch.dtype) -> bool:
+    """Whether this kernel can replace the Triton one: Gluon present, an sm_90 GPU (wgmma), a 128-unit
+    tile, 16-bit x, weight and stored values, and TMA-addressable x and weight."""
+    if gluon is None or not x2.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return (torch.cuda.get_device_capability(x2.device) == (9, 0) and tile == BN
+            and x2.dtype == w.dtype == vals_dtype and vals_dtype in (torch.bfloat16, torch.float16)
+            and all(t.stride(1) == 1 and t.stride(0) * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0
+                    for t in (x2, w)))
+
+
+def hopper_gate_launch(x2: torch.Tensor, w: torch.Tensor, tile: int, s: int, vals_dtype: torch.dtype):
+    """(kernel, grid, scalar arguments, options, per-call arguments) of this kernel in place of gated_mlp's
+    batched gate launch, or None where the Triton kernel runs: where not usable, and below TILES_PER_SM
+    output tiles an SM (each program takes a fixed share of the tiles; with few a program, the uneven
+    shares cost more than the ping-pong saves: 512 tokens at D 4096, 116 against 108 us)."""
+    if not usable(x2, w, tile, vals_dtype):
+        return None
+    (m, d), width = x2.shape, w.shape[0]
+    sms = torch.cuda.get_device_properties(x2.device).multi_processor_count
+    if -(-m // BM) * -(-width // BN) < TILES_PER_SM * sms:
+        return None
+    return (gate_pack_kernel, (sms, 1, 1), dict(M=m, N=width, K=d, S=s, RING=STAGES, GROUP=GROUP_M),
+            dict(num_warps=4, maxnreg=MAXNREG), lambda x2, w, *_: descriptors(x2, w))
+
+
+def descriptors(x2: torch.Tensor, w: torch.Tensor):
+    """TMA descriptors of x [M, D] and the gate weight [I, D], in the ring's block shapes."""
+    dt = gl.bfloat16 if x2.dtype == torch.bfloat16 else gl.float16
+    return (TensorDescriptor.from_tensor(x2, [BM, BK], gl.NVMMASharedLayout.get_default_for([BM, BK], dt)),
+            TensorDescriptor.from_tensor(w, [BN, BK], gl.NVMMASharedLayout.get_default_for([BN, BK], dt)))
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _tile_coords(tile, n_m, n_n, GROUP: gl.constexpr):
+        in_group = GROUP * n_n
+        first_m = (tile // in_group) * GROUP
+        group_m = gl.minimum(n_m - first_m, GROUP)
+        return first_m + (tile % in_group) % group_m, (tile % in_group) // group_m
+
+    @gluon.jit
+    def _load_partition(x_desc, w_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP: gl.constexpr):
+        """Producer: every K block of the program's tiles, in order, into the ring."""
+        BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+        RING: gl.constexpr = a_bufs.type.shape[0]
+        n_m = gl.cdiv(M, BLOCK_M)
+        n_n = gl.cdiv(N, BLOCK_N)
+        it = 0
+        for tile in range(gl.program_id(0), n_m * n_n, gl.num_programs(0)):
+            pid_m, pid_n = _tile_coords(tile, n_m, n_n, GROUP)
+            for k in range(0, K, BLOCK_K):
+                s = it % RING
+                mbarrier.wait(empty.index(s), ((it // RING) & 1) ^ 1)  # fresh barriers pass parity 1
+                bar = ready.index(s)
+                mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(x_desc, [pid_m * BLOCK_M, k], bar, a_bufs.index(s))
+                tma.async_copy_global_to_shared(w_desc, [pid_n * BLOCK_N, k], bar, b_bufs.index(s))
+                it += 1
+
+    @gluon.jit
+    def _pack(acc, off_m, pid_n, M, N, NT, vals_ptr, idx_ptr, cnt_ptr, S: gl.constexpr):
+        """format.pack_store for 16-bit values, on the MMA accumulator's layout: each row's positives in
+        column order, one key min (column << 16 | value bits) a slot, up to the block's fullest row."""
+        layout: gl.constexpr = acc.type.layout
+        BLOCK_M: gl.constexpr = acc.shape[0]
+        BLOCK_N: gl.constexpr = acc.shape[1]
+        vt: gl.constexpr = vals_ptr.dtype.element_ty
+        rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+        local = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+        pos = (acc > 0) & gl.expand_dims(rows < M, 1) & gl.expand_dims(pid_n * BLOCK_N + local < N, 0)
+        count = gl.sum(pos.to(gl.int32), axis=1)
+        bits = acc.to(vt).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+        key = gl.where(pos, (gl.expand_dims(local, 0) << 16) | bits, 0x7FFFFFFF)
+        row_tile = rows.to(gl.int64) * NT + pid_n
+        prev = gl.full([BLOCK_M], -1, gl.int32, layout=gl.SliceLayout(1, layout))
+        for s in range(0, gl.minimum(gl.max(count, axis=0), S)):
+            nxt = gl.min(gl.where(key > gl.expand_dims(prev, 1), key, 0x7FFFFFFF), axis=1)
+            keep = (s < count) & (rows < M)
+            gl.store(vals_ptr + row_tile * S + s, (nxt & 0xFFFF).to(gl.int16).to(vt, bitcast=True), mask=keep)
+            gl.store(idx_ptr + row_tile * S + s, (nxt >> 16) + pid_n * BLOCK_N, mask=keep)
+            prev = nxt
+        gl.store(cnt_ptr + row_tile, count, mask=rows < M)
+
+    @gluon.jit
+    def _mma_partition(CONSUMER: gl.constexpr, a_bufs, b_bufs, ready, empty, turn, vals_ptr, idx_ptr, cnt_ptr,
+                       M, N, K, S: gl.constexpr, GROUP: gl.constexpr):
+        """Consumer CONSUMER (0 or 1): the program's tiles CONSUMER, CONSUMER + 2, ...: main loop, then pack."""
+        RING: gl.constexpr = a_bufs.type.shape[0]
+        BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
+        BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+        BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
+        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+        n_m = gl.cdiv(M, BLOCK_M)
+        n_n = gl.cdiv(N, BLOCK_N)
+        k_steps = gl.cdiv(K, BLOCK_K)
+        pid = gl.program_id(0)
+        progs = gl.num_programs(0)
+        for tile in range(pid + CONSUMER * progs, n_m * n_n, 2 * progs):
+            j = (tile - pid) // progs  # the tile's place in the program's list
+            pid_m, pid_n = _tile_coords(tile, n_m, n_n, GROUP)
+            # my turn once the other consumer's previous main loop is issued (consumer 0 starts)
+            mbarrier.wait(turn.index(CONSUMER), ((j // 2) & 1) ^ (1 - CONSUMER))
+            acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout)
+            it = j * k_steps
+            for kk in range(k_steps):
+                s = it % RING
+                mbarrier.wait(ready.index(s), (it // RING) & 1)
+                acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma_wait(1, deps=(acc, ))  # the previous block's MMA is done: free its stage
+                mbarrier.arrive(empty.index((it + RING - 1) % RING), pred=kk > 0)
+                it += 1
+            mbarrier.arrive(turn.index(1 - CONSUMER))
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            mbarrier.arrive(empty.index((it + RING - 1) % RING))
+            _pack(acc, pid_m * BLOCK_M, pid_n, M, N, n_n, vals_ptr, idx_ptr, cnt_ptr, S)
+
+    @gluon.jit
+    def gate_pack_kernel(x_ptr, w_ptr, up_ptr, vals_ptr, idx_ptr, cnt_ptr, hd_ptr, x_desc, w_desc, M, N, K,
+                         S: gl.constexpr, RING: gl.constexpr, GROUP: gl.constexpr):
+        """relu(x @ w^T) packed into TwELL (values, indices, counts), with gated_mlp's gate-kernel signature:
+        x_ptr, w_ptr, up_ptr and hd_ptr are unused (x and w are read through the descriptors)."""
+        dtype: gl.constexpr = x_desc.dtype
+        a_bufs = gl.allocate_shared_memory(dtype, [RING] + x_desc.block_type.shape, x_desc.layout)
+        b_bufs = gl.allocate_shared_memory(dtype, [RING] + w_desc.block_type.shape, w_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(RING):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(turn.index(i), count=1)
+        gl.warp_specialize([
+            (_mma_partition, (0, a_bufs, b_bufs, ready, empty, turn, vals_ptr, idx_ptr, cnt_ptr, M, N, K, S,
+                              GROUP)),
+            (_mma_partition, (1, a_bufs, b_bufs, ready, empty, turn, vals_ptr, idx_ptr, cnt_ptr, M, N, K, S,
+                              GROUP)),
+            (_load_partition, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP)),
+        ], [4, 1], [232, 40])
