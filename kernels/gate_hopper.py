@@ -16,6 +16,7 @@ Gluon is experimental and has no interpreter: where it is missing (or not on an 
 kernel runs, which is also the one CI tests under TRITON_INTERPRET.
 """
 import os
+import warnings
 
 import torch
 
@@ -24,7 +25,9 @@ try:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-except ImportError:  # Triton without Gluon's Hopper API (older than 3.5, or none at all)
+    # TMA load into shared memory: Triton 3.6 has only async_copy_global_to_shared, 3.9 only async_load
+    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+except ImportError:  # a Triton without Gluon's Hopper API, or none at all
     gluon = None
 
 BM, BN, BK = 128, 128, 64  # a consumer's tile (the TwELL tile is BN wide) and the K block of the ring
@@ -56,15 +59,40 @@ def hopper_gate_launch(x2: torch.Tensor, w: torch.Tensor, tile: int, s: int, val
     sms = torch.cuda.get_device_properties(x2.device).multi_processor_count
     if -(-m // BM) * -(-width // BN) < TILES_PER_SM * sms:
         return None
-    return (gate_pack_kernel, (sms, 1, 1), dict(M=m, N=width, K=d, S=s, RING=STAGES, GROUP=GROUP_M),
-            dict(num_warps=4, maxnreg=MAXNREG), lambda x2, w, *_: descriptors(x2, w))
-
-
-def descriptors(x2: torch.Tensor, w: torch.Tensor):
-    """TMA descriptors of x [M, D] and the gate weight [I, D], in the ring's block shapes."""
     dt = gl.bfloat16 if x2.dtype == torch.bfloat16 else gl.float16
-    return (TensorDescriptor.from_tensor(x2, [BM, BK], gl.NVMMASharedLayout.get_default_for([BM, BK], dt)),
-            TensorDescriptor.from_tensor(w, [BN, BK], gl.NVMMASharedLayout.get_default_for([BN, BK], dt)))
+    x_layout = gl.NVMMASharedLayout.get_default_for([BM, BK], dt)  # made once: 7 us each
+    w_layout = gl.NVMMASharedLayout.get_default_for([BN, BK], dt)
+
+    def descriptors(x2, w, *_):  # at each call: the pointers change
+        return (TensorDescriptor.from_tensor(x2, [BM, BK], x_layout),
+                TensorDescriptor.from_tensor(w, [BN, BK], w_layout))
+
+    scalars = dict(M=m, N=width, K=d, S=s, RING=STAGES, GROUP=GROUP_M)
+    options = dict(num_warps=4, maxnreg=MAXNREG)
+    if not _compiles(x2, w, descriptors, scalars, options, (sms, 1, 1)):
+        return None
+    return gate_pack_kernel, (sms, 1, 1), scalars, options, descriptors
+
+
+_failure = None  # why the kernel did not compile in this process, if it did not
+
+
+def _compiles(x2, w, descriptors, scalars, options, grid) -> bool:
+    """Compile the kernel for this call's argument types (Triton caches it for the launch) and say whether
+    that worked. Gluon's API changes between Triton releases (3.9 removed tma.async_copy_global_to_shared,
+    the only name 3.6 has): on a release this file does not fit, the Triton kernel runs instead, with one
+    warning."""
+    global _failure
+    if _failure is None:
+        counts = torch.empty(1, dtype=torch.int32, device=x2.device)
+        try:
+            gate_pack_kernel.warmup(x2, w, w, x2, counts, counts, x2, *descriptors(x2, w), *scalars.values(),
+                                    grid=grid, **options)
+        except Exception as error:  # noqa: BLE001 (any compiler error: the fallback is always correct)
+            _failure = error
+            warnings.warn(f"twell: the Hopper gate kernel does not compile with this Triton ({error!r:.300}); "
+                          "using the Triton kernel", RuntimeWarning)
+    return _failure is None
 
 
 if gluon is not None:
@@ -93,8 +121,8 @@ if gluon is not None:
                 mbarrier.wait(empty.index(s), ((it // RING) & 1) ^ 1)  # fresh barriers pass parity 1
                 bar = ready.index(s)
                 mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(x_desc, [pid_m * BLOCK_M, k], bar, a_bufs.index(s))
-                tma.async_copy_global_to_shared(w_desc, [pid_n * BLOCK_N, k], bar, b_bufs.index(s))
+                tma_load(x_desc, [pid_m * BLOCK_M, k], bar, a_bufs.index(s))
+                tma_load(w_desc, [pid_n * BLOCK_N, k], bar, b_bufs.index(s))
                 it += 1
 
     @gluon.jit
