@@ -218,7 +218,9 @@ if triton is not None:
         """Epilogue shared by every packing kernel: the positives of g [BM, T] (fp32, at rows x cols)
         decide the entries; `vals` (g itself, or h in the decode path) is what is stored; local column c of
         the tile is unit col0 + c (columns marked >= N are not part of it). Returns the
-        per-row counts [BM] (0 for rows >= M), so that a caller can tell overflowing rows."""
+        per-row counts [BM] (0 for rows >= M), so that a caller can tell overflowing rows.
+        gate_hopper._pack is the 16-bit branch again in Gluon (which cannot call Triton functions): a
+        change here goes there too (a GPU test compares their output bit for bit)."""
         T: tl.constexpr = g.shape[1]
         local = tl.arange(0, T)
         live = (rows < M)[:, None] & (cols < N)[None, :]
