@@ -20,6 +20,8 @@ import warnings
 
 import torch
 
+from .format import cdiv
+
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -57,7 +59,7 @@ def hopper_gate_launch(x2: torch.Tensor, w: torch.Tensor, tile: int, s: int, val
         return None
     (m, d), width = x2.shape, w.shape[0]
     sms = torch.cuda.get_device_properties(x2.device).multi_processor_count
-    if -(-m // BM) * -(-width // BN) < TILES_PER_SM * sms:
+    if cdiv(m, BM) * cdiv(width, BN) < TILES_PER_SM * sms:
         return None
     dt = gl.bfloat16 if x2.dtype == torch.bfloat16 else gl.float16
     x_layout = gl.NVMMASharedLayout.get_default_for([BM, BK], dt)  # made once: 7 us each
