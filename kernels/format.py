@@ -148,6 +148,19 @@ def use_triton(t: torch.Tensor) -> bool:
     return triton is not None and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 
+def tma_ok(*tensors) -> bool:
+    """Whether TMA descriptors can address these 2-D tensors: Hopper or newer (or the interpreter, which
+    emulates them), unit inner stride, 16-byte aligned base and row stride."""
+    t0 = tensors[0]
+    if t0.is_cuda:
+        if torch.cuda.get_device_capability(t0.device)[0] < 9:
+            return False
+    elif os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    return all(t.stride(1) == 1 and t.stride(0) * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0
+               for t in tensors)
+
+
 def on_device(t: torch.Tensor):
     """Context in which Triton launches on t's GPU. Triton launches on the current CUDA device, which is not
     always the tensors' (a model spread over GPUs by device_map runs each layer on its own GPU without

@@ -20,7 +20,7 @@ import warnings
 
 import torch
 
-from .format import cdiv
+from .format import cdiv, tma_ok
 
 try:
     from triton.experimental import gluon
@@ -46,8 +46,7 @@ def usable(x2: torch.Tensor, w: torch.Tensor, tile: int, vals_dtype: torch.dtype
         return False
     return (torch.cuda.get_device_capability(x2.device) == (9, 0) and tile == BN
             and x2.dtype == w.dtype == vals_dtype and vals_dtype in (torch.bfloat16, torch.float16)
-            and all(t.stride(1) == 1 and t.stride(0) * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0
-                    for t in (x2, w)))
+            and tma_ok(x2, w))
 
 
 def hopper_gate_launch(x2: torch.Tensor, w: torch.Tensor, tile: int, s: int, vals_dtype: torch.dtype):

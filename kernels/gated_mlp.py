@@ -36,13 +36,13 @@ fallback) would repeat the two D-long dot products per unit in each of the row's
 The down weight is read transposed: pass `prepare_down(down)` (made once at load time) to avoid a
 per-call transpose copy.
 """
-import os
 from collections import OrderedDict
 from typing import Optional
 
 import torch
 
-from .format import SPAN, cdiv, decode_rows, heavy_units, on_device, out_units_per_step, slots, use_triton
+from .format import (SPAN, cdiv, decode_rows, heavy_units, on_device, out_units_per_step, slots, tma_ok,
+                     use_triton)
 from .gate_hopper import hopper_gate_launch
 
 try:
@@ -136,19 +136,6 @@ class _Launch:
         compiled = self.kernel[self.grid](*tensors, *self.scalars, **self.options)
         if compiled is not None:  # None under the interpreter
             self.run = compiled[self.grid]
-
-
-def tma_ok(*tensors) -> bool:
-    """Whether TMA descriptors can address these 2-D tensors: Hopper or newer (or the interpreter, which
-    emulates them), unit inner stride, 16-byte aligned base and row stride."""
-    t0 = tensors[0]
-    if t0.is_cuda:
-        if torch.cuda.get_device_capability(t0.device)[0] < 9:
-            return False
-    elif os.environ.get("TRITON_INTERPRET") != "1":
-        return False
-    return all(t.stride(1) == 1 and t.stride(0) * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0
-               for t in tensors)
 
 
 def _tile_stride(tile: int, tile_stride) -> int:
