@@ -15,6 +15,7 @@ positive), so every (row, tile) overflows: the cost of the decode overflow fallb
   python benchmarks/bench_inference.py --sweep       # launch-config sweep at D=2048, I=5632
 """
 import argparse
+import itertools
 import json
 import math
 import sys
@@ -42,6 +43,9 @@ GRIDS = {
     # speed-up against token count at the benchmark and real shapes: where the plan's dense window falls
     "window": [(d, i, m, 29) for d, i in ((2048, 5632), (896, 4864), (2048, 8192), (3584, 18944), (4096, 14336))
                for m in (1, 16, 64, 65, 96, 128, 192, 256, 384, 512, 768, 1024, 2048, 4096)],
+    # batched sizes at three shapes, for the cost model's per-tile gate rates (run with several
+    # --tile / --compression values)
+    "tiles": [(d, i, m, 29) for d, i in ((2048, 5632), (896, 4864), (4096, 14336)) for m in (256, 1024, 4096, 16384)],
 }
 
 
@@ -219,8 +223,8 @@ def sweep():
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--grid", nargs="*", default=["main", "decode"], choices=sorted(GRIDS))
-    p.add_argument("--tile", type=int, default=128)
-    p.add_argument("--compression", type=int, default=8)
+    p.add_argument("--tile", type=int, nargs="+", default=[128], help="each row at every tile given")
+    p.add_argument("--compression", type=int, nargs="+", default=[8], help="each row at every compression given")
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -233,9 +237,9 @@ def main():
         rows = []
         result = dict(meta, rows=rows)
         for grid in args.grid:
-            for d, i, m, k in GRIDS[grid]:
-                comp = args.compression if k < 200 else min(args.compression, 4)
-                rows.append(bench_row(d, i, m, k, args.tile, comp))
+            for (d, i, m, k), tile, compression in itertools.product(GRIDS[grid], args.tile, args.compression):
+                comp = compression if k < 200 else min(compression, 4)
+                rows.append(bench_row(d, i, m, k, tile, comp))
                 print({key: round(v, 4) if isinstance(v, float) else v for key, v in rows[-1].items()},
                       flush=True)
                 if args.json:  # after every row, so that a run cut short keeps what it measured

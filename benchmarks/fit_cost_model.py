@@ -3,12 +3,14 @@
 Cases: every row of the given bench_inference.py JSON files without overflow (dense_ms, twell_ms and,
 for batched rows, gate_ms and updown_ms), and decode_rows_probe.py rows (dense_us and the time of the
 path the kernel takes at that size). Each component is fitted on log time (scipy least squares): the
-dense block on dense times, the decode path on decode twell times, the gate launch and the out launch
+dense block on dense times, the decode path on decode twell times, the gate launch (once per batched gate
+kernel, `twell.format.gate_kernel`: the Triton kernel per tile width, the Hopper kernel) and the out launch
 separately on the batched breakdown. Prints the constants to paste into twell/format.py, then, with the
 constants currently in twell/format.py, measured against predicted speed-up per case and the rms error.
 
   python benchmarks/fit_cost_model.py benchmarks/results/inference_window_h100.json \\
-      benchmarks/results/inference_h100.json benchmarks/results/decode_rows_h100.json
+      benchmarks/results/inference_h100.json benchmarks/results/inference_tiles_h100.json \\
+      benchmarks/results/decode_rows_h100.json
 """
 import argparse
 import json
@@ -26,10 +28,11 @@ def load_cases(paths):
         for r in json.load(open(path))["rows"]:
             if "decode_us" in r:  # decode_rows_probe.py: the path the kernel takes at this size
                 path_us = r["decode_us"] if r["M"] <= decode_rows(r["D"], r["I"]) else r["batched_us"]
-                cases.append(dict(D=r["D"], I=r["I"], M=r["M"], a=29.0, dense=r["dense_us"] * 1e-6,
+                cases.append(dict(D=r["D"], I=r["I"], M=r["M"], a=29.0, tile=128, dense=r["dense_us"] * 1e-6,
                                   twell=path_us * 1e-6))
             elif r.get("overflow_tiles", 0) == 0:
-                cases.append(dict(D=r["D"], I=r["I"], M=r["M"], a=r["mean_active"], dense=r["dense_ms"] * 1e-3,
+                cases.append(dict(D=r["D"], I=r["I"], M=r["M"], a=r["mean_active"], tile=r["tile"],
+                                  dense=r["dense_ms"] * 1e-3,
                                   twell=r["twell_ms"] * 1e-3, gate=r.get("gate_ms", np.nan) * 1e-3,
                                   out=r.get("updown_ms", np.nan) * 1e-3))
     return cases
@@ -62,21 +65,28 @@ def main():
         return 2 * c["D"] * c["I"] / (q[0] * 1e12) + c["M"] * c["a"] * (4 * c["D"] / (q[0] * 1e12) + q[1] * 1e-9) + q[2] * 1e-6
 
     d = fit(dense, cases, "dense", [700, 500, 2.5, 10], [100, 0, 0.5, 0], [3000, 5000, 4, 60])
-    g = fit(gate, batched, "gate", [600, 300, 2.5, 5], [100, 0, 0.5, 0], [3000, 5000, 4, 60])
+    kernels = {}
+    for c in batched:
+        kernels.setdefault(cost.gate_kernel(c["tile"], c["M"], c["I"]), []).append(c)
+    g = {kernel: fit(gate, group, "gate", [600, 300, 2.5, 5], [100, 0, 0.5, 0], [3000, 5000, 4, 60])
+         for kernel, group in sorted(kernels.items(), key=str)}
     o = fit(out, batched, "out", [7, 2.7, 0.2, 20], [1, 0.3, 0, 0], [40, 10, 100, 60])
     k = fit(dec, decode, "twell", [2, 20, 7], [0.5, 0, 0], [4, 200, 60])
     print(f"DENSE = ({d[0]:.0f}e12, {d[1]:.0f}, {d[2]:.2f}e12, {d[3]:.1f}e-6)")
-    print(f"GATE = ({g[0]:.0f}e12, {g[1]:.0f}, {g[2]:.2f}e12, {g[3]:.1f}e-6)")
+    print("GATE = {" + ", ".join(f"{k!r}: ({q[0]:.0f}e12, {q[1]:.0f}, {q[2]:.2f}e12, {q[3]:.1f}e-6)"
+                                 for k, q in g.items()) + "}  # cases: "
+          + ", ".join(f"{k!r} {len(v)}" for k, v in kernels.items()))
     print(f"GATHER = ({o[0]:.2f}e12, {o[1]:.2f}e12, {o[2]:.3f}e-9, {o[3]:.1f}e-6)")
     print(f"DECODE = ({k[0]:.2f}e12, {k[1]:.1f}e-9, {k[2]:.1f}e-6)")
     print(f"\nwith the constants in twell/format.py ({len(cases)} cases):")
     errors = []
     for c in cases:
         measured = c["dense"] / c["twell"]
-        predicted = cost.dense_time(c["D"], c["I"], c["M"]) / cost.twell_time(c["a"], c["D"], c["I"], c["M"])
+        predicted = (cost.dense_time(c["D"], c["I"], c["M"])
+                     / cost.twell_time(c["a"], c["D"], c["I"], c["M"], tile=c["tile"]))
         errors.append(np.log(predicted / measured))
         side = "" if (measured > 1) == (predicted > 1) else "  other side of 1"
-        print(f"{c['D']:5d} {c['I']:6d} {c['M']:6d} {c['a']:6.1f}  measured {measured:5.2f}x  "
+        print(f"{c['D']:5d} {c['I']:6d} {c['M']:6d} T{c['tile']:<3d} {c['a']:6.1f}  measured {measured:5.2f}x  "
               f"predicted {predicted:5.2f}x  {100 * (predicted / measured - 1):+4.0f}%{side}")
     print(f"rms error of log speed-up: {np.sqrt(np.mean(np.square(errors))):.3f}")
 

@@ -73,14 +73,20 @@ def heavy_units(m: int) -> int:
 
 
 # Cost model of one block on an H100 in bf16, fitted by benchmarks/fit_cost_model.py to the block
-# benchmark's window and main grids (5 shapes, 1-65536 tokens, 29-300 active units; fit quality in
-# benchmarks/NOTES-inference.md). A launch costs a smooth maximum of its compute and its weight-streaming
+# benchmark's window, main and tiles grids and the decode-rows probe (5 shapes, 1-65536 tokens, 29-300
+# active units, tiles 64-256; fit quality in benchmarks/NOTES-inference.md). A launch costs a smooth maximum of its compute and its weight-streaming
 # time plus a fixed latency; compute runs at peak * D / (D + D_half) (narrow matmuls are less efficient).
-DENSE = (738e12, 685, 2.72e12, 13.7e-6)  # cuBLAS block: peak flop/s, D_half, weight bytes/s, latency s
-GATE = (669e12, 703, 2.48e12, 6.0e-6)    # gate matmul with its packing epilogue: same terms
-GATHER = (6.24e12, 2.58e12, 0.028e-9, 20.4e-6)  # up + down rows of the active pairs: bytes/s from L2 and
+DENSE = (750e12, 720, 2.72e12, 14.1e-6)  # cuBLAS block: peak flop/s, D_half, weight bytes/s, latency s
+# Gate matmul with its packing epilogue, same terms, per batched gate kernel (gate_kernel): the Triton
+# kernel at each planned tile width, and gate_hopper.py's kernel (tile 128 from HOPPER_TILES_PER_SM tiles an SM)
+GATE = {64: (408e12, 260, 4.00e12, 5.9e-6), 128: (634e12, 288, 2.53e12, 7.0e-6),
+        256: (701e12, 550, 4.00e12, 15.7e-6), "hopper": (697e12, 383, 2.73e12, 9.1e-6)}
+H100_SMS = 132
+HOPPER_TILES_PER_SM = 4  # gate_hopper.py runs from this many output tiles an SM (hopper_gate_launch): ~1500
+#                          tokens at I 5632
+GATHER = (6.83e12, 2.68e12, 0.243e-9, 23.1e-6)  # up + down rows of the active pairs: bytes/s from L2 and
 #                                                 from HBM, seconds per pair, latency of the out kernel
-DECODE = (2.46e12, 5.4e-9, 11.2e-6)  # decode: bytes/s (gate matrix, active up/down rows), s per pair, latency
+DECODE = (2.55e12, 6.4e-9, 10.0e-6)  # decode: bytes/s (gate matrix, active up/down rows), s per pair, latency
 L2_BYTES = 50e6
 # Batched, the out kernel walks each row in one program, a few units a step, beside the other rows: a row
 # heavier than the rest (a sequence's first token often activates hundreds of units) is a serial chain.
@@ -105,13 +111,23 @@ def _roofline(flops: float, nbytes: float, rates: tuple, d: int) -> float:
     return ((flops * (d + d_half) / (peak * d)) ** 4 + (nbytes / bandwidth) ** 4) ** 0.25 + latency
 
 
+def gate_kernel(tile: int, tokens: int, i: int):
+    """Which batched gate kernel an H100 runs, as a key of GATE: "hopper" for gate_hopper.py's (tile 128,
+    enough tiles), else the Triton kernel's tile width (tiles below 64, never planned, cost as 64)."""
+    if tile == 128 and cdiv(tokens, 128) * cdiv(i, 128) >= HOPPER_TILES_PER_SM * H100_SMS:
+        return "hopper"
+    return min(max(tile, 64), 256)
+
+
 def dense_time(d: int, i: int, tokens: int) -> float:
     """Predicted seconds of the dense bf16 block (gate and up as one matmul, ReLU product, down)."""
     return _roofline(6 * tokens * d * i, 6 * d * i, DENSE, d)
 
 
-def twell_time(mean_active: float, d: int, i: int, tokens: int, max_active: float | None = None) -> float:
-    """Predicted seconds of `gated_mlp` at `mean_active` units per token (no overflow); `max_active`, the
+def twell_time(mean_active: float, d: int, i: int, tokens: int, max_active: float | None = None,
+               tile: int = 128) -> float:
+    """Predicted seconds of `gated_mlp` at `mean_active` units per token (no overflow) with `tile`-wide
+    tiles (batched: the gate kernel's rates depend on it; decode uses its own); `max_active`, the
     heaviest token's count: up to heavy_units(tokens), its serial walk bounds the batched out kernel from
     below (a smooth maximum with the throughput term: the row runs beside the others); above, the span
     kernel's time is added."""
@@ -128,7 +144,8 @@ def twell_time(mean_active: float, d: int, i: int, tokens: int, max_active: floa
     excess = max(0.0, min(heaviest, walked_alone) - 2 * mean_active)
     walk = excess / out_units_per_step(tokens) * (ROW_WALK[0] + ROW_WALK[1] * d)
     split = SPLIT[0] + SPLIT[1] * d if heaviest > walked_alone else 0.0
-    return _roofline(2 * tokens * d * i, 2 * d * i, GATE, d) + (gather ** 4 + walk ** 4) ** 0.25 + split
+    gate = _roofline(2 * tokens * d * i, 2 * d * i, GATE[gate_kernel(tile, tokens, i)], d)
+    return gate + (gather ** 4 + walk ** 4) ** 0.25 + split
 
 
 def choose_setting(mean_active: float, tile_active_max: float, d: int, i: int, tokens: int = 16384,

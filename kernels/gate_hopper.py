@@ -20,7 +20,7 @@ import warnings
 
 import torch
 
-from .format import cdiv, tma_ok
+from .format import HOPPER_TILES_PER_SM as TILES_PER_SM, cdiv, tma_ok
 
 try:
     from triton.experimental import gluon
@@ -36,7 +36,6 @@ BM, BN, BK = 128, 128, 64  # a consumer's tile (the TwELL tile is BN wide) and t
 STAGES = 4  # ring depth (4 x 32 KB); 5 and 6 measured no faster
 GROUP_M = 8  # row blocks that sweep the columns together, so x blocks stay in L2
 MAXNREG = 168  # 12 warps (3 groups) x 32 x 168 fits the register file; the consumers take 232 each
-TILES_PER_SM = 4  # used from this many output tiles an SM (hopper_gate_launch): 2048 tokens at D 2048
 
 
 def usable(x2: torch.Tensor, w: torch.Tensor, tile: int, vals_dtype: torch.dtype) -> bool:

@@ -1,12 +1,13 @@
 """Per-layer kernel settings from measured statistics (twell.md section 5), through a cost model.
 
 The model is `twell.format`'s (dense_time, twell_time: roofline terms and latencies fitted to the H100 block
-benchmark at tile 128, compression 8), refined with the two costs that its inputs leave out and `measure`
+benchmark; the batched gate kernel's rates depend on the tile width, and at tile 128 on an H100 a faster
+kernel runs from 4 output tiles an SM), refined with the costs that its inputs leave out and `measure`
 gives per (tile, compression):
 - overflow: an overflowing (token, tile) is recomputed densely in the fallback (T gate rows, 2 * T * D
-  bytes, at the L2 gather rate), so a fraction f of overflowing pairs costs f * 2 * D * I bytes per token;
-- packed width: values (2 B) and indices (4 B) of I / C slots per token are written and read once; the
-  difference to the fitted C = 8 goes at HBM speed;
+  bytes, at the L2 gather rate), so a fraction f of overflowing pairs costs f * 2 * D * I bytes per token
+  (the compression costs nothing else: the kernels write and read only a tile's used slots;
+  benchmarks/results/inference_tiles_h100.json, compressions 4, 8 and 16 alike where none overflows);
 - the heaviest token (`max_active`): the batched out kernel walks a row in one program; a row above
   `twell.format.heavy_units` (a sequence's first token often is one) goes to the span kernel instead, a
   fixed cost of about 20 us (twell.format.SPLIT) that moves the window's lower end of prefill sizes up.
@@ -29,21 +30,18 @@ from twell.format import GATHER, dense_time, twell_time
 TOKENS = 16384
 # token counts the window is judged at: both sides of the decode path's ends (16 or 64 rows), then prefills
 TOKEN_GRID = (1, 4, 16, 17, 32, 64, 65, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 4096, 16384)
-FITTED_COMPRESSION, FITTED_TILE = 8, 128
-HBM_BYTES = 3.0e12      # H100 device copy (benchmarks.md)
-PACKED_ENTRY_BYTES = 12  # a bf16 value and an int32 index, written once and read once
+FITTED_TILE = 128  # the tile the main grids were measured at: ties go to it
 LLAMA_RATIO = 2.75      # I / D of the paper's models, used when the caller gives no hidden size
 
 
-def predicted_speedup(mean_active: float, overflow_frac: float, compression: int, d: int, i: int,
+def predicted_speedup(mean_active: float, overflow_frac: float, tile: int, d: int, i: int,
                       tokens: int = TOKENS, max_active: float | None = None) -> float:
     """Dense block time over TwELL block time predicted for one layer setting (`max_active`: the
     heaviest token's active count)."""
-    sparse = twell_time(mean_active, d, i, tokens, max_active)
+    sparse = twell_time(mean_active, d, i, tokens, max_active, tile)
     # overflow: the batched fallback recomputes the tile; decode reads its h densely and all its down rows,
-    # about the same bytes. Packed width: written and read once (negligible at decode sizes)
+    # about the same bytes
     sparse += tokens * overflow_frac * 2 * d * i / GATHER[0]
-    sparse += tokens * PACKED_ENTRY_BYTES * i * (1 / compression - 1 / FITTED_COMPRESSION) / HBM_BYTES
     return dense_time(d, i, tokens) / sparse
 
 
@@ -71,19 +69,19 @@ def plan_layer(stats: dict, *, hidden_size: int | None = None, tokens: int = TOK
     summary = {k: stats[k] for k in ("mean_active", "p99_active", "max_active", "dead_frac") if k in stats}
     heaviest = stats.get("max_active")
     candidates = [
-        (round(predicted_speedup(stats["mean_active"], overflow, int(c), d, units, tokens, heaviest), 3), int(tile),
-         int(c))
+        (round(predicted_speedup(stats["mean_active"], overflow, int(tile), d, units, tokens, heaviest), 3),
+         int(tile), int(c))
         for tile, t in stats["tiles"].items()
         for c, overflow in t["overflow_frac"].items()
     ]
     if not candidates:  # I narrower than the smallest measured tile
         return {"mode": "dense", "stats": summary}
-    # ties (no overflow anywhere): the tile the rates were fitted at, then the narrower packing
+    # ties: the main grids' tile, then the narrower packing (compressions cost the same without overflow)
     speedup, tile, compression = max(candidates, key=lambda s: (s[0], s[1] == FITTED_TILE, s[2]))
     t = stats["tiles"][str(tile)]
     overflow = t["overflow_frac"][str(compression)]
     summary.update(predicted_speedup=speedup, max_tile_active_p999=t["p999"], overflow_frac=overflow)
-    ranges = token_ranges([(n, predicted_speedup(stats["mean_active"], overflow, compression, d, units, n, heaviest)
+    ranges = token_ranges([(n, predicted_speedup(stats["mean_active"], overflow, tile, d, units, n, heaviest)
                                > min_speedup) for n in TOKEN_GRID])
     return layer_setting(tile, compression, ranges, summary)
 

@@ -70,25 +70,27 @@ def test_cost_model_predicts_the_committed_h100_measurements():
     """The fitted constants against the block benchmark's results (every shape and token count): a wrong
     constant, or a kernel change that moves the timings without a refit, fails here."""
     results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
-    rows = [r for name in ("inference_window_h100.json", "inference_h100.json")
+    rows = [r for name in ("inference_window_h100.json", "inference_h100.json", "inference_tiles_h100.json")
             for r in json.loads((results / name).read_text())["rows"] if r["overflow_tiles"] == 0]
     errors = []
     for r in rows:
         measured = r["dense_ms"] / r["twell_ms"]
         predicted = (twell.format.dense_time(r["D"], r["I"], r["M"])
-                     / twell.format.twell_time(r["mean_active"], r["D"], r["I"], r["M"]))
+                     / twell.format.twell_time(r["mean_active"], r["D"], r["I"], r["M"], tile=r["tile"]))
         errors.append(math.log(predicted / measured))
         if abs(math.log(measured)) > 0.15:  # clear wins and losses are predicted on the right side of 1
             assert (predicted > 1) == (measured > 1), r
-    assert len(rows) > 60 and math.sqrt(sum(e * e for e in errors) / len(errors)) < 0.12
+    assert len(rows) > 150 and math.sqrt(sum(e * e for e in errors) / len(errors)) < 0.12
 
 
 def test_cost_model_row_walk_and_split():
     """Heavy rows. ROW_WALK: the serial walk of a row in one program, against the H100 probe run before
     heavy rows were split (heavy_row_h100.json: the rows whose walk outlasted everything else). SPLIT:
     a row above heavy_units goes to the span kernel; the probe after the split (heavy_row_split_h100.json,
-    one heavy row, no overflow) against the model with max_active, and the property the planner relies on:
-    such a row costs little (the 2000-unit row took the block to 0.66x before)."""
+    one heavy row, no overflow): the block's time against the same batch without it, measured and by the
+    model with max_active (a ratio: that probe ran before the Hopper gate kernel, which the model's
+    absolute times now include), and the property the planner relies on: such a row costs little (the
+    2000-unit row took the block to 0.66x before)."""
     results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
     walked = json.loads((results / "heavy_row_h100.json").read_text())["rows"]
     base = {r["D"]: r["out_ms"] for r in walked if r["heavy_units"] < 100}
@@ -102,12 +104,12 @@ def test_cost_model_row_walk_and_split():
     ordinary = {(r["D"], r["M"], r["compression"]): r for r in split if r["heavy_rows"] == 0}
     assert any(r["heavy_units"] > 2000 for r in split)
     for r in split:
-        measured = r["dense_ms"] / r["block_ms"]
-        predicted = (twell.format.dense_time(r["D"], r["I"], r["M"])
-                     / twell.format.twell_time(29, r["D"], r["I"], r["M"], r["heavy_units"]))
-        assert abs(math.log(predicted / measured)) < 0.12, r
         plain = ordinary[r["D"], r["M"], r["compression"]]
-        assert measured > 0.85 * plain["dense_ms"] / plain["block_ms"], r
+        measured = r["block_ms"] / plain["block_ms"]
+        predicted = (twell.format.twell_time(29, r["D"], r["I"], r["M"], r["heavy_units"])
+                     / twell.format.twell_time(29, r["D"], r["I"], r["M"], plain["heavy_units"]))
+        assert abs(math.log(predicted / measured)) < 0.05, r
+        assert measured < 1.15, r
 
 
 def test_package_runs_without_triton():
