@@ -38,11 +38,8 @@ def _hi(v):
 
 
 @gluon.jit
-def down_ws_kernel(w_desc, ptr_ptr, units_ptr, h_ptr, out_ptr, M, D,
-                   I_PAD: gl.constexpr, BT: gl.constexpr, U: gl.constexpr, OFFSET: gl.constexpr, MODE: gl.constexpr = 0):
-    s = gl.program_id(0)
-    b = gl.program_id(1)
-    buf = gl.allocate_shared_memory(gl.bfloat16, [I_PAD // 256, 256, 16], w_desc.layout)
+def _load_slice(w_desc, buf, s, I_PAD: gl.constexpr):
+    """Columns 16 s .. 16 s + 15 of all of down^T's rows into buf, by TMA (rows past I read as zeros)."""
     bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(bar, count=1)
     mbarrier.expect(bar, I_PAD * 32)
@@ -50,6 +47,76 @@ def down_ws_kernel(w_desc, ptr_ptr, units_ptr, h_ptr, out_ptr, M, D,
         tma_load(w_desc, [q * 256, s * 16], bar, buf.index(q))
     mbarrier.wait(bar, 0)
     mbarrier.invalidate(bar)
+
+
+@gluon.jit
+def _zeros16(NT: gl.constexpr, Lt: gl.constexpr):
+    z = gl.zeros([NT], gl.float32, Lt)
+    return z, z, z, z, z, z, z, z, z, z, z, z, z, z, z, z
+
+
+@gluon.jit
+def _slice_rows(j, OFFSET: gl.constexpr, MODE: gl.constexpr):
+    """Unit j's 16-column slice row (16 bf16) as 8 int32 pairs; MODE 1: arithmetic instead of the reads."""
+    if MODE == 1:
+        return j, j + 1, j + 2, j + 3, j + 4, j + 5, j + 6, j + 7
+    else:
+        return gl.inline_asm_elementwise(LDS2, "=r,=r,=r,=r,=r,=r,=r,=r,r", [j * 32 + OFFSET],
+                                         dtype=(gl.int32,) * 8, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _accumulate(h, v0, v1, v2, v3, v4, v5, v6, v7, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15):
+    """The 16 column sums += h * row, over the step's pairs (axis 1)."""
+    a0 += gl.sum(h * _lo(v0), axis=1)
+    a1 += gl.sum(h * _hi(v0), axis=1)
+    a2 += gl.sum(h * _lo(v1), axis=1)
+    a3 += gl.sum(h * _hi(v1), axis=1)
+    a4 += gl.sum(h * _lo(v2), axis=1)
+    a5 += gl.sum(h * _hi(v2), axis=1)
+    a6 += gl.sum(h * _lo(v3), axis=1)
+    a7 += gl.sum(h * _hi(v3), axis=1)
+    a8 += gl.sum(h * _lo(v4), axis=1)
+    a9 += gl.sum(h * _hi(v4), axis=1)
+    a10 += gl.sum(h * _lo(v5), axis=1)
+    a11 += gl.sum(h * _hi(v5), axis=1)
+    a12 += gl.sum(h * _lo(v6), axis=1)
+    a13 += gl.sum(h * _hi(v6), axis=1)
+    a14 += gl.sum(h * _lo(v7), axis=1)
+    a15 += gl.sum(h * _hi(v7), axis=1)
+    return a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15
+
+
+@gluon.jit
+def _tile16(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, col, NT: gl.constexpr, LO: gl.constexpr):
+    """The 16 column sums as one [NT, 16] tile, a lane's 16 outputs contiguous (one store a token)."""
+    o = gl.zeros([NT, 16], gl.float32, LO)
+    o = gl.where(col == 0, gl.convert_layout(a0, gl.SliceLayout(1, LO))[:, None], o)
+    o = gl.where(col == 1, gl.convert_layout(a1, gl.SliceLayout(1, LO))[:, None], o)
+    o = gl.where(col == 2, gl.convert_layout(a2, gl.SliceLayout(1, LO))[:, None], o)
+    o = gl.where(col == 3, gl.convert_layout(a3, gl.SliceLayout(1, LO))[:, None], o)
+    o = gl.where(col == 4, gl.convert_layout(a4, gl.SliceLayout(1, LO))[:, None], o)
+    o = gl.where(col == 5, gl.convert_layout(a5, gl.SliceLayout(1, LO))[:, None], o)
+    o = gl.where(col == 6, gl.convert_layout(a6, gl.SliceLayout(1, LO))[:, None], o)
+    o = gl.where(col == 7, gl.convert_layout(a7, gl.SliceLayout(1, LO))[:, None], o)
+    o = gl.where(col == 8, gl.convert_layout(a8, gl.SliceLayout(1, LO))[:, None], o)
+    o = gl.where(col == 9, gl.convert_layout(a9, gl.SliceLayout(1, LO))[:, None], o)
+    o = gl.where(col == 10, gl.convert_layout(a10, gl.SliceLayout(1, LO))[:, None], o)
+    o = gl.where(col == 11, gl.convert_layout(a11, gl.SliceLayout(1, LO))[:, None], o)
+    o = gl.where(col == 12, gl.convert_layout(a12, gl.SliceLayout(1, LO))[:, None], o)
+    o = gl.where(col == 13, gl.convert_layout(a13, gl.SliceLayout(1, LO))[:, None], o)
+    o = gl.where(col == 14, gl.convert_layout(a14, gl.SliceLayout(1, LO))[:, None], o)
+    o = gl.where(col == 15, gl.convert_layout(a15, gl.SliceLayout(1, LO))[:, None], o)
+    return o
+
+
+@gluon.jit
+def down_ws_kernel(w_desc, ptr_ptr, units_ptr, h_ptr, out_ptr, M, D,
+                   I_PAD: gl.constexpr, BT: gl.constexpr, U: gl.constexpr, OFFSET: gl.constexpr, MODE: gl.constexpr = 0):
+    s = gl.program_id(0)
+    b = gl.program_id(1)
+    buf = gl.allocate_shared_memory(gl.bfloat16, [I_PAD // 256, 256, 16], w_desc.layout)
+    _load_slice(w_desc, buf, s, I_PAD)
     L: gl.constexpr = gl.BlockedLayout([1, U], [32, 1], [gl.num_warps(), 1], [1, 0])
     Lt: gl.constexpr = gl.SliceLayout(1, L)
     Lu: gl.constexpr = gl.SliceLayout(0, L)
@@ -65,75 +132,17 @@ def down_ws_kernel(w_desc, ptr_ptr, units_ptr, h_ptr, out_ptr, M, D,
         if MODE == 2:
             n = n * 0
         nmax = gl.max(n, axis=0)
-        a0 = gl.zeros([NT], gl.float32, Lt)
-        a1 = gl.zeros([NT], gl.float32, Lt)
-        a2 = gl.zeros([NT], gl.float32, Lt)
-        a3 = gl.zeros([NT], gl.float32, Lt)
-        a4 = gl.zeros([NT], gl.float32, Lt)
-        a5 = gl.zeros([NT], gl.float32, Lt)
-        a6 = gl.zeros([NT], gl.float32, Lt)
-        a7 = gl.zeros([NT], gl.float32, Lt)
-        a8 = gl.zeros([NT], gl.float32, Lt)
-        a9 = gl.zeros([NT], gl.float32, Lt)
-        a10 = gl.zeros([NT], gl.float32, Lt)
-        a11 = gl.zeros([NT], gl.float32, Lt)
-        a12 = gl.zeros([NT], gl.float32, Lt)
-        a13 = gl.zeros([NT], gl.float32, Lt)
-        a14 = gl.zeros([NT], gl.float32, Lt)
-        a15 = gl.zeros([NT], gl.float32, Lt)
+        a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15 = _zeros16(NT, Lt)
         for i in range(0, nmax, U):
             k = i + ku[None, :]
             m = k < n[:, None]
             p = start[:, None] + k
             j = gl.load(units_ptr + p, mask=m, other=0)
             h = gl.load(h_ptr + p, mask=m, other=0.0)
-            if MODE == 1:
-                v0 = j
-                v1 = j + 1
-                v2 = j + 2
-                v3 = j + 3
-                v4 = j + 4
-                v5 = j + 5
-                v6 = j + 6
-                v7 = j + 7
-            else:
-                v0, v1, v2, v3, v4, v5, v6, v7 = gl.inline_asm_elementwise(
-                    LDS2, "=r,=r,=r,=r,=r,=r,=r,=r,r", [j * 32 + OFFSET],
-                    dtype=(gl.int32,) * 8, is_pure=False, pack=1)
-            a0 += gl.sum(h * _lo(v0), axis=1)
-            a1 += gl.sum(h * _hi(v0), axis=1)
-            a2 += gl.sum(h * _lo(v1), axis=1)
-            a3 += gl.sum(h * _hi(v1), axis=1)
-            a4 += gl.sum(h * _lo(v2), axis=1)
-            a5 += gl.sum(h * _hi(v2), axis=1)
-            a6 += gl.sum(h * _lo(v3), axis=1)
-            a7 += gl.sum(h * _hi(v3), axis=1)
-            a8 += gl.sum(h * _lo(v4), axis=1)
-            a9 += gl.sum(h * _hi(v4), axis=1)
-            a10 += gl.sum(h * _lo(v5), axis=1)
-            a11 += gl.sum(h * _hi(v5), axis=1)
-            a12 += gl.sum(h * _lo(v6), axis=1)
-            a13 += gl.sum(h * _hi(v6), axis=1)
-            a14 += gl.sum(h * _lo(v7), axis=1)
-            a15 += gl.sum(h * _hi(v7), axis=1)
+            v0, v1, v2, v3, v4, v5, v6, v7 = _slice_rows(j, OFFSET, MODE)
+            a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15 = _accumulate(h, v0, v1, v2, v3, v4, v5, v6, v7, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15)
         col = gl.arange(0, 16, gl.SliceLayout(0, LO))[None, :]
-        o = gl.zeros([NT, 16], gl.float32, LO)
-        o = gl.where(col == 0, gl.convert_layout(a0, gl.SliceLayout(1, LO))[:, None], o)
-        o = gl.where(col == 1, gl.convert_layout(a1, gl.SliceLayout(1, LO))[:, None], o)
-        o = gl.where(col == 2, gl.convert_layout(a2, gl.SliceLayout(1, LO))[:, None], o)
-        o = gl.where(col == 3, gl.convert_layout(a3, gl.SliceLayout(1, LO))[:, None], o)
-        o = gl.where(col == 4, gl.convert_layout(a4, gl.SliceLayout(1, LO))[:, None], o)
-        o = gl.where(col == 5, gl.convert_layout(a5, gl.SliceLayout(1, LO))[:, None], o)
-        o = gl.where(col == 6, gl.convert_layout(a6, gl.SliceLayout(1, LO))[:, None], o)
-        o = gl.where(col == 7, gl.convert_layout(a7, gl.SliceLayout(1, LO))[:, None], o)
-        o = gl.where(col == 8, gl.convert_layout(a8, gl.SliceLayout(1, LO))[:, None], o)
-        o = gl.where(col == 9, gl.convert_layout(a9, gl.SliceLayout(1, LO))[:, None], o)
-        o = gl.where(col == 10, gl.convert_layout(a10, gl.SliceLayout(1, LO))[:, None], o)
-        o = gl.where(col == 11, gl.convert_layout(a11, gl.SliceLayout(1, LO))[:, None], o)
-        o = gl.where(col == 12, gl.convert_layout(a12, gl.SliceLayout(1, LO))[:, None], o)
-        o = gl.where(col == 13, gl.convert_layout(a13, gl.SliceLayout(1, LO))[:, None], o)
-        o = gl.where(col == 14, gl.convert_layout(a14, gl.SliceLayout(1, LO))[:, None], o)
-        o = gl.where(col == 15, gl.convert_layout(a15, gl.SliceLayout(1, LO))[:, None], o)
+        o = _tile16(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, col, NT, LO)
         to = b * BT + r * NT + gl.arange(0, NT, gl.SliceLayout(1, LO))
         gl.store(out_ptr + to[:, None] * D + s * 16 + col, o.to(out_ptr.dtype.element_ty), mask=(to < M)[:, None])
     buf._keep_alive()  # read by the inline asm, which Triton's allocator does not see
@@ -147,13 +156,7 @@ def down_ell_kernel(w_desc, ell_ptr, start_ptr, nmax_ptr, out_ptr, M, D,
     s = gl.program_id(0)
     b = gl.program_id(1)
     buf = gl.allocate_shared_memory(gl.bfloat16, [I_PAD // 256, 256, 16], w_desc.layout)
-    bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(bar, count=1)
-    mbarrier.expect(bar, I_PAD * 32)
-    for q in gl.static_range(I_PAD // 256):
-        tma_load(w_desc, [q * 256, s * 16], bar, buf.index(q))
-    mbarrier.wait(bar, 0)
-    mbarrier.invalidate(bar)
+    _load_slice(w_desc, buf, s, I_PAD)
     NT: gl.constexpr = 32 * gl.num_warps()
     L: gl.constexpr = gl.BlockedLayout([1, U], [32, 1], [gl.num_warps(), 1], [0, 1])
     Lt: gl.constexpr = gl.SliceLayout(1, L)
@@ -166,75 +169,17 @@ def down_ell_kernel(w_desc, ell_ptr, start_ptr, nmax_ptr, out_ptr, M, D,
         nmax = gl.load(nmax_ptr + blk)
         if MODE == 2:
             nmax = 0
-        a0 = gl.zeros([NT], gl.float32, Lt)
-        a1 = gl.zeros([NT], gl.float32, Lt)
-        a2 = gl.zeros([NT], gl.float32, Lt)
-        a3 = gl.zeros([NT], gl.float32, Lt)
-        a4 = gl.zeros([NT], gl.float32, Lt)
-        a5 = gl.zeros([NT], gl.float32, Lt)
-        a6 = gl.zeros([NT], gl.float32, Lt)
-        a7 = gl.zeros([NT], gl.float32, Lt)
-        a8 = gl.zeros([NT], gl.float32, Lt)
-        a9 = gl.zeros([NT], gl.float32, Lt)
-        a10 = gl.zeros([NT], gl.float32, Lt)
-        a11 = gl.zeros([NT], gl.float32, Lt)
-        a12 = gl.zeros([NT], gl.float32, Lt)
-        a13 = gl.zeros([NT], gl.float32, Lt)
-        a14 = gl.zeros([NT], gl.float32, Lt)
-        a15 = gl.zeros([NT], gl.float32, Lt)
+        a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15 = _zeros16(NT, Lt)
         off0 = gl.load(start_ptr + blk)
         for i in range(0, nmax, U):
             k = i + ku[None, :]
             w = gl.load(ell_ptr + (off0 + k * NT + lane[:, None]), mask=k < nmax, other=0)
             j = w & 65535
             h = (w & -65536).to(gl.float32, bitcast=True)
-            if MODE == 1:
-                v0 = j
-                v1 = j + 1
-                v2 = j + 2
-                v3 = j + 3
-                v4 = j + 4
-                v5 = j + 5
-                v6 = j + 6
-                v7 = j + 7
-            else:
-                v0, v1, v2, v3, v4, v5, v6, v7 = gl.inline_asm_elementwise(
-                    LDS2, "=r,=r,=r,=r,=r,=r,=r,=r,r", [j * 32 + OFFSET],
-                    dtype=(gl.int32,) * 8, is_pure=False, pack=1)
-            a0 += gl.sum(h * _lo(v0), axis=1)
-            a1 += gl.sum(h * _hi(v0), axis=1)
-            a2 += gl.sum(h * _lo(v1), axis=1)
-            a3 += gl.sum(h * _hi(v1), axis=1)
-            a4 += gl.sum(h * _lo(v2), axis=1)
-            a5 += gl.sum(h * _hi(v2), axis=1)
-            a6 += gl.sum(h * _lo(v3), axis=1)
-            a7 += gl.sum(h * _hi(v3), axis=1)
-            a8 += gl.sum(h * _lo(v4), axis=1)
-            a9 += gl.sum(h * _hi(v4), axis=1)
-            a10 += gl.sum(h * _lo(v5), axis=1)
-            a11 += gl.sum(h * _hi(v5), axis=1)
-            a12 += gl.sum(h * _lo(v6), axis=1)
-            a13 += gl.sum(h * _hi(v6), axis=1)
-            a14 += gl.sum(h * _lo(v7), axis=1)
-            a15 += gl.sum(h * _hi(v7), axis=1)
+            v0, v1, v2, v3, v4, v5, v6, v7 = _slice_rows(j, OFFSET, MODE)
+            a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15 = _accumulate(h, v0, v1, v2, v3, v4, v5, v6, v7, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15)
         col = gl.arange(0, 16, gl.SliceLayout(0, LO))[None, :]
-        o = gl.zeros([NT, 16], gl.float32, LO)
-        o = gl.where(col == 0, gl.convert_layout(a0, gl.SliceLayout(1, LO))[:, None], o)
-        o = gl.where(col == 1, gl.convert_layout(a1, gl.SliceLayout(1, LO))[:, None], o)
-        o = gl.where(col == 2, gl.convert_layout(a2, gl.SliceLayout(1, LO))[:, None], o)
-        o = gl.where(col == 3, gl.convert_layout(a3, gl.SliceLayout(1, LO))[:, None], o)
-        o = gl.where(col == 4, gl.convert_layout(a4, gl.SliceLayout(1, LO))[:, None], o)
-        o = gl.where(col == 5, gl.convert_layout(a5, gl.SliceLayout(1, LO))[:, None], o)
-        o = gl.where(col == 6, gl.convert_layout(a6, gl.SliceLayout(1, LO))[:, None], o)
-        o = gl.where(col == 7, gl.convert_layout(a7, gl.SliceLayout(1, LO))[:, None], o)
-        o = gl.where(col == 8, gl.convert_layout(a8, gl.SliceLayout(1, LO))[:, None], o)
-        o = gl.where(col == 9, gl.convert_layout(a9, gl.SliceLayout(1, LO))[:, None], o)
-        o = gl.where(col == 10, gl.convert_layout(a10, gl.SliceLayout(1, LO))[:, None], o)
-        o = gl.where(col == 11, gl.convert_layout(a11, gl.SliceLayout(1, LO))[:, None], o)
-        o = gl.where(col == 12, gl.convert_layout(a12, gl.SliceLayout(1, LO))[:, None], o)
-        o = gl.where(col == 13, gl.convert_layout(a13, gl.SliceLayout(1, LO))[:, None], o)
-        o = gl.where(col == 14, gl.convert_layout(a14, gl.SliceLayout(1, LO))[:, None], o)
-        o = gl.where(col == 15, gl.convert_layout(a15, gl.SliceLayout(1, LO))[:, None], o)
+        o = _tile16(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, col, NT, LO)
         to = blk * NT + gl.arange(0, NT, gl.SliceLayout(1, LO))
         gl.store(out_ptr + to[:, None] * D + s * 16 + col, o.to(out_ptr.dtype.element_ty), mask=(to < M)[:, None])
     buf._keep_alive()
