@@ -74,8 +74,9 @@ def heavy_units(m: int) -> int:
 
 # Cost model of one block on an H100 in bf16, fitted by benchmarks/fit_cost_model.py to the block
 # benchmark's window, main and tiles grids and the decode-rows probe (5 shapes, 1-65536 tokens, 29-300
-# active units, tiles 64-256; fit quality in benchmarks/NOTES-inference.md). A launch costs a smooth maximum of its compute and its weight-streaming
-# time plus a fixed latency; compute runs at peak * D / (D + D_half) (narrow matmuls are less efficient).
+# active units, tiles 64-256; fit quality in benchmarks/NOTES-inference.md). A launch costs a smooth
+# maximum of its compute and its weight-streaming time plus a fixed latency; compute runs at
+# peak * D / (D + D_half) (narrow matmuls are less efficient).
 DENSE = (750e12, 720, 2.72e12, 14.1e-6)  # cuBLAS block: peak flop/s, D_half, weight bytes/s, latency s
 # Gate matmul with its packing epilogue, same terms, per batched gate kernel (gate_kernel): the Triton
 # kernel at each planned tile width, and gate_hopper.py's kernel (tile 128 from HOPPER_TILES_PER_SM tiles an SM)
