@@ -12,6 +12,7 @@ positive), so every (row, tile) overflows: the cost of the decode overflow fallb
   python benchmarks/bench_inference.py --grid main decode --json out.json
   python benchmarks/bench_inference.py --grid decode_dense
   python benchmarks/bench_inference.py --grid window --json out.json  # speed-up against token count
+  python benchmarks/bench_inference.py --grid tiles --tile 64 128 256 --compression 4 8 16  # per (tile, C)
   python benchmarks/bench_inference.py --sweep       # launch-config sweep at D=2048, I=5632
 """
 import argparse
