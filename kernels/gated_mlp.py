@@ -63,6 +63,9 @@ WHOLE_UP_ROWS = 16384  # elements of up rows a decode gate program loads at once
 # TwELL slots of a row a decode out program (up to 16 rows) holds in registers: one round of loads, not two
 # (0.3-2.8 us faster at 1-16 rows; at 64 rows, 100 active units, 53 -> 57 us)
 HELD_SLOTS = 4096
+# (program, TwELL tile) pairs a held-list decode out launch may walk: each of a row's output-chunk programs
+# walks the row's whole TwELL, so narrow chunks multiply that walk (out_config)
+DECODE_WALK_BUDGET = 48 * 1024
 
 
 def prepare_down(down_weight: torch.Tensor) -> torch.Tensor:
@@ -98,17 +101,24 @@ def gate_config(m: int, tile: int, element_size: int, decode: bool) -> dict:
     return dict(BM=128, BK=block_k, GROUP_M=8, num_warps=8, num_stages=3)
 
 
-def out_config(m: int, d: int, decode: bool) -> dict:
+def out_config(m: int, d: int, decode: bool, tiles: int = 1) -> dict:
     """TwELL-to-dense launch configuration: CH units per step, BD output columns per program.
     Batched: one row per program, small CH and one or two warps where many rows are in flight to hide the
     gather latency; with few rows (<= 512) more units a step instead, fewer dependent steps a row (D 2048,
     96 tokens: 71 -> 48 us). Warps grow with CH * D (the step's up and down rows sit in registers), twice
     as fast up to 128 rows, and are at least 4 up to 512 rows (D 896, 384 tokens: 47 us at 1 warp, 24 at 4;
     benchmarks/results/mid_sweep_h100.json).
-    Decode: the row is split over output chunks so that many SMs share its few units."""
+    Decode: the row is split over output chunks of BD columns so that many SMs share its few units. Up to
+    16 rows each chunk's program holds and walks its row's whole TwELL (`tiles` tiles), so BD is the
+    narrowest of 64-256 whose launch walks at most DECODE_WALK_BUDGET tiles (H100, 12-16 rows: D 2048 /
+    I 5632 8.1 -> 5.4-5.9 us at BD 64 instead of 256; 8 rows at D 4096 / I 14336 8.5 -> 6.2 us at 256
+    instead of 64; benchmarks/results/decode_out_chunks_h100.json); above, 256."""
     block_d = triton.next_power_of_2(d)
     if decode:
-        return dict(CH=32, BD=64 if m <= 8 else 256, num_warps=4)
+        bd = 64
+        while bd < 256 and (m > 16 or m * cdiv(d, bd) * tiles > DECODE_WALK_BUDGET):
+            bd *= 2
+        return dict(CH=32, BD=bd, num_warps=4)
     ch = min(out_units_per_step(m), max(2, 32768 // block_d))
     per_warp = 2048 if m <= 128 else 4096  # fewer rows than SMs: one program an SM, so more warps each
     return dict(CH=ch, BD=block_d, num_warps=min(8, max(4 if m <= 512 else 1, ch * block_d // per_warp)))
@@ -300,7 +310,7 @@ class _Plan:
                                 gate_config(m, tile, x2.element_size(), self.decode), h_fp32,
                                 dense_h=self.decode, tile_stride=ts, pdl=pdl)
         self.out = out_launch(x2, width, tile, s, up is not None, h_fp32, overflow is not None,
-                              out_config(m, d, self.decode),
+                              out_config(m, d, self.decode, cdiv(width, ts)),
                               packed_h=self.decode, tile_stride=ts, pdl=pdl)
 
 

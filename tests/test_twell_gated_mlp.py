@@ -42,6 +42,7 @@ def reference(x, gate, up, down):
 @pytest.mark.parametrize("m,d,i,tile,dtype,precision", [
     (1, 40, 100, 32, torch.float32, "highest"),
     (6, 33, 70, 16, torch.float16, "default"),
+    (13, 150, 200, 64, torch.float16, "default"),  # 9-16 decode rows: 64-column output chunks, the last partial
     (70, 24, 80, 64, torch.float32, "default"),  # > 64 rows: batched configuration
     (100, 40, 300, 128, torch.float16, "default"),  # tile 128, up to 256 rows: 64-row gate blocks
 ])
