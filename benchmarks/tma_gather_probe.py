@@ -37,6 +37,16 @@ D, I, PAIRS = 2048, 5632, 480_000
 
 
 @gluon.jit
+def _ring(desc, RING: gl.constexpr):
+    """RING shared-memory stages shaped like desc's box, with a barrier each."""
+    bufs = gl.allocate_shared_memory(desc.dtype, [RING] + desc.block_type.shape, desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(RING):
+        mbarrier.init(ready.index(i), count=1)
+    return bufs, ready
+
+
+@gluon.jit
 def _issue(up_desc, dn_desc, unit, bar, up_buf, dn_buf, live):
     mbarrier.expect(bar, 2 * up_desc.block_type.nbytes, pred=live)
     tma_load(up_desc, [unit, 0, 0], bar, up_buf, pred=live)
@@ -58,11 +68,8 @@ def fused_rows_kernel(x_ptr, g_ptr, unit_ptr, rowptr_ptr, out_ptr, up_desc, dn_d
     NB: gl.constexpr = up_desc.block_type.shape[1]
     C: gl.constexpr = up_desc.block_type.shape[2]
     D: gl.constexpr = NB * C
-    up_bufs = gl.allocate_shared_memory(dtype, [RING] + up_desc.block_type.shape, up_desc.layout)
+    up_bufs, ready = _ring(up_desc, RING)
     dn_bufs = gl.allocate_shared_memory(dtype, [RING] + dn_desc.block_type.shape, dn_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(RING):
-        mbarrier.init(ready.index(i), count=1)
     layout: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 1, 32], [1, num_warps, 1], [2, 1, 0])
     whole: gl.constexpr = gl.BlockedLayout([RING], [32], [num_warps], [0])  # every thread holds all RING
     ridx = gl.arange(0, RING, layout=whole)
@@ -119,11 +126,8 @@ def fused_rows_kernel(x_ptr, g_ptr, unit_ptr, rowptr_ptr, out_ptr, up_desc, dn_d
 def gather_only_kernel(unit_ptr, out_ptr, PER, up_desc, dn_desc, RING: gl.constexpr, num_warps: gl.constexpr):
     """PER (up row, down row) pairs of units unit_ptr[pid * PER ...] through the ring; one slice of each read."""
     dtype: gl.constexpr = up_desc.dtype
-    up_bufs = gl.allocate_shared_memory(dtype, [RING] + up_desc.block_type.shape, up_desc.layout)
+    up_bufs, ready = _ring(up_desc, RING)
     dn_bufs = gl.allocate_shared_memory(dtype, [RING] + dn_desc.block_type.shape, dn_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(RING):
-        mbarrier.init(ready.index(i), count=1)
     whole: gl.constexpr = gl.BlockedLayout([RING], [32], [num_warps], [0])
     layout: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 1, 32], [1, num_warps, 1], [2, 1, 0])
     C: gl.constexpr = up_desc.block_type.shape[2]
@@ -151,13 +155,9 @@ def gather_only_kernel(unit_ptr, out_ptr, PER, up_desc, dn_desc, RING: gl.conste
 @gluon.jit
 def box_kernel(blk_ptr, out_ptr, PER, desc, RING: gl.constexpr, num_warps: gl.constexpr):
     """PER boxes of desc at the (row block, column block) pairs numbered blk_ptr[...] (32 column blocks)."""
-    dtype: gl.constexpr = desc.dtype
     BR: gl.constexpr = desc.block_type.shape[0]
     BC: gl.constexpr = desc.block_type.shape[1]
-    bufs = gl.allocate_shared_memory(dtype, [RING, BR, BC], desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(RING):
-        mbarrier.init(ready.index(i), count=1)
+    bufs, ready = _ring(desc, RING)
     whole: gl.constexpr = gl.BlockedLayout([RING], [32], [num_warps], [0])
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     ridx = gl.arange(0, RING, layout=whole)
@@ -187,13 +187,9 @@ def box_kernel(blk_ptr, out_ptr, PER, desc, RING: gl.constexpr, num_warps: gl.co
 @gluon.jit
 def hybrid_kernel(unit_ptr, out_ptr, PER, up_desc, dn_ptr, RING: gl.constexpr, num_warps: gl.constexpr):
     """gather_only_kernel with the down rows loaded into registers instead of by TMA (both summed)."""
-    dtype: gl.constexpr = up_desc.dtype
     NB: gl.constexpr = up_desc.block_type.shape[1]
     C: gl.constexpr = up_desc.block_type.shape[2]
-    up_bufs = gl.allocate_shared_memory(dtype, [RING] + up_desc.block_type.shape, up_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(RING):
-        mbarrier.init(ready.index(i), count=1)
+    up_bufs, ready = _ring(up_desc, RING)
     whole: gl.constexpr = gl.BlockedLayout([RING], [32], [num_warps], [0])
     layout: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 1, 32], [1, num_warps, 1], [2, 1, 0])
     ridx = gl.arange(0, RING, layout=whole)
