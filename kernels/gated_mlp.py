@@ -60,9 +60,9 @@ except ImportError:  # CPU-only machines run the reference path
 PRECISIONS = ("default", "highest")
 DECODE_TILE = 64   # gate-matmul column tile in decode: I / 64 programs stream the gate matrix
 WHOLE_UP_ROWS = 16384  # elements of up rows a decode gate program loads at once (128 a thread of 4 warps)
-# TwELL slots of a row a decode out program (up to 16 rows) holds in registers: one round of loads, not two
-# (0.3-2.8 us faster at 1-16 rows; at 64 rows, 100 active units, 53 -> 57 us)
-HELD_SLOTS = 4096
+# TwELL slots of a row a decode out program (up to HELD_ROWS rows) holds in registers: one round of loads,
+# not two (0.3-2.8 us faster at 1-16 rows; at 64 rows, 100 active units, 53 -> 57 us)
+HELD_SLOTS, HELD_ROWS = 4096, 16
 # (program, TwELL tile) pairs a held-list decode out launch may walk: each of a row's output-chunk programs
 # walks the row's whole TwELL, so narrow chunks multiply that walk (out_config)
 DECODE_WALK_BUDGET = 48 * 1024
@@ -109,14 +109,14 @@ def out_config(m: int, d: int, decode: bool, tiles: int = 1) -> dict:
     as fast up to 128 rows, and are at least 4 up to 512 rows (D 896, 384 tokens: 47 us at 1 warp, 24 at 4;
     benchmarks/results/mid_sweep_h100.json).
     Decode: the row is split over output chunks of BD columns so that many SMs share its few units. Up to
-    16 rows each chunk's program holds and walks its row's whole TwELL (`tiles` tiles), so BD is the
+    HELD_ROWS rows each chunk's program holds and walks its row's whole TwELL (`tiles` tiles), so BD is the
     narrowest of 64-256 whose launch walks at most DECODE_WALK_BUDGET tiles (H100, 12-16 rows: D 2048 /
     I 5632 8.1 -> 5.4-5.9 us at BD 64 instead of 256; 8 rows at D 4096 / I 14336 8.5 -> 6.2 us at 256
     instead of 64; benchmarks/results/decode_out_chunks_h100.json); above, 256."""
     block_d = triton.next_power_of_2(d)
     if decode:
         bd = 64
-        while bd < 256 and (m > 16 or m * cdiv(d, bd) * tiles > DECODE_WALK_BUDGET):
+        while bd < 256 and (m > HELD_ROWS or m * cdiv(d, bd) * tiles > DECODE_WALK_BUDGET):
             bd *= 2
         return dict(CH=32, BD=bd, num_warps=4)
     ch = min(out_units_per_step(m), max(2, 32768 // block_d))
@@ -222,7 +222,7 @@ def out_launch(x2, width, tile, s, gated, h_fp32, has_overflow, cfg, packed_h=Fa
         stride_xk=x2.stride(1), T=tile, S=s, NT_PAD=max(2, triton.next_power_of_2(nt)), CH=ch, FB_CH=fb_ch,
         BLOCK_D=block_d, BD=bd, LIST_UP=gated and not packed_h, FALLBACK_UP=gated, H_FP32=h_fp32,
         HAS_OVF=has_overflow, DENSE_H=packed_h, TS=ts, PDL=pdl, SPAN=SPAN if split else 0,
-        HELD=held if packed_h and m <= 16 and held <= HELD_SLOTS else 0), cfg)
+        HELD=held if packed_h and m <= HELD_ROWS and held <= HELD_SLOTS else 0), cfg)
     # the span kernel has few programs: the step width of a few-row launch
     spans = span_launch(x2, width, tile, s, gated, h_fp32, out_config(128, d, False),
                         min(span_capacity(d), 2 * sm_count(x2.device)), use_pdl(x2.device)) if split else None
