@@ -54,10 +54,12 @@ LARGE_LAYER = 1 << 24  # D * I above which the decode path ends at 16 rows
 
 
 def decode_rows(d: int, width: int) -> int:
-    """Most tokens that take the decode path. Above 16 rows its up loop reads the active columns of
-    T-wide blocks through a masked K loop, which at D * I > 2^24 loses to the batched path (H100, 24-64
-    rows: 3584 / 18944 and 4096 / 14336 1.2-1.4x slower; 2048 / 8192 even at 64 rows; smaller layers
-    faster up to 64; benchmarks/results/decode_rows_h100.json)."""
+    """Most tokens that take the decode path. Above 16 rows its gate kernel runs one program per SM, each
+    streaming I / #SMs gate rows and then reading its active columns' up rows, which at D * I > 2^24 loses
+    to the batched path from about 24 rows (H100: 3584 / 18944 5-10% slower at 24-32 rows, 4096 / 14336
+    2-8% faster up to 32, both 1.2-1.4x slower at 48-64; both 5% faster at 17, where ending at 16 gives
+    that up; benchmarks/results/decode_mid_rows_h100.json, decode_rows_h100.json). Smaller layers are
+    faster up to 64."""
     return DECODE_ROWS if d * width <= LARGE_LAYER else 16
 
 
@@ -87,7 +89,7 @@ HOPPER_TILES_PER_SM = 4  # gate_hopper.py runs from this many output tiles an SM
 #                          tokens at I 5632
 GATHER = (6.83e12, 2.68e12, 0.243e-9, 23.1e-6)  # up + down rows of the active pairs: bytes/s from L2 and
 #                                                 from HBM, seconds per pair, latency of the out kernel
-DECODE = (2.55e12, 6.4e-9, 10.0e-6)  # decode: bytes/s (gate matrix, active up/down rows), s per pair, latency
+DECODE = (2.49e12, 5.9e-9, 8.4e-6)  # decode: bytes/s (gate matrix, active up/down rows), s per pair, latency
 L2_BYTES = 50e6
 # Batched, the out kernel walks each row in one program, a few units a step, beside the other rows: a row
 # heavier than the rest (a sequence's first token often activates hundreds of units) is a serial chain.

@@ -20,11 +20,12 @@ Decode (M <= 64 tokens, 16 for layers with D * I > 2^24: decode_rows) is memory-
 instead: the gate kernel runs with a narrower tile (I / 64 programs stream the gate matrix; above 16 rows
 I / #SMs, one program per SM) and, in the same program, computes u for its tile's active units only (up to
 4 rows, for a tile with up to 8 active columns and D up to 4096: whole up rows of the active columns in one
-round of loads, dot products on CUDA cores; else up to 16 rows: the active columns compacted and read 512
-deep, three such blocks in flight; above: a K loop whose loads are masked to active columns), so it packs
+round of loads, dot products on CUDA cores; else up to 32 rows: the active columns compacted and read deep,
+512 with three such blocks in flight up to 16 rows, 256 with four above; above 32: a K loop whose loads are
+masked to active columns), so it packs
 h = g * u instead of g; kernel 2 then only gathers down rows, split over output chunks of BD columns so that
 many SMs share the few rows, and is launched as a programmatic dependent launch (Hopper): it starts while
-the gate kernel runs and waits for it on the device. Up to 16 rows it loads its row's whole TwELL together
+the gate kernel runs and waits for it on the device. Up to 32 rows it loads its row's whole TwELL together
 with the counts (one round of loads, not two).
 `overflow` counts the narrower tiles.
 Decode overflow: the gate program already holds its tile's h densely, so it writes an overflowing
@@ -61,8 +62,9 @@ PRECISIONS = ("default", "highest")
 DECODE_TILE = 64   # gate-matmul column tile in decode: I / 64 programs stream the gate matrix
 WHOLE_UP_ROWS = 16384  # elements of up rows a decode gate program loads at once (128 a thread of 4 warps)
 # TwELL slots of a row a decode out program (up to HELD_ROWS rows) holds in registers: one round of loads,
-# not two (0.3-2.8 us faster at 1-16 rows; at 64 rows, 100 active units, 53 -> 57 us)
-HELD_SLOTS, HELD_ROWS = 4096, 16
+# not two (0.3-2.8 us faster at 1-16 rows, 1.3-2.1 at 17-32 at D 2048, results/decode_mid_rows_h100.json;
+# at 64 rows, 100 active units, 53 -> 57 us)
+HELD_SLOTS, HELD_ROWS = 4096, 32
 # (program, TwELL tile) pairs a held-list decode out launch may walk: each of a row's output-chunk programs
 # walks the row's whole TwELL, so narrow chunks multiply that walk (out_config)
 DECODE_WALK_BUDGET = 48 * 1024
@@ -91,8 +93,12 @@ def gate_config(m: int, tile: int, element_size: int, decode: bool) -> dict:
             cfg = dict(BM=bm, BK=4 * block_k, GROUP_M=1, num_warps=4, num_stages=4, UP_BK=8 * block_k,
                        UP_STAGES=3)
             return dict(cfg, UP_ROWS=triton.next_power_of_2(m), ROWS_UC=4) if m <= 4 else cfg
-        if bm <= 32:
-            return dict(BM=bm, BK=4 * block_k, GROUP_M=1, num_warps=4, num_stages=3)
+        if bm <= 32:  # up rows of the active columns compacted too, 4 * block_k deep, 4 blocks in flight
+            # (17-32 rows, H100, 29 active units: D 2048 / I 5632 2.9-3.2 us faster than the masked K loop,
+            # D 4096 / I 14336 10-12 us; at 100 units 1-2 us slower alone, faster with the out kernel's held
+            # TwELL at these rows; results/decode_mid_rows_h100.json)
+            return dict(BM=bm, BK=4 * block_k, GROUP_M=1, num_warps=4, num_stages=3, UP_BK=4 * block_k,
+                        UP_STAGES=4)
         return dict(BM=bm, BK=2 * block_k, GROUP_M=1, num_warps=4, num_stages=4)
     if tile == 128:  # 4 warps: two programs share an SM, one's packing epilogue beside the other's matmul
         if m <= 256:  # few row blocks: half-height ones, twice the programs, a deeper pipeline

@@ -165,7 +165,8 @@ def overflow_count(g, tile, compression):
     return (per_tile > slots(tile, compression)).sum().item()
 
 
-@pytest.mark.parametrize("m,dense_rows", [(1, [0]), (3, [0, 2]), (20, [5])])  # 20: the T-wide up loop
+# 20: the compacted up loop 4 blocks deep and the held TwELL; 40: the T-wide up loop, TwELL read after counts
+@pytest.mark.parametrize("m,dense_rows", [(1, [0]), (3, [0, 2]), (20, [5]), (40, [0, 39])])
 @pytest.mark.parametrize("dtype,precision", [(torch.float32, "highest"), (torch.float16, "default")])
 def test_decode_dense_rows(m, dense_rows, dtype, precision):
     """Decode sizes: fully dense rows overflow every tile (h read back from dense_h), others fit."""
@@ -270,9 +271,9 @@ def test_whole_up_rows_only_where_they_fit_in_registers():
 
 
 def test_decode_out_holds_the_row_twell_only_where_it_fits():
-    """Up to 16 decode rows and HELD_SLOTS slots a row, the out kernel loads a row's whole TwELL with its
+    """Up to 32 decode rows and HELD_SLOTS slots a row, the out kernel loads a row's whole TwELL with its
     counts (HELD, a power of two covering the row's slots); otherwise it reads list entries after them."""
-    for m, width, expected in ((1, 151, 32), (16, 4096, 512), (17, 4096, 0), (1, 64 * 513, 0)):
+    for m, width, expected in ((1, 151, 32), (32, 4096, 512), (33, 4096, 0), (1, 64 * 513, 0)):
         x = torch.zeros(m, 8)
         launch = out_launch(x, width, 64, 8, True, False, True, out_config(m, 8, True), packed_h=True).out
         assert launch_scalar(launch, "HELD") == expected, (m, width)

@@ -1,0 +1,94 @@
+"""Decode path at 17-64 tokens, launch rules A/B in one process: the whole block through twell.gated_mlp
+with the decode path forced at every shape (large layers end it at 16 rows today), under
+- before: the gate kernel's up pass at 17-32 rows a K loop of loads masked to active columns; the out
+  kernel holding its row's whole TwELL up to 16 rows,
+- gate: at 17-32 rows the active columns compacted and read 4 * block_k deep, 4 blocks in flight,
+- now: gate, and the out kernel holding the TwELL up to 32 rows (out_config's chunk rule with it),
+- up64: now, and the compacted up pass at 33-64 rows too (2 * block_k deep),
+against the dense block and the batched path. CUDA-graph replays over 8 layer copies, per layer;
+rel. errors against fp32.
+
+    python benchmarks/decode_mid_rows.py --json benchmarks/results/decode_mid_rows_h100.json
+"""
+import argparse
+import importlib
+import json
+import sys
+from contextlib import contextmanager
+
+import torch
+import triton
+from triton.testing import do_bench_cudagraph
+
+G = importlib.import_module("twell.gated_mlp")  # the module; twell.gated_mlp is also the function
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from bench_inference import LAYERS, dense, make_layer, make_x, reference, rel_err, sparse  # noqa: E402
+
+CASES = [(d, i, 29) for d, i in ((896, 4864), (2048, 5632), (2048, 8192), (3584, 18944), (4096, 14336))]
+CASES.append((2048, 5632, 100))
+TOKENS = (17, 24, 32, 48, 64)
+gate_now, held_now, rows_now = G.gate_config, G.HELD_ROWS, G.decode_rows
+
+
+def gate_before(m, tile, element_size, decode):
+    cfg = gate_now(m, tile, element_size, decode)
+    if decode and 16 < m <= 32:
+        cfg = {k: v for k, v in cfg.items() if k not in ("UP_BK", "UP_STAGES")}
+    return cfg
+
+
+def gate_up64(m, tile, element_size, decode):
+    cfg = gate_now(m, tile, element_size, decode)
+    if decode and m > 32:
+        block_k = 64 if element_size <= 2 else 32
+        cfg = dict(cfg, UP_BK=2 * block_k, UP_STAGES=4)
+    return cfg
+
+
+RULES = {"before": (gate_before, 16), "gate": (gate_now, 16), "now": (gate_now, 32), "up64": (gate_up64, 32)}
+
+
+@contextmanager
+def rules(gate_config, held_rows, decode_limit):
+    G.gate_config, G.HELD_ROWS, G.decode_rows = gate_config, held_rows, (lambda d, i: decode_limit)
+    G._PLANS.clear()
+    try:
+        yield
+    finally:
+        G.gate_config, G.HELD_ROWS, G.decode_rows = gate_now, held_now, rows_now
+        G._PLANS.clear()
+
+
+def per_layer_us(fn, layers):
+    return do_bench_cudagraph(lambda: [fn(lw) for lw in layers], rep=50, return_mode="median") / LAYERS * 1e3
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", required=True)
+    args = ap.parse_args()
+    rows = []
+    for d, i, k in CASES:
+        layers = [make_layer(d, i, k) for _ in range(LAYERS)]
+        for m in TOKENS:
+            x = make_x(m, d)
+            ref = reference(x, layers[0])
+            row = dict(D=d, I=i, k=k, M=m, planned_decode=m <= rows_now(d, i),
+                       dense_us=per_layer_us(lambda lw: dense(x, lw), layers))
+            paths = {name: (rule, limit, 64) for name, (rule, limit) in RULES.items()}
+            paths["batched"] = (gate_now, held_now, 0)
+            for name, (rule, held, limit) in paths.items():
+                with rules(rule, held, limit):
+                    row[f"err_{name}"] = rel_err(sparse(x, layers[0], 128, 8), ref)
+                    row[f"{name}_us"] = per_layer_us(lambda lw: sparse(x, lw, 128, 8), layers)
+            print({key: round(v, 4) if isinstance(v, float) else v for key, v in row.items()}, flush=True)
+            rows.append(row)
+        del layers
+    with open(args.json, "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                       command="python benchmarks/decode_mid_rows.py --json " + args.json, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""Where the block's time goes between decode and batched sizes (16-512 tokens): the dense block, cuBLAS's
+gate matmul alone, twell.gated_mlp as planned today, and the decode path forced beyond its rows (the gate
+kernel fuses up for its tile's active units, the out kernel only gathers down rows), each split into its
+gate launch and out launch. Also the bytes floor: the gate matrix plus the up and down rows of the units
+active in any row, at 3 TB/s. CUDA-graph replays over 8 layer copies, per layer; rel. errors against fp32.
+
+    python benchmarks/mid_rows_probe.py --json benchmarks/results/mid_rows_h100.json
+"""
+import argparse
+import importlib
+import json
+import sys
+from contextlib import contextmanager
+
+import torch
+import triton
+from triton.testing import do_bench_cudagraph
+
+G = importlib.import_module("twell.gated_mlp")  # the module; twell.gated_mlp is also the function
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from bench_inference import LAYERS, dense, make_layer, make_x, reference, rel_err, sparse  # noqa: E402
+
+SHAPES = ((2048, 5632), (4096, 14336))
+TOKENS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+HBM = 3.0e12
+
+
+def per_layer_us(fn, layers):
+    return do_bench_cudagraph(lambda: [fn(lw) for lw in layers], rep=50, return_mode="median") / LAYERS * 1e3
+
+
+@contextmanager
+def decode_forced():
+    """The decode path at any row count: gate row blocks of at most 64 rows."""
+    rows, config = G.decode_rows, G.gate_config
+
+    def gate_config(m, tile, element_size, decode):
+        return config(min(m, 64), tile, element_size, decode)
+
+    G.decode_rows, G.gate_config = (lambda d, i: 1 << 30), gate_config
+    G._PLANS.clear()
+    try:
+        yield
+    finally:
+        G.decode_rows, G.gate_config = rows, config
+        G._PLANS.clear()
+
+
+def launches_us(x, layers):
+    """The plan's gate launch and out launch, each timed alone over the layer copies."""
+    plan = G._Plan(x, layers[0]["gate"], layers[0]["up"], 128, 8, "default", None)
+    bufs = []
+    for lw in layers:
+        tw = (torch.empty(plan.twell_shape, dtype=plan.vals_dtype, device=x.device),
+              torch.empty(plan.twell_shape, dtype=torch.int32, device=x.device),
+              torch.empty(plan.twell_shape[:2], dtype=torch.int32, device=x.device))
+        dense_h = tw[0] if plan.dense_h_shape is None else torch.empty(plan.dense_h_shape, dtype=x.dtype,
+                                                                        device=x.device)
+        bufs.append((lw, tw, dense_h, torch.empty_like(x)))
+
+    def gate(b):
+        lw, tw, dense_h, _ = b
+        plan.gate(x, lw["gate"], lw["up"], *tw, dense_h)
+
+    def out(b):
+        lw, tw, dense_h, o = b
+        plan.out(x, *tw, dense_h, lw["gate"], lw["up"], lw["down_p"].t(), o, tw[2])
+
+    for b in bufs:
+        gate(b)
+    torch.cuda.synchronize()
+    return per_layer_us(gate, bufs), per_layer_us(out, bufs)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", required=True)
+    args = ap.parse_args()
+    rows = []
+    for d, i in SHAPES:
+        layers = [make_layer(d, i, 29) for _ in range(LAYERS)]
+        for m in TOKENS:
+            x = make_x(m, d)
+            ref = reference(x, layers[0])
+            g = x @ layers[0]["gate"].t()
+            union = int((g > 0).any(0).sum())
+            row = dict(D=d, I=i, M=m, union_units=union, mean_active=(g > 0).sum(1).float().mean().item(),
+                       floor_us=(2 * d * i + 4 * d * union) / HBM * 1e6,
+                       dense_us=per_layer_us(lambda lw: dense(x, lw), layers),
+                       cublas_gate_us=per_layer_us(lambda lw: x @ lw["gate"].t(), layers),
+                       planned_decode=m <= G.decode_rows(d, i),
+                       err_now=rel_err(sparse(x, layers[0], 128, 8), ref),
+                       now_us=per_layer_us(lambda lw: sparse(x, lw, 128, 8), layers))
+            row["now_gate_us"], row["now_out_us"] = launches_us(x, layers)
+            with decode_forced():
+                row["err_decode"] = rel_err(sparse(x, layers[0], 128, 8), ref)
+                row["decode_us"] = per_layer_us(lambda lw: sparse(x, lw, 128, 8), layers)
+                row["decode_gate_us"], row["decode_out_us"] = launches_us(x, layers)
+            print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+            rows.append(row)
+    with open(args.json, "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                       command="python benchmarks/mid_rows_probe.py --json " + args.json, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
