@@ -123,6 +123,22 @@ def time_fn(fn, graphs):
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def per_layer_us(fn, layers):
+    """Microseconds of fn(layer) per layer, over CUDA-graph replays of the layer copies."""
+    return do_bench_cudagraph(lambda: [fn(lw) for lw in layers], rep=50, return_mode="median") / LAYERS * 1e3
+
+
+def print_row(row):
+    print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+
+
+def save_rows(path, script, rows):
+    """A probe's rows as JSON, with the device, the versions and the command that wrote them."""
+    with open(path, "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                       command=f"python benchmarks/{script} --json {path}", rows=rows), f, indent=1)
+
+
 def bench_row(d, i, m, k, tile, compression, skew=0.0):
     decode = m <= decode_rows(d, i)
     graphs = m <= GRAPH_ROWS

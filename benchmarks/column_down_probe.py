@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from triton.testing import do_bench_cudagraph
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from bench_inference import LAYERS, make_layer, make_x
+from bench_inference import LAYERS, make_layer, make_x, save_rows  # noqa: E402
 
 @triton.jit
 def _step_loads(t, t_hi, c, r, n_ptr, ids_ptr, hc_ptr, BM: tl.constexpr, T: tl.constexpr):
@@ -115,9 +115,7 @@ def main():
                         res.append(row)
             best = sorted([r for r in res if r["D"] == d and r["M"] == m and isinstance(r["us"], float)], key=lambda r: r["us"])[:5]
             for r in best: print(json.dumps(r), flush=True)
-    json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                   command="python benchmarks/column_down_probe.py --json " + args.json, rows=res),
-              open(args.json, "w"), indent=1)
+    save_rows(args.json, "column_down_probe.py", res)
 
 
 if __name__ == "__main__":

@@ -12,18 +12,14 @@ rel. errors against fp32.
 """
 import argparse
 import importlib
-import json
 import sys
 from contextlib import contextmanager
-
-import torch
-import triton
-from triton.testing import do_bench_cudagraph
 
 G = importlib.import_module("twell.gated_mlp")  # the module; twell.gated_mlp is also the function
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from bench_inference import LAYERS, dense, make_layer, make_x, reference, rel_err, sparse  # noqa: E402
+from bench_inference import (  # noqa: E402
+    LAYERS, dense, make_layer, make_x, per_layer_us, print_row, reference, rel_err, save_rows, sparse)
 
 CASES = [(d, i, 29) for d, i in ((896, 4864), (2048, 5632), (2048, 8192), (3584, 18944), (4096, 14336))]
 CASES.append((2048, 5632, 100))
@@ -60,9 +56,6 @@ def rules(gate_config, held_rows, decode_limit):
         G._PLANS.clear()
 
 
-def per_layer_us(fn, layers):
-    return do_bench_cudagraph(lambda: [fn(lw) for lw in layers], rep=50, return_mode="median") / LAYERS * 1e3
-
 
 def main():
     ap = argparse.ArgumentParser()
@@ -82,12 +75,10 @@ def main():
                 with rules(rule, held, limit):
                     row[f"err_{name}"] = rel_err(sparse(x, layers[0], 128, 8), ref)
                     row[f"{name}_us"] = per_layer_us(lambda lw: sparse(x, lw, 128, 8), layers)
-            print({key: round(v, 4) if isinstance(v, float) else v for key, v in row.items()}, flush=True)
+            print_row(row)
             rows.append(row)
         del layers
-    with open(args.json, "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                       command="python benchmarks/decode_mid_rows.py --json " + args.json, rows=rows), f, indent=1)
+    save_rows(args.json, "decode_mid_rows.py", rows)
 
 
 if __name__ == "__main__":

@@ -7,10 +7,8 @@ launch at BD 64/128/256). CUDA-graph replays over 8 layer copies, per layer; rel
 """
 import argparse
 import importlib
-import json
 import sys
 
-import torch
 import triton
 from triton.testing import do_bench_cudagraph
 
@@ -19,7 +17,9 @@ from twell.format import decode_rows
 G = importlib.import_module("twell.gated_mlp")  # the module; twell.gated_mlp is also the function
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from bench_inference import LAYERS, dense, gate_pack, make_layer, make_x, reference, rel_err, sparse, twell_out  # noqa: E402
+from bench_inference import (  # noqa: E402
+    LAYERS, dense, gate_pack, make_layer, make_x, per_layer_us, print_row, reference, rel_err, save_rows,
+    sparse, twell_out)
 
 SHAPES = ((896, 4864), (2048, 5632), (2048, 8192), (3584, 18944), (4096, 14336))
 TOKENS = (1, 4, 8, 12, 16)
@@ -30,9 +30,6 @@ def rule_before(m, d, decode, tiles=1):
     cfg = rule_now(m, d, decode, tiles)
     return dict(cfg, BD=64 if m <= 8 else 256) if decode else cfg
 
-
-def per_layer_us(fn, layers):
-    return do_bench_cudagraph(lambda: [fn(lw) for lw in layers], rep=50, return_mode="median") / LAYERS * 1e3
 
 
 def with_rule(rule, fn):
@@ -74,11 +71,9 @@ def main():
                 row[f"out_bd{bd}_us"] = do_bench_cudagraph(
                     lambda: [twell_out(x, p, lw, cfg, packed_h=True) for p, lw in zip(packed, layers)],
                     rep=50, return_mode="median") / LAYERS * 1e3
-            print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+            print_row(row)
             rows.append(row)
-    with open(args.json, "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                       command="python benchmarks/decode_out_chunks.py --json " + args.json, rows=rows), f, indent=1)
+    save_rows(args.json, "decode_out_chunks.py", rows)
 
 
 if __name__ == "__main__":

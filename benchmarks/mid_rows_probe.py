@@ -8,26 +8,21 @@ active in any row, at 3 TB/s. CUDA-graph replays over 8 layer copies, per layer;
 """
 import argparse
 import importlib
-import json
 import sys
 from contextlib import contextmanager
 
 import torch
-import triton
-from triton.testing import do_bench_cudagraph
 
 G = importlib.import_module("twell.gated_mlp")  # the module; twell.gated_mlp is also the function
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from bench_inference import LAYERS, dense, make_layer, make_x, reference, rel_err, sparse  # noqa: E402
+from bench_inference import (  # noqa: E402
+    LAYERS, dense, make_layer, make_x, per_layer_us, print_row, reference, rel_err, save_rows, sparse)
 
 SHAPES = ((2048, 5632), (4096, 14336))
 TOKENS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 HBM = 3.0e12
 
-
-def per_layer_us(fn, layers):
-    return do_bench_cudagraph(lambda: [fn(lw) for lw in layers], rep=50, return_mode="median") / LAYERS * 1e3
 
 
 @contextmanager
@@ -97,11 +92,9 @@ def main():
                 row["err_decode"] = rel_err(sparse(x, layers[0], 128, 8), ref)
                 row["decode_us"] = per_layer_us(lambda lw: sparse(x, lw, 128, 8), layers)
                 row["decode_gate_us"], row["decode_out_us"] = launches_us(x, layers)
-            print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+            print_row(row)
             rows.append(row)
-    with open(args.json, "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                       command="python benchmarks/mid_rows_probe.py --json " + args.json, rows=rows), f, indent=1)
+    save_rows(args.json, "mid_rows_probe.py", rows)
 
 
 if __name__ == "__main__":
