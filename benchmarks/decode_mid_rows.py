@@ -56,7 +56,6 @@ def rules(gate_config, held_rows, decode_limit):
         G._PLANS.clear()
 
 
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", required=True)
