@@ -24,8 +24,8 @@ round of loads, dot products on CUDA cores; else up to 32 rows: the active colum
 512 with three such blocks in flight up to 16 rows, 256 with four above; above 32: a K loop whose loads are
 masked to active columns), so it packs h = g * u instead of g; kernel 2 then only gathers down rows, split
 over output chunks of BD columns so that many SMs share the few rows, and is launched as a programmatic
-dependent launch (Hopper): it starts while the gate kernel runs and waits for it on the device. Up to 32 rows it loads its row's whole TwELL together
-with the counts (one round of loads, not two).
+dependent launch (Hopper): it starts while the gate kernel runs and waits for it on the device. Up to 32
+rows it loads its row's whole TwELL together with the counts (one round of loads, not two).
 `overflow` counts the narrower tiles.
 Decode overflow: the gate program already holds its tile's h densely, so it writes an overflowing
 (row, tile)'s h (rounded as a packed value would be) to a side buffer dense_h [M, I], and kernel 2's
