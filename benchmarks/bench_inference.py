@@ -20,6 +20,7 @@ import itertools
 import json
 import math
 import sys
+from contextlib import contextmanager
 from statistics import NormalDist
 
 import torch
@@ -121,6 +122,23 @@ def time_fn(fn, graphs):
     if graphs:
         return do_bench_cudagraph(fn, rep=50, return_mode="median") / LAYERS
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+@contextmanager
+def launch_rules(**rules):
+    """twell.gated_mlp's module-level launch rules (gate_config, out_config, decode_rows, HELD_ROWS, ...)
+    replaced inside the block, its cached plans dropped on the way in and out (they hold the launches)."""
+    module = sys.modules["twell.gated_mlp"]  # the module; twell.gated_mlp is also the function
+    saved = {name: getattr(module, name) for name in rules}
+    for name, rule in rules.items():
+        setattr(module, name, rule)
+    module._PLANS.clear()
+    try:
+        yield
+    finally:
+        for name, rule in saved.items():
+            setattr(module, name, rule)
+        module._PLANS.clear()
 
 
 def per_layer_us(fn, layers):

@@ -13,18 +13,17 @@ rel. errors against fp32.
 import argparse
 import importlib
 import sys
-from contextlib import contextmanager
 
 G = importlib.import_module("twell.gated_mlp")  # the module; twell.gated_mlp is also the function
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from bench_inference import (  # noqa: E402
-    LAYERS, dense, make_layer, make_x, per_layer_us, print_row, reference, rel_err, save_rows, sparse)
+    LAYERS, dense, launch_rules, make_layer, make_x, per_layer_us, print_row, reference, rel_err, save_rows, sparse)
 
 CASES = [(d, i, 29) for d, i in ((896, 4864), (2048, 5632), (2048, 8192), (3584, 18944), (4096, 14336))]
 CASES.append((2048, 5632, 100))
 TOKENS = (17, 24, 32, 48, 64)
-gate_now, held_now, rows_now = G.gate_config, G.HELD_ROWS, G.decode_rows
+gate_now, held_now, rows_now = G.gate_config, G.HELD_ROWS, G.decode_rows  # the rules of today
 
 
 def gate_before(m, tile, element_size, decode):
@@ -45,15 +44,8 @@ def gate_up64(m, tile, element_size, decode):
 RULES = {"before": (gate_before, 16), "gate": (gate_now, 16), "now": (gate_now, 32), "up64": (gate_up64, 32)}
 
 
-@contextmanager
 def rules(gate_config, held_rows, decode_limit):
-    G.gate_config, G.HELD_ROWS, G.decode_rows = gate_config, held_rows, (lambda d, i: decode_limit)
-    G._PLANS.clear()
-    try:
-        yield
-    finally:
-        G.gate_config, G.HELD_ROWS, G.decode_rows = gate_now, held_now, rows_now
-        G._PLANS.clear()
+    return launch_rules(gate_config=gate_config, HELD_ROWS=held_rows, decode_rows=lambda d, i: decode_limit)
 
 
 def main():

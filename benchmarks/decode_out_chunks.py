@@ -18,7 +18,7 @@ G = importlib.import_module("twell.gated_mlp")  # the module; twell.gated_mlp is
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from bench_inference import (  # noqa: E402
-    LAYERS, dense, gate_pack, make_layer, make_x, per_layer_us, print_row, reference, rel_err, save_rows,
+    LAYERS, dense, gate_pack, launch_rules, make_layer, make_x, per_layer_us, print_row, reference, rel_err, save_rows,
     sparse, twell_out)
 
 SHAPES = ((896, 4864), (2048, 5632), (2048, 8192), (3584, 18944), (4096, 14336))
@@ -30,16 +30,6 @@ def rule_before(m, d, decode, tiles=1):
     cfg = rule_now(m, d, decode, tiles)
     return dict(cfg, BD=64 if m <= 8 else 256) if decode else cfg
 
-
-
-def with_rule(rule, fn):
-    G.out_config = rule
-    G._PLANS.clear()
-    try:
-        return fn()
-    finally:
-        G.out_config = rule_now
-        G._PLANS.clear()
 
 
 def main():
@@ -57,8 +47,9 @@ def main():
                        BD_now=rule_now(m, d, True, triton.cdiv(i, G.DECODE_TILE))["BD"],
                        dense_us=per_layer_us(lambda lw: dense(x, lw), layers))
             for name, rule in (("before", rule_before), ("now", rule_now)):
-                row[f"err_{name}"] = with_rule(rule, lambda: rel_err(sparse(x, layers[0], 128, 8), ref))
-                row[f"twell_{name}_us"] = with_rule(rule, lambda: per_layer_us(lambda lw: sparse(x, lw, 128, 8), layers))
+                with launch_rules(out_config=rule):
+                    row[f"err_{name}"] = rel_err(sparse(x, layers[0], 128, 8), ref)
+                    row[f"twell_{name}_us"] = per_layer_us(lambda lw: sparse(x, lw, 128, 8), layers)
             row["speedup_before"] = row["dense_us"] / row["twell_before_us"]
             row["speedup_now"] = row["dense_us"] / row["twell_now_us"]
             # breakdown: the gate (+ fused up) launch and the out launch alone, at each chunk width

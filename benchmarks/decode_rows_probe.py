@@ -6,8 +6,7 @@ import json, os, sys, torch, triton
 sys.path.insert(0, "benchmarks")
 from triton.testing import do_bench_cudagraph
 import twell
-G = sys.modules["twell.gated_mlp"]
-from bench_inference import make_layer, make_x, dense, LAYERS, reference, rel_err
+from bench_inference import make_layer, make_x, dense, LAYERS, launch_rules, reference, rel_err
 torch.manual_seed(0)
 def bench(fn):
     return do_bench_cudagraph(fn, rep=30, return_mode="median") / LAYERS * 1e3
@@ -19,11 +18,10 @@ for d, i in ((896, 4864), (2048, 5632), (2048, 8192), (3584, 18944), (4096, 1433
         ref = reference(x, layers[0])
         r = dict(D=d, I=i, M=m, dense_us=bench(lambda: [dense(x, lw) for lw in layers]))
         for path, limit in (("decode", 64), ("batched", 0)):
-            G.decode_rows = lambda d, width, limit=limit: limit  # force the path
-            G._PLANS.clear()
-            out = twell.gated_mlp(x, layers[0]["gate"], layers[0]["up"], layers[0]["down_p"])
-            r[path + "_err"] = rel_err(out, ref)
-            r[path + "_us"] = bench(lambda: [twell.gated_mlp(x, lw["gate"], lw["up"], lw["down_p"]) for lw in layers])
+            with launch_rules(decode_rows=lambda d, width, limit=limit: limit):  # force the path
+                out = twell.gated_mlp(x, layers[0]["gate"], layers[0]["up"], layers[0]["down_p"])
+                r[path + "_err"] = rel_err(out, ref)
+                r[path + "_us"] = bench(lambda: [twell.gated_mlp(x, lw["gate"], lw["up"], lw["down_p"]) for lw in layers])
         rows.append(r)
         print({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}, flush=True)
     del layers

@@ -9,7 +9,6 @@ active in any row, at 3 TB/s. CUDA-graph replays over 8 layer copies, per layer;
 import argparse
 import importlib
 import sys
-from contextlib import contextmanager
 
 import torch
 
@@ -17,7 +16,7 @@ G = importlib.import_module("twell.gated_mlp")  # the module; twell.gated_mlp is
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from bench_inference import (  # noqa: E402
-    LAYERS, dense, make_layer, make_x, per_layer_us, print_row, reference, rel_err, save_rows, sparse)
+    LAYERS, dense, launch_rules, make_layer, make_x, per_layer_us, print_row, reference, rel_err, save_rows, sparse)
 
 SHAPES = ((2048, 5632), (4096, 14336))
 TOKENS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
@@ -25,21 +24,12 @@ HBM = 3.0e12
 
 
 
-@contextmanager
 def decode_forced():
     """The decode path at any row count: gate row blocks of at most 64 rows."""
-    rows, config = G.decode_rows, G.gate_config
-
-    def gate_config(m, tile, element_size, decode):
-        return config(min(m, 64), tile, element_size, decode)
-
-    G.decode_rows, G.gate_config = (lambda d, i: 1 << 30), gate_config
-    G._PLANS.clear()
-    try:
-        yield
-    finally:
-        G.decode_rows, G.gate_config = rows, config
-        G._PLANS.clear()
+    config = G.gate_config
+    return launch_rules(decode_rows=lambda d, i: 1 << 30,
+                        gate_config=lambda m, tile, element_size, decode: config(min(m, 64), tile, element_size,
+                                                                                 decode))
 
 
 def launches_us(x, layers):
