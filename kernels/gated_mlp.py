@@ -117,11 +117,17 @@ def out_config(m: int, d: int, decode: bool, tiles: int = 1) -> dict:
     HELD_ROWS rows each chunk's program holds and walks its row's whole TwELL (`tiles` tiles), so BD is the
     narrowest of 64-256 whose launch walks at most DECODE_WALK_BUDGET tiles (H100, 12-16 rows: D 2048 /
     I 5632 8.1 -> 5.4-5.9 us at BD 64 instead of 256; 8 rows at D 4096 / I 14336 8.5 -> 6.2 us at 256
-    instead of 64; benchmarks/results/decode_out_chunks_h100.json); above, 256."""
+    instead of 64; benchmarks/results/decode_out_chunks_h100.json); above, 256, and 16 units a step with 2
+    warps instead of 32 with 4: each program then builds its part of the row's list from the tile counts,
+    and the narrower steps keep more programs in flight (33-64 rows: D 2048 / I 5632 33.6-36.6 -> 31.5-32.4
+    us for the block, D 896 / I 4864 and D 2048 / I 8192 4-8% faster; slower up to 32 rows;
+    benchmarks/results/decode_out_warps_h100.json)."""
     block_d = triton.next_power_of_2(d)
     if decode:
+        if m > HELD_ROWS:
+            return dict(CH=16, BD=256, num_warps=2)
         bd = 64
-        while bd < 256 and (m > HELD_ROWS or m * cdiv(d, bd) * tiles > DECODE_WALK_BUDGET):
+        while bd < 256 and m * cdiv(d, bd) * tiles > DECODE_WALK_BUDGET:
             bd *= 2
         return dict(CH=32, BD=bd, num_warps=4)
     ch = min(out_units_per_step(m), max(2, 32768 // block_d))
