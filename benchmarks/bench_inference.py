@@ -4,8 +4,9 @@ Synthetic sparsity: x ~ N(0, 1) with x[:, 0] = 1 (bias channel), gate ~ N(0, 1/D
 gate[:, 0] = -Phi^-1(1 - k/I), so each unit fires with probability k/I. Dense baseline: gate and up as
 one concatenated bf16 cuBLAS matmul, relu(g) * u, down matmul. Each row also checks correctness
 (||out - ref|| / ||ref|| against the fp32 block on fresh inputs) in the same run.
-Large sizes: triton do_bench median (it flushes L2 before every call). Up to GRAPH_ROWS tokens (decode and
-the "mid" grid): CUDA graph replays of LAYERS layer copies (so weights do not stay in L2), time per layer.
+Large sizes: triton do_bench median (it flushes L2 before every call). Up to GRAPH_ROWS tokens: CUDA graph
+replays of LAYERS layer copies (so weights do not stay in L2), time per layer; no host time counts there (up
+to 1024 tokens until session 14: a slow host then made 2048-token rows of narrow layers host-bound).
 Grid "decode_dense": decode with every unit active (k = I: gate[:, 0] = 10, so every pre-activation is
 positive), so every (row, tile) overflows: the cost of the decode overflow fallback against dense.
 
@@ -30,10 +31,10 @@ from triton.testing import do_bench, do_bench_cudagraph
 import twell
 from twell.format import empty_twell, slots
 from twell.format import decode_rows
-from twell.gated_mlp import DECODE_TILE, gate_config, gate_launch, out_config, out_launch
+from twell.gated_mlp import DECODE_TILE, gate_config, gate_launch, out_launch
 
 LAYERS = 8  # layer copies for graph-replay timing
-GRAPH_ROWS = 1024  # up to this many tokens: CUDA-graph replays (the launches are short enough for host time to show)
+GRAPH_ROWS = 4096  # up to this many tokens: CUDA-graph replays (the launches are short enough for host time to show)
 GRIDS = {
     "main": [(2048, 5632, m, k) for m in (4096, 16384, 65536) for k in (29, 100, 300)],
     "decode": [(2048, 5632, m, k) for m in (1, 8, 64) for k in (29, 100)],
@@ -110,6 +111,35 @@ def twell_out(x, packed, w, cfg, packed_h=False):
     return out
 
 
+def plan_launches(x, layers, tile=128, compression=8):
+    """The gate launch and the out launch of twell.gated_mlp's plan for x, each a function of a layer copy,
+    launches and buffers made once (built at each call, the Hopper gate launch cost ~0.2 ms of host time,
+    which do_bench counted at 2048 tokens). The out launch reads what the gate launch last wrote."""
+    plan = sys.modules["twell.gated_mlp"]._Plan(x, layers[0]["gate"], layers[0]["up"], tile, compression,
+                                                "default", None)
+    bufs = {}
+    for lw in layers:
+        tw = (torch.empty(plan.twell_shape, dtype=plan.vals_dtype, device=x.device),
+              torch.empty(plan.twell_shape, dtype=torch.int32, device=x.device),
+              torch.empty(plan.twell_shape[:2], dtype=torch.int32, device=x.device))
+        dense_h = tw[0] if plan.dense_h_shape is None else torch.empty(plan.dense_h_shape, dtype=plan.vals_dtype,
+                                                                        device=x.device)
+        bufs[id(lw)] = tw, dense_h, torch.empty_like(x)
+
+    def gate(lw):
+        tw, dense_h, _ = bufs[id(lw)]
+        plan.gate(x, lw["gate"], lw["up"], *tw, dense_h)
+
+    def out(lw):
+        tw, dense_h, o = bufs[id(lw)]
+        plan.out(x, *tw, dense_h, lw["gate"], lw["up"], lw["down_p"].t(), o, tw[2])
+
+    for lw in layers:
+        gate(lw)
+    torch.cuda.synchronize()
+    return gate, out
+
+
 def rel_err(out, ref):
     return ((out.float() - ref).norm() / ref.norm()).item()
 
@@ -157,6 +187,34 @@ def save_rows(path, script, rows):
                        command=f"python benchmarks/{script} --json {path}", rows=rows), f, indent=1)
 
 
+# the benchmark shape and the real-model shapes of benchmarks.md
+SHAPES = ((896, 4864), (2048, 5632), (2048, 8192), (3584, 18944), (4096, 14336))
+
+
+def compare_rules(cases, tokens, variants, keep=lambda d, i, m: True):
+    """Launch rules A/B in one process: for each (D, I, k) case and token count that `keep` accepts, the
+    dense block and the whole TwELL block under each variant (name: a function returning the context that
+    applies it, as launch_rules does), CUDA-graph replays over the layer copies, with rel. errors against
+    fp32. Returns the printed rows."""
+    rows = []
+    for d, i, k in cases:
+        layers = [make_layer(d, i, k) for _ in range(LAYERS)]
+        for m in tokens:
+            if not keep(d, i, m):
+                continue
+            x = make_x(m, d)
+            ref = reference(x, layers[0])
+            row = dict(D=d, I=i, k=k, M=m, dense_us=per_layer_us(lambda lw: dense(x, lw), layers))
+            for name, rules in variants.items():
+                with rules():
+                    row[f"err_{name}"] = rel_err(sparse(x, layers[0], 128, 8), ref)
+                    row[f"{name}_us"] = per_layer_us(lambda lw: sparse(x, lw, 128, 8), layers)
+            print_row(row)
+            rows.append(row)
+        del layers
+    return rows
+
+
 def bench_row(d, i, m, k, tile, compression, skew=0.0):
     decode = m <= decode_rows(d, i)
     graphs = m <= GRAPH_ROWS
@@ -185,11 +243,9 @@ def bench_row(d, i, m, k, tile, compression, skew=0.0):
                dense_ms=t_dense, twell_ms=t_sparse, speedup=t_dense / t_sparse,
                err_dense=err_dense, err_twell=err_sparse, err_twell_highest=err_highest)
     if not decode:  # breakdown of the two launches, and cuBLAS's x @ gate^T beside the gate kernel
-        cfg = gate_config(m, tile, 2, decode=False)
-        row["gate_ms"] = time_fn(lambda: [gate_pack(x, lw["gate"], tile, compression, cfg) for lw in layers], graphs)
-        packed = [gate_pack(x, lw["gate"], tile, compression, cfg) for lw in layers]
-        ocfg = out_config(m, d, decode=False)
-        row["updown_ms"] = time_fn(lambda: [twell_out(x, p, lw, ocfg) for p, lw in zip(packed, layers)], graphs)
+        gate, out = plan_launches(x, layers, tile, compression)
+        row["gate_ms"] = time_fn(lambda: [gate(lw) for lw in layers], graphs)
+        row["updown_ms"] = time_fn(lambda: [out(lw) for lw in layers], graphs)
         row["cublas_gate_ms"] = time_fn(lambda: [x @ lw["gate"].t() for lw in layers], graphs)
     return row
 

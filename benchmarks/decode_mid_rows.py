@@ -17,11 +17,9 @@ import sys
 G = importlib.import_module("twell.gated_mlp")  # the module; twell.gated_mlp is also the function
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from bench_inference import (  # noqa: E402
-    LAYERS, dense, launch_rules, make_layer, make_x, per_layer_us, print_row, reference, rel_err, save_rows, sparse)
+from bench_inference import SHAPES, compare_rules, launch_rules, save_rows  # noqa: E402
 
-CASES = [(d, i, 29) for d, i in ((896, 4864), (2048, 5632), (2048, 8192), (3584, 18944), (4096, 14336))]
-CASES.append((2048, 5632, 100))
+CASES = [(d, i, 29) for d, i in SHAPES] + [(2048, 5632, 100)]
 TOKENS = (17, 24, 32, 48, 64)
 gate_now, held_now, rows_now = G.gate_config, G.HELD_ROWS, G.decode_rows  # the rules of today
 
@@ -52,23 +50,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
-    rows = []
-    for d, i, k in CASES:
-        layers = [make_layer(d, i, k) for _ in range(LAYERS)]
-        for m in TOKENS:
-            x = make_x(m, d)
-            ref = reference(x, layers[0])
-            row = dict(D=d, I=i, k=k, M=m, planned_decode=m <= rows_now(d, i),
-                       dense_us=per_layer_us(lambda lw: dense(x, lw), layers))
-            paths = {name: (rule, limit, 64) for name, (rule, limit) in RULES.items()}
-            paths["batched"] = (gate_now, held_now, 0)
-            for name, (rule, held, limit) in paths.items():
-                with rules(rule, held, limit):
-                    row[f"err_{name}"] = rel_err(sparse(x, layers[0], 128, 8), ref)
-                    row[f"{name}_us"] = per_layer_us(lambda lw: sparse(x, lw, 128, 8), layers)
-            print_row(row)
-            rows.append(row)
-        del layers
+    variants = {name: lambda rule=rule, held=held: rules(rule, held, 64) for name, (rule, held) in RULES.items()}
+    variants["batched"] = lambda: rules(gate_now, held_now, 0)
+    rows = compare_rules(CASES, TOKENS, variants)
+    for row in rows:
+        row["planned_decode"] = row["M"] <= rows_now(row["D"], row["I"])
     save_rows(args.json, "decode_mid_rows.py", rows)
 
 

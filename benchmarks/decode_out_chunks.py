@@ -18,10 +18,9 @@ G = importlib.import_module("twell.gated_mlp")  # the module; twell.gated_mlp is
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from bench_inference import (  # noqa: E402
-    LAYERS, dense, gate_pack, launch_rules, make_layer, make_x, per_layer_us, print_row, reference, rel_err, save_rows,
-    sparse, twell_out)
+    LAYERS, SHAPES, dense, gate_pack, launch_rules, make_layer, make_x, per_layer_us, print_row, reference, rel_err,
+    save_rows, sparse, twell_out)
 
-SHAPES = ((896, 4864), (2048, 5632), (2048, 8192), (3584, 18944), (4096, 14336))
 TOKENS = (1, 4, 8, 12, 16)
 rule_now = G.out_config
 

@@ -17,11 +17,9 @@ import sys
 G = importlib.import_module("twell.gated_mlp")  # the module; twell.gated_mlp is also the function
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from bench_inference import (  # noqa: E402
-    LAYERS, dense, launch_rules, make_layer, make_x, per_layer_us, print_row, reference, rel_err, save_rows, sparse)
+from bench_inference import SHAPES, compare_rules, launch_rules, save_rows  # noqa: E402
 
-CASES = [(d, i, 29) for d, i in ((896, 4864), (2048, 5632), (2048, 8192), (3584, 18944), (4096, 14336))]
-CASES.append((2048, 5632, 100))
+CASES = [(d, i, 29) for d, i in SHAPES] + [(2048, 5632, 100)]
 TOKENS = (1, 4, 8, 12, 16, 17, 24, 32, 40, 48, 64)
 out_now = G.out_config
 
@@ -36,28 +34,14 @@ def steps(above_rows, ch, warps):
 
 
 RULES = {"before": steps(0, 32, 4), "above": steps(G.HELD_ROWS, 16, 2), "all": steps(0, 16, 2)}
+VARIANTS = {name: lambda rule=rule: launch_rules(out_config=rule) for name, rule in RULES.items()}
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
-    rows = []
-    for d, i, k in CASES:
-        layers = [make_layer(d, i, k) for _ in range(LAYERS)]
-        for m in TOKENS:
-            if m > G.decode_rows(d, i):
-                continue
-            x = make_x(m, d)
-            ref = reference(x, layers[0])
-            row = dict(D=d, I=i, k=k, M=m, dense_us=per_layer_us(lambda lw: dense(x, lw), layers))
-            for name, rule in RULES.items():
-                with launch_rules(out_config=rule):
-                    row[f"err_{name}"] = rel_err(sparse(x, layers[0], 128, 8), ref)
-                    row[f"{name}_us"] = per_layer_us(lambda lw: sparse(x, lw, 128, 8), layers)
-            print_row(row)
-            rows.append(row)
-        del layers
+    rows = compare_rules(CASES, TOKENS, VARIANTS, keep=lambda d, i, m: m <= G.decode_rows(d, i))
     save_rows(args.json, "decode_out_warps.py", rows)
 
 

@@ -10,13 +10,12 @@ import argparse
 import importlib
 import sys
 
-import torch
-
 G = importlib.import_module("twell.gated_mlp")  # the module; twell.gated_mlp is also the function
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from bench_inference import (  # noqa: E402
-    LAYERS, dense, launch_rules, make_layer, make_x, per_layer_us, print_row, reference, rel_err, save_rows, sparse)
+    LAYERS, dense, launch_rules, make_layer, make_x, per_layer_us, plan_launches, print_row, reference, rel_err,
+    save_rows, sparse)
 
 SHAPES = ((2048, 5632), (4096, 14336))
 TOKENS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
@@ -34,28 +33,8 @@ def decode_forced():
 
 def launches_us(x, layers):
     """The plan's gate launch and out launch, each timed alone over the layer copies."""
-    plan = G._Plan(x, layers[0]["gate"], layers[0]["up"], 128, 8, "default", None)
-    bufs = []
-    for lw in layers:
-        tw = (torch.empty(plan.twell_shape, dtype=plan.vals_dtype, device=x.device),
-              torch.empty(plan.twell_shape, dtype=torch.int32, device=x.device),
-              torch.empty(plan.twell_shape[:2], dtype=torch.int32, device=x.device))
-        dense_h = tw[0] if plan.dense_h_shape is None else torch.empty(plan.dense_h_shape, dtype=x.dtype,
-                                                                        device=x.device)
-        bufs.append((lw, tw, dense_h, torch.empty_like(x)))
-
-    def gate(b):
-        lw, tw, dense_h, _ = b
-        plan.gate(x, lw["gate"], lw["up"], *tw, dense_h)
-
-    def out(b):
-        lw, tw, dense_h, o = b
-        plan.out(x, *tw, dense_h, lw["gate"], lw["up"], lw["down_p"].t(), o, tw[2])
-
-    for b in bufs:
-        gate(b)
-    torch.cuda.synchronize()
-    return per_layer_us(gate, bufs), per_layer_us(out, bufs)
+    gate, out = plan_launches(x, layers)
+    return per_layer_us(gate, layers), per_layer_us(out, layers)
 
 
 def main():

@@ -89,7 +89,7 @@ HOPPER_TILES_PER_SM = 4  # gate_hopper.py runs from this many output tiles an SM
 #                          tokens at I 5632
 GATHER = (6.83e12, 2.68e12, 0.243e-9, 23.1e-6)  # up + down rows of the active pairs: bytes/s from L2 and
 #                                                 from HBM, seconds per pair, latency of the out kernel
-DECODE = (2.49e12, 5.9e-9, 8.4e-6)  # decode: bytes/s (gate matrix, active up/down rows), s per pair, latency
+DECODE = (2.51e12, 4.7e-9, 8.8e-6)  # decode: bytes/s (gate matrix, active up/down rows), s per pair, latency
 L2_BYTES = 50e6
 # Batched, the out kernel walks each row in one program, a few units a step, beside the other rows: a row
 # heavier than the rest (a sequence's first token often activates hundreds of units) is a serial chain.
