@@ -45,6 +45,10 @@ def reference(x, gate, up, down):
     (13, 150, 200, 64, torch.float16, "default"),  # 9-16 decode rows: 64-column output chunks, the last partial
     (70, 24, 80, 64, torch.float32, "default"),  # > 64 rows: batched configuration
     (100, 40, 300, 128, torch.float16, "default"),  # tile 128, up to 256 rows: 64-row gate blocks
+    # D a power of two (no partial column block) at the decode and batched sizes
+    (20, 64, 150, 64, torch.float16, "default"),  # 17-32 decode rows: held TwELL, compacted up pass
+    (40, 32, 200, 64, torch.float32, "highest"),  # 33-64 decode rows: 16 units a step
+    (70, 64, 90, 32, torch.float16, "default"),  # batched
 ])
 def test_gated_mlp_matches_reference(m, d, i, tile, dtype, precision):
     x, gate, up, down = block(m, d, i, k=8, dtype=dtype)
@@ -124,6 +128,7 @@ def test_heavy_rows_split_into_work_items(gated):
     launches = out_launch(x, i, tile, s, gated, False, True, out_config(m, d, decode=False))
     workspace = torch.zeros(1 + 3 * gm.span_capacity(d), dtype=torch.int32, device=DEV)
     weights = (gate, up if gated else down_t, down_t, out)
+    launches.compact(tw.indices, tw.values, tw.counts)
     launches.out(x, *tw[:3], tw.values, *weights, overflow, workspace)
     assert out[heavy].isnan().all() and not out[~heavy].isnan().any()
     assert workspace[0].item() == items.sum().item()
