@@ -87,9 +87,9 @@ GATE = {64: (408e12, 260, 4.00e12, 5.9e-6), 128: (634e12, 288, 2.53e12, 7.0e-6),
 H100_SMS = 132
 HOPPER_TILES_PER_SM = 4  # gate_hopper.py runs from this many output tiles an SM (hopper_gate_launch): ~1500
 #                          tokens at I 5632
-GATHER = (6.83e12, 2.68e12, 0.243e-9, 23.1e-6)  # up + down rows of the active pairs: bytes/s from L2 and
+GATHER = (7.07e12, 2.76e12, 0.259e-9, 19.2e-6)  # up + down rows of the active pairs: bytes/s from L2 and
 #                                                 from HBM, seconds per pair, latency of the out kernel
-DECODE = (2.51e12, 4.7e-9, 8.8e-6)  # decode: bytes/s (gate matrix, active up/down rows), s per pair, latency
+DECODE = (2.54e12, 3.8e-9, 9.1e-6)  # decode: bytes/s (gate matrix, active up/down rows), s per pair, latency
 L2_BYTES = 50e6
 # Batched, the out kernel walks each row in one program, a few units a step, beside the other rows: a row
 # heavier than the rest (a sequence's first token often activates hundreds of units) is a serial chain.
