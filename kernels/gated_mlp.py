@@ -68,6 +68,7 @@ HELD_SLOTS, HELD_ROWS = 4096, 32
 # (program, TwELL tile) pairs a held-list decode out launch may walk: each of a row's output-chunk programs
 # walks the row's whole TwELL, so narrow chunks multiply that walk (out_config)
 DECODE_WALK_BUDGET = 48 * 1024
+COMPACT_SLOTS = 2048  # TwELL slots a list pre-pass program holds at once (16 a thread): a chunk of tiles
 
 
 def prepare_down(down_weight: torch.Tensor) -> torch.Tensor:
@@ -119,10 +120,9 @@ def out_config(m: int, d: int, decode: bool, tiles: int = 1) -> dict:
     narrowest of 64-256 whose launch walks at most DECODE_WALK_BUDGET tiles (H100, 12-16 rows: D 2048 /
     I 5632 8.1 -> 5.4-5.9 us at BD 64 instead of 256; 8 rows at D 4096 / I 14336 8.5 -> 6.2 us at 256
     instead of 64; benchmarks/results/decode_out_chunks_h100.json); above, 256, and 16 units a step with 2
-    warps instead of 32 with 4: each program then builds its part of the row's list from the tile counts,
-    and the narrower steps keep more programs in flight (33-64 rows: D 2048 / I 5632 33.6-36.6 -> 31.5-32.4
-    us for the block, D 896 / I 4864 and D 2048 / I 8192 4-8% faster; slower up to 32 rows;
-    benchmarks/results/decode_out_warps_h100.json)."""
+    warps instead of 32 with 4, more programs in flight (33-64 rows, measured before the list pre-pass:
+    D 2048 / I 5632 33.6-36.6 -> 31.5-32.4 us for the block, D 896 / I 4864 and D 2048 / I 8192 4-8%
+    faster; slower up to 32 rows; benchmarks/results/decode_out_warps_h100.json)."""
     block_d = triton.next_power_of_2(d)
     if decode:
         if m > HELD_ROWS:
@@ -231,9 +231,10 @@ def out_launch(x2, width, tile, s, gated, h_fp32, has_overflow, cfg, packed_h=Fa
     held = triton.next_power_of_2(nt * s)
     held = held if packed_h and m <= HELD_ROWS and held <= HELD_SLOTS else 0
     # without the held TwELL the walk reads each row's list compacted in place first (_compact_list_kernel)
+    s_pad = triton.next_power_of_2(s)
     compact = None if held else _Launch(_compact_list_kernel, (m, 1, 1), dict(
-        NT=nt, S=s, NT_PAD=max(2, triton.next_power_of_2(nt)), S_PAD=triton.next_power_of_2(s), PDL=pdl),
-        dict(num_warps=4, launch_pdl=True) if pdl else dict(num_warps=4))
+        NT=nt, S=s, TC=min(max(2, triton.next_power_of_2(nt)), max(2, COMPACT_SLOTS // s_pad)), S_PAD=s_pad,
+        PDL=pdl), dict(num_warps=4, launch_pdl=True) if pdl else dict(num_warps=4))
     out = _Launch(_twell_out_kernel, (m, cdiv(d, bd), 1), dict(
         D=d, I=width, NT=nt, HEAVY=heavy_units(m), CAP=span_capacity(d), stride_xm=x2.stride(0),
         stride_xk=x2.stride(1), T=tile, S=s, NT_PAD=max(2, triton.next_power_of_2(nt)), CH=ch, FB_CH=fb_ch,
@@ -703,29 +704,33 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _compact_list_kernel(idx_ptr, vals_ptr, cnt_ptr, NT, S: tl.constexpr, NT_PAD: tl.constexpr,
+    def _compact_list_kernel(idx_ptr, vals_ptr, cnt_ptr, NT, S: tl.constexpr, TC: tl.constexpr,
                              S_PAD: tl.constexpr, PDL: tl.constexpr):
         """A row's entries of the tiles that fit, in tile then slot order, moved to the start of the row's
-        TwELL (in place: an entry only moves to an earlier slot, and every read of the row precedes every
-        write). The out kernel's walk then reads list entries at consecutive offsets, where finding each
-        entry's tile and slot from the counts took a [units, tiles] comparison and two reductions at every
-        step (a step of the batched walk at D 2048 / 128 rows: 1326 PTX instructions before, 750 after)."""
+        TwELL, in place, TC tiles at a time: an entry only moves to an earlier slot, so no write reaches a
+        later chunk, and within a chunk every read precedes every write. The out kernel's walk then reads
+        list entries at consecutive offsets, where finding each entry's tile and slot from the counts took a
+        [units, tiles] comparison and two reductions at every step (a step of the batched walk at D 2048 /
+        128 rows: 1326 PTX instructions before, 750 after)."""
         if PDL:  # launched before the gate kernel finished: wait for it, and let the out kernel launch
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
-        t = tl.arange(0, NT_PAD)
         slot = tl.arange(0, S_PAD)
-        cnt = tl.load(cnt_ptr + row * NT + t, mask=t < NT, other=0)
-        fits = tl.where(cnt <= S, cnt, 0)  # overflowed tiles go through the dense fallback
-        live = slot[None, :] < fits[:, None]
-        src = row * NT * S + t[:, None] * S + slot[None, :]
-        j = tl.load(idx_ptr + src, mask=live)
-        g = tl.load(vals_ptr + src, mask=live)
-        tl.debug_barrier()  # every thread's reads of the row before any write
-        dst = row * NT * S + (tl.cumsum(fits, axis=0) - fits)[:, None] + slot[None, :]
-        tl.store(idx_ptr + dst, j, mask=live)
-        tl.store(vals_ptr + dst, g, mask=live)
+        start = tl.full((), 0, tl.int32)  # entries of the row's earlier chunks
+        for t0 in range(0, NT, TC):
+            t = t0 + tl.arange(0, TC)
+            cnt = tl.load(cnt_ptr + row * NT + t, mask=t < NT, other=0)
+            fits = tl.where(cnt <= S, cnt, 0)  # overflowed tiles go through the dense fallback
+            live = slot[None, :] < fits[:, None]
+            src = row * NT * S + t[:, None] * S + slot[None, :]
+            j = tl.load(idx_ptr + src, mask=live)
+            g = tl.load(vals_ptr + src, mask=live)
+            tl.debug_barrier()  # every thread's reads of the chunk before any write
+            dst = row * NT * S + start + (tl.cumsum(fits, axis=0) - fits)[:, None] + slot[None, :]
+            tl.store(idx_ptr + dst, j, mask=live)
+            tl.store(vals_ptr + dst, g, mask=live)
+            start += tl.sum(fits, axis=0)
 
     @triton.jit
     def _twell_out_kernel(x_ptr, vals_ptr, idx_ptr, cnt_ptr, hd_ptr, wdec_ptr, up_ptr, down_ptr, out_ptr,

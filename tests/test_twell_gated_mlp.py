@@ -108,6 +108,31 @@ def split_work(counts, s, ts, m):
     return heavy, torch.where(heavy, -(-units // SPAN) + over.sum(1), 0)
 
 
+@pytest.mark.parametrize("chunk_slots", [2048, 32])  # 32: 2 tiles of 16 slots a chunk, several a row
+def test_list_prepass_compacts_each_row_in_place(chunk_slots, monkeypatch):
+    """The out launches' pre-pass moves each row's entries of fitting tiles, in tile then slot order, to the
+    start of its TwELL (what the list walk reads); an overflowing tile's entries are left out."""
+    monkeypatch.setattr(gm, "COMPACT_SLOTS", chunk_slots)
+    torch.manual_seed(5)
+    m, d, i, tile, comp = 9, 16, 200, 32, 2  # 7 tiles of 15 slots
+    x, gate, up, down = block(m, d, i, k=12)
+    x[2, 0] = -40.0  # every unit active: every tile of row 2 overflows
+    s = slots(tile, comp)
+    tw = empty_twell(m, i, tile, comp, x.dtype, x.device)
+    gate_launch(x, gate, None, tile, s, x.dtype, gate_config(m, tile, 4, decode=False))(
+        x, gate, gate, *tw[:3], tw.values)
+    fitting = torch.arange(s, device=DEV) < torch.where(tw.counts <= s, tw.counts, 0)[..., None]
+    expected = [(tw.indices[r][fitting[r]].clone(), tw.values[r][fitting[r]].clone()) for r in range(m)]
+    launches = out_launch(x, i, tile, s, True, False, True, out_config(m, d, decode=False))
+    assert launches.compact is not None
+    launches.compact(tw.indices, tw.values, tw.counts)
+    assert (tw.counts[2] > s).sum() == 6 and (tw.counts <= s).all(1).sum() == m - 1  # 6 full tiles overflow
+    for r, (units, values) in enumerate(expected):
+        n = len(units)
+        assert torch.equal(tw.indices[r].flatten()[:n], units)
+        assert torch.equal(tw.values[r].flatten()[:n], values)
+
+
 @pytest.mark.parametrize("gated", [True, False])
 def test_heavy_rows_split_into_work_items(gated):
     """Batched: the out kernel leaves heavy rows unwritten and posts their work items (list spans and
