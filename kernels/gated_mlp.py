@@ -228,16 +228,16 @@ def out_launch(x2, width, tile, s, gated, h_fp32, has_overflow, cfg, packed_h=Fa
     # only loads [FB_CH, BD] down tiles, so up to a whole tile (about 4K elements a step)
     fb_ch = min(tile, max(ch, 4096 // bd)) if packed_h else min(ch, 4)
     split = not packed_h and bd == block_d
-    held = triton.next_power_of_2(nt * s)
-    held = held if packed_h and m <= HELD_ROWS and held <= HELD_SLOTS else 0
+    nt_pad, s_pad = max(2, triton.next_power_of_2(nt)), triton.next_power_of_2(s)
+    row_slots = triton.next_power_of_2(nt * s)
+    held = row_slots if packed_h and m <= HELD_ROWS and row_slots <= HELD_SLOTS else 0
     # without the held TwELL the walk reads each row's list compacted in place first (_compact_list_kernel)
-    s_pad = triton.next_power_of_2(s)
     compact = None if held else _Launch(_compact_list_kernel, (m, 1, 1), dict(
-        NT=nt, S=s, TC=min(max(2, triton.next_power_of_2(nt)), max(2, COMPACT_SLOTS // s_pad)), S_PAD=s_pad,
-        PDL=pdl), dict(num_warps=4, launch_pdl=True) if pdl else dict(num_warps=4))
+        NT=nt, S=s, TC=min(nt_pad, max(2, COMPACT_SLOTS // s_pad)), S_PAD=s_pad, PDL=pdl),
+        dict(num_warps=4, launch_pdl=True) if pdl else dict(num_warps=4))
     out = _Launch(_twell_out_kernel, (m, cdiv(d, bd), 1), dict(
         D=d, I=width, NT=nt, HEAVY=heavy_units(m), CAP=span_capacity(d), stride_xm=x2.stride(0),
-        stride_xk=x2.stride(1), T=tile, S=s, NT_PAD=max(2, triton.next_power_of_2(nt)), CH=ch, FB_CH=fb_ch,
+        stride_xk=x2.stride(1), T=tile, S=s, NT_PAD=nt_pad, CH=ch, FB_CH=fb_ch,
         BLOCK_D=block_d, BD=bd, LIST_UP=gated and not packed_h, FALLBACK_UP=gated, H_FP32=h_fp32,
         HAS_OVF=has_overflow, DENSE_H=packed_h, TS=ts, PDL=pdl, SPAN=SPAN if split else 0,
         HELD=held), cfg)

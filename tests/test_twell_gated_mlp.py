@@ -116,7 +116,7 @@ def test_list_prepass_compacts_each_row_in_place(chunk_slots, monkeypatch):
     torch.manual_seed(5)
     m, d, i, tile, comp = 9, 16, 200, 32, 2  # 7 tiles of 15 slots
     x, gate, up, down = block(m, d, i, k=12)
-    x[2, 0] = -40.0  # every unit active: every tile of row 2 overflows
+    x[2, 0] = -40.0  # every unit active: row 2's six full tiles overflow, its last (8 units) fits
     s = slots(tile, comp)
     tw = empty_twell(m, i, tile, comp, x.dtype, x.device)
     gate_launch(x, gate, None, tile, s, x.dtype, gate_config(m, tile, 4, decode=False))(
