@@ -704,8 +704,27 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _compact_list_kernel(idx_ptr, vals_ptr, cnt_ptr, NT, S: tl.constexpr, TC: tl.constexpr,
-                             S_PAD: tl.constexpr, PDL: tl.constexpr):
+    def _compact_chunk(idx_ptr, vals_ptr, cnt_ptr, row, t0, start, NT: tl.constexpr, S: tl.constexpr,
+                       TC: tl.constexpr, S_PAD: tl.constexpr):
+        """Tiles t0 .. t0 + TC of a row: their fitting entries moved to offset `start` of the row's TwELL.
+        Returns how many moved."""
+        t = t0 + tl.arange(0, TC)
+        slot = tl.arange(0, S_PAD)
+        cnt = tl.load(cnt_ptr + row * NT + t, mask=t < NT, other=0)
+        fits = tl.where(cnt <= S, cnt, 0)  # overflowed tiles go through the dense fallback
+        live = slot[None, :] < fits[:, None]
+        src = row * NT * S + t[:, None] * S + slot[None, :]
+        j = tl.load(idx_ptr + src, mask=live)
+        g = tl.load(vals_ptr + src, mask=live)
+        tl.debug_barrier()  # every thread's reads of the chunk before any write
+        dst = row * NT * S + start + (tl.cumsum(fits, axis=0) - fits)[:, None] + slot[None, :]
+        tl.store(idx_ptr + dst, j, mask=live)
+        tl.store(vals_ptr + dst, g, mask=live)
+        return tl.sum(fits, axis=0)
+
+    @triton.jit
+    def _compact_list_kernel(idx_ptr, vals_ptr, cnt_ptr, NT: tl.constexpr, S: tl.constexpr,
+                             TC: tl.constexpr, S_PAD: tl.constexpr, PDL: tl.constexpr):
         """A row's entries of the tiles that fit, in tile then slot order, moved to the start of the row's
         TwELL, in place, TC tiles at a time: an entry only moves to an earlier slot, so no write reaches a
         later chunk, and within a chunk every read precedes every write. The out kernel's walk then reads
@@ -716,21 +735,12 @@ if triton is not None:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
-        slot = tl.arange(0, S_PAD)
-        start = tl.full((), 0, tl.int32)  # entries of the row's earlier chunks
-        for t0 in range(0, NT, TC):
-            t = t0 + tl.arange(0, TC)
-            cnt = tl.load(cnt_ptr + row * NT + t, mask=t < NT, other=0)
-            fits = tl.where(cnt <= S, cnt, 0)  # overflowed tiles go through the dense fallback
-            live = slot[None, :] < fits[:, None]
-            src = row * NT * S + t[:, None] * S + slot[None, :]
-            j = tl.load(idx_ptr + src, mask=live)
-            g = tl.load(vals_ptr + src, mask=live)
-            tl.debug_barrier()  # every thread's reads of the chunk before any write
-            dst = row * NT * S + start + (tl.cumsum(fits, axis=0) - fits)[:, None] + slot[None, :]
-            tl.store(idx_ptr + dst, j, mask=live)
-            tl.store(vals_ptr + dst, g, mask=live)
-            start += tl.sum(fits, axis=0)
+        if NT <= TC:  # one chunk, without the loop and the running total (1-2% of the block, H100)
+            _compact_chunk(idx_ptr, vals_ptr, cnt_ptr, row, 0, 0, NT, S, TC, S_PAD)
+        else:
+            start = tl.full((), 0, tl.int32)  # entries of the row's earlier chunks
+            for t0 in range(0, NT, TC):
+                start += _compact_chunk(idx_ptr, vals_ptr, cnt_ptr, row, t0, start, NT, S, TC, S_PAD)
 
     @triton.jit
     def _twell_out_kernel(x_ptr, vals_ptr, idx_ptr, cnt_ptr, hd_ptr, wdec_ptr, up_ptr, down_ptr, out_ptr,
