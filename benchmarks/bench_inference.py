@@ -14,12 +14,14 @@ positive), so every (row, tile) overflows: the cost of the decode overflow fallb
   python benchmarks/bench_inference.py --grid decode_dense
   python benchmarks/bench_inference.py --grid window --json out.json  # speed-up against token count
   python benchmarks/bench_inference.py --grid tiles --tile 64 128 256 --compression 4 8 16  # per (tile, C)
+  python benchmarks/bench_inference.py --grid tiles ... --json out.json --resume  # finish a run cut short
   python benchmarks/bench_inference.py --sweep       # launch-config sweep at D=2048, I=5632
 """
 import argparse
 import itertools
 import json
 import math
+import os
 import sys
 from contextlib import contextmanager
 from statistics import NormalDist
@@ -33,6 +35,7 @@ from twell.format import empty_twell, slots
 from twell.format import decode_rows
 from twell.gated_mlp import DECODE_TILE, gate_config, gate_launch, out_launch
 
+ROW_KEY = ("D", "I", "M", "k", "tile", "compression")  # what identifies a grid row (--resume)
 LAYERS = 8  # layer copies for graph-replay timing
 GRAPH_ROWS = 4096  # up to this many tokens: CUDA-graph replays (the launches are short enough for host time to show)
 GRIDS = {
@@ -320,6 +323,8 @@ def main():
     p.add_argument("--compression", type=int, nargs="+", default=[8], help="each row at every compression given")
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--json", default=None)
+    p.add_argument("--resume", action="store_true",
+                   help="keep the rows already in --json (a run cut short) and measure only the missing ones")
     args = p.parse_args()
     torch.manual_seed(0)
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
@@ -328,10 +333,16 @@ def main():
         result = dict(meta, sweep=sweep())
     else:
         rows = []
+        if args.resume and args.json and os.path.exists(args.json):
+            with open(args.json) as f:
+                rows = json.load(f)["rows"]
+        done = {tuple(r[key] for key in ROW_KEY) for r in rows}
         result = dict(meta, rows=rows)
         for grid in args.grid:
             for (d, i, m, k), tile, compression in itertools.product(GRIDS[grid], args.tile, args.compression):
                 comp = compression if k < 200 else min(compression, 4)
+                if (d, i, m, k, tile, comp) in done:
+                    continue
                 rows.append(bench_row(d, i, m, k, tile, comp))
                 print({key: round(v, 4) if isinstance(v, float) else v for key, v in rows[-1].items()},
                       flush=True)
