@@ -326,6 +326,8 @@ def main():
     p.add_argument("--resume", action="store_true",
                    help="keep the rows already in --json (a run cut short) and measure only the missing ones")
     args = p.parse_args()
+    if args.resume and not args.json:
+        p.error("--resume needs --json: the file whose rows to keep")
     torch.manual_seed(0)
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 command="python " + " ".join(sys.argv))
