@@ -185,6 +185,13 @@ def print_row(row):
     print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
 
 
+def write_json(path, result):
+    """result as JSON at path, replaced whole (a run killed mid-write leaves the previous file)."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
 def save_rows(path, script, rows):
     """A probe's rows as JSON, with the device, the versions and the command that wrote them."""
     with open(path, "w") as f:
@@ -326,19 +333,22 @@ def main():
     p.add_argument("--resume", action="store_true",
                    help="keep the rows already in --json (a run cut short) and measure only the missing ones")
     args = p.parse_args()
+    rows, done = [], set()
     if args.resume and not args.json:
         p.error("--resume needs --json: the file whose rows to keep")
+    if args.resume and os.path.exists(args.json):
+        try:
+            with open(args.json) as f:
+                rows = json.load(f)["rows"]
+            done = {tuple(r[key] for key in ROW_KEY) for r in rows}
+        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            p.error(f"--resume: {args.json} is not a grid result ({error!r})")
     torch.manual_seed(0)
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 command="python " + " ".join(sys.argv))
     if args.sweep:
         result = dict(meta, sweep=sweep())
     else:
-        rows = []
-        if args.resume and args.json and os.path.exists(args.json):
-            with open(args.json) as f:
-                rows = json.load(f)["rows"]
-        done = {tuple(r[key] for key in ROW_KEY) for r in rows}
         result = dict(meta, rows=rows)
         for grid in args.grid:
             for (d, i, m, k), tile, compression in itertools.product(GRIDS[grid], args.tile, args.compression):
@@ -349,8 +359,7 @@ def main():
                 print({key: round(v, 4) if isinstance(v, float) else v for key, v in rows[-1].items()},
                       flush=True)
                 if args.json:  # after every row, so that a run cut short keeps what it measured
-                    with open(args.json, "w") as f:
-                        json.dump(result, f, indent=1)
+                    write_json(args.json, result)
         print(f"\n{'D':>5} {'I':>6} {'M':>6} {'k':>4} {'mean':>6} {'max':>5} {'maxT':>4} {'ovf':>6} "
               f"{'dense':>8} {'twell':>8} {'x':>5} {'gate':>7} {'updn':>7} {'cuBLAS':>7} {'errD':>7} {'errT':>7}")
         for r in rows:
@@ -361,8 +370,7 @@ def main():
                   f"{r.get('cublas_gate_ms', float('nan')):7.4f} "
                   f"{r['err_dense']:7.1e} {r['err_twell']:7.1e}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.json, result)
 
 
 if __name__ == "__main__":
