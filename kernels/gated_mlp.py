@@ -6,9 +6,10 @@ Two kernels (and a small pre-pass between them), no host synchronization:
    [BM, T] output tile into TwELL (format.py), so the dense gate activation never reaches device memory.
    Batched on an sm_90 GPU with enough tiles, gate_hopper.py's warp-specialized Gluon kernel does the same
    (same bits) with the packing hidden behind the other half of the program's matmuls.
-2. `_twell_out_kernel`: one program per token row. A small pre-pass (`_compact_list_kernel`) has moved
-   each row's entries to the start of its TwELL as one compact list of active units (prefix sum over the
-   tile counts); the program walks it CH units at a time, gathers those rows of up and
+2. `_twell_out_kernel`: one program per token row. Each row's entries are first moved to the start of its
+   TwELL as one compact list of active units (prefix sum over the tile counts), by the row's own program
+   up to FUSED_COMPACT_ROWS rows, above by a small pre-pass (`_compact_list_kernel`); the program walks
+   the list CH units at a time, gathers those rows of up and
    of the transposed down ([I, D], both contiguous rows), and accumulates out += (g * x.up_j) * down_j in
    fp32 registers: h never reaches device memory. A (row, tile) whose count exceeds the slots is
    recomputed densely from the gate and up weights (never dropped) and counted into `overflow`.
@@ -69,6 +70,11 @@ HELD_SLOTS, HELD_ROWS = 4096, 32
 # walks the row's whole TwELL, so narrow chunks multiply that walk (out_config)
 DECODE_WALK_BUDGET = 48 * 1024
 COMPACT_SLOTS = 2048  # TwELL slots a list pre-pass program holds at once (16 a thread): a chunk of tiles
+# Batched up to this many rows each out program compacts its own row's list, without the pre-pass launch:
+# 2-17% faster at 96-1024 tokens, but 1-3.5% slower at 1024-16384 tokens for D 896 / I 4864 and
+# D 4096 / I 14336, where the added dependent loads at each row's start cost more than the launch (H100,
+# benchmarks/results/fused_compaction_ab_h100.json)
+FUSED_COMPACT_ROWS = 1024
 
 
 def prepare_down(down_weight: torch.Tensor) -> torch.Tensor:
@@ -231,16 +237,18 @@ def out_launch(x2, width, tile, s, gated, h_fp32, has_overflow, cfg, packed_h=Fa
     nt_pad, s_pad = max(2, triton.next_power_of_2(nt)), triton.next_power_of_2(s)
     row_slots = triton.next_power_of_2(nt * s)
     held = row_slots if packed_h and m <= HELD_ROWS and row_slots <= HELD_SLOTS else 0
-    # without the held TwELL the walk reads each row's list compacted in place first (_compact_list_kernel)
-    compact = None if held else _Launch(_compact_list_kernel, (m, 1, 1), dict(
-        NT=nt, S=s, TC=min(nt_pad, max(2, COMPACT_SLOTS // s_pad)), S_PAD=s_pad, PDL=pdl),
-        dict(num_warps=4, launch_pdl=True) if pdl else dict(num_warps=4))
+    # without the held TwELL the walk reads each row's list compacted in place first: by the row's own
+    # program (batched up to FUSED_COMPACT_ROWS, where a program walks a whole row) or by a pre-pass
+    tc = min(nt_pad, max(2, COMPACT_SLOTS // s_pad))
+    fused = split and m <= FUSED_COMPACT_ROWS
+    compact = None if held or fused else _Launch(_compact_list_kernel, (m, 1, 1), dict(
+        NT=nt, S=s, TC=tc, S_PAD=s_pad, PDL=pdl), dict(num_warps=4, launch_pdl=True) if pdl else dict(num_warps=4))
     out = _Launch(_twell_out_kernel, (m, cdiv(d, bd), 1), dict(
         D=d, I=width, NT=nt, HEAVY=heavy_units(m), CAP=span_capacity(d), stride_xm=x2.stride(0),
         stride_xk=x2.stride(1), T=tile, S=s, NT_PAD=nt_pad, CH=ch, FB_CH=fb_ch,
         BLOCK_D=block_d, BD=bd, LIST_UP=gated and not packed_h, FALLBACK_UP=gated, H_FP32=h_fp32,
         HAS_OVF=has_overflow, DENSE_H=packed_h, TS=ts, PDL=pdl, SPAN=SPAN if split else 0,
-        HELD=held), cfg)
+        HELD=held, COMPACT_TC=tc if fused else 0, S_PAD=s_pad), cfg)
     # the span kernel has few programs: the step width of a few-row launch
     spans = span_launch(x2, width, tile, s, gated, h_fp32, out_config(128, d, False),
                         min(span_capacity(d), 2 * sm_count(x2.device)), use_pdl(x2.device)) if split else None
@@ -704,8 +712,8 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _compact_chunk(idx_ptr, vals_ptr, cnt_ptr, row, t0, start, NT: tl.constexpr, S: tl.constexpr,
-                       TC: tl.constexpr, S_PAD: tl.constexpr):
+    def _compact_chunk(idx_ptr, vals_ptr, cnt_ptr, row, t0, start, NT, S: tl.constexpr, TC: tl.constexpr,
+                       S_PAD: tl.constexpr):
         """Tiles t0 .. t0 + TC of a row: their fitting entries moved to offset `start` of the row's TwELL.
         Returns how many moved."""
         t = t0 + tl.arange(0, TC)
@@ -734,8 +742,13 @@ if triton is not None:
         if PDL:  # launched before the gate kernel finished: wait for it, and let the out kernel launch
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        row = tl.program_id(0).to(tl.int64)
-        if NT <= TC:  # one chunk, without the loop and the running total (1-2% of the block, H100)
+        _compact_row(idx_ptr, vals_ptr, cnt_ptr, tl.program_id(0).to(tl.int64), NT, S, NT, TC, S_PAD)
+
+    @triton.jit
+    def _compact_row(idx_ptr, vals_ptr, cnt_ptr, row, NT, S: tl.constexpr, NT_BOUND: tl.constexpr,
+                     TC: tl.constexpr, S_PAD: tl.constexpr):
+        """A row's fitting entries moved to the start of its TwELL, TC tiles at a time (NT_BOUND >= NT)."""
+        if NT_BOUND <= TC:  # one chunk, without the loop and the running total (1-2% of the block, H100)
             _compact_chunk(idx_ptr, vals_ptr, cnt_ptr, row, 0, 0, NT, S, TC, S_PAD)
         else:
             start = tl.full((), 0, tl.int32)  # entries of the row's earlier chunks
@@ -749,9 +762,13 @@ if triton is not None:
                           FB_CH: tl.constexpr, BLOCK_D: tl.constexpr, BD: tl.constexpr, LIST_UP: tl.constexpr,
                           FALLBACK_UP: tl.constexpr, H_FP32: tl.constexpr, HAS_OVF: tl.constexpr,
                           DENSE_H: tl.constexpr, TS: tl.constexpr, PDL: tl.constexpr, SPAN: tl.constexpr,
-                          HELD: tl.constexpr):
+                          HELD: tl.constexpr, COMPACT_TC: tl.constexpr, S_PAD: tl.constexpr):
         # program (row, output chunk): u needs the whole row of x and up, down only BD output columns
         row = tl.program_id(0).to(tl.int64)
+        if COMPACT_TC > 0:  # the row's program compacts its list itself (no pre-pass launch), then a barrier:
+            # every thread's moves land before any thread's walk reads them
+            _compact_row(idx_ptr, vals_ptr, cnt_ptr, row, NT, S, NT_PAD, COMPACT_TC, S_PAD)
+            tl.debug_barrier()
         pid_d = tl.program_id(1)
         d = tl.arange(0, BLOCK_D)
         dmask = d < D

@@ -108,13 +108,18 @@ def split_work(counts, s, ts, m):
     return heavy, torch.where(heavy, -(-units // SPAN) + over.sum(1), 0)
 
 
+@pytest.mark.parametrize("mode", ["fused", "batched pre-pass", "decode pre-pass"])
 @pytest.mark.parametrize("chunk_slots", [2048, 32])  # 32: 2 tiles of 16 slots a chunk, several a row
-def test_list_prepass_compacts_each_row_in_place(chunk_slots, monkeypatch):
-    """The out launches' pre-pass moves each row's entries of fitting tiles, in tile then slot order, to the
-    start of its TwELL (what the list walk reads); an overflowing tile's entries are left out."""
+def test_list_compaction_in_place(chunk_slots, mode, monkeypatch):
+    """Where the out kernel walks compact lists, each row's entries of fitting tiles end up in tile then slot
+    order at the start of its TwELL (an overflowing tile's entries left out): moved by the batched out
+    kernel's own program for its row (up to FUSED_COMPACT_ROWS rows), or by the pre-pass launched before
+    the out kernel (more batched rows; decode, where a row spans several output-chunk programs)."""
     monkeypatch.setattr(gm, "COMPACT_SLOTS", chunk_slots)
+    monkeypatch.setattr(gm, "FUSED_COMPACT_ROWS", 1024 if mode == "fused" else 0)
+    batched = mode != "decode pre-pass"
     torch.manual_seed(5)
-    m, d, i, tile, comp = 9, 16, 200, 32, 2  # 7 tiles of 15 slots
+    m, d, i, tile, comp = (9 if batched else gm.HELD_ROWS + 8), 16, 200, 32, 2  # 7 tiles of 15 slots
     x, gate, up, down = block(m, d, i, k=12)
     x[2, 0] = -40.0  # every unit active: row 2's six full tiles overflow, its last (8 units) fits
     s = slots(tile, comp)
@@ -123,9 +128,16 @@ def test_list_prepass_compacts_each_row_in_place(chunk_slots, monkeypatch):
         x, gate, gate, *tw[:3], tw.values)
     fitting = torch.arange(s, device=DEV) < torch.where(tw.counts <= s, tw.counts, 0)[..., None]
     expected = [(tw.indices[r][fitting[r]].clone(), tw.values[r][fitting[r]].clone()) for r in range(m)]
-    launches = out_launch(x, i, tile, s, True, False, True, out_config(m, d, decode=False))
-    assert launches.compact is not None
-    launches.compact(tw.indices, tw.values, tw.counts)
+    launches = out_launch(x, i, tile, s, True, False, True, out_config(m, d, decode=not batched),
+                          packed_h=not batched)
+    assert (launches.compact is None) == (mode == "fused")
+    if batched:
+        out = torch.full_like(x, float("nan"))
+        overflow = torch.zeros(1, dtype=torch.int64, device=DEV)
+        launches(x, *tw[:3], tw.values, gate, up, down.t().contiguous(), out, overflow)
+        assert rel_err(out, reference(x, gate, up, down)) < 1e-5
+    else:
+        launches.compact(tw.indices, tw.values, tw.counts)
     assert (tw.counts[2] > s).sum() == 6 and (tw.counts <= s).all(1).sum() == m - 1  # 6 full tiles overflow
     for r, (units, values) in enumerate(expected):
         n = len(units)
@@ -153,7 +165,7 @@ def test_heavy_rows_split_into_work_items(gated):
     launches = out_launch(x, i, tile, s, gated, False, True, out_config(m, d, decode=False))
     workspace = torch.zeros(1 + 3 * gm.span_capacity(d), dtype=torch.int32, device=DEV)
     weights = (gate, up if gated else down_t, down_t, out)
-    launches.compact(tw.indices, tw.values, tw.counts)
+    assert launches.compact is None  # the out kernel's programs compact their rows' lists
     launches.out(x, *tw[:3], tw.values, *weights, overflow, workspace)
     assert out[heavy].isnan().all() and not out[~heavy].isnan().any()
     assert workspace[0].item() == items.sum().item()
