@@ -1,6 +1,7 @@
 """TwELL inference kernels for a ReLU-gated MLP: out = down(relu(gate(x)) * up(x)).
 
-Two kernels (and a small pre-pass between them), no host synchronization:
+Two kernels (a small pre-pass between them in decode above HELD_ROWS rows and batched above FUSED_COMPACT_ROWS),
+no host synchronization:
 1. `_gate_pack_kernel`: tiled x @ gate^T (fp32 accumulation, tensor cores; x and the weight read through
    TMA descriptors on Hopper when their strides allow); its epilogue applies ReLU and packs each program's
    [BM, T] output tile into TwELL (format.py), so the dense gate activation never reaches device memory.
@@ -71,9 +72,9 @@ HELD_SLOTS, HELD_ROWS = 4096, 32
 DECODE_WALK_BUDGET = 48 * 1024
 COMPACT_SLOTS = 2048  # TwELL slots a list pre-pass program holds at once (16 a thread): a chunk of tiles
 # Batched up to this many rows each out program compacts its own row's list, without the pre-pass launch:
-# 2-17% faster at 96-1024 tokens, but 1-3.5% slower at 1024-16384 tokens for D 896 / I 4864 and
-# D 4096 / I 14336, where the added dependent loads at each row's start cost more than the launch (H100,
-# benchmarks/results/fused_compaction_ab_h100.json)
+# at 96-1024 tokens 2-17% faster at D 896 and 2048, 1-3% at D 4096 up to 512 tokens (1% slower at 1024);
+# above, 1-3.5% slower for D 896 / I 4864 and D 4096 / I 14336, where the added dependent loads at each
+# row's start cost more than the launch (H100, benchmarks/results/fused_compaction_ab_h100.json)
 FUSED_COMPACT_ROWS = 1024
 
 
