@@ -79,15 +79,15 @@ def heavy_units(m: int) -> int:
 # active units, tiles 64-256; fit quality in benchmarks/NOTES-inference.md). A launch costs a smooth
 # maximum of its compute and its weight-streaming time plus a fixed latency; compute runs at
 # peak * D / (D + D_half) (narrow matmuls are less efficient).
-DENSE = (732e12, 673, 2.74e12, 14.3e-6)  # cuBLAS block: peak flop/s, D_half, weight bytes/s, latency s
+DENSE = (726e12, 660, 2.74e12, 14.3e-6)  # cuBLAS block: peak flop/s, D_half, weight bytes/s, latency s
 # Gate matmul with its packing epilogue, same terms, per batched gate kernel (gate_kernel): the Triton
 # kernel at each planned tile width, and gate_hopper.py's kernel (tile 128 from HOPPER_TILES_PER_SM tiles an SM)
-GATE = {64: (411e12, 255, 4.00e12, 6.0e-6), 128: (611e12, 236, 2.56e12, 7.0e-6),
-        256: (681e12, 471, 4.00e12, 15.6e-6), "hopper": (694e12, 410, 1.81e12, 4.7e-6)}
+GATE = {64: (411e12, 255, 4.00e12, 6.0e-6), 128: (621e12, 257, 2.56e12, 7.1e-6),
+        256: (681e12, 471, 4.00e12, 15.6e-6), "hopper": (691e12, 400, 1.71e12, 4.9e-6)}
 H100_SMS = 132
 HOPPER_TILES_PER_SM = 4  # gate_hopper.py runs from this many output tiles an SM (hopper_gate_launch): ~1500
 #                          tokens at I 5632
-GATHER = (6.18e12, 2.74e12, 0.000e-9, 16.0e-6)  # up + down rows of the active pairs: bytes/s from L2 and
+GATHER = (6.27e12, 2.76e12, 0.000e-9, 17.6e-6)  # up + down rows of the active pairs: bytes/s from L2 and
 #                                                 from HBM, seconds per pair, latency of the out kernel
 DECODE = (2.54e12, 3.8e-9, 9.1e-6)  # decode: bytes/s (gate matrix, active up/down rows), s per pair, latency
 L2_BYTES = 50e6
