@@ -257,8 +257,8 @@ def out_launch(x2, width, tile, s, gated, h_fp32, has_overflow, cfg, packed_h=Fa
 
 
 class _OutLaunches:
-    """The list compaction (where the out kernel does not hold the TwELL), the out kernel and, where it
-    posts heavy rows' work items, the span kernel; allocates the span kernel's zeroed workspace and partial
+    """The list pre-pass (where the out kernel neither holds the TwELL nor compacts its own rows), the out
+    kernel and, where it posts heavy rows' work items, the span kernel; allocates the span kernel's zeroed workspace and partial
     rows at each call (they cannot be shared across streams)."""
 
     def __init__(self, compact: Optional[_Launch], out: _Launch, spans: Optional[_Launch], d: int):
@@ -642,8 +642,8 @@ if triton is not None:
     def _list_entries(e, incl, fits, total, row, NT, S: tl.constexpr, idx_ptr, vals_ptr, row_j, row_g,
                       HELD: tl.constexpr):
         """Units and gate values of entries e of a row's compact list (tiles that fit, in order): with HELD,
-        taken from the row's whole TwELL already in registers (row_j, row_g); else loaded from the list that
-        _compact_list_kernel wrote over the start of the row's TwELL."""
+        taken from the row's whole TwELL already in registers (row_j, row_g); else loaded from the list
+        compacted over the start of the row's TwELL (by _compact_list_kernel or the row's own program)."""
         active = e < total
         if HELD:  # entry e lies in the first tile whose inclusive prefix exceeds e
             before = incl[None, :] <= e[:, None]
