@@ -7,16 +7,20 @@ For a block of BT tokens with union U_b of active units (sorted ids, built on th
 Uniformly random active units (probability k / I), D 2048 / I 5632; each kernel's best of a small sweep,
 against cuBLAS's dense up + down and the dense block in the same process; rel. error against fp32.
 
-    python benchmarks/union_probe.py     (writes $OUT/union_probe.json; env U_TOKENS, U_K)
+    python benchmarks/union_probe.py     (from the repository root; writes $OUT/union_probe.json; env U_TOKENS, U_K)
 """
 import itertools
 import json
 import os
+import sys
 
 import torch
 import triton
 import triton.language as tl
 from triton.testing import do_bench
+
+sys.path.insert(0, "benchmarks")
+from bench_inference import dense, rel_err  # noqa: E402
 
 
 @triton.jit
@@ -91,7 +95,7 @@ def main():
     wd = (torch.randn(D, I, device=dev) / 29 ** 0.5).bfloat16()
     wdT = wd.t().contiguous()
     wg = (torch.randn(I, D, device=dev) / D ** 0.5).bfloat16()
-    wgu = torch.cat([wg, wu])
+    layer = dict(gate=wg, gate_up=torch.cat([wg, wu]), down=wd)  # bench_inference's dense block
     for M, k in itertools.product(tokens, ks):
         x = torch.randn(M, D, device=dev).bfloat16()
         active = torch.rand(M, I, device=dev) < k / I
@@ -101,11 +105,8 @@ def main():
         def dense_updown():
             return ((x @ wu.t()) * g) @ wd.t()
 
-        def dense_block():
-            gu = x @ wgu.t()
-            return (torch.relu(gu[:, :I]) * gu[:, I:]) @ wd.t()
         t_ud = do_bench(dense_updown, warmup=50, rep=300)
-        t_blk = do_bench(dense_block, warmup=50, rep=300)
+        t_blk = do_bench(lambda: dense(x, layer), warmup=50, rep=300)
         t_gate = do_bench(lambda: x @ wg.t(), warmup=50, rep=300)
         print(f"M {M} k {k}: dense block {t_blk*1e3:.0f} us, cuBLAS up+down {t_ud*1e3:.0f}, gate {t_gate*1e3:.0f}", flush=True)
         for BT in (64, 128):
@@ -142,7 +143,7 @@ def main():
             c2 = best_dn[1]
             out.fill_(float("nan"))
             down_union[(triton.cdiv(D, c2["BD"]), nb)](h, wdT, uidx, cnt, out, M, D, cap, BT=BT, UC=c2["UC"], BD=c2["BD"], num_warps=c2["w"], num_stages=c2["st"])
-            err = ((out.float() - ref).norm() / ref.norm()).item()
+            err = rel_err(out, ref)
             r = dict(M=M, k=k, BT=BT, union_mean=mean_u, union_frac=mean_u / I, cap=cap, up_us=t * 1e3, up_cfg=c,
                      down_us=best_dn[0] * 1e3, down_cfg=c2, err=err, dense_block_us=t_blk * 1e3,
                      cublas_updown_us=t_ud * 1e3, cublas_gate_us=t_gate * 1e3)

@@ -10,9 +10,9 @@ no host synchronization:
 2. `_twell_out_kernel`: one program per token row. Each row's entries are first moved to the start of its
    TwELL as one compact list of active units (prefix sum over the tile counts), by the row's own program
    up to FUSED_COMPACT_ROWS rows, above by a small pre-pass (`_compact_list_kernel`); the program walks
-   the list CH units at a time, gathers those rows of up and
-   of the transposed down ([I, D], both contiguous rows), and accumulates out += (g * x.up_j) * down_j in
-   fp32 registers: h never reaches device memory. A (row, tile) whose count exceeds the slots is
+   the list CH units at a time, gathers those rows of up and of the transposed down ([I, D], both
+   contiguous rows), and accumulates out += (g * x.up_j) * down_j in fp32 registers: h never reaches
+   device memory. A (row, tile) whose count exceeds the slots is
    recomputed densely from the gate and up weights (never dropped) and counted into `overflow`.
    A heavy row (more units than heavy_units(M), like a sequence's first token) would bound the launch with
    its serial walk: it posts its work instead, as items (list spans of SPAN entries, overflowing tiles),
@@ -258,8 +258,8 @@ def out_launch(x2, width, tile, s, gated, h_fp32, has_overflow, cfg, packed_h=Fa
 
 class _OutLaunches:
     """The list pre-pass (where the out kernel neither holds the TwELL nor compacts its own rows), the out
-    kernel and, where it posts heavy rows' work items, the span kernel; allocates the span kernel's zeroed workspace and partial
-    rows at each call (they cannot be shared across streams)."""
+    kernel and, where it posts heavy rows' work items, the span kernel; allocates the span kernel's zeroed
+    workspace and partial rows at each call (they cannot be shared across streams)."""
 
     def __init__(self, compact: Optional[_Launch], out: _Launch, spans: Optional[_Launch], d: int):
         self.compact, self.out, self.spans, self.d = compact, out, spans, d
