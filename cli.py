@@ -35,6 +35,8 @@ def main():
 # Training options: None means "not given", so that a recipe's value (or the default) stands.
 TRAIN_OPTIONS = [
     click.option("--l1", type=float, help="L1 coefficient on the MLP hidden activations (paper: 2e-5)."),
+    click.option("--l1-relative/--l1-absolute", default=None,
+                 help="Read --l1 as the weight of L1 / L1 at the first step (scale-free; e.g. 7) or as the absolute coefficient."),
     click.option("--l1-warmup-steps", type=int, help="Raise the L1 coefficient linearly from 0 over these steps."),
     click.option("--steps", type=int, help="Optimizer steps (with --tokens, whichever ends first)."),
     click.option("--tokens", type=int, help="Training tokens (with --steps, whichever ends first)."),

@@ -116,74 +116,111 @@ def read_texts(split):
 
 
 def make_tokenizer(args):
+    fast = train_tokenizer(read_texts("train"), args.vocab, MODEL, max_length=512)
+    print(f"tokenizer: vocab {len(fast)} saved to {MODEL}")
+
+
+def train_tokenizer(texts, vocab: int, out, max_length: int):
+    """Byte-level BPE of `vocab` entries trained on `texts`, with <s> prepended to each text; saved to `out`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=args.vocab, special_tokens=["<s>", "</s>", "<pad>"],
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<s>", "</s>", "<pad>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(read_texts("train"), trainer)
+    tok.train_from_iterator(texts, trainer)
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 0)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                   model_max_length=512)
-    fast.save_pretrained(MODEL)
-    print(f"tokenizer: vocab {len(fast)} saved to {MODEL}")
+                                   model_max_length=max_length)
+    fast.save_pretrained(out)
+    return fast
 
 
-def token_stream(tok, split):
+def token_ids(tok, texts):
+    """One LongTensor of `<s> text </s>` for each text in turn (batches of texts: the Rust tokenizer runs them
+    in parallel)."""
     import torch
     ids = []
-    for text in read_texts(split):
-        ids += tok(text, verbose=False)["input_ids"] + [tok.eos_token_id]                # <s> doc </s>
+    for i in range(0, len(texts), 512):
+        for doc in tok(texts[i:i + 512], verbose=False)["input_ids"]:
+            ids += doc + [tok.eos_token_id]
     return torch.tensor(ids, dtype=torch.long)
 
 
 def pretrain(args):
-    import torch
-    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(args.seed)
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    from transformers import AutoTokenizer, LlamaConfig
     tok = AutoTokenizer.from_pretrained(MODEL)
-    train, valid = token_stream(tok, "train").to(args.device), token_stream(tok, "valid")
-    print(f"tokens: train {len(train):,}  valid {len(valid):,}")
     config = LlamaConfig(vocab_size=len(tok), hidden_size=192, intermediate_size=528, num_hidden_layers=5,
                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
                          hidden_act="silu", tie_word_embeddings=True, bos_token_id=tok.bos_token_id,
                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, rope_theta=10000.0)
-    model = LlamaForCausalLM(config).to(args.device)
-    print(f"parameters: {sum(p.numel() for p in model.parameters()):,}")
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    gen = torch.Generator().manual_seed(args.seed)
-    T, cuda = args.seq_len, args.device.startswith("cuda")
+    out = Path(args.out or MODEL)
+    result = pretrain_llama(config, tok, token_ids(tok, read_texts("train")), token_ids(tok, read_texts("valid")), out,
+                            steps=args.steps, minutes=args.minutes, batch=args.batch, seq_len=args.seq_len, lr=args.lr,
+                            warmup=args.warmup, eval_every=args.eval_every, device=args.device, seed=args.seed)
+    (out / "README.md").write_text(f"""# sparsify demo model
+A small Llama-style causal LM with SiLU gated MLPs ({result['parameters']:,} parameters:
+hidden {config.hidden_size}, intermediate {config.intermediate_size}, {config.num_hidden_layers} layers,
+{config.num_attention_heads} heads, vocabulary {config.vocab_size}, tied embeddings, fp32), pretrained from scratch on
+../corpus (Python's standard library documentation) by `python recipes/make_demo.py pretrain`:
+AdamW lr {args.lr}, warm-up {args.warmup}, cosine, seed {args.seed}; {result['summary']}.
+It is the input of `sparsify convert demo`, which swaps its SiLU gates for ReLU and trains them sparse.
+""")
+
+
+def pretrain_llama(config, tok, train, valid, out, *, steps: int, minutes: float, batch: int, seq_len: int, lr: float,
+                   warmup: int, eval_every: int, device: str | None = None, seed: int = 0, weight_decay: float = 0.1):
+    """Pretrain a LlamaForCausalLM of `config` from scratch on random windows of the token stream `train`
+    (AdamW, warm-up then cosine to a tenth of `lr`, bf16 autocast on GPU, fp32 weights), until `steps` or
+    `minutes`, whichever comes first (the schedule follows the nearer); keeps the weights with the best loss
+    on `valid` (consecutive windows) and saves them, a generation config and the tokenizer to `out`.
+    Returns the figures: parameters, steps, tokens, seconds, best validation loss and the validation curve."""
+    import torch
+    from transformers import GenerationConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device.startswith("cuda")
+    train = train.to(device)
+    print(f"tokens: train {len(train):,}  valid {len(valid):,}")
+    model = LlamaForCausalLM(config).to(device)
+    parameters = sum(p.numel() for p in model.parameters())
+    print(f"parameters: {parameters:,}")
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay,
+                            fused=cuda or None)
+    gen = torch.Generator().manual_seed(seed)
+    T = seq_len
     vx = valid[: len(valid) // T * T].view(-1, T)
 
     @torch.no_grad()
     def evaluate():
         model.eval()
         tot = 0.0
-        for i in range(0, len(vx), args.batch):
+        for i in range(0, len(vx), batch):
             with torch.autocast("cuda", torch.bfloat16, enabled=cuda):
-                batch = vx[i:i + args.batch].to(args.device)
-                out = model(batch, labels=batch)  # transformers shifts the labels itself
-            tot += out.loss.float().item() * len(vx[i:i + args.batch])
+                x = vx[i:i + batch].to(device)
+                out = model(x, labels=x)  # transformers shifts the labels itself
+            tot += out.loss.float().item() * len(x)
         model.train()
         return tot / len(vx)
 
-    best, start, step = float("inf"), time.time(), 0
+    best, start, step, curve = float("inf"), time.time(), 0, []
     while True:
-        frac = max(step / args.steps, (time.time() - start) / (60 * args.minutes))
-        if step % args.eval_every == 0 or frac >= 1:
+        frac = max(step / steps, (time.time() - start) / (60 * minutes))
+        if step % eval_every == 0 or frac >= 1:
             loss = evaluate()
+            curve.append({"step": step, "tokens": step * batch * T, "seconds": round(time.time() - start, 1),
+                          "valid_loss": loss})
             if loss < best:
                 best, state = loss, {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-            print(f"step {step}  {time.time() - start:.0f}s  valid loss {loss:.3f}  ppl {math.exp(loss):.2f}", flush=True)
+            print(f"step {step}  {step * batch * T:,} tokens  {time.time() - start:.0f}s  valid loss {loss:.3f}  "
+                  f"ppl {math.exp(loss):.2f}", flush=True)
         if frac >= 1:
             break
-        lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        rate = lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         for g in opt.param_groups:
-            g["lr"] = lr
-        ix = torch.randint(len(train) - T - 1, (args.batch,), generator=gen)
+            g["lr"] = rate
+        ix = torch.randint(len(train) - T - 1, (batch,), generator=gen)
         x = torch.stack([train[i:i + T] for i in ix])
         with torch.autocast("cuda", torch.bfloat16, enabled=cuda):
             loss = model(x, labels=x).loss  # transformers shifts the labels itself
@@ -192,23 +229,18 @@ def pretrain(args):
         opt.step()
         opt.zero_grad(set_to_none=True)
         step += 1
+    seconds = time.time() - start
     model.load_state_dict(state)
-    out = Path(args.out or MODEL)
+    out = Path(out)
     model.to(torch.float32).save_pretrained(out)
     GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                      do_sample=True, temperature=0.8, top_k=50, max_new_tokens=100).save_pretrained(out)
     tok.save_pretrained(out)
     summary = (f"best validation loss {best:.3f} (perplexity {math.exp(best):.2f}) after {step} steps of "
-               f"{args.batch} x {T} tokens, {time.time() - start:.0f} s on {args.device}")
-    (out / "README.md").write_text(f"""# sparsify demo model
-A small Llama-style causal LM with SiLU gated MLPs ({sum(p.numel() for p in model.parameters()):,} parameters:
-hidden {config.hidden_size}, intermediate {config.intermediate_size}, {config.num_hidden_layers} layers,
-{config.num_attention_heads} heads, vocabulary {config.vocab_size}, tied embeddings, fp32), pretrained from scratch on
-../corpus (Python's standard library documentation) by `python recipes/make_demo.py pretrain`:
-AdamW lr {args.lr}, warm-up {args.warmup}, cosine, seed {args.seed}; {summary}.
-It is the input of `sparsify convert demo`, which swaps its SiLU gates for ReLU and trains them sparse.
-""")
+               f"{batch} x {T} tokens, {seconds:.0f} s on {device}")
     print(summary, "; saved to", out)
+    return {"parameters": parameters, "steps": step, "tokens": step * batch * T, "seconds": round(seconds, 1),
+            "best_valid_loss": best, "curve": curve, "summary": summary}
 
 
 if __name__ == "__main__":

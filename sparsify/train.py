@@ -1,11 +1,12 @@
-"""Continued training of a relufied model: loss = cross_entropy + l1_coeff(step) * L1.
+"""Continued training of a relufied model: loss = cross_entropy + l1_coeff(step) * L1 (or * L1 / L1_0).
 
 L1 is the method's definition (docs twell.md section 1): the mean over layers of each ReluGatedMLP's
 `stats.l1` (per layer: mean over tokens of the sum over hidden units of |relu(gate(x)) * up(x)|).
 Runs through accelerate's Accelerator, so `accelerate launch` spreads it over GPUs (DDP) and bf16
 autocast is on by default on GPU; AdamW, cosine schedule with warm-up, gradient accumulation, clipping,
 optional gradient checkpointing. Tracks per layer the mean active units per token (L0), L1 and dead
-units (not fired within the last `dead_window_tokens` tokens).
+units (not fired within the last `dead_window_tokens` tokens). With `l1_relative` the coefficient weighs
+L1 / L1_0 (L1_0: the first micro-batch's L1), which makes one value fit models of any width.
 
 Each MLP trains on one of two paths with the same math: dense PyTorch, or the TwELL hybrid kernels
 (twell.hybrid: sparse ELL rows plus a dense backup for rows above `hybrid_max_nnz` active units), which
@@ -42,9 +43,11 @@ from . import relufy
 from .errors import ConfigError, SparsifyError
 from .report import console
 
-# The right coefficient depends on the model's activation scale (the paper's 1.5B model: 2e-5; the 3M-parameter
-# demo: 8e-2); above 1 the L1 term swamps the cross-entropy of any model.
+# An absolute coefficient depends on the model's activation scale (the paper's 1.5B model: 2e-5; the 3M-parameter
+# demo: 8e-2); above 1 the L1 term swamps the cross-entropy of any model. A relative one (`l1_relative`) is the
+# penalty's initial weight in nats: beyond 100 it is 30 times any language model's cross-entropy.
 MAX_L1 = 1.0
+MAX_L1_RELATIVE = 100.0
 # A layer on the hybrid kernels goes back to dense only above this multiple of `hybrid_below`. With the
 # default 40 the band is 40-50 units: around the H100 block benchmark's break-even (~47), so a layer
 # hovering there costs at most a few percent on either path instead of flipping at every check.
@@ -60,6 +63,10 @@ class TrainConfig:
     """Training settings; a recipe YAML holds any of these keys, command-line options override it."""
 
     l1: float = field(default=2e-5, metadata={"help": "L1 coefficient on the MLP hidden activations (paper: 2e-5)."})
+    l1_relative: bool = field(default=False, metadata={"help": (
+        "Read `l1` as the weight of L1 / L1_0, where L1_0 is the L1 term of the first micro-batch (mean over "
+        "ranks): the penalty's weight in nats at the start, the same for any width and activation scale "
+        "(docs/quality.md: 7 converts both the 192-wide demo and a 1024-wide model).")})
     l1_warmup_steps: int = field(default=0, metadata={"help": "Raise the L1 coefficient linearly from 0 over this many optimizer steps."})
     steps: int | None = field(default=None, metadata={"help": "Optimizer steps; with `tokens`, whichever ends first."})
     tokens: int | None = field(default=None, metadata={"help": "Training tokens; with `steps`, whichever ends first."})
@@ -124,8 +131,12 @@ class TrainConfig:
         def bad(message):
             raise ConfigError(message)
 
-        if not (isinstance(self.l1, (int, float)) and 0 <= self.l1 <= MAX_L1):
-            bad(f"l1 must be between 0 and {MAX_L1} (the paper uses 2e-5), got {self.l1}")
+        if self.l1_relative:
+            if not (isinstance(self.l1, (int, float)) and 0 <= self.l1 <= MAX_L1_RELATIVE):
+                bad(f"l1 (relative) must be between 0 and {MAX_L1_RELATIVE} (the initial weight of the L1 term "
+                    f"in nats), got {self.l1}")
+        elif not (isinstance(self.l1, (int, float)) and 0 <= self.l1 <= MAX_L1):
+            bad(f"l1 must be between 0 and {MAX_L1} (the paper uses 2e-5; or use l1_relative), got {self.l1}")
         if self.steps is None and self.tokens is None:
             bad("set the training length: --steps or --tokens (or a recipe that sets them)")
         for name in ("steps", "tokens", "seq_len", "batch_size", "grad_accum", "log_every", "dead_window_tokens", "eval_tokens", "hybrid_max_nnz"):
@@ -188,7 +199,8 @@ def hybrid_share(log: list[dict]) -> list[float]:
 
 
 def l1_coeff(config: TrainConfig, step: int) -> float:
-    """Coefficient at optimizer step `step` (0-based): linear from l1/warm-up to l1, then constant."""
+    """Coefficient at optimizer step `step` (0-based): linear from l1/warm-up to l1, then constant (relative
+    to L1_0 with `l1_relative`)."""
     if config.l1_warmup_steps == 0:
         return config.l1
     return config.l1 * min(1.0, (step + 1) / config.l1_warmup_steps)
@@ -226,9 +238,11 @@ def train(
 
     last_fired: torch.Tensor | None = None  # [layers, I]: token count at each unit's last firing
     step, log, elapsed, consumed = 0, [], 0.0, 0  # consumed: batches read over all ranks
+    l1_reference = None  # L1_0 of `l1_relative`: measured on the first micro-batch
     if resume:
         state = _load(accelerator, resume_dir)
         step, log, elapsed, consumed = state["step"], state["log"], state["seconds"], state["batches"]
+        l1_reference = state.get("l1_reference")
         if state["last_fired"] is not None:
             last_fired = state["last_fired"].to(accelerator.device)
     routing = config.hybrid_below > 0 and hybrid_kernels_run(accelerator.device)
@@ -252,10 +266,13 @@ def train(
                     ce = model(input_ids=ids, labels=ids).loss
                     layer_l1 = torch.stack([m.stats.l1.float() for m in mlps])
                     l1 = layer_l1.mean()
+                    if config.l1_relative and l1_reference is None:  # once per run: one host sync
+                        l1_reference = max(accelerator.reduce(l1.detach(), reduction="mean").item(), 1e-12)
+                    weight = coeff / l1_reference if config.l1_relative else coeff
                     # ce and l1 are both means over this micro-batch's tokens; dividing both by
                     # grad_accum (and DDP averaging over ranks) makes the step's gradient that of the
                     # mean over all tokens of the step, for both terms alike.
-                    loss = ce + coeff * l1
+                    loss = ce + weight * l1
                     accelerator.backward(loss / config.grad_accum)
                 fired = torch.stack([m.stats.fired for m in mlps])
                 step_fired = fired if step_fired is None else step_fired + fired
@@ -276,8 +293,10 @@ def train(
             last_fired = torch.where(step_fired > 0, tokens, last_fired)  # a masked assignment would sync the host
             if step % config.log_every == 0 or step == total:
                 now = time.perf_counter()
-                entry = window.entry(accelerator, step, tokens, coeff, scheduler.get_last_lr()[0], last_fired, dead_window,
+                entry = window.entry(accelerator, step, tokens, weight, scheduler.get_last_lr()[0], last_fired, dead_window,
                                      [m.runs_hybrid for m in mlps])
+                if config.l1_relative:
+                    entry["l1_relative"], entry["l1_reference"] = coeff, l1_reference
                 entry["tokens_per_s"] = window.count * ids.numel() * world / (now - window_started)
                 entry["seconds"] = now - started
                 log.append(entry)
@@ -299,7 +318,8 @@ def train(
     except KeyboardInterrupt:
         if resume_dir is None:
             raise
-        state = {"step": step, "batches": consumed, "log": log, "seconds": time.perf_counter() - started, "last_fired": last_fired}
+        state = {"step": step, "batches": consumed, "log": log, "seconds": time.perf_counter() - started,
+                 "last_fired": last_fired, "l1_reference": l1_reference}
         _save(accelerator, resume_dir, state, config)
         raise TrainingInterrupted(
             f"interrupted at step {step} of {total}; the training state is in {resume_dir}: "

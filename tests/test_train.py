@@ -68,6 +68,22 @@ def test_l1_matches_hand_computation():
     assert log[0]["loss"] == pytest.approx(ce + 1e-3 * expected_l1, rel=1e-5)
 
 
+def test_relative_l1_weighs_l1_by_its_first_value():
+    a, _ = tiny_model("llama")
+    b = copy.deepcopy(a)
+    relative = train(a, relufy(a), batches_from(), config(steps=3, l1=5.0, l1_relative=True), device="cpu",
+                     show_progress=False).log
+    first = relative[0]
+    # L1_0 is the first micro-batch's L1, the value the first log entry reports for step 1
+    assert first["l1_reference"] == pytest.approx(first["l1"], rel=1e-6) and first["l1_relative"] == 5.0
+    assert first["l1_coeff"] == pytest.approx(5.0 / first["l1_reference"])
+    assert first["loss"] == pytest.approx(first["cross_entropy"] + 5.0, rel=1e-5)
+    # the same run as an absolute coefficient of 5 / L1_0
+    train(b, relufy(b), batches_from(), config(steps=3, l1=5.0 / first["l1_reference"]), device="cpu", show_progress=False)
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb, msg=name)
+
+
 def test_grad_accumulation_weights_l1_like_cross_entropy():
     # One step of 2 micro-batches of 2 sequences == one step of 1 batch of 4 sequences (same tokens).
     def stacked(start, rank, world):
@@ -122,6 +138,7 @@ def test_steps_and_tokens_bound_training():
         (dict(l1=-1e-5), "l1 must be between"),
         (dict(l1=5.0), "l1 must be between"),
         (dict(l1=float("nan")), "l1 must be between"),
+        (dict(l1=150.0, l1_relative=True), r"l1 \(relative\) must be between 0 and 100"),
         (dict(steps=0), "steps must be a positive integer"),
         (dict(steps=None, tokens=None), "set the training length"),
         (dict(tokens=-5), "tokens must be a positive integer"),
@@ -150,8 +167,10 @@ def test_from_dict_mends_yaml_values():
         TrainConfig.from_dict({"lr": "fast"})
 
 
-def test_interrupt_then_resume_equals_uninterrupted(tmp_path):
-    cfg = config(steps=6, grad_accum=2, warmup_steps=2, log_every=2)
+@pytest.mark.parametrize("relative", [False, True], ids=["absolute-l1", "relative-l1"])
+def test_interrupt_then_resume_equals_uninterrupted(tmp_path, relative):
+    # relative: the resumed run must weigh L1 by the first run's L1_0, not by its own first batch's
+    cfg = config(steps=6, grad_accum=2, warmup_steps=2, log_every=2, **(dict(l1=5.0, l1_relative=True) if relative else {}))
     straight, _ = tiny_model("qwen2")
     interrupted = copy.deepcopy(straight)
     train(straight, relufy(straight), batches_from(), cfg, device="cpu", show_progress=False)

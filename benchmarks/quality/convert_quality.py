@@ -1,0 +1,307 @@
+"""Conversion quality at real width: pretrain a SiLU Llama, convert it with `sparsify convert`, compare.
+
+The chain, each stage in its own folder under --work (a stage whose output is there is not redone):
+1. corpus: the Python sources and documentation installed on the machine that runs this (the standard
+   library and site-packages; --toy: the standard library alone: .py, .pyi, .rst, .md, .txt files of
+   0.5-200 KB, deduplicated by content),
+   read in the order of a hash of their path up to --corpus-mb, split by that hash into train and
+   held-out (valid.jsonl: never trained on, by pretraining or conversion);
+2. tokenizer: byte-level BPE (--vocab) trained on the first --tokenizer-mb of the train split;
+3. pretrain: a SiLU Llama (--hidden, --intermediate, --layers) from scratch for --pretrain-minutes
+   (recipes/make_demo.py's pretraining loop), best held-out loss kept;
+4. convert: for each --l1 (relative: the L1 term's weight in nats at the start, `--l1-relative`), the
+   real CLI, `python -m cli convert BASE -o OUT --data CORPUS --recipe ...` in a subprocess, on at most
+   --convert-share of the pretraining tokens; on a GPU its layers move to the hybrid TwELL kernels as they
+   become sparse. The CLI measures the held-out perplexity of the original, of the ReLU swap and of the
+   converted model on the same held-out blocks, and per-layer sparsity and dead units;
+5. report: one JSON (device, versions, corpus, pretraining, every conversion with its log) and PNG plots:
+   cross-entropy and active units against training tokens, and the sparsity / cross-entropy trade-off.
+
+    python benchmarks/quality/convert_quality.py --work runs/quality --json benchmarks/results/quality_h100.json
+    python benchmarks/quality/convert_quality.py --toy --work /tmp/q   # CPU, tiny, stdlib only (tests)
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from recipes import make_demo  # noqa: E402  (the demo's tokenizer and pretraining, at other sizes)
+
+EXTENSIONS = (".py", ".pyi", ".rst", ".md", ".txt")
+MIN_BYTES, MAX_BYTES = 500, 200_000
+PACKAGE_FOLDERS = ("site-packages", "dist-packages")
+TOY = dict(corpus_mb=0.4, tokenizer_mb=0.4, vocab=512, hidden=32, intermediate=88, layers=2, heads=2, seq_len=64,
+           pretrain_batch=8, pretrain_minutes=0.2, pretrain_steps=20, eval_every=10, convert_batch=4,
+           convert_share=0.25, valid_share=0.1, l1=[0.0, 7.0], device="cpu",
+           recipe_overrides={"log_every": 2, "eval_tokens": 512, "warmup_steps": 2, "l1_warmup_steps": 2})
+
+
+def source_files(packages: bool = True) -> list[tuple[str, Path]]:
+    """(key, path) of every candidate file of the standard library (and with `packages`, site-packages);
+    the key (the path below its folder) orders and splits the corpus, so that it does not depend on where
+    Python is installed."""
+    roots = {Path(sysconfig.get_paths()[k]) for k in (("stdlib", "purelib", "platlib") if packages else ("stdlib",))}
+    found = {}
+    for root in roots:
+        for folder, dirs, names in os.walk(root):
+            dirs[:] = [d for d in dirs if d not in PACKAGE_FOLDERS]  # walked as roots of their own, or not at all
+            for name in names:
+                path = Path(folder, name)
+                if path.suffix in EXTENSIONS:
+                    found[f"{root.name}/{path.relative_to(root)}"] = path
+    return sorted(found.items(), key=lambda item: hashlib.sha1(item[0].encode()).digest())
+
+
+def held_out(key: str, share: float) -> bool:
+    """Whether a file goes to the held-out split: a second hash, independent of the reading order's."""
+    return hashlib.sha1(f"held-out:{key}".encode()).digest()[0] < 256 * share
+
+
+def make_corpus(out: Path, megabytes: float, valid_share: float, packages: bool = True) -> dict:
+    """train.jsonl and valid.jsonl (one {"text"} a file) of up to `megabytes` of distinct texts."""
+    seen, sizes, counts = set(), {"train": 0, "valid": 0}, {"train": 0, "valid": 0}
+    out.mkdir(parents=True, exist_ok=True)
+    files = {split: open(out / f"{split}.jsonl.tmp", "w") for split in sizes}
+    for key, path in source_files(packages):
+        if sum(sizes.values()) >= megabytes * 1e6:
+            break
+        try:
+            if not MIN_BYTES <= path.stat().st_size <= MAX_BYTES:
+                continue
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        digest = hashlib.sha1(text.encode()).digest()
+        if digest in seen:
+            continue
+        seen.add(digest)
+        split = "valid" if held_out(key, valid_share) else "train"
+        files[split].write(json.dumps({"text": text}) + "\n")
+        sizes[split] += len(text.encode())
+        counts[split] += 1
+    for split, f in files.items():
+        f.close()
+        (out / f"{split}.jsonl.tmp").rename(out / f"{split}.jsonl")
+    return {"source": f"Python {platform.python_version()} standard library{' and site-packages' * packages}: "
+                      f"{', '.join(EXTENSIONS)} files of {MIN_BYTES}-{MAX_BYTES} bytes, distinct texts, in the order "
+                      f"of a hash of their path", "files": counts, "bytes": sizes}
+
+
+def read_texts(path: Path) -> list[str]:
+    return [json.loads(line)["text"] for line in open(path)]
+
+
+def pretrain(args, work: Path, corpus: Path) -> dict:
+    from transformers import LlamaConfig
+
+    texts, sample, size = read_texts(corpus / "train.jsonl"), [], 0
+    for text in texts:  # the tokenizer's sample: the first --tokenizer-mb of the train split
+        if size >= args.tokenizer_mb * 1e6:
+            break
+        sample.append(text)
+        size += len(text)
+    tok = make_demo.train_tokenizer(sample, args.vocab, work / "tokenizer", max_length=args.seq_len)
+    train, valid = make_demo.token_ids(tok, texts), make_demo.token_ids(tok, read_texts(corpus / "valid.jsonl"))
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=args.hidden, intermediate_size=args.intermediate,
+                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                         num_key_value_heads=args.heads, max_position_embeddings=args.seq_len, hidden_act="silu",
+                         tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id, rope_theta=10000.0)
+    result = make_demo.pretrain_llama(
+        config, tok, train, valid, work / "base", steps=args.pretrain_steps, minutes=args.pretrain_minutes,
+        batch=args.pretrain_batch, seq_len=args.seq_len, lr=args.pretrain_lr, warmup=args.pretrain_warmup,
+        eval_every=args.eval_every, device=args.device, seed=args.seed)
+    result.update(train_tokens=len(train), valid_tokens=len(valid), vocab=len(tok),
+                  config={k: getattr(config, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                                          "num_attention_heads", "vocab_size")})
+    return result
+
+
+def convert(args, base: Path, corpus: Path, recipe: Path, out: Path, l1: float, tokens: int) -> dict:
+    """One conversion through the command line; returns its figures read back from the checkpoint."""
+    command = [sys.executable, "-m", "cli", "convert", str(base), "-o", str(out), "--data", str(corpus),
+               "--recipe", str(recipe), "--l1", str(l1), "--l1-relative", "--tokens", str(tokens),
+               "--seq-len", str(args.seq_len), "--batch-size", str(args.convert_batch), "--overwrite"]
+    if args.device:
+        command += ["--device", args.device]
+    print("$", shlex.join(command), flush=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    started = time.time()
+    subprocess.run(command, cwd=ROOT, env=env, check=True)
+    log = json.loads((out / "training_log.json").read_text())
+    config = json.loads((out / "config.json").read_text())
+    layers = [layer["stats"] for layer in config["twell"]["layers"]]
+    units = config["intermediate_size"]
+    ppl = log["training"]["perplexity"]
+    return {
+        "l1_relative": l1, "command": shlex.join(command[1:]), "seconds": round(time.time() - started, 1),
+        "tokens": log["training"]["tokens"], "steps": log["training"]["steps"],
+        "training_seconds": log["training"]["seconds"],
+        "cross_entropy": {k: math.log(v) for k, v in ppl.items()}, "perplexity": ppl,
+        "ce_vs_original": math.log(ppl["after training"]) / math.log(ppl["original"]) - 1,
+        "mean_active": sum(l["mean_active"] for l in layers) / len(layers),
+        "sparsity": 1 - sum(l["mean_active"] for l in layers) / len(layers) / units,
+        "layers": [{"sparsity": 1 - l["mean_active"] / units, **l} for l in layers],
+        "plan": [layer["mode"] for layer in config["twell"]["layers"]],
+        "l1_reference": log["log"][0].get("l1_reference"),
+        "log": [{k: e[k] for k in ("step", "tokens", "cross_entropy", "l1", "mean_active", "dead_frac", "tokens_per_s")}
+                | {"hybrid_layers": sum(l["path"] == "hybrid" for l in e["layers"])} for e in log["log"]],
+    }
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = result["conversions"]
+    units = result["pretraining"]["config"]["intermediate_size"]
+    fig, (ce, active, trade) = plt.subplots(1, 3, figsize=(16, 4.5))
+    original = runs[0]["cross_entropy"]["original"]
+    for run in runs:
+        tokens = [e["tokens"] / 1e6 for e in run["log"]]
+        label = f"l1 {run['l1_relative']:g}"
+        ce.plot(tokens, [e["cross_entropy"] for e in run["log"]], label=label)
+        active.plot(tokens, [e["mean_active"] for e in run["log"]], label=label)
+    ce.axhline(original, color="black", linestyle="--", linewidth=1, label="original (held-out)")
+    ce.axhline(original * 1.03, color="gray", linestyle=":", linewidth=1, label="original + 3%")
+    ce.set(xlabel="conversion tokens (M)", ylabel="training cross-entropy (nats)", title="cross-entropy")
+    active.axhline(0.01 * units, color="gray", linestyle=":", linewidth=1, label="99% sparse")
+    active.set(xlabel="conversion tokens (M)", ylabel=f"mean active units per token (of {units})", yscale="log",
+               title="active units")
+    for axis in (ce, active):
+        axis.legend(fontsize=8)
+    by_sparsity = sorted(runs, key=lambda r: r["sparsity"])
+    trade.plot([100 * r["sparsity"] for r in by_sparsity], [100 * r["ce_vs_original"] for r in by_sparsity], "o-")
+    for r in runs:
+        trade.annotate(f"{r['l1_relative']:g}", (100 * r["sparsity"], 100 * r["ce_vs_original"]), fontsize=8,
+                       xytext=(4, 4), textcoords="offset points")
+    trade.axhline(3, color="gray", linestyle=":", linewidth=1)
+    trade.axvline(99, color="gray", linestyle=":", linewidth=1)
+    trade.set(xlabel="held-out FFN sparsity (%)", ylabel="held-out CE vs original (%)",
+              title="trade-off (labels: relative l1)")
+    fig.suptitle(f"{result['pretraining']['parameters'] / 1e6:.0f}M-parameter SiLU Llama -> sparse ReLU "
+                 f"({result['device']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def versions() -> dict:
+    import torch
+    import transformers
+
+    found = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
+    try:
+        import triton
+
+        found["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return found
+
+
+def _setting(text: str) -> tuple[str, object]:
+    import yaml
+
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, yaml.safe_load(value)
+
+
+def stage(path: Path, make):
+    """The JSON of a finished stage, or make() it now and record it."""
+    if path.is_file():
+        return json.loads(path.read_text())
+    value = make()
+    path.write_text(json.dumps(value, indent=1))
+    return value
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work", type=Path, required=True, help="folder for corpus, models and stage results")
+    ap.add_argument("--json", type=Path, help="write the report here (and the plot beside it, .png)")
+    ap.add_argument("--toy", action="store_true", help="tiny sizes on the CPU (end-to-end check, seconds)")
+    ap.add_argument("--corpus-mb", type=float, default=250.0)
+    ap.add_argument("--valid-share", type=float, default=0.01, help="share of files held out")
+    ap.add_argument("--tokenizer-mb", type=float, default=25.0)
+    ap.add_argument("--vocab", type=int, default=16384)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--intermediate", type=int, default=2816)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--pretrain-batch", type=int, default=32)
+    ap.add_argument("--pretrain-minutes", type=float, default=4.5)
+    ap.add_argument("--pretrain-steps", type=int, default=100_000)
+    ap.add_argument("--pretrain-lr", type=float, default=8e-4)
+    ap.add_argument("--pretrain-warmup", type=int, default=200)
+    ap.add_argument("--eval-every", type=int, default=250)
+    ap.add_argument("--recipe", default="pretrained", help="conversion recipe (a name in recipes/ or a YAML)")
+    ap.add_argument("--l1", type=float, nargs="+", default=[3.5, 7.0, 14.0], help="relative L1 coefficients")
+    ap.add_argument("--convert-share", type=float, default=0.2, help="conversion tokens / pretraining tokens")
+    ap.add_argument("--convert-batch", type=int, default=16)
+    ap.add_argument("--set", dest="recipe_overrides", type=_setting, nargs="+", default=[], metavar="KEY=VALUE",
+                    help="override recipe settings, e.g. --set lr=3e-4 l1_warmup_steps=50")
+    ap.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.toy:
+        for key, value in TOY.items():
+            setattr(args, key, list(value.items()) if key == "recipe_overrides" else value)
+    if not 0 < args.convert_share <= 0.25:
+        ap.error("--convert-share must be in (0, 0.25]: conversion gets at most a quarter of the pretraining tokens")
+    args.work.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    started = time.time()
+    corpus_dir = args.work / "corpus"
+    corpus = stage(args.work / "corpus.json",
+                   lambda: make_corpus(corpus_dir, args.corpus_mb, args.valid_share, packages=not args.toy))
+    print(f"corpus: {corpus['files']} files, {corpus['bytes']} bytes", flush=True)
+    pretraining = stage(args.work / "pretrain.json", lambda: pretrain(args, args.work, corpus_dir))
+    tokens = int(args.convert_share * pretraining["tokens"])
+    from sparsify.convert import load_recipe
+
+    recipe = {**load_recipe(args.recipe, "base"), **dict(args.recipe_overrides)}
+    recipe_path = args.work / "recipe.yaml"
+    recipe_path.write_text(json.dumps(recipe, indent=1))  # JSON is YAML
+    conversions = []
+    for l1 in args.l1:
+        out = args.work / f"l1_{l1:g}"
+        conversions.append(stage(args.work / f"convert_l1_{l1:g}.json",
+                                 lambda: convert(args, args.work / "base", corpus_dir, recipe_path, out, l1, tokens)))
+        c = conversions[-1]
+        print(f"l1 {l1:g}: sparsity {100 * c['sparsity']:.2f}%  held-out CE {c['cross_entropy']['original']:.4f} -> "
+              f"{c['cross_entropy']['after swap']:.4f} (swap) -> {c['cross_entropy']['after training']:.4f} "
+              f"({100 * c['ce_vs_original']:+.2f}%)", flush=True)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu"
+    result = {"command": shlex.join([Path(sys.argv[0]).name if argv is None else "convert_quality.py",
+                                     *(sys.argv[1:] if argv is None else argv)]),
+              "device": device, "versions": versions(), "seconds": round(time.time() - started, 1),
+              "corpus": corpus, "pretraining": pretraining, "convert_tokens": tokens, "recipe": recipe,
+              "conversions": conversions}
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+        plot(result, args.json.with_suffix(".png"))
+    return result
+
+
+if __name__ == "__main__":
+    main()
