@@ -6,12 +6,12 @@ count lies in one of the plan's "sparse_tokens" ranges (where the kernels beat d
 shape), and the TwELL kernels can run (CUDA; or CPU fp32/fp16 under TRITON_INTERPRET=1, which tests use),
 the MLP runs on them (eager calls of up to 64 tokens replayed as CUDA graphs); otherwise, and whenever
 gradients are needed (the inference kernels have no backward), it runs the same ReLU math densely. The
-kernels read the down weight transposed: from_pretrained stores it so once loaded (same shape and values,
-so state dicts and saved files keep the standard layout). Under torch.compile the kernel call is the
-custom op twell::gated_mlp (one graph, fullgraph=True works; mode="reduce-overhead" puts it in the
-compiled CUDA graph). The module layout and per-layer plan come from config.json's "twell" section, so
-this file holds no per-architecture table. It imports neither sparsify nor anything beyond torch and transformers: the
-kernel files sit beside it and are imported relatively.
+kernels read the down weight transposed: it is stored so at construction and again once from_pretrained
+has loaded the weights (same shape and values, so state dicts keep the standard layout). Under
+torch.compile the kernel call is the custom op twell::gated_mlp (fullgraph=True holds; mode
+"reduce-overhead" puts it in the compiled CUDA graph). The module layout and per-layer plan come from
+config.json's "twell" section, so this file holds no per-architecture table. It imports neither sparsify
+nor anything beyond torch and transformers: the kernel files sit beside it and are imported relatively.
 """
 import importlib
 import os
@@ -61,6 +61,7 @@ class TwellGatedMLP(nn.Module):
         # eager decode calls replay CUDA graphs of the kernels: the two launches cost more host time than
         # the dense block's cuBLAS calls, the graph far less (graphs.py)
         self.graphs = DecodeGraphs() if DecodeGraphs is not None else None
+        self.prepare_kernel_layout()  # models built from a config; from_pretrained again once loaded
 
     def _projections(self):
         return [getattr(self, name) for name in (*self.names, self.down_name)]
@@ -84,9 +85,10 @@ class TwellGatedMLP(nn.Module):
 
     def prepare_kernel_layout(self):
         """Stores the down weight transposed (same shape and values; its .t() contiguous) where the kernels
-        may serve this layer: the kernels read it so, and would otherwise copy it at every call. In place of
-        the parameter's data (the parameter stays the same object, so optimizers and tied references hold);
-        moves (.to) keep the layout. Weights on the meta device (offloaded) are left as they are."""
+        may serve this layer: the kernels read it so, and copy it at every call otherwise (a weight assigned
+        after loading: call this again). In place of the parameter's data (the parameter stays the same
+        object); moves and casts (.to) and load_state_dict keep the layout. Weights on the meta device
+        (not loaded yet, or offloaded) are left as they are."""
         down = getattr(self, self.down_name).weight
         if prepare_down is not None and self.kernel_ready and not down.is_meta and not down.t().is_contiguous():
             with torch.inference_mode(False):  # a normal tensor even when first called in inference mode
@@ -97,9 +99,8 @@ class TwellGatedMLP(nn.Module):
             gate, up = self._gate_up_weights()
             down = getattr(self, self.down_name).weight
             precision = "highest" if x.dtype == torch.float32 else "default"
-            if torch.compiler.is_compiling():  # the custom op in the graph; a weight not yet prepared costs a copy
+            if torch.compiler.is_compiling():  # the custom op, in the graph
                 return gated_mlp(x, gate, up, down, tile=self.tile, compression=self.compression, precision=precision)
-            self.prepare_kernel_layout()  # once, for weights assigned after loading
             return self.graphs(gated_mlp, x, gate, up, down, tile=self.tile, compression=self.compression,
                                precision=precision)
         if self.gate_up_name:
