@@ -7,9 +7,10 @@ Each row of the result is one path, timed for both loads in turn (CUDA events, m
 - "generate_eager": plain `generate` (greedy, dynamic cache, eager), `decode_tokens` new tokens after a
   PROMPT_TOKENS prompt: what a user gets without configuring anything;
 - "generate_compiled": `generate(..., cache_implementation="static", compile_config=CompileConfig(
-  fullgraph=True))`, transformers' documented fast path: it compiles the decode step (inductor, mode
-  "reduce-overhead": the step becomes a CUDA graph; fullgraph: any graph break is an error) and runs the
-  prefill eagerly. One compile per model and batch size, in the first (untimed) call: its time is reported;
+  fullgraph=True, dynamic=False))`, transformers' documented fast path: it compiles the decode step
+  (inductor, mode "reduce-overhead": the step becomes a CUDA graph; fullgraph: a graph break is an error;
+  static shapes: one graph per batch size) and runs the prefill eagerly. One compile per model and batch
+  size, in the first (untimed) call, whose time is reported;
 - "decode_step_graph": one greedy step (a one-token forward over a static cache holding `decode_context`
   tokens) captured as one CUDA graph and replayed: the GPU time of a serving loop that captures its step.
 Tokens per second count the new tokens (generate) or the input tokens (prefill) of the call.
@@ -55,7 +56,8 @@ PATHS = {
     "prefill": "decoder stack (no LM head), eager, batch x seq_len tokens",
     "generate_eager": "generate, greedy, eager, dynamic cache (the default)",
     "generate_compiled": "generate, greedy, cache_implementation='static', compile_config=CompileConfig("
-                         "fullgraph=True): decode step compiled by transformers (inductor, reduce-overhead)",
+                         "fullgraph=True, dynamic=False): decode step compiled by transformers (inductor, "
+                         "reduce-overhead)",
     "decode_step_graph": "one decode step over a static cache, captured as one CUDA graph and replayed",
 }
 COMPONENTS = ("mlp", "attention", "norm", "lm_head", "matmul", "other")
@@ -262,7 +264,7 @@ def compiled_generate_row(models, prompt, new_tokens, repeats) -> dict:
     """The compiled path; the first call of each model compiles (its wall time reported as compile_s)."""
     from transformers import CompileConfig
 
-    options = dict(cache_implementation="static", compile_config=CompileConfig(fullgraph=True))
+    options = dict(cache_implementation="static", compile_config=CompileConfig(fullgraph=True, dynamic=False))
     calls = {name: lambda m=model: _generate(m, prompt, new_tokens, **options) for name, model in models.items()}
     compile_s = {}
     for name, call in calls.items():  # generate runs under no_grad itself
