@@ -128,23 +128,32 @@ def analyze(model, data, tokens, seq_len, batch_size, device, json_path, plot_pa
 
 @main.command()
 @click.argument("checkpoint")
-@click.option("--batch", type=int, default=64, show_default=True, help="Sequences in the prefill forward.")
 @click.option("--seq-len", type=int, default=2048, show_default=True, help="Tokens per prefill sequence.")
-@click.option("--decode-tokens", type=int, default=128, show_default=True, help="New tokens per eager greedy generation.")
+@click.option("--prefill-batch", type=int, multiple=True, default=(1, 8, 64), show_default=True,
+              help="Sequences in a prefill forward (repeat the option for several rows).")
+@click.option("--generate-batch", type=int, multiple=True, default=(1, 8), show_default=True,
+              help="Sequences decoded together in eager generate and the CUDA-graph step (repeatable).")
+@click.option("--compiled-batch", type=int, multiple=True, default=(1, 8), show_default=True,
+              help="Sequences decoded together in compiled static-cache generate (repeatable).")
+@click.option("--no-compiled", is_flag=True, help="Skip compiled generate (each batch size compiles both models).")
+@click.option("--decode-tokens", type=int, default=64, show_default=True, help="New tokens per greedy generation.")
 @click.option("--decode-context", type=int, default=512, show_default=True,
-              help="Tokens in the KV cache at the timed decode step (CUDA graph).")
-@click.option("--decode-batch", type=int, default=1, show_default=True, help="Sequences decoded together.")
+              help="Tokens in the KV cache at the CUDA-graph decode step.")
+@click.option("--repeats", type=int, default=3, show_default=True, help="Timed calls per path and load (median).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write all figures to this JSON file.")
 @user_errors
-def bench(checkpoint, batch, seq_len, decode_tokens, decode_context, decode_batch, json_path):
-    """Dense vs TwELL speed of a converted CHECKPOINT on a GPU, in one process, with a logits check:
-    decoder prefill over batch x seq-len tokens, one decode step replayed as a CUDA graph, and eager
-    greedy generate tokens/s."""
+def bench(checkpoint, seq_len, prefill_batch, generate_batch, compiled_batch, no_compiled, decode_tokens,
+          decode_context, repeats, json_path):
+    """Dense vs TwELL speed of a converted CHECKPOINT on a GPU, in one process, with a logits check: decoder
+    prefill, eager generate, compiled static-cache generate and one decode step replayed as a CUDA graph,
+    each with a per-component GPU time breakdown."""
     from sparsify.bench import bench_checkpoint, bench_table, write_json
     from sparsify.report import console
 
-    result = bench_checkpoint(checkpoint, batch=batch, seq_len=seq_len, decode_tokens=decode_tokens,
-                              decode_context=decode_context, decode_batch=decode_batch)
+    result = bench_checkpoint(checkpoint, seq_len=seq_len, prefill_batches=prefill_batch,
+                              generate_batches=generate_batch, compiled_batches=() if no_compiled else compiled_batch,
+                              decode_tokens=decode_tokens, decode_context=decode_context, repeats=repeats)
+    result["command"] = " ".join(["sparsify", *sys.argv[1:]])
     console.print(bench_table(result))
     if json_path:
         write_json(result, json_path)

@@ -11,9 +11,12 @@ down ~ N(0, 1/k) as in the block benchmark. The mean active units on the benchma
 measured by `sparsify bench` and reported next to the target: the figures go with the measured value.
 
 The model is exported as a converted checkpoint (export_checkpoint, plan from plan_layers on `measure`
-statistics) and benchmarked with `sparsify.bench.bench_checkpoint`; JSON per target under --out.
+statistics) and benchmarked with `sparsify.bench.bench_checkpoint` (prefill, eager and compiled generate,
+CUDA-graph decode step, each with its breakdown); JSON per target under --out, with the command line and
+the seconds each stage took.
 
-  python benchmarks/model_bench.py --active 29 100 --layers 4 --out results/model
+  python benchmarks/model_bench.py --active 29 --layers 28 --out results/model     # the paper's 1.5B shape
+  python benchmarks/model_bench.py --quick --out /tmp/smoke                        # 4 layers, fewer rows
 """
 from __future__ import annotations
 
@@ -116,35 +119,51 @@ def main(argv=None):
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--intermediate", type=int, default=5632)
-    parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--prefill-batch", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--generate-batch", type=int, nargs="+", default=[1, 8],
+                        help="Batch sizes of eager generate and the CUDA-graph step.")
+    parser.add_argument("--compiled-batch", type=int, nargs="*", default=[1, 8],
+                        help="Batch sizes of compiled static-cache generate (none: skip it).")
+    parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--decode-context", type=int, default=512)
-    parser.add_argument("--decode-batch", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true",
+                        help="Smoke run: 4 layers, prefill at batch 1 and 8, decode paths at batch 1, 32 new tokens, "
+                             "2 repeats (overrides those options).")
     parser.add_argument("--out", type=Path, required=True, help="Folder for the JSON results.")
     parser.add_argument("--work", type=Path, help="Folder for the checkpoints (default: a temporary one).")
     parser.add_argument("--measure", action="store_true", help="Plan by timing the kernel settings (as convert --measure).")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.layers, args.prefill_batch, args.generate_batch, args.compiled_batch = 4, [1, 8], [1], [1]
+        args.decode_tokens, args.repeats = 32, 2
     from rich.console import Console
 
     console = Console()
     work = args.work or Path(tempfile.mkdtemp(prefix="model-bench-"))
     for active in args.active:
+        start = time.perf_counter()
         model = build_model(hidden=args.hidden, intermediate=args.intermediate, layers=args.layers, active=active,
                             device="cuda")
         path = export(model, work / f"llama-k{active:g}", active=active, measure_kernels=args.measure)
         del model
         torch.cuda.empty_cache()
-        result = bench_checkpoint(path, batch=args.batch, seq_len=args.seq_len, decode_tokens=args.decode_tokens,
-                                  decode_context=args.decode_context, decode_batch=args.decode_batch)
+        built = time.perf_counter()
+        result = bench_checkpoint(path, seq_len=args.seq_len, prefill_batches=args.prefill_batch,
+                                  generate_batches=args.generate_batch, compiled_batches=args.compiled_batch,
+                                  decode_tokens=args.decode_tokens, decode_context=args.decode_context,
+                                  repeats=args.repeats)
         twell_section = json.loads((path / "config.json").read_text())["twell"]
         result.update(command="python " + " ".join(sys.argv), target_active=active,
                       shape={"hidden": args.hidden, "intermediate": args.intermediate, "layers": args.layers},
+                      seconds={"build_and_export": built - start, "bench": time.perf_counter() - built},
                       plan_stats=twell_section["layers"], cost_model_plan=twell_section["training"]["cost_model_plan"])
         console.print(bench_table(result))
         console.print(f"plan: {result['plan']['layers']}; mean active per layer on the bench input: "
-                      f"{[round(a, 1) for a in result['mean_active']]}")
-        write_json(result, args.out / f"model_bench_k{active:g}{'_measured' if args.measure else ''}.json")
+                      f"{[round(a, 1) for a in result['mean_active']]}; seconds: {result['seconds']}")
+        name = f"model_bench_k{active:g}_l{args.layers}{'_measured' if args.measure else ''}.json"
+        console.print(f"wrote {write_json(result, args.out / name)}")
     console.print(f"versions: {versions()}")
 
 

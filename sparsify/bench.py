@@ -2,25 +2,43 @@
 
 The checkpoint loads twice in bf16: plain (the family's own class with a ReLU gate: dense math, no
 remote code) and with trust_remote_code=True (TwellGatedMLP: each layer on its planned kernel setting).
-Figures (benchmarks.md method, CUDA events through triton's do_bench, medians after warm-up):
-- prefill: the decoder stack (no LM head, as the paper's figure) over batch x seq_len token ids;
-- decode step: one greedy step (a one-token forward of the whole model over a static KV cache holding
-  `decode_context` tokens) captured as a CUDA graph and replayed: the GPU time a serving loop that captures
-  its step pays (as transformers' compiled static-cache generate and vLLM-style servers do);
-- decode: `generate`, eager, greedy, exactly `decode_tokens` new tokens after a short prompt, in tokens/s.
-  Its per-step Python (sampling logic, cache bookkeeping, module calls) costs about as much as the GPU
-  work of a small model, so this figure is host-bound and shows little of the MLP's speed-up.
-Inputs are random token ids (seed 0): the mean active units that the figures go with are measured on
-that same input (gate pre-activation > 0) and reported. A logits check runs before any timing: relative
-error of the final-position logits of the prefill input (the token count each layer's window is judged
-at), and how many greedy tokens of a short generation from 16-token prompts agree (bf16 rounding can flip
-a near-tie, after which the continuations differ: both are reported).
+Each row of the result is one path, timed for both loads in turn (CUDA events, medians after warm-up):
+- "prefill": the decoder stack (no LM head) over batch x seq_len token ids, eager;
+- "generate_eager": plain `generate` (greedy, dynamic cache, eager), `decode_tokens` new tokens after a
+  PROMPT_TOKENS prompt: what a user gets without configuring anything;
+- "generate_compiled": `generate(..., cache_implementation="static", compile_config=CompileConfig(
+  fullgraph=True, dynamic=False))`, transformers' documented fast path: it compiles the decode step
+  (inductor, mode "reduce-overhead": the step becomes a CUDA graph; fullgraph: a graph break is an error;
+  static shapes: one graph per batch size) and runs the prefill eagerly. One compile per model and batch
+  size, in the first (untimed) call, whose time is reported;
+- "decode_step_graph": one greedy step (a one-token forward over a static cache holding `decode_context`
+  tokens) captured as one CUDA graph and replayed: the GPU time of a serving loop that captures its step.
+Tokens per second count the new tokens (generate) or the input tokens (prefill) of the call.
+Each row also has a breakdown per load: GPU milliseconds per component of one call, from torch.profiler
+(CUDA activity). Eager calls run with a profiler range around every MLP, attention, norm and LM-head module
+(forward hooks), and a kernel counts for the range that launched it. Where ranges cannot reach (inside
+the compiled step; kernels the profiler does not tie to a launching range) a kernel counts by its name:
+twell kernels and fused ReLU as "mlp", flash/fmha/softmax as "attention", rsqrt/norm as "norm", cuBLAS GEMMs
+as "matmul" (in compiled rows the dense MLP's GEMMs land there, beside the attention projections and the LM
+head), anything else as "other" (embedding, rotary, residual adds, cache writes, sampling). The graph
+step's split is that of the same step run eagerly (the graph holds the same kernels, less the copies in
+and out of the MLP's own decode graphs). "gpu_busy_ms" is the union of kernel intervals (components can
+sum to more where kernels overlap, as the MLP's two programmatic dependent launches do); "gpu_idle_ms" =
+wall - busy, against the median wall time of the same call without the profiler: time the GPU waits for
+the host (Python, launches, synchronizations).
+Inputs are random token ids (seed 0); the mean active units the figures go with are measured on the
+largest prefill input (gate pre-activation > 0). A logits check runs before any timing: relative error of
+the final-position logits of that input, and how many greedy tokens of a short generation from 16-token
+prompts agree (bf16 rounding can flip a near-tie, after which the continuations differ: both reported);
+each generate row also reports the agreement of its own dense and TwELL tokens.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import platform
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -34,6 +52,21 @@ from .tune import relative_error, require_cuda
 
 PROMPT_TOKENS = 16
 CHECK_BATCH, CHECK_NEW = 4, 32  # greedy agreement: prompts of PROMPT_TOKENS, CHECK_NEW new tokens
+PATHS = {
+    "prefill": "decoder stack (no LM head), eager, batch x seq_len tokens",
+    "generate_eager": "generate, greedy, eager, dynamic cache (the default)",
+    "generate_compiled": "generate, greedy, cache_implementation='static', compile_config=CompileConfig("
+                         "fullgraph=True, dynamic=False): decode step compiled by transformers (inductor, "
+                         "reduce-overhead)",
+    "decode_step_graph": "one decode step over a static cache, captured as one CUDA graph and replayed",
+}
+COMPONENTS = ("mlp", "attention", "norm", "lm_head", "matmul", "other")
+RANGE = "sparsify::"  # prefix of the profiler ranges around modules
+# kernel-name fragments (lower case) of each component, for kernels outside a module range; first match wins
+KERNEL_NAMES = (("mlp", ("gate_pack", "twell", "compact_list", "relu")),
+                ("attention", ("flash", "fmha", "attention", "sdpa", "softmax")),
+                ("norm", ("rsqrt", "norm")),
+                ("matmul", ("gemm", "xmma", "cutlass", "cublas", "nvjet")))
 
 
 def logits_agreement(dense_logits: torch.Tensor, twell_logits: torch.Tensor, dense_tokens: torch.Tensor,
@@ -61,42 +94,195 @@ def versions() -> dict:
     import triton
 
     return {"torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version()}
+            "cuda": torch.version.cuda, "python": platform.python_version()}
 
 
-def _generate(model, prompt, new_tokens):
-    # an explicit mask: random ids may contain the pad id, which must not be masked out
-    return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
-                          min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)[:, prompt.shape[1]:]
+def path_row(path: str, batch: int, tokens: int, seconds: dict, **extra) -> dict:
+    """One result row: dense and twell ms per call of `tokens` tokens, tokens/s, and the speed-up."""
+    loads = {name: {"ms": 1e3 * s, "tokens_per_s": tokens / s} for name, s in seconds.items()}
+    return {"path": path, "what": PATHS[path], "batch": batch, "tokens": tokens, **loads,
+            "speedup": seconds["dense"] / seconds["twell"], **extra}
 
 
-def _median_seconds(fns: dict, warmup: int = 1, repeats: int = 5) -> dict:
-    """Median wall time of each fn() between CUDA events (for calls too long for do_bench's repetitions).
-    The functions take turns, so that a drift of the host's speed during the run (seen on shared GPU
-    hosts: the same eager `generate` 1.8x slower a minute later) falls on all of them alike."""
+def module_component(class_name: str, *, is_mlp: bool = False, is_head: bool = False) -> str | None:
+    """The component a module's range counts for (None: not a component; its kernels fall to its parent's
+    range, or to their names)."""
+    if is_mlp:
+        return "mlp"
+    if is_head:
+        return "lm_head"
+    if "Attention" in class_name:
+        return "attention"
+    return "norm" if "Norm" in class_name else None
+
+
+def kernel_component(name: str) -> str:
+    """The component of a kernel that ran outside any module range, by its name (KERNEL_NAMES)."""
+    name = name.lower()
+    return next((component for component, parts in KERNEL_NAMES if any(p in name for p in parts)), "other")
+
+
+def busy_us(intervals) -> float:
+    """Length of the union of (start, end) intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def component_split(kernels, ranged) -> dict:
+    """GPU ms per component. `kernels`: (name, start_us, end_us) of every device activity; `ranged`:
+    (component, name, duration_us) of those the profiler tied to a module range. The rest count by name."""
+    split = dict.fromkeys(COMPONENTS, 0.0)
+    unranged = dict.fromkeys(COMPONENTS, 0.0)
+    for name, start, end in kernels:
+        unranged[kernel_component(name)] += end - start
+    for component, name, duration in ranged:
+        split[component] += duration
+        unranged[kernel_component(name)] -= duration
+    for component, us in unranged.items():
+        split[component] += max(us, 0.0)
+    return {**{f"{c}_ms": us / 1e3 for c, us in split.items()},
+            "gpu_busy_ms": busy_us((start, end) for _, start, end in kernels) / 1e3}
+
+
+@contextlib.contextmanager
+def module_ranges(model):
+    """Profiler ranges RANGE + component around the model's MLP, attention, norm and LM-head modules (not
+    around modules inside one already covered). Eager calls only: the hooks would be traced by a compile."""
+    if model is None:
+        yield
+        return
+    mlps = {id(m) for m in mlp_modules(model, spec_for(model.config))}
+    head = model.get_output_embeddings()
+    open_ranges, handles, covered = [], [], []
+
+    def enter(label):
+        def hook(module, args):
+            open_ranges.append(torch.profiler.record_function(label))
+            open_ranges[-1].__enter__()
+        return hook
+
+    def leave(module, args, output):
+        open_ranges.pop().__exit__(None, None, None)
+
+    for name, module in model.named_modules():
+        if any(name.startswith(prefix) for prefix in covered):
+            continue
+        component = module_component(type(module).__name__, is_mlp=id(module) in mlps, is_head=module is head)
+        if component:
+            covered.append(name + ".")
+            handles += [module.register_forward_pre_hook(enter(RANGE + component)), module.register_forward_hook(leave)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _range_of(event) -> str | None:
+    while event is not None:
+        if event.name.startswith(RANGE):
+            return event.name[len(RANGE):]
+        event = event.cpu_parent
+    return None
+
+
+def profile_split(fn, model=None) -> dict:
+    """component_split of one fn() call under torch.profiler, with module_ranges(model) (None: none)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with module_ranges(model), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = prof.events()
+    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in events
+               if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+               and not e.name.startswith(RANGE)]
+    ranged = [(component, k.name, k.duration) for e in events if e.device_type == DeviceType.CPU and e.kernels
+              for component in [_range_of(e)] if component for k in e.kernels if not k.name.startswith(RANGE)]
+    return component_split(kernels, ranged)
+
+
+def breakdown(fn, wall_s: float, model=None) -> dict:
+    """Where one call goes: profile_split of fn() (module ranges of `model`), beside `wall_s`, the call's
+    median time without the profiler (the graph step: its replay's), and gpu_idle_ms = wall - busy."""
+    split = profile_split(fn, model)
+    return {"wall_ms": 1e3 * wall_s, **split, "gpu_idle_ms": max(1e3 * wall_s - split["gpu_busy_ms"], 0.0)}
+
+
+def _median_seconds(fns: dict, warmup: int = 1, repeats: int = 3) -> tuple[dict, dict]:
+    """Median wall time of each fn() between CUDA events, and each one's last output. The functions take
+    turns, so that a drift of the host's speed during the run (seen on shared GPU hosts: the same eager
+    `generate` 1.8x slower a minute later) falls on all of them alike."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
-    times = {name: [] for name in fns}
+    times, outputs = {name: [] for name in fns}, {}
     for _ in range(repeats):
         for name, fn in fns.items():
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            outputs[name] = fn()
             end.record()
             torch.cuda.synchronize()
             times[name].append(start.elapsed_time(end) / 1e3)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return {name: statistics.median(t) for name, t in times.items()}, outputs
+
+
+def _generate(model, prompt, new_tokens, **options):
+    # an explicit mask: random ids may contain the pad id, which must not be masked out
+    return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                          min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **options)[:, prompt.shape[1]:]
+
+
+def _timed_row(path, batch, tokens, calls: dict, models: dict, repeats: int, ranges: bool = True, **extra) -> dict:
+    """path_row of `calls` (name -> fn), each load's breakdown, and for token outputs their agreement."""
+    seconds, outputs = _median_seconds(calls, repeats=repeats)
+    split = {name: breakdown(calls[name], seconds[name], models[name] if ranges else None) for name in calls}
+    if torch.is_tensor(outputs["dense"]):  # generated tokens
+        extra["greedy_match"] = (outputs["dense"] == outputs["twell"]).float().mean().item()
+    return path_row(path, batch, tokens, seconds, breakdown=split, **extra)
 
 
 @torch.inference_mode()
-def decode_step(model, context: torch.Tensor) -> tuple[float, torch.Tensor]:
-    """GPU seconds and logits [batch, vocab] of one decode step of `model` after the prompt `context`
+def prefill_row(models, ids, repeats) -> dict:
+    calls = {name: lambda m=model: m.get_decoder()(input_ids=ids, use_cache=False) for name, model in models.items()}
+    return _timed_row("prefill", ids.shape[0], ids.numel(), calls, models, repeats)
+
+
+@torch.inference_mode()
+def generate_row(models, prompt, new_tokens, repeats) -> dict:
+    calls = {name: lambda m=model: _generate(m, prompt, new_tokens) for name, model in models.items()}
+    return _timed_row("generate_eager", prompt.shape[0], prompt.shape[0] * new_tokens, calls, models, repeats)
+
+
+def compiled_generate_row(models, prompt, new_tokens, repeats) -> dict:
+    """The compiled path; the first call of each model compiles (its wall time reported as compile_s)."""
+    from transformers import CompileConfig
+
+    options = dict(cache_implementation="static", compile_config=CompileConfig(fullgraph=True, dynamic=False))
+    calls = {name: lambda m=model: _generate(m, prompt, new_tokens, **options) for name, model in models.items()}
+    compile_s = {}
+    for name, call in calls.items():  # generate runs under no_grad itself
+        start = time.perf_counter()
+        call()
+        torch.cuda.synchronize()
+        compile_s[name] = time.perf_counter() - start
+    return _timed_row("generate_compiled", prompt.shape[0], prompt.shape[0] * new_tokens, calls, models, repeats,
+                      ranges=False, compile_s=compile_s)
+
+
+@torch.inference_mode()
+def capture_step(model, context: torch.Tensor):
+    """(replay, eager step, logits [batch, vocab]) of one decode step of `model` after the prompt `context`
     [batch, n]: a one-token forward over a static KV cache, captured as a CUDA graph (after warm-up on a
-    side stream, which also compiles the kernels and builds their launch plans) and timed by replaying it.
-    The logits are the replay's, checked against the same step run eagerly."""
+    side stream, which also compiles the kernels and builds their launch plans). The logits are the
+    replay's, checked against the same step run eagerly."""
     from transformers import StaticCache
-    from triton.testing import do_bench
 
     batch, n = context.shape
     device = context.device
@@ -104,7 +290,6 @@ def decode_step(model, context: torch.Tensor) -> tuple[float, torch.Tensor]:
     model(input_ids=context, past_key_values=cache, cache_position=torch.arange(n, device=device), use_cache=True)
     ids = context[:, -1:].clone()
     position = torch.full((1,), n, device=device)
-
     counters = [layer.cumulative_length for layer in cache.layers
                 if torch.is_tensor(getattr(layer, "cumulative_length", None))]
 
@@ -123,11 +308,22 @@ def decode_step(model, context: torch.Tensor) -> tuple[float, torch.Tensor]:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         replayed = step()
-    seconds = do_bench(graph.replay, return_mode="median") / 1e3
+    graph.replay()
     error = relative_error(replayed.float(), eager.float())
     if error > 1e-3:
         raise RuntimeError(f"the CUDA-graph decode step differs from the eager one (relative error {error:.1e})")
-    return seconds, replayed.clone()
+    return graph.replay, torch.inference_mode()(step), replayed.clone()
+
+
+def graph_step_row(models, context) -> dict:
+    from triton.testing import do_bench
+
+    steps = {name: capture_step(model, context) for name, model in models.items()}
+    seconds = {name: do_bench(replay, return_mode="median") / 1e3 for name, (replay, _, _) in steps.items()}
+    split = {name: breakdown(eager, seconds[name], models[name]) for name, (_, eager, _) in steps.items()}
+    batch = context.shape[0]
+    return path_row("decode_step_graph", batch, batch, seconds, breakdown=split, context=context.shape[1],
+                    logits_rel_err=relative_error(steps["twell"][2], steps["dense"][2]))
 
 
 @torch.inference_mode()
@@ -140,80 +336,87 @@ def mean_active(model, ids) -> list[float]:
     return [torch.stack(s).mean().item() for s in sums]
 
 
-def bench_checkpoint(path: str | Path, *, batch: int = 64, seq_len: int = 2048, decode_tokens: int = 128,
-                     decode_batch: int = 1, decode_context: int = 512, device: str = "cuda") -> dict:
-    """Prefill and decode figures of the dense and the TwELL load of the checkpoint at `path`."""
+def bench_checkpoint(path: str | Path, *, seq_len: int = 2048, prefill_batches=(1, 8, 64), generate_batches=(1, 8),
+                     compiled_batches=(1, 8), decode_tokens: int = 64, decode_context: int = 512, repeats: int = 3,
+                     device: str = "cuda") -> dict:
+    """All rows (PATHS) for the dense and the TwELL load of the checkpoint at `path`: prefill at each of
+    `prefill_batches` x seq_len, eager generate and the graph step at each of `generate_batches`, compiled
+    generate at each of `compiled_batches` (empty: none)."""
     from transformers import AutoModelForCausalLM
 
     device = require_cuda(device, "sparsify bench")
-    if min(batch, seq_len, decode_tokens, decode_batch, decode_context) < 1:
-        raise ConfigError("--batch, --seq-len, --decode-tokens, --decode-context and the decode batch must be positive")
+    sizes = (seq_len, decode_tokens, decode_context, repeats, *prefill_batches, *generate_batches, *compiled_batches)
+    if not prefill_batches or min(sizes) < 1:
+        raise ConfigError("--seq-len, --decode-tokens, --decode-context, --repeats and the batch sizes must be "
+                          "positive, with at least one prefill batch")
     config, _ = load_config(path)  # SourceError / UnsupportedModelError for what cannot be a checkpoint
     path = resolve_source(path)
     if not getattr(config, "twell", None):
         raise ConfigError(f"{path}: not a sparsify checkpoint (config.json has no twell section)")
     load = dict(dtype=torch.bfloat16)
-    dense = AutoModelForCausalLM.from_pretrained(path, **load).to(device).eval()
-    sparse = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, **load).to(device).eval()
-    vocab = config.vocab_size
+    models = {"dense": AutoModelForCausalLM.from_pretrained(path, **load).to(device).eval(),
+              "twell": AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, **load).to(device).eval()}
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, (batch, seq_len), generator=gen).to(device)
-    check_prompts = torch.randint(0, vocab, (CHECK_BATCH, PROMPT_TOKENS), generator=gen).to(device)
-    prompt = torch.randint(0, vocab, (decode_batch, PROMPT_TOKENS), generator=gen).to(device)
-    context = torch.randint(0, vocab, (decode_batch, decode_context), generator=gen).to(device)
 
+    def ids(batch, length):
+        return torch.randint(0, config.vocab_size, (batch, length), generator=gen).to(device)
+
+    prefill_ids = {batch: ids(batch, seq_len) for batch in prefill_batches}
+    largest = prefill_ids[max(prefill_batches)]
     with torch.inference_mode():
-        # logits on the timed prefill input itself (last position only), so that the check runs the layers
-        # at the token count the figures are for: a smaller input could fall outside a layer's sparse window
-        last = [m(ids, logits_to_keep=1, use_cache=False).logits[:, -1] for m in (dense, sparse)]
-        check = logits_agreement(*last, *(_generate(m, check_prompts, CHECK_NEW) for m in (dense, sparse)))
-        active = mean_active(dense, ids)
-        models = {"dense": dense, "twell": sparse}
-        steps = {name: decode_step(model, context) for name, model in models.items()}
-        prefill = _median_seconds({name: lambda m=model: m.get_decoder()(input_ids=ids, use_cache=False)
-                                   for name, model in models.items()})
-        decode = _median_seconds({name: lambda m=model: _generate(m, prompt, decode_tokens)
-                                  for name, model in models.items()})
-    figures = {name: {"prefill_ms": 1e3 * prefill[name], "prefill_tokens_per_s": batch * seq_len / prefill[name],
-                      "decode_step_ms": 1e3 * steps[name][0], "decode_step_tokens_per_s": decode_batch / steps[name][0],
-                      "decode_s": decode[name], "decode_tokens_per_s": decode_batch * decode_tokens / decode[name]}
-               for name in models}
-    figures["prefill_speedup"] = figures["dense"]["prefill_ms"] / figures["twell"]["prefill_ms"]
-    figures["decode_step_speedup"] = figures["dense"]["decode_step_ms"] / figures["twell"]["decode_step_ms"]
-    check["decode_step_logits_rel_err"] = relative_error(steps["twell"][1], steps["dense"][1])
-    figures["decode_speedup"] = figures["twell"]["decode_tokens_per_s"] / figures["dense"]["decode_tokens_per_s"]
+        # logits on the largest timed prefill input itself (last position only), so that the check runs the
+        # layers at a token count the figures are for: a smaller input could fall outside a sparse window
+        last = [m(largest, logits_to_keep=1, use_cache=False).logits[:, -1] for m in models.values()]
+        prompts = ids(CHECK_BATCH, PROMPT_TOKENS)
+        check = logits_agreement(*last, *(_generate(m, prompts, CHECK_NEW) for m in models.values()))
+        active = mean_active(models["dense"], largest)
+    rows = [prefill_row(models, prefill_ids[batch], repeats) for batch in prefill_batches]
+    for batch in generate_batches:
+        rows.append(generate_row(models, ids(batch, PROMPT_TOKENS), decode_tokens, repeats))
+        rows.append(graph_step_row(models, ids(batch, decode_context)))
+    if compiled_batches:
+        if hasattr(torch._dynamo.config, "recompile_limit"):  # dense and twell steps at each batch: one code object
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        for batch in compiled_batches:
+            rows.append(compiled_generate_row(models, ids(batch, PROMPT_TOKENS), decode_tokens, repeats))
     return {
         "checkpoint": str(path), "device": torch.cuda.get_device_name(device), "versions": versions(),
-        "batch": batch, "seq_len": seq_len, "decode_tokens": decode_tokens, "decode_batch": decode_batch,
-        "decode_context": decode_context,
-        "prompt_tokens": PROMPT_TOKENS, "figures": figures, "check": check, "plan": plan_summary(config),
-        "mean_active": active, "mean_active_all_layers": statistics.fmean(active),
+        "seq_len": seq_len, "decode_tokens": decode_tokens, "decode_context": decode_context,
+        "prompt_tokens": PROMPT_TOKENS, "repeats": repeats, "paths": PATHS, "rows": rows, "check": check,
+        "plan": plan_summary(config), "mean_active": active, "mean_active_all_layers": statistics.fmean(active),
     }
 
 
 def bench_table(result: dict):
-    """Rich table of a `bench_checkpoint` result."""
+    """Rich tables of a `bench_checkpoint` result: the rows, then each row's breakdown."""
+    from rich.console import Group
     from rich.table import Table
 
-    f, c = result["figures"], result["check"]
-    table = Table(title=f"{result['checkpoint']} on {result['device']}: {result['batch']} x {result['seq_len']} prefill; "
-                        f"decode at batch {result['decode_batch']}: one step after {result['decode_context']} tokens "
-                        f"(CUDA graph), {result['decode_tokens']} tokens of eager generate; "
-                        f"mean active units {result['mean_active_all_layers']:.1f}, "
-                        f"{result['plan']['sparse_layers']}/{len(result['plan']['layers'])} layers sparse")
-    for column in ("", "prefill ms", "prefill tokens/s", "decode step ms", "decode step tokens/s",
-                   "generate tokens/s"):
-        table.add_column(column, justify="right")
-    for name in ("dense", "twell"):
-        table.add_row(name, f"{f[name]['prefill_ms']:.2f}", f"{f[name]['prefill_tokens_per_s']:,.0f}",
-                      f"{f[name]['decode_step_ms']:.3f}", f"{f[name]['decode_step_tokens_per_s']:,.0f}",
-                      f"{f[name]['decode_tokens_per_s']:,.1f}")
-    table.add_row("speed-up", f"{f['prefill_speedup']:.2f}x", "", f"{f['decode_step_speedup']:.2f}x", "",
-                  f"{f['decode_speedup']:.2f}x")
-    table.caption = (f"logits rel. err {c['logits_rel_err']:.1e} (decode step {c['decode_step_logits_rel_err']:.1e}); "
-                     f"greedy tokens agreeing {100 * c['greedy_match']:.0f}% "
-                     f"(common prefix {c['greedy_common_prefix']:.1f} of {CHECK_NEW})")
-    return table
+    c = result["check"]
+    title = (f"{result['checkpoint']} on {result['device']}: mean active units {result['mean_active_all_layers']:.1f}, "
+             f"{result['plan']['sparse_layers']}/{len(result['plan']['layers'])} layers sparse")
+    rows = Table(title=title, caption=f"logits rel. err {c['logits_rel_err']:.1e}; greedy tokens agreeing "
+                                      f"{100 * c['greedy_match']:.0f}% (common prefix {c['greedy_common_prefix']:.1f} "
+                                      f"of {CHECK_NEW}); paths: {'; '.join(f'{k}: {v}' for k, v in PATHS.items())}")
+    for column in ("path", "batch", "tokens", "dense ms", "twell ms", "dense tokens/s", "twell tokens/s",
+                   "speed-up", "check"):
+        rows.add_column(column, justify="left" if column == "path" else "right")
+    parts = ("wall", "gpu_busy", "gpu_idle", *COMPONENTS)
+    split = Table(title="breakdown: ms per call (GPU ms per component; idle = wall - busy)")
+    for column in ("path", "batch", "load", *parts):
+        split.add_column(column, justify="left" if column in ("path", "load") else "right")
+    for row in result["rows"]:
+        check = (f"greedy {100 * row['greedy_match']:.0f}%" if "greedy_match" in row else
+                 f"rel. err {row['logits_rel_err']:.1e}" if "logits_rel_err" in row else "")
+        if "compile_s" in row:
+            check += f"; compile {row['compile_s']['dense']:.0f}/{row['compile_s']['twell']:.0f} s"
+        rows.add_row(row["path"], str(row["batch"]), str(row["tokens"]), f"{row['dense']['ms']:.2f}",
+                     f"{row['twell']['ms']:.2f}", f"{row['dense']['tokens_per_s']:,.0f}",
+                     f"{row['twell']['tokens_per_s']:,.0f}", f"{row['speedup']:.2f}x", check)
+        for load in ("dense", "twell"):
+            b = row["breakdown"][load]
+            split.add_row(row["path"], str(row["batch"]), load, *(f"{b[f'{p}_ms']:.2f}" for p in parts))
+    return Group(rows, split)
 
 
 def write_json(result: dict, path: str | Path) -> Path:

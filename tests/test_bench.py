@@ -5,7 +5,9 @@ import pytest
 import torch
 from rich.console import Console
 
-from sparsify.bench import bench_checkpoint, bench_table, logits_agreement, plan_summary, write_json
+from sparsify.bench import (COMPONENTS, RANGE, _range_of, bench_checkpoint, bench_table, busy_us, component_split,
+                            kernel_component, logits_agreement, module_component, module_ranges, path_row,
+                            plan_summary, write_json)
 from sparsify.errors import ConfigError
 from sparsify.families import spec_for
 from sparsify.tune import WINDOW, layer_plan, measure_plan
@@ -35,26 +37,78 @@ def test_logits_agreement():
     assert check["greedy_tokens"] == 8
 
 
+def split(**ms):
+    return {"wall_ms": 10.0, "gpu_busy_ms": 8.0, "gpu_idle_ms": 2.0, **{f"{c}_ms": ms.get(c, 0.0) for c in COMPONENTS}}
+
+
 def result():
-    figures = {"dense": {"prefill_ms": 100.0, "prefill_tokens_per_s": 1.3e6, "decode_step_ms": 2.0,
-                         "decode_step_tokens_per_s": 500.0, "decode_s": 1.0, "decode_tokens_per_s": 128.0},
-               "twell": {"prefill_ms": 80.0, "prefill_tokens_per_s": 1.6e6, "decode_step_ms": 1.25,
-                         "decode_step_tokens_per_s": 800.0, "decode_s": 0.8, "decode_tokens_per_s": 160.0},
-               "prefill_speedup": 1.25, "decode_step_speedup": 1.6, "decode_speedup": 1.25}
-    return {"checkpoint": "ckpt", "device": "GPU", "versions": {}, "batch": 64, "seq_len": 2048, "decode_tokens": 128,
-            "decode_batch": 1, "decode_context": 512, "figures": figures, "mean_active_all_layers": 29.3,
-            "check": {"logits_rel_err": 4e-3, "decode_step_logits_rel_err": 5e-3, "greedy_match": 1.0, "greedy_common_prefix": 32.0, "greedy_tokens": 128},
+    prefill = path_row("prefill", 64, 131072, {"dense": 1.0, "twell": 0.8},
+                       breakdown={"dense": split(mlp=6.0), "twell": split(mlp=4.0)})
+    compiled = path_row("generate_compiled", 1, 64, {"dense": 0.4, "twell": 0.25}, greedy_match=1.0,
+                        compile_s={"dense": 61.0, "twell": 58.0}, breakdown={"dense": split(), "twell": split()})
+    step = path_row("decode_step_graph", 8, 8, {"dense": 0.002, "twell": 0.00125}, logits_rel_err=5e-3,
+                    breakdown={"dense": split(), "twell": split()})
+    return {"checkpoint": "ckpt", "device": "GPU", "versions": {}, "seq_len": 2048, "decode_tokens": 64,
+            "decode_context": 512, "rows": [prefill, compiled, step], "mean_active_all_layers": 29.3,
+            "check": {"logits_rel_err": 4e-3, "greedy_match": 1.0, "greedy_common_prefix": 32.0, "greedy_tokens": 128},
             "plan": {"layers": ["T128 C8", "dense"], "sparse_layers": 1, "predicted_speedup": [1.3, 0.6]}}
 
 
+def test_path_row():
+    row = path_row("generate_eager", 8, 512, {"dense": 2.0, "twell": 1.6}, greedy_match=0.9)
+    assert row["dense"] == {"ms": 2000.0, "tokens_per_s": 256.0} and row["twell"]["tokens_per_s"] == 320.0
+    assert row["speedup"] == pytest.approx(1.25) and row["greedy_match"] == 0.9 and "eager" in row["what"]
+
+
 def test_table_and_json(tmp_path):
-    console = Console(record=True, width=200)
+    console = Console(record=True, width=400)
     console.print(bench_table(result()))
     text = console.export_text()
-    assert "1.25x" in text and "1.60x" in text and "29.3" in text and "1/2 layers sparse" in text and "4.0e-03" in text
-    assert "after 512 tokens" in text and "5.0e-03" in text
+    assert "1.25x" in text and "1.60x" in text and "29.3" in text and "1/2 layers sparse" in text
+    assert "4.0e-03" in text and "rel. err 5.0e-03" in text and "compile 61/58 s" in text and "greedy 100%" in text
+    assert "131072" in text and "6.00" in text  # the dense prefill's MLP ms in the breakdown
     path = write_json(result(), tmp_path / "sub" / "bench.json")
     assert json.loads(path.read_text()) == result()
+
+
+def test_component_classification():
+    assert module_component("LlamaMLP", is_mlp=True) == "mlp" and module_component("Linear", is_head=True) == "lm_head"
+    assert module_component("Qwen3Attention") == "attention" and module_component("LlamaRMSNorm") == "norm"
+    assert module_component("LlamaDecoderLayer") is None
+    names = {"_gate_pack_kernel": "mlp", "_twell_out_kernel": "mlp", "triton_poi_fused_mul_relu_0": "mlp",
+             "flash_fwd_kernel": "attention", "fmha_cutlassF_bf16_aligned_64x64_rf_sm80": "attention",
+             "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_1": "norm",
+             "nvjet_tst_128x64_64x8_1x1_v_bz_coopA_TNT": "matmul", "sm90_xmma_gemm_bf16bf16_bf16f32": "matmul",
+             "void at::native::elementwise_kernel<128, 2>": "other"}
+    assert {name: kernel_component(name) for name in names} == names
+
+
+def test_component_split_counts_each_kernel_once():
+    kernels = [("_twell_out_kernel", 0.0, 10.0), ("nvjet_gemm", 5.0, 25.0), ("elementwise", 30.0, 31.0),
+               ("nvjet_gemm", 40.0, 50.0)]
+    # the range tied the first GEMM to attention; the second, unranged, counts by its name
+    ranged = [("attention", "nvjet_gemm", 20.0)]
+    out = component_split(kernels, ranged)
+    assert out["mlp_ms"] == pytest.approx(0.010) and out["attention_ms"] == pytest.approx(0.020)
+    assert out["matmul_ms"] == pytest.approx(0.010) and out["other_ms"] == pytest.approx(0.001)
+    assert out["norm_ms"] == out["lm_head_ms"] == 0
+    assert out["gpu_busy_ms"] == pytest.approx(0.036)  # 0-25, 30-31, 40-50: the overlap counted once
+    assert busy_us([]) == 0 and busy_us([(0, 4), (1, 2), (3, 6)]) == 6
+
+
+def test_module_ranges_cover_each_component_once():
+    """Ranges around MLPs, attention (not its own q/k norms: they count within it), norms and the head;
+    hooks gone afterwards; an op inside an MLP finds its range."""
+    model, _ = tiny_model("qwen3")
+    layers = model.config.num_hidden_layers
+    with torch.no_grad(), module_ranges(model), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        model(torch.arange(8)[None])
+    events = prof.events()
+    counts = {c: sum(e.name == RANGE + c for e in events) for c in COMPONENTS}
+    assert counts == {"mlp": layers, "attention": layers, "norm": 2 * layers + 1, "lm_head": 1, "matmul": 0, "other": 0}
+    inside = [_range_of(e) for e in events if e.name == "aten::mul" and _range_of(e) in ("mlp", "attention", "norm")]
+    assert {"mlp", "norm"} <= set(inside)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
 def test_plan_summary():
@@ -135,10 +189,15 @@ def test_bench_checkpoint_on_gpu(tmp_path):
     model = model_bench.build_model(hidden=256, intermediate=2048, layers=2, heads=4, vocab=300, active=12,
                                     calibration_tokens=512, device="cuda")
     path = model_bench.export(model, tmp_path / "ckpt", active=12, eval_tokens=512)
-    result = bench_checkpoint(path, batch=2, seq_len=64, decode_tokens=8, decode_context=32, decode_batch=2)
-    f, c = result["figures"], result["check"]
-    for name in ("dense", "twell"):
-        assert f[name]["decode_step_ms"] > 0 and f[name]["prefill_ms"] > 0 and f[name]["decode_tokens_per_s"] > 0
-    assert f["decode_step_speedup"] == pytest.approx(f["dense"]["decode_step_ms"] / f["twell"]["decode_step_ms"])
-    assert c["logits_rel_err"] < 2e-2 and c["decode_step_logits_rel_err"] < 2e-2
-    assert result["decode_context"] == 32 and result["decode_batch"] == 2
+    result = bench_checkpoint(path, seq_len=64, prefill_batches=(2,), generate_batches=(2,), compiled_batches=(1,),
+                              decode_tokens=8, decode_context=32, repeats=1)
+    rows = {row["path"]: row for row in result["rows"]}
+    assert set(rows) == {"prefill", "generate_eager", "generate_compiled", "decode_step_graph"}
+    for row in rows.values():
+        assert row["speedup"] == pytest.approx(row["dense"]["ms"] / row["twell"]["ms"])
+        for load in ("dense", "twell"):
+            b = row["breakdown"][load]
+            assert row[load]["ms"] > 0 and 0 < b["gpu_busy_ms"] and b["wall_ms"] == pytest.approx(row[load]["ms"])
+        assert row["breakdown"]["twell"]["mlp_ms"] > 0
+    assert result["check"]["logits_rel_err"] < 2e-2 and rows["decode_step_graph"]["logits_rel_err"] < 2e-2
+    assert rows["generate_compiled"]["compile_s"]["twell"] > 0 and rows["generate_compiled"]["greedy_match"] > 0

@@ -260,3 +260,42 @@ def test_push_to_hub_creates_the_repo_and_uploads_once(tmp_path, monkeypatch):
         push.push_to_hub(tmp_path, "me/denied")
     with pytest.raises(OutputError, match="no config.json"):
         push.push_to_hub(tmp_path / "missing", "me/sparse")
+
+
+def test_compiled_decode_step_runs_the_kernel_in_one_graph(tmp_path):
+    """The down weight is laid out for the kernels at load (the dense layer's left alone), so that a fresh
+    model's one-token step over a static cache compiles with fullgraph=True (no graph break) around the
+    twell::gated_mlp op, with the uncompiled model's logits."""
+    from transformers import StaticCache
+
+    model, tokenizer, spec = _relufied("llama")
+    out = export_checkpoint(model, tokenizer, tmp_path / "ckpt-compile", spec=spec, plan=PLAN, training=TRAINING)
+    remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    layers = remote.model.layers
+    assert layers[0].mlp.down_proj.weight.t().is_contiguous()
+    assert layers[1].mlp.down_proj.weight.is_contiguous()
+    ids = tiny_input_ids(length=6)
+    graphs = []
+
+    def backend(gm, example_inputs):  # records the graph, runs it as traced
+        graphs.append(gm)
+        return gm.forward
+
+    def step(forward):
+        cache = StaticCache(config=remote.config, max_cache_len=8)
+        forward(input_ids=ids, past_key_values=cache, use_cache=True)  # prefill
+        position = torch.tensor([ids.shape[1]])
+        return forward(input_ids=ids[:, -1:], past_key_values=cache, cache_position=position,
+                       position_ids=position.expand(ids.shape[0], 1), use_cache=True).logits
+
+    with torch.no_grad():  # compiled first: no eager call has run on the fresh model
+        torch._dynamo.reset()
+        try:
+            compiled = step(torch.compile(remote, backend=backend, fullgraph=True, dynamic=False))
+        finally:
+            torch._dynamo.reset()
+        expected = step(remote)
+    assert len(graphs) == 2  # prefill and decode shapes, one graph each
+    decode_ops = [node.target for node in graphs[1].graph.nodes if node.op == "call_function"]
+    assert decode_ops.count(torch.ops.twell.gated_mlp.default) == 1  # layer 0 only
+    _close(compiled, expected)

@@ -6,9 +6,12 @@ count lies in one of the plan's "sparse_tokens" ranges (where the kernels beat d
 shape), and the TwELL kernels can run (CUDA; or CPU fp32/fp16 under TRITON_INTERPRET=1, which tests use),
 the MLP runs on them (eager calls of up to 64 tokens replayed as CUDA graphs); otherwise, and whenever
 gradients are needed (the inference kernels have no backward), it runs the same ReLU math densely. The
-module layout and per-layer plan come from config.json's "twell" section, so this file holds no
-per-architecture table. It imports neither sparsify nor anything beyond torch and transformers: the
-kernel files sit beside it and are imported relatively.
+kernels read the down weight transposed: it is stored so at construction and again once from_pretrained
+has loaded the weights (same shape and values, so state dicts keep the standard layout). Under
+torch.compile the kernel call is the custom op twell::gated_mlp (fullgraph=True holds; mode
+"reduce-overhead" puts it in the compiled CUDA graph). The module layout and per-layer plan come from
+config.json's "twell" section, so this file holds no per-architecture table. It imports neither sparsify
+nor anything beyond torch and transformers: the kernel files sit beside it and are imported relatively.
 """
 import importlib
 import os
@@ -51,11 +54,14 @@ class TwellGatedMLP(nn.Module):
                     and (bounds[1] is None or isinstance(bounds[1], int) and bounds[1] >= bounds[0])):
                 raise ValueError(f"config.twell: sparse_tokens must be [lo, hi] ranges (1 <= lo <= hi, hi null "
                                  f"for no bound), got {self.sparse_tokens!r}")
+        # the windows as (lo, hi) pairs with an int bound, compared without branching on None at each call
+        self._windows = tuple((lo, hi if hi is not None else 2 ** 62) for lo, hi in self.sparse_tokens)
         # whether the kernels may serve this layer at all (a bias is structural: fixed once built)
         self.kernel_ready = self.mode == "sparse" and all(p.bias is None for p in self._projections())
         # eager decode calls replay CUDA graphs of the kernels: the two launches cost more host time than
         # the dense block's cuBLAS calls, the graph far less (graphs.py)
         self.graphs = DecodeGraphs() if DecodeGraphs is not None else None
+        self.prepare_kernel_layout()  # models built from a config; from_pretrained again once loaded
 
     def _projections(self):
         return [getattr(self, name) for name in (*self.names, self.down_name)]
@@ -65,24 +71,36 @@ class TwellGatedMLP(nn.Module):
             return getattr(self, self.gate_up_name).weight.chunk(2, dim=0)
         return tuple(getattr(self, name).weight for name in self.names)
 
+    def in_window(self, tokens: int) -> bool:
+        """Whether a call of `tokens` tokens lies in one of the plan's sparse_tokens ranges (plain Python on
+        the static token count: under torch.compile a guard, not a graph break)."""
+        return any(lo <= tokens <= hi for lo, hi in self._windows)
+
     def _use_kernel(self, x):
-        if gated_mlp is None or not self.kernel_ready:
-            return False
-        tokens = x.numel() // x.shape[-1]
-        if not any(lo <= tokens and (hi is None or tokens <= hi) for lo, hi in self.sparse_tokens):
+        if gated_mlp is None or not self.kernel_ready or not self.in_window(x.numel() // x.shape[-1]):
             return False
         if torch.is_grad_enabled() and (x.requires_grad or any(p.weight.requires_grad for p in self._projections())):
             return False
         return x.is_cuda or INTERPRET and x.dtype in (torch.float32, torch.float16)
 
+    def prepare_kernel_layout(self):
+        """Stores the down weight transposed (same shape and values; its .t() contiguous) where the kernels
+        may serve this layer: the kernels read it so, and copy it at every call otherwise (a weight assigned
+        after loading: call this again). In place of the parameter's data (the parameter stays the same
+        object); moves and casts (.to) and load_state_dict keep the layout. Weights on the meta device
+        (not loaded yet, or offloaded) are left as they are."""
+        down = getattr(self, self.down_name).weight
+        if prepare_down is not None and self.kernel_ready and not down.is_meta and not down.t().is_contiguous():
+            with torch.inference_mode(False):  # a normal tensor even when first called in inference mode
+                down.data = prepare_down(down.data)
+
     def forward(self, x):
         if self._use_kernel(x):
             gate, up = self._gate_up_weights()
             down = getattr(self, self.down_name).weight
-            if not down.t().is_contiguous():  # once: the kernel reads down transposed
-                with torch.inference_mode(False):  # a normal tensor even when first called in inference mode
-                    down.data = prepare_down(down.data)
             precision = "highest" if x.dtype == torch.float32 else "default"
+            if torch.compiler.is_compiling():  # the custom op, in the graph
+                return gated_mlp(x, gate, up, down, tile=self.tile, compression=self.compression, precision=precision)
             return self.graphs(gated_mlp, x, gate, up, down, tile=self.tile, compression=self.compression,
                                precision=precision)
         if self.gate_up_name:
@@ -104,3 +122,13 @@ class TwellForCausalLM(_import(BASE_MODEL)):
             raise ValueError(f"config.twell plans {len(twell['layers'])} layers, the model has {len(layers)}")
         for layer, plan in zip(layers, twell["layers"]):
             setattr(layer, layout["mlp"], TwellGatedMLP(getattr(layer, layout["mlp"]), layout, plan))
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """The base class's loading, then the kernels' down-weight layout, once, outside any compiled region."""
+        loaded = super().from_pretrained(*args, **kwargs)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded  # (model, loading info) on request
+        for module in model.modules():
+            if isinstance(module, TwellGatedMLP):
+                module.prepare_kernel_layout()
+        return loaded
