@@ -278,10 +278,11 @@ def compiled_generate_row(models, prompt, new_tokens, repeats) -> dict:
 
 @torch.inference_mode()
 def capture_step(model, context: torch.Tensor):
-    """(replay, eager step, logits [batch, vocab]) of one decode step of `model` after the prompt `context`
-    [batch, n]: a one-token forward over a static KV cache, captured as a CUDA graph (after warm-up on a
-    side stream, which also compiles the kernels and builds their launch plans). The logits are the
-    replay's, checked against the same step run eagerly."""
+    """(replay, eager step, logits [batch, vocab], relative error of the replay against the eager step) of
+    one decode step of `model` after the prompt `context` [batch, n]: a one-token forward over a static KV
+    cache, captured as a CUDA graph (after warm-up on a side stream, which also compiles the kernels and
+    builds their launch plans). The logits are the replay's; the error is reported with the row (and a
+    warning printed above 1e-3), so that one failing check does not cost the other rows."""
     from transformers import StaticCache
 
     batch, n = context.shape
@@ -311,19 +312,21 @@ def capture_step(model, context: torch.Tensor):
     graph.replay()
     error = relative_error(replayed.float(), eager.float())
     if error > 1e-3:
-        raise RuntimeError(f"the CUDA-graph decode step differs from the eager one (relative error {error:.1e})")
-    return graph.replay, torch.inference_mode()(step), replayed.clone()
+        print(f"WARNING: {model.__class__.__name__}: the CUDA-graph decode step at batch {batch} differs from the "
+              f"eager one (relative error {error:.1e})", flush=True)
+    return graph.replay, torch.inference_mode()(step), replayed.clone(), error
 
 
 def graph_step_row(models, context) -> dict:
     from triton.testing import do_bench
 
     steps = {name: capture_step(model, context) for name, model in models.items()}
-    seconds = {name: do_bench(replay, return_mode="median") / 1e3 for name, (replay, _, _) in steps.items()}
-    split = {name: breakdown(eager, seconds[name], models[name]) for name, (_, eager, _) in steps.items()}
+    seconds = {name: do_bench(replay, return_mode="median") / 1e3 for name, (replay, *_) in steps.items()}
+    split = {name: breakdown(eager, seconds[name], models[name]) for name, (_, eager, *_) in steps.items()}
     batch = context.shape[0]
     return path_row("decode_step_graph", batch, batch, seconds, breakdown=split, context=context.shape[1],
-                    logits_rel_err=relative_error(steps["twell"][2], steps["dense"][2]))
+                    logits_rel_err=relative_error(steps["twell"][2], steps["dense"][2]),
+                    graph_vs_eager_rel_err={name: step[3] for name, step in steps.items()})
 
 
 @torch.inference_mode()
@@ -408,6 +411,8 @@ def bench_table(result: dict):
     for row in result["rows"]:
         check = (f"greedy {100 * row['greedy_match']:.0f}%" if "greedy_match" in row else
                  f"rel. err {row['logits_rel_err']:.1e}" if "logits_rel_err" in row else "")
+        if "graph_vs_eager_rel_err" in row:
+            check += "; graph vs eager " + "/".join(f"{e:.1e}" for e in row["graph_vs_eager_rel_err"].values())
         if "compile_s" in row:
             check += f"; compile {row['compile_s']['dense']:.0f}/{row['compile_s']['twell']:.0f} s"
         rows.add_row(row["path"], str(row["batch"]), str(row["tokens"]), f"{row['dense']['ms']:.2f}",
