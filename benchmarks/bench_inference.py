@@ -5,8 +5,7 @@ gate[:, 0] = -Phi^-1(1 - k/I), so each unit fires with probability k/I. Dense ba
 one concatenated bf16 cuBLAS matmul, relu(g) * u, down matmul. Each row also checks correctness
 (||out - ref|| / ||ref|| against the fp32 block on fresh inputs) in the same run.
 Large sizes: triton do_bench median (it flushes L2 before every call). Up to GRAPH_ROWS tokens: CUDA graph
-replays of LAYERS layer copies (so weights do not stay in L2), time per layer; no host time counts there (up
-to 1024 tokens until session 14: a slow host then made 2048-token rows of narrow layers host-bound).
+replays of LAYERS layer copies (so weights do not stay in L2), time per layer; no host time counts there.
 Grid "decode_dense": decode with every unit active (k = I: gate[:, 0] = 10, so every pre-activation is
 positive), so every (row, tile) overflows: the cost of the decode overflow fallback against dense.
 
@@ -15,6 +14,8 @@ positive), so every (row, tile) overflows: the cost of the decode overflow fallb
   python benchmarks/bench_inference.py --grid window --json out.json  # speed-up against token count
   python benchmarks/bench_inference.py --grid tiles --tile 64 128 256 --compression 4 8 16  # per (tile, C)
   python benchmarks/bench_inference.py --grid tiles ... --json out.json --resume  # finish a run cut short
+  python benchmarks/bench_inference.py --heavy-rows --json out.json    # tokens with thousands of active units
+  python benchmarks/bench_inference.py --decode-paths --json out.json  # decode against batched path, 8-64 tokens
   python benchmarks/bench_inference.py --sweep       # launch-config sweep at D=2048, I=5632
 """
 import argparse
@@ -33,10 +34,11 @@ from triton.testing import do_bench, do_bench_cudagraph
 import twell
 from twell.format import empty_twell, slots
 from twell.format import decode_rows
-from twell.gated_mlp import DECODE_TILE, gate_config, gate_launch, out_launch
+from twell.gated_mlp import DECODE_TILE, gate_config, gate_launch, out_config, out_launch
 
 ROW_KEY = ("D", "I", "M", "k", "tile", "compression")  # what identifies a grid row (--resume)
 LAYERS = 8  # layer copies for graph-replay timing
+HEAVY_K, HEAVY_TILE = 29, 128  # --heavy-rows: active units of the ordinary rows, tile
 GRAPH_ROWS = 4096  # up to this many tokens: CUDA-graph replays (the launches are short enough for host time to show)
 GRIDS = {
     "main": [(2048, 5632, m, k) for m in (4096, 16384, 65536) for k in (29, 100, 300)],
@@ -192,39 +194,8 @@ def write_json(path, result):
     os.replace(path + ".tmp", path)
 
 
-def save_rows(path, script, rows):
-    """A probe's rows as JSON, with the device, the versions and the command that wrote them."""
-    with open(path, "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                       command=f"python benchmarks/{script} --json {path}", rows=rows), f, indent=1)
-
-
 # the benchmark shape and the real-model shapes of benchmarks.md
 SHAPES = ((896, 4864), (2048, 5632), (2048, 8192), (3584, 18944), (4096, 14336))
-
-
-def compare_rules(cases, tokens, variants, keep=lambda d, i, m: True):
-    """Launch rules A/B in one process: for each (D, I, k) case and token count that `keep` accepts, the
-    dense block and the whole TwELL block under each variant (name: a function returning the context that
-    applies it, as launch_rules does), CUDA-graph replays over the layer copies, with rel. errors against
-    fp32. Returns the printed rows."""
-    rows = []
-    for d, i, k in cases:
-        layers = [make_layer(d, i, k) for _ in range(LAYERS)]
-        for m in tokens:
-            if not keep(d, i, m):
-                continue
-            x = make_x(m, d)
-            ref = reference(x, layers[0])
-            row = dict(D=d, I=i, k=k, M=m, dense_us=per_layer_us(lambda lw: dense(x, lw), layers))
-            for name, rules in variants.items():
-                with rules():
-                    row[f"err_{name}"] = rel_err(sparse(x, layers[0], 128, 8), ref)
-                    row[f"{name}_us"] = per_layer_us(lambda lw: sparse(x, lw, 128, 8), layers)
-            print_row(row)
-            rows.append(row)
-        del layers
-    return rows
 
 
 def bench_row(d, i, m, k, tile, compression, skew=0.0):
@@ -323,12 +294,76 @@ def sweep():
     return rows
 
 
+def heavy_rows():
+    """Batched block time with heavy rows (tokens with n active units) among M ordinary ones (29 active).
+    A row above `heavy_units(M)` units is not walked by its own program: it posts its work as items (list
+    spans, overflowing tiles) that the span kernel spreads over many programs. Compression 2 (64 slots per
+    128-unit tile: the heavy rows fit) and 8 (16 slots: their tiles overflow and are recomputed as items).
+    One heavy row in the middle, or one in every 2048 rows (a sequence's first token at 2048-token prompts).
+    The block is checked against the fp32 reference at the heavy rows in the same run."""
+    rows = []
+    for d, i, m, every in ((2048, 5632, 16384, 0), (2048, 5632, 4096, 0), (2048, 5632, 16384, 2048),
+                           (4096, 14336, 16384, 0)):
+        w = make_layer(d, i, HEAVY_K)
+        bias = NormalDist().inv_cdf(1 - HEAVY_K / i)
+        for compression in (2, 8):
+            for heavy in (0, 250, 500, 1000, 2000, 4000):
+                if every and heavy not in (0, 2000):
+                    continue
+                x = make_x(m, d)
+                heavy_at = list(range(0, m, every)) if every else [m // 2]
+                if heavy:  # the unit fires where z > bias * x0 (z about N(0, 1)): x0 sets its share of units
+                    x[heavy_at, 0] = NormalDist().inv_cdf(1 - heavy / i) / bias
+                tw, dense_h = gate_pack(x, w["gate"], HEAVY_TILE, compression, gate_config(m, HEAVY_TILE, 2, False))
+                counts = tw.counts.sum(1)
+                block = lambda: sparse(x, w, HEAVY_TILE, compression)
+                out = block()
+                ref = reference(x[heavy_at], w)
+                out_ms = do_bench(lambda: twell_out(x, (tw, dense_h), w, out_config(m, d, False)),
+                                  return_mode="median")
+                block_ms = do_bench(block, return_mode="median")
+                dense_ms = do_bench(lambda: dense(x, w), return_mode="median")
+                row = dict(D=d, I=i, M=m, compression=compression, heavy_rows=len(heavy_at) if heavy else 0,
+                           heavy_units=int(counts[heavy_at[0]]), max_per_tile=int(tw.counts.max()),
+                           overflowing_pairs=int((tw.counts > tw.values.shape[2]).sum()), out_ms=out_ms,
+                           block_ms=block_ms, dense_ms=dense_ms, speedup=dense_ms / block_ms,
+                           heavy_rows_rel_err=rel_err(out[heavy_at], ref),
+                           dense_heavy_rows_rel_err=rel_err(dense(x[heavy_at], w), ref))
+                print_row(row)
+                rows.append(row)
+    return rows
+
+
+def decode_paths():
+    """Decode path against batched path at 8-64 tokens on the benchmark and real shapes, each forced through
+    `decode_rows` (CUDA-graph replays over the layer copies, per layer; each checked against fp32): the
+    measurements behind `twell.format.decode_rows` and the decode rows of the cost model's fit."""
+    rows = []
+    for d, i in SHAPES:
+        layers = [make_layer(d, i, 29) for _ in range(LAYERS)]
+        for m in (8, 16, 24, 32, 48, 64):
+            x = make_x(m, d)
+            ref = reference(x, layers[0])
+            row = dict(D=d, I=i, M=m, dense_us=per_layer_us(lambda lw: dense(x, lw), layers))
+            for path, limit in (("decode", 64), ("batched", 0)):
+                with launch_rules(decode_rows=lambda d, width, limit=limit: limit):  # force the path
+                    row[path + "_err"] = rel_err(sparse(x, layers[0], 128, 8), ref)
+                    row[path + "_us"] = per_layer_us(lambda lw: sparse(x, lw, 128, 8), layers)
+            print_row(row)
+            rows.append(row)
+        del layers
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--grid", nargs="*", default=["main", "decode"], choices=sorted(GRIDS))
     p.add_argument("--tile", type=int, nargs="+", default=[128], help="each row at every tile given")
     p.add_argument("--compression", type=int, nargs="+", default=[8], help="each row at every compression given")
-    p.add_argument("--sweep", action="store_true")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--sweep", action="store_true", help="launch configurations of both kernels")
+    mode.add_argument("--heavy-rows", action="store_true", help="batches with tokens of thousands of active units")
+    mode.add_argument("--decode-paths", action="store_true", help="decode against batched path at 8-64 tokens")
     p.add_argument("--json", default=None)
     p.add_argument("--resume", action="store_true",
                    help="keep the rows already in --json (a run cut short) and measure only the missing ones")
@@ -348,6 +383,10 @@ def main():
                 command="python " + " ".join(sys.argv))
     if args.sweep:
         result = dict(meta, sweep=sweep())
+    elif args.heavy_rows:
+        result = dict(meta, k=HEAVY_K, tile=HEAVY_TILE, rows=heavy_rows())
+    elif args.decode_paths:
+        result = dict(meta, rows=decode_paths())
     else:
         result = dict(meta, rows=rows)
         for grid in args.grid:

@@ -1,8 +1,8 @@
 """Fit the cost model of `twell.format` (dense_time, twell_time) to block-benchmark results.
 
 Cases: every row of the given bench_inference.py JSON files without overflow (dense_ms, twell_ms and,
-for batched rows, gate_ms and updown_ms), and decode_rows_probe.py rows (dense_us and the time of the
-path the kernel takes at that size). Each component is fitted on log time (scipy least squares): the
+for batched rows, gate_ms and updown_ms), and `bench_inference.py --decode-paths` rows (dense_us and the
+time of the path the kernel takes at that size). Each component is fitted on log time (scipy least squares): the
 dense block on dense times, the decode path on decode twell times, the gate launch (once per batched gate
 kernel, `twell.format.gate_kernel`: the Triton kernel per tile width, the Hopper kernel) and the out launch
 separately on the batched breakdown. Prints the constants to paste into twell/format.py, then, with the
@@ -26,7 +26,7 @@ def load_cases(paths):
     cases = []
     for path in paths:
         for r in json.load(open(path))["rows"]:
-            if "decode_us" in r:  # decode_rows_probe.py: the path the kernel takes at this size
+            if "decode_us" in r:  # bench_inference.py --decode-paths: the path the kernel takes at this size
                 path_us = r["decode_us"] if r["M"] <= decode_rows(r["D"], r["I"]) else r["batched_us"]
                 cases.append(dict(D=r["D"], I=r["I"], M=r["M"], a=29.0, tile=128, dense=r["dense_us"] * 1e-6,
                                   twell=path_us * 1e-6))

@@ -75,8 +75,8 @@ def heavy_units(m: int) -> int:
 
 
 # Cost model of one block on an H100 in bf16, fitted by benchmarks/fit_cost_model.py to the block
-# benchmark's window, main and tiles grids and the decode-rows probe (5 shapes, 1-65536 tokens, 29-300
-# active units, tiles 64-256; fit quality in benchmarks/NOTES-inference.md). A launch costs a smooth
+# benchmark's window, main and tiles grids and its --decode-paths rows (5 shapes, 1-65536 tokens, 29-300
+# active units, tiles 64-256; fit quality in docs/performance.md). A launch costs a smooth
 # maximum of its compute and its weight-streaming time plus a fixed latency; compute runs at
 # peak * D / (D + D_half) (narrow matmuls are less efficient).
 DENSE = (726e12, 660, 2.74e12, 14.3e-6)  # cuBLAS block: peak flop/s, D_half, weight bytes/s, latency s
@@ -93,8 +93,8 @@ DECODE = (2.54e12, 3.8e-9, 9.1e-6)  # decode: bytes/s (gate matrix, active up/do
 L2_BYTES = 50e6
 # Batched, the out kernel walks each row in one program, a few units a step, beside the other rows: a row
 # heavier than the rest (a sequence's first token often activates hundreds of units) is a serial chain.
-# Seconds per step of that walk at 2 units a step: fixed + per hidden column, fitted to
-# benchmarks/heavy_row_probe.py before the split (results/heavy_row_h100.json: 1.1 us a unit at D 2048,
+# Seconds per step of that walk at 2 units a step: fixed + per hidden column, fitted to the
+# block with one heavy row before the split (benchmarks/results/heavy_row_h100.json: 1.1 us a unit at D 2048,
 # 1.7 us at D 4096). A row above heavy_units(tokens) posts its walk as work items to the span kernel
 # instead, which runs after the out kernel: SPLIT, fixed + per hidden column, fitted to the out kernel's
 # time with one such row against none (results/heavy_row_split_h100.json: 11-22 us at D 2048, 20-38 us

@@ -11,7 +11,7 @@ persistent program splits into warp groups with one task each:
   consumer only waits on a stage once every earlier use of it has completed.)
 The epilogue is pack_store's (the same key-min loop over the same fp32 accumulator of the same MMA
 sequence), so the TwELL is bit-identical to the Triton kernel's (GPU test). Same time as the main loop
-alone at 29 active units (0.58 ms there; benchmarks/NOTES-inference.md, session 10).
+alone at 29 active units (0.58 ms there on an H100).
 Gluon is experimental and has no interpreter: where it is missing (or not on an sm_90 GPU) the Triton
 kernel runs, which is also the one CI tests under TRITON_INTERPRET.
 """

@@ -302,7 +302,7 @@ def span_launch(x2, width, tile, s, gated, h_fp32, cfg, programs: int, pdl=False
 def decode_tile_stride(width: int, tile: int, m: int, device: torch.device) -> int:
     """Decode tile width (units a gate program streams). Above 16 rows: I / #SMs where that fits in the
     tile, one program per SM (I / 64 programs leave SMs idle: 88 of 132 at I = 5632); measured faster at
-    64 rows, slower at 1 and 8 (benchmarks/NOTES-inference.md, session 3). At least half the tile, so
+    64 rows, slower at 1 and 8 (H100). At least half the tile, so
     that a narrow layer does not pay for mostly empty T-wide blocks."""
     if device.type != "cuda" or m <= 16:
         return tile

@@ -1,9 +1,9 @@
 """CUDA graphs for decode-size calls made from eager code.
 
-An eager decode step is host-bound. On an H100 host one M = 1 call of gated_mlp costs 87-153 us of host
-time (two hosts) for 22 us of GPU work: the plan lookup, five allocations and two Triton launches. The
-dense block's cuBLAS calls cost 56-59 us. Replayed as a CUDA graph, the same call costs a copy in, one
-graph launch and a copy out: 29-54 us (benchmarks/results/host_overhead_h100.json and the NOTES).
+An eager decode step is host-bound. On an H100 host one M = 1 call of gated_mlp costs 153 us of host
+time for 22 us of GPU work: the plan lookup, five allocations and two Triton launches. The dense block's
+cuBLAS calls cost 59 us. Replayed as a CUDA graph, the same call costs a copy in, one graph launch and a
+copy out: 54 us (benchmarks/results/host_overhead_h100.json).
 
 `DecodeGraphs` keeps one graph per call signature: the function, x's shape and dtype, the device and
 current stream, the addresses, shapes, strides and dtypes of the tensor arguments, and the other arguments.
