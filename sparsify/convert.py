@@ -7,7 +7,8 @@ Weights are trained in fp32 (AdamW updates of ~lr are below bf16's resolution; b
 does the arithmetic) and exported in the dtype a plain load would use (bf16 on GPU, fp32 on CPU).
 Ctrl-C keeps the training state in `OUT.resume/`, a sibling that never looks like a checkpoint;
 `--resume` continues from it and a finished conversion deletes it.
-Under `accelerate launch` every process trains, the main one alone exports and reports.
+Under `accelerate launch` every process trains, the main one alone exports and reports; under FSDP
+the main process alone measures and plans too, on the trained weights gathered from all processes.
 """
 from __future__ import annotations
 
@@ -129,6 +130,9 @@ def convert(
             config.batch_size, start, rank, world, shuffle_buffer=config.shuffle_buffer, seed=config.seed), config,
         resume_dir=resume_dir, resume=resume, device=device, show_progress=show_progress and main,
     )
+    model = result.model
+    if model is None:  # another process under FSDP: the main one measures and exports the gathered model
+        return {"log": result.log}
     stats = measure(model, spec, text.eval_blocks, config.batch_size)
     ppl["after training"] = stats["perplexity"]
     plan = plan_model(model, spec, stats, text.eval_blocks, measure_kernels=measure_kernels and main, device=device)

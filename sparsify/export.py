@@ -9,7 +9,6 @@ renamed into place at the end, so a failure never leaves an OUT that looks compl
 from __future__ import annotations
 
 import copy
-import importlib
 import importlib.util
 import json
 import re
@@ -67,12 +66,11 @@ def _check_layout(model: nn.Module, spec: FamilySpec, plan: list[dict]) -> None:
     both the plain and the remote-code load find every weight), and the plan covers every layer."""
     if getattr(model.config, spec.act_key) != "relu":
         raise ValueError(f"config.{spec.act_key} is {getattr(model.config, spec.act_key)!r}: export a relufied model")
-    module, _, name = spec.causal_lm.rpartition(".")
     with torch.device("meta"):
-        reference = getattr(importlib.import_module(module), name)(copy.deepcopy(model.config))
+        reference = spec.causal_lm_class()(copy.deepcopy(model.config))
     expected, actual = set(reference.state_dict()), set(model.state_dict())
     if expected != actual:
-        raise ValueError(f"state-dict keys differ from {name}: missing {sorted(expected - actual)[:5]}, "
+        raise ValueError(f"state-dict keys differ from {type(reference).__name__}: missing {sorted(expected - actual)[:5]}, "
                          f"extra {sorted(actual - expected)[:5]}")
     layers = len(model.get_submodule(spec.layers))
     if len(plan) != layers:

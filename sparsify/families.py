@@ -7,6 +7,7 @@ file) goes through this table instead of branching on the architecture; adding a
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -48,6 +49,11 @@ class FamilySpec:
     def gate_from_output(self, out: torch.Tensor) -> torch.Tensor:
         """The gate pre-activation within the output of `gate_source` (first half when fused)."""
         return out.chunk(2, dim=-1)[0] if self.gate_up else out
+
+    def causal_lm_class(self) -> type[nn.Module]:
+        """The transformers CausalLM class of the family."""
+        module, _, name = self.causal_lm.rpartition(".")
+        return getattr(importlib.import_module(module), name)
 
     def layout(self) -> dict:
         """The module layout as stored in a checkpoint's `config.twell["mlp"]`, so that the generic

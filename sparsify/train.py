@@ -2,11 +2,16 @@
 
 L1 is the method's definition (docs twell.md section 1): the mean over layers of each ReluGatedMLP's
 `stats.l1` (per layer: mean over tokens of the sum over hidden units of |relu(gate(x)) * up(x)|).
-Runs through accelerate's Accelerator, so `accelerate launch` spreads it over GPUs (DDP) and bf16
-autocast is on by default on GPU; AdamW, cosine schedule with warm-up, gradient accumulation, clipping,
-optional gradient checkpointing. Tracks per layer the mean active units per token (L0), L1 and dead
-units (not fired within the last `dead_window_tokens` tokens). With `l1_relative` the coefficient weighs
-L1 / L1_0 (L1_0: the first micro-batch's L1), which makes one value fit models of any width.
+Runs through accelerate's Accelerator, so `accelerate launch` spreads it over GPUs, as DDP or, with an
+FSDP config (recipes/accelerate/fsdp.yaml), as FSDP2: each decoder layer a unit whose weights are whole
+tensors inside its forward, fp32 master weights, bf16 compute, gradients reduced in fp32. bf16 autocast
+is on by default on GPU; AdamW, cosine schedule with warm-up, gradient accumulation, clipping, optional
+gradient checkpointing. Tracks per layer the mean active units per token (L0), L1 and dead units (not
+fired within the last `dead_window_tokens` tokens); every statistic is reduced over the processes, so
+all of them make the same routing choices. Under FSDP the trained weights are gathered at the end into
+an unsharded model on the main process (TrainResult.model) for measurement and export.
+With `l1_relative` the coefficient weighs L1 / L1_0 (L1_0: the first micro-batch's L1), which makes
+one value fit models of any width.
 
 Each MLP trains on one of two paths with the same math: dense PyTorch, or the TwELL hybrid kernels
 (twell.hybrid: sparse ELL rows plus a dense backup for rows above `hybrid_max_nnz` active units), which
@@ -22,6 +27,7 @@ log and dead-unit windows in state.json) to `resume_dir`, from which `resume=Tru
 """
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 from contextlib import nullcontext
@@ -35,12 +41,13 @@ from typing import Callable, Iterator
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedType, set_seed
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from transformers import get_cosine_schedule_with_warmup
 
 from . import relufy
 from .errors import ConfigError, SparsifyError
+from .families import spec_for
 from .report import console
 
 # An absolute coefficient depends on the model's activation scale (the paper's 1.5B model: 2e-5; the 3M-parameter
@@ -168,6 +175,9 @@ class TrainResult:
     tokens: int
     seconds: float
     log: list[dict]
+    # The trained model in eval mode: the one passed in; under FSDP an unsharded copy on the main process
+    # (on its device) and None on the other processes.
+    model: torch.nn.Module | None = None
 
 
 def on_cpu(device: str | None) -> bool:
@@ -217,10 +227,12 @@ def train(
     device: str | None = None,
     show_progress: bool = True,
 ) -> TrainResult:
-    """Train `model` in place. `batches(start, rank, world)` yields [batch, seq_len] token ids, starting
-    after `start` batches consumed over all ranks. Returns the log (one entry per logged step)."""
+    """Train `model` (in place, except under FSDP: see TrainResult.model). `batches(start, rank, world)`
+    yields [batch, seq_len] token ids, starting after `start` batches consumed over all ranks. Returns the
+    log (one entry per logged step) and the trained model."""
     cpu = on_cpu(device)
     accelerator = Accelerator(cpu=cpu, mixed_precision="no" if cpu else "bf16")
+    _check_fsdp(accelerator)
     set_seed(config.seed)
     world = accelerator.num_processes
     total = config.total_steps(world)
@@ -233,6 +245,13 @@ def train(
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
     # The scheduler is not passed to prepare(): accelerate would step it once per process per step.
     scheduler = get_cosine_schedule_with_warmup(optimizer, config.warmup_steps, total)
+    if accelerator.is_fsdp2 and not cpu:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        # bf16 compute over the fp32 master weights, as autocast does under DDP; accelerate's default policy
+        # would also reduce gradients in bf16, whose 8-bit mantissa loses the small updates.
+        accelerator.state.fsdp_plugin.mixed_precision_policy = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
 
@@ -331,12 +350,51 @@ def train(
             m.hot_units = None
         if progress:
             progress.stop()
-    model = accelerator.unwrap_model(model)
-    model.eval()
-    if config.grad_checkpointing:
-        model.gradient_checkpointing_disable()
-    model.config.use_cache = True
-    return TrainResult(steps=step, tokens=step * config.tokens_per_step(world), seconds=time.perf_counter() - started, log=log)
+    seconds = time.perf_counter() - started
+    if accelerator.is_fsdp2:
+        optimizer.state.clear()  # the AdamW moments: room on the main process's GPU for the full model
+        model = _gather_model(accelerator, model, mlps)
+    else:
+        model = accelerator.unwrap_model(model)
+    if model is not None:
+        model.eval()
+        if config.grad_checkpointing:
+            model.gradient_checkpointing_disable()
+        model.config.use_cache = True
+    return TrainResult(steps=step, tokens=step * config.tokens_per_step(world), seconds=seconds, log=log, model=model)
+
+
+def _check_fsdp(accelerator: Accelerator) -> None:
+    """An FSDP config that accelerate would not run as FSDP2 is an error, not a silent fallback."""
+    if accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2:
+        raise ConfigError("FSDP: sparsify trains with FSDP2 only; set fsdp_version: 2 in the accelerate config "
+                          "(as recipes/accelerate/fsdp.yaml does)")
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and not accelerator.is_fsdp2:
+        raise ConfigError(f"FSDP runs on GPUs only: accelerate runs these {accelerator.device.type} processes as "
+                          f"{accelerator.distributed_type.value} (use `accelerate launch` without the FSDP config, or GPUs)")
+
+
+def _gather_model(accelerator: Accelerator, model, mlps: list):
+    """Under FSDP every process holds shards of the trained weights. Gathers them (a collective: every
+    process calls it) into an unsharded model of the same family on the main process's device; returns
+    None on the others."""
+    state = accelerator.get_state_dict(model)  # full weights on the main process's CPU, {} elsewhere
+    buffers = {name: b.detach().cpu() for name, b in model.named_buffers()}  # not sharded (rotary tables)
+    if not accelerator.is_main_process:
+        return None
+    spec = spec_for(model.config)
+    config = copy.deepcopy(model.config)
+    setattr(config, spec.act_key, mlps[0]._original_act)  # relufy below records it and sets "relu"
+    with torch.device("meta"):
+        full = spec.causal_lm_class()(config)
+    relufy.relufy(full)
+    full.load_state_dict(state, assign=True)
+    for name, buffer in buffers.items():  # non-persistent buffers are in no state dict
+        owner, _, attr = name.rpartition(".")
+        setattr(full.get_submodule(owner), attr, buffer)
+    full.tie_weights()
+    full.generation_config = model.generation_config
+    return full.to(accelerator.device)
 
 
 class _Window:
@@ -358,6 +416,11 @@ class _Window:
         layers = len(means[2:]) // 2
         ce, l1, layer_l1, layer_active = means[0], means[1], means[2 : 2 + layers], means[2 + layers :]
         dead = ((tokens - last_fired) >= dead_window).float().mean(dim=1).tolist()
+        memory = {}
+        if accelerator.device.type == "cuda":  # the busiest GPU's peak since the last log step
+            peak = torch.tensor([torch.cuda.max_memory_allocated(accelerator.device)], device=accelerator.device)
+            memory["max_memory_gib"] = accelerator.reduce(peak, reduction="max").item() / 2**30
+            torch.cuda.reset_peak_memory_stats(accelerator.device)
         return {
             "step": step,
             "tokens": tokens,
@@ -373,6 +436,7 @@ class _Window:
                  "path": "hybrid" if h else "dense", "backup_rows": b}
                 for a, v, d, h, b in zip(layer_active, layer_l1, dead, hybrid, backup_rows)
             ],
+            **memory,
         }
 
 
@@ -402,15 +466,21 @@ def _progress_text(e: dict) -> str:
         f"{e['tokens']:,} tok  {e['tokens_per_s']:,.0f} tok/s  loss {e['loss']:.3f}  "
         f"ce {e['cross_entropy']:.3f}  L1 {e['l1']:.3g}  active {e['mean_active']:.1f}  dead {100 * e['dead_frac']:.1f}%"
         + (f"  hybrid {hybrid}/{len(e['layers'])}" if hybrid else "")
+        + (f"  mem {e['max_memory_gib']:.1f} GiB" if "max_memory_gib" in e else "")
     )
 
 
 def _save(accelerator: Accelerator, resume_dir, state: dict, config: TrainConfig) -> None:
     # Written beside and renamed into place, so a second Ctrl-C never leaves a half-written state.
+    # Every process writes its part (its RNG state; under FSDP its shards): the main one alone clears the
+    # folder before and renames it after all are done.
     resume_dir = Path(resume_dir)
     tmp = resume_dir.with_name(resume_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
     accelerator.save_state(tmp)
+    accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         torch.save(state.pop("last_fired"), tmp / "last_fired.pt")
         (tmp / "state.json").write_text(json.dumps({**state, "config": asdict(config)}, indent=1))

@@ -1,5 +1,6 @@
 """Named recipes: found from the checkout (editable install) and shipped in the wheel (pyproject maps
-recipes/ to sparsify/recipes with its YAMLs as package data; sparsify.convert.recipes_dir finds either)."""
+recipes/ to sparsify/recipes with its YAMLs, and the accelerate launch configs in recipes/accelerate/, as
+package data; sparsify.convert.recipes_dir finds either)."""
 from pathlib import Path
 
 import pytest
@@ -21,5 +22,5 @@ def test_pyproject_ships_every_recipe():
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     assert setuptools["package-dir"]["sparsify.recipes"] == "recipes" and "sparsify.recipes" in setuptools["packages"]
-    assert setuptools["package-data"]["sparsify.recipes"] == ["*.yaml"]
-    assert sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml")) == recipe_names()
+    assert setuptools["package-data"]["sparsify.recipes"] == ["*.yaml", "accelerate/*.yaml"]
+    assert sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml")) == recipe_names()  # not accelerate/

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from helpers import tiny_model
 from sparsify.errors import ConfigError
 from sparsify.relufy import relufy
-from sparsify.train import TrainConfig, TrainingInterrupted, l1_coeff, train
+from sparsify.train import TrainConfig, TrainingInterrupted, _progress_text, l1_coeff, train
 
 SEQ, BATCH = 16, 2
 
@@ -192,3 +192,19 @@ def test_gradient_checkpointing_trains_the_same():
     train(b, relufy(b), batches_from(), config(steps=2, grad_checkpointing=True), device="cpu", show_progress=False)
     for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
         torch.testing.assert_close(pa, pb, msg=name)
+
+
+def test_fsdp_config_without_gpus_is_an_error_not_ddp(monkeypatch):
+    # accelerate runs CPU processes as DDP whatever the FSDP config says (tests/fsdp_on_cpu.py)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    model, _ = tiny_model("llama")
+    with pytest.raises(ConfigError, match="FSDP runs on GPUs only"):
+        train(model, relufy(model), batches_from(), config(steps=1), device="cpu", show_progress=False)
+
+
+def test_progress_line_shows_gpu_memory_when_logged():
+    entry = {"tokens": 4096, "tokens_per_s": 1000.0, "loss": 2.0, "cross_entropy": 1.9, "l1": 5.0, "mean_active": 30.0,
+             "dead_frac": 0.01, "layers": [{"path": "dense"}]}
+    assert "mem" not in _progress_text(entry)
+    assert _progress_text({**entry, "max_memory_gib": 12.34}).endswith("mem 12.3 GiB")

@@ -1,0 +1,68 @@
+"""`python tests/fsdp_on_cpu.py ARGS` = `sparsify ARGS` with accelerate's FSDP on CPU processes (gloo), for tests.
+
+accelerate (1.15) takes the FSDP branch only for GPU-like distributed types: AcceleratorState.__init__
+(accelerate/state.py, `elif self.distributed_type in [DistributedType.MULTI_GPU, ...]`) leaves CPU
+processes at MULTI_CPU, i.e. DDP, whatever ACCELERATE_USE_FSDP says, and `accelerate launch --cpu` refuses
+`--use_fsdp`. This sets the FSDP type and plugin on CPU as that branch does on GPUs; everything after it is
+accelerate's own FSDP2 code (fully_shard in prepare, no_sync, clip_grad_norm_, save_state and load_state,
+get_state_dict) on torch's gloo backend. Start it with `accelerate launch --config_file
+recipes/accelerate/fsdp.yaml --num_processes 2 tests/fsdp_on_cpu.py convert ...`.
+
+Two checks ride along: every ReluGatedMLP forward asserts that the weights the hybrid kernels would take
+are whole plain tensors (FSDP has unsharded its layer), and SPARSIFY_TEST_INTERRUPT=N raises
+KeyboardInterrupt (Ctrl-C) on every process when it reads its N-th training batch (0-based).
+"""
+import functools
+import os
+import sys
+from pathlib import Path
+
+from accelerate.state import AcceleratorState, PartialState
+from accelerate.utils import DistributedType
+from torch.distributed.tensor import DTensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's cli.py, not tests/
+from cli import main  # noqa: E402
+from sparsify.data import TextData  # noqa: E402
+from sparsify.relufy import ReluGatedMLP  # noqa: E402
+
+init = AcceleratorState.__init__
+
+
+@functools.wraps(init)
+def fsdp_on_cpu(self, *args, fsdp_plugin=None, **kwargs):
+    init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+    if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+        assert os.environ.get("ACCELERATE_USE_FSDP") == "true"
+        self.distributed_type, self.fsdp_plugin = DistributedType.FSDP, fsdp_plugin
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # as the end of __init__ does
+
+
+forward = ReluGatedMLP.forward
+
+
+def forward_on_whole_weights(self, x):
+    gate, up, down = self.weights()
+    assert not any(isinstance(w, DTensor) for w in (gate, up, down)), "the MLP got DTensor shards, not whole weights"
+    assert gate.shape == up.shape == down.T.shape == (down.shape[1], x.shape[-1]), "the MLP got a part of its weights"
+    return forward(self, x)
+
+
+def interrupted(train_batches, at: int):
+    @functools.wraps(train_batches)
+    def batches(*args, **kwargs):
+        for i, batch in enumerate(train_batches(*args, **kwargs)):
+            if i == at:
+                raise KeyboardInterrupt
+            yield batch
+
+    return batches
+
+
+AcceleratorState.__init__ = fsdp_on_cpu
+ReluGatedMLP.forward = forward_on_whole_weights
+if "SPARSIFY_TEST_INTERRUPT" in os.environ:
+    TextData.train_batches = interrupted(TextData.train_batches, int(os.environ["SPARSIFY_TEST_INTERRUPT"]))
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""`accelerate launch --config_file recipes/accelerate/fsdp.yaml` on 2 CPU processes (gloo): FSDP2 training
+equals one process with both processes' batches, the export gathered from the shards equals that
+process's export file for file, and Ctrl-C -> --resume from the sharded state continues to the same weights.
+
+accelerate runs CPU processes as DDP whatever the config says; tests/fsdp_on_cpu.py makes them FSDP (its
+docstring says where and why) and checks inside every MLP forward that the weights are whole tensors.
+Tolerance: the same tokens pass through the same fp32 arithmetic in both runs; only the sums differ in
+order (gradients reduce-scattered over 2 processes against accumulated over one batch of 4), which moves
+fp32 results by a few ulps per step: rtol 1e-5 on the logged losses, rtol 1e-4 / atol 1e-6 on the
+weights after 3 AdamW steps, as for DDP in test_cli.py.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from test_cli import convert, files, model_folder  # noqa: F401 (files: the module's fixture)
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 3
+
+
+def launch_fsdp(files, out, *extra, interrupt_at=None):
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", ROOT / "recipes" / "accelerate" / "fsdp.yaml",
+               "--num_processes", 2, "--main_process_port", 0, ROOT / "tests" / "fsdp_on_cpu.py",
+               "convert", model_folder(files, "llama"), "-o", out, "--data", files / "corpus",
+               "--recipe", files / "recipe.yaml", "--steps", STEPS, "--batch-size", 2, *extra]
+    env = {**os.environ, **({"SPARSIFY_TEST_INTERRUPT": str(interrupt_at)} if interrupt_at is not None else {})}
+    return subprocess.run([str(c) for c in command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def weights(out):
+    return load_file(out / "model.safetensors")
+
+
+def assert_same_weights(a, b):
+    assert sorted(a) == sorted(b)
+    for name in b:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.fixture(scope="module")
+def fsdp_out(files, tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp") / "two"
+    done = launch_fsdp(files, out)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return out
+
+
+def test_fsdp_trains_and_exports_like_one_process_with_both_batches(files, fsdp_out, tmp_path):
+    one = tmp_path / "one"
+    assert convert(files, "llama", one, "--steps", STEPS, "--batch-size", 4).exit_code == 0
+    assert sorted(p.name for p in fsdp_out.iterdir()) == sorted(p.name for p in one.iterdir())
+    assert_same_weights(weights(fsdp_out), weights(one))
+    two_log = json.loads((fsdp_out / "training_log.json").read_text())
+    one_log = json.loads((one / "training_log.json").read_text())
+    assert two_log["training"]["tokens"] == one_log["training"]["tokens"] == STEPS * 4 * 32
+    assert [e["step"] for e in two_log["log"]] == list(range(1, STEPS + 1))
+    for a, b in zip(two_log["log"], one_log["log"]):
+        for key in ("loss", "cross_entropy", "l1", "mean_active", "dead_frac"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5), (a["step"], key)
+        assert [l["dead_frac"] for l in a["layers"]] == pytest.approx([l["dead_frac"] for l in b["layers"]])
+    # the measurement on the gathered model: the same held-out statistics
+    two_config, one_config = (json.loads((o / "config.json").read_text())["twell"] for o in (fsdp_out, one))
+    assert two_config["training"]["perplexity"] == pytest.approx(one_config["training"]["perplexity"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_fsdp_ctrl_c_then_resume_from_the_sharded_state(files, fsdp_out, tmp_path):
+    out = tmp_path / "out"
+    done = launch_fsdp(files, out, interrupt_at=2)  # Ctrl-C while reading the 3rd batch: 2 steps done
+    assert done.returncode != 0 and "interrupted at step 2 of 3" in done.stdout + done.stderr
+    resume = tmp_path / "out.resume"
+    assert json.loads((resume / "state.json").read_text())["step"] == 2 and not out.exists()
+    assert (resume / "pytorch_model_fsdp_0").is_dir()  # the sharded weights (torch.distributed.checkpoint)
+    done = launch_fsdp(files, out, "--resume")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert [e["step"] for e in json.loads((out / "training_log.json").read_text())["log"]] == [1, 2, 3]
+    assert_same_weights(weights(out), weights(fsdp_out))
+    assert not resume.exists()
