@@ -301,7 +301,9 @@ def test_decode_whole_up_rows_match_the_k_loop(m):
     assert torch.equal(dense_a.isnan(), dense_b.isnan())
     written = ~dense_a.isnan()
     assert written.sum() == 64 * m
-    assert torch.allclose(dense_a[written], h[written], rtol=1e-5, atol=1e-6)
+    # fp32 dot products summed in another order than torch's: rounding of the order of 1e-7 of the largest
+    # terms (|g| is 40 here), so the absolute tolerance scales with them, not with each value
+    assert torch.allclose(dense_a[written], h[written], rtol=1e-5, atol=1e-6 * h.abs().max().item())
 
 
 def test_whole_up_rows_only_where_they_fit_in_registers():
