@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One GPU run: GPU tests, the converted demo on the kernels, hybrid-routed vs dense conversion, and the
-# model-level bench; with two or more GPUs also the DDP check (`sparsify convert demo` for 40 steps with every
-# layer on the hybrid kernels, by torchrun on 2 GPUs with batch 8 each against 1 GPU with batch 16: both logs
-# and the weights' largest relative difference, in $OUT/ddp_hybrid_check.json). Results and logs go to $OUT.
+# model-level bench; with two or more GPUs also the DDP and FSDP checks (`sparsify convert demo` for 40 steps
+# with every layer on the hybrid kernels, on 2 GPUs with batch 8 each (torchrun: DDP; accelerate with
+# recipes/accelerate/fsdp.yaml: FSDP2) against 1 GPU with batch 16: both logs and the weights' largest
+# relative difference, in $OUT/ddp_hybrid_check.json and $OUT/fsdp_hybrid_check.json). Results and logs go to $OUT.
 # Each step runs even if an earlier one failed; the exit status says whether all passed.
 #   bash benchmarks/gpu_suite.sh [CHECKPOINT]      (CHECKPOINT: a converted demo, default .gpu/demo-sparse)
 set -u -o pipefail
@@ -14,19 +15,19 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 status=0
 step() { echo "=== $1"; shift; "$@" || { echo "FAILED: $*"; status=1; }; }
-ddp_check() {
-    local work=/tmp/ddp_hybrid_check
-    timeout 150 python3 -m torch.distributed.run --standalone --nproc_per_node 2 -m cli convert demo -o "$work/two" --steps 40 \
-        --hybrid-below 1000 --overwrite | tail -3 &&
+multi_gpu_check() {  # NAME LAUNCHER...: the demo on 2 GPUs started by LAUNCHER against 1 GPU with both batches
+    local name=$1; shift
+    local work=/tmp/${name}_hybrid_check
+    timeout 150 "$@" -m cli convert demo -o "$work/two" --steps 40 --hybrid-below 1000 --overwrite | tail -3 &&
     timeout 150 python3 -m cli convert demo -o "$work/one" --steps 40 --hybrid-below 1000 --batch-size 16 --overwrite | tail -3 &&
-    WORK="$work" OUT="$OUT" python3 - <<'PY'
+    NAME="$name" WORK="$work" OUT="$OUT" python3 - <<'PY'
 import json, os
 import torch, triton
 from safetensors.torch import load_file
-work, out = os.environ["WORK"], os.environ["OUT"]
+name, work, out = os.environ["NAME"], os.environ["WORK"], os.environ["OUT"]
 a, b = load_file(f"{work}/two/model.safetensors"), load_file(f"{work}/one/model.safetensors")
 result = dict(device=torch.cuda.get_device_name(), gpus=torch.cuda.device_count(), torch=torch.__version__,
-              triton=triton.__version__, command="benchmarks/gpu_suite.sh (DDP check)",
+              triton=triton.__version__, command=f"benchmarks/gpu_suite.sh ({name} check)",
               max_rel_weight_diff=max(((a[k].float() - b[k].float()).norm() / b[k].float().norm()).item() for k in b))
 print("max rel weight diff 2 GPUs vs 1:", result["max_rel_weight_diff"])
 for name in ("two", "one"):
@@ -34,12 +35,16 @@ for name in ("two", "one"):
     result[name] = [dict(step=e["step"], loss=e["loss"], paths=[l["path"] for l in e["layers"]],
                          hot_units=[l.get("hot_units", 0) for l in e["layers"]]) for e in log]
     print(name, [(e["step"], round(e["loss"], 4), [l["path"][0] + str(l.get("hot_units", "")) for l in e["layers"]]) for e in log])
-json.dump(result, open(f"{out}/ddp_hybrid_check.json", "w"), indent=1)
+json.dump(result, open(f"{out}/{name}_hybrid_check.json", "w"), indent=1)
 PY
 }
 step "GPU tests" timeout 200 python3 -m pytest -q -m gpu tests -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml"
 step "converted demo on the kernels" timeout 120 python3 benchmarks/checkpoint_kernel_check.py "$checkpoint" --force-sparse 64 4 --json "$OUT/demo_kernel_check_h100.json"
 step "hybrid-routed vs dense conversion" timeout 200 python3 benchmarks/hybrid_convert.py --json "$OUT/hybrid_convert_h100.json"
-step "model bench" timeout 230 python3 benchmarks/model_bench.py --active 29 100 --layers 4 --out "$OUT" --work /tmp/mb
-if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then step "DDP: 2 GPUs against 1" ddp_check; fi
+step "model bench (quick: 4 layers, batch-1 decode paths)" timeout 230 python3 benchmarks/model_bench.py --quick --out "$OUT" --work /tmp/mb
+if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+    step "DDP: 2 GPUs against 1" multi_gpu_check ddp python3 -m torch.distributed.run --standalone --nproc_per_node 2
+    step "FSDP: 2 GPUs against 1" multi_gpu_check fsdp python3 -m accelerate.commands.launch \
+        --config_file recipes/accelerate/fsdp.yaml --num_processes 2
+fi
 exit $status
