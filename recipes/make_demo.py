@@ -141,11 +141,11 @@ def token_ids(tok, texts):
     """One LongTensor of `<s> text </s>` for each text in turn (batches of texts: the Rust tokenizer runs them
     in parallel)."""
     import torch
-    ids = []
+    chunks = []  # a tensor per batch: a list of Python ints would take ~36 bytes a token
     for i in range(0, len(texts), 512):
-        for doc in tok(texts[i:i + 512], verbose=False)["input_ids"]:
-            ids += doc + [tok.eos_token_id]
-    return torch.tensor(ids, dtype=torch.long)
+        docs = tok(texts[i:i + 512], verbose=False)["input_ids"]
+        chunks.append(torch.tensor([t for doc in docs for t in (*doc, tok.eos_token_id)], dtype=torch.long))
+    return torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.long)
 
 
 def pretrain(args):

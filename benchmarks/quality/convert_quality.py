@@ -200,20 +200,6 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def versions() -> dict:
-    import torch
-    import transformers
-
-    found = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
-    try:
-        import triton
-
-        found["triton"] = triton.__version__
-    except ImportError:
-        pass
-    return found
-
-
 def _setting(text: str) -> tuple[str, object]:
     import yaml
 
@@ -228,7 +214,9 @@ def stage(path: Path, make):
     if path.is_file():
         return json.loads(path.read_text())
     value = make()
-    path.write_text(json.dumps(value, indent=1))
+    tmp = path.with_name(path.name + ".tmp")  # renamed into place: a killed run leaves no half-written stage
+    tmp.write_text(json.dumps(value, indent=1))
+    tmp.rename(path)
     return value
 
 
@@ -268,6 +256,7 @@ def main(argv=None) -> dict:
         ap.error("--convert-share must be in (0, 0.25]: conversion gets at most a quarter of the pretraining tokens")
     args.work.mkdir(parents=True, exist_ok=True)
     import torch
+    from sparsify.bench import versions
 
     started = time.time()
     corpus_dir = args.work / "corpus"
