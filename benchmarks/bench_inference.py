@@ -15,6 +15,7 @@ positive), so every (row, tile) overflows: the cost of the decode overflow fallb
   python benchmarks/bench_inference.py --grid tiles --tile 64 128 256 --compression 4 8 16  # per (tile, C)
   python benchmarks/bench_inference.py --grid tiles ... --json out.json --resume  # finish a run cut short
   python benchmarks/bench_inference.py --heavy-rows --json out.json    # tokens with thousands of active units
+  python benchmarks/bench_inference.py --first-tokens --json out.json  # one such token every 2048: span vs dense
   python benchmarks/bench_inference.py --decode-paths --json out.json  # decode against batched path, 8-64 tokens
   python benchmarks/bench_inference.py --sweep       # launch-config sweep at D=2048, I=5632
 """
@@ -38,7 +39,8 @@ from twell.gated_mlp import DECODE_TILE, gate_config, gate_launch, out_config, o
 
 ROW_KEY = ("D", "I", "M", "k", "tile", "compression")  # what identifies a grid row (--resume)
 LAYERS = 8  # layer copies for graph-replay timing
-HEAVY_K, HEAVY_TILE = 29, 128  # --heavy-rows: active units of the ordinary rows, tile
+HEAVY_K, HEAVY_TILE = 29, 128  # --heavy-rows, --first-tokens: active units of the ordinary rows, tile
+HEAVY_FIRST = 2000  # --first-tokens: active units of each sequence's first token
 GRAPH_ROWS = 4096  # up to this many tokens: CUDA-graph replays (the launches are short enough for host time to show)
 GRIDS = {
     "main": [(2048, 5632, m, k) for m in (4096, 16384, 65536) for k in (29, 100, 300)],
@@ -334,6 +336,42 @@ def heavy_rows():
     return rows
 
 
+def first_tokens():
+    """Batches of 2048-token sequences whose first token is heavy (HEAVY_FIRST units, as attention sinks
+    often are) against the same batch without them, at 4096-131072 tokens: heavy rows through the span
+    kernel (DENSE_HEAVY_FROM moved past the batch) and through the dense block (the launch rule), at
+    compressions 2 (the heavy rows fit their tiles) and 8 (theirs overflow). Each row checks the last
+    heavy rows against fp32; `heavy_dense_ms` is the dense block of the heavy rows alone."""
+    d, i = 2048, 5632
+    w = make_layer(d, i, HEAVY_K)
+    bias = NormalDist().inv_cdf(1 - HEAVY_K / i)
+    rows = []
+    for m in (4096, 8192, 16384, 65536, 131072):
+        for heavy in (0, HEAVY_FIRST):
+            x = make_x(m, d)
+            first = list(range(0, m, 2048))
+            if heavy:
+                x[first, 0] = NormalDist().inv_cdf(1 - heavy / i) / bias
+            check = first[-4:]
+            ref = reference(x[check], w)
+            dense_ms = do_bench(lambda: dense(x, w), return_mode="median")
+            xh = x[first].contiguous()
+            heavy_dense_ms = do_bench(lambda: dense(xh, w), return_mode="median")
+            for compression, rule in itertools.product((2, 8), ("span", "dense block")):
+                rules = dict(DENSE_HEAVY_FROM=1 << 62) if rule == "span" else {}
+                with launch_rules(**rules):
+                    block = lambda: sparse(x, w, HEAVY_TILE, compression)
+                    out = block()
+                    twell_ms = do_bench(block, return_mode="median")
+                row = dict(D=d, I=i, M=m, heavy_rows=len(first) if heavy else 0, heavy_units=heavy,
+                           compression=compression, heavy_path=rule, dense_ms=dense_ms, twell_ms=twell_ms,
+                           speedup=dense_ms / twell_ms, heavy_dense_ms=heavy_dense_ms,
+                           rel_err=rel_err(out[check], ref), dense_rel_err=rel_err(dense(x[check], w), ref))
+                print_row(row)
+                rows.append(row)
+    return rows
+
+
 def decode_paths():
     """Decode path against batched path at 8-64 tokens on the benchmark and real shapes, each forced through
     `decode_rows` (CUDA-graph replays over the layer copies, per layer; each checked against fp32): the
@@ -364,6 +402,8 @@ def main():
     mode.add_argument("--sweep", action="store_true", help="launch configurations of both kernels")
     mode.add_argument("--heavy-rows", action="store_true", help="batches with tokens of thousands of active units")
     mode.add_argument("--decode-paths", action="store_true", help="decode against batched path at 8-64 tokens")
+    mode.add_argument("--first-tokens", action="store_true",
+                      help="a heavy first token every 2048 tokens, through the span kernel and the dense block")
     p.add_argument("--json", default=None)
     p.add_argument("--resume", action="store_true",
                    help="keep the rows already in --json (a run cut short) and measure only the missing ones")
@@ -385,6 +425,8 @@ def main():
         result = dict(meta, sweep=sweep())
     elif args.heavy_rows:
         result = dict(meta, k=HEAVY_K, tile=HEAVY_TILE, rows=heavy_rows())
+    elif args.first_tokens:
+        result = dict(meta, k=HEAVY_K, tile=HEAVY_TILE, rows=first_tokens())
     elif args.decode_paths:
         result = dict(meta, rows=decode_paths())
     else:

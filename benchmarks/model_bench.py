@@ -121,10 +121,12 @@ def main(argv=None):
     parser.add_argument("--intermediate", type=int, default=5632)
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--prefill-batch", type=int, nargs="+", default=[1, 8, 64])
-    parser.add_argument("--generate-batch", type=int, nargs="+", default=[1, 8],
-                        help="Batch sizes of eager generate and the CUDA-graph step.")
+    parser.add_argument("--generate-batch", type=int, nargs="*", default=[1, 8],
+                        help="Batch sizes of eager generate and the CUDA-graph step (none: skip them).")
     parser.add_argument("--compiled-batch", type=int, nargs="*", default=[1, 8],
                         help="Batch sizes of compiled static-cache generate (none: skip it).")
+    parser.add_argument("--compiled-prefill-batch", type=int, nargs="*", default=[64],
+                        help="Batch sizes of the prefill through torch.compile (none: skip it).")
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--decode-context", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
@@ -137,6 +139,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.quick:
         args.layers, args.prefill_batch, args.generate_batch, args.compiled_batch = 4, [1, 8], [1], [1]
+        args.compiled_prefill_batch = [8]
         args.decode_tokens, args.repeats = 32, 2
     from rich.console import Console
 
@@ -152,6 +155,7 @@ def main(argv=None):
         built = time.perf_counter()
         result = bench_checkpoint(path, seq_len=args.seq_len, prefill_batches=args.prefill_batch,
                                   generate_batches=args.generate_batch, compiled_batches=args.compiled_batch,
+                                  compiled_prefill_batches=args.compiled_prefill_batch,
                                   decode_tokens=args.decode_tokens, decode_context=args.decode_context,
                                   repeats=args.repeats)
         twell_section = json.loads((path / "config.json").read_text())["twell"]

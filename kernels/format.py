@@ -68,10 +68,29 @@ SPAN = 32  # list entries in one work item of a heavy row (gated_mlp's span kern
 
 def heavy_units(m: int) -> int:
     """Units (list entries, plus T per overflowing tile) above which a batched row's walk goes to the span
-    kernel as work items. A row program walks about 1 unit a microsecond at D 2048 beside the other rows,
-    so a row up to about m / 50 units ends before the launch does (H100, 16384 tokens: one row of 250
-    units costs nothing, 950 units 25%; benchmarks/results/heavy_row_h100.json, before the split)."""
+    kernel as work items (below DENSE_HEAVY_FROM tokens). A row program walks about 1 unit a microsecond at
+    D 2048 beside the other rows, so a row up to about m / 50 units ends before the launch does if it
+    starts early (H100, 16384 tokens: one row of 250 units costs nothing, 950 units 25%;
+    benchmarks/results/heavy_row_h100.json, before the split)."""
     return max(128, m // 64)
+
+
+# From this many tokens a batched call computes its heavy rows (above DENSE_HEAVY_UNITS units) densely, as
+# one cuBLAS block over heavy_row_capacity(M) rows, instead of walking them. A row walked late in the launch
+# ends after it, and the span kernel's items queue behind few programs: with one first token of 2000 units
+# every 2048 tokens, 131072 tokens run 1.12x dense through the span kernel and 1.60x through the dense block
+# (1.62x without heavy tokens), 16384 tokens 1.32x and 1.38x. The dense block runs at every call, since its
+# row count is on the device: 0.06 ms, which costs 1.61x -> 1.54x at 16384 tokens without heavy tokens and
+# more below (8192: 1.59x -> 1.45x, and 1.27x against 1.29x with them)
+# (benchmarks/results/heavy_rows_dense_h100.json, compression 8).
+DENSE_HEAVY_FROM = 16384
+DENSE_HEAVY_UNITS = 128
+
+
+def heavy_row_capacity(m: int) -> int:
+    """Rows a batched call of m tokens (at least DENSE_HEAVY_FROM) computes densely at most; heavier rows
+    past that walk themselves (slower, never wrong)."""
+    return max(64, m // 256)
 
 
 # Cost model of one block on an H100 in bf16, fitted by benchmarks/fit_cost_model.py to the block
@@ -131,9 +150,10 @@ def twell_time(mean_active: float, d: int, i: int, tokens: int, max_active: floa
                tile: int = 128) -> float:
     """Predicted seconds of `gated_mlp` at `mean_active` units per token (no overflow) with `tile`-wide
     tiles (batched: the gate kernel's rates depend on it; decode uses its own); `max_active`, the
-    heaviest token's count: up to heavy_units(tokens), its serial walk bounds the batched out kernel from
-    below (a smooth maximum with the throughput term: the row runs beside the others); above, the span
-    kernel's time is added."""
+    heaviest token's count: up to heavy_units(tokens) (DENSE_HEAVY_UNITS from DENSE_HEAVY_FROM tokens), its
+    serial walk bounds the batched out kernel from below (a smooth maximum with the throughput term: the row
+    runs beside the others); above, the span kernel's time is added (from DENSE_HEAVY_FROM tokens the dense
+    block of the heavy rows, at every call)."""
     pairs = tokens * mean_active
     if tokens <= decode_rows(d, i):  # decode spreads a row's units over the gate programs' tiles
         bandwidth, per_pair, latency = DECODE
@@ -141,12 +161,16 @@ def twell_time(mean_active: float, d: int, i: int, tokens: int, max_active: floa
     l2, hbm, per_pair, latency = GATHER
     from_hbm = max(0.0, 1 - L2_BYTES / (4 * d * i))  # share of the row reads that miss L2
     gather = pairs * (4 * d * ((1 - from_hbm) / l2 + from_hbm / hbm) + per_pair) + latency
-    heaviest, walked_alone = max_active or 0.0, heavy_units(tokens)
+    heaviest = max_active or 0.0
+    if tokens >= DENSE_HEAVY_FROM:  # heavy rows dense: that block runs at every call (its row count is on the device)
+        walked_alone, split = DENSE_HEAVY_UNITS, dense_time(d, i, heavy_row_capacity(tokens))
+    else:
+        walked_alone = heavy_units(tokens)
+        split = SPLIT[0] + SPLIT[1] * d if heaviest > walked_alone else 0.0
     # the fitted terms already hold ordinary rows (a batch's heaviest is about twice the mean): only the
     # walk beyond that counts
     excess = max(0.0, min(heaviest, walked_alone) - 2 * mean_active)
     walk = excess / out_units_per_step(tokens) * (ROW_WALK[0] + ROW_WALK[1] * d)
-    split = SPLIT[0] + SPLIT[1] * d if heaviest > walked_alone else 0.0
     gate = _roofline(2 * tokens * d * i, 2 * d * i, GATE[gate_kernel(tile, tokens, i)], d)
     return gate + (gather ** 4 + walk ** 4) ** 0.25 + split
 

@@ -19,6 +19,10 @@ no host synchronization:
    and `_twell_span_kernel`, launched next, spreads the items over its programs; each writes an fp32
    partial row, and the row's last item to finish sums them in item order (deterministic while the
    workspace has room: a heavy row that finds it full walks itself, and which rows do depends on timing).
+   From DENSE_HEAVY_FROM tokens a heavy row (above DENSE_HEAVY_UNITS) posts only its index instead, and the
+   dense block (cuBLAS) runs over a fixed number of rows (heavy_row_capacity) gathered through that
+   device-side list and writes the posted ones: the weights are read once for all of them, and no host
+   synchronization is needed (rows past the capacity walk themselves).
 Decode (M <= 64 tokens, 16 for layers with D * I > 2^24: decode_rows) is memory-bound and latency-bound
 instead: the gate kernel runs with a narrower tile (I / 64 programs stream the gate matrix; above 16 rows
 I / #SMs, one program per SM) and, in the same program, computes u for its tile's active units only (up to
@@ -44,8 +48,8 @@ from typing import Optional
 
 import torch
 
-from .format import (SPAN, cdiv, decode_rows, heavy_units, on_device, out_units_per_step, slots, tma_ok,
-                     use_triton)
+from .format import (DENSE_HEAVY_FROM, DENSE_HEAVY_UNITS, SPAN, cdiv, decode_rows, heavy_row_capacity, heavy_units,
+                     on_device, out_units_per_step, slots, tma_ok, use_triton)
 from .gate_hopper import hopper_gate_launch
 
 try:
@@ -244,29 +248,42 @@ def out_launch(x2, width, tile, s, gated, h_fp32, has_overflow, cfg, packed_h=Fa
     fused = split and m <= FUSED_COMPACT_ROWS
     compact = None if held or fused else _Launch(_compact_list_kernel, (m, 1, 1), dict(
         NT=nt, S=s, TC=tc, S_PAD=s_pad, PDL=pdl), dict(num_warps=4, launch_pdl=True) if pdl else dict(num_warps=4))
+    dense_rows = heavy_row_capacity(m) if split and m >= DENSE_HEAVY_FROM else 0
     out = _Launch(_twell_out_kernel, (m, cdiv(d, bd), 1), dict(
-        D=d, I=width, NT=nt, HEAVY=heavy_units(m), CAP=span_capacity(d), stride_xm=x2.stride(0),
+        D=d, I=width, NT=nt, HEAVY=DENSE_HEAVY_UNITS if dense_rows else heavy_units(m),
+        CAP=dense_rows or span_capacity(d), ROWS=dense_rows > 0, stride_xm=x2.stride(0),
         stride_xk=x2.stride(1), T=tile, S=s, NT_PAD=nt_pad, CH=ch, FB_CH=fb_ch,
         BLOCK_D=block_d, BD=bd, LIST_UP=gated and not packed_h, FALLBACK_UP=gated, H_FP32=h_fp32,
         HAS_OVF=has_overflow, DENSE_H=packed_h, TS=ts, PDL=pdl, SPAN=SPAN if split else 0,
         HELD=held, COMPACT_TC=tc if fused else 0, S_PAD=s_pad), cfg)
     # the span kernel has few programs: the step width of a few-row launch
     spans = span_launch(x2, width, tile, s, gated, h_fp32, out_config(128, d, False),
-                        min(span_capacity(d), 2 * sm_count(x2.device)), use_pdl(x2.device)) if split else None
-    return _OutLaunches(compact, out, spans, d)
+                        min(span_capacity(d), 2 * sm_count(x2.device)), use_pdl(x2.device)) \
+        if split and not dense_rows else None
+    return _OutLaunches(compact, out, spans, d, dense_rows, gated)
 
 
 class _OutLaunches:
     """The list pre-pass (where the out kernel neither holds the TwELL nor compacts its own rows), the out
-    kernel and, where it posts heavy rows' work items, the span kernel; allocates the span kernel's zeroed
-    workspace and partial rows at each call (they cannot be shared across streams)."""
+    kernel and, where it posts heavy rows, the span kernel for their work items or the dense block for
+    `dense_rows` of them; allocates the zeroed workspace and the span kernel's partial rows at each call
+    (they cannot be shared across streams). With `dense_rows`, `out` has one spare row past the last
+    (spare_rows): list slots left empty write there."""
 
-    def __init__(self, compact: Optional[_Launch], out: _Launch, spans: Optional[_Launch], d: int):
+    def __init__(self, compact: Optional[_Launch], out: _Launch, spans: Optional[_Launch], d: int,
+                 dense_rows: int = 0, gated: bool = True):
         self.compact, self.out, self.spans, self.d = compact, out, spans, d
+        self.dense_rows, self.gated = dense_rows, gated
+        self.spare_rows = 1 if dense_rows else 0
 
     def __call__(self, x2, values, indices, counts, dense_h, w_dec, up_or_down, down_t, out, overflow):
         if self.compact is not None:
             self.compact(indices, values, counts)
+        if self.dense_rows:
+            workspace = torch.zeros(1 + self.dense_rows, dtype=torch.int32, device=x2.device)
+            self.out(x2, values, indices, counts, dense_h, w_dec, up_or_down, down_t, out, overflow, workspace)
+            dense_heavy_rows(x2, w_dec, up_or_down if self.gated else None, down_t, out, workspace)
+            return
         if self.spans is None:
             self.out(x2, values, indices, counts, dense_h, w_dec, up_or_down, down_t, out, overflow, counts)
             return
@@ -275,6 +292,21 @@ class _OutLaunches:
         self.out(x2, values, indices, counts, dense_h, w_dec, up_or_down, down_t, out, overflow, workspace)
         partials = torch.empty(cap, self.d, dtype=torch.float32, device=x2.device)
         self.spans(x2, values, indices, counts, w_dec, up_or_down, down_t, out, workspace, partials)
+
+
+def dense_heavy_rows(x2, w_dec, up, down_t, out, workspace):
+    """The rows that the out kernel posted to `workspace` ([count, row indices...], int32), through the
+    dense block: out[row] = (relu(x2[row] @ w_dec^T) (* x2[row] @ up^T)) @ down_t for every posted row,
+    over all slots of the list (a fixed shape: nothing waits for the count); empty slots compute row 0 and
+    write it to out's spare row (index M)."""
+    m = x2.shape[0]
+    listed = workspace[1:].long()
+    posted = torch.arange(listed.shape[0], device=x2.device) < workspace[:1]
+    xs = x2.index_select(0, torch.where(posted, listed, 0))
+    h = torch.relu(xs @ w_dec.t())
+    if up is not None:
+        h = h * (xs @ up.t())
+    out.index_copy_(0, torch.where(posted, listed, m), (h @ down_t).to(out.dtype))
 
 
 def span_capacity(d: int) -> int:
@@ -410,11 +442,12 @@ def _forward_triton(x, w_dec, up, down, tile, compression, precision, overflow):
     # decode: h of overflowing (row, tile) pairs, written only there (so never initialized); else unused
     dense_h = tw[0] if plan.dense_h_shape is None else torch.empty(
         plan.dense_h_shape, dtype=plan.vals_dtype, device=device)
-    out = x.new_empty(x.shape)  # contiguous, so the kernel's [M, D] rows
+    # contiguous, so the kernel's [M, D] rows (and any spare row past them)
+    out = x.new_empty((x2.shape[0] + plan.out.spare_rows, x2.shape[1]))
     plan.gate(x2, w_dec, up if up is not None else w_dec, *tw, dense_h)
     plan.out(x2, *tw, dense_h, w_dec, up if up is not None else down_t, down_t, out,
              overflow if overflow is not None else tw[2])
-    return out
+    return out[:x2.shape[0]].view(x.shape)
 
 
 def _forward_reference(x, w_dec, up, down, tile, compression, overflow):
@@ -763,6 +796,7 @@ if triton is not None:
                           FB_CH: tl.constexpr, BLOCK_D: tl.constexpr, BD: tl.constexpr, LIST_UP: tl.constexpr,
                           FALLBACK_UP: tl.constexpr, H_FP32: tl.constexpr, HAS_OVF: tl.constexpr,
                           DENSE_H: tl.constexpr, TS: tl.constexpr, PDL: tl.constexpr, SPAN: tl.constexpr,
+                          ROWS: tl.constexpr,
                           HELD: tl.constexpr, COMPACT_TC: tl.constexpr, S_PAD: tl.constexpr):
         # program (row, output chunk): u needs the whole row of x and up, down only BD output columns
         row = tl.program_id(0).to(tl.int64)
@@ -789,19 +823,25 @@ if triton is not None:
         n_over = tl.sum(over.to(tl.int32), axis=0)
         own = total >= 0  # whether this program walks its row (a heavy one may post it as work items instead)
         if SPAN > 0:
-            # a heavy row (more than HEAVY units to walk) would bound the launch with its serial walk: it posts
-            # its work as items instead (list spans of SPAN entries, then its overflowing tiles) into the
-            # workspace [items allocated, row of each item slot (CAP), first slot of its row (CAP), items
-            # done per row (CAP)], for the span kernel, which runs after this one and writes the row
+            # a heavy row (more than HEAVY units to walk) would bound the launch with its serial walk: with
+            # ROWS it posts its index for the dense block ([rows posted, row of each slot (CAP)]); else its
+            # work as items (list spans of SPAN entries, then its overflowing tiles) into the workspace
+            # [items allocated, row of each item slot (CAP), first slot of its row (CAP), items done per
+            # row (CAP)], for the span kernel, which runs after this one and writes the row
             if total + n_over * TS > HEAVY:
-                n_items = tl.cdiv(total, SPAN) + n_over
-                base = tl.atomic_add(ws_ptr, n_items)
-                own = base + n_items > CAP  # workspace full: the row walks itself, as a light one
-                for q0 in range(0, n_items, 64):
-                    q = base + q0 + tl.arange(0, 64)
-                    slot = (q < base + n_items) & (q < CAP)
-                    tl.store(ws_ptr + 1 + q, tl.where(own, -1, row).to(tl.int32), mask=slot)
-                    tl.store(ws_ptr + 1 + CAP + q, base, mask=slot)
+                if ROWS:
+                    slot = tl.atomic_add(ws_ptr, 1)
+                    own = slot >= CAP  # no room left: the row walks itself
+                    tl.store(ws_ptr + 1 + slot, row.to(tl.int32), mask=slot < CAP)
+                else:
+                    n_items = tl.cdiv(total, SPAN) + n_over
+                    base = tl.atomic_add(ws_ptr, n_items)
+                    own = base + n_items > CAP  # workspace full: the row walks itself, as a light one
+                    for q0 in range(0, n_items, 64):
+                        q = base + q0 + tl.arange(0, 64)
+                        slot = (q < base + n_items) & (q < CAP)
+                        tl.store(ws_ptr + 1 + q, tl.where(own, -1, row).to(tl.int32), mask=slot)
+                        tl.store(ws_ptr + 1 + CAP + q, base, mask=slot)
         acc = tl.zeros((BD,), dtype=tl.float32)
         if own:
             acc = _walk_list(acc, x, 0, total, incl, fits, row, NT, S, CH, idx_ptr, vals_ptr, row_j, row_g,

@@ -4,6 +4,10 @@ The checkpoint loads twice in bf16: plain (the family's own class with a ReLU ga
 remote code) and with trust_remote_code=True (TwellGatedMLP: each layer on its planned kernel setting).
 Each row of the result is one path, timed for both loads in turn (CUDA events, medians after warm-up):
 - "prefill": the decoder stack (no LM head) over batch x seq_len token ids, eager;
+- "prefill_compiled": the same call through torch.compile(fullgraph=True, dynamic=False) (inductor, default
+  mode: the norms, rotary embeddings and other elementwise work fused; the TwELL kernels stay one custom
+  op): what the MLP's share of a prefill is once the rest runs fused. One compile per model and batch
+  size, in the first (untimed) call, whose time is reported;
 - "generate_eager": plain `generate` (greedy, dynamic cache, eager), `decode_tokens` new tokens after a
   PROMPT_TOKENS prompt: what a user gets without configuring anything;
 - "generate_compiled": `generate(..., cache_implementation="static", compile_config=CompileConfig(
@@ -54,6 +58,7 @@ PROMPT_TOKENS = 16
 CHECK_BATCH, CHECK_NEW = 4, 32  # greedy agreement: prompts of PROMPT_TOKENS, CHECK_NEW new tokens
 PATHS = {
     "prefill": "decoder stack (no LM head), eager, batch x seq_len tokens",
+    "prefill_compiled": "decoder stack (no LM head), torch.compile(fullgraph=True, dynamic=False), batch x seq_len tokens",
     "generate_eager": "generate, greedy, eager, dynamic cache (the default)",
     "generate_compiled": "generate, greedy, cache_implementation='static', compile_config=CompileConfig("
                          "fullgraph=True, dynamic=False): decode step compiled by transformers (inductor, "
@@ -260,18 +265,34 @@ def generate_row(models, prompt, new_tokens, repeats) -> dict:
     return _timed_row("generate_eager", prompt.shape[0], prompt.shape[0] * new_tokens, calls, models, repeats)
 
 
+def _first_call_seconds(calls: dict) -> dict:
+    """Wall seconds of each call's first run (where it compiles)."""
+    seconds = {}
+    for name, call in calls.items():
+        start = time.perf_counter()
+        call()
+        torch.cuda.synchronize()
+        seconds[name] = time.perf_counter() - start
+    return seconds
+
+
+@torch.inference_mode()
+def compiled_prefill_row(models, ids, repeats) -> dict:
+    """The prefill through torch.compile; the first call of each model compiles (compile_s)."""
+    compiled = {name: torch.compile(model.get_decoder(), fullgraph=True, dynamic=False) for name, model in models.items()}
+    calls = {name: lambda c=c: c(input_ids=ids, use_cache=False) for name, c in compiled.items()}
+    compile_s = _first_call_seconds(calls)
+    return _timed_row("prefill_compiled", ids.shape[0], ids.numel(), calls, models, repeats, ranges=False,
+                      compile_s=compile_s)
+
+
 def compiled_generate_row(models, prompt, new_tokens, repeats) -> dict:
     """The compiled path; the first call of each model compiles (its wall time reported as compile_s)."""
     from transformers import CompileConfig
 
     options = dict(cache_implementation="static", compile_config=CompileConfig(fullgraph=True, dynamic=False))
     calls = {name: lambda m=model: _generate(m, prompt, new_tokens, **options) for name, model in models.items()}
-    compile_s = {}
-    for name, call in calls.items():  # generate runs under no_grad itself
-        start = time.perf_counter()
-        call()
-        torch.cuda.synchronize()
-        compile_s[name] = time.perf_counter() - start
+    compile_s = _first_call_seconds(calls)  # generate runs under no_grad itself
     return _timed_row("generate_compiled", prompt.shape[0], prompt.shape[0] * new_tokens, calls, models, repeats,
                       ranges=False, compile_s=compile_s)
 
@@ -340,15 +361,16 @@ def mean_active(model, ids) -> list[float]:
 
 
 def bench_checkpoint(path: str | Path, *, seq_len: int = 2048, prefill_batches=(1, 8, 64), generate_batches=(1, 8),
-                     compiled_batches=(1, 8), decode_tokens: int = 64, decode_context: int = 512, repeats: int = 3,
-                     device: str = "cuda") -> dict:
+                     compiled_batches=(1, 8), compiled_prefill_batches=(), decode_tokens: int = 64,
+                     decode_context: int = 512, repeats: int = 3, device: str = "cuda") -> dict:
     """All rows (PATHS) for the dense and the TwELL load of the checkpoint at `path`: prefill at each of
-    `prefill_batches` x seq_len, eager generate and the graph step at each of `generate_batches`, compiled
-    generate at each of `compiled_batches` (empty: none)."""
+    `prefill_batches` x seq_len (compiled: at each of `compiled_prefill_batches`), eager generate and the
+    graph step at each of `generate_batches`, compiled generate at each of `compiled_batches` (empty: none)."""
     from transformers import AutoModelForCausalLM
 
     device = require_cuda(device, "sparsify bench")
-    sizes = (seq_len, decode_tokens, decode_context, repeats, *prefill_batches, *generate_batches, *compiled_batches)
+    sizes = (seq_len, decode_tokens, decode_context, repeats, *prefill_batches, *generate_batches, *compiled_batches,
+             *compiled_prefill_batches)
     if not prefill_batches or min(sizes) < 1:
         raise ConfigError("--seq-len, --decode-tokens, --decode-context, --repeats and the batch sizes must be "
                           "positive, with at least one prefill batch")
@@ -377,9 +399,12 @@ def bench_checkpoint(path: str | Path, *, seq_len: int = 2048, prefill_batches=(
     for batch in generate_batches:
         rows.append(generate_row(models, ids(batch, PROMPT_TOKENS), decode_tokens, repeats))
         rows.append(graph_step_row(models, ids(batch, decode_context)))
-    if compiled_batches:
+    if compiled_batches or compiled_prefill_batches:
         if hasattr(torch._dynamo.config, "recompile_limit"):  # dense and twell steps at each batch: one code object
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    for batch in compiled_prefill_batches:
+        rows.append(compiled_prefill_row(models, prefill_ids[batch] if batch in prefill_ids else ids(batch, seq_len), repeats))
+    if compiled_batches:
         for batch in compiled_batches:
             rows.append(compiled_generate_row(models, ids(batch, PROMPT_TOKENS), decode_tokens, repeats))
     return {

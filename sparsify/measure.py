@@ -4,7 +4,9 @@ A forward hook on each MLP's gate projection reads the gate pre-activation (the 
 fused gate_up_proj); a unit is active for a token when it is > 0. The same hook works on original SiLU
 models (where this is the starting point of a conversion) and on converted ReLU ones. Beside per-token
 counts it counts active units per (token, tile) for the candidate TwELL tile widths, which decides
-whether a packed tile of `twell.slots(tile, compression)` slots overflows (twell.md sections 2 and 5).
+whether a packed tile of `twell.slots(tile, compression)` slots overflows (twell.md sections 2 and 5), over
+all tokens and over the tokens of at most `twell.format.DENSE_HEAVY_UNITS` active units (large batched
+calls run heavier ones through the dense block, where their overflowing tiles cost nothing extra).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from twell import slots
+from twell.format import DENSE_HEAVY_UNITS
 
 from .families import FamilySpec, mlp_modules
 
@@ -52,7 +55,7 @@ class _LayerCounter:
     histograms of per-(token, tile) active counts, and active counts summed per sequence position."""
 
     def __init__(self):
-        self.per_token, self.fired, self.position, self.tile_hist = [], None, None, {}
+        self.per_token, self.fired, self.position, self.tile_hist, self.light_hist = [], None, None, {}, {}
 
     def __call__(self, gate: torch.Tensor):  # gate pre-activation [B, S, I]
         active = gate > 0
@@ -64,13 +67,15 @@ class _LayerCounter:
         position = active.sum(-1, dtype=torch.int64).sum(0).cpu()
         self.position = position if self.position is None else self.position + position
         flat = active.flatten(0, 1)
+        light = flat.sum(-1) <= DENSE_HEAVY_UNITS
         for tile in TILES:
             if tile > units:
                 continue
             padded = F.pad(flat, (0, -units % tile))  # a partial last tile counts as a tile
-            counts = padded.view(flat.shape[0], -1, tile).sum(-1).flatten()
-            hist = torch.bincount(counts.cpu(), minlength=tile + 1)
-            self.tile_hist[tile] = hist if tile not in self.tile_hist else self.tile_hist[tile] + hist
+            counts = padded.view(flat.shape[0], -1, tile).sum(-1)
+            for hists, pairs in ((self.tile_hist, counts.flatten()), (self.light_hist, counts[light].flatten())):
+                hist = torch.bincount(pairs.cpu(), minlength=tile + 1)
+                hists[tile] = hist if tile not in hists else hists[tile] + hist
 
     def result(self, sequences: int) -> dict:
         counts = torch.cat(self.per_token).double()
@@ -78,10 +83,14 @@ class _LayerCounter:
         tiles = {}
         for tile, hist in self.tile_hist.items():
             cumulative = hist.cumsum(0).double() / hist.sum()
+            light = self.light_hist[tile]
             tiles[str(tile)] = {
                 "max": int(hist.nonzero().max()),
                 "p999": int(torch.searchsorted(cumulative, torch.tensor(0.999, dtype=torch.float64))),
                 "overflow_frac": {str(c): hist[slots(tile, c) + 1 :].sum().item() / hist.sum().item() for c in COMPRESSIONS},
+                # pairs of the light tokens only, over all pairs
+                "overflow_frac_light": {str(c): light[slots(tile, c) + 1 :].sum().item() / hist.sum().item()
+                                        for c in COMPRESSIONS},
             }
         return {
             "units": self.units,
@@ -117,7 +126,8 @@ def measure(model, spec: FamilySpec, blocks: list[torch.Tensor], batch_size: int
 
     Per layer: mean / median / p99 / max active units per token, sparsity (fraction of inactive units),
     dead_frac (units that never fired on this text), per tile width the max and p99.9 of active units
-    per (token, tile) and the fraction of (token, tile) pairs overflowing each compression's slots, and
+    per (token, tile) and the fraction of (token, tile) pairs overflowing each compression's slots (also
+    counting only the pairs of tokens with at most DENSE_HEAVY_UNITS active units), and
     position_active (mean active units at each sequence position)."""
     counters = [_LayerCounter() for _ in mlp_modules(model, spec)]
     with gate_hooks(model, spec, counters):

@@ -6,6 +6,8 @@ kernel runs from 4 output tiles an SM), refined with the costs that its inputs l
 gives per (tile, compression):
 - overflow: an overflowing (token, tile) is recomputed densely in the fallback (T gate rows, 2 * T * D
   bytes, at the L2 gather rate), so a fraction f of overflowing pairs costs f * 2 * D * I bytes per token
+  (from `twell.format.DENSE_HEAVY_FROM` tokens on, only the pairs of tokens light enough to be walked: the
+  heavier ones go through the dense block whole)
   (the compression costs nothing else: the kernels write and read only a tile's used slots;
   benchmarks/results/inference_tiles_h100.json, compressions 4, 8 and 16 alike where none overflows);
 - the heaviest token (`max_active`): the batched out kernel walks a row in one program; a row above
@@ -25,13 +27,20 @@ from __future__ import annotations
 
 from math import isqrt
 
-from twell.format import GATHER, dense_time, twell_time
+from twell.format import DENSE_HEAVY_FROM, GATHER, dense_time, twell_time
 
 TOKENS = 16384
 # token counts the window is judged at: both sides of the decode path's ends (16 or 64 rows), then prefills
 TOKEN_GRID = (1, 4, 16, 17, 32, 64, 65, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 4096, 16384)
 FITTED_TILE = 128  # the tile the main grids were measured at: ties go to it
 LLAMA_RATIO = 2.75      # I / D of the paper's models, used when the caller gives no hidden size
+
+
+def overflow_at(tile_stats: dict, compression: int, tokens: int) -> float:
+    """The share of (token, tile) pairs that overflow and are recomputed at `tokens` tokens a call (statistics
+    measured before the light-token split: all pairs)."""
+    light = tokens >= DENSE_HEAVY_FROM and "overflow_frac_light" in tile_stats
+    return tile_stats["overflow_frac_light" if light else "overflow_frac"][str(compression)]
 
 
 def predicted_speedup(mean_active: float, overflow_frac: float, tile: int, d: int, i: int,
@@ -69,20 +78,20 @@ def plan_layer(stats: dict, *, hidden_size: int | None = None, tokens: int = TOK
     summary = {k: stats[k] for k in ("mean_active", "p99_active", "max_active", "dead_frac") if k in stats}
     heaviest = stats.get("max_active")
     candidates = [
-        (round(predicted_speedup(stats["mean_active"], overflow, int(tile), d, units, tokens, heaviest), 3),
-         int(tile), int(c))
+        (round(predicted_speedup(stats["mean_active"], overflow_at(t, int(c), tokens), int(tile), d, units, tokens,
+                                 heaviest), 3), int(tile), int(c))
         for tile, t in stats["tiles"].items()
-        for c, overflow in t["overflow_frac"].items()
+        for c in t["overflow_frac"]
     ]
     if not candidates:  # I narrower than the smallest measured tile
         return {"mode": "dense", "stats": summary}
     # ties: the main grids' tile, then the narrower packing (compressions cost the same without overflow)
     speedup, tile, compression = max(candidates, key=lambda s: (s[0], s[1] == FITTED_TILE, s[2]))
     t = stats["tiles"][str(tile)]
-    overflow = t["overflow_frac"][str(compression)]
-    summary.update(predicted_speedup=speedup, max_tile_active_p999=t["p999"], overflow_frac=overflow)
-    ranges = token_ranges([(n, predicted_speedup(stats["mean_active"], overflow, tile, d, units, n, heaviest)
-                               > min_speedup) for n in TOKEN_GRID])
+    summary.update(predicted_speedup=speedup, max_tile_active_p999=t["p999"],
+                   overflow_frac=t["overflow_frac"][str(compression)])
+    ranges = token_ranges([(n, predicted_speedup(stats["mean_active"], overflow_at(t, compression, n), tile, d, units,
+                                                 n, heaviest) > min_speedup) for n in TOKEN_GRID])
     return layer_setting(tile, compression, ranges, summary)
 
 

@@ -190,9 +190,9 @@ def test_bench_checkpoint_on_gpu(tmp_path):
                                     calibration_tokens=512, device="cuda")
     path = model_bench.export(model, tmp_path / "ckpt", active=12, eval_tokens=512)
     result = bench_checkpoint(path, seq_len=64, prefill_batches=(2,), generate_batches=(2,), compiled_batches=(1,),
-                              decode_tokens=8, decode_context=32, repeats=1)
+                              compiled_prefill_batches=(2,), decode_tokens=8, decode_context=32, repeats=1)
     rows = {row["path"]: row for row in result["rows"]}
-    assert set(rows) == {"prefill", "generate_eager", "generate_compiled", "decode_step_graph"}
+    assert set(rows) == {"prefill", "prefill_compiled", "generate_eager", "generate_compiled", "decode_step_graph"}
     for row in rows.values():
         assert row["speedup"] == pytest.approx(row["dense"]["ms"] / row["twell"]["ms"])
         for load in ("dense", "twell"):
@@ -201,3 +201,4 @@ def test_bench_checkpoint_on_gpu(tmp_path):
         assert row["breakdown"]["twell"]["mlp_ms"] > 0
     assert result["check"]["logits_rel_err"] < 2e-2 and rows["decode_step_graph"]["logits_rel_err"] < 2e-2
     assert rows["generate_compiled"]["compile_s"]["twell"] > 0 and rows["generate_compiled"]["greedy_match"] > 0
+    assert rows["prefill_compiled"]["compile_s"]["twell"] > 0

@@ -197,6 +197,62 @@ def test_heavy_rows_beyond_the_workspace_walk_themselves(monkeypatch):
     assert overflow.item() == (counts > slots(64, 2)).sum().item()
 
 
+@pytest.mark.parametrize("gated", [True, False])
+def test_heavy_rows_through_the_dense_block(gated, monkeypatch):
+    """Batched from DENSE_HEAVY_FROM tokens: the out kernel leaves rows above DENSE_HEAVY_UNITS unwritten and
+    posts their indices; the dense block writes them, and its empty list slots write only the spare row
+    past the last one. NaN-poisoned."""
+    monkeypatch.setattr(gm, "DENSE_HEAVY_FROM", 64)
+    torch.manual_seed(3)
+    m, d, i, tile, comp = 70, 24, 300, 64, 2
+    x, gate, up, down = heavy_rows_block(m, d, i)
+    s = slots(tile, comp)
+    tw = empty_twell(m, i, tile, comp, x.dtype, x.device)
+    tw.values.fill_(float("nan"))
+    gate_launch(x, gate, None, tile, s, x.dtype, gate_config(m, tile, 4, decode=False))(
+        x, gate, gate, *tw[:3], tw.values)
+    over = tw.counts > s
+    heavy = torch.where(over, 0, tw.counts).sum(1) + over.sum(1) * tile > gm.DENSE_HEAVY_UNITS
+    assert heavy.tolist().count(True) == 2 and heavy[3] and heavy[m - 1]
+    launches = out_launch(x, i, tile, s, gated, False, True, out_config(m, d, decode=False))
+    assert launches.spans is None and launches.dense_rows == gm.heavy_row_capacity(m) > 2
+    out = torch.full((m + launches.spare_rows, d), float("nan"), device=DEV)
+    overflow = torch.zeros(1, dtype=torch.int64, device=DEV)
+    down_t = down.t().contiguous()
+    workspace = torch.zeros(1 + launches.dense_rows, dtype=torch.int32, device=DEV)
+    up_or_down = up if gated else down_t
+    launches.out(x, *tw[:3], tw.values, gate, up_or_down, down_t, out, overflow, workspace)
+    assert out[:m][heavy].isnan().all() and not out[:m][~heavy].isnan().any()
+    assert workspace[0].item() == 2 and sorted(workspace[1:3].tolist()) == [3, m - 1]
+    assert overflow.item() == over.sum().item()
+    gm.dense_heavy_rows(x, gate, up if gated else None, down_t, out, workspace)
+    h = torch.relu(x @ gate.t()) * (x @ up.t()) if gated else torch.relu(x @ gate.t())
+    assert rel_err(out[:m], h @ down.t()) < 1e-5
+    monkeypatch.setattr(gm, "_PLANS", type(gm._PLANS)())  # plans built with the real DENSE_HEAVY_FROM
+    if gated:
+        full = twell.gated_mlp(x, gate, up, down, tile=tile, compression=comp)
+    else:
+        full = twell.mlp(x, gate, down, tile=tile, compression=comp)
+    assert full.shape == x.shape and full.is_contiguous()
+    assert rel_err(full, h @ down.t()) < 1e-5
+
+
+def test_dense_block_rows_beyond_its_capacity_walk_themselves(monkeypatch):
+    """More heavy rows than the dense block holds: the ones that find the list full walk themselves."""
+    monkeypatch.setattr(gm, "_PLANS", type(gm._PLANS)())
+    monkeypatch.setattr(gm, "DENSE_HEAVY_FROM", 64)
+    monkeypatch.setattr(gm, "heavy_row_capacity", lambda m: 1)
+    torch.manual_seed(4)
+    m, d, i = 70, 24, 300
+    x, gate, up, down = heavy_rows_block(m, d, i)
+    x[5, 0] = x[3, 0]  # three heavy rows, room for one
+    overflow = torch.zeros(1, dtype=torch.int64, device=DEV)
+    out = twell.gated_mlp(x, gate, up, down, tile=64, compression=2, overflow=overflow)
+    assert rel_err(out, reference(x, gate, up, down)) < 1e-5
+    counts = twell.pack(torch.relu(x @ gate.t()), tile=64, compression=2).counts
+    assert overflow.item() == (counts > slots(64, 2)).sum().item()
+
+
 def overflow_count(g, tile, compression):
     """Overflowing (row, tile) pairs of a gate pre-activation [M, I], at the kernels' decode tiles (blocks of
     min(tile, 64), each holding a tile of decode_tile_stride units: narrower on a GPU above 16 rows)."""
@@ -529,12 +585,14 @@ def test_gpu_no_sync_cuda_graph_and_compile():
 
 
 @pytest.mark.gpu
-def test_gpu_heavy_rows_deterministic_and_capturable():
-    """Batched bf16 with heavy tokens (1000-2000 units, a dense one): within the dense block's error,
-    bit-equal across calls (the span kernel sums partials in item order), replayable as a CUDA graph."""
-    x, gate, up, down = block(4096, 2048, 5632, k=29, dtype=torch.bfloat16)
+@pytest.mark.parametrize("m", [4096, 16384])  # heavy rows through the span kernel / the dense block
+def test_gpu_heavy_rows_deterministic_and_capturable(m):
+    """Batched bf16 with heavy tokens (1000-2000 units, a dense one, one of 2000 every 2048 tokens): within
+    the dense block's error, bit-equal across calls (the span kernel sums partials in item order; the
+    dense block is cuBLAS), replayable as a CUDA graph."""
+    x, gate, up, down = block(m, 2048, 5632, k=29, dtype=torch.bfloat16)
     bias = NormalDist().inv_cdf(1 - 29 / 5632)
-    x[0, 0] = NormalDist().inv_cdf(1 - 2000 / 5632) / bias
+    x[::2048, 0] = NormalDist().inv_cdf(1 - 2000 / 5632) / bias
     x[1000, 0] = NormalDist().inv_cdf(1 - 1000 / 5632) / bias
     x[2000, 0] = -30.0
     down = twell.prepare_down(down)
