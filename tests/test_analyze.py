@@ -26,7 +26,7 @@ def test_analyze_json_plot_and_table(tmp_path):
         assert layer["units"] == 160 and 0 < layer["mean_active"] < 160  # SiLU model: gate pre-activation > 0
         assert layer["sparsity"] == 1 - layer["mean_active"] / 160
         assert set(layer["tiles"]) == {"64", "128"}
-        assert set(layer["tiles"]["64"]) == {"max", "p999", "overflow_frac"}
+        assert set(layer["tiles"]["64"]) == {"max", "p999", "overflow_frac", "overflow_frac_light"}
         assert set(layer["tiles"]["64"]["overflow_frac"]) == {str(c) for c in COMPRESSIONS}
         assert len(layer["position_active"]) == 64
         assert layer["recommended"]["mode"] in ("sparse", "dense")

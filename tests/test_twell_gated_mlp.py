@@ -100,6 +100,17 @@ def heavy_rows_block(m, d, i, dtype=torch.float32):
     return x, gate, up, down
 
 
+def heavy_rows_packed(m, d, i, tile, comp):
+    """heavy_rows_block's tensors, their batched TwELL (NaN-poisoned values) and its slots per tile."""
+    x, gate, up, down = heavy_rows_block(m, d, i)
+    s = slots(tile, comp)
+    tw = empty_twell(m, i, tile, comp, x.dtype, x.device)
+    tw.values.fill_(float("nan"))
+    gate_launch(x, gate, None, tile, s, x.dtype, gate_config(m, tile, 4, decode=False))(
+        x, gate, gate, *tw[:3], tw.values)
+    return (x, gate, up, down), tw, s
+
+
 def split_work(counts, s, ts, m):
     """Per row: whether the batched out kernel posts it to the span kernel, and its work items."""
     over = counts > s
@@ -151,12 +162,7 @@ def test_heavy_rows_split_into_work_items(gated):
     overflowing tiles); the span kernel computes them into partial rows and sums those. NaN-poisoned."""
     torch.manual_seed(3)
     m, d, i, tile, comp = 70, 24, 300, 64, 2  # 5 tiles of 32 slots: heavy rows fit up to 160 units
-    x, gate, up, down = heavy_rows_block(m, d, i)
-    s = slots(tile, comp)
-    tw = empty_twell(m, i, tile, comp, x.dtype, x.device)
-    tw.values.fill_(float("nan"))
-    gate_launch(x, gate, None, tile, s, x.dtype, gate_config(m, tile, 4, decode=False))(
-        x, gate, gate, *tw[:3], tw.values)
+    (x, gate, up, down), tw, s = heavy_rows_packed(m, d, i, tile, comp)
     heavy, items = split_work(tw.counts, s, tile, m)
     assert heavy[3] and heavy[m - 1] and not heavy[m // 2] and items[3] >= 3
     out = torch.full_like(x, float("nan"))
@@ -205,12 +211,7 @@ def test_heavy_rows_through_the_dense_block(gated, monkeypatch):
     monkeypatch.setattr(gm, "DENSE_HEAVY_FROM", 64)
     torch.manual_seed(3)
     m, d, i, tile, comp = 70, 24, 300, 64, 2
-    x, gate, up, down = heavy_rows_block(m, d, i)
-    s = slots(tile, comp)
-    tw = empty_twell(m, i, tile, comp, x.dtype, x.device)
-    tw.values.fill_(float("nan"))
-    gate_launch(x, gate, None, tile, s, x.dtype, gate_config(m, tile, 4, decode=False))(
-        x, gate, gate, *tw[:3], tw.values)
+    (x, gate, up, down), tw, s = heavy_rows_packed(m, d, i, tile, comp)
     over = tw.counts > s
     heavy = torch.where(over, 0, tw.counts).sum(1) + over.sum(1) * tile > gm.DENSE_HEAVY_UNITS
     assert heavy.tolist().count(True) == 2 and heavy[3] and heavy[m - 1]
