@@ -12,7 +12,8 @@ gives per (tile, compression):
   benchmarks/results/inference_tiles_h100.json, compressions 4, 8 and 16 alike where none overflows);
 - the heaviest token (`max_active`): the batched out kernel walks a row in one program; a row above
   `twell.format.heavy_units` (a sequence's first token often is one) goes to the span kernel instead, a
-  fixed cost of about 20 us (twell.format.SPLIT) that moves the window's lower end of prefill sizes up.
+  fixed cost of about 20 us (twell.format.SPLIT) that moves the window's lower end of prefill sizes up;
+  from DENSE_HEAVY_FROM tokens every call runs the dense block of such rows (twell.format.twell_time).
 Every measured (tile, compression) gets a predicted speed-up over the dense block at `tokens` tokens
 (default: a 16k-token prefill, the regime of the paper's benchmark); the best one is the layer's setting.
 The speed-up depends on the token count (decode is memory-bound and wins most; a few hundred tokens can
