@@ -5,7 +5,8 @@ against the dense bf16 PyTorch block (gate and up as one fused matmul), per benc
 
 Each block step is timed eagerly (host launch costs included) and as a CUDA-graph replay (GPU alone).
 
---e2e adds training steps of a 1.5B-shape Llama (dense vs hybrid MLPs); --profile prints per-kernel
+--e2e adds training steps of a 1.5B-shape Llama (dense vs hybrid MLPs; --e2e-batch: sequences a step,
+tokens/s, peak memory and the memory the forward adds); --profile prints per-kernel
 times of the k=29 step and the host issue time against the wall time.
 
 Synthetic sparsity: bias channel x[:, 0] = 1, gate[:, 0] set for k active units a row; "uneven" adds
@@ -250,15 +251,20 @@ def e2e(k=29, batch=4, seq=2048, steps=5):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
         ids = torch.randint(0, 49152, (batch, seq), device="cuda")
 
-        def step():
+        def step(memory=None):
             loss = model(input_ids=ids, labels=ids).loss
             loss = loss + L1_COEFF * torch.stack([m.l1 for m in mlps]).mean()
+            if memory is not None:  # what the forward keeps for the backward, beside weights and optimizer
+                memory.append(torch.cuda.memory_allocated())
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
 
         for _ in range(2):
             step()
+        torch.cuda.synchronize()
+        before, memory = torch.cuda.memory_allocated(), []
+        step(memory)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -270,6 +276,7 @@ def e2e(k=29, batch=4, seq=2048, steps=5):
         ms = start.elapsed_time(end) / steps
         results[mode] = dict(step_ms=ms, tokens_per_s=batch * seq / ms * 1e3,
                              peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30,
+                             after_forward_gib=(memory[0] - before) / 2**30,
                              mean_active=torch.stack([m.active for m in mlps]).mean().item())
         print(mode, json.dumps(results[mode]), flush=True)
         del model, opt, mlps
@@ -322,6 +329,7 @@ def main():
     ap.add_argument("--max-nnz", type=int, default=128)
     ap.add_argument("--json", default=None)
     ap.add_argument("--e2e", action="store_true", help="also time training steps of a 1.5B-shape model")
+    ap.add_argument("--e2e-batch", type=int, nargs="+", default=[4], help="sequences of 2048 tokens a step (--e2e)")
     ap.add_argument("--skip-block", action="store_true")
     ap.add_argument("--profile", action="store_true", help="only print per-kernel times of the k=29 step")
     args = ap.parse_args()
@@ -339,7 +347,7 @@ def main():
     doc = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                python=platform.python_version(), command="python " + " ".join(sys.argv), results=results)
     if args.e2e:
-        doc["e2e"] = e2e()
+        doc["e2e"] = [e2e(batch=batch) for batch in args.e2e_batch]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
@@ -352,10 +360,10 @@ def main():
               f"{t['speedup_graph']:7.2f} "
               f"{r['memory']['saved_ratio']:6.3f} {e['out']:8.1e} {e['dx']:8.1e} "
               f"{max(e['d_gate'], e['d_up'], e['d_down']):8.1e} {r['rel_err']['dense_bf16']['out']:9.1e}")
-    if args.e2e:
+    for run in doc.get("e2e", []):
         for mode in ("dense", "hybrid"):
-            r = doc["e2e"][mode]
-            print(f"e2e {mode:7} step {r['step_ms']:8.1f} ms  {r['tokens_per_s']:9.0f} tok/s  "
+            r = run[mode]
+            print(f"e2e batch {run['batch']} {mode:7} step {r['step_ms']:8.1f} ms  {r['tokens_per_s']:9.0f} tok/s  "
                   f"peak {r['peak_mem_gib']:6.2f} GiB  active {r['mean_active']:.1f}")
 
 
