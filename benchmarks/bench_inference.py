@@ -17,6 +17,7 @@ positive), so every (row, tile) overflows: the cost of the decode overflow fallb
   python benchmarks/bench_inference.py --heavy-rows --json out.json    # tokens with thousands of active units
   python benchmarks/bench_inference.py --first-tokens --json out.json  # one such token every 2048: span vs dense
   python benchmarks/bench_inference.py --decode-paths --json out.json  # decode against batched path, 8-64 tokens
+  python benchmarks/bench_inference.py --host-time --json out.json     # host time of one call, eager
   python benchmarks/bench_inference.py --sweep       # launch-config sweep at D=2048, I=5632
 """
 import argparse
@@ -25,6 +26,7 @@ import json
 import math
 import os
 import sys
+import time
 from contextlib import contextmanager
 from statistics import NormalDist
 
@@ -338,15 +340,15 @@ def heavy_rows():
 
 def first_tokens():
     """Batches of 2048-token sequences whose first token is heavy (HEAVY_FIRST units, as attention sinks
-    often are) against the same batch without them, at 4096-131072 tokens: heavy rows through the span
-    kernel (DENSE_HEAVY_FROM moved past the batch) and through the dense block (the launch rule), at
+    often are) against the same batch without them, at 1024-131072 tokens: heavy rows through the span
+    kernel and through the dense block (DENSE_HEAVY_FROM moved past the batch or below it), at
     compressions 2 (the heavy rows fit their tiles) and 8 (theirs overflow). Each row checks the last
     heavy rows against fp32; `heavy_dense_ms` is the dense block of the heavy rows alone."""
     d, i = 2048, 5632
     w = make_layer(d, i, HEAVY_K)
     bias = NormalDist().inv_cdf(1 - HEAVY_K / i)
     rows = []
-    for m in (4096, 8192, 16384, 65536, 131072):
+    for m in (1024, 2048, 4096, 8192, 16384, 65536, 131072):
         for heavy in (0, HEAVY_FIRST):
             x = make_x(m, d)
             first = list(range(0, m, 2048))
@@ -358,7 +360,7 @@ def first_tokens():
             xh = x[first].contiguous()
             heavy_dense_ms = do_bench(lambda: dense(xh, w), return_mode="median")
             for compression, rule in itertools.product((2, 8), ("span", "dense block")):
-                rules = dict(DENSE_HEAVY_FROM=1 << 62) if rule == "span" else {}
+                rules = dict(DENSE_HEAVY_FROM=1 << 62 if rule == "span" else 0)
                 with launch_rules(**rules):
                     block = lambda: sparse(x, w, HEAVY_TILE, compression)
                     out = block()
@@ -369,6 +371,51 @@ def first_tokens():
                            rel_err=rel_err(out[check], ref), dense_rel_err=rel_err(dense(x[check], w), ref))
                 print_row(row)
                 rows.append(row)
+    return rows
+
+
+def issue_us(fn, calls=50):
+    """Host microseconds to issue one fn() call: the GPU is held busy (torch.cuda._sleep) while `calls` calls
+    are issued, so that no launch waits for it and only the host's work counts."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second of GPU cycles, longer than the calls take to issue
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    seconds = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return seconds / calls * 1e6
+
+
+def host_times():
+    """Host time of one eager call against its GPU time, per token count (D 2048 / I 5632, 29 active units,
+    one 2000-unit first token every 2048 tokens): the dense block as a plain checkpoint runs it (gate, up
+    and down through F.linear), `gated_mlp` called directly, and through `twell.DecodeGraphs` (up to its
+    64 rows). Where the host time exceeds the GPU time an eager model cannot profit from the GPU saving."""
+    import torch.nn.functional as F
+
+    d, i = 2048, 5632
+    w = make_layer(d, i, HEAVY_K)
+    bias = NormalDist().inv_cdf(1 - HEAVY_K / i)
+    graphs = twell.DecodeGraphs()
+    rows = []
+    for m in (1, 8, 64, 128, 512, 2048, 4096, 16384):
+        x = make_x(m, d)
+        x[::2048, 0] = NormalDist().inv_cdf(1 - HEAVY_FIRST / i) / bias
+        calls = {"dense": lambda: F.linear(torch.relu(F.linear(x, w["gate"])) * F.linear(x, w["up"]), w["down"]),
+                 "twell": lambda: sparse(x, w, HEAVY_TILE, 8)}
+        if graphs.graphable(x):
+            calls["twell_graphs"] = lambda: graphs(twell.gated_mlp, x, w["gate"], w["up"], w["down_p"], tile=HEAVY_TILE,
+                                                   compression=8)
+        row = dict(D=d, I=i, M=m)
+        with torch.inference_mode():
+            for name, fn in calls.items():
+                fn()  # a graphed call is captured the second time its signature is seen
+                row[name + "_host_us"] = issue_us(fn)
+                row[name + "_gpu_us"] = do_bench(fn, return_mode="median") * 1e3
+        print_row(row)
+        rows.append(row)
     return rows
 
 
@@ -402,6 +449,7 @@ def main():
     mode.add_argument("--sweep", action="store_true", help="launch configurations of both kernels")
     mode.add_argument("--heavy-rows", action="store_true", help="batches with tokens of thousands of active units")
     mode.add_argument("--decode-paths", action="store_true", help="decode against batched path at 8-64 tokens")
+    mode.add_argument("--host-time", action="store_true", help="host time of one eager call against its GPU time")
     mode.add_argument("--first-tokens", action="store_true",
                       help="a heavy first token every 2048 tokens, through the span kernel and the dense block")
     p.add_argument("--json", default=None)
@@ -425,6 +473,8 @@ def main():
         result = dict(meta, sweep=sweep())
     elif args.heavy_rows:
         result = dict(meta, k=HEAVY_K, tile=HEAVY_TILE, rows=heavy_rows())
+    elif args.host_time:
+        result = dict(meta, k=HEAVY_K, tile=HEAVY_TILE, rows=host_times())
     elif args.first_tokens:
         result = dict(meta, k=HEAVY_K, tile=HEAVY_TILE, rows=first_tokens())
     elif args.decode_paths:

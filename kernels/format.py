@@ -78,11 +78,12 @@ def heavy_units(m: int) -> int:
 # From this many tokens a batched call computes its heavy rows (above DENSE_HEAVY_UNITS units) densely, as
 # one cuBLAS block over heavy_row_capacity(M) rows, instead of walking them. A row walked late in the launch
 # ends after it, and the span kernel's items queue behind few programs: with one first token of 2000 units
-# every 2048 tokens, 131072 tokens run 1.12x dense through the span kernel and 1.60x through the dense block
-# (1.62x without heavy tokens), 16384 tokens 1.32x and 1.38x. The dense block runs at every call, since its
-# row count is on the device: 0.06 ms, which costs 1.61x -> 1.54x at 16384 tokens without heavy tokens and
-# more below (8192: 1.59x -> 1.45x, and 1.27x against 1.29x with them)
-# (benchmarks/results/heavy_rows_dense_h100.json, compression 8).
+# every 2048 tokens (compression 8), 131072 tokens run 1.17x dense through the span kernel and 1.67x through
+# the dense block (1.62x without heavy tokens), 16384 tokens 1.34x and 1.39x, 8192 tokens 1.32x and 1.37x.
+# The dense block runs at every call, since its row count is on the device, and costs about 0.06 ms of GPU
+# and 0.25 ms of host time: without heavy tokens 1.60x -> 1.53x at 16384 tokens, 1.60x -> 1.46x at 8192,
+# and below 4096 tokens it is slower than the span kernel even with them
+# (benchmarks/results/heavy_rows_dense_h100.json, host_time_h100.json).
 DENSE_HEAVY_FROM = 16384
 DENSE_HEAVY_UNITS = 128
 
