@@ -119,8 +119,12 @@ L2_BYTES = 50e6
 # instead, which runs after the out kernel: SPLIT, fixed + per hidden column, fitted to the out kernel's
 # time with one such row against none (results/heavy_row_split_h100.json: 11-22 us at D 2048, 20-38 us
 # at D 4096, whatever the row's count; more where several heavy rows or their overflowing tiles add up).
+# Those were measured at 16384 tokens, where the span kernel's items overlap the out kernel's tail; in a
+# short batch they do not: one first token of 2000 units cost 56-105 us at 1024-2048 tokens
+# (results/heavy_rows_dense_h100.json), so SPAN_UNIT adds seconds per unit of the heaviest row (D 2048).
 ROW_WALK = (9.8e-7, 6.0e-10)
 SPLIT = (6.9e-6, 5.9e-9)
+SPAN_UNIT = 4.0e-8
 
 
 def out_units_per_step(m: int) -> int:
@@ -167,7 +171,7 @@ def twell_time(mean_active: float, d: int, i: int, tokens: int, max_active: floa
         walked_alone, split = DENSE_HEAVY_UNITS, dense_time(d, i, heavy_row_capacity(tokens))
     else:
         walked_alone = heavy_units(tokens)
-        split = SPLIT[0] + SPLIT[1] * d if heaviest > walked_alone else 0.0
+        split = SPLIT[0] + SPLIT[1] * d + SPAN_UNIT * heaviest * d / 2048 if heaviest > walked_alone else 0.0
     # the fitted terms already hold ordinary rows (a batch's heaviest is about twice the mean): only the
     # walk beyond that counts
     excess = max(0.0, min(heaviest, walked_alone) - 2 * mean_active)

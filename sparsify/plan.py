@@ -11,8 +11,9 @@ gives per (tile, compression):
   (the compression costs nothing else: the kernels write and read only a tile's used slots;
   benchmarks/results/inference_tiles_h100.json, compressions 4, 8 and 16 alike where none overflows);
 - the heaviest token (`max_active`): the batched out kernel walks a row in one program; a row above
-  `twell.format.heavy_units` (a sequence's first token often is one) goes to the span kernel instead, a
-  fixed cost of about 20 us (twell.format.SPLIT) that moves the window's lower end of prefill sizes up;
+  `twell.format.heavy_units` (a sequence's first token often is one) goes to the span kernel instead,
+  about 20 us plus 40 ns a unit (twell.format.SPLIT, SPAN_UNIT), which moves the window's lower end of
+  prefill sizes up (a first token of 2000 units: to about 2900 tokens at D 2048 / I 5632);
   from DENSE_HEAVY_FROM tokens every call runs the dense block of such rows (twell.format.twell_time).
 Every measured (tile, compression) gets a predicted speed-up over the dense block at `tokens` tokens
 (default: a 16k-token prefill, the regime of the paper's benchmark); the best one is the layer's setting.

@@ -129,9 +129,9 @@ def test_plan_layers_keeps_order():
 
 
 def test_heavy_tokens_cost_the_span_kernel_or_the_dense_block():
-    """A token with 1000-2000 active units: below DENSE_HEAVY_FROM tokens it goes to the span kernel, a fixed
-    cost of about 20 us, so decode and prefills from a couple of thousand tokens stay sparse and short
-    prefills lose; from DENSE_HEAVY_FROM tokens every call runs the dense block of the heavy rows, heavy
+    """A token with 1000-2000 active units: below DENSE_HEAVY_FROM tokens it goes to the span kernel, about
+    20 us plus 40 ns a unit, so decode and prefills from a few thousand tokens stay sparse and shorter
+    prefills run dense; from DENSE_HEAVY_FROM tokens every call runs the dense block of the heavy rows, heavy
     token or not. Below heavy_units the row walks itself, in the fitted terms."""
     light = plan_layer(stats(29) | {"max_active": 60}, hidden_size=D)  # about twice the mean: ordinary
     assert light["sparse_tokens"] == plan_layer(stats(29), hidden_size=D)["sparse_tokens"]
@@ -139,8 +139,10 @@ def test_heavy_tokens_cost_the_span_kernel_or_the_dense_block():
         heavy = plan_layer(stats(29) | {"max_active": heaviest}, hidden_size=D)
         assert heavy["stats"]["max_active"] == heaviest
         assert heavy["stats"]["predicted_speedup"] == light["stats"]["predicted_speedup"]  # 16384 tokens
-        assert 0.9 * predicted_speedup(29, 0.0, 128, D, I, 4096, 60) < predicted_speedup(29, 0.0, 128, D, I, 4096,
+        assert 0.7 * predicted_speedup(29, 0.0, 128, D, I, 4096, 60) < predicted_speedup(29, 0.0, 128, D, I, 4096,
                                                                                             heaviest) \
             < predicted_speedup(29, 0.0, 128, D, I, 4096, 60)
         assert heavy["sparse_tokens"][0][0] == 1 and heavy["sparse_tokens"][-1][1] is None
-        assert light["sparse_tokens"][-1][0] < heavy["sparse_tokens"][-1][0] <= 2048
+    # a short prefill with a first token of 2000 units runs dense (1024-2048 tokens lost 0.84-0.89x on an H100)
+    heavy = plan_layer(stats(29) | {"max_active": 2000}, hidden_size=D)
+    assert light["sparse_tokens"][-1][0] <= 1024 < 2048 < heavy["sparse_tokens"][-1][0] <= 4096
