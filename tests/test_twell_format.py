@@ -90,7 +90,7 @@ def test_cost_model_row_walk_and_split():
     against the block with a 2000-unit first token every 2048 tokens (heavy_rows_dense_h100.json, span
     path, compression 8), the model's speed-up is on the measured side of 1, where the planner's windows
     depend on it, and within 35% (1024 tokens, the farthest). From DENSE_HEAVY_FROM the dense block takes such rows: measured, they
-    cost the block little, and the model charges the same time with or without them."""
+    cost the block little, and the model charges about the same time with or without them."""
     results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
     walked = json.loads((results / "heavy_row_h100.json").read_text())["rows"]
     base = {r["D"]: r["out_ms"] for r in walked if r["heavy_units"] < 100}
@@ -112,7 +112,7 @@ def test_cost_model_row_walk_and_split():
                    if r["heavy_path"] == "dense block" and r["M"] >= twell.format.DENSE_HEAVY_FROM}
     for m in {m for m, _ in dense_block}:
         assert dense_block[m, True] > 0.85 * dense_block[m, False], m
-        assert twell.format.twell_time(29, 2048, 5632, m, 2000) == twell.format.twell_time(29, 2048, 5632, m, 60)
+        assert twell.format.twell_time(29, 2048, 5632, m, 2000) == pytest.approx(twell.format.twell_time(29, 2048, 5632, m, 60), rel=1e-3)
 
 
 def test_package_runs_without_triton():
