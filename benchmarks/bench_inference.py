@@ -298,6 +298,12 @@ def sweep():
     return rows
 
 
+def make_heavy(x, rows, units, i):
+    """Sets the bias channel of x's `rows` so that each has about `units` active units (of i) under a
+    make_layer(.., i, HEAVY_K) gate: a unit fires where z > bias * x0 (z about N(0, 1))."""
+    x[rows, 0] = NormalDist().inv_cdf(1 - units / i) / NormalDist().inv_cdf(1 - HEAVY_K / i)
+
+
 def heavy_rows():
     """Batched block time with heavy rows (tokens with n active units) among M ordinary ones (29 active).
     A row above `heavy_units(M)` units is not walked by its own program: it posts its work as items (list
@@ -309,15 +315,14 @@ def heavy_rows():
     for d, i, m, every in ((2048, 5632, 16384, 0), (2048, 5632, 4096, 0), (2048, 5632, 16384, 2048),
                            (4096, 14336, 16384, 0)):
         w = make_layer(d, i, HEAVY_K)
-        bias = NormalDist().inv_cdf(1 - HEAVY_K / i)
         for compression in (2, 8):
             for heavy in (0, 250, 500, 1000, 2000, 4000):
                 if every and heavy not in (0, 2000):
                     continue
                 x = make_x(m, d)
                 heavy_at = list(range(0, m, every)) if every else [m // 2]
-                if heavy:  # the unit fires where z > bias * x0 (z about N(0, 1)): x0 sets its share of units
-                    x[heavy_at, 0] = NormalDist().inv_cdf(1 - heavy / i) / bias
+                if heavy:
+                    make_heavy(x, heavy_at, heavy, i)
                 tw, dense_h = gate_pack(x, w["gate"], HEAVY_TILE, compression, gate_config(m, HEAVY_TILE, 2, False))
                 counts = tw.counts.sum(1)
                 block = lambda: sparse(x, w, HEAVY_TILE, compression)
@@ -346,14 +351,13 @@ def first_tokens():
     heavy rows against fp32; `heavy_dense_ms` is the dense block of the heavy rows alone."""
     d, i = 2048, 5632
     w = make_layer(d, i, HEAVY_K)
-    bias = NormalDist().inv_cdf(1 - HEAVY_K / i)
     rows = []
     for m in (1024, 2048, 4096, 8192, 16384, 65536, 131072):
         for heavy in (0, HEAVY_FIRST):
             x = make_x(m, d)
             first = list(range(0, m, 2048))
             if heavy:
-                x[first, 0] = NormalDist().inv_cdf(1 - heavy / i) / bias
+                make_heavy(x, first, heavy, i)
             check = first[-4:]
             ref = reference(x[check], w)
             dense_ms = do_bench(lambda: dense(x, w), return_mode="median")
@@ -397,12 +401,11 @@ def host_times():
 
     d, i = 2048, 5632
     w = make_layer(d, i, HEAVY_K)
-    bias = NormalDist().inv_cdf(1 - HEAVY_K / i)
     graphs = twell.DecodeGraphs()
     rows = []
     for m in (1, 8, 64, 128, 512, 2048, 4096, 16384):
         x = make_x(m, d)
-        x[::2048, 0] = NormalDist().inv_cdf(1 - HEAVY_FIRST / i) / bias
+        make_heavy(x, slice(None, None, 2048), HEAVY_FIRST, i)
         calls = {"dense": lambda: F.linear(torch.relu(F.linear(x, w["gate"])) * F.linear(x, w["up"]), w["down"]),
                  "twell": lambda: sparse(x, w, HEAVY_TILE, 8)}
         if graphs.graphable(x):

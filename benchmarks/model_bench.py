@@ -79,18 +79,6 @@ def build_model(*, hidden: int = 2048, intermediate: int = 5632, layers: int = 4
     return model
 
 
-def host_us(fn, calls: int = 200) -> float:
-    """Microseconds a call when calls are issued back to back (host and GPU together), after warm-up."""
-    for _ in range(calls // 10):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
-
-
 def export(model, out: Path, *, active: float, eval_tokens: int = 4096, measure_kernels: bool = False) -> Path:
     """The model as a converted checkpoint (bf16 on CUDA, as convert exports) planned on fresh tokens, by
     the cost model or, with `measure_kernels`, by timings (sparsify.tune; the cost model's plan is kept in
@@ -131,8 +119,8 @@ def main(argv=None):
     parser.add_argument("--decode-context", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true",
-                        help="Smoke run: 4 layers, prefill at batch 1 and 8, decode paths at batch 1, 32 new tokens, "
-                             "2 repeats (overrides those options).")
+                        help="Smoke run: 4 layers, prefill at batch 1 and 8 (compiled at 8), decode paths at batch 1, "
+                             "32 new tokens, 2 repeats (overrides those options).")
     parser.add_argument("--out", type=Path, required=True, help="Folder for the JSON results.")
     parser.add_argument("--work", type=Path, help="Folder for the checkpoints (default: a temporary one).")
     parser.add_argument("--measure", action="store_true", help="Plan by timing the kernel settings (as convert --measure).")

@@ -274,7 +274,10 @@ class _OutLaunches:
                  dense_rows: int = 0, gated: bool = True):
         self.compact, self.out, self.spans, self.d = compact, out, spans, d
         self.dense_rows, self.gated = dense_rows, gated
-        self.spare_rows = 1 if dense_rows else 0
+
+    @property
+    def spare_rows(self) -> int:
+        return 1 if self.dense_rows else 0
 
     def __call__(self, x2, values, indices, counts, dense_h, w_dec, up_or_down, down_t, out, overflow):
         if self.compact is not None:

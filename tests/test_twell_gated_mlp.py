@@ -111,12 +111,19 @@ def heavy_rows_packed(m, d, i, tile, comp):
     return (x, gate, up, down), tw, s
 
 
+def walked_units(counts, s, ts):
+    """Per row: its list entries (fitting tiles), its overflowing tiles, and the units the batched out
+    kernel would walk (the entries plus ts per overflowing tile), which decides whether the row is heavy."""
+    over = (counts > s).sum(1)
+    units = torch.where(counts > s, 0, counts).sum(1)
+    return units, over, units + over * ts
+
+
 def split_work(counts, s, ts, m):
     """Per row: whether the batched out kernel posts it to the span kernel, and its work items."""
-    over = counts > s
-    units = torch.where(over, 0, counts).sum(1)
-    heavy = units + over.sum(1) * ts > heavy_units(m)
-    return heavy, torch.where(heavy, -(-units // SPAN) + over.sum(1), 0)
+    units, over, walked = walked_units(counts, s, ts)
+    heavy = walked > heavy_units(m)
+    return heavy, torch.where(heavy, -(-units // SPAN) + over, 0)
 
 
 @pytest.mark.parametrize("mode", ["fused", "batched pre-pass", "decode pre-pass"])
@@ -212,8 +219,7 @@ def test_heavy_rows_through_the_dense_block(gated, monkeypatch):
     torch.manual_seed(3)
     m, d, i, tile, comp = 70, 24, 300, 64, 2
     (x, gate, up, down), tw, s = heavy_rows_packed(m, d, i, tile, comp)
-    over = tw.counts > s
-    heavy = torch.where(over, 0, tw.counts).sum(1) + over.sum(1) * tile > gm.DENSE_HEAVY_UNITS
+    heavy = walked_units(tw.counts, s, tile)[2] > gm.DENSE_HEAVY_UNITS
     assert heavy.tolist().count(True) == 2 and heavy[3] and heavy[m - 1]
     launches = out_launch(x, i, tile, s, gated, False, True, out_config(m, d, decode=False))
     assert launches.spans is None and launches.dense_rows == gm.heavy_row_capacity(m) > 2
@@ -225,7 +231,7 @@ def test_heavy_rows_through_the_dense_block(gated, monkeypatch):
     launches.out(x, *tw[:3], tw.values, gate, up_or_down, down_t, out, overflow, workspace)
     assert out[:m][heavy].isnan().all() and not out[:m][~heavy].isnan().any()
     assert workspace[0].item() == 2 and sorted(workspace[1:3].tolist()) == [3, m - 1]
-    assert overflow.item() == over.sum().item()
+    assert overflow.item() == (tw.counts > s).sum().item()
     gm.dense_heavy_rows(x, gate, up if gated else None, down_t, out, workspace)
     h = torch.relu(x @ gate.t()) * (x @ up.t()) if gated else torch.relu(x @ gate.t())
     assert rel_err(out[:m], h @ down.t()) < 1e-5
