@@ -333,6 +333,8 @@ def main():
     ap.add_argument("--skip-block", action="store_true")
     ap.add_argument("--profile", action="store_true", help="only print per-kernel times of the k=29 step")
     args = ap.parse_args()
+    if min(args.e2e_batch) < 1:
+        ap.error(f"--e2e-batch must be positive, got {args.e2e_batch}")
     if args.profile:
         return profile(args.tokens, args.D, args.I, 29, args.max_nnz)
     cases = [("k29", 29, None, False), ("k29_hot", 29, None, True), ("k98_uneven", 29, 98, False),
