@@ -102,6 +102,22 @@ def test_sparse_tokens_window_picks_the_path_per_call(tmp_path, monkeypatch):
         AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
 
 
+def test_only_decode_steps_replay_graphs(tmp_path):
+    """Eager calls of one position per sequence go through the layer's DecodeGraphs; prefill calls launch the
+    kernels directly, so that a prompt leaves no graph behind and every generate call allocates alike (CUDA-graph
+    trees of a compiled decode step key on the static cache's addresses)."""
+    model, tokenizer, spec = _relufied("llama")
+    out = export_checkpoint(model, tokenizer, tmp_path / "ckpt-graphs", spec=spec, plan=PLAN, training=TRAINING)
+    remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    mlp, graphed = remote.model.layers[0].mlp, []
+    replay = mlp.graphs
+    mlp.graphs = lambda fn, x, *a, **k: graphed.append(tuple(x.shape[:-1])) or replay(fn, x, *a, **k)
+    ids = tiny_input_ids()
+    generated = remote.generate(ids[:, :5], max_new_tokens=4, do_sample=False)
+    assert graphed == [(2, 1)] * 3  # the 2 x 5 prefill direct, three steps of one position per sequence
+    assert torch.equal(generated, model.generate(ids[:, :5], max_new_tokens=4, do_sample=False))
+
+
 def test_checkpoint_layout(tmp_path):
     model, tokenizer, spec = _relufied("phi3")
     log = tmp_path / "log.json"

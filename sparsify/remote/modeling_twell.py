@@ -4,8 +4,10 @@ swaps each decoder layer's MLP for a `TwellGatedMLP` that keeps the projection c
 names, so the standard weights load unchanged. Where the layer's plan says "sparse", the call's token
 count lies in one of the plan's "sparse_tokens" ranges (where the kernels beat dense on this layer's
 shape), and the TwELL kernels can run (CUDA; or CPU fp32/fp16 under TRITON_INTERPRET=1, which tests use),
-the MLP runs on them (eager calls of up to 64 tokens replayed as CUDA graphs); otherwise, and whenever
-gradients are needed (the inference kernels have no backward), it runs the same ReLU math densely. The
+the MLP runs on them (eager decode steps of up to 64 sequences replayed as CUDA graphs; prefill calls launch
+the kernels directly, so that every generate call allocates alike: the CUDA-graph trees of a compiled
+decode step key on the static cache's addresses, and a graph captured mid-prefill moves them); otherwise,
+and whenever gradients are needed (the inference kernels have no backward), it runs the same ReLU math densely. The
 kernels read the down weight transposed: it is stored so at construction and again once from_pretrained
 has loaded the weights (same shape and values, so state dicts keep the standard layout). Under
 torch.compile the kernel call is the custom op twell::gated_mlp (fullgraph=True holds; mode
@@ -99,7 +101,7 @@ class TwellGatedMLP(nn.Module):
             gate, up = self._gate_up_weights()
             down = getattr(self, self.down_name).weight
             precision = "highest" if x.dtype == torch.float32 else "default"
-            if torch.compiler.is_compiling():  # the custom op, in the graph
+            if torch.compiler.is_compiling() or x.shape[-2] != 1:  # traced (the custom op), or not a decode step
                 return gated_mlp(x, gate, up, down, tile=self.tile, compression=self.compression, precision=precision)
             return self.graphs(gated_mlp, x, gate, up, down, tile=self.tile, compression=self.compression,
                                precision=precision)
