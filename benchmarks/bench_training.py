@@ -15,10 +15,12 @@ Checks out and all gradients against an fp32 reference in the same run; measures
 activation memory (bytes saved for backward, inputs and weights excluded) of both blocks.
 """
 import argparse
+import gc
 import json
 import math
 import platform
 import sys
+import weakref
 
 import torch
 import triton
@@ -279,8 +281,14 @@ def e2e(k=29, batch=4, seq=2048, steps=5):
                              after_forward_gib=(memory[0] - before) / 2**30,
                              mean_active=torch.stack([m.active for m in mlps]).mean().item())
         print(mode, json.dumps(results[mode]), flush=True)
-        del model, opt, mlps
+        for m in mlps:  # their autograd graphs hold the parameters, out of the cycle collector's sight
+            del m.l1, m.active
+        weight = weakref.ref(model.model.embed_tokens.weight)
+        del model, opt, mlps, step, ids
+        gc.collect()  # each MLP's bound forward refers back to it: the model is freed by the cycle collector
         torch.cuda.empty_cache()
+        if weight() is not None:  # the next mode's peak would count these weights
+            raise RuntimeError(f"{mode}: the model's weights are still allocated after the run")
     results["speedup"] = results["dense"]["step_ms"] / results["hybrid"]["step_ms"]
     return dict(model="llama 28 x (2048, 5632), vocab 49152", batch=batch, seq=seq, k=k, steps=steps,
                 **results)
