@@ -7,9 +7,9 @@ shape), and the TwELL kernels can run (CUDA; or CPU fp32/fp16 under TRITON_INTER
 the MLP runs on them (eager decode steps of up to 64 sequences replayed as CUDA graphs; prefill calls launch
 the kernels directly, so that every generate call allocates alike: the CUDA-graph trees of a compiled
 decode step key on the static cache's addresses, and a graph captured mid-prefill moves them); otherwise,
-and whenever gradients are needed (the inference kernels have no backward), it runs the same ReLU math densely. The
-kernels read the down weight transposed: it is stored so at construction and again once from_pretrained
-has loaded the weights (same shape and values, so state dicts keep the standard layout). Under
+and whenever gradients are needed (the inference kernels have no backward), it runs the same ReLU math
+densely. The kernels read the down weight transposed: it is stored so at construction and again once
+from_pretrained has loaded the weights (same shape and values, so state dicts keep the standard layout). Under
 torch.compile the kernel call is the custom op twell::gated_mlp (fullgraph=True holds; mode
 "reduce-overhead" puts it in the compiled CUDA graph). The module layout and per-layer plan come from
 config.json's "twell" section, so this file holds no per-architecture table. It imports neither sparsify
