@@ -142,10 +142,12 @@ def analyze(model, data, tokens, seq_len, batch_size, device, json_path, plot_pa
 @click.option("--decode-context", type=int, default=512, show_default=True,
               help="Tokens in the KV cache at the CUDA-graph decode step.")
 @click.option("--repeats", type=int, default=3, show_default=True, help="Timed calls per path and load (median).")
+@click.option("--generate-repeats", type=int, default=7, show_default=True,
+              help="Timed calls per load of the generate paths (host-bound: their time varies more).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write all figures to this JSON file.")
 @user_errors
 def bench(checkpoint, seq_len, prefill_batch, generate_batch, compiled_batch, no_compiled, compiled_prefill_batch,
-          decode_tokens, decode_context, repeats, json_path):
+          decode_tokens, decode_context, repeats, generate_repeats, json_path):
     """Dense vs TwELL speed of a converted CHECKPOINT on a GPU, in one process, with a logits check: decoder
     prefill, eager generate, compiled static-cache generate and one decode step replayed as a CUDA graph,
     each with a per-component GPU time breakdown."""
@@ -155,7 +157,8 @@ def bench(checkpoint, seq_len, prefill_batch, generate_batch, compiled_batch, no
     result = bench_checkpoint(checkpoint, seq_len=seq_len, prefill_batches=prefill_batch,
                               generate_batches=generate_batch, compiled_batches=() if no_compiled else compiled_batch,
                               compiled_prefill_batches=compiled_prefill_batch,
-                              decode_tokens=decode_tokens, decode_context=decode_context, repeats=repeats)
+                              decode_tokens=decode_tokens, decode_context=decode_context, repeats=repeats,
+                              generate_repeats=generate_repeats)
     result["command"] = " ".join(["sparsify", *sys.argv[1:]])
     console.print(bench_table(result))
     if json_path:

@@ -118,9 +118,10 @@ def main(argv=None):
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--decode-context", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--generate-repeats", type=int, default=7, help="Timed calls per load of the generate paths.")
     parser.add_argument("--quick", action="store_true",
                         help="Smoke run: 4 layers, prefill at batch 1 and 8 (compiled at 8), decode paths at batch 1, "
-                             "32 new tokens, 2 repeats (overrides those options).")
+                             "32 new tokens, 2 repeats of every path (overrides those options).")
     parser.add_argument("--out", type=Path, required=True, help="Folder for the JSON results.")
     parser.add_argument("--work", type=Path, help="Folder for the checkpoints (default: a temporary one).")
     parser.add_argument("--measure", action="store_true", help="Plan by timing the kernel settings (as convert --measure).")
@@ -128,7 +129,7 @@ def main(argv=None):
     if args.quick:
         args.layers, args.prefill_batch, args.generate_batch, args.compiled_batch = 4, [1, 8], [1], [1]
         args.compiled_prefill_batch = [8]
-        args.decode_tokens, args.repeats = 32, 2
+        args.decode_tokens, args.repeats, args.generate_repeats = 32, 2, 2
     from rich.console import Console
 
     console = Console()
@@ -145,7 +146,7 @@ def main(argv=None):
                                   generate_batches=args.generate_batch, compiled_batches=args.compiled_batch,
                                   compiled_prefill_batches=args.compiled_prefill_batch,
                                   decode_tokens=args.decode_tokens, decode_context=args.decode_context,
-                                  repeats=args.repeats)
+                                  repeats=args.repeats, generate_repeats=args.generate_repeats)
         twell_section = json.loads((path / "config.json").read_text())["twell"]
         result.update(command="python " + " ".join(sys.argv), target_active=active,
                       shape={"hidden": args.hidden, "intermediate": args.intermediate, "layers": args.layers},

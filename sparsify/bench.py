@@ -2,7 +2,10 @@
 
 The checkpoint loads twice in bf16: plain (the family's own class with a ReLU gate: dense math, no
 remote code) and with trust_remote_code=True (TwellGatedMLP: each layer on its planned kernel setting).
-Each row of the result is one path, timed for both loads in turn (CUDA events, medians after warm-up):
+Each row of the result is one path, timed for both loads in turn (CUDA events, medians after warm-up;
+every timed call kept as `samples_ms`). The host-bound generate rows take `generate_repeats` calls a load
+(default 7, against `repeats` for the others): on a shared host the same eager `generate` varies by up
+to 1.6x from call to call, which a median of 3 does not settle:
 - "prefill": the decoder stack (no LM head) over batch x seq_len token ids, eager;
 - "prefill_compiled": the same call through torch.compile(fullgraph=True, dynamic=False) (inductor, default
   mode: the norms, rotary embeddings and other elementwise work fused; the TwELL kernels stay one custom
@@ -102,9 +105,12 @@ def versions() -> dict:
             "cuda": torch.version.cuda, "python": platform.python_version()}
 
 
-def path_row(path: str, batch: int, tokens: int, seconds: dict, **extra) -> dict:
-    """One result row: dense and twell ms per call of `tokens` tokens, tokens/s, and the speed-up."""
+def path_row(path: str, batch: int, tokens: int, seconds: dict, samples: dict | None = None, **extra) -> dict:
+    """One result row: dense and twell ms per call of `tokens` tokens (`seconds`: the median of the timed
+    calls in `samples`), tokens/s, and the speed-up."""
     loads = {name: {"ms": 1e3 * s, "tokens_per_s": tokens / s} for name, s in seconds.items()}
+    for name, times in (samples or {}).items():
+        loads[name]["samples_ms"] = [1e3 * t for t in times]
     return {"path": path, "what": PATHS[path], "batch": batch, "tokens": tokens, **loads,
             "speedup": seconds["dense"] / seconds["twell"], **extra}
 
@@ -219,8 +225,9 @@ def breakdown(fn, wall_s: float, model=None) -> dict:
     return {"wall_ms": 1e3 * wall_s, **split, "gpu_idle_ms": max(1e3 * wall_s - split["gpu_busy_ms"], 0.0)}
 
 
-def _median_seconds(fns: dict, warmup: int = 1, repeats: int = 3) -> tuple[dict, dict]:
-    """Median wall time of each fn() between CUDA events, and each one's last output. The functions take
+def _median_seconds(fns: dict, warmup: int = 1, repeats: int = 3) -> tuple[dict, dict, dict]:
+    """Median wall time of each fn() between CUDA events, all its timed calls' seconds, and each one's last
+    output. The functions take
     turns, so that a drift of the host's speed during the run (seen on shared GPU hosts: the same eager
     `generate` 1.8x slower a minute later) falls on all of them alike."""
     for fn in fns.values():
@@ -235,7 +242,7 @@ def _median_seconds(fns: dict, warmup: int = 1, repeats: int = 3) -> tuple[dict,
             end.record()
             torch.cuda.synchronize()
             times[name].append(start.elapsed_time(end) / 1e3)
-    return {name: statistics.median(t) for name, t in times.items()}, outputs
+    return {name: statistics.median(t) for name, t in times.items()}, times, outputs
 
 
 def _generate(model, prompt, new_tokens, **options):
@@ -246,11 +253,11 @@ def _generate(model, prompt, new_tokens, **options):
 
 def _timed_row(path, batch, tokens, calls: dict, models: dict, repeats: int, ranges: bool = True, **extra) -> dict:
     """path_row of `calls` (name -> fn), each load's breakdown, and for token outputs their agreement."""
-    seconds, outputs = _median_seconds(calls, repeats=repeats)
+    seconds, samples, outputs = _median_seconds(calls, repeats=repeats)
     split = {name: breakdown(calls[name], seconds[name], models[name] if ranges else None) for name in calls}
     if torch.is_tensor(outputs["dense"]):  # generated tokens
         extra["greedy_match"] = (outputs["dense"] == outputs["twell"]).float().mean().item()
-    return path_row(path, batch, tokens, seconds, breakdown=split, **extra)
+    return path_row(path, batch, tokens, seconds, samples, breakdown=split, **extra)
 
 
 @torch.inference_mode()
@@ -362,18 +369,20 @@ def mean_active(model, ids) -> list[float]:
 
 def bench_checkpoint(path: str | Path, *, seq_len: int = 2048, prefill_batches=(1, 8, 64), generate_batches=(1, 8),
                      compiled_batches=(1, 8), compiled_prefill_batches=(), decode_tokens: int = 64,
-                     decode_context: int = 512, repeats: int = 3, device: str = "cuda") -> dict:
+                     decode_context: int = 512, repeats: int = 3, generate_repeats: int = 7,
+                     device: str = "cuda") -> dict:
     """All rows (PATHS) for the dense and the TwELL load of the checkpoint at `path`: prefill at each of
     `prefill_batches` x seq_len (compiled: at each of `compiled_prefill_batches`), eager generate and the
-    graph step at each of `generate_batches`, compiled generate at each of `compiled_batches` (empty: none)."""
+    graph step at each of `generate_batches`, compiled generate at each of `compiled_batches` (empty: none);
+    `repeats` timed calls a load, `generate_repeats` for the generate rows."""
     from transformers import AutoModelForCausalLM
 
     device = require_cuda(device, "sparsify bench")
-    sizes = (seq_len, decode_tokens, decode_context, repeats, *prefill_batches, *generate_batches, *compiled_batches,
+    sizes = (seq_len, decode_tokens, decode_context, repeats, generate_repeats, *prefill_batches, *generate_batches, *compiled_batches,
              *compiled_prefill_batches)
     if not prefill_batches or min(sizes) < 1:
-        raise ConfigError("--seq-len, --decode-tokens, --decode-context, --repeats and the batch sizes must be "
-                          "positive, with at least one prefill batch")
+        raise ConfigError("--seq-len, --decode-tokens, --decode-context, --repeats, --generate-repeats and the batch "
+                          "sizes must be positive, with at least one prefill batch")
     config, _ = load_config(path)  # SourceError / UnsupportedModelError for what cannot be a checkpoint
     path = resolve_source(path)
     if not getattr(config, "twell", None):
@@ -397,7 +406,7 @@ def bench_checkpoint(path: str | Path, *, seq_len: int = 2048, prefill_batches=(
         active = mean_active(models["dense"], largest)
     rows = [prefill_row(models, prefill_ids[batch], repeats) for batch in prefill_batches]
     for batch in generate_batches:
-        rows.append(generate_row(models, ids(batch, PROMPT_TOKENS), decode_tokens, repeats))
+        rows.append(generate_row(models, ids(batch, PROMPT_TOKENS), decode_tokens, generate_repeats))
         rows.append(graph_step_row(models, ids(batch, decode_context)))
     if compiled_batches or compiled_prefill_batches:
         if hasattr(torch._dynamo.config, "recompile_limit"):  # dense and twell steps at each batch: one code object
@@ -406,11 +415,11 @@ def bench_checkpoint(path: str | Path, *, seq_len: int = 2048, prefill_batches=(
         rows.append(compiled_prefill_row(models, prefill_ids[batch] if batch in prefill_ids else ids(batch, seq_len), repeats))
     if compiled_batches:
         for batch in compiled_batches:
-            rows.append(compiled_generate_row(models, ids(batch, PROMPT_TOKENS), decode_tokens, repeats))
+            rows.append(compiled_generate_row(models, ids(batch, PROMPT_TOKENS), decode_tokens, generate_repeats))
     return {
         "checkpoint": str(path), "device": torch.cuda.get_device_name(device), "versions": versions(),
         "seq_len": seq_len, "decode_tokens": decode_tokens, "decode_context": decode_context,
-        "prompt_tokens": PROMPT_TOKENS, "repeats": repeats, "paths": PATHS, "rows": rows, "check": check,
+        "prompt_tokens": PROMPT_TOKENS, "repeats": repeats, "generate_repeats": generate_repeats, "paths": PATHS, "rows": rows, "check": check,
         "plan": plan_summary(config), "mean_active": active, "mean_active_all_layers": statistics.fmean(active),
     }
 

@@ -58,6 +58,9 @@ def test_path_row():
     row = path_row("generate_eager", 8, 512, {"dense": 2.0, "twell": 1.6}, greedy_match=0.9)
     assert row["dense"] == {"ms": 2000.0, "tokens_per_s": 256.0} and row["twell"]["tokens_per_s"] == 320.0
     assert row["speedup"] == pytest.approx(1.25) and row["greedy_match"] == 0.9 and "eager" in row["what"]
+    sampled = path_row("generate_eager", 1, 64, {"dense": 2.0, "twell": 1.6},
+                       {"dense": [2.0, 3.1, 1.9], "twell": [1.6, 1.5, 2.4]})
+    assert sampled["dense"]["samples_ms"] == [2000.0, 3100.0, 1900.0] and sampled["dense"]["ms"] == 2000.0
 
 
 def test_table_and_json(tmp_path):
@@ -190,8 +193,10 @@ def test_bench_checkpoint_on_gpu(tmp_path):
                                     calibration_tokens=512, device="cuda")
     path = model_bench.export(model, tmp_path / "ckpt", active=12, eval_tokens=512)
     result = bench_checkpoint(path, seq_len=64, prefill_batches=(2,), generate_batches=(2,), compiled_batches=(1,),
-                              compiled_prefill_batches=(2,), decode_tokens=8, decode_context=32, repeats=1)
+                              compiled_prefill_batches=(2,), decode_tokens=8, decode_context=32, repeats=1,
+                              generate_repeats=3)
     rows = {row["path"]: row for row in result["rows"]}
+    assert [len(rows[p]["twell"]["samples_ms"]) for p in ("prefill", "generate_eager", "generate_compiled")] == [1, 3, 3]
     assert set(rows) == {"prefill", "prefill_compiled", "generate_eager", "generate_compiled", "decode_step_graph"}
     for row in rows.values():
         assert row["speedup"] == pytest.approx(row["dense"]["ms"] / row["twell"]["ms"])
