@@ -237,15 +237,19 @@ def e2e(k=29, batch=4, seq=2048, steps=5):
             for m in mlps:
                 m.gate_proj.weight.normal_(0, 2048**-0.5)[:, 0] = b0
 
+        # each MLP call's (L1, active units) of the current step, in layer order; the step empties it, so no
+        # tensor of an autograd graph outlives its step (the graph would keep the parameters alive)
+        records = []
+
         def forward(self, x, mode=mode):
             x = torch.cat([torch.ones_like(x[..., :1]), x[..., 1:]], -1)  # the bias channel
             if mode == "hybrid":
                 out, st = H.hybrid_gated_mlp(x, self.gate_proj.weight, self.up_proj.weight,
                                              self.down_proj.weight)
-                self.l1, self.active = st.l1, st.active
+                records.append((st.l1, st.active))
                 return out
             h = torch.relu(F.linear(x, self.gate_proj.weight)) * F.linear(x, self.up_proj.weight)
-            self.l1, self.active = h.abs().sum(-1).mean(), (h != 0).sum(-1).float().mean().detach()
+            records.append((h.abs().sum(-1).mean(), (h != 0).sum(-1).float().mean().detach()))
             return F.linear(h, self.down_proj.weight)
 
         for m in mlps:
@@ -254,13 +258,18 @@ def e2e(k=29, batch=4, seq=2048, steps=5):
         ids = torch.randint(0, 49152, (batch, seq), device="cuda")
 
         def step(memory=None):
+            """One training step; returns its mean active units per MLP."""
+            records.clear()
             loss = model(input_ids=ids, labels=ids).loss
-            loss = loss + L1_COEFF * torch.stack([m.l1 for m in mlps]).mean()
+            loss = loss + L1_COEFF * torch.stack([l1 for l1, _ in records]).mean()
             if memory is not None:  # what the forward keeps for the backward, beside weights and optimizer
                 memory.append(torch.cuda.memory_allocated())
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            active = torch.stack([a for _, a in records]).mean()
+            records.clear()
+            return active
 
         for _ in range(2):
             step()
@@ -272,17 +281,15 @@ def e2e(k=29, batch=4, seq=2048, steps=5):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(steps):
-            step()
+            active = step()
         end.record()
         torch.cuda.synchronize()
         ms = start.elapsed_time(end) / steps
         results[mode] = dict(step_ms=ms, tokens_per_s=batch * seq / ms * 1e3,
                              peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30,
                              after_forward_gib=(memory[0] - before) / 2**30,
-                             mean_active=torch.stack([m.active for m in mlps]).mean().item())
+                             mean_active=active.item())
         print(mode, json.dumps(results[mode]), flush=True)
-        for m in mlps:  # their autograd graphs hold the parameters, out of the cycle collector's sight
-            del m.l1, m.active
         weight = weakref.ref(model.model.embed_tokens.weight)
         del model, opt, mlps, step, ids
         gc.collect()  # each MLP's bound forward refers back to it: the model is freed by the cycle collector
