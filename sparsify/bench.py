@@ -227,9 +227,8 @@ def breakdown(fn, wall_s: float, model=None) -> dict:
 
 def _median_seconds(fns: dict, warmup: int = 1, repeats: int = 3) -> tuple[dict, dict, dict]:
     """Median wall time of each fn() between CUDA events, all its timed calls' seconds, and each one's last
-    output. The functions take
-    turns, so that a drift of the host's speed during the run (seen on shared GPU hosts: the same eager
-    `generate` 1.8x slower a minute later) falls on all of them alike."""
+    output. The functions take turns, so that a drift of the host's speed during the run (seen on shared GPU
+    hosts: the same eager `generate` 1.8x slower a minute later) falls on all of them alike."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -378,8 +377,8 @@ def bench_checkpoint(path: str | Path, *, seq_len: int = 2048, prefill_batches=(
     from transformers import AutoModelForCausalLM
 
     device = require_cuda(device, "sparsify bench")
-    sizes = (seq_len, decode_tokens, decode_context, repeats, generate_repeats, *prefill_batches, *generate_batches, *compiled_batches,
-             *compiled_prefill_batches)
+    sizes = (seq_len, decode_tokens, decode_context, repeats, generate_repeats, *prefill_batches, *generate_batches,
+             *compiled_batches, *compiled_prefill_batches)
     if not prefill_batches or min(sizes) < 1:
         raise ConfigError("--seq-len, --decode-tokens, --decode-context, --repeats, --generate-repeats and the batch "
                           "sizes must be positive, with at least one prefill batch")
@@ -419,8 +418,8 @@ def bench_checkpoint(path: str | Path, *, seq_len: int = 2048, prefill_batches=(
     return {
         "checkpoint": str(path), "device": torch.cuda.get_device_name(device), "versions": versions(),
         "seq_len": seq_len, "decode_tokens": decode_tokens, "decode_context": decode_context,
-        "prompt_tokens": PROMPT_TOKENS, "repeats": repeats, "generate_repeats": generate_repeats, "paths": PATHS, "rows": rows, "check": check,
-        "plan": plan_summary(config), "mean_active": active, "mean_active_all_layers": statistics.fmean(active),
+        "prompt_tokens": PROMPT_TOKENS, "repeats": repeats, "generate_repeats": generate_repeats, "paths": PATHS,
+        "rows": rows, "check": check, "plan": plan_summary(config), "mean_active": active, "mean_active_all_layers": statistics.fmean(active),
     }
 
 
