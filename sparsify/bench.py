@@ -29,8 +29,9 @@ twell kernels and fused ReLU as "mlp", flash/fmha/softmax as "attention", rsqrt/
 as "matmul" (in compiled rows the dense MLP's GEMMs land there, beside the attention projections and the LM
 head), anything else as "other" (embedding, rotary, residual adds, cache writes, sampling). The graph
 step's split is that of the same step run eagerly (the graph holds the same kernels, less the copies in
-and out of the MLP's own decode graphs). "gpu_busy_ms" is the union of kernel intervals (components can
-sum to more where kernels overlap, as the MLP's two programmatic dependent launches do); "gpu_idle_ms" =
+and out of the MLP's own decode graphs). A component's time is the union of its kernels' intervals (the
+MLP's two programmatic dependent launches overlap and count once); "gpu_busy_ms" is the union of all kernel
+intervals (components can sum to more where kernels of different components overlap); "gpu_idle_ms" =
 wall - busy, against the median wall time of the same call without the profiler: time the GPU waits for
 the host (Python, launches, synchronizations).
 Inputs are random token ids (seed 0); the mean active units the figures go with are measured on the
@@ -143,20 +144,16 @@ def busy_us(intervals) -> float:
     return total
 
 
-def component_split(kernels, ranged) -> dict:
-    """GPU ms per component. `kernels`: (name, start_us, end_us) of every device activity; `ranged`:
-    (component, name, duration_us) of those the profiler tied to a module range. The rest count by name."""
-    split = dict.fromkeys(COMPONENTS, 0.0)
-    unranged = dict.fromkeys(COMPONENTS, 0.0)
-    for name, start, end in kernels:
-        unranged[kernel_component(name)] += end - start
-    for component, name, duration in ranged:
-        split[component] += duration
-        unranged[kernel_component(name)] -= duration
-    for component, us in unranged.items():
-        split[component] += max(us, 0.0)
-    return {**{f"{c}_ms": us / 1e3 for c, us in split.items()},
-            "gpu_busy_ms": busy_us((start, end) for _, start, end in kernels) / 1e3}
+def component_split(kernels) -> dict:
+    """GPU ms per component: the union of its kernels' intervals, so that kernels of one component that
+    overlap (the MLP's two programmatic dependent launches) count once; and gpu_busy_ms, the union of all.
+    `kernels`: (component, name, start_us, end_us) of every device activity, component None where no module
+    range launched it (it then counts by its name)."""
+    intervals = {component: [] for component in COMPONENTS}
+    for component, name, start, end in kernels:
+        intervals[component or kernel_component(name)].append((start, end))
+    return {**{f"{c}_ms": busy_us(spans) / 1e3 for c, spans in intervals.items()},
+            "gpu_busy_ms": busy_us((start, end) for _, _, start, end in kernels) / 1e3}
 
 
 @contextlib.contextmanager
@@ -203,19 +200,23 @@ def _range_of(event) -> str | None:
 
 def profile_split(fn, model=None) -> dict:
     """component_split of one fn() call under torch.profiler, with module_ranges(model) (None: none)."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     with module_ranges(model), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    events = prof.events()
-    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in events
-               if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
-               and not e.name.startswith(RANGE)]
-    ranged = [(component, k.name, k.duration) for e in events if e.device_type == DeviceType.CPU and e.kernels
-              for component in [_range_of(e)] if component for k in e.kernels if not k.name.startswith(RANGE)]
-    return component_split(kernels, ranged)
+    return component_split(device_kernels(prof.events()))
+
+
+def device_kernels(events) -> list:
+    """(component, name, start_us, end_us) of each device activity among profiler `events`: the component of
+    the module range around the op that launched it (linked by correlation id), None outside any range."""
+    from torch.autograd import DeviceType
+
+    launched_by = {e.id: e for e in events if e.device_type == DeviceType.CPU and e.kernels}
+    return [(_range_of(launched_by.get(e.linked_correlation_id)), e.name, e.time_range.start, e.time_range.end)
+            for e in events if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+            and not e.name.startswith(RANGE)]
 
 
 def breakdown(fn, wall_s: float, model=None) -> dict:
@@ -419,7 +420,8 @@ def bench_checkpoint(path: str | Path, *, seq_len: int = 2048, prefill_batches=(
         "checkpoint": str(path), "device": torch.cuda.get_device_name(device), "versions": versions(),
         "seq_len": seq_len, "decode_tokens": decode_tokens, "decode_context": decode_context,
         "prompt_tokens": PROMPT_TOKENS, "repeats": repeats, "generate_repeats": generate_repeats, "paths": PATHS,
-        "rows": rows, "check": check, "plan": plan_summary(config), "mean_active": active, "mean_active_all_layers": statistics.fmean(active),
+        "rows": rows, "component_time": "union", "check": check, "plan": plan_summary(config),
+        "mean_active": active, "mean_active_all_layers": statistics.fmean(active),
     }
 
 

@@ -6,6 +6,7 @@ import torch
 from rich.console import Console
 
 from sparsify.bench import (COMPONENTS, RANGE, _range_of, bench_checkpoint, bench_table, busy_us, component_split,
+                            device_kernels,
                             kernel_component, logits_agreement, module_component, module_ranges, path_row,
                             plan_summary, write_json)
 from sparsify.errors import ConfigError
@@ -87,16 +88,40 @@ def test_component_classification():
 
 
 def test_component_split_counts_each_kernel_once():
-    kernels = [("_twell_out_kernel", 0.0, 10.0), ("nvjet_gemm", 5.0, 25.0), ("elementwise", 30.0, 31.0),
-               ("nvjet_gemm", 40.0, 50.0)]
-    # the range tied the first GEMM to attention; the second, unranged, counts by its name
-    ranged = [("attention", "nvjet_gemm", 20.0)]
-    out = component_split(kernels, ranged)
-    assert out["mlp_ms"] == pytest.approx(0.010) and out["attention_ms"] == pytest.approx(0.020)
+    # the out kernel, launched while the gate kernel runs (programmatic dependent launch), overlaps it
+    kernels = [("mlp", "_gate_pack_kernel", 0.0, 8.0), ("mlp", "_twell_out_kernel", 2.0, 10.0),
+               ("attention", "nvjet_gemm", 5.0, 25.0), (None, "elementwise", 30.0, 31.0),
+               (None, "nvjet_gemm", 40.0, 50.0), (None, "_twell_out_kernel", 60.0, 64.0)]
+    # the range tied the first GEMM to attention; the unranged ones count by their names
+    out = component_split(kernels)
+    assert out["mlp_ms"] == pytest.approx(0.014)  # 0-10 once, not 8 + 8; and 60-64
+    assert out["attention_ms"] == pytest.approx(0.020)
     assert out["matmul_ms"] == pytest.approx(0.010) and out["other_ms"] == pytest.approx(0.001)
     assert out["norm_ms"] == out["lm_head_ms"] == 0
-    assert out["gpu_busy_ms"] == pytest.approx(0.036)  # 0-25, 30-31, 40-50: the overlap counted once
+    assert out["gpu_busy_ms"] == pytest.approx(0.040)  # 0-25, 30-31, 40-50, 60-64: overlaps counted once
     assert busy_us([]) == 0 and busy_us([(0, 4), (1, 2), (3, 6)]) == 6
+
+
+def test_device_kernels_find_the_range_that_launched_them():
+    """A kernel belongs to the range around the op whose correlation id it carries (the range's own GPU
+    annotation is not a kernel); a kernel whose op ran outside any range has no component."""
+    from types import SimpleNamespace as Event
+
+    from torch.autograd import DeviceType
+
+    def cpu(id, name, parent=None, kernels=()):
+        return Event(id=id, name=name, device_type=DeviceType.CPU, cpu_parent=parent, kernels=list(kernels))
+
+    def gpu(name, linked, start, end, annotation=False):
+        return Event(name=name, device_type=DeviceType.CUDA, linked_correlation_id=linked, is_user_annotation=annotation,
+                     time_range=Event(start=start, end=end))
+
+    mlp = cpu(1, RANGE + "mlp")
+    events = [mlp, cpu(2, "twell::gated_mlp", mlp, ["_gate_pack_kernel", "_twell_out_kernel"]),
+              cpu(3, "aten::add", None, ["elementwise"]), gpu(RANGE + "mlp", 1, 0.0, 12.0, annotation=True),
+              gpu("_gate_pack_kernel", 2, 0.0, 8.0), gpu("_twell_out_kernel", 2, 2.0, 10.0), gpu("elementwise", 3, 11.0, 12.0)]
+    assert device_kernels(events) == [("mlp", "_gate_pack_kernel", 0.0, 8.0), ("mlp", "_twell_out_kernel", 2.0, 10.0),
+                                      (None, "elementwise", 11.0, 12.0)]
 
 
 def test_module_ranges_cover_each_component_once():
@@ -198,12 +223,15 @@ def test_bench_checkpoint_on_gpu(tmp_path):
     rows = {row["path"]: row for row in result["rows"]}
     assert [len(rows[p]["twell"]["samples_ms"]) for p in ("prefill", "generate_eager", "generate_compiled")] == [1, 3, 3]
     assert set(rows) == {"prefill", "prefill_compiled", "generate_eager", "generate_compiled", "decode_step_graph"}
+    assert result["component_time"] == "union"
     for row in rows.values():
         assert row["speedup"] == pytest.approx(row["dense"]["ms"] / row["twell"]["ms"])
         for load in ("dense", "twell"):
             b = row["breakdown"][load]
             assert row[load]["ms"] > 0 and 0 < b["gpu_busy_ms"] and b["wall_ms"] == pytest.approx(row[load]["ms"])
         assert row["breakdown"]["twell"]["mlp_ms"] > 0
+    for load in ("dense", "twell"):  # eager norms run as elementwise kernels: only their module range finds them
+        assert rows["prefill"]["breakdown"][load]["norm_ms"] > 0 and rows["prefill"]["breakdown"][load]["mlp_ms"] > 0
     assert result["check"]["logits_rel_err"] < 2e-2 and rows["decode_step_graph"]["logits_rel_err"] < 2e-2
     assert rows["generate_compiled"]["compile_s"]["twell"] > 0 and rows["generate_compiled"]["greedy_match"] > 0
     assert rows["prefill_compiled"]["compile_s"]["twell"] > 0
