@@ -134,8 +134,10 @@ def analyze(model, data, tokens, seq_len, batch_size, device, json_path, plot_pa
 @click.option("--generate-batch", type=int, multiple=True, default=(1, 8), show_default=True,
               help="Sequences decoded together in eager generate and the CUDA-graph step (repeatable).")
 @click.option("--compiled-batch", type=int, multiple=True, default=(1, 8), show_default=True,
-              help="Sequences decoded together in compiled static-cache generate (repeatable).")
-@click.option("--no-compiled", is_flag=True, help="Skip compiled generate (each batch size compiles both models).")
+              help="Sequences decoded together in compiled static-cache generate and the compiled CUDA-graph "
+                   "step (repeatable).")
+@click.option("--no-compiled", is_flag=True,
+              help="Skip compiled generate and the compiled step (each batch size compiles both models twice).")
 @click.option("--compiled-prefill-batch", type=int, multiple=True, default=(), show_default=True,
               help="Sequences in a prefill through torch.compile (repeatable; each compiles both models).")
 @click.option("--decode-tokens", type=int, default=64, show_default=True, help="New tokens per greedy generation.")

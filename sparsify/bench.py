@@ -20,6 +20,10 @@ to 1.6x from call to call, which a median of 3 does not settle:
   size, in the first (untimed) call, whose time is reported;
 - "decode_step_graph": one greedy step (a one-token forward over a static cache holding `decode_context`
   tokens) captured as one CUDA graph and replayed: the GPU time of a serving loop that captures its step.
+- "decode_step_compiled_graph": the same step through torch.compile (fullgraph, static shapes, inductor's
+  default mode: norms, rotary embeddings and residual adds fused), captured as one CUDA graph by this bench
+  and replayed: the GPU time of a serving loop that compiles and captures its step (as vLLM does), without
+  transformers' generate loop around it. One compile per model and batch size (compiled batches).
 Tokens per second count the new tokens (generate) or the input tokens (prefill) of the call.
 Each row also has a breakdown per load: GPU milliseconds per component of one call, from torch.profiler
 (CUDA activity). Eager calls run with a profiler range around every MLP, attention, norm and LM-head module
@@ -68,6 +72,8 @@ PATHS = {
                          "fullgraph=True, dynamic=False): decode step compiled by transformers (inductor, "
                          "reduce-overhead)",
     "decode_step_graph": "one decode step over a static cache, captured as one CUDA graph and replayed",
+    "decode_step_compiled_graph": "one decode step over a static cache through torch.compile(fullgraph=True, "
+                                  "dynamic=False) (inductor, default mode), captured as one CUDA graph and replayed",
 }
 COMPONENTS = ("mlp", "attention", "norm", "lm_head", "matmul", "other")
 RANGE = "sparsify::"  # prefix of the profiler ranges around modules
@@ -305,12 +311,14 @@ def compiled_generate_row(models, prompt, new_tokens, repeats) -> dict:
 
 
 @torch.inference_mode()
-def capture_step(model, context: torch.Tensor):
+def capture_step(model, context: torch.Tensor, compiled: bool = False):
     """(replay, eager step, logits [batch, vocab], relative error of the replay against the eager step) of
     one decode step of `model` after the prompt `context` [batch, n]: a one-token forward over a static KV
     cache, captured as a CUDA graph (after warm-up on a side stream, which also compiles the kernels and
-    builds their launch plans). The logits are the replay's; the error is reported with the row (and a
-    warning printed above 1e-3), so that one failing check does not cost the other rows."""
+    builds their launch plans). With `compiled`, the step's forward goes through torch.compile(fullgraph=True,
+    dynamic=False), compiled during the warm-up, and the "eager step" is the compiled one run directly.
+    The logits are the replay's; the error is reported with the row (and a warning printed above 1e-3), so
+    that one failing check does not cost the other rows."""
     from transformers import StaticCache
 
     batch, n = context.shape
@@ -321,12 +329,13 @@ def capture_step(model, context: torch.Tensor):
     position = torch.full((1,), n, device=device)
     counters = [layer.cumulative_length for layer in cache.layers
                 if torch.is_tensor(getattr(layer, "cumulative_length", None))]
+    forward = torch.compile(model, fullgraph=True, dynamic=False) if compiled else model
 
     def step():  # rewrites cache slot n with the same values at every call
         for counter in counters:  # transformers 5 static layers count what they hold: back to n
             counter.fill_(n)
-        return model(input_ids=ids, past_key_values=cache, cache_position=position,
-                     position_ids=position.expand(batch, 1), use_cache=True).logits[:, -1]
+        return forward(input_ids=ids, past_key_values=cache, cache_position=position,
+                       position_ids=position.expand(batch, 1), use_cache=True).logits[:, -1]
 
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
@@ -345,14 +354,18 @@ def capture_step(model, context: torch.Tensor):
     return graph.replay, torch.inference_mode()(step), replayed.clone(), error
 
 
-def graph_step_row(models, context) -> dict:
+def graph_step_row(models, context, compiled: bool = False) -> dict:
+    """decode_step_graph (or, `compiled`, decode_step_compiled_graph): the replay's median time, and the
+    breakdown of the step run directly (compiled: by kernel name, as module ranges cannot reach inside)."""
     from triton.testing import do_bench
 
-    steps = {name: capture_step(model, context) for name, model in models.items()}
+    steps = {name: capture_step(model, context, compiled) for name, model in models.items()}
     seconds = {name: do_bench(replay, return_mode="median") / 1e3 for name, (replay, *_) in steps.items()}
-    split = {name: breakdown(eager, seconds[name], models[name]) for name, (_, eager, *_) in steps.items()}
+    split = {name: breakdown(step, seconds[name], None if compiled else models[name])
+             for name, (_, step, *_) in steps.items()}
     batch = context.shape[0]
-    return path_row("decode_step_graph", batch, batch, seconds, breakdown=split, context=context.shape[1],
+    return path_row("decode_step_compiled_graph" if compiled else "decode_step_graph", batch, batch, seconds,
+                    breakdown=split, context=context.shape[1],
                     logits_rel_err=relative_error(steps["twell"][2], steps["dense"][2]),
                     graph_vs_eager_rel_err={name: step[3] for name, step in steps.items()})
 
@@ -413,9 +426,9 @@ def bench_checkpoint(path: str | Path, *, seq_len: int = 2048, prefill_batches=(
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for batch in compiled_prefill_batches:
         rows.append(compiled_prefill_row(models, prefill_ids[batch] if batch in prefill_ids else ids(batch, seq_len), repeats))
-    if compiled_batches:
-        for batch in compiled_batches:
-            rows.append(compiled_generate_row(models, ids(batch, PROMPT_TOKENS), decode_tokens, generate_repeats))
+    for batch in compiled_batches:
+        rows.append(compiled_generate_row(models, ids(batch, PROMPT_TOKENS), decode_tokens, generate_repeats))
+        rows.append(graph_step_row(models, ids(batch, decode_context), compiled=True))
     return {
         "checkpoint": str(path), "device": torch.cuda.get_device_name(device), "versions": versions(),
         "seq_len": seq_len, "decode_tokens": decode_tokens, "decode_context": decode_context,

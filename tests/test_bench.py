@@ -222,7 +222,8 @@ def test_bench_checkpoint_on_gpu(tmp_path):
                               generate_repeats=3)
     rows = {row["path"]: row for row in result["rows"]}
     assert [len(rows[p]["twell"]["samples_ms"]) for p in ("prefill", "generate_eager", "generate_compiled")] == [1, 3, 3]
-    assert set(rows) == {"prefill", "prefill_compiled", "generate_eager", "generate_compiled", "decode_step_graph"}
+    assert set(rows) == {"prefill", "prefill_compiled", "generate_eager", "generate_compiled", "decode_step_graph",
+                         "decode_step_compiled_graph"}
     assert result["component_time"] == "union"
     for row in rows.values():
         assert row["speedup"] == pytest.approx(row["dense"]["ms"] / row["twell"]["ms"])
@@ -233,5 +234,7 @@ def test_bench_checkpoint_on_gpu(tmp_path):
     for load in ("dense", "twell"):  # eager norms run as elementwise kernels: only their module range finds them
         assert rows["prefill"]["breakdown"][load]["norm_ms"] > 0 and rows["prefill"]["breakdown"][load]["mlp_ms"] > 0
     assert result["check"]["logits_rel_err"] < 2e-2 and rows["decode_step_graph"]["logits_rel_err"] < 2e-2
+    assert rows["decode_step_compiled_graph"]["logits_rel_err"] < 2e-2
+    assert max(rows["decode_step_compiled_graph"]["graph_vs_eager_rel_err"].values()) < 1e-2
     assert rows["generate_compiled"]["compile_s"]["twell"] > 0 and rows["generate_compiled"]["greedy_match"] > 0
     assert rows["prefill_compiled"]["compile_s"]["twell"] > 0
