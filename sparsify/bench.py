@@ -47,6 +47,7 @@ each generate row also reports the agreement of its own dense and TwELL tokens.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import platform
 import statistics
@@ -310,6 +311,15 @@ def compiled_generate_row(models, prompt, new_tokens, repeats) -> dict:
                       ranges=False, compile_s=compile_s)
 
 
+def cache_arguments(model, cache, position: torch.Tensor) -> dict:
+    """The static KV cache and the positions a forward writes, as this transformers version's forward takes
+    them: `cache` (the cache tracks its own length) where the forward has it, else `past_key_values` and
+    `cache_position`."""
+    if "cache" in inspect.signature(model.forward).parameters:
+        return {"cache": cache}
+    return {"past_key_values": cache, "cache_position": position}
+
+
 @torch.inference_mode()
 def capture_step(model, context: torch.Tensor, compiled: bool = False):
     """(replay, eager step, logits [batch, vocab], relative error of the replay against the eager step) of
@@ -324,9 +334,10 @@ def capture_step(model, context: torch.Tensor, compiled: bool = False):
     batch, n = context.shape
     device = context.device
     cache = StaticCache(config=model.config, max_cache_len=n + 1)
-    model(input_ids=context, past_key_values=cache, cache_position=torch.arange(n, device=device), use_cache=True)
+    model(input_ids=context, **cache_arguments(model, cache, torch.arange(n, device=device)), use_cache=True)
     ids = context[:, -1:].clone()
     position = torch.full((1,), n, device=device)
+    step_cache = cache_arguments(model, cache, position)
     counters = [layer.cumulative_length for layer in cache.layers
                 if torch.is_tensor(getattr(layer, "cumulative_length", None))]
     forward = torch.compile(model, fullgraph=True, dynamic=False) if compiled else model
@@ -334,8 +345,8 @@ def capture_step(model, context: torch.Tensor, compiled: bool = False):
     def step():  # rewrites cache slot n with the same values at every call
         for counter in counters:  # transformers 5 static layers count what they hold: back to n
             counter.fill_(n)
-        return forward(input_ids=ids, past_key_values=cache, cache_position=position,
-                       position_ids=position.expand(batch, 1), use_cache=True).logits[:, -1]
+        logits = forward(input_ids=ids, **step_cache, position_ids=position.expand(batch, 1), use_cache=True).logits
+        return logits[:, -1]
 
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from helpers import INTERMEDIATE, tiny_input_ids, tiny_model
 from sparsify import export
+from sparsify.bench import cache_arguments
 from sparsify.errors import OutputError
 from sparsify.export import MODELING_FILE, check_output_dir, export_checkpoint
 from sparsify.families import FAMILIES, spec_for
@@ -299,9 +300,9 @@ def test_compiled_decode_step_runs_the_kernel_in_one_graph(tmp_path):
 
     def step(forward):
         cache = StaticCache(config=remote.config, max_cache_len=8)
-        forward(input_ids=ids, past_key_values=cache, use_cache=True)  # prefill
+        forward(input_ids=ids, **cache_arguments(remote, cache, torch.arange(ids.shape[1])), use_cache=True)  # prefill
         position = torch.tensor([ids.shape[1]])
-        return forward(input_ids=ids[:, -1:], past_key_values=cache, cache_position=position,
+        return forward(input_ids=ids[:, -1:], **cache_arguments(remote, cache, position),
                        position_ids=position.expand(ids.shape[0], 1), use_cache=True).logits
 
     with torch.no_grad():  # compiled first: no eager call has run on the fresh model
