@@ -41,7 +41,7 @@ PY
 step "GPU tests" timeout 200 python3 -m pytest -q -m gpu tests -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml"
 step "converted demo on the kernels" timeout 120 python3 benchmarks/checkpoint_kernel_check.py "$checkpoint" --force-sparse 64 4 --json "$OUT/demo_kernel_check_h100.json"
 step "hybrid-routed vs dense conversion" timeout 200 python3 benchmarks/hybrid_convert.py --json "$OUT/hybrid_convert_h100.json"
-step "model bench (quick: 4 layers, batch-1 decode paths)" timeout 230 python3 benchmarks/model_bench.py --quick --out "$OUT" --work /tmp/mb
+step "model bench (quick: 4 layers, batch-1 decode paths)" timeout 320 python3 benchmarks/model_bench.py --quick --out "$OUT" --work /tmp/mb
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
     step "DDP: 2 GPUs against 1" multi_gpu_check ddp python3 -m torch.distributed.run --standalone --nproc_per_node 2
     step "FSDP: 2 GPUs against 1" multi_gpu_check fsdp python3 -m accelerate.commands.launch \
