@@ -208,6 +208,20 @@ def hybrid_share(log: list[dict]) -> list[float]:
             for i in range(len(log[0]["layers"]))]
 
 
+def _activation_checkpointing(model, on: bool):
+    """Turns activation checkpointing (non-reentrant) on or off, under the name the installed transformers
+    has: activation_checkpointing_* from 5.23, gradient_checkpointing_* (to be removed in v6) before."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        if on:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.activation_checkpointing_disable()
+    elif on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()
+
+
 def l1_coeff(config: TrainConfig, step: int) -> float:
     """Coefficient at optimizer step `step` (0-based): linear from l1/warm-up to l1, then constant (relative
     to L1_0 with `l1_relative`)."""
@@ -239,8 +253,8 @@ def train(
     dead_window = config.dead_window_tokens or config.tokens_per_step(world)
 
     model.config.use_cache = False
-    if config.grad_checkpointing:  # the older name: transformers < 5.23 lacks activation_checkpointing_enable
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if config.grad_checkpointing:
+        _activation_checkpointing(model, True)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
     # The scheduler is not passed to prepare(): accelerate would step it once per process per step.
@@ -359,7 +373,7 @@ def train(
     if model is not None:
         model.eval()
         if config.grad_checkpointing:
-            model.gradient_checkpointing_disable()
+            _activation_checkpointing(model, False)
         model.config.use_cache = True
     return TrainResult(steps=step, tokens=step * config.tokens_per_step(world), seconds=seconds, log=log, model=model)
 

@@ -189,7 +189,10 @@ def test_gradient_checkpointing_trains_the_same():
     a, _ = tiny_model("llama")
     b = copy.deepcopy(a)
     train(a, relufy(a), batches_from(), config(steps=2), device="cpu", show_progress=False)
+    seen = []  # whether the layer checkpoints, at each training forward
+    b.model.layers[0].register_forward_pre_hook(lambda layer, args: seen.append(layer.gradient_checkpointing))
     train(b, relufy(b), batches_from(), config(steps=2, grad_checkpointing=True), device="cpu", show_progress=False)
+    assert seen and all(seen) and not b.model.layers[0].gradient_checkpointing  # on while training, off after
     for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
         torch.testing.assert_close(pa, pb, msg=name)
 
