@@ -85,6 +85,15 @@ model = AutoModelForCausalLM.from_pretrained("<this repo or folder>", trust_remo
 model = AutoModelForCausalLM.from_pretrained("<this repo or folder>")
 ```
 
+For decoding, transformers' compiled static-cache path is the fastest (the first call compiles the step):
+
+```python
+from transformers import CompileConfig
+
+model.generate(input_ids, max_new_tokens=64, cache_implementation="static",
+               compile_config=CompileConfig(fullgraph=True))
+```
+
 The per-layer plan and statistics are in `config.json` under `"twell"`.
 """
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}")
