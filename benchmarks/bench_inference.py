@@ -1,4 +1,4 @@
-"""TwELL inference benchmark against the dense bf16 block, per benchmarks.md.
+"""TwELL inference benchmark against the dense bf16 block, by the method of docs/performance.md.
 
 Synthetic sparsity: x ~ N(0, 1) with x[:, 0] = 1 (bias channel), gate ~ N(0, 1/D) with
 gate[:, 0] = -Phi^-1(1 - k/I), so each unit fires with probability k/I. Dense baseline: gate and up as
@@ -198,7 +198,7 @@ def write_json(path, result):
     os.replace(path + ".tmp", path)
 
 
-# the benchmark shape and the real-model shapes of benchmarks.md
+# the paper's shape and real-model shapes
 SHAPES = ((896, 4864), (2048, 5632), (2048, 8192), (3584, 18944), (4096, 14336))
 
 

@@ -1,5 +1,5 @@
 """Training benchmark of the gated MLP block (forward + backward, L1 term included): hybrid TwELL
-against the dense bf16 PyTorch block (gate and up as one fused matmul), per benchmarks.md.
+against the dense bf16 PyTorch block (gate and up as one fused matmul), by the method of docs/performance.md.
 
     python benchmarks/bench_training.py [--tokens 16384] [--json out.json] [--e2e] [--profile]
 

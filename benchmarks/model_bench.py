@@ -1,7 +1,7 @@
 """Model-level dense vs TwELL benchmark on a 1.5B-shape Llama with controlled sparsity (GPU).
 
 The model: the paper's shape (D = 2048, I = 5632, 16 heads, no GQA, vocabulary 32000), a few layers,
-random weights, ReLU gate. Sparsity is controlled by a bias channel (benchmarks.md): hidden dimension
+random weights, ReLU gate. Sparsity is controlled by a bias channel (docs/performance.md): hidden dimension
 BIAS of every token embedding is a constant, and no layer writes to it (row BIAS of o_proj and down_proj
 is zero), so it reaches every MLP input as x_b = a * sqrt(D) / ||h|| after the RMSNorm (weight 1). Gate
 rows are N(0, 1/D) except gate[:, BIAS] = s, so a unit fires where g . x_rest > -s * x_b. Layer by layer

@@ -25,7 +25,8 @@ def rel_err(out, ref):
 
 
 def block(m, d, i, k, dtype=torch.float32, device=DEV):
-    """benchmarks.md recipe: x[:, 0] = 1 and gate[:, 0] set so each unit fires with probability k / i."""
+    """Bias-channel recipe (docs/performance.md): x[:, 0] = 1 and gate[:, 0] set so each unit fires with
+    probability k / i."""
     x = torch.randn(m, d, device=device)
     x[:, 0] = 1.0
     gate = torch.randn(i, d, device=device) / math.sqrt(d)

@@ -16,7 +16,7 @@ def rel(a, b):
 
 
 def problem(M, D, I, k, *, gated=True, special_rows=True, device="cpu", seed=0):
-    """Bias-channel recipe (benchmarks.md): about k active units a row; row 0 (if M > 2) is empty and
+    """Bias-channel recipe (docs/performance.md): about k active units a row; row 0 (if M > 2) is empty and
     row 1 fully dense (forces the backup); unit 2 fires in nearly every row."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(M, D, generator=gen)
