@@ -127,6 +127,9 @@ def main(argv=None):
     parser.add_argument("--work", type=Path, help="Folder for the checkpoints (default: a temporary one).")
     parser.add_argument("--measure", action="store_true", help="Plan by timing the kernel settings (as convert --measure).")
     args = parser.parse_args(argv)
+    for option in ("layers", "seq_len", "decode_tokens", "decode_context", "repeats", "generate_repeats"):
+        if getattr(args, option) < 1:  # before any GPU work (bench_checkpoint checks them after the build)
+            parser.error(f"--{option.replace('_', '-')} must be positive, got {getattr(args, option)}")
     if args.quick:
         args.layers, args.prefill_batch, args.generate_batch, args.compiled_batch = 4, [1, 8], [1], [1]
         args.compiled_prefill_batch = [8]

@@ -211,6 +211,14 @@ def test_synthetic_model_has_the_requested_activity_and_exports(tmp_path):
     assert all(layer["stats"]["mean_active"] == pytest.approx(12, rel=0.25) for layer in config["twell"]["layers"])
 
 
+def test_model_bench_rejects_counts_below_one_before_any_work(tmp_path, capsys):
+    model_bench = load_model_bench()
+    with pytest.raises(SystemExit):
+        model_bench.main(["--out", str(tmp_path), "--generate-repeats", "0"])
+    assert "--generate-repeats must be positive, got 0" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
 @pytest.mark.gpu
 def test_bench_checkpoint_on_gpu(tmp_path):
     model_bench = load_model_bench()
