@@ -134,10 +134,11 @@ def analyze(model, data, tokens, seq_len, batch_size, device, json_path, plot_pa
 @click.option("--generate-batch", type=int, multiple=True, default=(1, 8), show_default=True,
               help="Sequences decoded together in eager generate and the CUDA-graph step (repeatable).")
 @click.option("--compiled-batch", type=int, multiple=True, default=(1, 8), show_default=True,
-              help="Sequences decoded together in compiled static-cache generate and the compiled CUDA-graph "
-                   "step (repeatable).")
+              help="Sequences decoded together in compiled static-cache generate, the compiled CUDA-graph "
+                   "step and generate_graphed (repeatable).")
 @click.option("--no-compiled", is_flag=True,
-              help="Skip compiled generate and the compiled step (each batch size compiles both models twice).")
+              help="Skip compiled generate, the compiled step and generate_graphed (each batch size compiles "
+                   "both models three times).")
 @click.option("--compiled-prefill-batch", type=int, multiple=True, default=(), show_default=True,
               help="Sequences in a prefill through torch.compile (repeatable; each compiles both models).")
 @click.option("--decode-tokens", type=int, default=64, show_default=True, help="New tokens per greedy generation.")

@@ -112,8 +112,8 @@ def main(argv=None):
     parser.add_argument("--generate-batch", type=int, nargs="*", default=[1, 8],
                         help="Batch sizes of eager generate and the CUDA-graph step (none: skip them).")
     parser.add_argument("--compiled-batch", type=int, nargs="*", default=[1, 8],
-                        help="Batch sizes of compiled static-cache generate and the compiled CUDA-graph step "
-                             "(none: skip them).")
+                        help="Batch sizes of compiled static-cache generate, the compiled CUDA-graph step and "
+                             "generate_graphed (none: skip them).")
     parser.add_argument("--compiled-prefill-batch", type=int, nargs="*", default=[64],
                         help="Batch sizes of the prefill through torch.compile (none: skip it).")
     parser.add_argument("--decode-tokens", type=int, default=64)

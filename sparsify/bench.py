@@ -18,6 +18,10 @@ to 1.6x from call to call, which a median of 3 does not settle:
   (inductor, mode "reduce-overhead": the step becomes a CUDA graph; fullgraph: a graph break is an error;
   static shapes: one graph per batch size) and runs the prefill eagerly. One compile per model and batch
   size, in the first (untimed) call, whose time is reported;
+- "generate_graphed": the checkpoint's `generate_graphed(compile=True)` (generation.py; the same function
+  for the dense load): the compiled step captured as one CUDA graph and replayed once a token, no Python
+  loop between tokens; the prefill runs eagerly. The first call per model and batch size compiles and
+  captures (its time reported);
 - "decode_step_graph": one greedy step (a one-token forward over a static cache holding `decode_context`
   tokens) captured as one CUDA graph and replayed: the GPU time of a serving loop that captures its step.
 - "decode_step_compiled_graph": the same step through torch.compile (fullgraph, static shapes, inductor's
@@ -47,7 +51,6 @@ each generate row also reports the agreement of its own dense and TwELL tokens.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 import platform
 import statistics
@@ -61,6 +64,7 @@ from .families import mlp_modules, spec_for
 from .load import load_config, resolve_source
 from .measure import gate_hooks
 from .plan import describe
+from .remote.generation import cache_arguments, generate_graphed
 from .tune import relative_error, require_cuda
 
 PROMPT_TOKENS = 16
@@ -72,6 +76,9 @@ PATHS = {
     "generate_compiled": "generate, greedy, cache_implementation='static', compile_config=CompileConfig("
                          "fullgraph=True, dynamic=False): decode step compiled by transformers (inductor, "
                          "reduce-overhead)",
+    "generate_graphed": "generate_graphed(compile=True) (generation.py, shipped with the checkpoint): greedy, "
+                        "static cache, the step through torch.compile(fullgraph=True, dynamic=False) (inductor, "
+                        "default mode) and captured as one CUDA graph, one replay a token",
     "decode_step_graph": "one decode step over a static cache, captured as one CUDA graph and replayed",
     "decode_step_compiled_graph": "one decode step over a static cache through torch.compile(fullgraph=True, "
                                   "dynamic=False) (inductor, default mode), captured as one CUDA graph and replayed",
@@ -212,16 +219,32 @@ def profile_split(fn, model=None) -> dict:
     with module_ranges(model), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return component_split(device_kernels(prof.events()))
+    return component_split(device_kernels(prof.events(), launch_ids(prof)))
 
 
-def device_kernels(events) -> list:
-    """(component, name, start_us, end_us) of each device activity among profiler `events`: the component of
-    the module range around the op that launched it (linked by correlation id), None outside any range."""
+def launch_ids(prof) -> dict:
+    """(start_us, end_us) of each device activity -> correlation id of the op that launched it, from the
+    profiler's raw events: FunctionEvent carries that id itself only from torch 2.12."""
     from torch.autograd import DeviceType
 
+    results = prof.profiler.kineto_results
+    start = results.trace_start_ns()
+    return {((e.start_ns() - start) / 1e3, (e.end_ns() - start) / 1e3): e.linked_correlation_id()
+            for e in results.events() if e.device_type() != DeviceType.CPU}
+
+
+def device_kernels(events, launches: dict | None = None) -> list:
+    """(component, name, start_us, end_us) of each device activity among profiler `events`: the component of
+    the module range around the op that launched it (linked by correlation id: the event's own, else
+    `launches` from launch_ids), None outside any range."""
+    from torch.autograd import DeviceType
+
+    def launch_id(e):
+        linked = getattr(e, "linked_correlation_id", None)
+        return linked if linked is not None else (launches or {}).get((e.time_range.start, e.time_range.end))
+
     launched_by = {e.id: e for e in events if e.device_type == DeviceType.CPU and e.kernels}
-    return [(_range_of(launched_by.get(e.linked_correlation_id)), e.name, e.time_range.start, e.time_range.end)
+    return [(_range_of(launched_by.get(launch_id(e))), e.name, e.time_range.start, e.time_range.end)
             for e in events if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
             and not e.name.startswith(RANGE)]
 
@@ -311,13 +334,18 @@ def compiled_generate_row(models, prompt, new_tokens, repeats) -> dict:
                       ranges=False, compile_s=compile_s)
 
 
-def cache_arguments(model, cache, position: torch.Tensor) -> dict:
-    """The static KV cache and the positions a forward writes, as this transformers version's forward takes
-    them: `cache` (the cache tracks its own length) where the forward has it, else `past_key_values` and
-    `cache_position`."""
-    if "cache" in inspect.signature(model.forward).parameters:
-        return {"cache": cache}
-    return {"past_key_values": cache, "cache_position": position}
+def graphed_generate_row(models, prompt, new_tokens, repeats) -> dict:
+    """generate_graphed with the compiled step, never stopping early (as min_new_tokens in the generate rows);
+    the first call of each model compiles and captures (compile_s). `matches_generate`: per load, the
+    fraction of its tokens equal to plain generate's."""
+    calls = {name: lambda m=model: generate_graphed(m, prompt, new_tokens, eos_token_id=None, compile=True)[
+        :, prompt.shape[1]:] for name, model in models.items()}
+    compile_s = _first_call_seconds(calls)
+    with torch.inference_mode():
+        matches = {name: (calls[name]() == _generate(models[name], prompt, new_tokens)).float().mean().item()
+                   for name in calls}
+    return _timed_row("generate_graphed", prompt.shape[0], prompt.shape[0] * new_tokens, calls, models, repeats,
+                      ranges=False, compile_s=compile_s, matches_generate=matches)
 
 
 @torch.inference_mode()
@@ -397,7 +425,8 @@ def bench_checkpoint(path: str | Path, *, seq_len: int = 2048, prefill_batches=(
                      device: str = "cuda") -> dict:
     """All rows (PATHS) for the dense and the TwELL load of the checkpoint at `path`: prefill at each of
     `prefill_batches` x seq_len (compiled: at each of `compiled_prefill_batches`), eager generate and the
-    graph step at each of `generate_batches`, compiled generate at each of `compiled_batches` (empty: none);
+    graph step at each of `generate_batches`, compiled generate, the compiled graph step and generate_graphed at
+    each of `compiled_batches` (empty: none);
     `repeats` timed calls a load, `generate_repeats` for the generate rows."""
     from transformers import AutoModelForCausalLM
 
@@ -440,6 +469,7 @@ def bench_checkpoint(path: str | Path, *, seq_len: int = 2048, prefill_batches=(
     for batch in compiled_batches:
         rows.append(compiled_generate_row(models, ids(batch, PROMPT_TOKENS), decode_tokens, generate_repeats))
         rows.append(graph_step_row(models, ids(batch, decode_context), compiled=True))
+        rows.append(graphed_generate_row(models, ids(batch, PROMPT_TOKENS), decode_tokens, generate_repeats))
     return {
         "checkpoint": str(path), "device": torch.cuda.get_device_name(device), "versions": versions(),
         "seq_len": seq_len, "decode_tokens": decode_tokens, "decode_context": decode_context,
@@ -472,6 +502,8 @@ def bench_table(result: dict):
                  f"rel. err {row['logits_rel_err']:.1e}" if "logits_rel_err" in row else "")
         if "graph_vs_eager_rel_err" in row:
             check += "; graph vs eager " + "/".join(f"{e:.1e}" for e in row["graph_vs_eager_rel_err"].values())
+        if "matches_generate" in row:
+            check += "; as generate " + "/".join(f"{100 * m:.0f}%" for m in row["matches_generate"].values())
         if "compile_s" in row:
             check += f"; compile {row['compile_s']['dense']:.0f}/{row['compile_s']['twell']:.0f} s"
         rows.add_row(row["path"], str(row["batch"]), str(row["tokens"]), f"{row['dense']['ms']:.2f}",

@@ -2,7 +2,7 @@
 
 OUT holds the safetensors weights under the original names (save_pretrained), config.json with the ReLU
 activation, an `auto_map` to modeling_twell.py and the `twell` section (docs/design.md), the modeling
-file with its base class patched in, the kernel files flat beside it, tokenizer and generation config,
+file with its base class patched in, generation.py and the kernel files flat beside it, tokenizer and generation config,
 the model card and the trainer's artifacts. Everything is written to a temporary sibling folder and
 renamed into place at the end, so a failure never leaves an OUT that looks complete.
 """
@@ -25,6 +25,7 @@ from .families import FamilySpec
 
 FORMAT_VERSION = 1
 MODELING_FILE = Path(__file__).parent / "remote" / "modeling_twell.py"
+GENERATION_FILE = MODELING_FILE.with_name("generation.py")  # imported by the modeling file
 AUTO_MAP = {"AutoModelForCausalLM": "modeling_twell.TwellForCausalLM"}
 
 
@@ -86,6 +87,7 @@ def _write(folder: Path, model, tokenizer, spec, plan, training, artifacts, kern
     config.update({"auto_map": AUTO_MAP, "twell": twell_section(spec, plan, training)})
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     (folder / "modeling_twell.py").write_text(modeling_source(spec))
+    shutil.copy2(GENERATION_FILE, folder / GENERATION_FILE.name)
     for kernel_file in kernels.glob("*.py"):
         if kernel_file.name != "__init__.py":
             shutil.copy2(kernel_file, folder / kernel_file.name)

@@ -5,10 +5,9 @@ import pytest
 import torch
 from rich.console import Console
 
-from sparsify.bench import (COMPONENTS, RANGE, _range_of, bench_checkpoint, bench_table, busy_us, component_split,
-                            device_kernels,
-                            kernel_component, logits_agreement, module_component, module_ranges, path_row,
-                            plan_summary, write_json)
+from sparsify.bench import (COMPONENTS, PATHS, RANGE, _range_of, bench_checkpoint, bench_table, busy_us, component_split,
+                            device_kernels, kernel_component, launch_ids, logits_agreement, module_component,
+                            module_ranges, path_row, plan_summary, write_json)
 from sparsify.errors import ConfigError
 from sparsify.families import spec_for
 from sparsify.tune import WINDOW, layer_plan, measure_plan
@@ -120,8 +119,14 @@ def test_device_kernels_find_the_range_that_launched_them():
     events = [mlp, cpu(2, "twell::gated_mlp", mlp, ["_gate_pack_kernel", "_twell_out_kernel"]),
               cpu(3, "aten::add", None, ["elementwise"]), gpu(RANGE + "mlp", 1, 0.0, 12.0, annotation=True),
               gpu("_gate_pack_kernel", 2, 0.0, 8.0), gpu("_twell_out_kernel", 2, 2.0, 10.0), gpu("elementwise", 3, 11.0, 12.0)]
-    assert device_kernels(events) == [("mlp", "_gate_pack_kernel", 0.0, 8.0), ("mlp", "_twell_out_kernel", 2.0, 10.0),
-                                      (None, "elementwise", 11.0, 12.0)]
+    expected = [("mlp", "_gate_pack_kernel", 0.0, 8.0), ("mlp", "_twell_out_kernel", 2.0, 10.0), (None, "elementwise", 11.0, 12.0)]
+    assert device_kernels(events) == expected
+    # torch before 2.12: the link comes from the raw events, by the activity's interval
+    for e in events:
+        if e.device_type == DeviceType.CUDA:
+            del e.linked_correlation_id
+    assert device_kernels(events, {(0.0, 8.0): 2, (2.0, 10.0): 2, (11.0, 12.0): 3}) == expected
+    assert [k[0] for k in device_kernels(events)] == [None, None, None]
 
 
 def test_module_ranges_cover_each_component_once():
@@ -137,6 +142,7 @@ def test_module_ranges_cover_each_component_once():
     inside = [_range_of(e) for e in events if e.name == "aten::mul" and _range_of(e) in ("mlp", "attention", "norm")]
     assert {"mlp", "norm"} <= set(inside)
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    assert launch_ids(prof) == {}  # the raw-event API answers (no device activity on the CPU)
 
 
 def test_plan_summary():
@@ -229,9 +235,10 @@ def test_bench_checkpoint_on_gpu(tmp_path):
                               compiled_prefill_batches=(2,), decode_tokens=8, decode_context=32, repeats=1,
                               generate_repeats=3)
     rows = {row["path"]: row for row in result["rows"]}
-    assert [len(rows[p]["twell"]["samples_ms"]) for p in ("prefill", "generate_eager", "generate_compiled")] == [1, 3, 3]
+    assert [len(rows[p]["twell"]["samples_ms"]) for p in ("prefill", "generate_eager", "generate_compiled",
+                                                          "generate_graphed")] == [1, 3, 3, 3]
     assert set(rows) == {"prefill", "prefill_compiled", "generate_eager", "generate_compiled", "decode_step_graph",
-                         "decode_step_compiled_graph"}
+                         "decode_step_compiled_graph", "generate_graphed"}
     assert result["component_time"] == "union"
     for row in rows.values():
         assert row["speedup"] == pytest.approx(row["dense"]["ms"] / row["twell"]["ms"])
@@ -246,3 +253,6 @@ def test_bench_checkpoint_on_gpu(tmp_path):
     assert max(rows["decode_step_compiled_graph"]["graph_vs_eager_rel_err"].values()) < 1e-2
     assert rows["generate_compiled"]["compile_s"]["twell"] > 0 and rows["generate_compiled"]["greedy_match"] > 0
     assert rows["prefill_compiled"]["compile_s"]["twell"] > 0
+    graphed = rows["generate_graphed"]
+    assert graphed["compile_s"]["twell"] > 0 and graphed["greedy_match"] > 0 and min(graphed["matches_generate"].values()) > 0
+    assert graphed["tokens"] == 8 and set(PATHS) == set(rows)

@@ -12,9 +12,9 @@ from transformers import AutoModelForCausalLM
 
 from helpers import INTERMEDIATE, tiny_input_ids, tiny_model
 from sparsify import export
-from sparsify.bench import cache_arguments
+from sparsify.remote.generation import cache_arguments
 from sparsify.errors import OutputError
-from sparsify.export import MODELING_FILE, check_output_dir, export_checkpoint
+from sparsify.export import GENERATION_FILE, MODELING_FILE, check_output_dir, export_checkpoint
 from sparsify.families import FAMILIES, spec_for
 from sparsify.relufy import relufy
 
@@ -131,7 +131,7 @@ def test_checkpoint_layout(tmp_path):
     kernel_files = {p.name for p in export.kernel_dir().glob("*.py")} - {"__init__.py"}
     assert {"gated_mlp.py", "format.py"} <= kernel_files <= names and "__init__.py" not in names
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "README.md",
-            "modeling_twell.py", "training_log.json", "sparsity.png"} <= names
+            "modeling_twell.py", "generation.py", "training_log.json", "sparsity.png"} <= names
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging left behind
 
     config = json.loads((out / "config.json").read_text())
@@ -162,7 +162,11 @@ def test_modeling_file_needs_only_torch_and_transformers():
                  if isinstance(node, ast.ImportFrom) and node.level == 0}
     assert absolute == {"importlib", "os", "torch"}
     relative = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 1}
-    assert relative == {"gated_mlp", "graphs"}
+    assert relative == {"gated_mlp", "graphs", "generation"}
+    generation = ast.parse(GENERATION_FILE.read_text())  # shipped beside it: torch and transformers only
+    assert {alias.name for node in ast.walk(generation) if isinstance(node, ast.Import) for alias in node.names} \
+        | {node.module.split(".")[0] for node in ast.walk(generation) if isinstance(node, ast.ImportFrom)} \
+        == {"inspect", "torch", "transformers"}
 
 
 def test_remote_model_falls_back_to_dense_math(tmp_path, monkeypatch):

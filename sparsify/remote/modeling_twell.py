@@ -12,8 +12,9 @@ densely. The kernels read the down weight transposed: it is stored so at constru
 from_pretrained has loaded the weights (same shape and values, so state dicts keep the standard layout). Under
 torch.compile the kernel call is the custom op twell::gated_mlp (fullgraph=True holds; mode
 "reduce-overhead" puts it in the compiled CUDA graph). The module layout and per-layer plan come from
-config.json's "twell" section, so this file holds no per-architecture table. It imports neither sparsify
-nor anything beyond torch and transformers: the kernel files sit beside it and are imported relatively.
+config.json's "twell" section, so this file holds no per-architecture table. `generate_graphed` decodes
+with one CUDA-graph replay a token (generation.py). It imports neither sparsify nor anything beyond torch
+and transformers: the kernel files and generation.py sit beside it and are imported relatively.
 """
 import importlib
 import os
@@ -27,6 +28,7 @@ try:
     from .graphs import DecodeGraphs
 except ImportError:  # no triton (or kernel files): dense ReLU math everywhere
     gated_mlp = prepare_down = DecodeGraphs = None
+from .generation import generate_graphed
 
 BASE_MODEL = "transformers.models.llama.modeling_llama.LlamaForCausalLM"
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton reads it when the kernels are defined, too
@@ -124,6 +126,11 @@ class TwellForCausalLM(_import(BASE_MODEL)):
             raise ValueError(f"config.twell plans {len(twell['layers'])} layers, the model has {len(layers)}")
         for layer, plan in zip(layers, twell["layers"]):
             setattr(layer, layout["mlp"], TwellGatedMLP(getattr(layer, layout["mlp"]), layout, plan))
+
+    def generate_graphed(self, input_ids, max_new_tokens, **options):
+        """Greedy or sampled continuation with one CUDA-graph replay a token, no Python loop on the host
+        between tokens (generation.py; `compile=True` for the fastest step)."""
+        return generate_graphed(self, input_ids, max_new_tokens, **options)
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):

@@ -1,0 +1,168 @@
+"""Decoding with the host out of the loop: each new token is one CUDA-graph replay of a decode step.
+
+transformers' `generate` runs Python at every step (input preparation, logits processors, stopping criteria,
+cache bookkeeping; with a compiled static cache also the guards and the CUDA-graph tree's checks): milliseconds
+a token, more than the GPU work of a 1.5B model, so a faster model decodes no faster there. Here one step
+(forward over a static KV cache, token choice, end-of-sequence bookkeeping, the token written into the output)
+is captured once as a CUDA graph and replayed: the host launches a graph a token and reads `finished` every
+CHECK_EVERY tokens. The graph and its static cache are kept on the model for the next call of the same batch
+size, length and options (one set at a time: a cache is batch x length x layers of keys and values).
+Works for any causal LM of transformers whose static cache keeps its positions on the device (Llama, Mistral
+without a sliding window, Qwen2/3 and the like), dense or converted; off CUDA the same step runs directly.
+Shipped beside modeling_twell.py; imports torch and transformers only.
+"""
+import inspect
+
+import torch
+
+CHECK_EVERY = 16  # tokens between the host's reads of `finished` (each read waits for the GPU)
+
+
+def cache_arguments(model, cache, position: torch.Tensor) -> dict:
+    """The static KV cache and the positions a forward writes, as this transformers version's forward takes
+    them: `cache` (the cache tracks its own length) where the forward has it, else `past_key_values` and
+    `cache_position`."""
+    if "cache" in inspect.signature(model.forward).parameters:
+        return {"cache": cache}
+    return {"past_key_values": cache, "cache_position": position}
+
+
+def choose(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Next token [batch] from logits [batch, vocab]: the argmax, or a sample after temperature, top-k and
+    top-p (nucleus) filtering. Device-side only (no host synchronization), so it can be captured."""
+    if not do_sample:
+        return logits.argmax(-1)
+    scores = logits.float() / temperature
+    if top_k > 0:
+        kth = scores.topk(min(top_k, scores.shape[-1]), dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1.0:
+        ordered, order = scores.sort(dim=-1, descending=True)
+        # drop a token once the tokens ranked above it already hold top_p of the mass (the first always stays)
+        above = ordered.softmax(-1).cumsum(-1) - ordered.softmax(-1)
+        scores = scores.scatter(-1, order, ordered.masked_fill(above >= top_p, float("-inf")))
+    return torch.multinomial(scores.softmax(-1), 1).squeeze(-1)
+
+
+class DecodeLoop:
+    """A static KV cache for `batch` sequences of up to `max_len` tokens, the output buffer, and one decode
+    step over them (`step`), captured as a CUDA graph on CUDA. `options` are choose()'s (do_sample,
+    temperature, top_k, top_p), `stop` the end-of-sequence ids (may be empty), `pad` what follows them."""
+
+    def __init__(self, model, batch: int, max_len: int, device, options: tuple, stop: tuple, pad: int,
+                 compile: bool):
+        from transformers import StaticCache
+
+        self.model, self.options, self.pad = model, options, pad
+        self.cache = StaticCache(config=model.config, max_cache_len=max_len)
+        self.forward = torch.compile(model, fullgraph=True, dynamic=False) if compile else model
+        self.stop = torch.tensor(stop, dtype=torch.long, device=device)
+        self.sequences = torch.full((batch, max_len), pad, dtype=torch.long, device=device)
+        self.position = torch.zeros(1, dtype=torch.long, device=device)  # where self.tokens go in the cache
+        self.finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        host_counted = [type(layer).__name__ for layer in self.cache.layers if hasattr(layer, "cumulative_length_int")]
+        if host_counted:
+            raise ValueError(f"{host_counted[0]}: this cache counts positions on the host (sliding-window "
+                             "attention), which a captured step cannot advance; use model.generate")
+        self.graph = None
+        if device.type == "cuda":
+            self._capture(device)
+
+    def _capture(self, device):
+        """Warm-up steps on a side stream (they compile and plan the kernels and allocate the cache), then the
+        capture; the prompt's prefill resets what the warm-up wrote."""
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                self.step()
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.step()
+
+    def advance(self, logits: torch.Tensor):
+        """Takes the next token from `logits` [batch, vocab] for the position after self.position: pad for
+        finished sequences; records it, marks sequences that reached a stop id, moves the position on."""
+        nxt = torch.where(self.finished, self.pad, choose(logits, *self.options))
+        self.finished |= torch.isin(nxt, self.stop)
+        self.position += 1
+        self.sequences.index_copy_(1, self.position, nxt[:, None])
+
+    def step(self):
+        """One decode step: the token at self.position through the model, the next one chosen (advance)."""
+        tokens = self.sequences.index_select(1, self.position)
+        logits = self.forward(input_ids=tokens, position_ids=self.position.expand(tokens.shape[0], 1),
+                              **cache_arguments(self.model, self.cache, self.position), use_cache=True).logits
+        self.advance(logits[:, -1])
+
+    def run(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        """The prompt's prefill (directly), then up to max_new_tokens - 1 steps; stops early once every
+        sequence finished. Returns [batch, prompt + generated] token ids."""
+        n = input_ids.shape[1]
+        self.cache.reset()
+        self.sequences.fill_(self.pad)
+        self.sequences[:, :n] = input_ids
+        self.finished.zero_()
+        self.position.fill_(n - 1)
+        logits = self.model(input_ids=input_ids, position_ids=torch.arange(n, device=input_ids.device)[None],
+                            **cache_arguments(self.model, self.cache, torch.arange(n, device=input_ids.device)),
+                            use_cache=True, logits_to_keep=1).logits
+        self.advance(logits[:, -1])
+        done = 1
+        while done < max_new_tokens:
+            if done % CHECK_EVERY == 0 and self.stop.numel() and bool(self.finished.all()):
+                break
+            self.graph.replay() if self.graph is not None else self.step()
+            done += 1
+        return self.sequences[:, :n + done].clone()
+
+
+@torch.inference_mode()
+def generate_graphed(model, input_ids: torch.Tensor, max_new_tokens: int, *, do_sample: bool = False,
+                     temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, eos_token_id=None,
+                     pad_token_id=None, compile: bool = False) -> torch.Tensor:
+    """`model`'s continuation of `input_ids` [batch, prompt] (no padding), like `model.generate(input_ids,
+    max_new_tokens=..., do_sample=...)` for greedy decoding and for sampling with temperature, top_k and
+    top_p: [batch, prompt + new] ids, with pad_token_id after a sequence's end-of-sequence token and at
+    most CHECK_EVERY - 1 steps past the point where all sequences ended. eos_token_id / pad_token_id
+    default to the model's generation config. `compile`: the step's forward through torch.compile
+    (fullgraph, static shapes) before capture, fastest (the first call compiles, about half a minute at
+    1.5B). The first call of a batch size, length and these options captures the step (a few steps' time)."""
+    if input_ids.ndim != 2 or input_ids.shape[1] == 0 or max_new_tokens < 1:
+        raise ValueError(f"input_ids must be [batch, prompt] with a prompt, and max_new_tokens positive; got "
+                         f"{tuple(input_ids.shape)} and {max_new_tokens}")
+    if do_sample and not (temperature > 0 and top_k >= 0 and 0 < top_p <= 1):
+        raise ValueError(f"sampling needs temperature > 0, top_k >= 0 and 0 < top_p <= 1; got {temperature}, "
+                         f"{top_k}, {top_p}")
+    config = getattr(model, "generation_config", None)
+    eos = eos_token_id if eos_token_id is not None else getattr(config, "eos_token_id", None)
+    stop = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+    pad = pad_token_id if pad_token_id is not None else getattr(config, "pad_token_id", None)
+    pad = pad if pad is not None else (stop[0] if stop else 0)
+    batch, n = input_ids.shape
+    options = (do_sample, temperature, top_k, top_p)
+    key = (batch, n + max_new_tokens, str(input_ids.device), options, stop, pad, compile)
+    held = model.__dict__.setdefault("_decode_loop", HeldLoop())
+    if held.key != key:
+        held.key = held.loop = None  # the previous cache goes before the new one is allocated
+        held.loop = DecodeLoop(model, batch, n + max_new_tokens, input_ids.device, options, stop, pad, compile)
+        held.key = key
+    return held.loop.run(input_ids, max_new_tokens)
+
+
+class HeldLoop:
+    """The DecodeLoop kept on a model for its next call. Copies and pickles of the model start without one
+    (a CUDA graph cannot be copied, and the copy has weights of its own)."""
+
+    def __init__(self):
+        self.key = self.loop = None
+
+    def __deepcopy__(self, memo):
+        return HeldLoop()
+
+    def __getstate__(self):
+        return {}
+
+    def __setstate__(self, state):
+        self.__init__()

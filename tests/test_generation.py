@@ -1,0 +1,122 @@
+"""generate_graphed (sparsify/remote/generation.py) against transformers' generate: greedy tokens, end of
+sequence and padding, sampling filters, the kept loop, converted checkpoints, and the CUDA-graph replay."""
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from sparsify.export import export_checkpoint
+from sparsify.families import spec_for
+from sparsify.relufy import relufy
+from sparsify.remote.generation import CHECK_EVERY, choose, generate_graphed
+
+from helpers import tiny_input_ids, tiny_model
+
+PLAN = [{"mode": "sparse", "tile": 64, "compression": 2, "stats": {}}, {"mode": "dense", "stats": {}}]
+TRAINING = {"base_model": "someone/tiny-base", "tokens": 0, "steps": 0}
+
+
+def reference(model, ids, new, **options):
+    return model.generate(ids, max_new_tokens=new, do_sample=False, cache_implementation="static", **options)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_greedy_tokens_match_generate(family):
+    model, _ = tiny_model(family)
+    ids = tiny_input_ids(2, 7)
+    out = generate_graphed(model, ids, 20, eos_token_id=None)
+    assert torch.equal(out, reference(model, ids, 20, eos_token_id=None, pad_token_id=0))
+    loop = model._decode_loop.loop
+    assert torch.equal(generate_graphed(model, ids, 20, eos_token_id=None), out) and model._decode_loop.loop is loop
+    assert generate_graphed(model, ids, 5, eos_token_id=None).shape == (2, 12) and model._decode_loop.loop is not loop
+    assert copy.deepcopy(model)._decode_loop.loop is None  # a copy starts without the cache and graph
+
+
+def test_end_of_sequence_pads_and_stops_early():
+    model, _ = tiny_model("llama")
+    ids = tiny_input_ids(2, 6)
+    free = generate_graphed(model, ids, 30, eos_token_id=None)
+    eos = int(free[0, 6 + 2])  # the first sequence's third new token
+    out = generate_graphed(model, ids, 30, eos_token_id=eos, pad_token_id=1)
+    assert torch.equal(out, reference(model, ids, 30, eos_token_id=eos, pad_token_id=1)[:, :out.shape[1]])
+    first_end = [int((row[6:] == eos).nonzero()[0]) if (row[6:] == eos).any() else None for row in out]
+    assert first_end[0] is not None and first_end[0] <= 2
+    for row, end in zip(out, first_end):
+        if end is not None:
+            assert (row[6 + end + 1:] == 1).all()
+    if all(end is not None for end in first_end):  # all ended: stopped within CHECK_EVERY steps of the last end
+        assert out.shape[1] - 6 <= max(first_end) + CHECK_EVERY
+
+
+def test_sampling_filters():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    greedy = choose(logits, False, 1.0, 0, 1.0)
+    assert torch.equal(greedy, logits.argmax(-1))
+    assert torch.equal(choose(logits, True, 1.0, 1, 1.0), greedy)  # top-k 1
+    assert torch.equal(choose(logits, True, 1.0, 0, 1e-6), greedy)  # the first token always stays
+    top3 = logits.topk(3, dim=-1).indices
+    for _ in range(20):
+        picked = choose(logits, True, 5.0, 3, 1.0)
+        assert (picked[:, None] == top3).any(-1).all()
+    peaked = torch.tensor([[10.0, 9.0, 0.0, -5.0]])  # p = 0.73, 0.27, 3e-5, ...: top-p 0.9 keeps two
+    assert set(choose(peaked.expand(500, 4), True, 1.0, 0, 0.9).tolist()) == {0, 1}
+    model, _ = tiny_model("llama")
+    ids = tiny_input_ids(2, 5)
+    torch.manual_seed(1)
+    first = generate_graphed(model, ids, 8, do_sample=True, temperature=2.0, top_k=20, eos_token_id=None)
+    torch.manual_seed(1)
+    assert torch.equal(generate_graphed(model, ids, 8, do_sample=True, temperature=2.0, top_k=20, eos_token_id=None),
+                       first)
+
+
+def test_bad_arguments():
+    model, _ = tiny_model("llama")
+    with pytest.raises(ValueError, match="input_ids must be"):
+        generate_graphed(model, torch.zeros(2, 0, dtype=torch.long), 4)
+    with pytest.raises(ValueError, match="max_new_tokens positive"):
+        generate_graphed(model, tiny_input_ids(1, 4), 0)
+    with pytest.raises(ValueError, match="temperature > 0"):
+        generate_graphed(model, tiny_input_ids(1, 4), 4, do_sample=True, temperature=0.0)
+
+
+def test_sliding_window_cache_is_refused():
+    model, _ = tiny_model("mistral", sliding_window=4)
+    with pytest.raises(ValueError, match="counts positions on the host"):
+        generate_graphed(model, tiny_input_ids(1, 4), 4)
+
+
+@pytest.mark.interpreter
+def test_converted_checkpoint_decodes_on_the_kernels(tmp_path, monkeypatch):
+    model, tokenizer = tiny_model("llama")
+    relufy(model)
+    out = export_checkpoint(model, tokenizer, tmp_path / "ckpt", spec=spec_for(model.config), plan=PLAN,
+                            training=TRAINING)
+    remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    module = type(remote).__module__
+    import sys
+
+    calls = []
+    kernel = sys.modules[module].gated_mlp
+    monkeypatch.setattr(sys.modules[module], "gated_mlp", lambda x, *a, **k: calls.append(x.shape[:-1]) or kernel(x, *a, **k))
+    ids = tiny_input_ids(2, 5)
+    generated = remote.generate_graphed(ids, 6, eos_token_id=None)
+    assert calls and all(shape == (2, 1) for shape in calls[1:])  # the prefill, then one position a sequence
+    assert torch.equal(generated, reference(model, ids, 6, eos_token_id=None, pad_token_id=0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile", [False, True])
+def test_graph_replay_matches_generate_on_gpu(tmp_path, compile):
+    """fp32 so that greedy ties cannot flip between the captured and the uncaptured step."""
+    model, tokenizer = tiny_model("llama")
+    relufy(model)
+    out = export_checkpoint(model, tokenizer, tmp_path / "ckpt", spec=spec_for(model.config), plan=PLAN,
+                            training=TRAINING)
+    ids = tiny_input_ids(3, 9).cuda()
+    for loaded in (model.cuda(), AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).cuda().eval()):
+        expected = reference(loaded, ids, 40, eos_token_id=None, pad_token_id=0)
+        assert torch.equal(generate_graphed(loaded, ids, 40, eos_token_id=None, compile=compile), expected)
+        assert loaded._decode_loop.loop.graph is not None
+        assert torch.equal(generate_graphed(loaded, ids, 40, eos_token_id=None, compile=compile), expected)
