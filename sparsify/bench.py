@@ -338,7 +338,7 @@ def graphed_generate_row(models, prompt, new_tokens, repeats) -> dict:
     """generate_graphed with the compiled step, never stopping early (as min_new_tokens in the generate rows);
     the first call of each model compiles and captures (compile_s). `matches_generate`: per load, the
     fraction of its tokens equal to plain generate's."""
-    calls = {name: lambda m=model: generate_graphed(m, prompt, new_tokens, eos_token_id=None, compile=True)[
+    calls = {name: lambda m=model: generate_graphed(m, prompt, new_tokens, eos_token_id=[], compile=True)[
         :, prompt.shape[1]:] for name, model in models.items()}
     compile_s = _first_call_seconds(calls)
     with torch.inference_mode():
@@ -457,19 +457,27 @@ def bench_checkpoint(path: str | Path, *, seq_len: int = 2048, prefill_batches=(
         prompts = ids(CHECK_BATCH, PROMPT_TOKENS)
         check = logits_agreement(*last, *(_generate(m, prompts, CHECK_NEW) for m in models.values()))
         active = mean_active(models["dense"], largest)
-    rows = [prefill_row(models, prefill_ids[batch], repeats) for batch in prefill_batches]
+    rows, start = [], time.perf_counter()
+
+    def add(row):  # progress: each row as it is done
+        rows.append(row)
+        print(f"{row['path']}, batch {row['batch']}: {row['dense']['ms']:.2f} / {row['twell']['ms']:.2f} ms, "
+              f"{row['speedup']:.2f}x ({time.perf_counter() - start:.0f} s)", flush=True)
+
+    for batch in prefill_batches:
+        add(prefill_row(models, prefill_ids[batch], repeats))
     for batch in generate_batches:
-        rows.append(generate_row(models, ids(batch, PROMPT_TOKENS), decode_tokens, generate_repeats))
-        rows.append(graph_step_row(models, ids(batch, decode_context)))
+        add(generate_row(models, ids(batch, PROMPT_TOKENS), decode_tokens, generate_repeats))
+        add(graph_step_row(models, ids(batch, decode_context)))
     if compiled_batches or compiled_prefill_batches:
         if hasattr(torch._dynamo.config, "recompile_limit"):  # dense and twell steps at each batch: one code object
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for batch in compiled_prefill_batches:
-        rows.append(compiled_prefill_row(models, prefill_ids[batch] if batch in prefill_ids else ids(batch, seq_len), repeats))
+        add(compiled_prefill_row(models, prefill_ids[batch] if batch in prefill_ids else ids(batch, seq_len), repeats))
     for batch in compiled_batches:
-        rows.append(compiled_generate_row(models, ids(batch, PROMPT_TOKENS), decode_tokens, generate_repeats))
-        rows.append(graph_step_row(models, ids(batch, decode_context), compiled=True))
-        rows.append(graphed_generate_row(models, ids(batch, PROMPT_TOKENS), decode_tokens, generate_repeats))
+        add(compiled_generate_row(models, ids(batch, PROMPT_TOKENS), decode_tokens, generate_repeats))
+        add(graph_step_row(models, ids(batch, decode_context), compiled=True))
+        add(graphed_generate_row(models, ids(batch, PROMPT_TOKENS), decode_tokens, generate_repeats))
     return {
         "checkpoint": str(path), "device": torch.cuda.get_device_name(device), "versions": versions(),
         "seq_len": seq_len, "decode_tokens": decode_tokens, "decode_context": decode_context,

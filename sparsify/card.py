@@ -85,13 +85,12 @@ model = AutoModelForCausalLM.from_pretrained("<this repo or folder>", trust_remo
 model = AutoModelForCausalLM.from_pretrained("<this repo or folder>")
 ```
 
-For decoding, transformers' compiled static-cache path is the fastest (the first call compiles the step):
+For decoding, `generate_graphed` (generation.py) is the fastest: no Python between tokens, each token one
+CUDA-graph replay of the compiled decode step (the first call of a batch size and length compiles and
+captures it; greedy, or `do_sample=True` with `temperature`, `top_k`, `top_p`):
 
 ```python
-from transformers import CompileConfig
-
-model.generate(input_ids, max_new_tokens=64, cache_implementation="static",
-               compile_config=CompileConfig(fullgraph=True))
+model.generate_graphed(input_ids, max_new_tokens=64, compile=True)
 ```
 
 The per-layer plan and statistics are in `config.json` under `"twell"`.

@@ -25,18 +25,18 @@ def reference(model, ids, new, **options):
 def test_greedy_tokens_match_generate(family):
     model, _ = tiny_model(family)
     ids = tiny_input_ids(2, 7)
-    out = generate_graphed(model, ids, 20, eos_token_id=None)
+    out = generate_graphed(model, ids, 20, eos_token_id=[])
     assert torch.equal(out, reference(model, ids, 20, eos_token_id=None, pad_token_id=0))
     loop = model._decode_loop.loop
-    assert torch.equal(generate_graphed(model, ids, 20, eos_token_id=None), out) and model._decode_loop.loop is loop
-    assert generate_graphed(model, ids, 5, eos_token_id=None).shape == (2, 12) and model._decode_loop.loop is not loop
+    assert torch.equal(generate_graphed(model, ids, 20, eos_token_id=[]), out) and model._decode_loop.loop is loop
+    assert generate_graphed(model, ids, 5, eos_token_id=[]).shape == (2, 12) and model._decode_loop.loop is not loop
     assert copy.deepcopy(model)._decode_loop.loop is None  # a copy starts without the cache and graph
 
 
 def test_end_of_sequence_pads_and_stops_early():
     model, _ = tiny_model("llama")
     ids = tiny_input_ids(2, 6)
-    free = generate_graphed(model, ids, 30, eos_token_id=None)
+    free = generate_graphed(model, ids, 30, eos_token_id=[])
     eos = int(free[0, 6 + 2])  # the first sequence's third new token
     out = generate_graphed(model, ids, 30, eos_token_id=eos, pad_token_id=1)
     assert torch.equal(out, reference(model, ids, 30, eos_token_id=eos, pad_token_id=1)[:, :out.shape[1]])
@@ -65,9 +65,9 @@ def test_sampling_filters():
     model, _ = tiny_model("llama")
     ids = tiny_input_ids(2, 5)
     torch.manual_seed(1)
-    first = generate_graphed(model, ids, 8, do_sample=True, temperature=2.0, top_k=20, eos_token_id=None)
+    first = generate_graphed(model, ids, 8, do_sample=True, temperature=2.0, top_k=20, eos_token_id=[])
     torch.manual_seed(1)
-    assert torch.equal(generate_graphed(model, ids, 8, do_sample=True, temperature=2.0, top_k=20, eos_token_id=None),
+    assert torch.equal(generate_graphed(model, ids, 8, do_sample=True, temperature=2.0, top_k=20, eos_token_id=[]),
                        first)
 
 
@@ -101,7 +101,7 @@ def test_converted_checkpoint_decodes_on_the_kernels(tmp_path, monkeypatch):
     kernel = sys.modules[module].gated_mlp
     monkeypatch.setattr(sys.modules[module], "gated_mlp", lambda x, *a, **k: calls.append(x.shape[:-1]) or kernel(x, *a, **k))
     ids = tiny_input_ids(2, 5)
-    generated = remote.generate_graphed(ids, 6, eos_token_id=None)
+    generated = remote.generate_graphed(ids, 6, eos_token_id=[])
     assert calls and all(shape == (2, 1) for shape in calls[1:])  # the prefill, then one position a sequence
     assert torch.equal(generated, reference(model, ids, 6, eos_token_id=None, pad_token_id=0))
 
@@ -117,6 +117,6 @@ def test_graph_replay_matches_generate_on_gpu(tmp_path, compile):
     ids = tiny_input_ids(3, 9).cuda()
     for loaded in (model.cuda(), AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).cuda().eval()):
         expected = reference(loaded, ids, 40, eos_token_id=None, pad_token_id=0)
-        assert torch.equal(generate_graphed(loaded, ids, 40, eos_token_id=None, compile=compile), expected)
+        assert torch.equal(generate_graphed(loaded, ids, 40, eos_token_id=[], compile=compile), expected)
         assert loaded._decode_loop.loop.graph is not None
-        assert torch.equal(generate_graphed(loaded, ids, 40, eos_token_id=None, compile=compile), expected)
+        assert torch.equal(generate_graphed(loaded, ids, 40, eos_token_id=[], compile=compile), expected)

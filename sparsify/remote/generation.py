@@ -125,8 +125,8 @@ def generate_graphed(model, input_ids: torch.Tensor, max_new_tokens: int, *, do_
     """`model`'s continuation of `input_ids` [batch, prompt] (no padding), like `model.generate(input_ids,
     max_new_tokens=..., do_sample=...)` for greedy decoding and for sampling with temperature, top_k and
     top_p: [batch, prompt + new] ids, with pad_token_id after a sequence's end-of-sequence token and at
-    most CHECK_EVERY - 1 steps past the point where all sequences ended. eos_token_id / pad_token_id
-    default to the model's generation config. `compile`: the step's forward through torch.compile
+    most CHECK_EVERY - 1 steps past the point where all sequences ended. eos_token_id (an id or a list;
+    [] for none) and pad_token_id default to the model's generation config. `compile`: the step's forward through torch.compile
     (fullgraph, static shapes) before capture, fastest (the first call compiles, about half a minute at
     1.5B). The first call of a batch size, length and these options captures the step (a few steps' time)."""
     if input_ids.ndim != 2 or input_ids.shape[1] == 0 or max_new_tokens < 1:
