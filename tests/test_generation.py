@@ -62,6 +62,8 @@ def test_sampling_filters():
         assert (picked[:, None] == top3).any(-1).all()
     peaked = torch.tensor([[10.0, 9.0, 0.0, -5.0]])  # p = 0.73, 0.27, 3e-5, ...: top-p 0.9 keeps two
     assert set(choose(peaked.expand(500, 4), True, 1.0, 0, 0.9).tolist()) == {0, 1}
+    drawn = choose(peaked.expand(4000, 4), True, 1.0, 0, 1.0)
+    assert abs((drawn == 0).float().mean().item() - 0.731) < 0.03  # samples follow the softmax
     model, _ = tiny_model("llama")
     ids = tiny_input_ids(2, 5)
     torch.manual_seed(1)
@@ -118,5 +120,17 @@ def test_graph_replay_matches_generate_on_gpu(tmp_path, compile):
     for loaded in (model.cuda(), AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).cuda().eval()):
         expected = reference(loaded, ids, 40, eos_token_id=None, pad_token_id=0)
         assert torch.equal(generate_graphed(loaded, ids, 40, eos_token_id=[], compile=compile), expected)
+        sampled = []
+        for _ in range(2):  # the captured sampling step draws from the seeded generator at each replay
+            torch.manual_seed(3)
+            sampled.append(generate_graphed(loaded, ids, 40, do_sample=True, top_k=8, eos_token_id=[], compile=compile))
+        assert torch.equal(*sampled) and not torch.equal(sampled[0], expected)
+        assert (sampled[0] < loaded.config.vocab_size).all() and len(set(sampled[0][0, 9:].tolist())) > 1
         assert loaded._decode_loop.loop.graph is not None
         assert torch.equal(generate_graphed(loaded, ids, 40, eos_token_id=[], compile=compile), expected)
+        sampled = []
+        for _ in range(2):  # the captured sampling step draws from the seeded generator at each replay
+            torch.manual_seed(3)
+            sampled.append(generate_graphed(loaded, ids, 40, do_sample=True, top_k=8, eos_token_id=[], compile=compile))
+        assert torch.equal(*sampled) and not torch.equal(sampled[0], expected)
+        assert (sampled[0] < loaded.config.vocab_size).all() and len(set(sampled[0][0, 9:].tolist())) > 1

@@ -41,7 +41,8 @@ def choose(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: int
         # drop a token once the tokens ranked above it already hold top_p of the mass (the first always stays)
         above = ordered.softmax(-1).cumsum(-1) - ordered.softmax(-1)
         scores = scores.scatter(-1, order, ordered.masked_fill(above >= top_p, float("-inf")))
-    return torch.multinomial(scores.softmax(-1), 1).squeeze(-1)
+    # a sample from the softmax without torch.multinomial's host synchronization: argmax of p / Exp(1) noise
+    return (scores.softmax(-1) / torch.empty_like(scores).exponential_()).argmax(-1)
 
 
 class DecodeLoop:
@@ -58,7 +59,8 @@ class DecodeLoop:
         self.forward = torch.compile(model, fullgraph=True, dynamic=False) if compile else model
         self.stop = torch.tensor(stop, dtype=torch.long, device=device)
         self.sequences = torch.full((batch, max_len), pad, dtype=torch.long, device=device)
-        self.position = torch.zeros(1, dtype=torch.long, device=device)  # where self.tokens go in the cache
+        # the position of the newest token in self.sequences: the token the next step feeds to the model
+        self.position = torch.zeros(1, dtype=torch.long, device=device)
         self.finished = torch.zeros(batch, dtype=torch.bool, device=device)
         host_counted = [type(layer).__name__ for layer in self.cache.layers if hasattr(layer, "cumulative_length_int")]
         if host_counted:
@@ -126,9 +128,10 @@ def generate_graphed(model, input_ids: torch.Tensor, max_new_tokens: int, *, do_
     max_new_tokens=..., do_sample=...)` for greedy decoding and for sampling with temperature, top_k and
     top_p: [batch, prompt + new] ids, with pad_token_id after a sequence's end-of-sequence token and at
     most CHECK_EVERY - 1 steps past the point where all sequences ended. eos_token_id (an id or a list;
-    [] for none) and pad_token_id default to the model's generation config. `compile`: the step's forward through torch.compile
-    (fullgraph, static shapes) before capture, fastest (the first call compiles, about half a minute at
-    1.5B). The first call of a batch size, length and these options captures the step (a few steps' time)."""
+    [] for none) and pad_token_id default to the model's generation config. `compile`: the step's forward
+    through torch.compile (fullgraph, static shapes) before capture, fastest (the first call compiles: 10 s
+    for 4 layers of a 1.5B model on an H100 host). The first call of a batch size, length and these options
+    captures the step (a few steps' time)."""
     if input_ids.ndim != 2 or input_ids.shape[1] == 0 or max_new_tokens < 1:
         raise ValueError(f"input_ids must be [batch, prompt] with a prompt, and max_new_tokens positive; got "
                          f"{tuple(input_ids.shape)} and {max_new_tokens}")
