@@ -33,6 +33,23 @@ def test_greedy_tokens_match_generate(family):
     assert copy.deepcopy(model)._decode_loop.loop is None  # a copy starts without the cache and graph
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_left_padded_prompts_match_generate(family):
+    model, _ = tiny_model(family)
+    ids = tiny_input_ids(3, 8)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = mask[2, :5] = 0  # prompts of 5, 8 and 3 tokens, padded on the left
+    ids = ids.masked_fill(mask == 0, 0)
+    out = generate_graphed(model, ids, 12, attention_mask=mask, eos_token_id=[])
+    assert torch.equal(out, reference(model, ids, 12, attention_mask=mask, eos_token_id=None, pad_token_id=0))
+    alone = generate_graphed(model, ids[2:, 5:], 12, eos_token_id=[])  # the 3-token prompt by itself
+    assert torch.equal(out[2, 5:], alone[0])
+    with pytest.raises(ValueError, match="pad prompts on the left"):
+        generate_graphed(model, ids, 4, attention_mask=mask.flip(-1))
+    with pytest.raises(ValueError, match="attention_mask must be 0 / 1"):
+        generate_graphed(model, ids, 4, attention_mask=mask[:, 1:])
+
+
 def test_end_of_sequence_pads_and_stops_early():
     model, _ = tiny_model("llama")
     ids = tiny_input_ids(2, 6)
@@ -120,6 +137,11 @@ def test_graph_replay_matches_generate_on_gpu(tmp_path, compile):
     for loaded in (model.cuda(), AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).cuda().eval()):
         expected = reference(loaded, ids, 40, eos_token_id=None, pad_token_id=0)
         assert torch.equal(generate_graphed(loaded, ids, 40, eos_token_id=[], compile=compile), expected)
+        mask = torch.ones_like(ids)
+        mask[0, :4] = 0  # a left-padded prompt: the same captured step, another mask
+        padded = ids.masked_fill(mask == 0, 0)
+        assert torch.equal(generate_graphed(loaded, padded, 40, attention_mask=mask, eos_token_id=[], compile=compile),
+                           reference(loaded, padded, 40, attention_mask=mask, eos_token_id=None, pad_token_id=0))
         sampled = []
         for _ in range(2):  # the captured sampling step draws from the seeded generator at each replay
             torch.manual_seed(3)
@@ -128,6 +150,11 @@ def test_graph_replay_matches_generate_on_gpu(tmp_path, compile):
         assert (sampled[0] < loaded.config.vocab_size).all() and len(set(sampled[0][0, 9:].tolist())) > 1
         assert loaded._decode_loop.loop.graph is not None
         assert torch.equal(generate_graphed(loaded, ids, 40, eos_token_id=[], compile=compile), expected)
+        mask = torch.ones_like(ids)
+        mask[0, :4] = 0  # a left-padded prompt: the same captured step, another mask
+        padded = ids.masked_fill(mask == 0, 0)
+        assert torch.equal(generate_graphed(loaded, padded, 40, attention_mask=mask, eos_token_id=[], compile=compile),
+                           reference(loaded, padded, 40, attention_mask=mask, eos_token_id=None, pad_token_id=0))
         sampled = []
         for _ in range(2):  # the captured sampling step draws from the seeded generator at each replay
             torch.manual_seed(3)

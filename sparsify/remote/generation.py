@@ -47,7 +47,8 @@ def choose(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: int
 
 class DecodeLoop:
     """A static KV cache for `batch` sequences of up to `max_len` tokens, the output buffer, and one decode
-    step over them (`step`), captured as a CUDA graph on CUDA. `options` are choose()'s (do_sample,
+    step over them (`step`), captured as a CUDA graph on CUDA; the attention mask over the cache slots
+follows the tokens written. `options` are choose()'s (do_sample,
     temperature, top_k, top_p), `stop` the end-of-sequence ids (may be empty), `pad` what follows them."""
 
     def __init__(self, model, batch: int, max_len: int, device, options: tuple, stop: tuple, pad: int,
@@ -62,12 +63,17 @@ class DecodeLoop:
         # the position of the newest token in self.sequences: the token the next step feeds to the model
         self.position = torch.zeros(1, dtype=torch.long, device=device)
         self.finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        # which cache slots hold tokens (0: a prompt's left padding, or not written yet), and each sequence's
+        # padding length (its positions count from its first real token)
+        self.mask = torch.zeros(batch, max_len, dtype=torch.long, device=device)
+        self.pads = torch.zeros(batch, 1, dtype=torch.long, device=device)
         host_counted = [type(layer).__name__ for layer in self.cache.layers if hasattr(layer, "cumulative_length_int")]
         if host_counted:
             raise ValueError(f"{host_counted[0]}: this cache counts positions on the host (sliding-window "
                              "attention), which a captured step cannot advance; use model.generate")
         self.graph = None
         if device.type == "cuda":
+            self.mask[:, 0] = 1  # the warm-up steps start from slot 0
             self._capture(device)
 
     def _capture(self, device):
@@ -90,24 +96,29 @@ class DecodeLoop:
         self.finished |= torch.isin(nxt, self.stop)
         self.position += 1
         self.sequences.index_copy_(1, self.position, nxt[:, None])
+        self.mask.index_fill_(1, self.position, 1)
 
     def step(self):
         """One decode step: the token at self.position through the model, the next one chosen (advance)."""
         tokens = self.sequences.index_select(1, self.position)
-        logits = self.forward(input_ids=tokens, position_ids=self.position.expand(tokens.shape[0], 1),
+        logits = self.forward(input_ids=tokens, attention_mask=self.mask, position_ids=self.position - self.pads,
                               **cache_arguments(self.model, self.cache, self.position), use_cache=True).logits
         self.advance(logits[:, -1])
 
-    def run(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+    def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
         """The prompt's prefill (directly), then up to max_new_tokens - 1 steps; stops early once every
         sequence finished. Returns [batch, prompt + generated] token ids."""
         n = input_ids.shape[1]
         self.cache.reset()
         self.sequences.fill_(self.pad)
         self.sequences[:, :n] = input_ids
+        self.mask.zero_()
+        self.mask[:, :n] = attention_mask
+        self.pads.copy_(n - attention_mask.sum(-1, keepdim=True))
         self.finished.zero_()
         self.position.fill_(n - 1)
-        logits = self.model(input_ids=input_ids, position_ids=torch.arange(n, device=input_ids.device)[None],
+        positions = (torch.arange(n, device=input_ids.device) - self.pads).clamp(min=0)
+        logits = self.model(input_ids=input_ids, attention_mask=self.mask, position_ids=positions,
                             **cache_arguments(self.model, self.cache, torch.arange(n, device=input_ids.device)),
                             use_cache=True, logits_to_keep=1).logits
         self.advance(logits[:, -1])
@@ -121,10 +132,12 @@ class DecodeLoop:
 
 
 @torch.inference_mode()
-def generate_graphed(model, input_ids: torch.Tensor, max_new_tokens: int, *, do_sample: bool = False,
+def generate_graphed(model, input_ids: torch.Tensor, max_new_tokens: int, *, attention_mask=None,
+                     do_sample: bool = False,
                      temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, eos_token_id=None,
                      pad_token_id=None, compile: bool = False) -> torch.Tensor:
-    """`model`'s continuation of `input_ids` [batch, prompt] (no padding), like `model.generate(input_ids,
+    """`model`'s continuation of `input_ids` [batch, prompt] (prompts of different lengths padded on the
+    left, with `attention_mask` 0 there), like `model.generate(input_ids, attention_mask=...,
     max_new_tokens=..., do_sample=...)` for greedy decoding and for sampling with temperature, top_k and
     top_p: [batch, prompt + new] ids, with pad_token_id after a sequence's end-of-sequence token and at
     most CHECK_EVERY - 1 steps past the point where all sequences ended. eos_token_id (an id or a list;
@@ -138,6 +151,12 @@ def generate_graphed(model, input_ids: torch.Tensor, max_new_tokens: int, *, do_
     if do_sample and not (temperature > 0 and top_k >= 0 and 0 < top_p <= 1):
         raise ValueError(f"sampling needs temperature > 0, top_k >= 0 and 0 < top_p <= 1; got {temperature}, "
                          f"{top_k}, {top_p}")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    elif attention_mask.shape != input_ids.shape or not ((attention_mask == 0) | (attention_mask == 1)).all():
+        raise ValueError(f"attention_mask must be 0 / 1 of the shape of input_ids {tuple(input_ids.shape)}")
+    elif (attention_mask[:, 1:] < attention_mask[:, :-1]).any() or not attention_mask[:, -1].all():
+        raise ValueError("attention_mask: pad prompts on the left (tokenizer padding_side='left')")
     config = getattr(model, "generation_config", None)
     eos = eos_token_id if eos_token_id is not None else getattr(config, "eos_token_id", None)
     stop = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
@@ -151,7 +170,7 @@ def generate_graphed(model, input_ids: torch.Tensor, max_new_tokens: int, *, do_
         held.key = held.loop = None  # the previous cache goes before the new one is allocated
         held.loop = DecodeLoop(model, batch, n + max_new_tokens, input_ids.device, options, stop, pad, compile)
         held.key = key
-    return held.loop.run(input_ids, max_new_tokens)
+    return held.loop.run(input_ids, attention_mask.to(input_ids.device, torch.long), max_new_tokens)
 
 
 class HeldLoop:
