@@ -3,7 +3,8 @@
 transformers' `generate` runs Python at every step (input preparation, logits processors, stopping criteria,
 cache bookkeeping; with a compiled static cache also the guards and the CUDA-graph tree's checks): milliseconds
 a token, more than the GPU work of a 1.5B model, so a faster model decodes no faster there. Here one step
-(forward over a static KV cache, token choice, end-of-sequence bookkeeping, the token written into the output)
+(forward over a static KV cache, token choice, end-of-sequence bookkeeping, the token written into the output
+and the attention mask)
 is captured once as a CUDA graph and replayed: the host launches a graph a token and reads `finished` every
 CHECK_EVERY tokens. The graph and its static cache are kept on the model for the next call of the same batch
 size, length and options (one set at a time: a cache is batch x length x layers of keys and values).
@@ -133,9 +134,8 @@ follows the tokens written. `options` are choose()'s (do_sample,
 
 @torch.inference_mode()
 def generate_graphed(model, input_ids: torch.Tensor, max_new_tokens: int, *, attention_mask=None,
-                     do_sample: bool = False,
-                     temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, eos_token_id=None,
-                     pad_token_id=None, compile: bool = False) -> torch.Tensor:
+                     do_sample: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                     eos_token_id=None, pad_token_id=None, compile: bool = False) -> torch.Tensor:
     """`model`'s continuation of `input_ids` [batch, prompt] (prompts of different lengths padded on the
     left, with `attention_mask` 0 there), like `model.generate(input_ids, attention_mask=...,
     max_new_tokens=..., do_sample=...)` for greedy decoding and for sampling with temperature, top_k and
