@@ -86,9 +86,9 @@ model = AutoModelForCausalLM.from_pretrained("<this repo or folder>")
 ```
 
 For decoding, `generate_graphed` (generation.py) is the fastest: no Python between tokens, each token one
-CUDA-graph replay of the compiled decode step (the first call of a batch size and length compiles and
-captures it; greedy, or `do_sample=True` with `temperature`, `top_k`, `top_p`; `attention_mask` for prompts
-padded on the left):
+CUDA-graph replay of the compiled decode step (the first call of a batch size compiles and captures it,
+later calls that fit its cache reuse it; greedy, or `do_sample=True` with `temperature`, `top_k`, `top_p`;
+`attention_mask` for prompts padded on the left):
 
 ```python
 model.generate_graphed(input_ids, max_new_tokens=64, compile=True)

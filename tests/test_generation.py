@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 from sparsify.export import export_checkpoint
 from sparsify.families import spec_for
 from sparsify.relufy import relufy
-from sparsify.remote.generation import CHECK_EVERY, choose, generate_graphed
+from sparsify.remote.generation import CACHE_ROUND, CHECK_EVERY, Sampling, choose, generate_graphed
 
 from helpers import tiny_input_ids, tiny_model
 
@@ -28,8 +28,16 @@ def test_greedy_tokens_match_generate(family):
     out = generate_graphed(model, ids, 20, eos_token_id=[])
     assert torch.equal(out, reference(model, ids, 20, eos_token_id=None, pad_token_id=0))
     loop = model._decode_loop.loop
+    # the cache is rounded up (here to the model's 128 positions): other lengths fit it and reuse the step
+    assert loop.max_len == min(CACHE_ROUND, model.config.max_position_embeddings)
     assert torch.equal(generate_graphed(model, ids, 20, eos_token_id=[]), out) and model._decode_loop.loop is loop
-    assert generate_graphed(model, ids, 5, eos_token_id=[]).shape == (2, 12) and model._decode_loop.loop is not loop
+    longer = tiny_input_ids(2, 30)
+    assert torch.equal(generate_graphed(model, longer, 9, eos_token_id=[]),
+                       reference(model, longer, 9, eos_token_id=None, pad_token_id=0))
+    assert model._decode_loop.loop is loop
+    # a call beyond the cache (and past max_position_embeddings) gets a new loop of the length it needs
+    assert generate_graphed(model, ids, 130, eos_token_id=[]).shape == (2, 137)
+    assert model._decode_loop.loop is not loop and model._decode_loop.loop.max_len == 137
     assert copy.deepcopy(model)._decode_loop.loop is None  # a copy starts without the cache and graph
 
 
@@ -66,28 +74,46 @@ def test_end_of_sequence_pads_and_stops_early():
         assert out.shape[1] - 6 <= max(first_end) + CHECK_EVERY
 
 
+def sampling(temperature=1.0, top_k=0, top_p=1.0):
+    settings = Sampling(top_k, top_p < 1, "cpu")
+    settings.set(temperature, top_p)
+    return settings
+
+
 def test_sampling_filters():
     torch.manual_seed(0)
     logits = torch.randn(4, 50)
-    greedy = choose(logits, False, 1.0, 0, 1.0)
+    greedy = choose(logits, None)
     assert torch.equal(greedy, logits.argmax(-1))
-    assert torch.equal(choose(logits, True, 1.0, 1, 1.0), greedy)  # top-k 1
-    assert torch.equal(choose(logits, True, 1.0, 0, 1e-6), greedy)  # the first token always stays
+    assert torch.equal(choose(logits, sampling(top_k=1)), greedy)
+    assert torch.equal(choose(logits, sampling(top_p=1e-6)), greedy)  # the first token always stays
     top3 = logits.topk(3, dim=-1).indices
     for _ in range(20):
-        picked = choose(logits, True, 5.0, 3, 1.0)
+        picked = choose(logits, sampling(5.0, top_k=3))
         assert (picked[:, None] == top3).any(-1).all()
     peaked = torch.tensor([[10.0, 9.0, 0.0, -5.0]])  # p = 0.73, 0.27, 3e-5, ...: top-p 0.9 keeps two
-    assert set(choose(peaked.expand(500, 4), True, 1.0, 0, 0.9).tolist()) == {0, 1}
-    drawn = choose(peaked.expand(4000, 4), True, 1.0, 0, 1.0)
+    assert set(choose(peaked.expand(500, 4), sampling(top_p=0.9)).tolist()) == {0, 1}
+    drawn = choose(peaked.expand(4000, 4), sampling())
     assert abs((drawn == 0).float().mean().item() - 0.731) < 0.03  # samples follow the softmax
+    drawn = choose(peaked.expand(4000, 4), sampling(temperature=2.0))  # p(0) = 0.62 at temperature 2
+    assert abs((drawn == 0).float().mean().item() - torch.softmax(peaked[0] / 2, 0)[0].item()) < 0.03
+
+
+def test_sampling_is_seeded_and_reuses_the_step_across_temperatures():
     model, _ = tiny_model("llama")
     ids = tiny_input_ids(2, 5)
     torch.manual_seed(1)
     first = generate_graphed(model, ids, 8, do_sample=True, temperature=2.0, top_k=20, eos_token_id=[])
+    loop = model._decode_loop.loop
     torch.manual_seed(1)
     assert torch.equal(generate_graphed(model, ids, 8, do_sample=True, temperature=2.0, top_k=20, eos_token_id=[]),
                        first)
+    # temperature and top_p are the step's device scalars: near-zero temperature is greedy, on the same loop
+    cold = generate_graphed(model, ids, 8, do_sample=True, temperature=1e-4, top_k=20, eos_token_id=[])
+    assert model._decode_loop.loop is loop and loop.sampling.temperature.item() == pytest.approx(1e-4)
+    assert torch.equal(cold, generate_graphed(model, ids, 8, eos_token_id=[]))
+    generate_graphed(model, ids, 8, do_sample=True, top_k=5, eos_token_id=[])  # another top_k: another step
+    assert model._decode_loop.loop.sampling.top_k == 5
 
 
 def test_bad_arguments():
@@ -148,16 +174,13 @@ def test_graph_replay_matches_generate_on_gpu(tmp_path, compile):
             sampled.append(generate_graphed(loaded, ids, 40, do_sample=True, top_k=8, eos_token_id=[], compile=compile))
         assert torch.equal(*sampled) and not torch.equal(sampled[0], expected)
         assert (sampled[0] < loaded.config.vocab_size).all() and len(set(sampled[0][0, 9:].tolist())) > 1
-        assert loaded._decode_loop.loop.graph is not None
+        sampled_loop = loaded._decode_loop.loop
+        assert sampled_loop.graph is not None
+        longer = tiny_input_ids(3, 30).cuda()  # a longer prompt and another temperature: the same captured step
+        generate_graphed(loaded, longer, 20, do_sample=True, temperature=0.5, top_k=8, eos_token_id=[], compile=compile)
+        assert loaded._decode_loop.loop is sampled_loop
+        assert torch.equal(generate_graphed(loaded, longer, 20, eos_token_id=[], compile=compile),
+                           reference(loaded, longer, 20, eos_token_id=None, pad_token_id=0))
+        greedy_loop = loaded._decode_loop.loop
         assert torch.equal(generate_graphed(loaded, ids, 40, eos_token_id=[], compile=compile), expected)
-        mask = torch.ones_like(ids)
-        mask[0, :4] = 0  # a left-padded prompt: the same captured step, another mask
-        padded = ids.masked_fill(mask == 0, 0)
-        assert torch.equal(generate_graphed(loaded, padded, 40, attention_mask=mask, eos_token_id=[], compile=compile),
-                           reference(loaded, padded, 40, attention_mask=mask, eos_token_id=None, pad_token_id=0))
-        sampled = []
-        for _ in range(2):  # the captured sampling step draws from the seeded generator at each replay
-            torch.manual_seed(3)
-            sampled.append(generate_graphed(loaded, ids, 40, do_sample=True, top_k=8, eos_token_id=[], compile=compile))
-        assert torch.equal(*sampled) and not torch.equal(sampled[0], expected)
-        assert (sampled[0] < loaded.config.vocab_size).all() and len(set(sampled[0][0, 9:].tolist())) > 1
+        assert loaded._decode_loop.loop is greedy_loop

@@ -4,10 +4,12 @@ transformers' `generate` runs Python at every step (input preparation, logits pr
 cache bookkeeping; with a compiled static cache also the guards and the CUDA-graph tree's checks): milliseconds
 a token, more than the GPU work of a 1.5B model, so a faster model decodes no faster there. Here one step
 (forward over a static KV cache, token choice, end-of-sequence bookkeeping, the token written into the output
-and the attention mask)
-is captured once as a CUDA graph and replayed: the host launches a graph a token and reads `finished` every
-CHECK_EVERY tokens. The graph and its static cache are kept on the model for the next call of the same batch
-size, length and options (one set at a time: a cache is batch x length x layers of keys and values).
+and the attention mask) is captured once as a CUDA graph and replayed: the host launches a graph a token and
+reads `finished` every CHECK_EVERY tokens. The graph and its static cache stay on the model and serve every
+later call of the same batch size and structural options (greedy or sampling, top_k, top-p on or off) that
+fits the cache: a new cache's length is rounded up to CACHE_ROUND, so prompts of other lengths reuse the
+captured (and compiled) step, and temperature and top_p are device scalars set at each call. One loop is
+kept at a time (a cache is batch x length x layers of keys and values).
 Works for any causal LM of transformers whose static cache keeps its positions on the device (Llama, Mistral
 without a sliding window, Qwen2/3 and the like), dense or converted; off CUDA the same step runs directly.
 Shipped beside modeling_twell.py; imports torch and transformers only.
@@ -17,6 +19,8 @@ import inspect
 import torch
 
 CHECK_EVERY = 16  # tokens between the host's reads of `finished` (each read waits for the GPU)
+CACHE_ROUND = 256  # a new cache's length: prompt + new tokens rounded up to a multiple of this (at most the
+# model's max_position_embeddings, unless the call needs more)
 
 
 def cache_arguments(model, cache, position: torch.Tensor) -> dict:
@@ -28,20 +32,36 @@ def cache_arguments(model, cache, position: torch.Tensor) -> dict:
     return {"past_key_values": cache, "cache_position": position}
 
 
-def choose(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """Next token [batch] from logits [batch, vocab]: the argmax, or a sample after temperature, top-k and
-    top-p (nucleus) filtering. Device-side only (no host synchronization), so it can be captured."""
-    if not do_sample:
+class Sampling:
+    """Sampling settings of a step: `top_k` (0: off) and whether top-p filters at all (`nucleus`) shape the
+    captured step; temperature and top_p are device scalars, written before each call (`set`), so one capture
+    serves any values."""
+
+    def __init__(self, top_k: int, nucleus: bool, device):
+        self.top_k, self.nucleus = top_k, nucleus
+        self.temperature = torch.ones((), device=device)
+        self.top_p = torch.ones((), device=device)
+
+    def set(self, temperature: float, top_p: float):
+        self.temperature.fill_(temperature)
+        self.top_p.fill_(top_p)
+
+
+def choose(logits: torch.Tensor, sampling: Sampling | None) -> torch.Tensor:
+    """Next token [batch] from logits [batch, vocab]: the argmax (sampling None), or a sample after
+    temperature, top-k and top-p (nucleus) filtering. Device-side only (no host synchronization), so it can
+    be captured."""
+    if sampling is None:
         return logits.argmax(-1)
-    scores = logits.float() / temperature
-    if top_k > 0:
-        kth = scores.topk(min(top_k, scores.shape[-1]), dim=-1).values[:, -1:]
+    scores = logits.float() / sampling.temperature
+    if sampling.top_k > 0:
+        kth = scores.topk(min(sampling.top_k, scores.shape[-1]), dim=-1).values[:, -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
-    if top_p < 1.0:
+    if sampling.nucleus:
         ordered, order = scores.sort(dim=-1, descending=True)
         # drop a token once the tokens ranked above it already hold top_p of the mass (the first always stays)
         above = ordered.softmax(-1).cumsum(-1) - ordered.softmax(-1)
-        scores = scores.scatter(-1, order, ordered.masked_fill(above >= top_p, float("-inf")))
+        scores = scores.scatter(-1, order, ordered.masked_fill(above >= sampling.top_p, float("-inf")))
     # a sample from the softmax without torch.multinomial's host synchronization: argmax of p / Exp(1) noise
     return (scores.softmax(-1) / torch.empty_like(scores).exponential_()).argmax(-1)
 
@@ -49,14 +69,14 @@ def choose(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: int
 class DecodeLoop:
     """A static KV cache for `batch` sequences of up to `max_len` tokens, the output buffer, and one decode
     step over them (`step`), captured as a CUDA graph on CUDA; the attention mask over the cache slots
-follows the tokens written. `options` are choose()'s (do_sample,
-    temperature, top_k, top_p), `stop` the end-of-sequence ids (may be empty), `pad` what follows them."""
+    follows the tokens written. `sampling` is choose()'s (None: greedy), `stop` the end-of-sequence ids
+    (may be empty), `pad` what follows them."""
 
-    def __init__(self, model, batch: int, max_len: int, device, options: tuple, stop: tuple, pad: int,
+    def __init__(self, model, batch: int, max_len: int, device, sampling: Sampling | None, stop: tuple, pad: int,
                  compile: bool):
         from transformers import StaticCache
 
-        self.model, self.options, self.pad = model, options, pad
+        self.model, self.sampling, self.pad, self.max_len = model, sampling, pad, max_len
         self.cache = StaticCache(config=model.config, max_cache_len=max_len)
         self.forward = torch.compile(model, fullgraph=True, dynamic=False) if compile else model
         self.stop = torch.tensor(stop, dtype=torch.long, device=device)
@@ -93,7 +113,7 @@ follows the tokens written. `options` are choose()'s (do_sample,
     def advance(self, logits: torch.Tensor):
         """Takes the next token from `logits` [batch, vocab] for the position after self.position: pad for
         finished sequences; records it, marks sequences that reached a stop id, moves the position on."""
-        nxt = torch.where(self.finished, self.pad, choose(logits, *self.options))
+        nxt = torch.where(self.finished, self.pad, choose(logits, self.sampling))
         self.finished |= torch.isin(nxt, self.stop)
         self.position += 1
         self.sequences.index_copy_(1, self.position, nxt[:, None])
@@ -143,8 +163,9 @@ def generate_graphed(model, input_ids: torch.Tensor, max_new_tokens: int, *, att
     most CHECK_EVERY - 1 steps past the point where all sequences ended. eos_token_id (an id or a list;
     [] for none) and pad_token_id default to the model's generation config. `compile`: the step's forward
     through torch.compile (fullgraph, static shapes) before capture, fastest (the first call compiles: 10 s
-    for 4 layers of a 1.5B model on an H100 host). The first call of a batch size, length and these options
-    captures the step (a few steps' time)."""
+    for 4 layers of a 1.5B model on an H100 host). The first call of a batch size and of greedy or sampling
+    (with its top_k, and top_p < 1 or not) captures the step (a few steps' time); later calls that fit its
+    cache reuse it, whatever their prompt length, temperature and top_p."""
     if input_ids.ndim != 2 or input_ids.shape[1] == 0 or max_new_tokens < 1:
         raise ValueError(f"input_ids must be [batch, prompt] with a prompt, and max_new_tokens positive; got "
                          f"{tuple(input_ids.shape)} and {max_new_tokens}")
@@ -163,13 +184,18 @@ def generate_graphed(model, input_ids: torch.Tensor, max_new_tokens: int, *, att
     pad = pad_token_id if pad_token_id is not None else getattr(config, "pad_token_id", None)
     pad = pad if pad is not None else (stop[0] if stop else 0)
     batch, n = input_ids.shape
-    options = (do_sample, temperature, top_k, top_p)
-    key = (batch, n + max_new_tokens, str(input_ids.device), options, stop, pad, compile)
+    needed = n + max_new_tokens
+    key = (batch, str(input_ids.device), do_sample and (top_k, top_p < 1), stop, pad, compile)
     held = model.__dict__.setdefault("_decode_loop", HeldLoop())
-    if held.key != key:
+    if held.key != key or held.loop.max_len < needed:
         held.key = held.loop = None  # the previous cache goes before the new one is allocated
-        held.loop = DecodeLoop(model, batch, n + max_new_tokens, input_ids.device, options, stop, pad, compile)
+        limit = getattr(model.config, "max_position_embeddings", None) or needed
+        length = max(needed, min(-(-needed // CACHE_ROUND) * CACHE_ROUND, limit))
+        sampling = Sampling(top_k, top_p < 1, input_ids.device) if do_sample else None
+        held.loop = DecodeLoop(model, batch, length, input_ids.device, sampling, stop, pad, compile)
         held.key = key
+    if held.loop.sampling is not None:
+        held.loop.sampling.set(temperature, top_p)
     return held.loop.run(input_ids, attention_mask.to(input_ids.device, torch.long), max_new_tokens)
 
 
