@@ -7,12 +7,16 @@ Weights are trained in fp32 (AdamW updates of ~lr are below bf16's resolution; b
 does the arithmetic) and exported in the dtype a plain load would use (bf16 on GPU, fp32 on CPU).
 Ctrl-C keeps the training state in `OUT.resume/`, a sibling that never looks like a checkpoint;
 `--resume` continues from it and a finished conversion deletes it.
-Under `accelerate launch` every process trains, the main one alone exports and reports; under FSDP
-the main process alone measures and plans too, on the trained weights gathered from all processes.
+Under `accelerate launch` every process trains, the main one alone exports and reports. Under FSDP no
+GPU holds the whole model: it loads into CPU memory (only on the main process with
+fsdp_cpu_ram_efficient_loading, the others get their shards from it), the perplexity and measurement
+passes run on the sharded model with the held-out batches split over the processes, and the trained
+weights are gathered into the main process's CPU memory for the plan and the export.
 """
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 from dataclasses import asdict
@@ -30,10 +34,10 @@ from .export import check_output_dir, export_checkpoint
 from .load import demo_corpus_path, load_model, require_tokenizer, resolve_dtype
 from .measure import measure, perplexity
 from .plan import plan_model
-from .tune import require_cuda
-from .relufy import relufy
+from .tune import capture_mlp_inputs, require_cuda
+from .relufy import original_mlps, relufy
 from .report import plot_training
-from .train import TrainConfig, hybrid_share, on_cpu, train
+from .train import TrainConfig, gather_model, hybrid_share, on_cpu, train
 
 
 def recipes_dir():
@@ -77,6 +81,16 @@ def load_recipe(recipe: str | Path | None, source: str) -> dict:
     return values
 
 
+def fsdp_launch() -> tuple[bool, bool]:
+    """(FSDP, rank-0 loading): whether `accelerate launch` started this process with an FSDP config (train()
+    checks that it runs as FSDP2), and whether that config has fsdp_cpu_ram_efficient_loading (accelerate's
+    preparation then broadcasts the main process's weights, so the other processes need not read them)."""
+    def flag(name):
+        return os.environ.get(name, "false").lower() == "true"
+
+    return flag("ACCELERATE_USE_FSDP"), flag("ACCELERATE_USE_FSDP") and flag("FSDP_CPU_RAM_EFFICIENT_LOADING")
+
+
 def resume_dir_for(out: str | Path) -> Path:
     out = Path(out).expanduser().resolve()
     return out.with_name(out.name + ".resume")
@@ -117,25 +131,40 @@ def convert(
     data_spec = data or demo_corpus_path()
     resolve_data(data_spec)  # missing / empty / unknown format: before loading any weight
 
-    model, tokenizer, spec = load_model(source, dtype=torch.float32, device=device)
+    fsdp, rank0_loading = fsdp_launch()
+    model, tokenizer, spec = load_model(source, dtype=torch.float32, device="cpu" if fsdp else device,
+                                        weights=main or not rank0_loading)
     require_tokenizer(tokenizer, source)
     config.validate(getattr(model.config, "max_position_embeddings", None))
     text = TextData(data_spec, tokenizer, config.seq_len, config.eval_tokens)
-    ppl = {"original": perplexity(model, text.eval_blocks, config.batch_size)}
-    mlps = relufy(model)
-    ppl["after swap"] = perplexity(model, text.eval_blocks, config.batch_size)
+    ppl = {}
 
+    def source_perplexities(model, sharded=False):
+        with original_mlps(model):
+            ppl["original"] = perplexity(model, text.eval_blocks, config.batch_size, sharded)
+        ppl["after swap"] = perplexity(model, text.eval_blocks, config.batch_size, sharded)
+
+    mlps = relufy(model)
+    if not fsdp:  # under FSDP on the sharded model, before the first step
+        source_perplexities(model)
     result = train(
         model, mlps, lambda start, rank, world: text.train_batches(
             config.batch_size, start, rank, world, shuffle_buffer=config.shuffle_buffer, seed=config.seed), config,
         resume_dir=resume_dir, resume=resume, device=device, show_progress=show_progress and main,
+        evaluate=(lambda prepared: source_perplexities(prepared, sharded=True)) if fsdp else None,
     )
     model = result.model
-    if model is None:  # another process under FSDP: the main one measures and exports the gathered model
-        return {"log": result.log}
-    stats = measure(model, spec, text.eval_blocks, config.batch_size)
+    stats = measure(model, spec, text.eval_blocks, config.batch_size, sharded=result.sharded)
     ppl["after training"] = stats["perplexity"]
-    plan = plan_model(model, spec, stats, text.eval_blocks, measure_kernels=measure_kernels and main, device=device)
+    captured = None
+    if result.sharded:
+        if measure_kernels:  # every process runs the forwards; the main one times the layers on them
+            captured = capture_mlp_inputs(model, spec, text.eval_blocks, keep=main)
+        model = gather_model(model, mlps)
+        if model is None:  # another process: the main one plans and exports
+            return {"perplexity": ppl, "layers": stats["layers"], "log": result.log}
+    plan = plan_model(model, spec, stats, text.eval_blocks, measure_kernels=measure_kernels and main, device=device,
+                      mlp_inputs=captured)
     training = {
         "base_model": source,
         "data": str(data or "demo corpus"),
@@ -153,7 +182,7 @@ def convert(
     if not main:
         return summary
 
-    model.to(resolve_dtype(None, next(model.parameters()).device))
+    model.to(resolve_dtype(None, torch.device("cpu" if on_cpu(device) else "cuda")))  # as trained
     with tempfile.TemporaryDirectory() as tmp:
         artifacts = {"training_log.json": Path(tmp) / "training_log.json", "sparsity.png": Path(tmp) / "sparsity.png"}
         artifacts["training_log.json"].write_text(json.dumps({"training": training, "log": result.log}, indent=1))

@@ -78,12 +78,18 @@ def _load_config(where: str, source):
     return config, spec_for(config)
 
 
-def load_model(source: str | Path, *, dtype: torch.dtype | str | None = None, device: str | torch.device | None = None):
+def load_model(source: str | Path, *, dtype: torch.dtype | str | None = None, device: str | torch.device | None = None,
+               weights: bool = True):
     """(model, tokenizer or None, spec) for "demo", a checkpoint folder or a Hub id; the model in eval mode
-    on `device` (default: CUDA if available). The tokenizer is None when the source has none that loads."""
+    on `device` (default: CUDA if available). The tokenizer is None when the source has none that loads.
+    weights=False builds the model from the config with its parameters uninitialized in CPU memory
+    (torch.empty: no pages are used until written) and reads no weight file: for the processes of an FSDP
+    run that receive their shards from the main process."""
     where = resolve_source(source)
     config, spec = _load_config(where, source)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if not weights:
+        return _unloaded_model(config, resolve_dtype(dtype, torch.device("cpu"))), load_tokenizer(where), spec
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             where, config=config, dtype=resolve_dtype(dtype, device), output_loading_info=True
@@ -94,6 +100,22 @@ def load_model(source: str | Path, *, dtype: torch.dtype | str | None = None, de
         missing = sorted(info["missing_keys"]) + sorted(str(k) for k in info["mismatched_keys"])
         raise SourceError(f"{source}: the weights do not match the config (missing or mismatched: {missing[:5]} ...)")
     return model.to(device).eval(), load_tokenizer(where), spec
+
+
+def _unloaded_model(config, dtype: torch.dtype):
+    """The family model of `config` with uninitialized CPU parameters (each its own storage, as FSDP's
+    preparation maps parameters by address) and computed buffers (rotary tables), weights tied."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and param.is_meta:
+                module._parameters[name] = torch.nn.Parameter(torch.empty_like(param, device="cpu"),
+                                                              requires_grad=param.requires_grad)
+    model.tie_weights()
+    return model.eval()
 
 
 # transformers 5 builds an empty tokenizer of the family's class from a folder without any of these.

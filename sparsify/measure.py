@@ -7,6 +7,10 @@ counts it counts active units per (token, tile) for the candidate TwELL tile wid
 whether a packed tile of `twell.slots(tile, compression)` slots overflows (twell.md sections 2 and 5), over
 all tokens and over the tokens of at most `twell.format.DENSE_HEAVY_UNITS` active units (large batched
 calls run heavier ones through the dense block, where their overflowing tiles cost nothing extra).
+With `sharded` (a model whose weights FSDP shards over the processes of torch.distributed) every process
+runs its share of the batches, as many forwards as the others (FSDP gathers a layer's weights
+collectively), and the sums and counts are combined over the processes: each gets the statistics of all
+the blocks.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import math
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from twell import slots
@@ -25,29 +30,43 @@ TILES = (64, 128, 256)
 COMPRESSIONS = (2, 4, 8, 16)
 
 
-def _batches(blocks: list[torch.Tensor], batch_size: int):
-    for i in range(0, len(blocks), batch_size):
-        yield torch.stack(blocks[i : i + batch_size])
+def _batches(blocks: list[torch.Tensor], batch_size: int, sharded: bool = False):
+    """(batch, counted) pairs: all batches of `blocks`, or with `sharded` this process's share (batches
+    rank, rank + world, ...), padded with uncounted repeats of the first so that every process runs the
+    same number of forwards."""
+    batches = [torch.stack(blocks[i : i + batch_size]) for i in range(0, len(blocks), batch_size)]
+    if not sharded:
+        yield from ((batch, True) for batch in batches)
+        return
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for i in range(rank, -(-len(batches) // world) * world, world):
+        yield (batches[i], True) if i < len(batches) else (batches[0], False)
 
 
 @torch.no_grad()
-def perplexity(model, blocks: list[torch.Tensor], batch_size: int = 8) -> float:
+def perplexity(model, blocks: list[torch.Tensor], batch_size: int = 8, sharded: bool = False) -> float:
     """exp of the mean next-token cross-entropy over all predicted tokens of the blocks."""
-    return _forward(model, blocks, batch_size)
+    return _forward(model, blocks, batch_size, sharded)
 
 
-def _forward(model, blocks, batch_size) -> float:
+def _forward(model, blocks, batch_size, sharded=False, counters=()) -> float:
+    """Perplexity over the blocks; `counters` (gate hooks' callbacks) count only the counted batches."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    total, count = 0.0, 0
-    for ids in _batches(blocks, batch_size):
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # cross-entropy, predicted tokens
+    for ids, counted in _batches(blocks, batch_size, sharded):
+        for counter in counters:
+            counter.enabled = counted
         ids = ids.to(device)
         logits = model(input_ids=ids, use_cache=False).logits
-        total += F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="sum").item()
-        count += ids[:, 1:].numel()
+        if counted:
+            sums[0] += F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="sum")
+            sums[1] += ids[:, 1:].numel()
+    if sharded:
+        dist.all_reduce(sums)
     model.train(was_training)
-    return math.exp(total / count)
+    return math.exp((sums[0] / sums[1]).item())
 
 
 class _LayerCounter:
@@ -56,8 +75,11 @@ class _LayerCounter:
 
     def __init__(self):
         self.per_token, self.fired, self.position, self.tile_hist, self.light_hist = [], None, None, {}, {}
+        self.enabled = True
 
     def __call__(self, gate: torch.Tensor):  # gate pre-activation [B, S, I]
+        if not self.enabled:
+            return
         active = gate > 0
         units = active.shape[-1]
         self.units = units
@@ -76,6 +98,15 @@ class _LayerCounter:
             for hists, pairs in ((self.tile_hist, counts.flatten()), (self.light_hist, counts[light].flatten())):
                 hist = torch.bincount(pairs.cpu(), minlength=tile + 1)
                 hists[tile] = hist if tile not in hists else hists[tile] + hist
+
+    def merge(self, other: "_LayerCounter"):
+        """Adds another process's counts of the same layer."""
+        self.per_token += other.per_token
+        self.fired, self.position = _add(self.fired, other.fired), _add(self.position, other.position)
+        for mine, theirs in ((self.tile_hist, other.tile_hist), (self.light_hist, other.light_hist)):
+            for tile, hist in theirs.items():
+                mine[tile] = _add(mine.get(tile), hist)
+        self.units = getattr(self, "units", None) or getattr(other, "units", None)
 
     def result(self, sequences: int) -> dict:
         counts = torch.cat(self.per_token).double()
@@ -106,6 +137,10 @@ class _LayerCounter:
         }
 
 
+def _add(a, b):
+    return b if a is None else a if b is None else a + b
+
+
 @contextmanager
 def gate_hooks(model, spec: FamilySpec, callbacks: list):
     """While active, each layer's callback gets that layer's gate pre-activation [..., I] at every forward."""
@@ -121,17 +156,24 @@ def gate_hooks(model, spec: FamilySpec, callbacks: list):
 
 
 @torch.no_grad()
-def measure(model, spec: FamilySpec, blocks: list[torch.Tensor], batch_size: int = 8) -> dict:
+def measure(model, spec: FamilySpec, blocks: list[torch.Tensor], batch_size: int = 8, sharded: bool = False) -> dict:
     """{"tokens", "perplexity", "layers": [per-layer statistics]} over the blocks (one forward pass).
 
     Per layer: mean / median / p99 / max active units per token, sparsity (fraction of inactive units),
     dead_frac (units that never fired on this text), per tile width the max and p99.9 of active units
     per (token, tile) and the fraction of (token, tile) pairs overflowing each compression's slots (also
     counting only the pairs of tokens with at most DENSE_HEAVY_UNITS active units), and
-    position_active (mean active units at each sequence position)."""
+    position_active (mean active units at each sequence position). `sharded`: see the module docstring."""
     counters = [_LayerCounter() for _ in mlp_modules(model, spec)]
     with gate_hooks(model, spec, counters):
-        ppl = _forward(model, blocks, batch_size)
+        ppl = _forward(model, blocks, batch_size, sharded, counters)
+    if sharded:  # every process's counters, in rank order, merged on each
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, counters)
+        counters = gathered[0]
+        for other in gathered[1:]:
+            for counter, theirs in zip(counters, other):
+                counter.merge(theirs)
     return {
         "tokens": sum(b.numel() for b in blocks),
         "perplexity": ppl,

@@ -120,11 +120,13 @@ def describe(layer: dict) -> str:
     return f"T{layer['tile']} C{layer['compression']}{where}"
 
 
-def plan_model(model, spec, stats: dict, blocks, *, measure_kernels: bool = False, device=None) -> list[dict]:
+def plan_model(model, spec, stats: dict, blocks, *, measure_kernels: bool = False, device=None,
+               mlp_inputs=None) -> list[dict]:
     """The plan of a measured model: by the cost model from `stats` (measure's output), or with
-    `measure_kernels` by timing each layer's candidates on the GPU over `blocks` (sparsify.tune)."""
+    `measure_kernels` by timing each layer's candidates on the GPU over `blocks` (or the layers' captured
+    `mlp_inputs`; sparsify.tune)."""
     if measure_kernels:
         from .tune import measure_plan
 
-        return measure_plan(model, spec, blocks, device=device)
+        return measure_plan(model, spec, blocks, device=device, mlp_inputs=mlp_inputs)
     return plan_layers(stats["layers"], hidden_size=model.config.hidden_size)

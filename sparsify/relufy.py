@@ -4,7 +4,8 @@
 the same names (no weight copy, state-dict keys unchanged, like Liger's modules), so the trained model
 saves as a standard checkpoint. It sets the config's activation key to "relu", so a plain load of the
 saved folder builds the same function. `unrelufy` puts the original modules and activation back (an
-undoable conversion, as in PEFT).
+undoable conversion, as in PEFT); `original_mlps` does so for a while, also on a model that FSDP has
+sharded since (the modules share the projections).
 
 With `track = True` each forward stores `MLPStats`: l1 (differentiable: mean over tokens of the sum over
 units of |relu(gate(x)) * up(x)|, twell.md section 1 for one layer), active (mean units per token whose
@@ -17,6 +18,7 @@ that the hybrid path runs them as dense columns.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
@@ -119,6 +121,23 @@ def unrelufy(model: nn.Module) -> nn.Module:
             setattr(layer, spec.mlp, mlp._original)
             setattr(model.config, spec.act_key, mlp._original_act)
     return model
+
+
+@contextmanager
+def original_mlps(model: nn.Module):
+    """While active, each layer computes with its original MLP module (the same projections, the original
+    activation), as before relufy; the ReluGatedMLPs return afterwards. The config is left as it is."""
+    spec = spec_for(model.config)
+    layers = model.get_submodule(spec.layers)
+    relu = [getattr(layer, spec.mlp) for layer in layers]
+    for layer, mlp in zip(layers, relu):
+        if isinstance(mlp, ReluGatedMLP):
+            setattr(layer, spec.mlp, mlp._original)
+    try:
+        yield
+    finally:
+        for layer, mlp in zip(layers, relu):
+            setattr(layer, spec.mlp, mlp)
 
 
 def relu_mlps(model: nn.Module) -> list[ReluGatedMLP]:

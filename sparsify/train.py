@@ -8,8 +8,10 @@ tensors inside its forward, fp32 master weights, bf16 compute, gradients reduced
 is on by default on GPU; AdamW, cosine schedule with warm-up, gradient accumulation, clipping, optional
 gradient checkpointing. Tracks per layer the mean active units per token (L0), L1 and dead units (not
 fired within the last `dead_window_tokens` tokens); every statistic is reduced over the processes, so
-all of them make the same routing choices. Under FSDP the trained weights are gathered at the end into
-an unsharded model on the main process (TrainResult.model) for measurement and export.
+all of them make the same routing choices. Under FSDP the trained model stays sharded (TrainResult.model
+on every process: measure(sharded=True) runs on it) until `gather_model` collects the full weights into
+an unsharded model on the main process's CPU for export, so no GPU ever holds the whole model; the
+`evaluate` callback runs the prepared model before the first step (the source weights' perplexities).
 With `l1_relative` the coefficient weighs L1 / L1_0 (L1_0: the first micro-batch's L1), which makes
 one value fit models of any width.
 
@@ -175,9 +177,10 @@ class TrainResult:
     tokens: int
     seconds: float
     log: list[dict]
-    # The trained model in eval mode: the one passed in; under FSDP an unsharded copy on the main process
-    # (on its device) and None on the other processes.
+    # The trained model in eval mode: the one passed in, or under FSDP (`sharded`) the prepared model whose
+    # weights are sharded over the processes (gather_model makes a whole one).
     model: torch.nn.Module | None = None
+    sharded: bool = False
 
 
 def on_cpu(device: str | None) -> bool:
@@ -240,10 +243,12 @@ def train(
     resume: bool = False,
     device: str | None = None,
     show_progress: bool = True,
+    evaluate: Callable[[torch.nn.Module], None] | None = None,
 ) -> TrainResult:
-    """Train `model` (in place, except under FSDP: see TrainResult.model). `batches(start, rank, world)`
-    yields [batch, seq_len] token ids, starting after `start` batches consumed over all ranks. Returns the
-    log (one entry per logged step) and the trained model."""
+    """Train `model` (in place; under FSDP see TrainResult.model). `batches(start, rank, world)` yields
+    [batch, seq_len] token ids, starting after `start` batches consumed over all ranks. `evaluate(model)`, if
+    given, runs on every process with the prepared model before the first step and before a resumed state
+    loads. Returns the log (one entry per logged step) and the trained model."""
     cpu = on_cpu(device)
     accelerator = Accelerator(cpu=cpu, mixed_precision="no" if cpu else "bf16")
     _check_fsdp(accelerator)
@@ -268,6 +273,10 @@ def train(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
+    if evaluate is not None:
+        with torch.no_grad():
+            evaluate(model)
+        model.train()
 
     last_fired: torch.Tensor | None = None  # [layers, I]: token count at each unit's last firing
     step, log, elapsed, consumed = 0, [], 0.0, 0  # consumed: batches read over all ranks
@@ -366,16 +375,15 @@ def train(
             progress.stop()
     seconds = time.perf_counter() - started
     if accelerator.is_fsdp2:
-        optimizer.state.clear()  # the AdamW moments: room on the main process's GPU for the full model
-        model = _gather_model(accelerator, model, mlps)
+        optimizer.state.clear()  # the AdamW moments: GPU memory for the measurement passes
     else:
         model = accelerator.unwrap_model(model)
-    if model is not None:
-        model.eval()
-        if config.grad_checkpointing:
-            _activation_checkpointing(model, False)
-        model.config.use_cache = True
-    return TrainResult(steps=step, tokens=step * config.tokens_per_step(world), seconds=seconds, log=log, model=model)
+    model.eval()
+    if config.grad_checkpointing:
+        _activation_checkpointing(model, False)
+    model.config.use_cache = True
+    return TrainResult(steps=step, tokens=step * config.tokens_per_step(world), seconds=seconds, log=log, model=model,
+                       sharded=accelerator.is_fsdp2)
 
 
 def _check_fsdp(accelerator: Accelerator) -> None:
@@ -388,13 +396,15 @@ def _check_fsdp(accelerator: Accelerator) -> None:
                           f"{accelerator.distributed_type.value} (use `accelerate launch` without the FSDP config, or GPUs)")
 
 
-def _gather_model(accelerator: Accelerator, model, mlps: list):
-    """Under FSDP every process holds shards of the trained weights. Gathers them (a collective: every
-    process calls it) into an unsharded model of the same family on the main process's device; returns
-    None on the others."""
-    state = accelerator.get_state_dict(model)  # full weights on the main process's CPU, {} elsewhere
+def gather_model(model, mlps: list):
+    """The whole model from one that FSDP shards over the processes (a collective: every process calls it):
+    an unsharded model of the same family, relufied, on the main process's CPU (full weights gathered shard
+    by shard into CPU memory, never onto one GPU); None on the other processes."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     buffers = {name: b.detach().cpu() for name, b in model.named_buffers()}  # not sharded (rotary tables)
-    if not accelerator.is_main_process:
+    if torch.distributed.get_rank() != 0:
         return None
     spec = spec_for(model.config)
     config = copy.deepcopy(model.config)
@@ -408,7 +418,7 @@ def _gather_model(accelerator: Accelerator, model, mlps: list):
         setattr(full.get_submodule(owner), attr, buffer)
     full.tie_weights()
     full.generation_config = model.generation_config
-    return full.to(accelerator.device)
+    return full.eval()
 
 
 class _Window:

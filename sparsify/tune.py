@@ -41,24 +41,29 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def capture_mlp_inputs(model, spec: FamilySpec, blocks, tokens: int) -> list[torch.Tensor]:
-    """Per layer, the MLP input rows [tokens, D] on the blocks (repeated, or cut, to `tokens` rows)."""
+def capture_mlp_inputs(model, spec: FamilySpec, blocks, tokens: int = TOKENS, keep: bool = True) -> list[torch.Tensor]:
+    """Per layer, the MLP input rows [tokens, D] on the blocks (repeated, or cut, to `tokens` rows), in CPU
+    memory. With keep=False the forwards run and nothing is kept (another process of an FSDP model: the
+    forwards are collective); returns []."""
     mlps = mlp_modules(model, spec)
     captured = [[] for _ in mlps]
-    handles = [mlp.register_forward_pre_hook(lambda mod, args, c=c: c.append(args[0].flatten(0, -2)))
-               for mlp, c in zip(mlps, captured)]
+    handles = [mlp.register_forward_pre_hook(lambda mod, args, c=c: c.append(args[0].flatten(0, -2).cpu()))
+               for mlp, c in zip(mlps, captured)] if keep else []
     device = next(model.parameters()).device
+    rows = 0
     try:
         for block in blocks:
-            model(input_ids=torch.as_tensor(block, device=device).view(1, -1), use_cache=False)
-            if sum(len(x) for x in captured[0]) >= tokens:
+            block = torch.as_tensor(block, device=device).view(1, -1)
+            model(input_ids=block, use_cache=False)
+            rows += block.numel()
+            if rows >= tokens:
                 break
     finally:
         for h in handles:
             h.remove()
     inputs = []
-    for rows in captured:
-        x = torch.cat(rows)
+    for layer_rows in captured:
+        x = torch.cat(layer_rows)
         inputs.append(x.repeat(-(-tokens // len(x)), 1)[:tokens].contiguous())
     return inputs
 
@@ -160,13 +165,15 @@ def activity(x, gate) -> dict:
 
 
 def measure_plan(model, spec: FamilySpec, inputs, candidates=CANDIDATES, device="cuda", *,
-                 tokens: int = TOKENS) -> list[dict]:
+                 tokens: int = TOKENS, mlp_inputs: list[torch.Tensor] | None = None) -> list[dict]:
     """config.twell "layers" from timings: `inputs` are token-id blocks (held-out text), `candidates`
-    (tile, compression) pairs tried beside dense on every layer. The model must be on the CUDA device."""
+    (tile, compression) pairs tried beside dense on every layer. The model must be on the CUDA device,
+    unless `mlp_inputs` (capture_mlp_inputs of the model, e.g. run sharded) are given: then each layer's
+    weights are copied to the GPU in turn."""
     device = require_cuda(device, "--measure")
-    if next(model.parameters()).device.type != "cuda":
+    if mlp_inputs is None and next(model.parameters()).device.type != "cuda":
         raise ConfigError("--measure: the model must be on the CUDA GPU")
-    xs = capture_mlp_inputs(model, spec, inputs, tokens)
+    xs = mlp_inputs if mlp_inputs is not None else capture_mlp_inputs(model, spec, inputs, tokens)
     plan = []
     for mlp, x in zip(mlp_modules(model, spec), xs):
         weights = [w.detach().to(device, torch.bfloat16).contiguous()

@@ -8,9 +8,11 @@ accelerate's own FSDP2 code (fully_shard in prepare, no_sync, clip_grad_norm_, s
 get_state_dict) on torch's gloo backend. Start it with `accelerate launch --config_file
 recipes/accelerate/fsdp.yaml --num_processes 2 tests/fsdp_on_cpu.py convert ...`.
 
-Two checks ride along: every ReluGatedMLP forward asserts that the weights the hybrid kernels would take
-are whole plain tensors (FSDP has unsharded its layer), and SPARSIFY_TEST_INTERRUPT=N raises
-KeyboardInterrupt (Ctrl-C) on every process when it reads its N-th training batch (0-based).
+Checks ride along: every ReluGatedMLP forward asserts that the weights the hybrid kernels would take are
+whole plain tensors (FSDP has unsharded its layer); only the main process reads the source weights (the
+config's fsdp_cpu_ram_efficient_loading: the others get theirs from it in accelerate's preparation); and
+SPARSIFY_TEST_INTERRUPT=N raises KeyboardInterrupt (Ctrl-C) on every process when it reads its N-th
+training batch (0-based).
 """
 import functools
 import os
@@ -23,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's cli.py, not tests/
 from cli import main  # noqa: E402
+from sparsify import convert  # noqa: E402
 from sparsify.data import TextData  # noqa: E402
 from sparsify.relufy import ReluGatedMLP  # noqa: E402
 
@@ -48,6 +51,14 @@ def forward_on_whole_weights(self, x):
     return forward(self, x)
 
 
+load_model = convert.load_model
+
+
+def load_on_main_only(*args, weights=True, **kwargs):
+    assert weights == PartialState().is_main_process, "only the main process reads the source weights"
+    return load_model(*args, weights=weights, **kwargs)
+
+
 def interrupted(train_batches, at: int):
     @functools.wraps(train_batches)
     def batches(*args, **kwargs):
@@ -61,6 +72,7 @@ def interrupted(train_batches, at: int):
 
 AcceleratorState.__init__ = fsdp_on_cpu
 ReluGatedMLP.forward = forward_on_whole_weights
+convert.load_model = load_on_main_only
 if "SPARSIFY_TEST_INTERRUPT" in os.environ:
     TextData.train_batches = interrupted(TextData.train_batches, int(os.environ["SPARSIFY_TEST_INTERRUPT"]))
 

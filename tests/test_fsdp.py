@@ -1,6 +1,7 @@
 """`accelerate launch --config_file recipes/accelerate/fsdp.yaml` on 2 CPU processes (gloo): FSDP2 training
-equals one process with both processes' batches, the export gathered from the shards equals that
-process's export file for file, and Ctrl-C -> --resume from the sharded state continues to the same weights.
+equals one process with both processes' batches, so do the perplexities and held-out statistics measured on
+the sharded model, the export gathered from the shards equals that process's export file for file, and
+Ctrl-C -> --resume from the sharded state continues to the same weights.
 
 accelerate runs CPU processes as DDP whatever the config says; tests/fsdp_on_cpu.py makes them FSDP (its
 docstring says where and why) and checks inside every MLP forward that the weights are whole tensors.
@@ -65,9 +66,13 @@ def test_fsdp_trains_and_exports_like_one_process_with_both_batches(files, fsdp_
         for key in ("loss", "cross_entropy", "l1", "mean_active", "dead_frac"):
             assert a[key] == pytest.approx(b[key], rel=1e-5), (a["step"], key)
         assert [l["dead_frac"] for l in a["layers"]] == pytest.approx([l["dead_frac"] for l in b["layers"]])
-    # the measurement on the gathered model: the same held-out statistics
+    # the perplexities and the measurement, run sharded (the held-out batches split over the processes):
+    # the same held-out statistics and plan
     two_config, one_config = (json.loads((o / "config.json").read_text())["twell"] for o in (fsdp_out, one))
     assert two_config["training"]["perplexity"] == pytest.approx(one_config["training"]["perplexity"], rel=1e-4)
+    for two_layer, one_layer in zip(two_config["layers"], one_config["layers"], strict=True):
+        assert two_layer["stats"] == pytest.approx(one_layer["stats"], rel=1e-4)
+        assert {k: v for k, v in two_layer.items() if k != "stats"} == {k: v for k, v in one_layer.items() if k != "stats"}
 
 
 @pytest.mark.slow

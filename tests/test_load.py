@@ -41,6 +41,23 @@ def test_loads_a_folder_in_fp32_on_cpu(saved):
         load_model(folder, dtype="int3", device="cpu")
 
 
+def test_unloaded_model_has_the_layout_without_reading_weights(saved, tmp_path):
+    """weights=False (the other processes of an FSDP run): the same parameters, unread (no weight file is
+    needed), each with storage of its own; buffers computed as a load computes them."""
+    folder, _ = saved
+    loaded, _, _ = load_model(folder, device="cpu")
+    copy = _copy(saved, tmp_path)
+    (copy / "model.safetensors").unlink()
+    model, tokenizer, spec = load_model(copy, dtype=torch.float32, device="cpu", weights=False)
+    assert spec.family == "qwen3" and tokenizer is not None and not model.training
+    params = dict(model.named_parameters())
+    assert {n: (p.shape, p.dtype, p.device.type) for n, p in params.items()} == \
+        {n: (p.shape, p.dtype, "cpu") for n, p in loaded.named_parameters()}
+    assert len({p.data_ptr() for p in params.values()}) == len(params)
+    for (name, buffer), (_, expected) in zip(model.named_buffers(), loaded.named_buffers()):
+        torch.testing.assert_close(buffer, expected, rtol=0, atol=0, msg=name)
+
+
 def test_missing_tokenizer_is_none_until_needed(saved, tmp_path):
     folder = _copy(saved, tmp_path)
     for name in ("tokenizer.json", "tokenizer_config.json"):

@@ -7,6 +7,7 @@ import torch
 
 from helpers import tiny_input_ids, tiny_model
 from sparsify.families import spec_for
+from sparsify import measure as measure_module
 from sparsify.measure import measure, perplexity, slots
 from sparsify.relufy import relufy
 from twell.format import DENSE_HEAVY_UNITS
@@ -73,3 +74,19 @@ def test_perplexity_is_exp_of_the_models_loss():
         loss = model(input_ids=ids, labels=ids).loss.item()
     assert perplexity(model, list(ids), batch_size=3) == pytest.approx(math.exp(loss), rel=1e-5)
     assert measure(model, spec_for(model.config), list(ids))["perplexity"] == pytest.approx(math.exp(loss), rel=1e-5)
+
+
+def test_sharded_batches_split_evenly(monkeypatch):
+    """Sharded, each process runs as many forwards as the others (FSDP's are collective), and the counted
+    ones cover every batch once."""
+    blocks = [torch.full((4,), i) for i in range(13)]  # 7 batches of 2 (the last of 1)
+    counted = []
+    for rank in range(3):
+        monkeypatch.setattr(measure_module.dist, "get_rank", lambda: rank)
+        monkeypatch.setattr(measure_module.dist, "get_world_size", lambda: 3)
+        share = list(measure_module._batches(blocks, 2, sharded=True))
+        assert len(share) == 3
+        counted += [int(batch[0, 0]) for batch, use in share if use]
+        assert all(torch.equal(batch, torch.stack(blocks[:2])) for batch, use in share if not use)  # the first, again
+    assert sorted(counted) == list(range(0, 13, 2))
+    assert [b.shape[0] for b, _ in measure_module._batches(blocks, 2)] == [2] * 6 + [1]

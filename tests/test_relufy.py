@@ -3,7 +3,7 @@ import torch
 
 from helpers import INTERMEDIATE, tiny_input_ids, tiny_model
 from sparsify.families import FAMILIES, gate_weight, mlp_modules, spec_for, up_weight
-from sparsify.relufy import MLPStats, ReluGatedMLP, relu_mlps, relufy, unrelufy
+from sparsify.relufy import MLPStats, ReluGatedMLP, original_mlps, relu_mlps, relufy, unrelufy
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -30,6 +30,11 @@ def test_relufy_keeps_parameters_and_matches_hf_relu(family):
         relu_logits = model(ids).logits
         torch.testing.assert_close(relu_logits, reference(ids).logits, rtol=0, atol=0)
     assert not torch.allclose(relu_logits, silu_logits)
+
+    with original_mlps(model), torch.no_grad():  # for a while, as before relufy (the config left as it is)
+        assert mlp_modules(model, spec) == originals and getattr(model.config, spec.act_key) == "relu"
+        torch.testing.assert_close(model(ids).logits, silu_logits, rtol=0, atol=0)
+    assert relu_mlps(model) == modules
 
     unrelufy(model)
     assert mlp_modules(model, spec) == originals

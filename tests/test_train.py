@@ -179,8 +179,13 @@ def test_interrupt_then_resume_equals_uninterrupted(tmp_path, relative):
         train(interrupted, relufy(interrupted), stop_after(7), cfg, resume_dir=tmp_path / "r", device="cpu", show_progress=False)
     assert json.loads((tmp_path / "r" / "state.json").read_text())["step"] == 3
     resumed, _ = tiny_model("qwen2", seed=1)  # fresh process: other weights, all restored from the state
-    result = train(resumed, relufy(resumed), batches_from(), cfg, resume_dir=tmp_path / "r", resume=True, device="cpu", show_progress=False)
+    source = {name: p.detach().clone() for name, p in resumed.named_parameters()}
+    seen = []  # evaluate runs on the prepared model before the resumed state loads: the source weights
+    result = train(resumed, relufy(resumed), batches_from(), cfg, resume_dir=tmp_path / "r", resume=True, device="cpu",
+                   show_progress=False, evaluate=lambda m: seen.append({n: p.clone() for n, p in m.named_parameters()}))
     assert result.steps == 6 and [e["step"] for e in result.log] == [2, 4, 6]
+    assert len(seen) == 1 and all(torch.equal(seen[0][n], source[n]) for n in source)
+    assert not result.sharded and not result.model.training
     for (name, a), b in zip(straight.named_parameters(), resumed.parameters()):
         torch.testing.assert_close(a, b, msg=name)
 
