@@ -20,16 +20,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from test_cli import convert, files, model_folder  # noqa: F401 (files: the module's fixture)
+from helpers import tiny_model
+from test_cli import convert, files, model_folder, run  # noqa: F401 (files: the module's fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 3
 
 
-def launch_fsdp(files, out, *extra, interrupt_at=None):
+def launch_fsdp(files, out, *extra, interrupt_at=None, source=None):
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", ROOT / "recipes" / "accelerate" / "fsdp.yaml",
                "--num_processes", 2, "--main_process_port", 0, ROOT / "tests" / "fsdp_on_cpu.py",
-               "convert", model_folder(files, "llama"), "-o", out, "--data", files / "corpus",
+               "convert", source or model_folder(files, "llama"), "-o", out, "--data", files / "corpus",
                "--recipe", files / "recipe.yaml", "--steps", STEPS, "--batch-size", 2, *extra]
     env = {**os.environ, **({"SPARSIFY_TEST_INTERRUPT": str(interrupt_at)} if interrupt_at is not None else {})}
     return subprocess.run([str(c) for c in command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -73,6 +74,22 @@ def test_fsdp_trains_and_exports_like_one_process_with_both_batches(files, fsdp_
     for two_layer, one_layer in zip(two_config["layers"], one_config["layers"], strict=True):
         assert two_layer["stats"] == pytest.approx(one_layer["stats"], rel=1e-4)
         assert {k: v for k, v in two_layer.items() if k != "stats"} == {k: v for k, v in one_layer.items() if k != "stats"}
+
+
+def test_fsdp_with_tied_embeddings(files, tmp_path):
+    """Tied input and output embeddings (Qwen2.5 0.5B-3B and others): one parameter in two modules, which
+    the processes that read no weights tie as the main one does."""
+    model, tokenizer = tiny_model("qwen2", tie_word_embeddings=True)
+    source = tmp_path / "tied"
+    model.save_pretrained(source)
+    tokenizer.save_pretrained(source)
+    done = launch_fsdp(files, tmp_path / "two", source=source)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    one = run("convert", source, "-o", tmp_path / "one", "--data", files / "corpus", "--recipe", files / "recipe.yaml",
+              "--steps", STEPS, "--batch-size", 4)
+    assert one.exit_code == 0, one.output
+    assert_same_weights(weights(tmp_path / "two"), weights(tmp_path / "one"))
+    assert "lm_head.weight" not in weights(tmp_path / "two")  # saved tied, as the source
 
 
 @pytest.mark.slow
