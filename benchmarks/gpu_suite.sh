@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# One GPU run: GPU tests, the converted demo on the kernels, hybrid-routed vs dense conversion, and the
-# model-level bench; with two or more GPUs also the DDP and FSDP checks (`sparsify convert demo` for 40 steps
-# with every layer on the hybrid kernels, on 2 GPUs with batch 8 each (torchrun: DDP; accelerate with
-# recipes/accelerate/fsdp.yaml: FSDP2) against 1 GPU with batch 16: both logs and the weights' largest
-# relative difference, in $OUT/ddp_hybrid_check.json and $OUT/fsdp_hybrid_check.json). Results and logs go to $OUT.
+# One GPU run: GPU tests, the converted demo on the kernels, hybrid-routed vs dense conversion, the
+# model-level bench, and the FSDP check on one GPU; with two or more GPUs also the DDP and FSDP checks on two
+# (`sparsify convert demo` for 40 steps with every layer on the hybrid kernels, on N GPUs with batch 16 / N
+# each (torchrun: DDP; accelerate with recipes/accelerate/fsdp.yaml: FSDP2) against a plain run on 1 GPU with
+# batch 16: both logs and the weights' largest relative difference, in $OUT/<name>_hybrid_check.json).
+# Results and logs go to $OUT.
 # Each step runs even if an earlier one failed; the exit status says whether all passed.
 #   bash benchmarks/gpu_suite.sh [CHECKPOINT]      (CHECKPOINT: a converted demo, default .gpu/demo-sparse)
 set -u -o pipefail
@@ -15,10 +16,11 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 status=0
 step() { echo "=== $1"; shift; "$@" || { echo "FAILED: $*"; status=1; }; }
-multi_gpu_check() {  # NAME LAUNCHER...: the demo on 2 GPUs started by LAUNCHER against 1 GPU with both batches
-    local name=$1; shift
+multi_gpu_check() {  # NAME N LAUNCHER...: the demo on N GPUs started by LAUNCHER against 1 GPU with all N batches
+    local name=$1 gpus=$2; shift 2
     local work=/tmp/${name}_hybrid_check
-    timeout 150 "$@" -m cli convert demo -o "$work/two" --steps 40 --hybrid-below 1000 --overwrite | tail -3 &&
+    timeout 150 "$@" -m cli convert demo -o "$work/two" --steps 40 --hybrid-below 1000 --batch-size $((16 / gpus)) \
+        --overwrite | tail -3 &&
     timeout 150 python3 -m cli convert demo -o "$work/one" --steps 40 --hybrid-below 1000 --batch-size 16 --overwrite | tail -3 &&
     NAME="$name" WORK="$work" OUT="$OUT" python3 - <<'PY'
 import json, os
@@ -29,7 +31,7 @@ a, b = load_file(f"{work}/two/model.safetensors"), load_file(f"{work}/one/model.
 result = dict(device=torch.cuda.get_device_name(), gpus=torch.cuda.device_count(), torch=torch.__version__,
               triton=triton.__version__, command=f"benchmarks/gpu_suite.sh ({name} check)",
               max_rel_weight_diff=max(((a[k].float() - b[k].float()).norm() / b[k].float().norm()).item() for k in b))
-print("max rel weight diff 2 GPUs vs 1:", result["max_rel_weight_diff"])
+print("max rel weight diff launched vs plain:", result["max_rel_weight_diff"])
 for name in ("two", "one"):
     log = json.load(open(f"{work}/{name}/training_log.json"))["log"]
     result[name] = [dict(step=e["step"], loss=e["loss"], paths=[l["path"] for l in e["layers"]],
@@ -42,9 +44,11 @@ step "GPU tests" timeout 200 python3 -m pytest -q -m gpu tests -p no:cacheprovid
 step "converted demo on the kernels" timeout 120 python3 benchmarks/checkpoint_kernel_check.py "$checkpoint" --force-sparse 64 4 --json "$OUT/demo_kernel_check_h100.json"
 step "hybrid-routed vs dense conversion" timeout 200 python3 benchmarks/hybrid_convert.py --json "$OUT/hybrid_convert_h100.json"
 step "model bench (quick: 4 layers, batch-1 decode paths)" timeout 320 python3 benchmarks/model_bench.py --quick --out "$OUT" --work /tmp/mb
+step "FSDP: 1 process against a plain run" multi_gpu_check fsdp1 1 python3 -m accelerate.commands.launch \
+    --config_file recipes/accelerate/fsdp.yaml --num_processes 1
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
-    step "DDP: 2 GPUs against 1" multi_gpu_check ddp python3 -m torch.distributed.run --standalone --nproc_per_node 2
-    step "FSDP: 2 GPUs against 1" multi_gpu_check fsdp python3 -m accelerate.commands.launch \
+    step "DDP: 2 GPUs against 1" multi_gpu_check ddp 2 python3 -m torch.distributed.run --standalone --nproc_per_node 2
+    step "FSDP: 2 GPUs against 1" multi_gpu_check fsdp 2 python3 -m accelerate.commands.launch \
         --config_file recipes/accelerate/fsdp.yaml --num_processes 2
 fi
 exit $status
