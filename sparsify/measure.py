@@ -75,7 +75,7 @@ class _LayerCounter:
 
     def __init__(self):
         self.per_token, self.fired, self.position, self.tile_hist, self.light_hist = [], None, None, {}, {}
-        self.enabled = True
+        self.units, self.enabled = None, True
 
     def __call__(self, gate: torch.Tensor):  # gate pre-activation [B, S, I]
         if not self.enabled:
@@ -106,7 +106,7 @@ class _LayerCounter:
         for mine, theirs in ((self.tile_hist, other.tile_hist), (self.light_hist, other.light_hist)):
             for tile, hist in theirs.items():
                 mine[tile] = _add(mine.get(tile), hist)
-        self.units = getattr(self, "units", None) or getattr(other, "units", None)
+        self.units = self.units or other.units
 
     def result(self, sequences: int) -> dict:
         counts = torch.cat(self.per_token).double()

@@ -61,6 +61,8 @@ def capture_mlp_inputs(model, spec: FamilySpec, blocks, tokens: int = TOKENS, ke
     finally:
         for h in handles:
             h.remove()
+    if not keep:
+        return []
     inputs = []
     for layer_rows in captured:
         x = torch.cat(layer_rows)

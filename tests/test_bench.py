@@ -10,7 +10,7 @@ from sparsify.bench import (COMPONENTS, PATHS, RANGE, _range_of, bench_checkpoin
                             module_ranges, path_row, plan_summary, write_json)
 from sparsify.errors import ConfigError
 from sparsify.families import spec_for
-from sparsify.tune import WINDOW, layer_plan, measure_plan
+from sparsify.tune import WINDOW, capture_mlp_inputs, layer_plan, measure_plan
 
 from helpers import tiny_model
 
@@ -175,6 +175,22 @@ def test_measured_plan_takes_the_fastest_correct_candidate():
     assert layer_plan(activity, wrong, []) == {"mode": "dense", "stats": {**activity, "dense_ms": 2.0, "dense_rel_err": 3.3e-3}}
 
 
+def test_capture_mlp_inputs_keeps_or_only_runs():
+    """Each layer's MLP input rows, cut (or repeated) to `tokens`, in CPU memory; keep=False runs the same
+    forwards (collective under FSDP) and keeps nothing."""
+    model, _ = tiny_model("llama")
+    spec = spec_for(model.config)
+    blocks = [torch.randint(0, 256, (8,), generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    seen = []
+    hook = model.model.layers[0].mlp.register_forward_pre_hook(lambda mod, args: seen.append(args[0][0].clone()))
+    xs = capture_mlp_inputs(model, spec, blocks, tokens=20)
+    assert len(xs) == model.config.num_hidden_layers and all(x.shape == (20, 64) and x.device.type == "cpu" for x in xs)
+    torch.testing.assert_close(xs[0], torch.cat(seen)[:20], rtol=0, atol=0)  # 3 blocks of 8 rows, cut to 20
+    assert capture_mlp_inputs(model, spec, blocks, tokens=20, keep=False) == [] and len(seen) == 6
+    assert capture_mlp_inputs(model, spec, blocks[:1], tokens=20)[0].shape == (20, 64)  # 8 rows repeated
+    hook.remove()
+
+
 @pytest.mark.gpu
 def test_measure_plan_times_the_window_on_gpu():
     model, _ = tiny_model("llama", hidden_size=256, intermediate_size=1024)
@@ -188,6 +204,11 @@ def test_measure_plan_times_the_window_on_gpu():
             assert [w[0] for w in layer["stats"]["window"]] == [n for n in WINDOW if n < 2048]
         for lo, hi in layer.get("sparse_tokens", []):
             assert 1 <= lo and (hi is None or lo <= hi)
+    # the main process of an FSDP run: the whole model in CPU memory, inputs captured on the sharded one
+    inputs = capture_mlp_inputs(model, spec_for(model.config), blocks, tokens=2048)
+    on_cpu = measure_plan(model.cpu(), spec_for(model.config), blocks, candidates=[(128, 8)], tokens=2048,
+                          mlp_inputs=inputs)
+    assert len(on_cpu) == model.config.num_hidden_layers and all(l["stats"]["dense_ms"] > 0 for l in on_cpu)
 
 
 def load_model_bench():
