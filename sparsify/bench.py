@@ -41,7 +41,8 @@ and out of the MLP's own decode graphs). A component's time is the union of its 
 MLP's two programmatic dependent launches overlap and count once); "gpu_busy_ms" is the union of all kernel
 intervals (components can sum to more where kernels of different components overlap); "gpu_idle_ms" =
 wall - busy, against the median wall time of the same call without the profiler: time the GPU waits for
-the host (Python, launches, synchronizations).
+the host (Python, launches, synchronizations). Eager rows also give "mlp_layers": per layer its MLP's GPU
+ms and host ms (CPU time inside its range: issuing the call, under the profiler), summed over the call.
 Inputs are random token ids (seed 0); the mean active units the figures go with are measured on the
 largest prefill input (gate pre-activation > 0). A logits check runs before any timing: relative error of
 the final-position logits of that input, and how many greedy tokens of a short generation from 16-token
@@ -161,23 +162,41 @@ def busy_us(intervals) -> float:
 def component_split(kernels) -> dict:
     """GPU ms per component: the union of its kernels' intervals, so that kernels of one component that
     overlap (the MLP's two programmatic dependent launches) count once; and gpu_busy_ms, the union of all.
-    `kernels`: (component, name, start_us, end_us) of every device activity, component None where no module
-    range launched it (it then counts by its name)."""
+    `kernels`: (range, name, start_us, end_us) of every device activity, range None where no module range
+    launched it (it then counts by its name); a range "mlp.3" counts for "mlp"."""
     intervals = {component: [] for component in COMPONENTS}
-    for component, name, start, end in kernels:
-        intervals[component or kernel_component(name)].append((start, end))
+    for label, name, start, end in kernels:
+        intervals[label.partition(".")[0] if label else kernel_component(name)].append((start, end))
     return {**{f"{c}_ms": busy_us(spans) / 1e3 for c, spans in intervals.items()},
             "gpu_busy_ms": busy_us((start, end) for _, _, start, end in kernels) / 1e3}
 
 
+def mlp_layers(kernels, events) -> list[dict]:
+    """Per layer, its MLP's GPU ms (the union of the kernels launched in its range "mlp.<layer>") and host ms
+    (the CPU time spent inside that range: issuing the call), summed over the layer's calls."""
+    from torch.autograd import DeviceType
+
+    gpu, host = {}, {}
+    for label, _, start, end in kernels:
+        if label and label.startswith("mlp."):
+            gpu.setdefault(int(label[4:]), []).append((start, end))
+    for e in events:
+        if e.name.startswith(RANGE + "mlp.") and e.device_type == DeviceType.CPU:
+            layer = int(e.name[len(RANGE) + 4:])
+            host[layer] = host.get(layer, 0.0) + e.time_range.end - e.time_range.start
+    return [{"gpu_ms": busy_us(gpu.get(i, [])) / 1e3, "host_ms": host.get(i, 0.0) / 1e3}
+            for i in range(max([*gpu, *host], default=-1) + 1)]
+
+
 @contextlib.contextmanager
 def module_ranges(model):
-    """Profiler ranges RANGE + component around the model's MLP, attention, norm and LM-head modules (not
-    around modules inside one already covered). Eager calls only: the hooks would be traced by a compile."""
+    """Profiler ranges RANGE + component around the model's MLP ("mlp.<layer>"), attention, norm and LM-head
+    modules (not around modules inside one already covered). Eager calls only: the hooks would be traced by
+    a compile."""
     if model is None:
         yield
         return
-    mlps = {id(m) for m in mlp_modules(model, spec_for(model.config))}
+    mlps = {id(m): i for i, m in enumerate(mlp_modules(model, spec_for(model.config)))}
     head = model.get_output_embeddings()
     open_ranges, handles, covered = [], [], []
 
@@ -196,7 +215,8 @@ def module_ranges(model):
         component = module_component(type(module).__name__, is_mlp=id(module) in mlps, is_head=module is head)
         if component:
             covered.append(name + ".")
-            handles += [module.register_forward_pre_hook(enter(RANGE + component)), module.register_forward_hook(leave)]
+            label = f"mlp.{mlps[id(module)]}" if component == "mlp" else component
+            handles += [module.register_forward_pre_hook(enter(RANGE + label)), module.register_forward_hook(leave)]
     try:
         yield
     finally:
@@ -213,13 +233,17 @@ def _range_of(event) -> str | None:
 
 
 def profile_split(fn, model=None) -> dict:
-    """component_split of one fn() call under torch.profiler, with module_ranges(model) (None: none)."""
+    """component_split of one fn() call under torch.profiler, with module_ranges(model) (None: none), and
+    then also each layer's MLP GPU and host time (mlp_layers)."""
     from torch.profiler import ProfilerActivity, profile
 
     with module_ranges(model), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return component_split(device_kernels(prof.events(), launch_ids(prof)))
+    events = prof.events()
+    kernels = device_kernels(events, launch_ids(prof))
+    split = component_split(kernels)
+    return split if model is None else {**split, "mlp_layers": mlp_layers(kernels, events)}
 
 
 def launch_ids(prof) -> dict:

@@ -6,8 +6,8 @@ import torch
 from rich.console import Console
 
 from sparsify.bench import (COMPONENTS, PATHS, RANGE, _range_of, bench_checkpoint, bench_table, busy_us, component_split,
-                            device_kernels, kernel_component, launch_ids, logits_agreement, module_component,
-                            module_ranges, path_row, plan_summary, write_json)
+                            device_kernels, kernel_component, launch_ids, logits_agreement, mlp_layers,
+                            module_component, module_ranges, path_row, plan_summary, write_json)
 from sparsify.errors import ConfigError
 from sparsify.families import spec_for
 from sparsify.tune import WINDOW, capture_mlp_inputs, layer_plan, measure_plan
@@ -115,12 +115,16 @@ def test_device_kernels_find_the_range_that_launched_them():
         return Event(name=name, device_type=DeviceType.CUDA, linked_correlation_id=linked, is_user_annotation=annotation,
                      time_range=Event(start=start, end=end))
 
-    mlp = cpu(1, RANGE + "mlp")
+    mlp = cpu(1, RANGE + "mlp.1")
     events = [mlp, cpu(2, "twell::gated_mlp", mlp, ["_gate_pack_kernel", "_twell_out_kernel"]),
-              cpu(3, "aten::add", None, ["elementwise"]), gpu(RANGE + "mlp", 1, 0.0, 12.0, annotation=True),
+              cpu(3, "aten::add", None, ["elementwise"]), gpu(RANGE + "mlp.1", 1, 0.0, 12.0, annotation=True),
               gpu("_gate_pack_kernel", 2, 0.0, 8.0), gpu("_twell_out_kernel", 2, 2.0, 10.0), gpu("elementwise", 3, 11.0, 12.0)]
-    expected = [("mlp", "_gate_pack_kernel", 0.0, 8.0), ("mlp", "_twell_out_kernel", 2.0, 10.0), (None, "elementwise", 11.0, 12.0)]
+    expected = [("mlp.1", "_gate_pack_kernel", 0.0, 8.0), ("mlp.1", "_twell_out_kernel", 2.0, 10.0),
+                (None, "elementwise", 11.0, 12.0)]
     assert device_kernels(events) == expected
+    assert component_split(expected)["mlp_ms"] == pytest.approx(0.010)  # a layer's range counts for "mlp"
+    mlp.time_range = Event(start=-1.0, end=13.0)  # the range's CPU interval: 14 us issuing layer 1's MLP
+    assert mlp_layers(expected, events) == [{"gpu_ms": 0.0, "host_ms": 0.0}, {"gpu_ms": 0.010, "host_ms": 0.014}]
     # torch before 2.12: the link comes from the raw events, by the activity's interval
     for e in events:
         if e.device_type == DeviceType.CUDA:
@@ -137,10 +141,13 @@ def test_module_ranges_cover_each_component_once():
     with torch.no_grad(), module_ranges(model), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         model(torch.arange(8)[None])
     events = prof.events()
-    counts = {c: sum(e.name == RANGE + c for e in events) for c in COMPONENTS}
+    counts = {c: sum(e.name.partition(".")[0] == RANGE + c for e in events) for c in COMPONENTS}
     assert counts == {"mlp": layers, "attention": layers, "norm": 2 * layers + 1, "lm_head": 1, "matmul": 0, "other": 0}
-    inside = [_range_of(e) for e in events if e.name == "aten::mul" and _range_of(e) in ("mlp", "attention", "norm")]
-    assert {"mlp", "norm"} <= set(inside)
+    assert sorted(e.name for e in events if e.name.startswith(RANGE + "mlp")) == [f"{RANGE}mlp.{i}" for i in range(layers)]
+    inside = [_range_of(e) for e in events if e.name == "aten::mul" and _range_of(e) in ("mlp.0", "attention", "norm")]
+    assert {"mlp.0", "norm"} <= set(inside)
+    per_layer = mlp_layers([], events)  # host time from the CPU ranges (no device activity here)
+    assert len(per_layer) == layers and all(l["host_ms"] > 0 and l["gpu_ms"] == 0 for l in per_layer)
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
     assert launch_ids(prof) == {}  # the raw-event API answers (no device activity on the CPU)
 
@@ -269,6 +276,10 @@ def test_bench_checkpoint_on_gpu(tmp_path):
         assert row["breakdown"]["twell"]["mlp_ms"] > 0
     for load in ("dense", "twell"):  # eager norms run as elementwise kernels: only their module range finds them
         assert rows["prefill"]["breakdown"][load]["norm_ms"] > 0 and rows["prefill"]["breakdown"][load]["mlp_ms"] > 0
+        layers = rows["prefill"]["breakdown"][load]["mlp_layers"]  # each layer's MLP: its GPU and host time
+        assert len(layers) == 2 and all(l["gpu_ms"] > 0 and l["host_ms"] > 0 for l in layers)
+        assert sum(l["gpu_ms"] for l in layers) == pytest.approx(rows["prefill"]["breakdown"][load]["mlp_ms"], rel=1e-3)
+    assert "mlp_layers" not in rows["prefill_compiled"]["breakdown"]["twell"]
     assert result["check"]["logits_rel_err"] < 2e-2 and rows["decode_step_graph"]["logits_rel_err"] < 2e-2
     assert rows["decode_step_compiled_graph"]["logits_rel_err"] < 2e-2
     assert max(rows["decode_step_compiled_graph"]["graph_vs_eager_rel_err"].values()) < 1e-2
