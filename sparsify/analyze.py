@@ -50,7 +50,8 @@ def analyze(
     require_tokenizer(tokenizer, source)
     seq_len = min(seq_len, getattr(model.config, "max_position_embeddings", seq_len))
     text = TextData(data, tokenizer, seq_len, eval_tokens=tokens)
-    stats = measure(model, spec, text.eval_blocks, batch_size)
+    measured = sum(block.numel() for block in text.eval_blocks)
+    stats = measure(model, spec, text.eval_blocks, batch_size, label=f"measuring ({measured:,} tokens)")
     plans = plan_model(model, spec, stats, text.eval_blocks, measure_kernels=measure_kernels, device=device)
     for layer, plan in zip(stats["layers"], plans):
         layer["recommended"] = {k: v for k, v in plan.items() if k != "stats"}

@@ -138,11 +138,14 @@ def convert(
     config.validate(getattr(model.config, "max_position_embeddings", None))
     text = TextData(data_spec, tokenizer, config.seq_len, config.eval_tokens)
     ppl = {}
+    eval_tokens = sum(block.numel() for block in text.eval_blocks)
+    labels = [f"{what} ({eval_tokens:,} held-out tokens)" if show_progress and main else None
+              for what in ("perplexity of the source", "perplexity after the ReLU swap", "measuring the trained model")]
 
     def source_perplexities(model, sharded=False):
         with original_mlps(model):
-            ppl["original"] = perplexity(model, text.eval_blocks, config.batch_size, sharded)
-        ppl["after swap"] = perplexity(model, text.eval_blocks, config.batch_size, sharded)
+            ppl["original"] = perplexity(model, text.eval_blocks, config.batch_size, sharded, label=labels[0])
+        ppl["after swap"] = perplexity(model, text.eval_blocks, config.batch_size, sharded, label=labels[1])
 
     mlps = relufy(model)
     if not fsdp:  # under FSDP on the sharded model, before the first step
@@ -154,7 +157,7 @@ def convert(
         evaluate=(lambda prepared: source_perplexities(prepared, sharded=True)) if fsdp else None,
     )
     model = result.model
-    stats = measure(model, spec, text.eval_blocks, config.batch_size, sharded=result.sharded)
+    stats = measure(model, spec, text.eval_blocks, config.batch_size, sharded=result.sharded, label=labels[2])
     ppl["after training"] = stats["perplexity"]
     captured = None
     if result.sharded:

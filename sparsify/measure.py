@@ -25,6 +25,7 @@ from twell import slots
 from twell.format import DENSE_HEAVY_UNITS
 
 from .families import FamilySpec, mlp_modules
+from .report import batch_progress
 
 TILES = (64, 128, 256)
 COMPRESSIONS = (2, 4, 8, 16)
@@ -44,18 +45,22 @@ def _batches(blocks: list[torch.Tensor], batch_size: int, sharded: bool = False)
 
 
 @torch.no_grad()
-def perplexity(model, blocks: list[torch.Tensor], batch_size: int = 8, sharded: bool = False) -> float:
-    """exp of the mean next-token cross-entropy over all predicted tokens of the blocks."""
-    return _forward(model, blocks, batch_size, sharded)
+def perplexity(model, blocks: list[torch.Tensor], batch_size: int = 8, sharded: bool = False,
+               label: str | None = None) -> float:
+    """exp of the mean next-token cross-entropy over all predicted tokens of the blocks; `label`: show a
+    progress bar with it (on the first process)."""
+    return _forward(model, blocks, batch_size, sharded, label=label)
 
 
-def _forward(model, blocks, batch_size, sharded=False, counters=()) -> float:
+def _forward(model, blocks, batch_size, sharded=False, counters=(), label=None) -> float:
     """Perplexity over the blocks; `counters` (gate hooks' callbacks) count only the counted batches."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # cross-entropy, predicted tokens
-    for ids, counted in _batches(blocks, batch_size, sharded):
+    batches = list(_batches(blocks, batch_size, sharded))
+    shown = label is not None and (not sharded or dist.get_rank() == 0)
+    for ids, counted in batch_progress(batches, label) if shown else batches:
         for counter in counters:
             counter.enabled = counted
         ids = ids.to(device)
@@ -156,17 +161,19 @@ def gate_hooks(model, spec: FamilySpec, callbacks: list):
 
 
 @torch.no_grad()
-def measure(model, spec: FamilySpec, blocks: list[torch.Tensor], batch_size: int = 8, sharded: bool = False) -> dict:
+def measure(model, spec: FamilySpec, blocks: list[torch.Tensor], batch_size: int = 8, sharded: bool = False,
+            label: str | None = None) -> dict:
     """{"tokens", "perplexity", "layers": [per-layer statistics]} over the blocks (one forward pass).
 
     Per layer: mean / median / p99 / max active units per token, sparsity (fraction of inactive units),
     dead_frac (units that never fired on this text), per tile width the max and p99.9 of active units
     per (token, tile) and the fraction of (token, tile) pairs overflowing each compression's slots (also
     counting only the pairs of tokens with at most DENSE_HEAVY_UNITS active units), and
-    position_active (mean active units at each sequence position). `sharded`: see the module docstring."""
+    position_active (mean active units at each sequence position). `sharded`: see the module docstring;
+    `label`: as for perplexity."""
     counters = [_LayerCounter() for _ in mlp_modules(model, spec)]
     with gate_hooks(model, spec, counters):
-        ppl = _forward(model, blocks, batch_size, sharded, counters)
+        ppl = _forward(model, blocks, batch_size, sharded, counters, label)
     if sharded:  # every process's counters, in rank order, merged on each
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, counters)

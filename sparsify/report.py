@@ -5,11 +5,20 @@ from __future__ import annotations
 from pathlib import Path
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from .plan import describe
 
 console = Console(stderr=True)
+
+
+def batch_progress(items: list, label: str):
+    """`items`, shown as a progress bar "label: i/n batches" while they are consumed (gone when done)."""
+    with Progress(TextColumn(f"[bold]{label}"), BarColumn(bar_width=None), MofNCompleteColumn(),
+                  TextColumn("batches"), TimeElapsedColumn(), TimeRemainingColumn(), console=console,
+                  transient=True) as progress:
+        yield from progress.track(items, total=len(items))
 
 
 def layer_table(layer_stats: list[dict], plan: list[dict], title: str, hybrid_share: list[float] | None = None) -> Table:
