@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import tempfile
+from contextlib import nullcontext
 from dataclasses import asdict
 from importlib.resources import files
 from pathlib import Path
@@ -36,7 +37,7 @@ from .measure import measure, perplexity
 from .plan import plan_model
 from .tune import capture_mlp_inputs, require_cuda
 from .relufy import original_mlps, relufy
-from .report import plot_training
+from .report import console, plot_training
 from .train import TrainConfig, gather_model, hybrid_share, on_cpu, train
 
 
@@ -163,7 +164,8 @@ def convert(
     if result.sharded:
         if measure_kernels:  # every process runs the forwards; the main one times the layers on them
             captured = capture_mlp_inputs(model, spec, text.eval_blocks, keep=main)
-        model = gather_model(model, mlps)
+        with console.status("gathering the trained weights into CPU memory") if labels[2] else nullcontext():
+            model = gather_model(model, mlps)
         if model is None:  # another process: the main one plans and exports
             return {"perplexity": ppl, "layers": stats["layers"], "log": result.log}
     plan = plan_model(model, spec, stats, text.eval_blocks, measure_kernels=measure_kernels and main, device=device,
