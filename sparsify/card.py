@@ -88,7 +88,8 @@ model = AutoModelForCausalLM.from_pretrained("<this repo or folder>")
 For decoding, `generate_graphed` (generation.py) is the fastest: no Python between tokens, each token one
 CUDA-graph replay of the compiled decode step (the first call of a batch size compiles and captures it,
 later calls that fit its cache reuse it; greedy, or `do_sample=True` with `temperature`, `top_k`, `top_p`;
-`attention_mask` for prompts padded on the left):
+`attention_mask` for prompts padded on the left; `streamer`, e.g. transformers' `TextStreamer`, gets the
+text 16 tokens at a time):
 
 ```python
 model.generate_graphed(input_ids, max_new_tokens=64, compile=True)

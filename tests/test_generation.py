@@ -64,14 +64,48 @@ def test_end_of_sequence_pads_and_stops_early():
     free = generate_graphed(model, ids, 30, eos_token_id=[])
     eos = int(free[0, 6 + 2])  # the first sequence's third new token
     out = generate_graphed(model, ids, 30, eos_token_id=eos, pad_token_id=1)
-    assert torch.equal(out, reference(model, ids, 30, eos_token_id=eos, pad_token_id=1)[:, :out.shape[1]])
+    assert torch.equal(out, reference(model, ids, 30, eos_token_id=eos, pad_token_id=1))  # ends where generate does
     first_end = [int((row[6:] == eos).nonzero()[0]) if (row[6:] == eos).any() else None for row in out]
     assert first_end[0] is not None and first_end[0] <= 2
     for row, end in zip(out, first_end):
         if end is not None:
             assert (row[6 + end + 1:] == 1).all()
-    if all(end is not None for end in first_end):  # all ended: stopped within CHECK_EVERY steps of the last end
-        assert out.shape[1] - 6 <= max(first_end) + CHECK_EVERY
+    alone = generate_graphed(model, ids[:1], 30, eos_token_id=eos)  # ends on its end-of-sequence token
+    assert alone.shape[1] == 6 + first_end[0] + 1 and alone[0, -1] == eos
+
+
+class Recorder:
+    """The streamer interface of transformers (put, end)."""
+
+    def __init__(self):
+        self.puts, self.ended = [], 0
+
+    def put(self, value):
+        self.puts.append(value)
+
+    def end(self):
+        self.ended += 1
+
+
+def test_streamer_gets_the_prompt_then_the_new_tokens():
+    model, tokenizer = tiny_model("llama")
+    ids = tiny_input_ids(1, 5)
+    recorder = Recorder()
+    out = generate_graphed(model, ids, 40, eos_token_id=[], streamer=recorder)
+    assert torch.equal(recorder.puts[0], ids) and recorder.ended == 1
+    assert [p.shape[1] for p in recorder.puts[1:]] == [CHECK_EVERY, CHECK_EVERY, 40 - 2 * CHECK_EVERY]
+    assert torch.equal(torch.cat(recorder.puts, dim=1), out)
+    eos = int(out[0, 5 + 20])  # ends within the second chunk: the streamer stops there too
+    recorder = Recorder()
+    out = generate_graphed(model, ids, 40, eos_token_id=eos, streamer=recorder)
+    assert torch.equal(torch.cat(recorder.puts, dim=1), out) and out[0, -1] == eos
+    from transformers import TextStreamer
+
+    printed = []
+    streamer = TextStreamer(tokenizer, skip_prompt=True)
+    streamer.on_finalized_text = lambda text, stream_end=False: printed.append(text)
+    out = generate_graphed(model, ids, 40, eos_token_id=[], streamer=streamer)
+    assert "".join(printed) == tokenizer.decode(out[0, 5:])
 
 
 def sampling(temperature=1.0, top_k=0, top_p=1.0):

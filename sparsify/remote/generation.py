@@ -126,9 +126,12 @@ class DecodeLoop:
                               **cache_arguments(self.model, self.cache, self.position), use_cache=True).logits
         self.advance(logits[:, -1])
 
-    def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-        """The prompt's prefill (directly), then up to max_new_tokens - 1 steps; stops early once every
-        sequence finished. Returns [batch, prompt + generated] token ids."""
+    def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
+            streamer=None) -> torch.Tensor:
+        """The prompt's prefill (directly), then up to max_new_tokens - 1 steps, checking every CHECK_EVERY
+        tokens whether every sequence finished. Returns [batch, prompt + generated] token ids, ending where
+        the last sequence ended, as generate's. `streamer` (transformers' streamer interface: put, end)
+        gets the prompt, then the new tokens every CHECK_EVERY tokens."""
         n = input_ids.shape[1]
         self.cache.reset()
         self.sequences.fill_(self.pad)
@@ -138,30 +141,44 @@ class DecodeLoop:
         self.pads.copy_(n - attention_mask.sum(-1, keepdim=True))
         self.finished.zero_()
         self.position.fill_(n - 1)
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
         positions = (torch.arange(n, device=input_ids.device) - self.pads).clamp(min=0)
         logits = self.model(input_ids=input_ids, attention_mask=self.mask, position_ids=positions,
                             **cache_arguments(self.model, self.cache, torch.arange(n, device=input_ids.device)),
                             use_cache=True, logits_to_keep=1).logits
         self.advance(logits[:, -1])
-        done = 1
-        while done < max_new_tokens:
-            if done % CHECK_EVERY == 0 and self.stop.numel() and bool(self.finished.all()):
-                break
+        done, sent = 1, 0  # tokens generated, and handed to the streamer
+        while True:
+            if done % CHECK_EVERY == 0 or done == max_new_tokens:  # the host waits for the GPU here
+                ended = bool(self.stop.numel()) and bool(self.finished.all())
+                if ended or done == max_new_tokens:
+                    break
+                if streamer is not None:
+                    streamer.put(self.sequences[:, n + sent:n + done].cpu())
+                    sent = done
             self.graph.replay() if self.graph is not None else self.step()
             done += 1
+        if ended:  # up to the step where the last sequence reached a stop id
+            stops = torch.isin(self.sequences[:, n:n + done], self.stop)
+            done = int(stops.int().argmax(-1).max()) + 1
+        if streamer is not None:
+            streamer.put(self.sequences[:, n + sent:n + done].cpu())
+            streamer.end()
         return self.sequences[:, :n + done].clone()
 
 
 @torch.inference_mode()
 def generate_graphed(model, input_ids: torch.Tensor, max_new_tokens: int, *, attention_mask=None,
                      do_sample: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                     eos_token_id=None, pad_token_id=None, compile: bool = False) -> torch.Tensor:
+                     eos_token_id=None, pad_token_id=None, compile: bool = False, streamer=None) -> torch.Tensor:
     """`model`'s continuation of `input_ids` [batch, prompt] (prompts of different lengths padded on the
     left, with `attention_mask` 0 there), like `model.generate(input_ids, attention_mask=...,
     max_new_tokens=..., do_sample=...)` for greedy decoding and for sampling with temperature, top_k and
-    top_p: [batch, prompt + new] ids, with pad_token_id after a sequence's end-of-sequence token and at
-    most CHECK_EVERY - 1 steps past the point where all sequences ended. eos_token_id (an id or a list;
-    [] for none) and pad_token_id default to the model's generation config. `compile`: the step's forward
+    top_p: [batch, prompt + new] ids, with pad_token_id after a sequence's end-of-sequence token, ending
+    where the last sequence ended (the decoding itself runs on by up to CHECK_EVERY - 1 steps). eos_token_id
+    (an id or a list; [] for none) and pad_token_id default to the model's generation config. `streamer`
+    (e.g. transformers' TextStreamer) gets the new tokens every CHECK_EVERY tokens. `compile`: the step's forward
     through torch.compile (fullgraph, static shapes) before capture, fastest (the first call compiles: 10 s
     for 4 layers of a 1.5B model on an H100 host). The first call of a batch size and of greedy or sampling
     (with its top_k, and top_p < 1 or not) captures the step (a few steps' time); later calls that fit its
@@ -196,7 +213,7 @@ def generate_graphed(model, input_ids: torch.Tensor, max_new_tokens: int, *, att
         held.key = key
     if held.loop.sampling is not None:
         held.loop.sampling.set(temperature, top_p)
-    return held.loop.run(input_ids, attention_mask.to(input_ids.device, torch.long), max_new_tokens)
+    return held.loop.run(input_ids, attention_mask.to(input_ids.device, torch.long), max_new_tokens, streamer)
 
 
 class HeldLoop:
