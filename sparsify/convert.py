@@ -32,13 +32,13 @@ from transformers.utils.hub import convert_file_size_to_int
 from .data import TextData, resolve as resolve_data
 from .errors import ConfigError, DataError
 from .export import check_output_dir, export_checkpoint
-from .load import demo_corpus_path, load_model, require_tokenizer, resolve_dtype
+from .load import demo_corpus_path, load_config, load_model, parameter_count, require_tokenizer, resolve_dtype
 from .measure import measure, perplexity
 from .plan import plan_model
 from .tune import capture_mlp_inputs, require_cuda
 from .relufy import original_mlps, relufy
 from .report import console, plot_training
-from .train import TrainConfig, gather_model, hybrid_share, on_cpu, train
+from .train import TrainConfig, check_training_memory, gather_model, hybrid_share, on_cpu, train
 
 
 def recipes_dir():
@@ -133,6 +133,7 @@ def convert(
     resolve_data(data_spec)  # missing / empty / unknown format: before loading any weight
 
     fsdp, rank0_loading = fsdp_launch()
+    check_training_memory(parameter_count(load_config(source)[0]), device, PartialState().num_processes, fsdp)
     model, tokenizer, spec = load_model(source, dtype=torch.float32, device="cpu" if fsdp else device,
                                         weights=main or not rank0_loading)
     require_tokenizer(tokenizer, source)

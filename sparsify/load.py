@@ -102,6 +102,16 @@ def load_model(source: str | Path, *, dtype: torch.dtype | str | None = None, de
     return model.to(device).eval(), load_tokenizer(where), spec
 
 
+def parameter_count(config) -> int:
+    """Parameters of the family model of `config` (tied ones once), counted on the meta device: no memory."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config)
+    model.tie_weights()
+    return sum(p.numel() for p in model.parameters())
+
+
 def _unloaded_model(config, dtype: torch.dtype):
     """The family model of `config` with uninitialized CPU parameters (each its own storage, as FSDP's
     preparation maps parameters by address) and computed buffers (rotary tables), weights tied."""

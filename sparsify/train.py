@@ -183,6 +183,25 @@ class TrainResult:
     sharded: bool = False
 
 
+TRAINING_BYTES = 16  # a parameter's fp32 weight and gradient and its two fp32 AdamW moments
+
+
+def check_training_memory(parameters: int, device: str | None, processes: int, sharded: bool) -> None:
+    """ConfigError when the training state alone (TRAINING_BYTES a parameter, before any activation) exceeds
+    the GPU's memory: the whole state on each GPU, or under FSDP (`sharded`) its share. Nothing on CPU."""
+    if on_cpu(device):
+        return
+    index = torch.device(device).index if device else None
+    total = torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()).total_memory
+    need = TRAINING_BYTES * parameters / (processes if sharded else 1)
+    if need > total:
+        fix = (f"use more than {processes} GPUs" if sharded else
+               "shard it over several GPUs: accelerate launch --config_file recipes/accelerate/fsdp.yaml "
+               "--num_processes N -m cli convert ...")
+        raise ConfigError(f"training {parameters / 1e9:.2f}B parameters needs {need / 2**30:.0f} GiB on each GPU for the "
+                          f"weights, gradients and AdamW state alone, and this GPU has {total / 2**30:.0f} GiB: {fix}")
+
+
 def on_cpu(device: str | None) -> bool:
     """Whether training runs on CPU. accelerate must be told (`cpu=True`) even without a GPU, else
     processes started by torchrun do not join one CPU (gloo) process group."""

@@ -216,3 +216,32 @@ def test_progress_line_shows_gpu_memory_when_logged():
              "dead_frac": 0.01, "layers": [{"path": "dense"}]}
     assert "mem" not in _progress_text(entry)
     assert _progress_text({**entry, "max_memory_gib": 12.34}).endswith("mem 12.3 GiB")
+
+
+def test_training_memory_is_checked_before_loading(monkeypatch, tmp_path):
+    """A model whose training state (16 bytes a parameter) exceeds the GPU stops before any weight is read,
+    naming FSDP; under FSDP the state is shared by the processes."""
+    from types import SimpleNamespace
+
+    from sparsify import convert, train as train_module
+    from sparsify.load import parameter_count
+
+    monkeypatch.setattr(train_module, "on_cpu", lambda device: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(total_memory=80 * 2**30))
+    check = train_module.check_training_memory
+    with pytest.raises(ConfigError, match="needs 119 GiB on each GPU.*has 80 GiB: shard it.*fsdp.yaml"):
+        check(8_000_000_000, None, 1, sharded=False)
+    check(8_000_000_000, "cuda:1", 2, sharded=True)  # 60 GiB each
+    with pytest.raises(ConfigError, match="use more than 1 GPUs"):
+        check(8_000_000_000, None, 1, sharded=True)
+    model, tokenizer = tiny_model("qwen2", tie_word_embeddings=True)
+    assert parameter_count(model.config) == sum(p.numel() for p in model.parameters())  # tied: once
+    model.save_pretrained(tmp_path / "src")
+    tokenizer.save_pretrained(tmp_path / "src")
+    monkeypatch.setattr(train_module, "TRAINING_BYTES", 2**40)  # this tiny model then needs more than 80 GiB
+    monkeypatch.setattr(convert, "load_model", lambda *a, **k: pytest.fail("weights read before the memory check"))
+    (tmp_path / "text.txt").write_text("some text " * 100)
+    with pytest.raises(ConfigError, match="on each GPU"):
+        convert.convert(str(tmp_path / "src"), tmp_path / "out", config(steps=1), data=str(tmp_path / "text.txt"),
+                        device=None, show_progress=False)
