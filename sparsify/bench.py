@@ -179,10 +179,10 @@ def mlp_layers(kernels, events) -> list[dict]:
     gpu, host = {}, {}
     for label, _, start, end in kernels:
         if label and label.startswith("mlp."):
-            gpu.setdefault(int(label[4:]), []).append((start, end))
+            gpu.setdefault(int(label.partition(".")[2]), []).append((start, end))
     for e in events:
         if e.name.startswith(RANGE + "mlp.") and e.device_type == DeviceType.CPU:
-            layer = int(e.name[len(RANGE) + 4:])
+            layer = int(e.name.rpartition(".")[2])
             host[layer] = host.get(layer, 0.0) + e.time_range.end - e.time_range.start
     return [{"gpu_ms": busy_us(gpu.get(i, [])) / 1e3, "host_ms": host.get(i, 0.0) / 1e3}
             for i in range(max([*gpu, *host], default=-1) + 1)]

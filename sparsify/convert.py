@@ -16,7 +16,6 @@ weights are gathered into the main process's CPU memory for the plan and the exp
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from contextlib import nullcontext
@@ -38,7 +37,7 @@ from .plan import plan_model
 from .tune import capture_mlp_inputs, require_cuda
 from .relufy import original_mlps, relufy
 from .report import console, plot_training
-from .train import TrainConfig, check_training_memory, gather_model, hybrid_share, on_cpu, train
+from .train import TrainConfig, check_training_memory, fsdp_launch, gather_model, hybrid_share, on_cpu, train
 
 
 def recipes_dir():
@@ -80,16 +79,6 @@ def load_recipe(recipe: str | Path | None, source: str) -> dict:
     if not isinstance(values, dict):
         raise ConfigError(f"recipe {path}: expected a mapping of training settings")
     return values
-
-
-def fsdp_launch() -> tuple[bool, bool]:
-    """(FSDP, rank-0 loading): whether `accelerate launch` started this process with an FSDP config (train()
-    checks that it runs as FSDP2), and whether that config has fsdp_cpu_ram_efficient_loading (accelerate's
-    preparation then broadcasts the main process's weights, so the other processes need not read them)."""
-    def flag(name):
-        return os.environ.get(name, "false").lower() == "true"
-
-    return flag("ACCELERATE_USE_FSDP"), flag("ACCELERATE_USE_FSDP") and flag("FSDP_CPU_RAM_EFFICIENT_LOADING")
 
 
 def resume_dir_for(out: str | Path) -> Path:
@@ -140,8 +129,9 @@ def convert(
     config.validate(getattr(model.config, "max_position_embeddings", None))
     text = TextData(data_spec, tokenizer, config.seq_len, config.eval_tokens)
     ppl = {}
+    shown = show_progress and main
     eval_tokens = sum(block.numel() for block in text.eval_blocks)
-    labels = [f"{what} ({eval_tokens:,} held-out tokens)" if show_progress and main else None
+    labels = [f"{what} ({eval_tokens:,} held-out tokens)" if shown else None
               for what in ("perplexity of the source", "perplexity after the ReLU swap", "measuring the trained model")]
 
     def source_perplexities(model, sharded=False):
@@ -155,7 +145,7 @@ def convert(
     result = train(
         model, mlps, lambda start, rank, world: text.train_batches(
             config.batch_size, start, rank, world, shuffle_buffer=config.shuffle_buffer, seed=config.seed), config,
-        resume_dir=resume_dir, resume=resume, device=device, show_progress=show_progress and main,
+        resume_dir=resume_dir, resume=resume, device=device, show_progress=shown,
         evaluate=(lambda prepared: source_perplexities(prepared, sharded=True)) if fsdp else None,
     )
     model = result.model
@@ -165,7 +155,7 @@ def convert(
     if result.sharded:
         if measure_kernels:  # every process runs the forwards; the main one times the layers on them
             captured = capture_mlp_inputs(model, spec, text.eval_blocks, keep=main)
-        with console.status("gathering the trained weights into CPU memory") if labels[2] else nullcontext():
+        with console.status("gathering the trained weights into CPU memory") if shown else nullcontext():
             model = gather_model(model, mlps)
         if model is None:  # another process: the main one plans and exports
             return {"perplexity": ppl, "layers": stats["layers"], "log": result.log}

@@ -104,21 +104,13 @@ def load_model(source: str | Path, *, dtype: torch.dtype | str | None = None, de
 
 def parameter_count(config) -> int:
     """Parameters of the family model of `config` (tied ones once), counted on the meta device: no memory."""
-    from accelerate import init_empty_weights
-
-    with init_empty_weights():
-        model = AutoModelForCausalLM.from_config(config)
-    model.tie_weights()
-    return sum(p.numel() for p in model.parameters())
+    return sum(p.numel() for p in _meta_model(config).parameters())
 
 
 def _unloaded_model(config, dtype: torch.dtype):
     """The family model of `config` with uninitialized CPU parameters (each its own storage, as FSDP's
     preparation maps parameters by address) and computed buffers (rotary tables), weights tied."""
-    from accelerate import init_empty_weights
-
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = _meta_model(config, dtype, buffers=False)
     for module in model.modules():
         for name, param in list(module._parameters.items()):
             if param is not None and param.is_meta:
@@ -126,6 +118,17 @@ def _unloaded_model(config, dtype: torch.dtype):
                                                               requires_grad=param.requires_grad)
     model.tie_weights()
     return model.eval()
+
+
+def _meta_model(config, dtype: torch.dtype | None = None, buffers: bool = True):
+    """The family model of `config` with its parameters (and with `buffers` its buffers) on the meta
+    device, weights tied."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=buffers):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.tie_weights()
+    return model
 
 
 # transformers 5 builds an empty tokenizer of the family's class from a folder without any of these.

@@ -405,12 +405,23 @@ def train(
                        sharded=accelerator.is_fsdp2)
 
 
+def fsdp_launch() -> tuple[bool, bool]:
+    """(FSDP, rank-0 loading): whether `accelerate launch` started this process with an FSDP config
+    (_check_fsdp makes sure it runs as FSDP2), and whether that config has fsdp_cpu_ram_efficient_loading
+    (accelerate's preparation then broadcasts the main process's weights, so the others need not read them)."""
+    def flag(name):
+        return os.environ.get(name, "false").lower() == "true"
+
+    fsdp = flag("ACCELERATE_USE_FSDP")
+    return fsdp, fsdp and flag("FSDP_CPU_RAM_EFFICIENT_LOADING")
+
+
 def _check_fsdp(accelerator: Accelerator) -> None:
     """An FSDP config that accelerate would not run as FSDP2 is an error, not a silent fallback."""
     if accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2:
         raise ConfigError("FSDP: sparsify trains with FSDP2 only; set fsdp_version: 2 in the accelerate config "
                           "(as recipes/accelerate/fsdp.yaml does)")
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and not accelerator.is_fsdp2:
+    if fsdp_launch()[0] and not accelerator.is_fsdp2:
         raise ConfigError(f"FSDP runs on GPUs only: accelerate runs these {accelerator.device.type} processes as "
                           f"{accelerator.distributed_type.value} (use `accelerate launch` without the FSDP config, or GPUs)")
 

@@ -88,6 +88,8 @@ class DecodeLoop:
         # padding length (its positions count from its first real token)
         self.mask = torch.zeros(batch, max_len, dtype=torch.long, device=device)
         self.pads = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        # the step writes at self.position (updated in place), so its cache arguments are made once
+        self.step_cache = cache_arguments(model, self.cache, self.position)
         host_counted = [type(layer).__name__ for layer in self.cache.layers if hasattr(layer, "cumulative_length_int")]
         if host_counted:
             raise ValueError(f"{host_counted[0]}: this cache counts positions on the host (sliding-window "
@@ -123,7 +125,7 @@ class DecodeLoop:
         """One decode step: the token at self.position through the model, the next one chosen (advance)."""
         tokens = self.sequences.index_select(1, self.position)
         logits = self.forward(input_ids=tokens, attention_mask=self.mask, position_ids=self.position - self.pads,
-                              **cache_arguments(self.model, self.cache, self.position), use_cache=True).logits
+                              **self.step_cache, use_cache=True).logits
         self.advance(logits[:, -1])
 
     def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
