@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 from sparsify.export import export_checkpoint
 from sparsify.families import spec_for
 from sparsify.relufy import relufy
-from sparsify.remote.generation import CACHE_ROUND, CHECK_EVERY, Sampling, choose, generate_graphed
+from sparsify.remote.generation import CACHE_ROUND, CHECK_EVERY, Sampling, choose, generate_graphed, padded_length
 
 from helpers import tiny_input_ids, tiny_model
 
@@ -39,6 +39,10 @@ def test_greedy_tokens_match_generate(family):
     assert generate_graphed(model, ids, 130, eos_token_id=[]).shape == (2, 137)
     assert model._decode_loop.loop is not loop and model._decode_loop.loop.max_len == 137
     assert copy.deepcopy(model)._decode_loop.loop is None  # a copy starts without the cache and graph
+
+
+def test_padded_length():
+    assert [padded_length(n) for n in (1, 16, 17, 100, 256, 257, 1100)] == [16, 16, 32, 128, 256, 512, 1280]
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -218,3 +222,8 @@ def test_graph_replay_matches_generate_on_gpu(tmp_path, compile):
         greedy_loop = loaded._decode_loop.loop
         assert torch.equal(generate_graphed(loaded, ids, 40, eos_token_id=[], compile=compile), expected)
         assert loaded._decode_loop.loop is greedy_loop
+        # prompts of 30 and 9 tokens ran padded to 32 and 16 through captured prefills; 7 tokens reuse 16's
+        assert sorted(greedy_loop.prefill_graphs) == [16, 32]
+        assert torch.equal(generate_graphed(loaded, ids[:, :7], 20, eos_token_id=[], compile=compile),
+                           reference(loaded, ids[:, :7], 20, eos_token_id=None, pad_token_id=0))
+        assert sorted(greedy_loop.prefill_graphs) == [16, 32]

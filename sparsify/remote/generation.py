@@ -5,11 +5,14 @@ cache bookkeeping; with a compiled static cache also the guards and the CUDA-gra
 a token, more than the GPU work of a 1.5B model, so a faster model decodes no faster there. Here one step
 (forward over a static KV cache, token choice, end-of-sequence bookkeeping, the token written into the output
 and the attention mask) is captured once as a CUDA graph and replayed: the host launches a graph a token and
-reads `finished` every CHECK_EVERY tokens. The graph and its static cache stay on the model and serve every
-later call of the same batch size and structural options (greedy or sampling, top_k, top-p on or off) that
-fits the cache: a new cache's length is rounded up to CACHE_ROUND, so prompts of other lengths reuse the
-captured (and compiled) step, and temperature and top_p are device scalars set at each call. One loop is
-kept at a time (a cache is batch x length x layers of keys and values).
+reads `finished` every CHECK_EVERY tokens. The prompt's prefill is a CUDA graph too (an eager prefill of a
+short prompt is host-bound: launching a 28-layer forward takes longer than running it): the prompt is
+left-padded to one of a few lengths (padded_length), each captured once. The graphs and the static cache
+stay on the model and serve every later call of the same batch size and structural options (greedy or
+sampling, top_k, top-p on or off) that fits the cache: a new cache's length is rounded up to CACHE_ROUND, so
+prompts of other lengths reuse the captured (and compiled) step, and temperature and top_p are device
+scalars set at each call. One loop is kept at a time (a cache is batch x length x layers of keys and
+values).
 Works for any causal LM of transformers whose static cache keeps its positions on the device (Llama, Mistral
 without a sliding window, Qwen2/3 and the like), dense or converted; off CUDA the same step runs directly.
 Shipped beside modeling_twell.py; imports torch and transformers only.
@@ -21,6 +24,14 @@ import torch
 CHECK_EVERY = 16  # tokens between the host's reads of `finished` (each read waits for the GPU)
 CACHE_ROUND = 256  # a new cache's length: prompt + new tokens rounded up to a multiple of this (at most the
 # model's max_position_embeddings, unless the call needs more)
+PREFILL_GRAPH_TOKENS = 4096  # the largest prefill (batch x padded prompt) captured as a graph: above it the GPU
+# work outlasts the launches, and a graph would keep that much activation memory
+
+
+def padded_length(n: int) -> int:
+    """The length a prompt of n tokens is left-padded to for its prefill: a power of two from 16 up to 256,
+    then a multiple of 256, so that few prefill graphs serve all prompt lengths at under 2x the tokens."""
+    return max(16, 1 << (n - 1).bit_length()) if n <= 256 else -(-n // 256) * 256
 
 
 def cache_arguments(model, cache, position: torch.Tensor) -> dict:
@@ -67,10 +78,10 @@ def choose(logits: torch.Tensor, sampling: Sampling | None) -> torch.Tensor:
 
 
 class DecodeLoop:
-    """A static KV cache for `batch` sequences of up to `max_len` tokens, the output buffer, and one decode
-    step over them (`step`), captured as a CUDA graph on CUDA; the attention mask over the cache slots
-    follows the tokens written. `sampling` is choose()'s (None: greedy), `stop` the end-of-sequence ids
-    (may be empty), `pad` what follows them."""
+    """A static KV cache for `batch` sequences of up to `max_len` tokens, the output buffer, one decode step
+    over them (`step`) and prefills of the padded prompt lengths (`prefill`), captured as CUDA graphs on CUDA;
+    the attention mask over the cache slots follows the tokens written. `sampling` is choose()'s (None:
+    greedy), `stop` the end-of-sequence ids (may be empty), `pad` what follows them."""
 
     def __init__(self, model, batch: int, max_len: int, device, sampling: Sampling | None, stop: tuple, pad: int,
                  compile: bool):
@@ -81,6 +92,7 @@ class DecodeLoop:
         self.forward = torch.compile(model, fullgraph=True, dynamic=False) if compile else model
         self.stop = torch.tensor(stop, dtype=torch.long, device=device)
         self.sequences = torch.full((batch, max_len), pad, dtype=torch.long, device=device)
+        self.slots = torch.arange(max_len, device=device)
         # the position of the newest token in self.sequences: the token the next step feeds to the model
         self.position = torch.zeros(1, dtype=torch.long, device=device)
         self.finished = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -94,23 +106,28 @@ class DecodeLoop:
         if host_counted:
             raise ValueError(f"{host_counted[0]}: this cache counts positions on the host (sliding-window "
                              "attention), which a captured step cannot advance; use model.generate")
-        self.graph = None
+        self.graph, self.prefill_graphs = None, {}  # prefill_graphs: padded prompt length -> graph
         if device.type == "cuda":
+            self.prefill_pool = torch.cuda.graph_pool_handle()  # one at a time runs: they share their memory
             self.mask[:, 0] = 1  # the warm-up steps start from slot 0
-            self._capture(device)
+            self.graph = self._capture(self.step)
 
-    def _capture(self, device):
-        """Warm-up steps on a side stream (they compile and plan the kernels and allocate the cache), then the
-        capture; the prompt's prefill resets what the warm-up wrote."""
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                self.step()
-        torch.cuda.current_stream(device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.step()
+    def _capture(self, fn, pool=None) -> torch.cuda.CUDAGraph:
+        """fn captured as a CUDA graph, after warm-up calls on a side stream (they compile and plan the
+        kernels and allocate the cache); the caller resets what they wrote. The random generator is left as
+        the warm-up found it, so that a seeded call samples alike whether or not it captured."""
+        device = self.sequences.device
+        with torch.random.fork_rng(devices=[device]):
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    fn()
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                fn()
+        return graph
 
     def advance(self, logits: torch.Tensor):
         """Takes the next token from `logits` [batch, vocab] for the position after self.position: pad for
@@ -128,28 +145,47 @@ class DecodeLoop:
                               **self.step_cache, use_cache=True).logits
         self.advance(logits[:, -1])
 
-    def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
-            streamer=None) -> torch.Tensor:
-        """The prompt's prefill (directly), then up to max_new_tokens - 1 steps, checking every CHECK_EVERY
-        tokens whether every sequence finished. Returns [batch, prompt + generated] token ids, ending where
-        the last sequence ended, as generate's. `streamer` (transformers' streamer interface: put, end)
-        gets the prompt, then the new tokens every CHECK_EVERY tokens."""
+    def prefill(self, length: int):
+        """The first `length` slots (a prompt, left-padded) through the model (eager: a compiled forward
+        would recompile for every length), the first new token chosen."""
+        slots = self.slots[:length]
+        logits = self.model(input_ids=self.sequences[:, :length], attention_mask=self.mask,
+                            position_ids=(slots - self.pads).clamp(min=0),
+                            **cache_arguments(self.model, self.cache, slots), use_cache=True, logits_to_keep=1).logits
+        self.advance(logits[:, -1])
+
+    def load(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, length: int):
+        """The state before a prefill: the prompt at slots length - n .. length - 1, padding before it."""
         n = input_ids.shape[1]
         self.cache.reset()
         self.sequences.fill_(self.pad)
-        self.sequences[:, :n] = input_ids
+        self.sequences[:, length - n:length] = input_ids
         self.mask.zero_()
-        self.mask[:, :n] = attention_mask
-        self.pads.copy_(n - attention_mask.sum(-1, keepdim=True))
+        self.mask[:, length - n:length] = attention_mask
+        self.pads.copy_(length - attention_mask.sum(-1, keepdim=True))
         self.finished.zero_()
-        self.position.fill_(n - 1)
+        self.position.fill_(length - 1)
+
+    def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
+            streamer=None) -> torch.Tensor:
+        """The prompt's prefill, then up to max_new_tokens - 1 steps, checking every CHECK_EVERY tokens
+        whether every sequence finished. Returns [batch, prompt + generated] token ids, ending where the
+        last sequence ended, as generate's. `streamer` (transformers' streamer interface: put, end) gets the
+        prompt, then the new tokens every CHECK_EVERY tokens."""
+        batch, n = input_ids.shape
+        length = padded_length(n)
+        graphed = length + max_new_tokens <= self.max_len and batch * length <= PREFILL_GRAPH_TOKENS
+        length = length if graphed else n  # a prefill without a graph runs unpadded
+        self.load(input_ids, attention_mask, length)
         if streamer is not None:
             streamer.put(input_ids.cpu())
-        positions = (torch.arange(n, device=input_ids.device) - self.pads).clamp(min=0)
-        logits = self.model(input_ids=input_ids, attention_mask=self.mask, position_ids=positions,
-                            **cache_arguments(self.model, self.cache, torch.arange(n, device=input_ids.device)),
-                            use_cache=True, logits_to_keep=1).logits
-        self.advance(logits[:, -1])
+        if graphed and self.graph is not None:
+            if length not in self.prefill_graphs:
+                self.prefill_graphs[length] = self._capture(lambda: self.prefill(length), self.prefill_pool)
+                self.load(input_ids, attention_mask, length)
+            self.prefill_graphs[length].replay()
+        else:
+            self.prefill(length)
         done, sent = 1, 0  # tokens generated, and handed to the streamer
         while True:
             if done % CHECK_EVERY == 0 or done == max_new_tokens:  # the host waits for the GPU here
@@ -157,17 +193,17 @@ class DecodeLoop:
                 if ended or done == max_new_tokens:
                     break
                 if streamer is not None:
-                    streamer.put(self.sequences[:, n + sent:n + done].cpu())
+                    streamer.put(self.sequences[:, length + sent:length + done].cpu())
                     sent = done
             self.graph.replay() if self.graph is not None else self.step()
             done += 1
         if ended:  # up to the step where the last sequence reached a stop id
-            stops = torch.isin(self.sequences[:, n:n + done], self.stop)
+            stops = torch.isin(self.sequences[:, length:length + done], self.stop)
             done = int(stops.int().argmax(-1).max()) + 1
         if streamer is not None:
-            streamer.put(self.sequences[:, n + sent:n + done].cpu())
+            streamer.put(self.sequences[:, length + sent:length + done].cpu())
             streamer.end()
-        return self.sequences[:, :n + done].clone()
+        return self.sequences[:, length - n:length + done].clone()
 
 
 @torch.inference_mode()
@@ -181,8 +217,8 @@ def generate_graphed(model, input_ids: torch.Tensor, max_new_tokens: int, *, att
     where the last sequence ended (the decoding itself runs on by up to CHECK_EVERY - 1 steps). eos_token_id
     (an id or a list; [] for none) and pad_token_id default to the model's generation config. `streamer`
     (e.g. transformers' TextStreamer) gets the new tokens every CHECK_EVERY tokens. `compile`: the step's forward
-    through torch.compile (fullgraph, static shapes) before capture, fastest (the first call compiles: 10 s
-    for 4 layers of a 1.5B model on an H100 host). The first call of a batch size and of greedy or sampling
+    through torch.compile (fullgraph, static shapes) before capture, fastest (the first call compiles: about
+    a minute for a 28-layer 1.5B model on an H100 host). The first call of a batch size and of greedy or sampling
     (with its top_k, and top_p < 1 or not) captures the step (a few steps' time); later calls that fit its
     cache reuse it, whatever their prompt length, temperature and top_p."""
     if input_ids.ndim != 2 or input_ids.shape[1] == 0 or max_new_tokens < 1:
@@ -204,12 +240,13 @@ def generate_graphed(model, input_ids: torch.Tensor, max_new_tokens: int, *, att
     pad = pad if pad is not None else (stop[0] if stop else 0)
     batch, n = input_ids.shape
     needed = n + max_new_tokens
+    wanted = padded_length(n) + max_new_tokens  # room for the padded prefill too
     key = (batch, str(input_ids.device), do_sample and (top_k, top_p < 1), stop, pad, compile)
     held = model.__dict__.setdefault("_decode_loop", HeldLoop())
     if held.key != key or held.loop.max_len < needed:
         held.key = held.loop = None  # the previous cache goes before the new one is allocated
         limit = getattr(model.config, "max_position_embeddings", None) or needed
-        length = max(needed, min(-(-needed // CACHE_ROUND) * CACHE_ROUND, limit))
+        length = max(needed, min(-(-wanted // CACHE_ROUND) * CACHE_ROUND, limit))
         sampling = Sampling(top_k, top_p < 1, input_ids.device) if do_sample else None
         held.loop = DecodeLoop(model, batch, length, input_ids.device, sampling, stop, pad, compile)
         held.key = key
