@@ -24,23 +24,24 @@ multi_gpu_check() {  # NAME N LAUNCHER...: the demo on N GPUs started by LAUNCHE
     timeout 150 python3 -m cli convert demo -o "$work/one" --steps 40 --hybrid-below 1000 --batch-size 16 --overwrite | tail -3 &&
     NAME="$name" WORK="$work" OUT="$OUT" python3 - <<'PY'
 import json, os
-import torch, triton
+import accelerate, torch, transformers, triton
 from safetensors.torch import load_file
 name, work, out = os.environ["NAME"], os.environ["WORK"], os.environ["OUT"]
 a, b = load_file(f"{work}/two/model.safetensors"), load_file(f"{work}/one/model.safetensors")
 result = dict(device=torch.cuda.get_device_name(), gpus=torch.cuda.device_count(), torch=torch.__version__,
-              triton=triton.__version__, command=f"benchmarks/gpu_suite.sh ({name} check)",
+              triton=triton.__version__, transformers=transformers.__version__, accelerate=accelerate.__version__,
+              command=f"benchmarks/gpu_suite.sh ({name} check)",
               max_rel_weight_diff=max(((a[k].float() - b[k].float()).norm() / b[k].float().norm()).item() for k in b))
 print("max rel weight diff launched vs plain:", result["max_rel_weight_diff"])
-for name in ("two", "one"):
-    log = json.load(open(f"{work}/{name}/training_log.json"))["log"]
-    result[name] = [dict(step=e["step"], loss=e["loss"], paths=[l["path"] for l in e["layers"]],
-                         hot_units=[l.get("hot_units", 0) for l in e["layers"]]) for e in log]
-    print(name, [(e["step"], round(e["loss"], 4), [l["path"][0] + str(l.get("hot_units", "")) for l in e["layers"]]) for e in log])
+for run in ("two", "one"):
+    log = json.load(open(f"{work}/{run}/training_log.json"))["log"]
+    result[run] = [dict(step=e["step"], loss=e["loss"], paths=[l["path"] for l in e["layers"]],
+                        hot_units=[l.get("hot_units", 0) for l in e["layers"]]) for e in log]
+    print(run, [(e["step"], round(e["loss"], 4), [l["path"][0] + str(l.get("hot_units", "")) for l in e["layers"]]) for e in log])
 json.dump(result, open(f"{out}/{name}_hybrid_check.json", "w"), indent=1)
 PY
 }
-step "GPU tests" timeout 200 python3 -m pytest -q -m gpu tests -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml"
+step "GPU tests" timeout 400 python3 -m pytest -q -m gpu tests -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml"
 step "converted demo on the kernels" timeout 120 python3 benchmarks/checkpoint_kernel_check.py "$checkpoint" --force-sparse 64 4 --json "$OUT/demo_kernel_check_h100.json"
 step "hybrid-routed vs dense conversion" timeout 200 python3 benchmarks/hybrid_convert.py --json "$OUT/hybrid_convert_h100.json"
 step "model bench (quick: 4 layers, batch-1 decode paths)" timeout 320 python3 benchmarks/model_bench.py --quick --out "$OUT" --work /tmp/mb
