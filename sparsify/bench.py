@@ -54,6 +54,7 @@ from __future__ import annotations
 import contextlib
 import json
 import platform
+import re
 import statistics
 import time
 from pathlib import Path
@@ -86,6 +87,7 @@ PATHS = {
 }
 COMPONENTS = ("mlp", "attention", "norm", "lm_head", "matmul", "other")
 RANGE = "sparsify::"  # prefix of the profiler ranges around modules
+LAUNCH_CALL = re.compile(r"cu(da)?Launch")  # CUDA runtime and driver launch calls (cudaLaunchKernel, cuLaunchKernelEx)
 # kernel-name fragments (lower case) of each component, for kernels outside a module range; first match wins
 KERNEL_NAMES = (("mlp", ("gate_pack", "twell", "compact_list", "relu")),
                 ("attention", ("flash", "fmha", "attention", "sdpa", "softmax")),
@@ -260,15 +262,21 @@ def launch_ids(prof) -> dict:
 def device_kernels(events, launches: dict | None = None) -> list:
     """(component, name, start_us, end_us) of each device activity among profiler `events`: the component of
     the module range around the op that launched it (linked by correlation id: the event's own, else
-    `launches` from launch_ids), None outside any range."""
+    `launches` from launch_ids), None outside any range. Triton's launcher calls the driver outside any op,
+    so its kernels link to no op; they share their own id with that launch call (cuLaunchKernelEx), which
+    sits in the range."""
     from torch.autograd import DeviceType
 
     def launch_id(e):
         linked = getattr(e, "linked_correlation_id", None)
         return linked if linked is not None else (launches or {}).get((e.time_range.start, e.time_range.end))
 
-    launched_by = {e.id: e for e in events if e.device_type == DeviceType.CPU and e.kernels}
-    return [(_range_of(launched_by.get(launch_id(e))), e.name, e.time_range.start, e.time_range.end)
+    cpu = [e for e in events if e.device_type == DeviceType.CPU]
+    launched_by = {e.id: e for e in cpu if e.kernels}
+    # API calls only: an op and an API call may carry the same number
+    api_calls = {e.id: e for e in cpu if LAUNCH_CALL.match(e.name)}
+    return [(_range_of(launched_by.get(launch_id(e)) or api_calls.get(e.id)), e.name, e.time_range.start,
+             e.time_range.end)
             for e in events if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
             and not e.name.startswith(RANGE)]
 

@@ -7,12 +7,12 @@ from rich.console import Console
 
 from sparsify.bench import (COMPONENTS, PATHS, RANGE, _range_of, bench_checkpoint, bench_table, busy_us, component_split,
                             device_kernels, kernel_component, launch_ids, logits_agreement, mlp_layers,
-                            module_component, module_ranges, path_row, plan_summary, write_json)
+                            module_component, module_ranges, path_row, plan_summary, profile_split, write_json)
 from sparsify.errors import ConfigError
 from sparsify.families import spec_for
 from sparsify.tune import WINDOW, capture_mlp_inputs, layer_plan, measure_plan
 
-from helpers import tiny_model
+from helpers import tiny_input_ids, tiny_model
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU error")
 
@@ -111,9 +111,9 @@ def test_device_kernels_find_the_range_that_launched_them():
     def cpu(id, name, parent=None, kernels=()):
         return Event(id=id, name=name, device_type=DeviceType.CPU, cpu_parent=parent, kernels=list(kernels))
 
-    def gpu(name, linked, start, end, annotation=False):
-        return Event(name=name, device_type=DeviceType.CUDA, linked_correlation_id=linked, is_user_annotation=annotation,
-                     time_range=Event(start=start, end=end))
+    def gpu(name, linked, start, end, annotation=False, id=0):
+        return Event(id=id, name=name, device_type=DeviceType.CUDA, linked_correlation_id=linked,
+                     is_user_annotation=annotation, time_range=Event(start=start, end=end))
 
     mlp = cpu(1, RANGE + "mlp.1")
     events = [mlp, cpu(2, "twell::gated_mlp", mlp, ["_gate_pack_kernel", "_twell_out_kernel"]),
@@ -131,6 +131,14 @@ def test_device_kernels_find_the_range_that_launched_them():
             del e.linked_correlation_id
     assert device_kernels(events, {(0.0, 8.0): 2, (2.0, 10.0): 2, (11.0, 12.0): 3}) == expected
     assert [k[0] for k in device_kernels(events)] == [None, None, None]
+    # a Triton kernel links to no op (linked id 0), only to its driver launch call by its own id, in the
+    # range; an op with the same number (ids of ops and API calls overlap) does not claim it
+    layer0 = cpu(4, RANGE + "mlp.0")
+    triton_events = [layer0, cpu(7, "cuLaunchKernelEx", layer0), cpu(7, "aten::empty"),
+                     gpu("_twell_out_kernel", 0, 20.0, 26.0, id=7)]
+    assert device_kernels(triton_events) == [("mlp.0", "_twell_out_kernel", 20.0, 26.0)]
+    triton_events[1] = cpu(7, "aten::empty", layer0)
+    assert device_kernels(triton_events) == [(None, "_twell_out_kernel", 20.0, 26.0)]
 
 
 def test_module_ranges_cover_each_component_once():
@@ -251,6 +259,29 @@ def test_model_bench_rejects_counts_below_one_before_any_work(tmp_path, capsys):
         model_bench.main(["--out", str(tmp_path), "--generate-repeats", "0"])
     assert "--generate-repeats must be positive, got 0" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.gpu
+def test_mlp_layers_find_the_triton_kernels_on_gpu(tmp_path):
+    """A converted model whose layers all run the kernels: each layer's MLP range gets its Triton kernels
+    (launched through the driver, outside any op), and the layers add up to the MLP total."""
+    from transformers import AutoModelForCausalLM
+
+    from sparsify.export import export_checkpoint
+    from sparsify.relufy import relufy
+
+    model, tokenizer = tiny_model("llama")
+    relufy(model)
+    plan = [{"mode": "sparse", "tile": 64, "compression": 2, "stats": {}}] * model.config.num_hidden_layers
+    path = export_checkpoint(model, tokenizer, tmp_path / "ckpt", spec=spec_for(model.config), plan=plan,
+                             training={"base_model": "someone/tiny-base", "tokens": 0, "steps": 0})
+    twell_model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True).cuda().eval()
+    ids = tiny_input_ids(2, 40).cuda()  # 80 tokens: the batched kernels, launched directly
+    with torch.inference_mode():
+        split = profile_split(lambda: twell_model.get_decoder()(input_ids=ids, use_cache=False), twell_model)
+    layers = split["mlp_layers"]
+    assert len(layers) == model.config.num_hidden_layers and all(l["gpu_ms"] > 0 for l in layers)
+    assert sum(l["gpu_ms"] for l in layers) == pytest.approx(split["mlp_ms"], rel=1e-3)
 
 
 @pytest.mark.gpu
