@@ -14,7 +14,8 @@ prompts of other lengths reuse the captured (and compiled) step, and temperature
 scalars set at each call. One loop is kept at a time (a cache is batch x length x layers of keys and
 values).
 Works for any causal LM of transformers whose static cache keeps its positions on the device (Llama, Mistral
-without a sliding window, Qwen2/3 and the like), dense or converted; off CUDA the same step runs directly.
+without a sliding window, Qwen2/3 and the like), dense or converted; off CUDA the same prefill and step run
+directly.
 Shipped beside modeling_twell.py; imports torch and transformers only.
 """
 import inspect
@@ -219,8 +220,9 @@ def generate_graphed(model, input_ids: torch.Tensor, max_new_tokens: int, *, att
     (e.g. transformers' TextStreamer) gets the new tokens every CHECK_EVERY tokens. `compile`: the step's forward
     through torch.compile (fullgraph, static shapes) before capture, fastest (the first call compiles: about
     a minute for a 28-layer 1.5B model on an H100 host). The first call of a batch size and of greedy or sampling
-    (with its top_k, and top_p < 1 or not) captures the step (a few steps' time); later calls that fit its
-    cache reuse it, whatever their prompt length, temperature and top_p."""
+    (with its top_k, and top_p < 1 or not) captures the step (a few steps' time), and the first prompt of
+    each padded length (padded_length) its prefill; later calls that fit the cache reuse them, whatever
+    their prompt length, temperature and top_p."""
     if input_ids.ndim != 2 or input_ids.shape[1] == 0 or max_new_tokens < 1:
         raise ValueError(f"input_ids must be [batch, prompt] with a prompt, and max_new_tokens positive; got "
                          f"{tuple(input_ids.shape)} and {max_new_tokens}")
