@@ -39,6 +39,9 @@ def test_greedy_tokens_match_generate(family):
     assert generate_graphed(model, ids, 130, eos_token_id=[]).shape == (2, 137)
     assert model._decode_loop.loop is not loop and model._decode_loop.loop.max_len == 137
     assert copy.deepcopy(model)._decode_loop.loop is None  # a copy starts without the cache and graph
+    loop = model._decode_loop.loop
+    model.to(torch.float64).to(torch.float32)  # the weights move: a graph would read their old addresses
+    assert torch.equal(generate_graphed(model, ids, 20, eos_token_id=[]), out) and model._decode_loop.loop is not loop
 
 
 def test_padded_length():
@@ -227,3 +230,6 @@ def test_graph_replay_matches_generate_on_gpu(tmp_path, compile):
         assert torch.equal(generate_graphed(loaded, ids[:, :7], 20, eos_token_id=[], compile=compile),
                            reference(loaded, ids[:, :7], 20, eos_token_id=None, pad_token_id=0))
         assert sorted(greedy_loop.prefill_graphs) == [16, 32]
+        loaded.cpu().cuda()  # the captured graphs would read the weights' old addresses: a new loop captures
+        assert torch.equal(generate_graphed(loaded, ids, 40, eos_token_id=[], compile=compile), expected)
+        assert loaded._decode_loop.loop is not greedy_loop

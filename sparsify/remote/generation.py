@@ -12,7 +12,8 @@ stay on the model and serve every later call of the same batch size and structur
 sampling, top_k, top-p on or off) that fits the cache: a new cache's length is rounded up to CACHE_ROUND, so
 prompts of other lengths reuse the captured (and compiled) step, and temperature and top_p are device
 scalars set at each call. One loop is kept at a time (a cache is batch x length x layers of keys and
-values).
+values); it is rebuilt when the model's weights move (another device or dtype): a graph reads the
+addresses it was captured with.
 Works for any causal LM of transformers whose static cache keeps its positions on the device (Llama, Mistral
 without a sliding window, Qwen2/3 and the like), dense or converted; off CUDA the same prefill and step run
 directly.
@@ -243,7 +244,8 @@ def generate_graphed(model, input_ids: torch.Tensor, max_new_tokens: int, *, att
     batch, n = input_ids.shape
     needed = n + max_new_tokens
     wanted = padded_length(n) + max_new_tokens  # room for the padded prefill too
-    key = (batch, str(input_ids.device), do_sample and (top_k, top_p < 1), stop, pad, compile)
+    weights = tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))
+    key = (batch, str(input_ids.device), do_sample and (top_k, top_p < 1), stop, pad, compile, weights)
     held = model.__dict__.setdefault("_decode_loop", HeldLoop())
     if held.key != key or held.loop.max_len < needed:
         held.key = held.loop = None  # the previous cache goes before the new one is allocated
