@@ -87,7 +87,8 @@ PATHS = {
 }
 COMPONENTS = ("mlp", "attention", "norm", "lm_head", "matmul", "other")
 RANGE = "sparsify::"  # prefix of the profiler ranges around modules
-LAUNCH_CALL = re.compile(r"cu(da)?Launch")  # CUDA runtime and driver launch calls (cudaLaunchKernel, cuLaunchKernelEx)
+# CUDA runtime and driver launch calls (cudaLaunchKernel, cuLaunchKernelEx, cudaGraphLaunch)
+LAUNCH_CALL = re.compile(r"cu(da)?(Graph)?Launch")
 # kernel-name fragments (lower case) of each component, for kernels outside a module range; first match wins
 KERNEL_NAMES = (("mlp", ("gate_pack", "twell", "compact_list", "relu")),
                 ("attention", ("flash", "fmha", "attention", "sdpa", "softmax")),
