@@ -176,12 +176,13 @@ class DecodeLoop:
         prompt, then the new tokens every CHECK_EVERY tokens."""
         batch, n = input_ids.shape
         length = padded_length(n)
-        graphed = length + max_new_tokens <= self.max_len and batch * length <= PREFILL_GRAPH_TOKENS
-        length = length if graphed else n  # a prefill without a graph runs unpadded
+        # padded where a graph may serve it (on CUDA one is captured, elsewhere the same prefill runs directly)
+        padded = length + max_new_tokens <= self.max_len and batch * length <= PREFILL_GRAPH_TOKENS
+        length = length if padded else n
         self.load(input_ids, attention_mask, length)
         if streamer is not None:
             streamer.put(input_ids.cpu())
-        if graphed and self.graph is not None:
+        if padded and self.graph is not None:
             if length not in self.prefill_graphs:
                 self.prefill_graphs[length] = self._capture(lambda: self.prefill(length), self.prefill_pool)
                 self.load(input_ids, attention_mask, length)
