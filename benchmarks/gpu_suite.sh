@@ -7,6 +7,7 @@
 # Results and logs go to $OUT.
 # Each step runs even if an earlier one failed; the exit status says whether all passed.
 #   bash benchmarks/gpu_suite.sh [CHECKPOINT]      (CHECKPOINT: a converted demo, default .gpu/demo-sparse)
+#   ONLY='2 GPUs' bash benchmarks/gpu_suite.sh     (only the steps whose title matches this regex)
 set -u -o pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT" /tmp/pp
 ln -sfn "$PWD/kernels" /tmp/pp/twell
@@ -15,7 +16,8 @@ checkpoint=${1:-.gpu/demo-sparse}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 status=0
-step() { echo "=== $1"; shift; "$@" || { echo "FAILED: $*"; status=1; }; }
+ONLY=${ONLY:-.}
+step() { [[ $1 =~ $ONLY ]] || return 0; echo "=== $1"; shift; "$@" || { echo "FAILED: $*"; status=1; }; }
 multi_gpu_check() {  # NAME N LAUNCHER...: the demo on N GPUs started by LAUNCHER against 1 GPU with all N batches
     local name=$1 gpus=$2; shift 2
     local work=/tmp/${name}_hybrid_check
