@@ -37,7 +37,8 @@ from .plan import plan_model
 from .tune import capture_mlp_inputs, require_cuda
 from .relufy import original_mlps, relufy
 from .report import console, plot_training
-from .train import TrainConfig, check_training_memory, fsdp_launch, gather_model, hybrid_share, on_cpu, train
+from .train import (TrainConfig, check_resume, check_training_memory, fsdp_launch, gather_model, hybrid_share,
+                    on_cpu, train)
 
 
 def recipes_dir():
@@ -114,8 +115,8 @@ def convert(
     if measure_kernels:
         require_cuda(device, "--measure")
     resume_dir = resume_dir_for(out)
-    if resume and not (resume_dir / "state.json").is_file():
-        raise ConfigError(f"--resume: no saved training state in {resume_dir}")
+    if resume:  # before loading any weight
+        check_resume(resume_dir, config, PartialState().num_processes)
     if data is None and source != "demo":
         raise DataError("--data is required (local .txt/.jsonl/.parquet files or folder, or a datasets name)")
     data_spec = data or demo_corpus_path()

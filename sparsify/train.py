@@ -273,6 +273,7 @@ def train(
     _check_fsdp(accelerator)
     set_seed(config.seed)
     world = accelerator.num_processes
+    saved = check_resume(resume_dir, config, world) if resume else None  # before any work
     total = config.total_steps(world)
     dead_window = config.dead_window_tokens or config.tokens_per_step(world)
 
@@ -303,12 +304,13 @@ def train(
     last_fired: torch.Tensor | None = None  # [layers, I]: token count at each unit's last firing
     step, log, elapsed, consumed = 0, [], 0.0, 0  # consumed: batches read over all ranks
     l1_reference = None  # L1_0 of `l1_relative`: measured on the first micro-batch
-    if resume:
-        state = _load(accelerator, resume_dir)
-        step, log, elapsed, consumed = state["step"], state["log"], state["seconds"], state["batches"]
-        l1_reference = state.get("l1_reference")
-        if state["last_fired"] is not None:
-            last_fired = state["last_fired"].to(accelerator.device)
+    if saved is not None:
+        accelerator.load_state(resume_dir)
+        step, log, elapsed, consumed = saved["step"], saved["log"], saved["seconds"], saved["batches"]
+        l1_reference = saved.get("l1_reference")
+        fired = torch.load(Path(resume_dir) / "last_fired.pt")
+        if fired is not None:
+            last_fired = fired.to(accelerator.device)
     routing = config.hybrid_below > 0 and hybrid_kernels_run(accelerator.device)
     # Resumed: the paths that followed the last log entry; else dense until the first measurement.
     paths = hybrid_paths(log[-1], config.hybrid_below) if routing and log else [False] * len(mlps)
@@ -383,7 +385,7 @@ def train(
         if resume_dir is None:
             raise
         state = {"step": step, "batches": consumed, "log": log, "seconds": time.perf_counter() - started,
-                 "last_fired": last_fired, "l1_reference": l1_reference}
+                 "last_fired": last_fired, "l1_reference": l1_reference, "processes": world}
         _save(accelerator, resume_dir, state, config)
         raise TrainingInterrupted(
             f"interrupted at step {step} of {total}; the training state is in {resume_dir}: "
@@ -546,11 +548,29 @@ def _save(accelerator: Accelerator, resume_dir, state: dict, config: TrainConfig
     accelerator.wait_for_everyone()
 
 
-def _load(accelerator: Accelerator, resume_dir) -> dict:
-    resume_dir = Path(resume_dir) if resume_dir is not None else None
-    if resume_dir is None or not (resume_dir / "state.json").is_file():
+# Settings a resumed run may change: they touch no saved state (measurement size, log cadence).
+RESUME_FREE = ("eval_tokens", "log_every")
+
+
+def check_resume(resume_dir, config: TrainConfig, processes: int) -> dict:
+    """The saved state (state.json) of `resume_dir`, after checking that this run continues it: the training
+    settings it was saved with (but RESUME_FREE: another batch size, schedule or L1 would make a run that is
+    neither) and as many processes (under FSDP each holds its shards; the batches per step depend on it).
+    ConfigError naming what differs otherwise."""
+    path = Path(resume_dir) / "state.json" if resume_dir is not None else None
+    if path is None or not path.is_file():
         raise ConfigError(f"--resume: no saved training state in {resume_dir}")
-    accelerator.load_state(resume_dir)
-    state = json.loads((resume_dir / "state.json").read_text())
-    state["last_fired"] = torch.load(resume_dir / "last_fired.pt")
+    state = json.loads(path.read_text())
+    saved = state.get("config", {})
+    current = json.loads(json.dumps(asdict(config)))  # as state.json holds it (tuples as lists)
+    changed = [f"{name} {saved[name]!r} -> {value!r}" for name, value in current.items()
+               if name in saved and name not in RESUME_FREE and saved[name] != value]
+    if changed:
+        raise ConfigError(f"--resume: the state in {resume_dir} was saved with other training settings "
+                          f"({'; '.join(changed)}); resume with the settings it was saved with, or start again "
+                          "without --resume")
+    saved_processes = state.get("processes", processes)
+    if saved_processes != processes:
+        raise ConfigError(f"--resume: the state in {resume_dir} was saved by {saved_processes} processes and this "
+                          f"run has {processes}: launch {saved_processes}")
     return state

@@ -113,6 +113,7 @@ def test_ctrl_c_then_resume(files, tmp_path, monkeypatch):
     assert not out.exists() and (tmp_path / "out.resume" / "state.json").is_file()
 
     monkeypatch.setattr(data_module.TextData, "train_batches", real)
+    assert_user_error(convert(files, "llama", out, "--steps", 8, "--resume"), "other training settings (steps 5 -> 8)")
     result = convert(files, "llama", out, "--steps", 5, "--resume")
     assert result.exit_code == 0, result.output
     log = json.loads((out / "training_log.json").read_text())["log"]

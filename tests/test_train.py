@@ -1,6 +1,7 @@
 """Training: the L1 term against a hand computation, config validation, the coefficient warm-up, dead-unit
 tracking, and Ctrl-C -> resume giving the same weights as an uninterrupted run."""
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -188,6 +189,30 @@ def test_interrupt_then_resume_equals_uninterrupted(tmp_path, relative):
     assert not result.sharded and not result.model.training
     for (name, a), b in zip(straight.named_parameters(), resumed.parameters()):
         torch.testing.assert_close(a, b, msg=name)
+
+
+def test_resume_needs_the_saved_settings_and_processes(tmp_path):
+    cfg = config(steps=6, log_every=2)
+    model, _ = tiny_model("llama")
+    with pytest.raises(TrainingInterrupted):
+        train(model, relufy(model), stop_after(3), cfg, resume_dir=tmp_path / "r", device="cpu", show_progress=False)
+    state_path = tmp_path / "r" / "state.json"
+    assert json.loads(state_path.read_text())["processes"] == 1
+
+    def resume(**changes):
+        resumed, _ = tiny_model("llama")
+        return train(resumed, relufy(resumed), batches_from(), dataclasses.replace(cfg, **changes),
+                     resume_dir=tmp_path / "r", resume=True, device="cpu", show_progress=False)
+
+    with pytest.raises(ConfigError, match=r"other training settings \(batch_size 2 -> 4; betas \[0.9, 0.95\] -> "
+                                          r"\[0.9, 0.99\]\)"):
+        resume(batch_size=4, betas=(0.9, 0.99))
+    state = json.loads(state_path.read_text())
+    state_path.write_text(json.dumps({**state, "processes": 2}))
+    with pytest.raises(ConfigError, match="saved by 2 processes and this run has 1: launch 2"):
+        resume()
+    state_path.write_text(json.dumps(state))
+    assert resume(log_every=3, eval_tokens=128).steps == 6  # measurement and logging settings may change
 
 
 def test_gradient_checkpointing_trains_the_same():
