@@ -82,6 +82,11 @@ def load_recipe(recipe: str | Path | None, source: str) -> dict:
     return values
 
 
+def _identity(where: str | Path) -> str:
+    """A source or data argument as a resumed run compares it: a local path made absolute, else as given."""
+    return str(Path(where).resolve()) if Path(where).exists() else str(where)
+
+
 def resume_dir_for(out: str | Path) -> Path:
     out = Path(out).expanduser().resolve()
     return out.with_name(out.name + ".resume")
@@ -115,11 +120,13 @@ def convert(
     if measure_kernels:
         require_cuda(device, "--measure")
     resume_dir = resume_dir_for(out)
-    if resume:  # before loading any weight
-        check_resume(resume_dir, config, PartialState().num_processes)
     if data is None and source != "demo":
         raise DataError("--data is required (local .txt/.jsonl/.parquet files or folder, or a datasets name)")
     data_spec = data or demo_corpus_path()
+    # what the training state depends on besides its settings: a resumed run must name the same
+    inputs = {"source": _identity(source), "data": _identity(data_spec)}
+    if resume:  # before loading any weight
+        check_resume(resume_dir, config, PartialState().num_processes, inputs)
     resolve_data(data_spec)  # missing / empty / unknown format: before loading any weight
 
     fsdp, rank0_loading = fsdp_launch()
@@ -147,7 +154,7 @@ def convert(
         model, mlps, lambda start, rank, world: text.train_batches(
             config.batch_size, start, rank, world, shuffle_buffer=config.shuffle_buffer, seed=config.seed), config,
         resume_dir=resume_dir, resume=resume, device=device, show_progress=shown,
-        evaluate=(lambda prepared: source_perplexities(prepared, sharded=True)) if fsdp else None,
+        evaluate=(lambda prepared: source_perplexities(prepared, sharded=True)) if fsdp else None, inputs=inputs,
     )
     model = result.model
     stats = measure(model, spec, text.eval_blocks, config.batch_size, sharded=result.sharded, label=labels[2])

@@ -263,17 +263,20 @@ def train(
     device: str | None = None,
     show_progress: bool = True,
     evaluate: Callable[[torch.nn.Module], None] | None = None,
+    inputs: dict | None = None,
 ) -> TrainResult:
     """Train `model` (in place; under FSDP see TrainResult.model). `batches(start, rank, world)` yields
     [batch, seq_len] token ids, starting after `start` batches consumed over all ranks. `evaluate(model)`, if
     given, runs on every process with the prepared model before the first step and before a resumed state
-    loads. Returns the log (one entry per logged step) and the trained model."""
+    loads. `inputs` (JSON values; convert: the source model and the data) is saved with an interrupted
+    state, and a resumed run must give the same (check_resume). Returns the log (one entry per logged step)
+    and the trained model."""
     cpu = on_cpu(device)
     accelerator = Accelerator(cpu=cpu, mixed_precision="no" if cpu else "bf16")
     _check_fsdp(accelerator)
     set_seed(config.seed)
     world = accelerator.num_processes
-    saved = check_resume(resume_dir, config, world) if resume else None  # before any work
+    saved = check_resume(resume_dir, config, world, inputs) if resume else None  # before any work
     total = config.total_steps(world)
     dead_window = config.dead_window_tokens or config.tokens_per_step(world)
 
@@ -385,7 +388,8 @@ def train(
         if resume_dir is None:
             raise
         state = {"step": step, "batches": consumed, "log": log, "seconds": time.perf_counter() - started,
-                 "last_fired": last_fired, "l1_reference": l1_reference, "processes": world}
+                 "last_fired": last_fired, "l1_reference": l1_reference, "processes": world,
+                 "inputs": inputs}
         _save(accelerator, resume_dir, state, config)
         raise TrainingInterrupted(
             f"interrupted at step {step} of {total}; the training state is in {resume_dir}: "
@@ -552,11 +556,11 @@ def _save(accelerator: Accelerator, resume_dir, state: dict, config: TrainConfig
 RESUME_FREE = ("eval_tokens", "log_every")
 
 
-def check_resume(resume_dir, config: TrainConfig, processes: int) -> dict:
+def check_resume(resume_dir, config: TrainConfig, processes: int, inputs: dict | None = None) -> dict:
     """The saved state (state.json) of `resume_dir`, after checking that this run continues it: the training
     settings it was saved with (but RESUME_FREE: another batch size, schedule or L1 would make a run that is
-    neither) and as many processes (under FSDP each holds its shards; the batches per step depend on it).
-    ConfigError naming what differs otherwise."""
+    neither), as many processes (under FSDP each holds its shards; the batches per step depend on it) and
+    the same `inputs` (see train). ConfigError naming what differs otherwise."""
     path = Path(resume_dir) / "state.json" if resume_dir is not None else None
     if path is None or not path.is_file():
         raise ConfigError(f"--resume: no saved training state in {resume_dir}")
@@ -569,6 +573,12 @@ def check_resume(resume_dir, config: TrainConfig, processes: int) -> dict:
         raise ConfigError(f"--resume: the state in {resume_dir} was saved with other training settings "
                           f"({'; '.join(changed)}); resume with the settings it was saved with, or start again "
                           "without --resume")
+    saved_inputs = state.get("inputs") or {}
+    changed = [f"{name} {saved_inputs[name]!r} -> {value!r}" for name, value in (inputs or {}).items()
+               if name in saved_inputs and saved_inputs[name] != value]
+    if changed:
+        raise ConfigError(f"--resume: the state in {resume_dir} was saved by a run on other inputs "
+                          f"({'; '.join(changed)}); resume with the same ones, or start again without --resume")
     saved_processes = state.get("processes", processes)
     if saved_processes != processes:
         raise ConfigError(f"--resume: the state in {resume_dir} was saved by {saved_processes} processes and this "

@@ -114,6 +114,9 @@ def test_ctrl_c_then_resume(files, tmp_path, monkeypatch):
 
     monkeypatch.setattr(data_module.TextData, "train_batches", real)
     assert_user_error(convert(files, "llama", out, "--steps", 8, "--resume"), "other training settings (steps 5 -> 8)")
+    other_data = run("convert", model_folder(files, "llama"), "-o", out, "--data", files / "corpus" / "train.jsonl",
+                     "--recipe", files / "recipe.yaml", "--steps", 5, "--resume")
+    assert_user_error(other_data, f"other inputs (data {str(files / 'corpus')!r} -> {str(files / 'corpus' / 'train.jsonl')!r})")
     result = convert(files, "llama", out, "--steps", 5, "--resume")
     assert result.exit_code == 0, result.output
     log = json.loads((out / "training_log.json").read_text())["log"]

@@ -194,19 +194,24 @@ def test_interrupt_then_resume_equals_uninterrupted(tmp_path, relative):
 def test_resume_needs_the_saved_settings_and_processes(tmp_path):
     cfg = config(steps=6, log_every=2)
     model, _ = tiny_model("llama")
+    inputs = {"source": "tiny-llama", "data": "corpus"}
     with pytest.raises(TrainingInterrupted):
-        train(model, relufy(model), stop_after(3), cfg, resume_dir=tmp_path / "r", device="cpu", show_progress=False)
+        train(model, relufy(model), stop_after(3), cfg, resume_dir=tmp_path / "r", device="cpu", show_progress=False,
+              inputs=inputs)
     state_path = tmp_path / "r" / "state.json"
     assert json.loads(state_path.read_text())["processes"] == 1
 
-    def resume(**changes):
+    def resume(data="corpus", **changes):
         resumed, _ = tiny_model("llama")
         return train(resumed, relufy(resumed), batches_from(), dataclasses.replace(cfg, **changes),
-                     resume_dir=tmp_path / "r", resume=True, device="cpu", show_progress=False)
+                     resume_dir=tmp_path / "r", resume=True, device="cpu", show_progress=False,
+                     inputs={**inputs, "data": data})
 
     with pytest.raises(ConfigError, match=r"other training settings \(batch_size 2 -> 4; betas \[0.9, 0.95\] -> "
                                           r"\[0.9, 0.99\]\)"):
         resume(batch_size=4, betas=(0.9, 0.99))
+    with pytest.raises(ConfigError, match=r"saved by a run on other inputs \(data 'corpus' -> 'other'\)"):
+        resume(data="other")
     state = json.loads(state_path.read_text())
     state_path.write_text(json.dumps({**state, "processes": 2}))
     with pytest.raises(ConfigError, match="saved by 2 processes and this run has 1: launch 2"):
