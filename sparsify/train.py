@@ -565,20 +565,18 @@ def check_resume(resume_dir, config: TrainConfig, processes: int, inputs: dict |
     if path is None or not path.is_file():
         raise ConfigError(f"--resume: no saved training state in {resume_dir}")
     state = json.loads(path.read_text())
-    saved = state.get("config", {})
-    current = json.loads(json.dumps(asdict(config)))  # as state.json holds it (tuples as lists)
-    changed = [f"{name} {saved[name]!r} -> {value!r}" for name, value in current.items()
-               if name in saved and name not in RESUME_FREE and saved[name] != value]
-    if changed:
-        raise ConfigError(f"--resume: the state in {resume_dir} was saved with other training settings "
-                          f"({'; '.join(changed)}); resume with the settings it was saved with, or start again "
-                          "without --resume")
-    saved_inputs = state.get("inputs") or {}
-    changed = [f"{name} {saved_inputs[name]!r} -> {value!r}" for name, value in (inputs or {}).items()
-               if name in saved_inputs and saved_inputs[name] != value]
-    if changed:
-        raise ConfigError(f"--resume: the state in {resume_dir} was saved by a run on other inputs "
-                          f"({'; '.join(changed)}); resume with the same ones, or start again without --resume")
+
+    def differences(saved: dict | None, current: dict) -> str:
+        current = json.loads(json.dumps(current))  # as state.json holds it (tuples as lists)
+        return "; ".join(f"{name} {saved[name]!r} -> {value!r}" for name, value in current.items()
+                         if name in (saved or {}) and name not in RESUME_FREE and saved[name] != value)
+
+    for what, key, current in (("with other training settings", "config", asdict(config)),
+                               ("by a run on other inputs", "inputs", inputs or {})):
+        changed = differences(state.get(key), current)
+        if changed:
+            raise ConfigError(f"--resume: the state in {resume_dir} was saved {what} ({changed}); resume with the "
+                              "same, or start again without --resume")
     saved_processes = state.get("processes", processes)
     if saved_processes != processes:
         raise ConfigError(f"--resume: the state in {resume_dir} was saved by {saved_processes} processes and this "
