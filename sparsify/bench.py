@@ -3,7 +3,7 @@
 The checkpoint loads twice in bf16: plain (the family's own class with a ReLU gate: dense math, no
 remote code) and with trust_remote_code=True (TwellGatedMLP: each layer on its planned kernel setting).
 Each row of the result is one path, timed for both loads in turn (CUDA events, medians after warm-up;
-every timed call kept as `samples_ms`). The host-bound generate rows take `generate_repeats` calls a load
+every timed call kept as `samples_ms`, and `paired_speedup` the median of each round's ratio). The host-bound generate rows take `generate_repeats` calls a load
 (default 7, against `repeats` for the others): on a shared host the same eager `generate` varies by up
 to 1.6x from call to call, which a median of 3 does not settle:
 - "prefill": the decoder stack (no LM head) over batch x seq_len token ids, eager;
@@ -126,10 +126,14 @@ def versions() -> dict:
 
 def path_row(path: str, batch: int, tokens: int, seconds: dict, samples: dict | None = None, **extra) -> dict:
     """One result row: dense and twell ms per call of `tokens` tokens (`seconds`: the median of the timed
-    calls in `samples`), tokens/s, and the speed-up."""
+    calls in `samples`), tokens/s, and the speed-up. With samples, also `paired_speedup`: the median over
+    the timed rounds of dense / twell within a round (the loads take turns, so a round's two calls share
+    the host's state of the moment: steadier than the ratio of medians where the host drifts)."""
     loads = {name: {"ms": 1e3 * s, "tokens_per_s": tokens / s} for name, s in seconds.items()}
     for name, times in (samples or {}).items():
         loads[name]["samples_ms"] = [1e3 * t for t in times]
+    if samples:
+        extra["paired_speedup"] = statistics.median(d / t for d, t in zip(samples["dense"], samples["twell"]))
     return {"path": path, "what": PATHS[path], "batch": batch, "tokens": tokens, **loads,
             "speedup": seconds["dense"] / seconds["twell"], **extra}
 
@@ -532,7 +536,7 @@ def bench_table(result: dict):
                                       f"{100 * c['greedy_match']:.0f}% (common prefix {c['greedy_common_prefix']:.1f} "
                                       f"of {CHECK_NEW}); paths: {'; '.join(f'{k}: {v}' for k, v in PATHS.items())}")
     for column in ("path", "batch", "tokens", "dense ms", "twell ms", "dense tokens/s", "twell tokens/s",
-                   "speed-up", "check"):
+                   "speed-up (pairs)", "check"):
         rows.add_column(column, justify="left" if column == "path" else "right")
     parts = ("wall", "gpu_busy", "gpu_idle", *COMPONENTS)
     split = Table(title="breakdown: ms per call (GPU ms per component; idle = wall - busy)")
@@ -549,7 +553,9 @@ def bench_table(result: dict):
             check += f"; compile {row['compile_s']['dense']:.0f}/{row['compile_s']['twell']:.0f} s"
         rows.add_row(row["path"], str(row["batch"]), str(row["tokens"]), f"{row['dense']['ms']:.2f}",
                      f"{row['twell']['ms']:.2f}", f"{row['dense']['tokens_per_s']:,.0f}",
-                     f"{row['twell']['tokens_per_s']:,.0f}", f"{row['speedup']:.2f}x", check)
+                     f"{row['twell']['tokens_per_s']:,.0f}",
+                     f"{row['speedup']:.2f}x" + (f" ({row['paired_speedup']:.2f}x)" if "paired_speedup" in row else ""),
+                     check)
         for load in ("dense", "twell"):
             b = row["breakdown"][load]
             split.add_row(row["path"], str(row["batch"]), load, *(f"{b[f'{p}_ms']:.2f}" for p in parts))

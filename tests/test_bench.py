@@ -44,7 +44,8 @@ def split(**ms):
 def result():
     prefill = path_row("prefill", 64, 131072, {"dense": 1.0, "twell": 0.8},
                        breakdown={"dense": split(mlp=6.0), "twell": split(mlp=4.0)})
-    compiled = path_row("generate_compiled", 1, 64, {"dense": 0.4, "twell": 0.25}, greedy_match=1.0,
+    compiled = path_row("generate_compiled", 1, 64, {"dense": 0.4, "twell": 0.25},
+                        {"dense": [0.4, 0.5, 0.4], "twell": [0.25, 0.25, 0.2]}, greedy_match=1.0,
                         compile_s={"dense": 61.0, "twell": 58.0}, breakdown={"dense": split(), "twell": split()})
     step = path_row("decode_step_graph", 8, 8, {"dense": 0.002, "twell": 0.00125}, logits_rel_err=5e-3,
                     breakdown={"dense": split(), "twell": split()})
@@ -61,13 +62,15 @@ def test_path_row():
     sampled = path_row("generate_eager", 1, 64, {"dense": 2.0, "twell": 1.6},
                        {"dense": [2.0, 3.1, 1.9], "twell": [1.6, 1.5, 2.4]})
     assert sampled["dense"]["samples_ms"] == [2000.0, 3100.0, 1900.0] and sampled["dense"]["ms"] == 2000.0
+    assert sampled["paired_speedup"] == pytest.approx(1.25)  # rounds: 2.0/1.6, 3.1/1.5, 1.9/2.4
+    assert "paired_speedup" not in row
 
 
 def test_table_and_json(tmp_path):
     console = Console(record=True, width=400)
     console.print(bench_table(result()))
     text = console.export_text()
-    assert "1.25x" in text and "1.60x" in text and "29.3" in text and "1/2 layers sparse" in text
+    assert "1.25x" in text and "1.60x (2.00x)" in text and "29.3" in text and "1/2 layers sparse" in text
     assert "4.0e-03" in text and "rel. err 5.0e-03" in text and "compile 61/58 s" in text and "greedy 100%" in text
     assert "131072" in text and "6.00" in text  # the dense prefill's MLP ms in the breakdown
     path = write_json(result(), tmp_path / "sub" / "bench.json")
