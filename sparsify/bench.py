@@ -3,9 +3,10 @@
 The checkpoint loads twice in bf16: plain (the family's own class with a ReLU gate: dense math, no
 remote code) and with trust_remote_code=True (TwellGatedMLP: each layer on its planned kernel setting).
 Each row of the result is one path, timed for both loads in turn (CUDA events, medians after warm-up;
-every timed call kept as `samples_ms`, and `paired_speedup` the median of each round's ratio). The host-bound generate rows take `generate_repeats` calls a load
-(default 7, against `repeats` for the others): on a shared host the same eager `generate` varies by up
-to 1.6x from call to call, which a median of 3 does not settle:
+every timed call kept as `samples_ms`, and `paired_speedup` the median of each round's ratio). The
+host-bound generate rows take `generate_repeats` calls a load (default 7, against `repeats` for the
+others): on a shared host the same eager `generate` varies by up to 1.6x from call to call, which a median
+of 3 does not settle:
 - "prefill": the decoder stack (no LM head) over batch x seq_len token ids, eager;
 - "prefill_compiled": the same call through torch.compile(fullgraph=True, dynamic=False) (inductor, default
   mode: the norms, rotary embeddings and other elementwise work fused; the TwELL kernels stay one custom
