@@ -110,7 +110,8 @@ def convert(
     """Convert `source` into a sparse checkpoint at `out`; returns the summary (perplexities, per-layer
     statistics and plan, training log). `measure_kernels` plans each layer by timing the kernel settings
     on this GPU (sparsify.tune) instead of by the cost model."""
-    main = PartialState(cpu=on_cpu(device)).is_main_process
+    launch = PartialState(cpu=on_cpu(device))
+    main, processes = launch.is_main_process, launch.num_processes
     out = check_output_dir(out, overwrite)
     try:
         convert_file_size_to_int(max_shard_size)
@@ -126,11 +127,11 @@ def convert(
     # what the training state depends on besides its settings: a resumed run must name the same
     inputs = {"source": _identity(source), "data": _identity(data_spec)}
     if resume:  # before loading any weight
-        check_resume(resume_dir, config, PartialState().num_processes, inputs)
+        check_resume(resume_dir, config, processes, inputs)
     resolve_data(data_spec)  # missing / empty / unknown format: before loading any weight
 
     fsdp, rank0_loading = fsdp_launch()
-    check_training_memory(parameter_count(load_config(source)[0]), device, PartialState().num_processes, fsdp)
+    check_training_memory(parameter_count(load_config(source)[0]), device, processes, fsdp)
     model, tokenizer, spec = load_model(source, dtype=torch.float32, device="cpu" if fsdp else device,
                                         weights=main or not rank0_loading)
     require_tokenizer(tokenizer, source)

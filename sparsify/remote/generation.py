@@ -73,7 +73,8 @@ def choose(logits: torch.Tensor, sampling: Sampling | None) -> torch.Tensor:
     if sampling.nucleus:
         ordered, order = scores.sort(dim=-1, descending=True)
         # drop a token once the tokens ranked above it already hold top_p of the mass (the first always stays)
-        above = ordered.softmax(-1).cumsum(-1) - ordered.softmax(-1)
+        probs = ordered.softmax(-1)
+        above = probs.cumsum(-1) - probs
         scores = scores.scatter(-1, order, ordered.masked_fill(above >= sampling.top_p, float("-inf")))
     # a sample from the softmax without torch.multinomial's host synchronization: argmax of p / Exp(1) noise
     return (scores.softmax(-1) / torch.empty_like(scores).exponential_()).argmax(-1)
