@@ -16,6 +16,7 @@ positive), so every (row, tile) overflows: the cost of the decode overflow fallb
   python benchmarks/bench_inference.py --grid tiles ... --json out.json --resume  # finish a run cut short
   python benchmarks/bench_inference.py --heavy-rows --json out.json    # tokens with thousands of active units
   python benchmarks/bench_inference.py --first-tokens --json out.json  # one such token every 2048: span vs dense
+  python benchmarks/bench_inference.py --decode-first-token --json out.json  # one such token in a decode-size call
   python benchmarks/bench_inference.py --decode-paths --json out.json  # decode against batched path, 8-64 tokens
   python benchmarks/bench_inference.py --host-time --json out.json     # host time of one call, eager
   python benchmarks/bench_inference.py --sweep       # launch-config sweep at D=2048, I=5632
@@ -100,23 +101,23 @@ def sparse(x, w, tile, compression, precision="default"):
                            precision=precision)
 
 
-def gate_pack(x, gate, tile, compression, cfg, up=None):
-    """The gate launch alone: TwELL of relu(x @ gate^T), h = relu(g) * u with up (decode); returns
-    (TwELL, dense_h), dense_h holding the overflowing (row, tile) pairs' values with up."""
+def gate_pack(x, gate, tile, compression, cfg, up=None, down_t=None):
+    """The gate launch alone: TwELL of relu(x @ gate^T), h = relu(g) * u with up and down_t (decode);
+    returns (TwELL, partials), partials holding the overflowing (row, tile) pairs' output rows with up."""
     tw = empty_twell(x.shape[0], gate.shape[0], tile, compression, x.dtype, x.device)
-    dense_h = tw.values if up is None else torch.empty(x.shape[0], gate.shape[0], dtype=x.dtype, device=x.device)
-    gate_launch(x, gate, up, tile, tw.values.shape[2], x.dtype, cfg, dense_h=up is not None)(
-        x, gate, gate if up is None else up, *tw[:3], dense_h)
-    return tw, dense_h
+    partials = tw.values if up is None else torch.empty(*tw.counts.shape, x.shape[1], device=x.device)
+    gate_launch(x, gate, up, tile, tw.values.shape[2], x.dtype, cfg, partials=up is not None)(
+        x, gate, gate if up is None else up, gate if up is None else down_t, *tw[:3], partials)
+    return tw, partials
 
 
 def twell_out(x, packed, w, cfg, packed_h=False):
     """The out launch alone, on gate_pack's result (packed_h: it holds h, decode path)."""
-    tw, dense_h = packed
+    tw, partials = packed
     down_t = w["down_p"].t()
     out = torch.empty_like(x)
     out_launch(x, tw.width, tw.tile, tw.values.shape[2], True, False, False, cfg, packed_h=packed_h)(
-        x, *tw[:3], dense_h, w["gate"], w["up"], down_t, out, tw.counts)
+        x, *tw[:3], partials, w["gate"], w["up"], down_t, out, tw.counts)
     return out
 
 
@@ -133,17 +134,16 @@ def plan_launches(x, layers, tile=128, compression=8):
         tw = (torch.empty(plan.twell_shape, dtype=plan.vals_dtype, device=x.device),
               torch.empty(plan.twell_shape, dtype=torch.int32, device=x.device),
               torch.empty(plan.twell_shape[:2], dtype=torch.int32, device=x.device))
-        dense_h = tw[0] if plan.dense_h_shape is None else torch.empty(plan.dense_h_shape, dtype=plan.vals_dtype,
-                                                                        device=x.device)
-        bufs[id(lw)] = tw, dense_h, torch.empty_like(x)
+        partials = tw[0] if plan.partials_shape is None else torch.empty(plan.partials_shape, device=x.device)
+        bufs[id(lw)] = tw, partials, torch.empty_like(x)
 
     def gate(lw):
-        tw, dense_h, _ = bufs[id(lw)]
-        plan.gate(x, lw["gate"], lw["up"], *tw, dense_h)
+        tw, partials, _ = bufs[id(lw)]
+        plan.gate(x, lw["gate"], lw["up"], lw["down_p"].t(), *tw, partials)
 
     def out(lw):
-        tw, dense_h, o = bufs[id(lw)]
-        plan.out(x, *tw, dense_h, lw["gate"], lw["up"], lw["down_p"].t(), o, tw[2])
+        tw, partials, o = bufs[id(lw)]
+        plan.out(x, *tw, partials, lw["gate"], lw["up"], lw["down_p"].t(), o, tw[2])
 
     for lw in layers:
         gate(lw)
@@ -277,14 +277,16 @@ def sweep():
         for tile, bk, stages in ((32, 256, 3), (64, 256, 3), (64, 128, 4), (128, 128, 3), (128, 128, 4)):
             cfg = dict(BM=bm, BK=bk, GROUP_M=1, num_warps=4, num_stages=stages)
             try:
-                t = do_bench_cudagraph(lambda: [gate_pack(x, lw["gate"], tile, 8, cfg, up=lw["up"])
+                t = do_bench_cudagraph(lambda: [gate_pack(x, lw["gate"], tile, 8, cfg, up=lw["up"],
+                                                          down_t=lw["down_p"].t())
                                                 for lw in layers], return_mode="median") / LAYERS
             except Exception as e:
                 print("gate", m, tile, cfg, "failed:", type(e).__name__)
                 continue
             rows.append(dict(kernel="gate_up", M=m, tile=tile, **cfg, ms=t))
             print(rows[-1])
-        tws = [gate_pack(x, lw["gate"], 64, 8, gate_config(m, 64, 2, decode=True), up=lw["up"]) for lw in layers]
+        tws = [gate_pack(x, lw["gate"], 64, 8, gate_config(m, 64, 2, decode=True), up=lw["up"],
+                         down_t=lw["down_p"].t()) for lw in layers]
         ref = reference(x, layers[0])
         for ch in (16, 32):
             for bd in (64, 128, 256):
@@ -323,12 +325,12 @@ def heavy_rows():
                 heavy_at = list(range(0, m, every)) if every else [m // 2]
                 if heavy:
                     make_heavy(x, heavy_at, heavy, i)
-                tw, dense_h = gate_pack(x, w["gate"], HEAVY_TILE, compression, gate_config(m, HEAVY_TILE, 2, False))
+                tw, partials = gate_pack(x, w["gate"], HEAVY_TILE, compression, gate_config(m, HEAVY_TILE, 2, False))
                 counts = tw.counts.sum(1)
                 block = lambda: sparse(x, w, HEAVY_TILE, compression)
                 out = block()
                 ref = reference(x[heavy_at], w)
-                out_ms = do_bench(lambda: twell_out(x, (tw, dense_h), w, out_config(m, d, False)),
+                out_ms = do_bench(lambda: twell_out(x, (tw, partials), w, out_config(m, d, False)),
                                   return_mode="median")
                 block_ms = do_bench(block, return_mode="median")
                 dense_ms = do_bench(lambda: dense(x, w), return_mode="median")
@@ -422,6 +424,31 @@ def host_times():
     return rows
 
 
+def decode_first_token():
+    """Decode-size calls (1-64 tokens, the plan's compression 16) with one heavy first token (HEAVY_FIRST
+    units) against the same call without it, at D 2048 / I 5632: the heavy row's overflowing tiles go through
+    the gate programs' partial rows. CUDA-graph replays over the layer copies, per layer; the heavy row
+    checked against fp32 in the same run."""
+    d, i = 2048, 5632
+    layers = [make_layer(d, i, HEAVY_K) for _ in range(LAYERS)]
+    rows = []
+    for m in (1, 2, 8, 16, 33, 64):
+        for heavy in (0, HEAVY_FIRST):
+            x = make_x(m, d)
+            if heavy:
+                make_heavy(x, [0], heavy, i)
+            ref = reference(x[:1], layers[0])
+            active = int((x[:1].float() @ layers[0]["gate"].float().t() > 0).sum())
+            dense_us = per_layer_us(lambda lw: dense(x, lw), layers)
+            twell_us = per_layer_us(lambda lw: sparse(x, lw, HEAVY_TILE, 16), layers)
+            first = sparse(x, layers[0], HEAVY_TILE, 16)[:1]
+            row = dict(D=d, I=i, M=m, first_token_units=active, dense_us=dense_us, twell_us=twell_us,
+                       speedup=dense_us / twell_us, first_token_rel_err=rel_err(first, ref))
+            print_row(row)
+            rows.append(row)
+    return rows
+
+
 def decode_paths():
     """Decode path against batched path at 8-64 tokens on the benchmark and real shapes, each forced through
     `decode_rows` (CUDA-graph replays over the layer copies, per layer; each checked against fp32): the
@@ -455,6 +482,8 @@ def main():
     mode.add_argument("--host-time", action="store_true", help="host time of one eager call against its GPU time")
     mode.add_argument("--first-tokens", action="store_true",
                       help="a heavy first token every 2048 tokens, through the span kernel and the dense block")
+    mode.add_argument("--decode-first-token", action="store_true",
+                      help="one heavy first token in a decode-size call (1-64 tokens)")
     p.add_argument("--json", default=None)
     p.add_argument("--resume", action="store_true",
                    help="keep the rows already in --json (a run cut short) and measure only the missing ones")
@@ -480,6 +509,8 @@ def main():
         result = dict(meta, k=HEAVY_K, tile=HEAVY_TILE, rows=host_times())
     elif args.first_tokens:
         result = dict(meta, k=HEAVY_K, tile=HEAVY_TILE, rows=first_tokens())
+    elif args.decode_first_token:
+        result = dict(meta, k=HEAVY_K, tile=HEAVY_TILE, compression=16, rows=decode_first_token())
     elif args.decode_paths:
         result = dict(meta, rows=decode_paths())
     else:

@@ -86,7 +86,7 @@ def _compiles(x2, w, descriptors, scalars, options, grid) -> bool:
     if _failure is None:
         counts = torch.empty(1, dtype=torch.int32, device=x2.device)
         try:
-            gate_pack_kernel.warmup(x2, w, w, x2, counts, counts, x2, *descriptors(x2, w), *scalars.values(),
+            gate_pack_kernel.warmup(x2, w, w, w, x2, counts, counts, x2, *descriptors(x2, w), *scalars.values(),
                                     grid=grid, **options)
         except Exception as error:  # noqa: BLE001 (any compiler error: the fallback is always correct)
             _failure = error
@@ -184,10 +184,10 @@ if gluon is not None:
             _pack(acc, pid_m * BLOCK_M, pid_n, M, N, n_n, vals_ptr, idx_ptr, cnt_ptr, S)
 
     @gluon.jit
-    def gate_pack_kernel(x_ptr, w_ptr, up_ptr, vals_ptr, idx_ptr, cnt_ptr, hd_ptr, x_desc, w_desc, M, N, K,
-                         S: gl.constexpr, RING: gl.constexpr, GROUP: gl.constexpr):
+    def gate_pack_kernel(x_ptr, w_ptr, up_ptr, down_ptr, vals_ptr, idx_ptr, cnt_ptr, part_ptr, x_desc, w_desc,
+                         M, N, K, S: gl.constexpr, RING: gl.constexpr, GROUP: gl.constexpr):
         """relu(x @ w^T) packed into TwELL (values, indices, counts), with gated_mlp's gate-kernel signature:
-        x_ptr, w_ptr, up_ptr and hd_ptr are unused (x and w are read through the descriptors)."""
+        x_ptr, w_ptr, up_ptr, down_ptr and part_ptr are unused (x and w are read through the descriptors)."""
         dtype: gl.constexpr = x_desc.dtype
         a_bufs = gl.allocate_shared_memory(dtype, [RING] + x_desc.block_type.shape, x_desc.layout)
         b_bufs = gl.allocate_shared_memory(dtype, [RING] + w_desc.block_type.shape, w_desc.layout)

@@ -34,12 +34,14 @@ over output chunks of BD columns so that many SMs share the few rows, and is lau
 dependent launch (Hopper): it starts while the gate kernel runs and waits for it on the device. Up to 32
 rows it loads its row's whole TwELL together with the counts (one round of loads, not two).
 `overflow` counts the narrower tiles.
-Decode overflow: the gate program already holds its tile's h densely, so it writes an overflowing
-(row, tile)'s h (rounded as a packed value would be) to a side buffer dense_h [M, I], and kernel 2's
-fallback streams those h with the tile's down rows. Recomputing gate and up there instead (the batched
-fallback) would repeat the two D-long dot products per unit in each of the row's output-chunk programs
-(~35x the dense block for a fully dense token). dense_h is written and read only at overflowing
-(row, tile) pairs; the batched path keeps the recompute (an [M, I] buffer there would be large).
+Decode overflow: the gate program already holds its tile's h densely, so for an overflowing (row, tile)
+it reads the tile's active down rows itself and writes the tile's share of the row's output, an fp32
+partial row, to a side buffer [M, NT, D]; kernel 2 adds the row's partials (in tile order) to its walk of
+the tiles that fit. A dense row (a sequence's first token: about 2000 of 5632 units at the 1.5B shape) is
+thus spread over every gate program, where kernel 2's output-chunk programs would each walk all of its
+tiles one after another, several times the dense block's time. The buffer is written and read only at
+overflowing (row, tile) pairs; the batched path keeps recomputing such tiles (a partial row per
+(row, tile) would be large there).
 The down weight is read transposed: pass `prepare_down(down)` (made once at load time) to avoid a
 per-call transpose copy.
 """
@@ -179,16 +181,16 @@ def _tile_stride(tile: int, tile_stride) -> int:
     return tile_stride
 
 
-def gate_launch(x2, w, up, tile, s, vals_dtype, cfg, h_fp32=False, dense_h=False, tile_stride=None,
+def gate_launch(x2, w, up, tile, s, vals_dtype, cfg, h_fp32=False, partials=False, tile_stride=None,
                 pdl=False) -> _Launch:
     """Launch of relu(x2 @ w^T) packed into TwELL, for x2 [M, D], w [I, D] (any strides). With `up`, the
     stored values are h = relu(x2 @ w^T) * (x2 @ up^T) at the same entries (up rows read only for active
-    columns). With `dense_h`, each overflowing (row, tile) also gets its stored values (h, or g without
-    up; 0 where inactive) written densely into an [M, I] buffer of the values' dtype. Tiles are
-    `tile_stride` units wide (default `tile`; less spreads a decode over more programs). With whole tiles,
-    the main loop reads x and w through TMA descriptors where tma_ok; batched on an sm_90 GPU the Gluon
-    kernel of gate_hopper.py runs instead (same TwELL). Called with (x2, w, up or w, values, indices,
-    counts, dense_h buffer or values)."""
+    columns). With `partials`, each overflowing (row, tile) also gets the tile's share of the row's output,
+    its stored values (h, or g without up) times their rows of down_t [I, D], written as an fp32 row into
+    an [M, NT, D] buffer (NT tiles a row). Tiles are `tile_stride` units wide (default `tile`; less spreads
+    a decode over more programs). With whole tiles, the main loop reads x and w through TMA descriptors
+    where tma_ok; batched on an sm_90 GPU the Gluon kernel of gate_hopper.py runs instead (same TwELL).
+    Called with (x2, w, up or w, down_t or w, values, indices, counts, partials buffer or values)."""
     m, d = x2.shape
     width = w.shape[0]
     cfg = dict(cfg)
@@ -197,7 +199,7 @@ def gate_launch(x2, w, up, tile, s, vals_dtype, cfg, h_fp32=False, dense_h=False
     if triton.next_power_of_2(d) * rows_uc > WHOLE_UP_ROWS:  # whole up rows would not fit in registers
         up_rows = 0
     ts = _tile_stride(tile, tile_stride)
-    hopper = hopper_gate_launch(x2, w, tile, s, vals_dtype) if up is None and not dense_h and ts == tile else None
+    hopper = hopper_gate_launch(x2, w, tile, s, vals_dtype) if up is None and not partials and ts == tile else None
     if hopper is not None:
         return _Launch(*hopper)
     upw = up if up is not None else w
@@ -213,7 +215,9 @@ def gate_launch(x2, w, up, tile, s, vals_dtype, cfg, h_fp32=False, dense_h=False
         M=m, N=width, K=d, stride_xm=x2.stride(0), stride_xk=x2.stride(1), stride_wn=w.stride(0),
         stride_wk=w.stride(1), stride_un=upw.stride(0), stride_uk=upw.stride(1), T=tile, S=s, BM=bm, BK=bk,
         EVEN_K=d % bk == 0, GROUP_M=cfg.pop("GROUP_M"), DOT_PRECISION=dot, FUSE_UP=up is not None,
-        H_FP32=h_fp32, DENSE_H=dense_h, UP_BK=min(up_bk, triton.next_power_of_2(d)), UC=16, TS=ts,
+        H_FP32=h_fp32, PARTIALS=partials, PART_BD=max(16, min(64, triton.next_power_of_2(d))),
+        PART_DOT="ieee" if h_fp32 or vals_dtype == torch.float32 else "tf32",
+        UP_BK=min(up_bk, triton.next_power_of_2(d)), UC=16, TS=ts,
         PDL=pdl, USE_TMA=tma, UP_STAGES=up_stages, UP_ROWS=up_rows, ROWS_UC=rows_uc,
         ROWS_BK=triton.next_power_of_2(d)), cfg, extra)
 
@@ -222,9 +226,9 @@ def out_launch(x2, width, tile, s, gated, h_fp32, has_overflow, cfg, packed_h=Fa
                pdl=False) -> "_OutLaunches":
     """Launches of out [M, D] = sum over active units j of h_j * down_t[j], h_j = g_j * (x . up[j]) (or g_j
     when not gated). With packed_h (decode path), the TwELL already holds h and overflowing tiles read
-    theirs from the dense_h buffer that gate_launch(dense_h=True) wrote; otherwise they are recomputed
+    their partial rows from the buffer that gate_launch(partials=True) wrote; otherwise they are recomputed
     from w_dec and up. `tile_stride` and `pdl` as in gate_launch (the out kernel then waits for the gate
-    kernel on the device). Called with (x2, values, indices, counts, dense_h or values, w_dec, up or
+    kernel on the device). Called with (x2, values, indices, counts, partials or values, w_dec, up or
     down_t, down_t, out, overflow or counts); w_dec, up and down_t contiguous.
     Batched (one program a whole row), a heavy row posts its walk as work items for the span kernel,
     launched after the out kernel (programmatic dependent launch where available)."""
@@ -235,9 +239,8 @@ def out_launch(x2, width, tile, s, gated, h_fp32, has_overflow, cfg, packed_h=Fa
     block_d = triton.next_power_of_2(d)
     bd = min(cfg.pop("BD", block_d), block_d)
     ch = cfg.pop("CH")
-    # fallback units a step: recomputing reduces [FB_CH, BLOCK_D] gate/up tiles, so few; reading dense_h
-    # only loads [FB_CH, BD] down tiles, so up to a whole tile (about 4K elements a step)
-    fb_ch = min(tile, max(ch, 4096 // bd)) if packed_h else min(ch, 4)
+    # fallback units a step: recomputing reduces [FB_CH, BLOCK_D] gate/up tiles, so few
+    fb_ch = min(ch, 4)
     split = not packed_h and bd == block_d
     nt_pad, s_pad = max(2, triton.next_power_of_2(nt)), triton.next_power_of_2(s)
     row_slots = triton.next_power_of_2(nt * s)
@@ -253,8 +256,9 @@ def out_launch(x2, width, tile, s, gated, h_fp32, has_overflow, cfg, packed_h=Fa
         D=d, I=width, NT=nt, HEAVY=DENSE_HEAVY_UNITS if dense_rows else heavy_units(m),
         CAP=dense_rows or span_capacity(d), ROWS=dense_rows > 0, stride_xm=x2.stride(0),
         stride_xk=x2.stride(1), T=tile, S=s, NT_PAD=nt_pad, CH=ch, FB_CH=fb_ch,
-        BLOCK_D=block_d, BD=bd, LIST_UP=gated and not packed_h, FALLBACK_UP=gated, H_FP32=h_fp32,
-        HAS_OVF=has_overflow, DENSE_H=packed_h, TS=ts, PDL=pdl, SPAN=SPAN if split else 0,
+        OT=max(1, min(nt_pad, 4096 // bd)), BLOCK_D=block_d, BD=bd, LIST_UP=gated and not packed_h,
+        FALLBACK_UP=gated, H_FP32=h_fp32,
+        HAS_OVF=has_overflow, PARTIALS=packed_h, TS=ts, PDL=pdl, SPAN=SPAN if split else 0,
         HELD=held, COMPACT_TC=tc if fused else 0, S_PAD=s_pad), cfg)
     # the span kernel has few programs: the step width of a few-row launch
     spans = span_launch(x2, width, tile, s, gated, h_fp32, out_config(128, d, False),
@@ -279,22 +283,22 @@ class _OutLaunches:
     def spare_rows(self) -> int:
         return 1 if self.dense_rows else 0
 
-    def __call__(self, x2, values, indices, counts, dense_h, w_dec, up_or_down, down_t, out, overflow):
+    def __call__(self, x2, values, indices, counts, partials, w_dec, up_or_down, down_t, out, overflow):
         if self.compact is not None:
             self.compact(indices, values, counts)
         if self.dense_rows:
             workspace = torch.zeros(1 + self.dense_rows, dtype=torch.int32, device=x2.device)
-            self.out(x2, values, indices, counts, dense_h, w_dec, up_or_down, down_t, out, overflow, workspace)
+            self.out(x2, values, indices, counts, partials, w_dec, up_or_down, down_t, out, overflow, workspace)
             dense_heavy_rows(x2, w_dec, up_or_down if self.gated else None, down_t, out, workspace)
             return
         if self.spans is None:
-            self.out(x2, values, indices, counts, dense_h, w_dec, up_or_down, down_t, out, overflow, counts)
+            self.out(x2, values, indices, counts, partials, w_dec, up_or_down, down_t, out, overflow, counts)
             return
         cap = span_capacity(self.d)
         workspace = torch.zeros(1 + 3 * cap, dtype=torch.int32, device=x2.device)
-        self.out(x2, values, indices, counts, dense_h, w_dec, up_or_down, down_t, out, overflow, workspace)
-        partials = torch.empty(cap, self.d, dtype=torch.float32, device=x2.device)
-        self.spans(x2, values, indices, counts, w_dec, up_or_down, down_t, out, workspace, partials)
+        self.out(x2, values, indices, counts, partials, w_dec, up_or_down, down_t, out, overflow, workspace)
+        item_rows = torch.empty(cap, self.d, dtype=torch.float32, device=x2.device)
+        self.spans(x2, values, indices, counts, w_dec, up_or_down, down_t, out, workspace, item_rows)
 
 
 def dense_heavy_rows(x2, w_dec, up, down_t, out, workspace):
@@ -370,10 +374,11 @@ class _Plan:
         h_fp32 = precision == "highest"
         self.vals_dtype = torch.float32 if h_fp32 else x2.dtype
         self.twell_shape = (m, cdiv(width, ts), s)
-        self.dense_h_shape = (m, width) if self.decode else None  # decode overflow side buffer
+        # decode: overflowing (row, tile) pairs' partial output rows, written only there
+        self.partials_shape = (m, cdiv(width, ts), d) if self.decode else None
         self.gate = gate_launch(x2, w_dec, up if self.decode else None, tile, s, self.vals_dtype,
                                 gate_config(m, tile, x2.element_size(), self.decode), h_fp32,
-                                dense_h=self.decode, tile_stride=ts, pdl=pdl)
+                                partials=self.decode, tile_stride=ts, pdl=pdl)
         self.out = out_launch(x2, width, tile, s, up is not None, h_fp32, overflow is not None,
                               out_config(m, d, self.decode, cdiv(width, ts)),
                               packed_h=self.decode, tile_stride=ts, pdl=pdl)
@@ -442,13 +447,13 @@ def _forward_triton(x, w_dec, up, down, tile, compression, precision, overflow):
     tw = (torch.empty(plan.twell_shape, dtype=plan.vals_dtype, device=device),
           torch.empty(plan.twell_shape, dtype=torch.int32, device=device),
           torch.empty(plan.twell_shape[:2], dtype=torch.int32, device=device))
-    # decode: h of overflowing (row, tile) pairs, written only there (so never initialized); else unused
-    dense_h = tw[0] if plan.dense_h_shape is None else torch.empty(
-        plan.dense_h_shape, dtype=plan.vals_dtype, device=device)
+    # decode: partial rows of overflowing (row, tile) pairs, written only there (so never initialized)
+    partials = tw[0] if plan.partials_shape is None else torch.empty(
+        plan.partials_shape, dtype=torch.float32, device=device)
     # contiguous, so the kernel's [M, D] rows (and any spare row past them)
     out = x.new_empty((x2.shape[0] + plan.out.spare_rows, x2.shape[1]))
-    plan.gate(x2, w_dec, up if up is not None else w_dec, *tw, dense_h)
-    plan.out(x2, *tw, dense_h, w_dec, up if up is not None else down_t, down_t, out,
+    plan.gate(x2, w_dec, up if up is not None else w_dec, down_t, *tw, partials)
+    plan.out(x2, *tw, partials, w_dec, up if up is not None else down_t, down_t, out,
              overflow if overflow is not None else tw[2])
     return out[:x2.shape[0]].view(x.shape)
 
@@ -573,11 +578,12 @@ if triton is not None:
         return u
 
     @triton.jit
-    def _gate_pack_kernel(x_ptr, w_ptr, up_ptr, vals_ptr, idx_ptr, cnt_ptr, hd_ptr, x_desc, w_desc, M, N, K,
-                          stride_xm, stride_xk, stride_wn, stride_wk, stride_un, stride_uk,
+    def _gate_pack_kernel(x_ptr, w_ptr, up_ptr, down_ptr, vals_ptr, idx_ptr, cnt_ptr, part_ptr, x_desc, w_desc,
+                          M, N, K, stride_xm, stride_xk, stride_wn, stride_wk, stride_un, stride_uk,
                           T: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
                           EVEN_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                          FUSE_UP: tl.constexpr, H_FP32: tl.constexpr, DENSE_H: tl.constexpr,
+                          FUSE_UP: tl.constexpr, H_FP32: tl.constexpr, PARTIALS: tl.constexpr,
+                          PART_BD: tl.constexpr, PART_DOT: tl.constexpr,
                           UP_BK: tl.constexpr, UC: tl.constexpr, TS: tl.constexpr, PDL: tl.constexpr,
                           USE_TMA: tl.constexpr, UP_STAGES: tl.constexpr, UP_ROWS: tl.constexpr,
                           ROWS_UC: tl.constexpr, ROWS_BK: tl.constexpr):
@@ -648,14 +654,26 @@ if triton is not None:
                 g = g.to(vals_ptr.dtype.element_ty).to(tl.float32)
             vals = g * u
         count = pack_store(acc, vals, rows, cols, pid_n, pid_n * TS, M, N, vals_ptr, idx_ptr, cnt_ptr, n_n, S)
-        if DENSE_H:
-            # overflowing rows of this tile: their stored values densely (bit-identical to packed ones,
-            # 0 where inactive), for kernel 2's fallback; nothing is written for tiles that fit
+        if PARTIALS:
+            # overflowing rows of this tile: the tile's share of their output, h . down_t[tile's units], as
+            # fp32 partial rows (h as the packed values would be); nothing is written for tiles that fit
             over = (count > S) & (rows < M)
             if tl.max(over.to(tl.int32), axis=0) > 0:
-                h = tl.where(acc > 0, vals, 0.0).to(hd_ptr.dtype.element_ty)
-                tl.store(hd_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], h,
-                         mask=over[:, None] & (cols < N)[None, :])
+                h = tl.where(over[:, None] & (acc > 0) & (cols < N)[None, :], vals, 0.0)
+                h = h.to(vals_ptr.dtype.element_ty)
+                unit_on = tl.max((h != 0).to(tl.int32), axis=0) > 0  # down rows read only where needed
+                if H_FP32:
+                    h = h.to(tl.float32)
+                else:
+                    h = h.to(down_ptr.dtype.element_ty)
+                part_rows = (rows.to(tl.int64) * n_n + pid_n) * K
+                for k0 in range(0, K, PART_BD):
+                    dcol = k0 + tl.arange(0, PART_BD)
+                    dw = tl.load(down_ptr + cols[:, None].to(tl.int64) * K + dcol[None, :],
+                                 mask=unit_on[:, None] & (dcol < K)[None, :], other=0.0)
+                    part = tl.dot(h, dw.to(h.dtype), input_precision=PART_DOT)
+                    tl.store(part_ptr + part_rows[:, None] + dcol[None, :], part,
+                             mask=over[:, None] & (dcol < K)[None, :])
 
     @triton.jit
     def _accumulate_units(acc, x, j, g, active, d, dmask, do, omask, up_ptr, down_ptr, D,
@@ -693,18 +711,6 @@ if triton is not None:
             j = tl.load(idx_ptr + off, mask=active, other=0, eviction_policy="evict_first")
             g = tl.load(vals_ptr + off, mask=active, other=0.0, eviction_policy="evict_first").to(tl.float32)
         return j, g, active
-
-    @triton.jit
-    def _dense_h_entries(c, ov_incl, n_chunks, row, I, hd_ptr, T: tl.constexpr, TS: tl.constexpr,
-                         FB_CH: tl.constexpr):
-        """Units and h of chunk c of a row's overflowing tiles (FB_CH units of one tile), from dense_h."""
-        k = c // (T // FB_CH)  # the k-th overflowing tile: the first whose inclusive prefix exceeds k
-        tile_id = tl.sum((ov_incl <= k).to(tl.int32), axis=0)
-        within = (c % (T // FB_CH)) * FB_CH + tl.arange(0, FB_CH)
-        unit = tile_id * TS + within
-        inside = (within < TS) & (unit < I) & (unit * 0 + c < n_chunks)  # c < n_chunks, as a [FB_CH] mask
-        h = tl.load(hd_ptr + row * I + unit, mask=inside, other=0.0).to(tl.float32)
-        return unit, h, inside & (h != 0)
 
     @triton.jit
     def _row_list(row, cnt_ptr, NT, S: tl.constexpr, NT_PAD: tl.constexpr):
@@ -793,12 +799,13 @@ if triton is not None:
                 start += _compact_chunk(idx_ptr, vals_ptr, cnt_ptr, row, t0, start, NT, S, TC, S_PAD)
 
     @triton.jit
-    def _twell_out_kernel(x_ptr, vals_ptr, idx_ptr, cnt_ptr, hd_ptr, wdec_ptr, up_ptr, down_ptr, out_ptr,
+    def _twell_out_kernel(x_ptr, vals_ptr, idx_ptr, cnt_ptr, part_ptr, wdec_ptr, up_ptr, down_ptr, out_ptr,
                           ovf_ptr, ws_ptr, D, I, NT, HEAVY, CAP, stride_xm, stride_xk,
                           T: tl.constexpr, S: tl.constexpr, NT_PAD: tl.constexpr, CH: tl.constexpr,
-                          FB_CH: tl.constexpr, BLOCK_D: tl.constexpr, BD: tl.constexpr, LIST_UP: tl.constexpr,
+                          FB_CH: tl.constexpr, OT: tl.constexpr, BLOCK_D: tl.constexpr, BD: tl.constexpr,
+                          LIST_UP: tl.constexpr,
                           FALLBACK_UP: tl.constexpr, H_FP32: tl.constexpr, HAS_OVF: tl.constexpr,
-                          DENSE_H: tl.constexpr, TS: tl.constexpr, PDL: tl.constexpr, SPAN: tl.constexpr,
+                          PARTIALS: tl.constexpr, TS: tl.constexpr, PDL: tl.constexpr, SPAN: tl.constexpr,
                           ROWS: tl.constexpr,
                           HELD: tl.constexpr, COMPACT_TC: tl.constexpr, S_PAD: tl.constexpr):
         # program (row, output chunk): u needs the whole row of x and up, down only BD output columns
@@ -852,18 +859,13 @@ if triton is not None:
         if n_over > 0:
             if HAS_OVF:
                 tl.atomic_add(ovf_ptr, n_over.to(ovf_ptr.dtype.element_ty), mask=pid_d == 0)
-            if DENSE_H:
-                # h from dense_h, one flat walk over the chunks of the overflowing tiles, the next chunk's
-                # h fetched before this chunk's down rows are consumed (like the list above)
-                ov_incl = tl.cumsum(over.to(tl.int32), axis=0)
-                n_chunks = n_over * (T // FB_CH)
-                unit, h, live = _dense_h_entries(0, ov_incl, n_chunks, row, I, hd_ptr, T, TS, FB_CH)
-                for c in range(0, n_chunks):
-                    unit_next, h_next, live_next = _dense_h_entries(c + 1, ov_incl, n_chunks, row, I, hd_ptr,
-                                                                    T, TS, FB_CH)
-                    acc = _accumulate_units(acc, x, unit, h, live, d, dmask, do, omask, up_ptr, down_ptr, D,
-                                            False, H_FP32)
-                    unit, h, live = unit_next, h_next, live_next
+            if PARTIALS:  # the overflowing tiles' partial rows, OT tiles a step, in tile order
+                for t0 in range(0, NT, OT):
+                    t = t0 + tl.arange(0, OT)
+                    ov = tl.load(cnt_ptr + row * NT + t, mask=t < NT, other=0) > S
+                    p = tl.load(part_ptr + (row * NT + t)[:, None] * D + do[None, :],
+                                mask=ov[:, None] & omask[None, :], other=0.0)
+                    acc += tl.sum(p, axis=0)
             elif own:  # recompute the tiles densely from the gate (and up) weights
                 for tile in range(0, NT):
                     if tl.load(cnt_ptr + row * NT + tile) > S:

@@ -37,7 +37,7 @@ def test_mlp_matches_reference(m, d, i, dtype):
 
 @pytest.mark.parametrize("m,dtype,precision", [(1, torch.float32, "highest"), (3, torch.float16, "default")])
 def test_mlp_decode_dense_rows(m, dtype, precision):
-    """Decode sizes: fully dense rows overflow every (64-wide) tile; g comes back from dense_h."""
+    """Decode sizes: fully dense rows overflow every (64-wide) tile; their output comes from partial rows."""
     torch.manual_seed(m)
     up, down = weights(37, 151, dtype)
     x = torch.randn(m, 37, device=DEV)
