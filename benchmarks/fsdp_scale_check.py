@@ -80,7 +80,7 @@ def load_check(checkpoint: Path, tokens: int) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     text = " ".join(json.loads(line)["text"] for line in open(demo_corpus_path() / "valid.jsonl"))
     ids = tokenizer(text, return_tensors="pt").input_ids[:, :tokens].cuda()
-    result, logits, last, generated = {}, {}, {}, {}
+    result, logits, first_token, generated = {}, {}, {}, {}
     for name, remote in (("plain", False), ("remote_code", True)):
         started = time.perf_counter()
         model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16, device_map="cuda",
@@ -88,7 +88,7 @@ def load_check(checkpoint: Path, tokens: int) -> dict:
         loaded = time.perf_counter() - started
         with torch.no_grad():
             logits[name] = model(ids).logits.float()
-            last[name] = model(ids[:, :1]).logits.float()  # one token: the plan's decode window (sparse layers)
+            first_token[name] = model(ids[:, :1]).logits.float()  # one token: the plan's decode window (sparse layers)
         generated[name] = model.generate(ids[:, :32], max_new_tokens=16, do_sample=False)[0, 32:]
         twell = getattr(model.config, "twell", None)
         result[name] = {"class": type(model).__name__, "load_s": round(loaded, 1),
@@ -96,9 +96,9 @@ def load_check(checkpoint: Path, tokens: int) -> dict:
         del model
         torch.cuda.empty_cache()
     result["logit_diff_rel"] = ((logits["plain"] - logits["remote_code"]).abs().max()
-                                        / logits["plain"].abs().max()).item()
-    result["one_token_logit_diff_rel"] = ((last["plain"] - last["remote_code"]).abs().max()
-                                          / last["plain"].abs().max()).item()
+                                / logits["plain"].abs().max()).item()
+    result["one_token_logit_diff_rel"] = ((first_token["plain"] - first_token["remote_code"]).abs().max()
+                                          / first_token["plain"].abs().max()).item()
     result["generated_tokens_equal"] = (generated["plain"] == generated["remote_code"]).sum().item()
     result["argmax_agreement"] = (logits["plain"].argmax(-1) == logits["remote_code"].argmax(-1)).float().mean().item()
     return result
@@ -159,7 +159,8 @@ def main() -> None:
         log = json.loads((out / "training_log.json").read_text())
         result["fsdp"].update(
             perplexity=log["training"]["perplexity"], train_seconds=log["training"]["seconds"],
-            log=[{k: e.get(k) for k in ("step", "loss", "cross_entropy", "mean_active", "max_memory_gib", "tokens_per_s")} for e in log["log"]])
+            log=[{k: e.get(k) for k in ("step", "loss", "cross_entropy", "mean_active", "max_memory_gib", "tokens_per_s")}
+                 for e in log["log"]])
         source_shapes, export_shapes = tensor_shapes(source), tensor_shapes(out)
         result["export"] = {"same_tensors_as_source": source_shapes == export_shapes,
                             "files": sorted(p.name for p in out.iterdir()),

@@ -217,7 +217,7 @@ def gate_launch(x2, w, up, tile, s, vals_dtype, cfg, h_fp32=False, partials=Fals
         stride_wk=w.stride(1), stride_un=upw.stride(0), stride_uk=upw.stride(1), T=tile, S=s, BM=bm, BK=bk,
         EVEN_K=d % bk == 0, GROUP_M=cfg.pop("GROUP_M"), DOT_PRECISION=dot, FUSE_UP=up is not None,
         H_FP32=h_fp32, PARTIALS=partials, PART_BD=max(16, min(64, triton.next_power_of_2(d))),
-        PART_DOT="ieee" if h_fp32 or vals_dtype == torch.float32 else "tf32",
+        PART_DOT="ieee" if vals_dtype == torch.float32 else "tf32",
         UP_BK=min(up_bk, triton.next_power_of_2(d)), UC=16, TS=ts,
         PDL=pdl, USE_TMA=tma, UP_STAGES=up_stages, UP_ROWS=up_rows, ROWS_UC=rows_uc,
         ROWS_BK=triton.next_power_of_2(d)), cfg, extra)
@@ -661,11 +661,9 @@ if triton is not None:
             over = (count > S) & (rows < M)
             if tl.max(over.to(tl.int32), axis=0) > 0:
                 h = tl.where(over[:, None] & (acc > 0) & (cols < N)[None, :], vals, 0.0)
-                h = h.to(vals_ptr.dtype.element_ty)
+                h = h.to(vals_ptr.dtype.element_ty)  # fp32 with H_FP32
                 unit_on = tl.max((h != 0).to(tl.int32), axis=0) > 0  # down rows read only where needed
-                if H_FP32:
-                    h = h.to(tl.float32)
-                else:
+                if not H_FP32:  # in the weights' precision, like dense
                     h = h.to(down_ptr.dtype.element_ty)
                 part_rows = (rows.to(tl.int64) * n_n + pid_n) * K
                 for k0 in range(0, K, PART_BD):

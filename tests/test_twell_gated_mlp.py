@@ -213,7 +213,7 @@ def test_heavy_rows_beyond_the_workspace_walk_themselves(monkeypatch):
 
 
 @pytest.mark.parametrize("gated", [True, False])
-def test_heavy_rows_through_the_parts_block(gated, monkeypatch):
+def test_heavy_rows_through_the_dense_block(gated, monkeypatch):
     """Batched from DENSE_HEAVY_FROM tokens: the out kernel leaves rows above DENSE_HEAVY_UNITS unwritten and
     posts their indices; the dense block writes them, and its empty list slots write only the spare row
     past the last one. NaN-poisoned."""
@@ -246,7 +246,7 @@ def test_heavy_rows_through_the_parts_block(gated, monkeypatch):
     assert rel_err(full, h @ down.t()) < 1e-5
 
 
-def test_parts_block_rows_beyond_its_capacity_walk_themselves(monkeypatch):
+def test_dense_block_rows_beyond_its_capacity_walk_themselves(monkeypatch):
     """More heavy rows than the dense block holds: the ones that find the list full walk themselves."""
     monkeypatch.setattr(gm, "_PLANS", type(gm._PLANS)())
     monkeypatch.setattr(gm, "DENSE_HEAVY_FROM", 64)
