@@ -5,7 +5,7 @@ train (L1; each layer on the hybrid kernels or dense by its activity) -> measure
 (perplexity after training) -> plan -> export (+ training log JSON and sparsity PNG) -> optional push.
 Weights are trained in fp32 (AdamW updates of ~lr are below bf16's resolution; bf16 autocast on GPU
 does the arithmetic) and exported in the dtype a plain load would use (bf16 on GPU, fp32 on CPU).
-Ctrl-C keeps the training state in `OUT.resume/`, a sibling that never looks like a checkpoint;
+Ctrl-C (and `save_every`) keeps the training state in `OUT.resume/`, a sibling that never looks like a checkpoint;
 `--resume` continues from it and a finished conversion deletes it.
 Under `accelerate launch` every process trains, the main one alone exports and reports. Under FSDP no
 GPU holds the whole model: it loads into CPU memory (only on the main process with

@@ -23,9 +23,13 @@ already syncs: no extra host sync): hybrid below `hybrid_below`, back to dense a
 it (a layer near the threshold does not flip at every check). A hybrid layer also gets its hot units
 from the last step's counts (twell.hybrid.hot_units: units firing in more tokens than per-pair gathers
 pay for run as dense columns). A freshly relufied model starts dense. The log records each layer's path,
-its backup rows per window and its hot units. Ctrl-C saves the complete training state
-(accelerate's save_state: weights as safetensors, optimizer, scheduler, RNG; plus step, data position,
-log and dead-unit windows in state.json) to `resume_dir`, from which `resume=True` continues.
+its backup rows per window and its hot units. Ctrl-C (SIGINT) or SIGTERM saves the complete training
+state (accelerate's save_state: weights as safetensors, optimizer, scheduler, RNG; plus step, data position,
+log and dead-unit windows in state.json) to `resume_dir`, from which `resume=True` continues; `save_every`
+also saves it periodically. The signal is acted on at the end of the step in progress, the same step on
+every process (_StopRequest): a terminal's Ctrl-C reaches every process, and `accelerate launch` sends it
+to its workers again, so a KeyboardInterrupt would land in each process at a different point, one inside
+a collective the others have left.
 """
 from __future__ import annotations
 
@@ -36,6 +40,8 @@ from contextlib import nullcontext
 import math
 import os
 import shutil
+import signal
+import threading
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -103,6 +109,10 @@ class TrainConfig:
     eval_tokens: int = field(default=65536, metadata={"help": "Held-out tokens for perplexity and sparsity measurement."})
     seed: int = field(default=0, metadata={"help": "Random seed."})
     log_every: int = field(default=10, metadata={"help": "Log (JSON and progress bar) every this many steps."})
+    save_every: int = field(default=0, metadata={"help": (
+        "Also save the training state for --resume every this many optimizer steps (0: only on Ctrl-C or "
+        "SIGTERM), for runs that may be killed without time to save: a preempted job, or a large sharded "
+        "state under `accelerate launch`, which kills its processes 30 s after Ctrl-C.")})
 
     @classmethod
     def from_dict(cls, values: dict) -> TrainConfig:
@@ -152,7 +162,7 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 bad(f"{name.replace('_', '-')} must be a positive integer, got {value}")
-        for name in ("l1_warmup_steps", "warmup_steps", "shuffle_buffer"):
+        for name in ("l1_warmup_steps", "warmup_steps", "shuffle_buffer", "save_every"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 bad(f"{name.replace('_', '-')} must be an integer >= 0, got {getattr(self, name)}")
         if not 0 < self.lr <= 1:
@@ -324,6 +334,13 @@ def train(
     window = _Window(len(mlps), accelerator.device)
     progress = _progress(show_progress and accelerator.is_main_process, total, step)
     started, window_started = time.perf_counter() - elapsed, time.perf_counter()
+
+    def save():
+        _save(accelerator, resume_dir, {"step": step, "batches": consumed, "log": log,
+                                        "seconds": time.perf_counter() - started, "last_fired": last_fired,
+                                        "l1_reference": l1_reference, "processes": world, "inputs": inputs}, config)
+
+    stop = _StopRequest(world)
     try:
         while step < total:
             coeff = l1_coeff(config, step)
@@ -384,18 +401,16 @@ def train(
                         progress.console.print(f"step {step}/{total}  {progress.stats}")
             if progress:
                 progress.update(0, completed=step)
-    except KeyboardInterrupt:
-        if resume_dir is None:
-            raise
-        state = {"step": step, "batches": consumed, "log": log, "seconds": time.perf_counter() - started,
-                 "last_fired": last_fired, "l1_reference": l1_reference, "processes": world,
-                 "inputs": inputs}
-        _save(accelerator, resume_dir, state, config)
-        raise TrainingInterrupted(
-            f"interrupted at step {step} of {total}; the training state is in {resume_dir}: "
-            "run the same command with --resume to continue"
-        ) from None
+            if step < total and stop.agreed():
+                if resume_dir is None:
+                    raise KeyboardInterrupt
+                save()
+                raise TrainingInterrupted(f"interrupted at step {step} of {total}; the training state is in "
+                                          f"{resume_dir}: run the same command with --resume to continue")
+            if config.save_every and step % config.save_every == 0 and step < total and resume_dir is not None:
+                save()
     finally:
+        stop.close()
         for m in mlps:
             m.track = m.use_hybrid = False
             m.hot_units = None
@@ -533,8 +548,41 @@ def _progress_text(e: dict) -> str:
     )
 
 
+class _StopRequest:
+    """SIGINT and SIGTERM during training, as a request to stop after the step in progress. The handlers only
+    note the signal; at each step's end the processes agree (a one-int all-reduce over a CPU process group,
+    no GPU sync), so that all of them stop after the same step even when the signal reaches them at
+    different points of it, or reaches only some of them. Further signals while the state is saved are
+    noted and ignored."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, world: int):
+        self.requested = False
+        self.group = torch.distributed.new_group(backend="gloo") if world > 1 else None
+        # handlers can be set only from the main thread; elsewhere signals keep their own effect
+        main = threading.current_thread() is threading.main_thread()
+        self.previous = {sig: signal.signal(sig, self._note) for sig in self.SIGNALS} if main else {}
+
+    def _note(self, signum, frame) -> None:
+        self.requested = True
+
+    def agreed(self) -> bool:
+        """Whether any process has been asked to stop (collective: every process calls it at each step)."""
+        if self.group is None:
+            return self.requested
+        flag = torch.tensor([int(self.requested)])
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        return bool(flag.item())
+
+    def close(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
 def _save(accelerator: Accelerator, resume_dir, state: dict, config: TrainConfig) -> None:
-    # Written beside and renamed into place, so a second Ctrl-C never leaves a half-written state.
+    # Written beside and renamed into place: a process killed while saving (a launcher's shutdown timeout)
+    # leaves the previous state, never a half-written one.
     # Every process writes its part (its RNG state; under FSDP its shards): the main one alone clears the
     # folder before and renames it after all are done.
     resume_dir = Path(resume_dir)
@@ -552,8 +600,8 @@ def _save(accelerator: Accelerator, resume_dir, state: dict, config: TrainConfig
     accelerator.wait_for_everyone()
 
 
-# Settings a resumed run may change: they touch no saved state (measurement size, log cadence).
-RESUME_FREE = ("eval_tokens", "log_every")
+# Settings a resumed run may change: they touch no saved state (measurement size, log and save cadence).
+RESUME_FREE = ("eval_tokens", "log_every", "save_every")
 
 
 def check_resume(resume_dir, config: TrainConfig, processes: int, inputs: dict | None = None) -> dict:

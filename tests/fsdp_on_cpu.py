@@ -11,11 +11,12 @@ recipes/accelerate/fsdp.yaml --num_processes 2 tests/fsdp_on_cpu.py convert ...`
 Checks ride along: every ReluGatedMLP forward asserts that the weights the hybrid kernels would take are
 whole plain tensors (FSDP has unsharded its layer); only the main process reads the source weights (the
 config's fsdp_cpu_ram_efficient_loading: the others get theirs from it in accelerate's preparation); and
-SPARSIFY_TEST_INTERRUPT=N raises KeyboardInterrupt (Ctrl-C) on every process when it reads its N-th
-training batch (0-based).
+SPARSIFY_TEST_INTERRUPT=N sends SIGINT (Ctrl-C) to the main process alone when it reads its N-th training
+batch (0-based): the other process must stop after the same step.
 """
 import functools
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -63,8 +64,8 @@ def interrupted(train_batches, at: int):
     @functools.wraps(train_batches)
     def batches(*args, **kwargs):
         for i, batch in enumerate(train_batches(*args, **kwargs)):
-            if i == at:
-                raise KeyboardInterrupt
+            if i == at and PartialState().is_main_process:
+                os.kill(os.getpid(), signal.SIGINT)
             yield batch
 
     return batches

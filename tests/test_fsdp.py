@@ -95,7 +95,7 @@ def test_fsdp_with_tied_embeddings(files, tmp_path):
 @pytest.mark.slow
 def test_fsdp_ctrl_c_then_resume_from_the_sharded_state(files, fsdp_out, tmp_path):
     out = tmp_path / "out"
-    done = launch_fsdp(files, out, interrupt_at=2)  # Ctrl-C while reading the 3rd batch: 2 steps done
+    done = launch_fsdp(files, out, interrupt_at=1)  # Ctrl-C to the main process during step 2: 2 steps done
     assert done.returncode != 0 and "interrupted at step 2 of 3" in done.stdout + done.stderr
     resume = tmp_path / "out.resume"
     assert json.loads((resume / "state.json").read_text())["step"] == 2 and not out.exists()

@@ -3,6 +3,8 @@ tracking, and Ctrl-C -> resume giving the same weights as an uninterrupted run."
 import copy
 import dataclasses
 import json
+import os
+import signal
 
 import pytest
 import torch
@@ -28,11 +30,12 @@ def batches_from(seed=0):
 
 
 def stop_after(n):
-    """batches_from(), with Ctrl-C while reading the (n+1)-th micro-batch."""
+    """batches_from(), with Ctrl-C (SIGINT to this process) while reading the (n+1)-th micro-batch: training
+    stops at the end of that micro-batch's step."""
     def batches(start, rank, world):
         for i, b in enumerate(batches_from()(start, rank, world)):
             if i == n:
-                raise KeyboardInterrupt
+                os.kill(os.getpid(), signal.SIGINT)
             yield b
 
     return batches
@@ -176,8 +179,8 @@ def test_interrupt_then_resume_equals_uninterrupted(tmp_path, relative):
     interrupted = copy.deepcopy(straight)
     train(straight, relufy(straight), batches_from(), cfg, device="cpu", show_progress=False)
 
-    with pytest.raises(TrainingInterrupted, match="interrupted at step 3 of 6"):
-        train(interrupted, relufy(interrupted), stop_after(7), cfg, resume_dir=tmp_path / "r", device="cpu", show_progress=False)
+    with pytest.raises(TrainingInterrupted, match="interrupted at step 3 of 6"):  # the signal in step 3's 2nd micro-batch
+        train(interrupted, relufy(interrupted), stop_after(5), cfg, resume_dir=tmp_path / "r", device="cpu", show_progress=False)
     assert json.loads((tmp_path / "r" / "state.json").read_text())["step"] == 3
     resumed, _ = tiny_model("qwen2", seed=1)  # fresh process: other weights, all restored from the state
     source = {name: p.detach().clone() for name, p in resumed.named_parameters()}
@@ -187,6 +190,33 @@ def test_interrupt_then_resume_equals_uninterrupted(tmp_path, relative):
     assert result.steps == 6 and [e["step"] for e in result.log] == [2, 4, 6]
     assert len(seen) == 1 and all(torch.equal(seen[0][n], source[n]) for n in source)
     assert not result.sharded and not result.model.training
+    for (name, a), b in zip(straight.named_parameters(), resumed.parameters()):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+def test_a_killed_run_resumes_from_its_last_periodic_save(tmp_path):
+    """save_every: a run that dies without saving (here an error while reading step 4's batch, as a kill)
+    resumes from the state saved after step 2 and ends with the uninterrupted run's weights."""
+    cfg = config(steps=5, log_every=1, save_every=2)
+    straight, _ = tiny_model("llama")
+    killed = copy.deepcopy(straight)
+    train(straight, relufy(straight), batches_from(), cfg, device="cpu", show_progress=False)
+
+    def dies_at_step_4(start, rank, world):
+        for i, b in enumerate(batches_from()(start, rank, world)):
+            if i == 3:
+                raise RuntimeError("killed")
+            yield b
+
+    with pytest.raises(RuntimeError, match="killed"):
+        train(killed, relufy(killed), dies_at_step_4, cfg, resume_dir=tmp_path / "r", device="cpu", show_progress=False)
+    assert json.loads((tmp_path / "r" / "state.json").read_text())["step"] == 2
+    assert not (tmp_path / "r.tmp").exists()
+    resumed, _ = tiny_model("llama", seed=1)
+    result = train(resumed, relufy(resumed), batches_from(), cfg, resume_dir=tmp_path / "r", resume=True, device="cpu",
+                   show_progress=False)
+    assert [e["step"] for e in result.log] == [1, 2, 3, 4, 5]
+    assert json.loads((tmp_path / "r" / "state.json").read_text())["step"] == 4  # saved again on the way
     for (name, a), b in zip(straight.named_parameters(), resumed.parameters()):
         torch.testing.assert_close(a, b, msg=name)
 
