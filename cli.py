@@ -46,6 +46,9 @@ TRAIN_OPTIONS = [
     click.option("--lr", type=float, help="Peak learning rate (AdamW, cosine schedule)."),
     click.option("--seed", type=int, help="Random seed."),
     click.option("--grad-checkpointing/--no-grad-checkpointing", default=None, help="Recompute activations to save memory."),
+    click.option("--save-every", type=int, metavar="STEPS",
+                 help="Also save the training state to OUT.resume/ every this many steps, for runs that may be killed "
+                      "(Ctrl-C saves it too)."),
     click.option("--hybrid-below", type=float, metavar="UNITS",
                  help="Train a layer on the TwELL hybrid kernels while its mean active units per token are below this (GPU; default 40)."),
     click.option("--no-hybrid", is_flag=True, help="Train every layer on the dense path (same as --hybrid-below 0)."),

@@ -126,6 +126,27 @@ def test_ctrl_c_then_resume(files, tmp_path, monkeypatch):
     assert not (tmp_path / "out.resume").exists()
 
 
+def test_a_killed_conversion_resumes_from_its_periodic_save(files, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    real = data_module.TextData.train_batches
+
+    def killed(self, *args, **kwargs):
+        for i, batch in enumerate(real(self, *args, **kwargs)):
+            if i == 3:  # dies in step 4, without time to save
+                raise RuntimeError("killed")
+            yield batch
+
+    monkeypatch.setattr(data_module.TextData, "train_batches", killed)
+    result = convert(files, "llama", out, "--steps", 5, "--save-every", 2)
+    assert isinstance(result.exception, RuntimeError) and not out.exists()
+    assert json.loads((tmp_path / "out.resume" / "state.json").read_text())["step"] == 2
+    monkeypatch.setattr(data_module.TextData, "train_batches", real)
+    result = convert(files, "llama", out, "--steps", 5, "--resume")  # save_every may differ on resume
+    assert result.exit_code == 0, result.output
+    assert [e["step"] for e in json.loads((out / "training_log.json").read_text())["log"]] == [1, 2, 3, 4, 5]
+    assert not (tmp_path / "out.resume").exists()
+
+
 def test_push_to_hub_uploads_the_finished_folder(files, tmp_path, monkeypatch):
     import sparsify.push
 
