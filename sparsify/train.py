@@ -335,10 +335,15 @@ def train(
     progress = _progress(show_progress and accelerator.is_main_process, total, step)
     started, window_started = time.perf_counter() - elapsed, time.perf_counter()
 
-    def save():
+    def save():  # reported: a large sharded state is long to write
+        if progress:
+            progress.console.print(f"step {step}: saving the training state to {resume_dir}")
+        saving = time.perf_counter()
         _save(accelerator, resume_dir, {"step": step, "batches": consumed, "log": log,
                                         "seconds": time.perf_counter() - started, "last_fired": last_fired,
                                         "l1_reference": l1_reference, "processes": world, "inputs": inputs}, config)
+        if progress:
+            progress.console.print(f"saved in {time.perf_counter() - saving:.1f} s")
 
     stop = _StopRequest(world)
     try:
