@@ -40,8 +40,8 @@ partial row, to a side buffer [M, NT, D]; kernel 2 adds the row's partials (in t
 the tiles that fit. A dense row (a sequence's first token: about 2000 of 5632 units at the 1.5B shape) is
 thus spread over every gate program, where kernel 2's output-chunk programs would each walk all of its
 tiles one after another, several times the dense block's time. The buffer is written and read only at
-overflowing (row, tile) pairs, and allocated at each call (0.7 MB a token at D 2048 / I 5632, 15 MB at
-D 8192 / I 28672); the batched path keeps recomputing such tiles (a partial row per (row, tile) would be
+overflowing (row, tile) pairs, and allocated at each call (0.7 MB a token at D 2048 / I 5632 with 64-unit
+tiles, 1.1 MB above 16 rows where the tiles are 43 wide; 15 MB at D 8192 / I 28672); the batched path keeps recomputing such tiles (a partial row per (row, tile) would be
 large there).
 The down weight is read transposed: pass `prepare_down(down)` (made once at load time) to avoid a
 per-call transpose copy.
