@@ -6,7 +6,8 @@
 2. Runs a one-process `sparsify convert` of it, which must stop before reading a weight and name FSDP.
 3. Converts it with `accelerate launch --config_file recipes/accelerate/fsdp.yaml --num_processes N -m cli
    convert` on the demo corpus (gradient checkpointing on), the trainer logging loss, the busiest GPU's peak
-   memory and tokens/s.
+   memory and tokens/s; with --save-every, also the seconds each periodic save of the sharded training state
+   takes (beside the launcher's 30 s between a Ctrl-C and its SIGKILL of the workers).
 4. Checks the export: the same tensor names and shapes as the source (standard HF layout), and it loads both
    ways, as a plain dense ReLU model and with trust_remote_code on the TwELL modeling file, with their
    logits on held-out text compared.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -115,6 +117,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--batch-size", type=int, default=4, help="Sequences per micro-batch and GPU.")
     parser.add_argument("--eval-tokens", type=int, default=32768)
+    parser.add_argument("--save-every", type=int, default=0,
+                        help="Passed to convert: save the sharded training state every N steps, each save timed.")
     parser.add_argument("--work", type=Path, default=Path("/tmp/fsdp_scale_check"))
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args()
@@ -142,7 +146,7 @@ def main() -> None:
           f"GPU {gpu_bytes / 2**30:.0f} GiB", flush=True)
 
     train = ["--steps", str(args.steps), "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
-             "--grad-checkpointing"]
+             "--grad-checkpointing", *(["--save-every", str(args.save_every)] if args.save_every else [])]
     one = subprocess.run([sys.executable, *convert_command(source, args.work / "one", recipe, train)],
                          capture_output=True, text=True, cwd=ROOT)
     message = (one.stdout + one.stderr).strip().splitlines()
@@ -153,8 +157,12 @@ def main() -> None:
     started = time.perf_counter()
     fsdp = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                            str(ROOT / "recipes" / "accelerate" / "fsdp.yaml"), "--num_processes", str(args.gpus),
-                           *convert_command(source, out, recipe, train)], cwd=ROOT)
+                           *convert_command(source, out, recipe, train)], cwd=ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+    print(fsdp.stdout, flush=True)
     result["fsdp"] = {"returncode": fsdp.returncode, "wall_s": round(time.perf_counter() - started, 1)}
+    if args.save_every:  # the trainer's "saved in N s" lines
+        result["fsdp"]["save_seconds"] = [float(s) for s in re.findall(r"saved in ([0-9.]+) s", fsdp.stdout)]
     if fsdp.returncode == 0:
         log = json.loads((out / "training_log.json").read_text())
         result["fsdp"].update(

@@ -212,6 +212,23 @@ def check_training_memory(parameters: int, device: str | None, processes: int, s
                           f"weights, gradients and AdamW state alone, and this GPU has {total / 2**30:.0f} GiB: {fix}")
 
 
+# A launcher (accelerate launch, torchrun) kills its processes 30 s after a Ctrl-C; a sharded training state
+# above this size takes longer to write (6.5B parameters, 97 GiB: 87 s on 2 H100s,
+# benchmarks/results/fsdp_scale_check_save_h100x2.json)
+SLOW_SAVE_GIB = 30
+
+
+def slow_save_warning(parameters: int, processes: int, save_every: int) -> str | None:
+    """The warning for a multi-process run whose training state is too large to save within a launcher's
+    shutdown timeout, with no periodic save to fall back on (None otherwise)."""
+    gib = TRAINING_BYTES * parameters / 2**30
+    if processes < 2 or save_every or gib <= SLOW_SAVE_GIB:
+        return None
+    return (f"the training state is {gib:.0f} GiB: after a Ctrl-C, `accelerate launch` and torchrun kill the "
+            f"processes within 30 s, before a state this size is written (97 GiB takes about 90 s), and the "
+            f"run could not be resumed; pass --save-every N to also save it every N steps")
+
+
 def on_cpu(device: str | None) -> bool:
     """Whether training runs on CPU. accelerate must be told (`cpu=True`) even without a GPU, else
     processes started by torchrun do not join one CPU (gloo) process group."""
@@ -287,6 +304,9 @@ def train(
     set_seed(config.seed)
     world = accelerator.num_processes
     saved = check_resume(resume_dir, config, world, inputs) if resume else None  # before any work
+    warning = slow_save_warning(sum(p.numel() for p in model.parameters()), world, config.save_every)
+    if warning and resume_dir is not None and accelerator.is_main_process:
+        console.print(f"[yellow]warning:[/] {warning}")
     total = config.total_steps(world)
     dead_window = config.dead_window_tokens or config.tokens_per_step(world)
 

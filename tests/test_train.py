@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from helpers import tiny_model
 from sparsify.errors import ConfigError
 from sparsify.relufy import relufy
-from sparsify.train import TrainConfig, TrainingInterrupted, _progress_text, l1_coeff, train
+from sparsify.train import TrainConfig, TrainingInterrupted, _progress_text, l1_coeff, slow_save_warning, train
 
 SEQ, BATCH = 16, 2
 
@@ -305,3 +305,12 @@ def test_training_memory_is_checked_before_loading(monkeypatch, tmp_path):
     with pytest.raises(ConfigError, match="on each GPU"):
         convert.convert(str(tmp_path / "src"), tmp_path / "out", config(steps=1), data=str(tmp_path / "text.txt"),
                         device=None, show_progress=False)
+
+
+def test_a_state_too_large_to_save_after_ctrl_c_is_warned_about():
+    """Several processes, no periodic save and a state a launcher's 30 s cannot write: warned, naming the fix."""
+    warning = slow_save_warning(6_500_000_000, processes=2, save_every=0)
+    assert "97 GiB" in warning and "--save-every" in warning
+    assert slow_save_warning(6_500_000_000, processes=1, save_every=0) is None  # no launcher to kill it
+    assert slow_save_warning(6_500_000_000, processes=2, save_every=100) is None
+    assert slow_save_warning(1_000_000_000, processes=2, save_every=0) is None  # 15 GiB
