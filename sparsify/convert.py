@@ -38,7 +38,7 @@ from .tune import capture_mlp_inputs, require_cuda
 from .relufy import original_mlps, relufy
 from .report import console, plot_training
 from .train import (TrainConfig, check_resume, check_training_memory, fsdp_launch, gather_model, hybrid_share,
-                    on_cpu, train)
+                    on_cpu, staging_dir, train)
 
 
 def recipes_dir():
@@ -196,7 +196,8 @@ def convert(
             model, tokenizer, out, spec=spec, plan=plan, training=training, artifacts=artifacts,
             max_shard_size=max_shard_size, overwrite=overwrite,
         )
-    shutil.rmtree(resume_dir, ignore_errors=True)
+    for folder in (resume_dir, staging_dir(resume_dir)):  # and a save killed midway (a launcher's SIGKILL)
+        shutil.rmtree(folder, ignore_errors=True)
     if push_to_hub:
         from .push import push_to_hub as push
 

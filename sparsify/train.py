@@ -605,13 +605,19 @@ class _StopRequest:
             signal.signal(sig, handler)
 
 
+def staging_dir(resume_dir) -> Path:
+    """Where a save is written before it replaces `resume_dir`: what a process killed while saving leaves."""
+    resume_dir = Path(resume_dir)
+    return resume_dir.with_name(resume_dir.name + ".tmp")
+
+
 def _save(accelerator: Accelerator, resume_dir, state: dict, config: TrainConfig) -> None:
     # Written beside and renamed into place: a process killed while saving (a launcher's shutdown timeout)
     # leaves the previous state, never a half-written one.
     # Every process writes its part (its RNG state; under FSDP its shards): the main one alone clears the
     # folder before and renames it after all are done.
     resume_dir = Path(resume_dir)
-    tmp = resume_dir.with_name(resume_dir.name + ".tmp")
+    tmp = staging_dir(resume_dir)
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()

@@ -141,10 +141,13 @@ def test_a_killed_conversion_resumes_from_its_periodic_save(files, tmp_path, mon
     assert isinstance(result.exception, RuntimeError) and not out.exists()
     assert json.loads((tmp_path / "out.resume" / "state.json").read_text())["step"] == 2
     monkeypatch.setattr(data_module.TextData, "train_batches", real)
+    partial = tmp_path / "out.resume.tmp"  # what a later save killed midway would leave
+    partial.mkdir()
+    (partial / "optimizer_0").write_bytes(b"\0" * 1024)
     result = convert(files, "llama", out, "--steps", 5, "--resume")  # save_every may differ on resume
     assert result.exit_code == 0, result.output
     assert [e["step"] for e in json.loads((out / "training_log.json").read_text())["log"]] == [1, 2, 3, 4, 5]
-    assert not (tmp_path / "out.resume").exists()
+    assert not (tmp_path / "out.resume").exists() and not partial.exists()
 
 
 def test_push_to_hub_uploads_the_finished_folder(files, tmp_path, monkeypatch):
