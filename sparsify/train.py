@@ -642,7 +642,10 @@ def check_resume(resume_dir, config: TrainConfig, processes: int, inputs: dict |
     the same `inputs` (see train). ConfigError naming what differs otherwise."""
     path = Path(resume_dir) / "state.json" if resume_dir is not None else None
     if path is None or not path.is_file():
-        raise ConfigError(f"--resume: no saved training state in {resume_dir}")
+        killed = resume_dir is not None and staging_dir(resume_dir).is_dir()
+        raise ConfigError(f"--resume: no saved training state in {resume_dir}" + (
+            f" ({staging_dir(resume_dir)} holds a save that was killed before it finished, which cannot be "
+            "resumed from: a launcher kills its processes 30 s after a Ctrl-C; see --save-every)" if killed else ""))
     state = json.loads(path.read_text())
 
     def differences(saved: dict | None, current: dict) -> str:

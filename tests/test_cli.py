@@ -168,6 +168,8 @@ def test_push_to_hub_uploads_the_finished_folder(files, tmp_path, monkeypatch):
 
 def test_resume_without_state(files, tmp_path):
     assert_user_error(convert(files, "llama", tmp_path / "out", "--resume"), "no saved training state")
+    (tmp_path / "out.resume.tmp").mkdir()  # a save killed midway
+    assert_user_error(convert(files, "llama", tmp_path / "out", "--resume"), "killed before it finished")
 
 
 def test_failure_while_writing_leaves_no_output(files, tmp_path, monkeypatch):
