@@ -225,8 +225,8 @@ def slow_save_warning(parameters: int, processes: int, save_every: int) -> str |
     if processes < 2 or save_every or gib <= SLOW_SAVE_GIB:
         return None
     return (f"the training state is {gib:.0f} GiB: after a Ctrl-C, `accelerate launch` and torchrun kill the "
-            f"processes within 30 s, before a state this size is written (97 GiB takes about 90 s), and the "
-            f"run could not be resumed; pass --save-every N to also save it every N steps")
+            "processes within 30 s, before a state this size is written (97 GiB takes about 90 s), and the "
+            "run could not be resumed; pass --save-every N to also save it every N steps")
 
 
 def on_cpu(device: str | None) -> bool:
