@@ -16,7 +16,6 @@ weights are gathered into the main process's CPU memory for the plan and the exp
 from __future__ import annotations
 
 import json
-import shutil
 import tempfile
 from contextlib import nullcontext
 from dataclasses import asdict
@@ -37,8 +36,8 @@ from .plan import plan_model
 from .tune import capture_mlp_inputs, require_cuda
 from .relufy import original_mlps, relufy
 from .report import console, plot_training
-from .train import (TrainConfig, check_resume, check_training_memory, fsdp_launch, gather_model, hybrid_share,
-                    on_cpu, staging_dir, train)
+from .train import (TrainConfig, check_resume, check_training_memory, discard_saved_state, fsdp_launch,
+                    gather_model, hybrid_share, on_cpu, train)
 
 
 def recipes_dir():
@@ -196,8 +195,7 @@ def convert(
             model, tokenizer, out, spec=spec, plan=plan, training=training, artifacts=artifacts,
             max_shard_size=max_shard_size, overwrite=overwrite,
         )
-    for folder in (resume_dir, staging_dir(resume_dir)):  # and a save killed midway (a launcher's SIGKILL)
-        shutil.rmtree(folder, ignore_errors=True)
+    discard_saved_state(resume_dir)
     if push_to_hub:
         from .push import push_to_hub as push
 

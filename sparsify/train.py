@@ -212,9 +212,9 @@ def check_training_memory(parameters: int, device: str | None, processes: int, s
                           f"weights, gradients and AdamW state alone, and this GPU has {total / 2**30:.0f} GiB: {fix}")
 
 
-# A launcher (accelerate launch, torchrun) kills its processes 30 s after a Ctrl-C; a sharded training state
-# above this size takes longer to write (6.5B parameters, 97 GiB: 87 s on 2 H100s,
-# benchmarks/results/fsdp_scale_check_save_h100x2.json)
+LAUNCHER_GRACE_S = 30  # accelerate launch and torchrun kill their processes this long after a Ctrl-C
+# A sharded training state above this size takes longer than that to write (6.5B parameters, 97 GiB: 87 s on
+# 2 H100s, benchmarks/results/fsdp_scale_check_save_h100x2.json)
 SLOW_SAVE_GIB = 30
 
 
@@ -225,8 +225,8 @@ def slow_save_warning(parameters: int, processes: int, save_every: int) -> str |
     if processes < 2 or save_every or gib <= SLOW_SAVE_GIB:
         return None
     return (f"the training state is {gib:.0f} GiB: after a Ctrl-C, `accelerate launch` and torchrun kill the "
-            "processes within 30 s, before a state this size is written (97 GiB takes about 90 s), and the "
-            "run could not be resumed; pass --save-every N to also save it every N steps")
+            f"processes within {LAUNCHER_GRACE_S} s, before a state this size is written (97 GiB took 87 s on "
+            "2 H100s), and the run could not be resumed; pass --save-every N to also save it every N steps")
 
 
 def on_cpu(device: str | None) -> bool:
@@ -605,10 +605,16 @@ class _StopRequest:
             signal.signal(sig, handler)
 
 
-def staging_dir(resume_dir) -> Path:
+def _staging_dir(resume_dir) -> Path:
     """Where a save is written before it replaces `resume_dir`: what a process killed while saving leaves."""
     resume_dir = Path(resume_dir)
     return resume_dir.with_name(resume_dir.name + ".tmp")
+
+
+def discard_saved_state(resume_dir) -> None:
+    """Removes the saved training state and whatever a save killed midway left beside it."""
+    for folder in (resume_dir, _staging_dir(resume_dir)):
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _save(accelerator: Accelerator, resume_dir, state: dict, config: TrainConfig) -> None:
@@ -617,7 +623,7 @@ def _save(accelerator: Accelerator, resume_dir, state: dict, config: TrainConfig
     # Every process writes its part (its RNG state; under FSDP its shards): the main one alone clears the
     # folder before and renames it after all are done.
     resume_dir = Path(resume_dir)
-    tmp = staging_dir(resume_dir)
+    tmp = _staging_dir(resume_dir)
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
@@ -642,10 +648,11 @@ def check_resume(resume_dir, config: TrainConfig, processes: int, inputs: dict |
     the same `inputs` (see train). ConfigError naming what differs otherwise."""
     path = Path(resume_dir) / "state.json" if resume_dir is not None else None
     if path is None or not path.is_file():
-        killed = resume_dir is not None and staging_dir(resume_dir).is_dir()
+        staging = _staging_dir(resume_dir) if resume_dir is not None else None
         raise ConfigError(f"--resume: no saved training state in {resume_dir}" + (
-            f" ({staging_dir(resume_dir)} holds a save that was killed before it finished, which cannot be "
-            "resumed from: a launcher kills its processes 30 s after a Ctrl-C; see --save-every)" if killed else ""))
+            f" ({staging} holds a save that was killed before it finished, which cannot be resumed from: a "
+            f"launcher kills its processes {LAUNCHER_GRACE_S} s after a Ctrl-C; see --save-every)"
+            if staging is not None and staging.is_dir() else ""))
     state = json.loads(path.read_text())
 
     def differences(saved: dict | None, current: dict) -> str:
