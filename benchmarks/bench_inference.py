@@ -18,6 +18,7 @@ positive), so every (row, tile) overflows: the cost of the decode overflow fallb
   python benchmarks/bench_inference.py --first-tokens --json out.json  # one such token every 2048: span vs dense
   python benchmarks/bench_inference.py --decode-first-token --json out.json  # one such token in a decode-size call
   python benchmarks/bench_inference.py --decode-paths --json out.json  # decode against batched path, 8-64 tokens
+  python benchmarks/bench_inference.py --decode-rules --json out.json  # two decode launch rules against the old ones
   python benchmarks/bench_inference.py --host-time --json out.json     # host time of one call, eager
   python benchmarks/bench_inference.py --sweep       # launch-config sweep at D=2048, I=5632
 """
@@ -470,6 +471,46 @@ def decode_paths():
     return rows
 
 
+def decode_rules():
+    """The two decode launch rules of kernels/gated_mlp.py against what they replace, in one process
+    (CUDA-graph replays over the layer copies, per layer; each checked against fp32):
+    - "tile_out": one token, the gate programs write the output's shares and a small kernel adds them
+      (tile_out_launch, here whatever TILE_OUT_MAX_D says), against packing TwELL for the out kernel; every
+      shape of SHAPES, 29 active units;
+    - "partial_rows": the overflowing tiles of a heavy first token (HEAVY_FIRST units) among 1-64 tokens,
+      their partial rows PART_BYTES a step with PART_STAGES in flight, against 128 bytes one step at a time
+      (D 2048 / I 5632)."""
+    rows = []
+    for d, i in SHAPES:
+        layers = [make_layer(d, i, HEAVY_K) for _ in range(LAYERS)]
+        x = make_x(1, d)
+        ref = reference(x, layers[0])
+        row = dict(rule="tile_out", D=d, I=i, M=1, dense_us=per_layer_us(lambda lw: dense(x, lw), layers))
+        for name, max_d in (("new", d), ("old", 0)):  # the path at every D whose rows fit, and never
+            with launch_rules(TILE_OUT_MAX_D=max_d):
+                row[name + "_err"] = rel_err(sparse(x, layers[0], 128, 8), ref)
+                row[name + "_us"] = per_layer_us(lambda lw: sparse(x, lw, 128, 8), layers)
+        print_row(row)
+        rows.append(row)
+        del layers
+    d, i = 2048, 5632
+    layers = [make_layer(d, i, HEAVY_K) for _ in range(LAYERS)]
+    module = sys.modules["twell.gated_mlp"]
+    for m in (1, 16, 64):
+        x = make_x(m, d)
+        make_heavy(x, [0], HEAVY_FIRST, i)
+        ref = reference(x, layers[0])
+        row = dict(rule="partial_rows", D=d, I=i, M=m, dense_us=per_layer_us(lambda lw: dense(x, lw), layers),
+                   first_token_units=int((x[:1].float() @ layers[0]["gate"].float().t() > 0).sum()))
+        for name, rule in (("new", (module.PART_BYTES, module.PART_STAGES)), ("old", (128, 1))):
+            with launch_rules(PART_BYTES=rule[0], PART_STAGES=rule[1]):
+                row[name + "_err"] = rel_err(sparse(x, layers[0], 128, 16), ref)
+                row[name + "_us"] = per_layer_us(lambda lw: sparse(x, lw, 128, 16), layers)
+        print_row(row)
+        rows.append(row)
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--grid", nargs="*", default=["main", "decode"], choices=sorted(GRIDS))
@@ -484,6 +525,8 @@ def main():
                       help="a heavy first token every 2048 tokens, through the span kernel and the dense block")
     mode.add_argument("--decode-first-token", action="store_true",
                       help="one heavy first token in a decode-size call (1-64 tokens)")
+    mode.add_argument("--decode-rules", action="store_true",
+                      help="the one-token tile-out path and the partial-row steps against what they replace")
     p.add_argument("--json", default=None)
     p.add_argument("--resume", action="store_true",
                    help="keep the rows already in --json (a run cut short) and measure only the missing ones")
@@ -513,6 +556,8 @@ def main():
         result = dict(meta, k=HEAVY_K, tile=HEAVY_TILE, compression=16, rows=decode_first_token())
     elif args.decode_paths:
         result = dict(meta, rows=decode_paths())
+    elif args.decode_rules:
+        result = dict(meta, rows=decode_rules())
     else:
         result = dict(meta, rows=rows)
         for grid in args.grid:

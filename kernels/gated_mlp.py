@@ -33,6 +33,10 @@ masked to active columns), so it packs h = g * u instead of g; kernel 2 then onl
 over output chunks of BD columns so that many SMs share the few rows, and is launched as a programmatic
 dependent launch (Hopper): it starts while the gate kernel runs and waits for it on the device. Up to 32
 rows it loads its row's whole TwELL together with the counts (one round of loads, not two).
+One token (gated, D up to TILE_OUT_MAX_D: tile_out_launch) skips TwELL: each gate program reads its active
+units' whole up and down rows in one round and writes its tile's share of the output, an fp32 row of a
+[1, NT, D] buffer (zeros where no unit is active), and `_twell_tile_sum_kernel` adds the shares from L2:
+one dependent read after the gate kernel instead of the TwELL and then the down rows.
 `overflow` counts the narrower tiles.
 Decode overflow: the gate program already holds its tile's h densely, so for an overflowing (row, tile)
 it reads the tile's active down rows itself and writes the tile's share of the row's output, an fp32
@@ -74,6 +78,17 @@ WHOLE_UP_ROWS = 16384  # elements of up rows a decode gate program loads at once
 # not two (0.3-2.8 us faster at 1-16 rows, 1.3-2.1 at 17-32 at D 2048, results/decode_mid_rows_h100.json;
 # at 64 rows, 100 active units, 53 -> 57 us)
 HELD_SLOTS, HELD_ROWS = 4096, 32
+# Partial rows of overflowing decode tiles (a sequence's first token): 512 bytes of each down row a step, two
+# steps in flight, against 128 bytes one step at a time (H100, D 2048 / I 5632, a first token of about 2000
+# units, us a layer of 8 in a CUDA graph, decode_rules_h100.json: alone 48.3 -> 33.1 (dense 33.5), among 16
+# tokens 55.9 -> 41.3, among 64 69.5 -> 54.3)
+PART_BYTES, PART_STAGES = 512, 2
+# One-token decode through tile_out_launch up to this D (H100, 29 active units, 8 layers in a CUDA graph,
+# benchmarks/results/decode_rules_h100.json: D 896 / 4864 10.7 -> 9.1 us a layer, 2048 / 5632 15.5 -> 14.3,
+# 2048 / 8192 19.2 -> 18.3; slower at 3584 / 18944 and 4096 / 14336, 56.6 -> 58.8 and 47.3 -> 49.8, where
+# the output's shares (4 * D bytes a tile) and their sum cost more than the hand-over they save)
+TILE_OUT_MAX_D = 2048
+TILE_SUM_BD = 32  # output columns a program of the one-token decode's tile sum adds
 # (program, TwELL tile) pairs a held-list decode out launch may walk: each of a row's output-chunk programs
 # walks the row's whole TwELL, so narrow chunks multiply that walk (out_config)
 DECODE_WALK_BUDGET = 48 * 1024
@@ -183,7 +198,7 @@ def _tile_stride(tile: int, tile_stride) -> int:
 
 
 def gate_launch(x2, w, up, tile, s, vals_dtype, cfg, h_fp32=False, partials=False, tile_stride=None,
-                pdl=False) -> _Launch:
+                pdl=False, tile_out=False) -> _Launch:
     """Launch of relu(x2 @ w^T) packed into TwELL, for x2 [M, D], w [I, D] (any strides). With `up`, the
     stored values are h = relu(x2 @ w^T) * (x2 @ up^T) at the same entries (up rows read only for active
     columns). With `partials`, each overflowing (row, tile) also gets the tile's share of the row's output,
@@ -191,14 +206,20 @@ def gate_launch(x2, w, up, tile, s, vals_dtype, cfg, h_fp32=False, partials=Fals
     an [M, NT, D] buffer (NT tiles a row). Tiles are `tile_stride` units wide (default `tile`; less spreads
     a decode over more programs). With whole tiles, the main loop reads x and w through TMA descriptors
     where tma_ok; batched on an sm_90 GPU the Gluon kernel of gate_hopper.py runs instead (same TwELL).
+    With `tile_out` (one-token gated decode: tile_out_launch) nothing is packed: every tile writes its share
+    of the output to the partials buffer and its count of active units; values and indices are unused.
     Called with (x2, w, up or w, down_t or w, values, indices, counts, partials buffer or values)."""
     m, d = x2.shape
     width = w.shape[0]
     cfg = dict(cfg)
     bm, bk, up_bk = cfg.pop("BM"), cfg.pop("BK"), cfg.pop("UP_BK", 0)
     up_stages, up_rows, rows_uc = cfg.pop("UP_STAGES", 1), cfg.pop("UP_ROWS", 0), cfg.pop("ROWS_UC", 1)
-    if triton.next_power_of_2(d) * rows_uc > WHOLE_UP_ROWS:  # whole up rows would not fit in registers
+    if tile_out:  # whole down rows beside the up rows
+        rows_uc = min(rows_uc, WHOLE_UP_ROWS // (2 * triton.next_power_of_2(d)))
+    if triton.next_power_of_2(d) * rows_uc > WHOLE_UP_ROWS or rows_uc == 0:  # would not fit in registers
         up_rows = 0
+    if tile_out and up_rows == 0:
+        raise ValueError(f"the tile-out decode path takes up to 4 rows whose up and down rows fit (M {m}, D {d})")
     ts = _tile_stride(tile, tile_stride)
     hopper = hopper_gate_launch(x2, w, tile, s, vals_dtype) if up is None and not partials and ts == tile else None
     if hopper is not None:
@@ -216,11 +237,31 @@ def gate_launch(x2, w, up, tile, s, vals_dtype, cfg, h_fp32=False, partials=Fals
         M=m, N=width, K=d, stride_xm=x2.stride(0), stride_xk=x2.stride(1), stride_wn=w.stride(0),
         stride_wk=w.stride(1), stride_un=upw.stride(0), stride_uk=upw.stride(1), T=tile, S=s, BM=bm, BK=bk,
         EVEN_K=d % bk == 0, GROUP_M=cfg.pop("GROUP_M"), DOT_PRECISION=dot, FUSE_UP=up is not None,
-        H_FP32=h_fp32, PARTIALS=partials, PART_BD=max(16, min(64, triton.next_power_of_2(d))),
+        H_FP32=h_fp32, PARTIALS=partials, PART_STAGES=PART_STAGES,
+        PART_BD=max(16, min(PART_BYTES // x2.element_size(), triton.next_power_of_2(d))),
         PART_DOT="ieee" if vals_dtype == torch.float32 else "tf32",
         UP_BK=min(up_bk, triton.next_power_of_2(d)), UC=16, TS=ts,
         PDL=pdl, USE_TMA=tma, UP_STAGES=up_stages, UP_ROWS=up_rows, ROWS_UC=rows_uc,
-        ROWS_BK=triton.next_power_of_2(d)), cfg, extra)
+        ROWS_BK=triton.next_power_of_2(d), TILE_OUT=tile_out), cfg, extra)
+
+
+def tile_out_launch(m: int, d: int, gated: bool, decode: bool) -> bool:
+    """Whether a call takes the tile-out decode path: one token, gated, D up to TILE_OUT_MAX_D (and small
+    enough for one unit's whole up and down rows in a gate program's registers). There the gate programs
+    write the output's shares and a small kernel adds them, instead of packing TwELL for the out kernel's
+    gather of down rows."""
+    return (decode and gated and m == 1 and d <= TILE_OUT_MAX_D
+            and 2 * triton.next_power_of_2(d) <= WHOLE_UP_ROWS)
+
+
+def tile_sum_launch(m: int, d: int, nt: int, s: int, has_overflow: bool, pdl: bool = False) -> _Launch:
+    """Launch of out [M, D] = the sum over tiles of the partial rows [M, NT, D] that a tile-out gate launch
+    wrote. Called with (partials, counts, out, overflow or counts)."""
+    nt_pad = max(2, triton.next_power_of_2(nt))
+    bd = min(TILE_SUM_BD, triton.next_power_of_2(d))
+    return _Launch(_twell_tile_sum_kernel, (m, cdiv(d, bd), 1), dict(
+        D=d, NT=nt, S=s, NT_PAD=nt_pad, OT=min(nt_pad, 8192 // bd), BD=bd, HAS_OVF=has_overflow, PDL=pdl),
+        dict(num_warps=4, launch_pdl=True) if pdl else dict(num_warps=4))
 
 
 def out_launch(x2, width, tile, s, gated, h_fp32, has_overflow, cfg, packed_h=False, tile_stride=None,
@@ -368,6 +409,7 @@ class _Plan:
         m, d = x2.shape
         width = w_dec.shape[0]
         self.decode = m <= decode_rows(d, width)
+        self.tile_out = tile_out_launch(m, d, up is not None, self.decode)
         tile = min(tile, DECODE_TILE) if self.decode else tile
         ts = decode_tile_stride(width, tile, m, x2.device) if self.decode else tile
         pdl = self.decode and use_pdl(x2.device)
@@ -379,7 +421,10 @@ class _Plan:
         self.partials_shape = (m, cdiv(width, ts), d) if self.decode else None
         self.gate = gate_launch(x2, w_dec, up if self.decode else None, tile, s, self.vals_dtype,
                                 gate_config(m, tile, x2.element_size(), self.decode), h_fp32,
-                                partials=self.decode, tile_stride=ts, pdl=pdl)
+                                partials=self.decode, tile_stride=ts, pdl=pdl, tile_out=self.tile_out)
+        if self.tile_out:
+            self.out = tile_sum_launch(m, d, cdiv(width, ts), s, overflow is not None, pdl)
+            return
         self.out = out_launch(x2, width, tile, s, up is not None, h_fp32, overflow is not None,
                               out_config(m, d, self.decode, cdiv(width, ts)),
                               packed_h=self.decode, tile_stride=ts, pdl=pdl)
@@ -445,6 +490,13 @@ def _forward_triton(x, w_dec, up, down, tile, compression, precision, overflow):
     else:
         _PLANS.move_to_end(key)
     device = x.device
+    if plan.tile_out:
+        counts = torch.empty(plan.twell_shape[:2], dtype=torch.int32, device=device)
+        partials = torch.empty(plan.partials_shape, dtype=torch.float32, device=device)
+        out = x.new_empty(x2.shape)
+        plan.gate(x2, w_dec, up, down_t, counts, counts, counts, partials)  # nothing packed: no values, indices
+        plan.out(partials, counts, out, overflow if overflow is not None else counts)
+        return out.view(x.shape)
     tw = (torch.empty(plan.twell_shape, dtype=plan.vals_dtype, device=device),
           torch.empty(plan.twell_shape, dtype=torch.int32, device=device),
           torch.empty(plan.twell_shape[:2], dtype=torch.int32, device=device))
@@ -584,10 +636,10 @@ if triton is not None:
                           T: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
                           EVEN_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
                           FUSE_UP: tl.constexpr, H_FP32: tl.constexpr, PARTIALS: tl.constexpr,
-                          PART_BD: tl.constexpr, PART_DOT: tl.constexpr,
+                          PART_BD: tl.constexpr, PART_DOT: tl.constexpr, PART_STAGES: tl.constexpr,
                           UP_BK: tl.constexpr, UC: tl.constexpr, TS: tl.constexpr, PDL: tl.constexpr,
                           USE_TMA: tl.constexpr, UP_STAGES: tl.constexpr, UP_ROWS: tl.constexpr,
-                          ROWS_UC: tl.constexpr, ROWS_BK: tl.constexpr):
+                          ROWS_UC: tl.constexpr, ROWS_BK: tl.constexpr, TILE_OUT: tl.constexpr):
         if PDL:  # let the out kernel launch now; it waits for this grid before reading its results
             tl.extra.cuda.gdc_launch_dependents()
         pid = tl.program_id(0)
@@ -625,54 +677,138 @@ if triton is not None:
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
             a_ptrs += BK * stride_xk
             b_ptrs += BK * stride_wk
-        vals = acc
-        if FUSE_UP:
-            # u = x @ up^T on this tile, loading up rows only for columns active in some row of the block
-            col_on = tl.max(((acc > 0) & (rows < M)[:, None] & (cols < N)[None, :]).to(tl.int32), axis=0) > 0
-            u = tl.zeros((BM, T), dtype=tl.float32)
-            n_on = tl.sum(col_on.to(tl.int32), axis=0)
-            whole_rows = False
-            if UP_ROWS > 0:  # up to two rounds; the K loop below takes denser tiles in fewer latencies
-                whole_rows = n_on <= 2 * ROWS_UC
-            if whole_rows:
-                u = _up_whole_rows(u, col_on, n_on, local, pid_m * BM, pid_n * TS, x_ptr, up_ptr, M, K,
-                                   stride_xm, stride_xk, stride_un, stride_uk, UP_ROWS, ROWS_UC, ROWS_BK)
-            elif UP_BK > 0:
-                u = _up_k_loop(u, col_on, n_on, local, pid_n * TS, x_rows, up_ptr, K, stride_xk, stride_un,
-                               stride_uk, UC, UP_BK, UP_STAGES, DOT_PRECISION)
-            elif n_on > 0:
-                a_ptrs = x_rows + rk[None, :] * stride_xk
-                u_ptrs = up_ptr + (cols % N)[None, :].to(tl.int64) * stride_un + rk[:, None] * stride_uk
-                for k in range(0, tl.cdiv(K, BK)):
-                    kin = rk < K - k * BK
-                    a = tl.load(a_ptrs, mask=kin[None, :], other=0.0)
-                    b = tl.load(u_ptrs, mask=kin[:, None] & col_on[None, :], other=0.0)
-                    u = tl.dot(a, b, u, input_precision=DOT_PRECISION)
-                    a_ptrs += BK * stride_xk
-                    u_ptrs += BK * stride_uk
-            g = tl.maximum(acc, 0.0)
-            if not H_FP32:  # g as the packed gate value would be; h rounds when stored
-                g = g.to(vals_ptr.dtype.element_ty).to(tl.float32)
-            vals = g * u
-        count = pack_store(acc, vals, rows, cols, pid_n, pid_n * TS, M, N, vals_ptr, idx_ptr, cnt_ptr, n_n, S)
-        if PARTIALS:
-            # overflowing rows of this tile: the tile's share of their output, h . down_t[tile's units], as
-            # fp32 partial rows (h as the packed values would be); nothing is written for tiles that fit
-            over = (count > S) & (rows < M)
-            if tl.max(over.to(tl.int32), axis=0) > 0:
-                h = tl.where(over[:, None] & (acc > 0) & (cols < N)[None, :], vals, 0.0)
-                h = h.to(vals_ptr.dtype.element_ty)  # fp32 with H_FP32
-                unit_on = tl.max((h != 0).to(tl.int32), axis=0) > 0  # down rows read only where needed
-                if not H_FP32:  # in the weights' precision, like dense
-                    h = h.to(down_ptr.dtype.element_ty)
-                part_rows = (rows.to(tl.int64) * n_n + pid_n) * K
-                for k0 in range(0, K, PART_BD):
-                    dcol = k0 + tl.arange(0, PART_BD)
-                    dw = tl.load(down_ptr + cols[:, None].to(tl.int64) * K + dcol[None, :],
-                                 mask=unit_on[:, None] & (dcol < K)[None, :], other=0.0)
-                    part = tl.dot(h, dw.to(h.dtype), input_precision=PART_DOT)
-                    tl.store(part_ptr + part_rows[:, None] + dcol[None, :], part,
-                             mask=over[:, None] & (dcol < K)[None, :])
+        if TILE_OUT:
+            _tile_out(acc, rows, cols, local, x_rows, pid_n, n_n, M, N, K, x_ptr, up_ptr, down_ptr, cnt_ptr,
+                      part_ptr, stride_xk, stride_un, stride_uk, TS, UC, UP_BK, UP_STAGES, DOT_PRECISION, H_FP32,
+                      ROWS_UC, ROWS_BK, PART_BD, PART_DOT, PART_STAGES)
+        else:
+            vals = acc
+            if FUSE_UP:
+                # u = x @ up^T on this tile, loading up rows only for columns active in some row of the block
+                col_on = tl.max(((acc > 0) & (rows < M)[:, None] & (cols < N)[None, :]).to(tl.int32), axis=0) > 0
+                u = tl.zeros((BM, T), dtype=tl.float32)
+                n_on = tl.sum(col_on.to(tl.int32), axis=0)
+                whole_rows = False
+                if UP_ROWS > 0:  # up to two rounds; the K loop below takes denser tiles in fewer latencies
+                    whole_rows = n_on <= 2 * ROWS_UC
+                if whole_rows:
+                    u = _up_whole_rows(u, col_on, n_on, local, pid_m * BM, pid_n * TS, x_ptr, up_ptr, M, K,
+                                       stride_xm, stride_xk, stride_un, stride_uk, UP_ROWS, ROWS_UC, ROWS_BK)
+                elif UP_BK > 0:
+                    u = _up_k_loop(u, col_on, n_on, local, pid_n * TS, x_rows, up_ptr, K, stride_xk, stride_un,
+                                   stride_uk, UC, UP_BK, UP_STAGES, DOT_PRECISION)
+                elif n_on > 0:
+                    a_ptrs = x_rows + rk[None, :] * stride_xk
+                    u_ptrs = up_ptr + (cols % N)[None, :].to(tl.int64) * stride_un + rk[:, None] * stride_uk
+                    for k in range(0, tl.cdiv(K, BK)):
+                        kin = rk < K - k * BK
+                        a = tl.load(a_ptrs, mask=kin[None, :], other=0.0)
+                        b = tl.load(u_ptrs, mask=kin[:, None] & col_on[None, :], other=0.0)
+                        u = tl.dot(a, b, u, input_precision=DOT_PRECISION)
+                        a_ptrs += BK * stride_xk
+                        u_ptrs += BK * stride_uk
+                g = tl.maximum(acc, 0.0)
+                if not H_FP32:  # g as the packed gate value would be; h rounds when stored
+                    g = g.to(vals_ptr.dtype.element_ty).to(tl.float32)
+                vals = g * u
+            count = pack_store(acc, vals, rows, cols, pid_n, pid_n * TS, M, N, vals_ptr, idx_ptr, cnt_ptr, n_n, S)
+            if PARTIALS:
+                # overflowing rows of this tile: the tile's share of their output, h . down_t[tile's units], as
+                # fp32 partial rows (h as the packed values would be); nothing is written for tiles that fit
+                over = (count > S) & (rows < M)
+                if tl.max(over.to(tl.int32), axis=0) > 0:
+                    h = tl.where(over[:, None] & (acc > 0) & (cols < N)[None, :], vals, 0.0)
+                    h = h.to(vals_ptr.dtype.element_ty)  # fp32 with H_FP32
+                    if not H_FP32:  # in the weights' precision, like dense
+                        h = h.to(down_ptr.dtype.element_ty)
+                    _partial_rows(h, over, cols, (rows.to(tl.int64) * n_n + pid_n) * K, K, down_ptr, part_ptr,
+                                  PART_BD, PART_DOT, PART_STAGES)
+
+    @triton.jit
+    def _partial_rows(h, over, cols, part_rows, K, down_ptr, part_ptr, PART_BD: tl.constexpr,
+                      PART_DOT: tl.constexpr, PART_STAGES: tl.constexpr):
+        """A tile's share of its `over` rows' output, h [BM, T] times the down rows of its units (cols),
+        stored as fp32 rows at part_rows (offsets into the [M, NT, D] buffer), PART_BD columns a step."""
+        unit_on = tl.max((h != 0).to(tl.int32), axis=0) > 0  # down rows read only where needed
+        for k0 in tl.range(0, K, PART_BD, num_stages=PART_STAGES):
+            dcol = k0 + tl.arange(0, PART_BD)
+            dw = tl.load(down_ptr + cols[:, None].to(tl.int64) * K + dcol[None, :],
+                         mask=unit_on[:, None] & (dcol < K)[None, :], other=0.0)
+            part = tl.dot(h, dw.to(h.dtype), input_precision=PART_DOT)
+            tl.store(part_ptr + part_rows[:, None] + dcol[None, :], part, mask=over[:, None] & (dcol < K)[None, :])
+
+    @triton.jit
+    def _tile_out(acc, rows, cols, local, x_rows, pid_n, n_n, M, N, K, x_ptr, up_ptr, down_ptr, cnt_ptr, part_ptr,
+                  stride_xk, stride_un, stride_uk, TS: tl.constexpr, UC: tl.constexpr, UP_BK: tl.constexpr,
+                  UP_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr, H_FP32: tl.constexpr,
+                  ROWS_UC: tl.constexpr, ROWS_BK: tl.constexpr, PART_BD: tl.constexpr, PART_DOT: tl.constexpr,
+                  PART_STAGES: tl.constexpr):
+        """One-token decode, epilogue of the gate program: the tile's share of the token's output, h over the
+        tile's units times their down rows, stored as an fp32 row of the [1, NT, D] buffer (zeros where no
+        unit of the tile is active), and the tile's count of active units. Up to 2 * ROWS_UC active units
+        (the common case) their whole up and down rows are loaded together, one round of loads a ROWS_UC of
+        them, so that the only dependent read left after this kernel is the sum of the shares, from L2
+        (_twell_tile_sum_kernel)."""
+        live = (acc > 0) & (rows < M)[:, None] & (cols < N)[None, :]
+        tl.store(cnt_ptr + rows * n_n + pid_n, tl.sum(live.to(tl.int32), axis=1), mask=rows < M)
+        col_on = tl.max(live.to(tl.int32), axis=0) > 0
+        n_on = tl.sum(col_on.to(tl.int32), axis=0)
+        g = tl.where(live, acc, 0.0)
+        if not H_FP32:  # g and h rounded as the packed values of the other decode paths
+            g = g.to(x_ptr.dtype.element_ty).to(tl.float32)
+        if n_on <= 2 * ROWS_UC:
+            pos = tl.cumsum(col_on.to(tl.int32), axis=0) - 1
+            kk = tl.arange(0, ROWS_BK)
+            kin = kk < K
+            x = tl.load(x_ptr + kk * stride_xk, mask=kin, other=0.0).to(tl.float32)
+            g0 = tl.sum(tl.where((rows == 0)[:, None], g, 0.0), axis=0)  # the token's row of the block
+            part = tl.zeros((ROWS_BK,), dtype=tl.float32)
+            for c0 in range(0, n_on, ROWS_UC):
+                sel, unit, valid = _active_columns(col_on, pos, n_on, c0, local, pid_n * TS, ROWS_UC)
+                wmask = valid[:, None] & kin[None, :]
+                uw = tl.load(up_ptr + unit[:, None].to(tl.int64) * stride_un + kk[None, :] * stride_uk, mask=wmask,
+                             other=0.0)
+                dw = tl.load(down_ptr + unit[:, None].to(tl.int64) * K + kk[None, :], mask=wmask, other=0.0)
+                h = tl.sum(tl.where(sel, g0[None, :], 0.0), axis=1) * tl.sum(uw.to(tl.float32) * x[None, :], axis=1)
+                if not H_FP32:
+                    h = h.to(x_ptr.dtype.element_ty).to(tl.float32)
+                part += tl.sum(h[:, None] * dw.to(tl.float32), axis=0)
+            tl.store(part_ptr + pid_n * K + kk, part, mask=kin)
+        else:  # a dense tile (a sequence's first token): u in a K loop, then the down rows PART_BD at a time
+            u = _up_k_loop(tl.zeros(acc.shape, dtype=tl.float32), col_on, n_on, local, pid_n * TS, x_rows,
+                           up_ptr, K, stride_xk, stride_un, stride_uk, UC, UP_BK, UP_STAGES, DOT_PRECISION)
+            h = g * u
+            if not H_FP32:
+                h = h.to(x_ptr.dtype.element_ty)
+            _partial_rows(h, rows < M, cols, (rows.to(tl.int64) * n_n + pid_n) * K, K, down_ptr, part_ptr,
+                          PART_BD, PART_DOT, PART_STAGES)
+
+    @triton.jit
+    def _twell_tile_sum_kernel(part_ptr, cnt_ptr, out_ptr, ovf_ptr, D, NT, S: tl.constexpr,
+                               NT_PAD: tl.constexpr, OT: tl.constexpr, BD: tl.constexpr, HAS_OVF: tl.constexpr,
+                               PDL: tl.constexpr):
+        """out[row, chunk] = the sum over tiles, in tile order, of the partial rows that _tile_out wrote;
+        one program per (row, BD output columns). Counts the row's tiles beyond the slots into ovf_ptr, as the
+        other decode paths do (here no tile has slots: none needs a fallback)."""
+        row = tl.program_id(0).to(tl.int64)
+        pid_d = tl.program_id(1)
+        do = pid_d * BD + tl.arange(0, BD)
+        if PDL:  # launched before the gate kernel finished: wait for its results
+            tl.extra.cuda.gdc_wait()
+        acc = tl.zeros((BD,), dtype=tl.float32)
+        for t0 in range(0, NT, OT):
+            t = t0 + tl.arange(0, OT)
+            p = tl.load(part_ptr + (row * NT + t)[:, None] * D + do[None, :],
+                        mask=(t < NT)[:, None] & (do < D)[None, :], other=0.0)
+            acc += tl.sum(p, axis=0)
+        tl.store(out_ptr + row * D + do, acc.to(out_ptr.dtype.element_ty), mask=do < D)
+        if HAS_OVF:
+            if pid_d == 0:
+                t = tl.arange(0, NT_PAD)
+                cnt = tl.load(cnt_ptr + row * NT + t, mask=t < NT, other=0)
+                n_over = tl.sum((cnt > S).to(tl.int32), axis=0)
+                if n_over > 0:
+                    tl.atomic_add(ovf_ptr, n_over.to(ovf_ptr.dtype.element_ty))
 
     @triton.jit
     def _accumulate_units(acc, x, j, g, active, d, dmask, do, omask, up_ptr, down_ptr, D,

@@ -333,6 +333,42 @@ def test_decode_kernels_read_partials_only_where_written(gated):
     assert overflow.item() == over.sum().item()
 
 
+@pytest.mark.parametrize("dtype,precision", [(torch.float32, "highest"), (torch.float16, "default")])
+def test_tile_out_decode_writes_every_tile_share(dtype, precision):
+    """One-token gated decode: no TwELL; every tile's share of the output lands in the NaN-poisoned partials
+    buffer (zeros for a tile with no active unit), through whole up and down rows for tiles of 1-4 and 5-8
+    active units (one and two rounds) and the K loop above; nothing is written past the token's row. The
+    sum kernel adds the shares and counts the tiles beyond the slots."""
+    torch.manual_seed(0)
+    d, i, tile, comp = 37, 151, 32, 8
+    x, gate, up, down = block(1, d, i, k=20, dtype=dtype)
+    active = torch.cat([torch.tensor([33, 40, 60]), torch.arange(64, 70), torch.arange(96, 116), torch.tensor([150])])
+    gate[:, 0] = -10.0
+    gate[active, 0] = 10.0  # tiles of 32: none, 3, 6, 20 and 1 active units (x[:, 0] = 1)
+    h_fp32 = precision == "highest"
+    s = slots(tile, comp)
+    nt = math.ceil(i / tile)
+    assert gm.tile_out_launch(1, d, gated=True, decode=True)
+    counts = torch.full((2, nt), -1, dtype=torch.int32, device=DEV)  # a second row to catch stray writes
+    partials = torch.full((2, nt, d), float("nan"), device=DEV)
+    down_t = down.t().contiguous()
+    gate_launch(x, gate, up, tile, s, dtype, gate_config(1, tile, x.element_size(), decode=True), h_fp32,
+                partials=True, tile_out=True)(x, gate, up, down_t, counts, counts, counts, partials)
+    assert counts[0].tolist() == [0, 3, 6, 20, 1] and (counts[1] == -1).all() and partials[1].isnan().all()
+    g = torch.relu(x.float() @ gate.float().t())
+    h = g * (x.float() @ up.float().t())
+    h = h if h_fp32 else h.to(dtype)  # as packed by the other decode paths
+    expected = tile_partials(h, down, torch.ones(1, nt, dtype=torch.bool), tile)
+    assert not partials[0].isnan().any() and torch.equal(partials[0, 0], torch.zeros(d, device=DEV))
+    assert rel_err(partials[:1], expected) < (1e-5 if h_fp32 else 2e-3)
+    out = torch.full_like(x, float("nan"))
+    overflow = torch.zeros(1, dtype=torch.int64, device=DEV)
+    gm.tile_sum_launch(1, d, nt, s, True)(partials, counts, out, overflow)
+    assert rel_err(out, partials[0].sum(0)) < (1e-6 if h_fp32 else 1e-3)  # fp32 sums in another order, rounded
+    assert overflow.item() == (counts[0] > s).sum().item() == 2  # 4 slots: the tiles of 6 and 20
+    assert rel_err(out, reference(x, gate, up, down)) < (1e-5 if h_fp32 else 3e-3)
+
+
 def launch_scalar(launch, name):
     """A compile-time argument of a launch (its scalars follow the tensors, in signature order)."""
     names = launch.kernel.arg_names[len(launch.kernel.arg_names) - len(launch.scalars):]
@@ -390,6 +426,20 @@ def test_whole_up_rows_only_where_they_fit_in_registers():
         x, gate = torch.zeros(1, d), torch.zeros(8, d)
         launch = gate_launch(x, gate, gate, 64, 8, x.dtype, gate_config(1, 64, 2, decode=True), partials=True)
         assert launch_scalar(launch, "UP_ROWS") == expected
+
+
+def test_tile_out_only_for_one_gated_decode_token_that_fits():
+    """The tile-out path takes one-token gated decode calls up to TILE_OUT_MAX_D; a gate program reads fewer
+    units' whole up and down rows a round where D is larger (D 8192: one)."""
+    assert gm.tile_out_launch(1, gm.TILE_OUT_MAX_D, gated=True, decode=True)
+    assert not gm.tile_out_launch(1, gm.TILE_OUT_MAX_D + 1, gated=True, decode=True)
+    assert not gm.tile_out_launch(2, 64, gated=True, decode=True)
+    assert not gm.tile_out_launch(1, 64, gated=False, decode=True)
+    assert not gm.tile_out_launch(1, 64, gated=True, decode=False)
+    x, gate = torch.zeros(1, 8192), torch.zeros(8, 8192)
+    launch = gate_launch(x, gate, gate, 64, 8, x.dtype, gate_config(1, 64, 2, decode=True), partials=True,
+                         tile_out=True)
+    assert (launch_scalar(launch, "UP_ROWS"), launch_scalar(launch, "ROWS_UC")) == (1, 1)
 
 
 def test_decode_out_holds_the_row_twell_only_where_it_fits():
