@@ -44,6 +44,9 @@ TRAIN_OPTIONS = [
     click.option("--batch-size", type=int, help="Sequences per micro-batch and device."),
     click.option("--grad-accum", type=int, help="Micro-batches per optimizer step."),
     click.option("--lr", type=float, help="Peak learning rate (AdamW, cosine schedule)."),
+    click.option("--distill", type=float, metavar="WEIGHT",
+                 help="Fit the source model's next-token distributions too: (1 - WEIGHT) * CE + WEIGHT * KL(source || "
+                      "trained) (0: off; a bf16 copy of the source on each GPU, one more forward a step; not under FSDP)."),
     click.option("--seed", type=int, help="Random seed."),
     click.option("--grad-checkpointing/--no-grad-checkpointing", default=None, help="Recompute activations to save memory."),
     click.option("--save-every", type=int, metavar="STEPS",

@@ -1,7 +1,8 @@
 """`sparsify convert`: the whole pipeline, one call per stage.
 
 check OUT (fail fast) -> load -> perplexity of the original -> relufy -> perplexity after the swap ->
-train (L1; each layer on the hybrid kernels or dense by its activity) -> measure on held-out text
+train (L1; each layer on the hybrid kernels or dense by its activity; with `distill`, fitted to a frozen copy
+of the source model's next-token distributions) -> measure on held-out text
 (perplexity after training) -> plan -> export (+ training log JSON and sparsity PNG) -> optional push.
 Weights are trained in fp32 (AdamW updates of ~lr are below bf16's resolution; bf16 autocast on GPU
 does the arithmetic) and exported in the dtype a plain load would use (bf16 on GPU, fp32 on CPU).
@@ -15,6 +16,7 @@ weights are gathered into the main process's CPU memory for the plan and the exp
 """
 from __future__ import annotations
 
+import copy
 import json
 import tempfile
 from contextlib import nullcontext
@@ -36,8 +38,8 @@ from .plan import plan_model
 from .tune import capture_mlp_inputs, require_cuda
 from .relufy import original_mlps, relufy
 from .report import console, plot_training
-from .train import (TrainConfig, check_resume, check_training_memory, discard_saved_state, fsdp_launch,
-                    gather_model, hybrid_share, on_cpu, train)
+from .train import (DISTILL_FSDP, TrainConfig, check_resume, check_training_memory, discard_saved_state,
+                    fsdp_launch, gather_model, hybrid_share, on_cpu, train)
 
 
 def recipes_dir():
@@ -130,7 +132,9 @@ def convert(
     resolve_data(data_spec)  # missing / empty / unknown format: before loading any weight
 
     fsdp, rank0_loading = fsdp_launch()
-    check_training_memory(parameter_count(load_config(source)[0]), device, processes, fsdp)
+    if fsdp and config.distill:
+        raise ConfigError(DISTILL_FSDP)
+    check_training_memory(parameter_count(load_config(source)[0]), device, processes, fsdp, teacher=config.distill > 0)
     model, tokenizer, spec = load_model(source, dtype=torch.float32, device="cpu" if fsdp else device,
                                         weights=main or not rank0_loading)
     require_tokenizer(tokenizer, source)
@@ -147,6 +151,8 @@ def convert(
             ppl["original"] = perplexity(model, text.eval_blocks, config.batch_size, sharded, label=labels[0])
         ppl["after swap"] = perplexity(model, text.eval_blocks, config.batch_size, sharded, label=labels[1])
 
+    # the distillation teacher: the source model as loaded, frozen (bf16 on GPU, as autocast computes)
+    teacher = copy.deepcopy(model).to(resolve_dtype(None, model.device)) if config.distill else None
     mlps = relufy(model)
     if not fsdp:  # under FSDP on the sharded model, before the first step
         source_perplexities(model)
@@ -155,7 +161,9 @@ def convert(
             config.batch_size, start, rank, world, shuffle_buffer=config.shuffle_buffer, seed=config.seed), config,
         resume_dir=resume_dir, resume=resume, device=device, show_progress=shown,
         evaluate=(lambda prepared: source_perplexities(prepared, sharded=True)) if fsdp else None, inputs=inputs,
+        teacher=teacher,
     )
+    del teacher
     model = result.model
     stats = measure(model, spec, text.eval_blocks, config.batch_size, sharded=result.sharded, label=labels[2])
     ppl["after training"] = stats["perplexity"]

@@ -1,4 +1,5 @@
-"""Continued training of a relufied model: loss = cross_entropy + l1_coeff(step) * L1 (or * L1 / L1_0).
+"""Continued training of a relufied model: loss = cross_entropy + l1_coeff(step) * L1 (or * L1 / L1_0); with
+`distill` d, (1 - d) * cross_entropy + d * KL(source || model) + the same L1 term.
 
 L1 is the method's definition (docs twell.md section 1): the mean over layers of each ReluGatedMLP's
 `stats.l1` (per layer: mean over tokens of the sum over hidden units of |relu(gate(x)) * up(x)|).
@@ -48,6 +49,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
+import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -67,6 +69,8 @@ MAX_L1_RELATIVE = 100.0
 # default 40 the band is 40-50 units: around the H100 block benchmark's break-even (~47), so a layer
 # hovering there costs at most a few percent on either path instead of flipping at every check.
 HYBRID_EXIT = 1.25
+DISTILL_FSDP = ("distill keeps a whole copy of the source model on each GPU, which a model sharded by FSDP does "
+                "not fit beside: convert without --distill, or with DDP (accelerate launch without the FSDP config)")
 
 
 class TrainingInterrupted(SparsifyError):
@@ -109,6 +113,11 @@ class TrainConfig:
     eval_tokens: int = field(default=65536, metadata={"help": "Held-out tokens for perplexity and sparsity measurement."})
     seed: int = field(default=0, metadata={"help": "Random seed."})
     log_every: int = field(default=10, metadata={"help": "Log (JSON and progress bar) every this many steps."})
+    distill: float = field(default=0.0, metadata={"help": (
+        "Weight of distillation from the source model: the cross-entropy term becomes (1 - distill) * CE + "
+        "distill * KL(source || trained) over the next-token distributions at every position, the source's "
+        "from a frozen copy of the original model (one more forward a micro-batch, its weights in bf16 on "
+        "each GPU; not under FSDP). 0: off.")})
     save_every: int = field(default=0, metadata={"help": (
         "Also save the training state for --resume every this many optimizer steps (0: only on Ctrl-C or "
         "SIGTERM), for runs that may be killed without time to save: a preempted job, or a large sharded "
@@ -175,6 +184,8 @@ class TrainConfig:
             bad(f"weight-decay must be in [0, 1], got {self.weight_decay}")
         if not self.max_grad_norm > 0:
             bad(f"max-grad-norm must be > 0, got {self.max_grad_norm}")
+        if not 0 <= self.distill <= 1:
+            bad(f"distill must be in [0, 1] (the share of the KL term; 0: off), got {self.distill}")
         if self.seq_len < 2:
             bad(f"seq-len must be at least 2, got {self.seq_len}")
         if max_positions is not None and self.seq_len > max_positions:
@@ -194,22 +205,27 @@ class TrainResult:
 
 
 TRAINING_BYTES = 16  # a parameter's fp32 weight and gradient and its two fp32 AdamW moments
+TEACHER_BYTES = 2  # a parameter of the distillation teacher (bf16)
 
 
-def check_training_memory(parameters: int, device: str | None, processes: int, sharded: bool) -> None:
-    """ConfigError when the training state alone (TRAINING_BYTES a parameter, before any activation) exceeds
-    the GPU's memory: the whole state on each GPU, or under FSDP (`sharded`) its share. Nothing on CPU."""
+def check_training_memory(parameters: int, device: str | None, processes: int, sharded: bool,
+                          teacher: bool = False) -> None:
+    """ConfigError when the training state alone (TRAINING_BYTES a parameter, before any activation; with a
+    distillation `teacher` TEACHER_BYTES more) exceeds the GPU's memory: the whole state on each GPU, or
+    under FSDP (`sharded`) its share. Nothing on CPU."""
     if on_cpu(device):
         return
     index = torch.device(device).index if device else None
     total = torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()).total_memory
-    need = TRAINING_BYTES * parameters / (processes if sharded else 1)
+    need = (TRAINING_BYTES * parameters / (processes if sharded else 1)
+            + (TEACHER_BYTES * parameters if teacher else 0))
     if need > total:
         fix = (f"use more than {processes} GPUs" if sharded else
                "shard it over several GPUs: accelerate launch --config_file recipes/accelerate/fsdp.yaml "
                "--num_processes N -m cli convert ...")
         raise ConfigError(f"training {parameters / 1e9:.2f}B parameters needs {need / 2**30:.0f} GiB on each GPU for the "
-                          f"weights, gradients and AdamW state alone, and this GPU has {total / 2**30:.0f} GiB: {fix}")
+                          f"weights, gradients and AdamW state{' and the distillation teacher' if teacher else ''} alone, "
+                          f"and this GPU has {total / 2**30:.0f} GiB: {fix}")
 
 
 LAUNCHER_GRACE_S = 30  # accelerate launch and torchrun kill their processes this long after a Ctrl-C
@@ -271,6 +287,15 @@ def _activation_checkpointing(model, on: bool):
         model.gradient_checkpointing_disable()
 
 
+def distillation_kl(logits: torch.Tensor, teacher: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """KL(teacher || model) of the next-token distributions, summed over the vocabulary and averaged over
+    the positions of `ids`, in fp32; `logits` are the model's on `ids`."""
+    with torch.no_grad():
+        target = F.log_softmax(teacher(input_ids=ids).logits.float(), dim=-1).flatten(0, -2)
+    return F.kl_div(F.log_softmax(logits.float(), dim=-1).flatten(0, -2), target, log_target=True,
+                    reduction="batchmean")
+
+
 def l1_coeff(config: TrainConfig, step: int) -> float:
     """Coefficient at optimizer step `step` (0-based): linear from l1/warm-up to l1, then constant (relative
     to L1_0 with `l1_relative`)."""
@@ -291,16 +316,23 @@ def train(
     show_progress: bool = True,
     evaluate: Callable[[torch.nn.Module], None] | None = None,
     inputs: dict | None = None,
+    teacher: torch.nn.Module | None = None,
 ) -> TrainResult:
     """Train `model` (in place; under FSDP see TrainResult.model). `batches(start, rank, world)` yields
     [batch, seq_len] token ids, starting after `start` batches consumed over all ranks. `evaluate(model)`, if
     given, runs on every process with the prepared model before the first step and before a resumed state
     loads. `inputs` (JSON values; convert: the source model and the data) is saved with an interrupted
-    state, and a resumed run must give the same (check_resume). Returns the log (one entry per logged step)
-    and the trained model."""
+    state, and a resumed run must give the same (check_resume). `teacher` (needed with `config.distill`): a
+    frozen model over the same vocabulary, moved to this process's device and run under the same autocast,
+    whose next-token distributions the model is fitted to (convert passes a copy of the source model).
+    Returns the log (one entry per logged step) and the trained model."""
     cpu = on_cpu(device)
     accelerator = Accelerator(cpu=cpu, mixed_precision="no" if cpu else "bf16")
     _check_fsdp(accelerator)
+    if config.distill and teacher is None:
+        raise ConfigError("distill needs the source model as the teacher")
+    if config.distill and accelerator.is_fsdp2:
+        raise ConfigError(DISTILL_FSDP)
     set_seed(config.seed)
     world = accelerator.num_processes
     saved = check_resume(resume_dir, config, world, inputs) if resume else None  # before any work
@@ -329,6 +361,8 @@ def train(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
+    if config.distill:
+        teacher = teacher.to(accelerator.device).eval().requires_grad_(False)
     if evaluate is not None:
         with torch.no_grad():
             evaluate(model)
@@ -374,20 +408,22 @@ def train(
                 ids = next(stream).to(accelerator.device)
                 sync = micro == config.grad_accum - 1
                 with accelerator.no_sync(model) if not sync else nullcontext(), accelerator.autocast():
-                    ce = model(input_ids=ids, labels=ids).loss
+                    output = model(input_ids=ids, labels=ids)
+                    ce = output.loss
+                    kl = distillation_kl(output.logits, teacher, ids) if config.distill else torch.zeros_like(ce)
                     layer_l1 = torch.stack([m.stats.l1.float() for m in mlps])
                     l1 = layer_l1.mean()
                     if config.l1_relative and l1_reference is None:  # once per run: one host sync
                         l1_reference = max(accelerator.reduce(l1.detach(), reduction="mean").item(), 1e-12)
                     weight = coeff / l1_reference if config.l1_relative else coeff
-                    # ce and l1 are both means over this micro-batch's tokens; dividing both by
-                    # grad_accum (and DDP averaging over ranks) makes the step's gradient that of the
-                    # mean over all tokens of the step, for both terms alike.
-                    loss = ce + weight * l1
+                    # ce, kl and l1 are means over this micro-batch's tokens; dividing them by grad_accum
+                    # (and DDP averaging over ranks) makes the step's gradient that of the mean over all
+                    # tokens of the step, for every term alike.
+                    loss = (1 - config.distill) * ce + config.distill * kl + weight * l1
                     accelerator.backward(loss / config.grad_accum)
                 fired = torch.stack([m.stats.fired for m in mlps])
                 step_fired = fired if step_fired is None else step_fired + fired
-                window.add(ce, l1, layer_l1, torch.stack([m.stats.active.float() for m in mlps]),
+                window.add(ce, kl, l1, layer_l1, torch.stack([m.stats.active.float() for m in mlps]),
                            torch.stack([m.backup_rows for m in mlps]))
             accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
             optimizer.step()
@@ -405,7 +441,7 @@ def train(
             if step % config.log_every == 0 or step == total:
                 now = time.perf_counter()
                 entry = window.entry(accelerator, step, tokens, weight, scheduler.get_last_lr()[0], last_fired, dead_window,
-                                     [m.runs_hybrid for m in mlps])
+                                     [m.runs_hybrid for m in mlps], config.distill)
                 if config.l1_relative:
                     entry["l1_relative"], entry["l1_reference"] = coeff, l1_reference
                 entry["tokens_per_s"] = window.count * ids.numel() * world / (now - window_started)
@@ -505,19 +541,20 @@ class _Window:
 
     def __init__(self, layers: int, device):
         self.count = 0
-        self.sums = torch.zeros(2 + 2 * layers, device=device)
+        self.sums = torch.zeros(3 + 2 * layers, device=device)
         self.backup_rows = torch.zeros(layers, dtype=torch.int64, device=device)
 
-    def add(self, ce, l1, layer_l1, layer_active, backup_rows):
+    def add(self, ce, kl, l1, layer_l1, layer_active, backup_rows):
         self.count += 1
-        self.sums += torch.cat([ce.detach().float().view(1), l1.detach().view(1), layer_l1.detach(), layer_active])
+        self.sums += torch.cat([ce.detach().float().view(1), kl.detach().float().view(1), l1.detach().view(1),
+                                layer_l1.detach(), layer_active])
         self.backup_rows += backup_rows
 
-    def entry(self, accelerator, step, tokens, coeff, lr, last_fired, dead_window, hybrid) -> dict:
+    def entry(self, accelerator, step, tokens, coeff, lr, last_fired, dead_window, hybrid, distill=0.0) -> dict:
         means = accelerator.reduce(self.sums / self.count, reduction="mean").tolist()
         backup_rows = accelerator.reduce(self.backup_rows, reduction="sum").tolist()
-        layers = len(means[2:]) // 2
-        ce, l1, layer_l1, layer_active = means[0], means[1], means[2 : 2 + layers], means[2 + layers :]
+        layers = len(means[3:]) // 2
+        ce, kl, l1, layer_l1, layer_active = means[0], means[1], means[2], means[3 : 3 + layers], means[3 + layers :]
         dead = ((tokens - last_fired) >= dead_window).float().mean(dim=1).tolist()
         memory = {}
         if accelerator.device.type == "cuda":  # the busiest GPU's peak since the last log step
@@ -529,8 +566,9 @@ class _Window:
             "tokens": tokens,
             "lr": lr,
             "l1_coeff": coeff,
-            "loss": ce + coeff * l1,
+            "loss": (1 - distill) * ce + distill * kl + coeff * l1,
             "cross_entropy": ce,
+            **({"kl": kl} if distill else {}),
             "l1": l1,
             "mean_active": sum(layer_active) / layers,
             "dead_frac": sum(dead) / layers,
@@ -567,7 +605,8 @@ def _progress_text(e: dict) -> str:
     hybrid = sum(l["path"] == "hybrid" for l in e["layers"])
     return (
         f"{e['tokens']:,} tok  {e['tokens_per_s']:,.0f} tok/s  loss {e['loss']:.3f}  "
-        f"ce {e['cross_entropy']:.3f}  L1 {e['l1']:.3g}  active {e['mean_active']:.1f}  dead {100 * e['dead_frac']:.1f}%"
+        f"ce {e['cross_entropy']:.3f}  " + (f"kl {e['kl']:.3f}  " if "kl" in e else "")
+        + f"L1 {e['l1']:.3g}  active {e['mean_active']:.1f}  dead {100 * e['dead_frac']:.1f}%"
         + (f"  hybrid {hybrid}/{len(e['layers'])}" if hybrid else "")
         + (f"  mem {e['max_memory_gib']:.1f} GiB" if "max_memory_gib" in e else "")
     )

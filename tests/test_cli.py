@@ -202,6 +202,7 @@ def gpt2_folder(root):
         (["convert", "{llama}", "-o", "{tmp}/out", "--steps", "1"], "--data is required"),
         (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--l1", "-1e-5"], "l1 must be between"),
         (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--l1", "3"], "l1 must be between"),
+        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--distill", "2"], "distill must be in [0, 1]"),
         (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "0"], "steps must be a positive integer"),
         (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}"], "set the training length"),
         (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--seq-len", "4096"], "beyond the model's maximum of 128 positions"),
@@ -227,6 +228,22 @@ def test_bad_input(files, tmp_path, args, message):
     result = run(*(a.format(**paths) for a in args))
     assert_user_error(result, message)
     assert not (tmp_path / "out").exists()
+
+
+def test_distillation_from_the_source(files, tmp_path, monkeypatch):
+    """--distill trains against a frozen copy of the source: the log carries the KL term and the checkpoint's
+    training record the weight; under FSDP it stops before loading any weight."""
+    out = tmp_path / "out"
+    result = convert(files, "qwen3", out, "--distill", 0.5)
+    assert result.exit_code == 0, result.output
+    log = json.loads((out / "training_log.json").read_text())
+    assert log["training"]["distill"] == 0.5
+    assert all(e["kl"] > 0 and e["loss"] > 0.5 * e["kl"] for e in log["log"])
+    import sparsify.convert
+
+    monkeypatch.setattr(sparsify.convert, "fsdp_launch", lambda: (True, True))
+    monkeypatch.setattr(sparsify.convert, "load_model", lambda *a, **k: pytest.fail("weights loaded"))
+    assert_user_error(convert(files, "qwen3", tmp_path / "fsdp", "--distill", 0.5), "not fit beside")
 
 
 def test_hybrid_routing_options(files, tmp_path):

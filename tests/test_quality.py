@@ -1,6 +1,6 @@
 """The conversion-quality pipeline (benchmarks/quality/convert_quality.py) end to end at toy size on the CPU:
-corpus, tokenizer, pretraining, two conversions through the real CLI, report and plot. Its figures at toy
-size mean nothing; the test keeps the script from rotting and checks what the report must hold."""
+corpus, tokenizer, pretraining, two conversions (without and with distillation) through the real CLI,
+report and plot. Its figures at toy size mean nothing; the test keeps the script from rotting and checks what the report must hold."""
 import importlib.util
 import json
 from pathlib import Path
@@ -38,7 +38,8 @@ def test_toy_pipeline_end_to_end(tmp_path):
     assert json.loads(report.read_text()) == json.loads(json.dumps(result))
     assert report.with_suffix(".png").stat().st_size > 10_000
     assert result["pretraining"]["tokens"] > 0 and result["convert_tokens"] <= 0.25 * result["pretraining"]["tokens"]
-    assert [c["l1_relative"] for c in result["conversions"]] == [0.0, 7.0]
+    assert [(c["l1_relative"], c["distill"]) for c in result["conversions"]] == [(7.0, 0.0), (7.0, 0.5)]
+    assert all("kl" in e for e in result["conversions"][1]["log"]) and "kl" not in result["conversions"][0]["log"][0]
     for c in result["conversions"]:
         assert set(c["cross_entropy"]) == {"original", "after swap", "after training"}
         assert c["tokens"] > 0 and c["log"] and 0 < c["sparsity"] < 1

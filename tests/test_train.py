@@ -114,6 +114,51 @@ def test_training_reduces_l1_and_logs_layers():
     json.dumps(log)  # the log is plain JSON
 
 
+def test_distillation_loss_matches_hand_computation():
+    """With distill d the loss is (1 - d) * CE + d * KL(source || model) + the L1 term; KL summed over the
+    vocabulary and averaged over every position, the source a frozen copy of the original SiLU model."""
+    model, _ = tiny_model("llama")
+    teacher = copy.deepcopy(model)
+    ids = next(batches_from()(0, 0, 1))
+    student = copy.deepcopy(model)
+    relufy(student)
+    with torch.no_grad():
+        p = F.softmax(teacher(input_ids=ids).logits.double(), -1)
+        q = F.softmax(student(input_ids=ids).logits.double(), -1)
+        kl = (p * (p.log() - q.log())).sum(-1).mean().item()
+    log = train(model, relufy(model), batches_from(), config(steps=1, distill=0.25), device="cpu", show_progress=False,
+                teacher=teacher).log
+    assert log[0]["kl"] == pytest.approx(kl, rel=1e-3) and kl > 1e-4  # the ReLU swap moves the distribution (fp32)
+    assert log[0]["loss"] == pytest.approx(0.75 * log[0]["cross_entropy"] + 0.25 * kl + 1e-3 * log[0]["l1"], rel=1e-5)
+    assert "kl" in _progress_text(log[0])
+    assert all(not p.requires_grad for p in teacher.parameters())  # frozen: the source stays as loaded
+
+
+def test_distillation_pulls_towards_the_source():
+    """Trained at distill 1 with no L1, a model far from the teacher (another random initialization) moves
+    towards its distributions (the KL falls), and its weights differ from a cross-entropy-only run on the
+    same batches."""
+    a, _ = tiny_model("qwen2")
+    b = copy.deepcopy(a)
+    teacher, _ = tiny_model("qwen2", seed=1)
+    log = train(a, relufy(a), batches_from(), config(steps=12, l1=0.0, lr=3e-3, distill=1.0, log_every=4), device="cpu",
+                show_progress=False, teacher=teacher).log
+    assert log[-1]["kl"] < 0.8 * log[0]["kl"]
+    train(b, relufy(b), batches_from(), config(steps=12, l1=0.0, lr=3e-3, log_every=4), device="cpu", show_progress=False)
+    ids = next(batches_from(seed=1)(0, 0, 1))  # not trained on
+    with torch.no_grad():
+        target = F.log_softmax(teacher(input_ids=ids).logits, -1)
+        kl = [F.kl_div(F.log_softmax(m(input_ids=ids).logits, -1), target, log_target=True, reduction="sum").item()
+              for m in (a, b)]
+    assert kl[0] < 0.8 * kl[1]
+
+
+def test_distillation_needs_a_teacher():
+    model, _ = tiny_model("llama")
+    with pytest.raises(ConfigError, match="distill needs the source model"):
+        train(model, relufy(model), batches_from(), config(distill=0.5), device="cpu", show_progress=False)
+
+
 def test_dead_units_are_those_that_never_fire():
     model, _ = tiny_model("llama")
     mlps = relufy(model)
@@ -155,6 +200,8 @@ def test_steps_and_tokens_bound_training():
         (dict(hybrid_below=float("nan")), "hybrid-below must be a number >= 0"),
         (dict(hybrid_hot_rate=0.0), r"hybrid-hot-rate must be in \(0, 1\]"),
         (dict(hybrid_max_nnz=0), "hybrid-max-nnz must be a positive integer"),
+        (dict(distill=1.5), r"distill must be in \[0, 1\]"),
+        (dict(distill=float("nan")), r"distill must be in \[0, 1\]"),
     ],
 )
 def test_bad_config(kw, message):

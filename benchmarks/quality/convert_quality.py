@@ -9,7 +9,8 @@ The chain, each stage in its own folder under --work (a stage whose output is th
 2. tokenizer: byte-level BPE (--vocab) trained on the first --tokenizer-mb of the train split;
 3. pretrain: a SiLU Llama (--hidden, --intermediate, --layers) from scratch for --pretrain-minutes
    (recipes/make_demo.py's pretraining loop), best held-out loss kept;
-4. convert: for each --l1 (relative: the L1 term's weight in nats at the start, `--l1-relative`), the
+4. convert: for each --l1 (relative: the L1 term's weight in nats at the start, `--l1-relative`) and
+   --distill (the weight of the KL term to the source model's next-token distributions), the
    real CLI, `python -m cli convert BASE -o OUT --data CORPUS --recipe ...` in a subprocess, on at most
    --convert-share of the pretraining tokens; on a GPU its layers move to the hybrid TwELL kernels as they
    become sparse. The CLI measures the held-out perplexity of the original, of the ReLU swap and of the
@@ -44,7 +45,7 @@ MIN_BYTES, MAX_BYTES = 500, 200_000
 PACKAGE_FOLDERS = ("site-packages", "dist-packages")
 TOY = dict(corpus_mb=0.4, tokenizer_mb=0.4, vocab=512, hidden=32, intermediate=88, layers=2, heads=2, seq_len=64,
            pretrain_batch=8, pretrain_minutes=0.2, pretrain_steps=20, eval_every=10, convert_batch=4,
-           convert_share=0.25, valid_share=0.1, l1=[0.0, 7.0], device="cpu",
+           convert_share=0.25, valid_share=0.1, l1=[7.0], distill=[0.0, 0.5], device="cpu",
            recipe_overrides={"log_every": 2, "eval_tokens": 512, "warmup_steps": 2, "l1_warmup_steps": 2})
 
 
@@ -129,11 +130,12 @@ def pretrain(args, work: Path, corpus: Path) -> dict:
     return result
 
 
-def convert(args, base: Path, corpus: Path, recipe: Path, out: Path, l1: float, tokens: int) -> dict:
+def convert(args, base: Path, corpus: Path, recipe: Path, out: Path, l1: float, distill: float, tokens: int) -> dict:
     """One conversion through the command line; returns its figures read back from the checkpoint."""
     command = [sys.executable, "-m", "cli", "convert", str(base), "-o", str(out), "--data", str(corpus),
-               "--recipe", str(recipe), "--l1", str(l1), "--l1-relative", "--tokens", str(tokens),
-               "--seq-len", str(args.seq_len), "--batch-size", str(args.convert_batch), "--overwrite"]
+               "--recipe", str(recipe), "--l1", str(l1), "--l1-relative", "--distill", str(distill),
+               "--tokens", str(tokens), "--seq-len", str(args.seq_len), "--batch-size", str(args.convert_batch),
+               "--overwrite"]
     if args.device:
         command += ["--device", args.device]
     print("$", shlex.join(command), flush=True)
@@ -146,7 +148,7 @@ def convert(args, base: Path, corpus: Path, recipe: Path, out: Path, l1: float, 
     units = config["intermediate_size"]
     ppl = log["training"]["perplexity"]
     return {
-        "l1_relative": l1, "command": shlex.join(command[1:]), "seconds": round(time.time() - started, 1),
+        "l1_relative": l1, "distill": distill, "command": shlex.join(command[1:]), "seconds": round(time.time() - started, 1),
         "tokens": log["training"]["tokens"], "steps": log["training"]["steps"],
         "training_seconds": log["training"]["seconds"],
         "cross_entropy": {k: math.log(v) for k, v in ppl.items()}, "perplexity": ppl,
@@ -156,9 +158,14 @@ def convert(args, base: Path, corpus: Path, recipe: Path, out: Path, l1: float, 
         "layers": [{"sparsity": 1 - l["mean_active"] / units, **l} for l in layers],
         "plan": [layer["mode"] for layer in config["twell"]["layers"]],
         "l1_reference": log["log"][0].get("l1_reference"),
-        "log": [{k: e[k] for k in ("step", "tokens", "cross_entropy", "l1", "mean_active", "dead_frac", "tokens_per_s")}
+        "log": [{k: e[k] for k in ("step", "tokens", "cross_entropy", "kl", "l1", "mean_active", "dead_frac",
+                                   "tokens_per_s") if k in e}
                 | {"hybrid_layers": sum(l["path"] == "hybrid" for l in e["layers"])} for e in log["log"]],
     }
+
+
+def run_label(run: dict) -> str:
+    return f"l1 {run['l1_relative']:g}" + (f" distill {run['distill']:g}" if run.get("distill") else "")
 
 
 def plot(result: dict, path: Path) -> None:
@@ -173,7 +180,7 @@ def plot(result: dict, path: Path) -> None:
     original = runs[0]["cross_entropy"]["original"]
     for run in runs:
         tokens = [e["tokens"] / 1e6 for e in run["log"]]
-        label = f"l1 {run['l1_relative']:g}"
+        label = run_label(run)
         ce.plot(tokens, [e["cross_entropy"] for e in run["log"]], label=label)
         active.plot(tokens, [e["mean_active"] for e in run["log"]], label=label)
     ce.axhline(original, color="black", linestyle="--", linewidth=1, label="original (held-out)")
@@ -187,12 +194,12 @@ def plot(result: dict, path: Path) -> None:
     by_sparsity = sorted(runs, key=lambda r: r["sparsity"])
     trade.plot([100 * r["sparsity"] for r in by_sparsity], [100 * r["ce_vs_original"] for r in by_sparsity], "o-")
     for r in runs:
-        trade.annotate(f"{r['l1_relative']:g}", (100 * r["sparsity"], 100 * r["ce_vs_original"]), fontsize=8,
+        trade.annotate(run_label(r), (100 * r["sparsity"], 100 * r["ce_vs_original"]), fontsize=8,
                        xytext=(4, 4), textcoords="offset points")
     trade.axhline(3, color="gray", linestyle=":", linewidth=1)
     trade.axvline(99, color="gray", linestyle=":", linewidth=1)
     trade.set(xlabel="held-out FFN sparsity (%)", ylabel="held-out CE vs original (%)",
-              title="trade-off (labels: relative l1)")
+              title="trade-off")
     fig.suptitle(f"{result['pretraining']['parameters'] / 1e6:.0f}M-parameter SiLU Llama -> sparse ReLU "
                  f"({result['device']})")
     fig.tight_layout()
@@ -242,6 +249,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--eval-every", type=int, default=250)
     ap.add_argument("--recipe", default="pretrained", help="conversion recipe (a name in recipes/ or a YAML)")
     ap.add_argument("--l1", type=float, nargs="+", default=[3.5, 7.0, 14.0], help="relative L1 coefficients")
+    ap.add_argument("--distill", type=float, nargs="+", default=[0.0],
+                    help="distillation weights (convert --distill), each run at every --l1")
     ap.add_argument("--convert-share", type=float, default=0.2, help="conversion tokens / pretraining tokens")
     ap.add_argument("--convert-batch", type=int, default=16)
     ap.add_argument("--set", dest="recipe_overrides", type=_setting, nargs="+", default=[], metavar="KEY=VALUE",
@@ -271,12 +280,13 @@ def main(argv=None) -> dict:
     recipe_path = args.work / "recipe.yaml"
     recipe_path.write_text(json.dumps(recipe, indent=1))  # JSON is YAML
     conversions = []
-    for l1 in args.l1:
-        out = args.work / f"l1_{l1:g}"
-        conversions.append(stage(args.work / f"convert_l1_{l1:g}.json",
-                                 lambda: convert(args, args.work / "base", corpus_dir, recipe_path, out, l1, tokens)))
+    for l1, distill in ((l1, distill) for l1 in args.l1 for distill in args.distill):
+        name = f"l1_{l1:g}" + (f"_distill_{distill:g}" if distill else "")
+        out = args.work / name
+        conversions.append(stage(args.work / f"convert_{name}.json", lambda: convert(
+            args, args.work / "base", corpus_dir, recipe_path, out, l1, distill, tokens)))
         c = conversions[-1]
-        print(f"l1 {l1:g}: sparsity {100 * c['sparsity']:.2f}%  held-out CE {c['cross_entropy']['original']:.4f} -> "
+        print(f"{run_label(c)}: sparsity {100 * c['sparsity']:.2f}%  held-out CE {c['cross_entropy']['original']:.4f} -> "
               f"{c['cross_entropy']['after swap']:.4f} (swap) -> {c['cross_entropy']['after training']:.4f} "
               f"({100 * c['ce_vs_original']:+.2f}%)", flush=True)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu"
