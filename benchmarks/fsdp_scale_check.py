@@ -127,10 +127,11 @@ def main() -> None:
 
     args.work.mkdir(parents=True, exist_ok=True)
     source, out = args.work / "source", args.work / "sparse"
-    recipe = args.work / "recipe.yaml"  # the pretrained recipe with this check's short settings
+    # the pretrained recipe with this check's short settings, without distillation (not under FSDP)
+    recipe = args.work / "recipe.yaml"
     recipe.write_text(yaml.safe_dump({**yaml.safe_load((ROOT / "recipes" / "pretrained.yaml").read_text()),
                                       "eval_tokens": args.eval_tokens, "log_every": 5, "warmup_steps": 5,
-                                      "l1_warmup_steps": 5}))
+                                      "l1_warmup_steps": 5, "distill": 0.0}))
     gpu_bytes = torch.cuda.get_device_properties(0).total_memory
     result = {"device": torch.cuda.get_device_name(), "gpus": args.gpus, "gpu_memory_gib": gpu_bytes / 2**30,
               "versions": {**versions(), "accelerate": __import__("accelerate").__version__},

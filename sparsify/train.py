@@ -70,7 +70,7 @@ MAX_L1_RELATIVE = 100.0
 # hovering there costs at most a few percent on either path instead of flipping at every check.
 HYBRID_EXIT = 1.25
 DISTILL_FSDP = ("distill keeps a whole copy of the source model on each GPU, which a model sharded by FSDP does "
-                "not fit beside: convert without --distill, or with DDP (accelerate launch without the FSDP config)")
+                "not fit beside: convert with --distill 0, or with DDP (accelerate launch without the FSDP config)")
 
 
 class TrainingInterrupted(SparsifyError):

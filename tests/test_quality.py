@@ -1,6 +1,7 @@
 """The conversion-quality pipeline (benchmarks/quality/convert_quality.py) end to end at toy size on the CPU:
 corpus, tokenizer, pretraining, two conversions (without and with distillation) through the real CLI,
-report and plot. Its figures at toy size mean nothing; the test keeps the script from rotting and checks what the report must hold."""
+report and plot. Its figures at toy size mean nothing; the test keeps the script from rotting and checks
+what the report must hold."""
 import importlib.util
 import json
 from pathlib import Path

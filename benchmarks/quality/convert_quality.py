@@ -191,8 +191,11 @@ def plot(result: dict, path: Path) -> None:
                title="active units")
     for axis in (ce, active):
         axis.legend(fontsize=8)
-    by_sparsity = sorted(runs, key=lambda r: r["sparsity"])
-    trade.plot([100 * r["sparsity"] for r in by_sparsity], [100 * r["ce_vs_original"] for r in by_sparsity], "o-")
+    for distill in sorted({r.get("distill", 0.0) for r in runs}):  # one curve per distillation weight
+        curve = sorted((r for r in runs if r.get("distill", 0.0) == distill), key=lambda r: r["sparsity"])
+        trade.plot([100 * r["sparsity"] for r in curve], [100 * r["ce_vs_original"] for r in curve], "o-",
+                   label=f"distill {distill:g}")
+    trade.legend(fontsize=8)
     for r in runs:
         trade.annotate(run_label(r), (100 * r["sparsity"], 100 * r["ce_vs_original"]), fontsize=8,
                        xytext=(4, 4), textcoords="offset points")
