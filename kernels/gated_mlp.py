@@ -219,7 +219,8 @@ def gate_launch(x2, w, up, tile, s, vals_dtype, cfg, h_fp32=False, partials=Fals
     if triton.next_power_of_2(d) * rows_uc > WHOLE_UP_ROWS or rows_uc == 0:  # would not fit in registers
         up_rows = 0
     if tile_out and up_rows == 0:
-        raise ValueError(f"the tile-out decode path takes up to 4 rows whose up and down rows fit (M {m}, D {d})")
+        raise ValueError(f"the tile-out decode path takes one row whose units' up and down rows fit in registers "
+                         f"(M {m}, D {d})")
     ts = _tile_stride(tile, tile_stride)
     hopper = hopper_gate_launch(x2, w, tile, s, vals_dtype) if up is None and not partials and ts == tile else None
     if hopper is not None:
