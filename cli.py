@@ -46,7 +46,7 @@ TRAIN_OPTIONS = [
     click.option("--lr", type=float, help="Peak learning rate (AdamW, cosine schedule)."),
     click.option("--distill", type=float, metavar="WEIGHT",
                  help="Fit the source model's next-token distributions too: (1 - WEIGHT) * CE + WEIGHT * KL(source || "
-                      "trained) (0: off; a bf16 copy of the source on each GPU, one more forward a step; not under FSDP)."),
+                      "trained) (0: off; a whole bf16 copy of the source on each GPU, one more forward a step)."),
     click.option("--seed", type=int, help="Random seed."),
     click.option("--grad-checkpointing/--no-grad-checkpointing", default=None, help="Recompute activations to save memory."),
     click.option("--save-every", type=int, metavar="STEPS",

@@ -38,8 +38,8 @@ from .plan import plan_model
 from .tune import capture_mlp_inputs, require_cuda
 from .relufy import original_mlps, relufy
 from .report import console, plot_training
-from .train import (DISTILL_FSDP, TrainConfig, check_resume, check_training_memory, discard_saved_state,
-                    fsdp_launch, gather_model, hybrid_share, on_cpu, train)
+from .train import (TrainConfig, check_resume, check_training_memory, discard_saved_state, fsdp_launch,
+                    gather_model, hybrid_share, on_cpu, train)
 
 
 def recipes_dir():
@@ -132,8 +132,6 @@ def convert(
     resolve_data(data_spec)  # missing / empty / unknown format: before loading any weight
 
     fsdp, rank0_loading = fsdp_launch()
-    if fsdp and config.distill:
-        raise ConfigError(DISTILL_FSDP)
     check_training_memory(parameter_count(load_config(source)[0]), device, processes, fsdp, teacher=config.distill > 0)
     model, tokenizer, spec = load_model(source, dtype=torch.float32, device="cpu" if fsdp else device,
                                         weights=main or not rank0_loading)
@@ -151,7 +149,8 @@ def convert(
             ppl["original"] = perplexity(model, text.eval_blocks, config.batch_size, sharded, label=labels[0])
         ppl["after swap"] = perplexity(model, text.eval_blocks, config.batch_size, sharded, label=labels[1])
 
-    # the distillation teacher: the source model as loaded, frozen (bf16 on GPU, as autocast computes)
+    # the distillation teacher: the source model as loaded, frozen (bf16 on GPU, as autocast computes); under
+    # FSDP whole on every process (train broadcasts the main process's weights)
     teacher = copy.deepcopy(model).to(resolve_dtype(None, model.device)) if config.distill else None
     mlps = relufy(model)
     if not fsdp:  # under FSDP on the sharded model, before the first step

@@ -69,8 +69,6 @@ MAX_L1_RELATIVE = 100.0
 # default 40 the band is 40-50 units: around the H100 block benchmark's break-even (~47), so a layer
 # hovering there costs at most a few percent on either path instead of flipping at every check.
 HYBRID_EXIT = 1.25
-DISTILL_FSDP = ("distill keeps a whole copy of the source model on each GPU, which a model sharded by FSDP does "
-                "not fit beside: convert with --distill 0, or with DDP (accelerate launch without the FSDP config)")
 
 
 class TrainingInterrupted(SparsifyError):
@@ -116,8 +114,8 @@ class TrainConfig:
     distill: float = field(default=0.0, metadata={"help": (
         "Weight of distillation from the source model: the cross-entropy term becomes (1 - distill) * CE + "
         "distill * KL(source || trained) over the next-token distributions at every position, the source's "
-        "from a frozen copy of the original model (one more forward a micro-batch, its weights in bf16 on "
-        "each GPU; not under FSDP). 0: off.")})
+        "from a frozen copy of the original model (one more forward a micro-batch; its weights whole in bf16 "
+        "on each GPU, also under FSDP). 0: off.")})
     save_every: int = field(default=0, metadata={"help": (
         "Also save the training state for --resume every this many optimizer steps (0: only on Ctrl-C or "
         "SIGTERM), for runs that may be killed without time to save: a preempted job, or a large sharded "
@@ -324,15 +322,15 @@ def train(
     loads. `inputs` (JSON values; convert: the source model and the data) is saved with an interrupted
     state, and a resumed run must give the same (check_resume). `teacher` (needed with `config.distill`): a
     frozen model over the same vocabulary, moved to this process's device and run under the same autocast,
-    whose next-token distributions the model is fitted to (convert passes a copy of the source model).
+    whose next-token distributions the model is fitted to (convert passes a copy of the source model); under
+    FSDP it stays whole on each process, its weights broadcast from the main one (which alone may have read
+    them).
     Returns the log (one entry per logged step) and the trained model."""
     cpu = on_cpu(device)
     accelerator = Accelerator(cpu=cpu, mixed_precision="no" if cpu else "bf16")
     _check_fsdp(accelerator)
     if config.distill and teacher is None:
         raise ConfigError("distill needs the source model as the teacher")
-    if config.distill and accelerator.is_fsdp2:
-        raise ConfigError(DISTILL_FSDP)
     set_seed(config.seed)
     world = accelerator.num_processes
     saved = check_resume(resume_dir, config, world, inputs) if resume else None  # before any work
@@ -363,6 +361,9 @@ def train(
     accelerator.register_for_checkpointing(scheduler)
     if config.distill:
         teacher = teacher.to(accelerator.device).eval().requires_grad_(False)
+        if accelerator.is_fsdp2 and world > 1:  # whole on each process: those that read no weights get the main one's
+            for tensor in teacher.state_dict().values():
+                torch.distributed.broadcast(tensor, src=0)
     if evaluate is not None:
         with torch.no_grad():
             evaluate(model)

@@ -92,6 +92,18 @@ def test_fsdp_with_tied_embeddings(files, tmp_path):
     assert "lm_head.weight" not in weights(tmp_path / "two")  # saved tied, as the source
 
 
+def test_fsdp_distillation_like_one_process(files, tmp_path):
+    """--distill under FSDP: each process holds the whole teacher, the main process's weights broadcast to the
+    other (which read none), so the run equals one process with both batches."""
+    done = launch_fsdp(files, tmp_path / "two", "--distill", 0.5)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    one = tmp_path / "one"
+    assert convert(files, "llama", one, "--steps", STEPS, "--batch-size", 4, "--distill", 0.5).exit_code == 0
+    assert_same_weights(weights(tmp_path / "two"), weights(one))
+    two_log, one_log = (json.loads((o / "training_log.json").read_text())["log"] for o in (tmp_path / "two", one))
+    assert [e["kl"] for e in two_log] == pytest.approx([e["kl"] for e in one_log], rel=1e-5)
+
+
 @pytest.mark.slow
 def test_fsdp_ctrl_c_then_resume_from_the_sharded_state(files, fsdp_out, tmp_path):
     out = tmp_path / "out"
