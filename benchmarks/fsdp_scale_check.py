@@ -69,6 +69,17 @@ def tensor_shapes(folder: Path) -> dict[str, list[int]]:
     return shapes
 
 
+def run_shown(command: list[str]) -> tuple[int, str]:
+    """Runs `command` in the checkout, printing its output (stdout and stderr) line by line as it comes, so
+    that a long conversion shows its progress; returns its exit code and that output."""
+    lines = []
+    with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as process:
+        for line in process.stdout:
+            print(line, end="", flush=True)
+            lines.append(line)
+    return process.returncode, "".join(lines)
+
+
 def convert_command(source: Path, out: Path, recipe: Path, extra: list[str]) -> list[str]:
     return ["-m", "cli", "convert", str(source), "-o", str(out), "--data", str(demo_corpus_path()),
             "--recipe", str(recipe), "--overwrite", *extra]
@@ -157,15 +168,13 @@ def main() -> None:
     print("one process:", result["one_process"], flush=True)
 
     started = time.perf_counter()
-    fsdp = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                           str(ROOT / "recipes" / "accelerate" / "fsdp.yaml"), "--num_processes", str(args.gpus),
-                           *convert_command(source, out, recipe, train)], cwd=ROOT, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
-    print(fsdp.stdout, flush=True)
-    result["fsdp"] = {"returncode": fsdp.returncode, "wall_s": round(time.perf_counter() - started, 1)}
+    returncode, output = run_shown([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                                    str(ROOT / "recipes" / "accelerate" / "fsdp.yaml"), "--num_processes",
+                                    str(args.gpus), *convert_command(source, out, recipe, train)])
+    result["fsdp"] = {"returncode": returncode, "wall_s": round(time.perf_counter() - started, 1)}
     if args.save_every:  # the trainer's "saved in N s" lines
-        result["fsdp"]["save_seconds"] = [float(s) for s in re.findall(r"saved in ([0-9.]+) s", fsdp.stdout)]
-    if fsdp.returncode == 0:
+        result["fsdp"]["save_seconds"] = [float(s) for s in re.findall(r"saved in ([0-9.]+) s", output)]
+    if returncode == 0:
         log = json.loads((out / "training_log.json").read_text())
         result["fsdp"].update(
             perplexity=log["training"]["perplexity"], train_seconds=log["training"]["seconds"],
