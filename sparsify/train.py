@@ -412,6 +412,7 @@ def train(
                     output = model(input_ids=ids, labels=ids)
                     ce = output.loss
                     kl = distillation_kl(output.logits, teacher, ids) if config.distill else torch.zeros_like(ce)
+                    del output  # its logits ([batch, seq_len, vocab]) need not live through the backward
                     layer_l1 = torch.stack([m.stats.l1.float() for m in mlps])
                     l1 = layer_l1.mean()
                     if config.l1_relative and l1_reference is None:  # once per run: one host sync
