@@ -149,9 +149,11 @@ def convert(
             ppl["original"] = perplexity(model, text.eval_blocks, config.batch_size, sharded, label=labels[0])
         ppl["after swap"] = perplexity(model, text.eval_blocks, config.batch_size, sharded, label=labels[1])
 
-    # the distillation teacher: the source model as loaded, frozen (bf16 on GPU, as autocast computes); under
-    # FSDP whole on every process (train broadcasts the main process's weights)
-    teacher = copy.deepcopy(model).to(resolve_dtype(None, model.device)) if config.distill else None
+    # the dtype the training computes in (bf16 autocast on GPU): the teacher's and the export's
+    compute_dtype = resolve_dtype(None, torch.device("cpu" if on_cpu(device) else "cuda"))
+    # the distillation teacher: the source model as loaded, frozen; under FSDP (loaded into CPU memory) whole
+    # on every process, train broadcasting the main process's weights
+    teacher = copy.deepcopy(model).to(compute_dtype) if config.distill else None
     mlps = relufy(model)
     if not fsdp:  # under FSDP on the sharded model, before the first step
         source_perplexities(model)
@@ -193,7 +195,7 @@ def convert(
     if not main:
         return summary
 
-    model.to(resolve_dtype(None, torch.device("cpu" if on_cpu(device) else "cuda")))  # as trained
+    model.to(compute_dtype)  # as trained
     with tempfile.TemporaryDirectory() as tmp:
         artifacts = {"training_log.json": Path(tmp) / "training_log.json", "sparsity.png": Path(tmp) / "sparsity.png"}
         artifacts["training_log.json"].write_text(json.dumps({"training": training, "log": result.log}, indent=1))
