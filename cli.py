@@ -38,6 +38,8 @@ TRAIN_OPTIONS = [
     click.option("--l1-relative/--l1-absolute", default=None,
                  help="Read --l1 as the weight of L1 / L1 at the first step (scale-free; e.g. 7) or as the absolute coefficient."),
     click.option("--l1-warmup-steps", type=int, help="Raise the L1 coefficient linearly from 0 over these steps."),
+    click.option("--swap-steps", type=int,
+                 help="Move the gate from SiLU to ReLU linearly over these steps instead of at once (0)."),
     click.option("--steps", type=int, help="Optimizer steps (with --tokens, whichever ends first)."),
     click.option("--tokens", type=int, help="Training tokens (with --steps, whichever ends first)."),
     click.option("--seq-len", type=int, help="Tokens per training sequence."),

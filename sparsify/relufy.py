@@ -14,7 +14,8 @@ that went to the hybrid kernels' dense backup (0 on the dense path). With `use_h
 goes through `twell.hybrid_gated_mlp` (sparse Triton kernels on CUDA and under the interpreter, its dense
 reference elsewhere), which returns the same output and statistics. Training (sparsify/train.py) sets
 `use_hybrid` per layer from the measured activity, and `hot_units`: the units that fire in so many tokens
-that the hybrid path runs them as dense columns.
+that the hybrid path runs them as dense columns. `source_share` s > 0 (a progressive swap, set by training)
+makes the gate (1 - s) * relu + s * the source's activation; only s = 0, plain ReLU, runs on the kernels.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.activations import ACT2FN
 
 from .families import FamilySpec, down_weight, gate_weight, has_bias, mlp_modules, spec_for, up_weight
 
@@ -54,6 +56,7 @@ class ReluGatedMLP(nn.Module):
         self.use_hybrid = False
         self.hybrid_max_nnz = 128
         self.hot_units: torch.Tensor | None = None  # units the hybrid path runs as dense columns
+        self.source_share = 0.0  # weight of the source activation in the gate (progressive swap)
         # Kept outside the module tree (no extra state-dict keys) so that unrelufy can put it back.
         object.__setattr__(self, "_original", original)
         self._original_act = original_act
@@ -71,7 +74,8 @@ class ReluGatedMLP(nn.Module):
     @property
     def runs_hybrid(self) -> bool:
         """Whether forward goes through the hybrid kernels: asked for, importable, and no projection bias."""
-        return self.use_hybrid and hybrid_gated_mlp is not None and not has_bias(self, self.spec)
+        return (self.use_hybrid and self.source_share == 0 and hybrid_gated_mlp is not None
+                and not has_bias(self, self.spec))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.runs_hybrid:
@@ -80,7 +84,10 @@ class ReluGatedMLP(nn.Module):
                 self.stats, self.backup_rows = MLPStats(stats.l1, stats.active, stats.fired), stats.backup_rows
             return out
         gate, up = self.gate_up(x)
-        h = F.relu(gate) * up
+        act = F.relu(gate)
+        if self.source_share:
+            act = torch.lerp(act, ACT2FN[self._original_act](gate), self.source_share)
+        h = act * up
         if self.track:
             fired = (gate > 0).reshape(-1, gate.shape[-1])
             self.stats = MLPStats(

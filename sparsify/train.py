@@ -14,7 +14,9 @@ on every process: measure(sharded=True) runs on it) until `gather_model` collect
 an unsharded model on the main process's CPU for export, so no GPU ever holds the whole model; the
 `evaluate` callback runs the prepared model before the first step (the source weights' perplexities).
 With `l1_relative` the coefficient weighs L1 / L1_0 (L1_0: the first micro-batch's L1), which makes
-one value fit models of any width.
+one value fit models of any width. With `swap_steps` the swap is progressive: the gate activation moves
+linearly from the source's (SiLU) to ReLU over those steps (ReluGatedMLP.source_share), so training starts
+from the source's function instead of the swap's jump in loss.
 
 Each MLP trains on one of two paths with the same math: dense PyTorch, or the TwELL hybrid kernels
 (twell.hybrid: sparse ELL rows plus a dense backup for rows above `hybrid_max_nnz` active units), which
@@ -85,6 +87,9 @@ class TrainConfig:
         "ranks): the penalty's weight in nats at the start, the same for any width and activation scale "
         "(docs/quality.md: 7 converts both the 192-wide demo and a 1024-wide model).")})
     l1_warmup_steps: int = field(default=0, metadata={"help": "Raise the L1 coefficient linearly from 0 over this many optimizer steps."})
+    swap_steps: int = field(default=0, metadata={"help": (
+        "Move the gate activation linearly from the source's (SiLU) to ReLU over this many optimizer steps "
+        "instead of swapping it at once (0). Layers train dense until the swap is complete.")})
     steps: int | None = field(default=None, metadata={"help": "Optimizer steps; with `tokens`, whichever ends first."})
     tokens: int | None = field(default=None, metadata={"help": "Training tokens; with `steps`, whichever ends first."})
     seq_len: int = field(default=1024, metadata={"help": "Tokens per sequence (packed blocks)."})
@@ -169,7 +174,7 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 bad(f"{name.replace('_', '-')} must be a positive integer, got {value}")
-        for name in ("l1_warmup_steps", "warmup_steps", "shuffle_buffer", "save_every"):
+        for name in ("l1_warmup_steps", "swap_steps", "warmup_steps", "shuffle_buffer", "save_every"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 bad(f"{name.replace('_', '-')} must be an integer >= 0, got {getattr(self, name)}")
         if not 0 < self.lr <= 1:
@@ -302,6 +307,12 @@ def l1_coeff(config: TrainConfig, step: int) -> float:
     return config.l1 * min(1.0, (step + 1) / config.l1_warmup_steps)
 
 
+def source_share(config: TrainConfig, step: int) -> float:
+    """Weight of the source activation in the gate at optimizer step `step` (0-based): 1 at the first step,
+    falling linearly to 0 (plain ReLU) at `swap_steps`."""
+    return max(0.0, 1.0 - step / config.swap_steps) if config.swap_steps else 0.0
+
+
 def train(
     model,
     mlps: list,
@@ -338,6 +349,8 @@ def train(
     if warning and resume_dir is not None and accelerator.is_main_process:
         console.print(f"[yellow]warning:[/] {warning}")
     total = config.total_steps(world)
+    if config.swap_steps >= total:  # the trained model must be the ReLU model the export describes
+        raise ConfigError(f"swap-steps {config.swap_steps} must be below the {total} training steps")
     dead_window = config.dead_window_tokens or config.tokens_per_step(world)
 
     model.config.use_cache = False
@@ -404,6 +417,10 @@ def train(
     try:
         while step < total:
             coeff = l1_coeff(config, step)
+            if config.swap_steps:
+                share = source_share(config, step)
+                for m in mlps:
+                    m.source_share = share
             step_fired = None
             for micro in range(config.grad_accum):
                 ids = next(stream).to(accelerator.device)
@@ -446,6 +463,8 @@ def train(
                                      [m.runs_hybrid for m in mlps], config.distill)
                 if config.l1_relative:
                     entry["l1_relative"], entry["l1_reference"] = coeff, l1_reference
+                if config.swap_steps:
+                    entry["source_share"] = share
                 entry["tokens_per_s"] = window.count * ids.numel() * world / (now - window_started)
                 entry["seconds"] = now - started
                 log.append(entry)

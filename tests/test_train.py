@@ -12,8 +12,10 @@ import torch.nn.functional as F
 
 from helpers import tiny_model
 from sparsify.errors import ConfigError
+from sparsify import relufy as relufy_module
 from sparsify.relufy import relufy
-from sparsify.train import TrainConfig, TrainingInterrupted, _progress_text, l1_coeff, slow_save_warning, train
+from sparsify.train import (TrainConfig, TrainingInterrupted, _progress_text, l1_coeff, slow_save_warning, source_share,
+                            train)
 
 SEQ, BATCH = 16, 2
 
@@ -175,6 +177,34 @@ def test_l1_warmup():
     assert l1_coeff(config(l1=1e-4), 0) == 1e-4
 
 
+def test_progressive_swap_moves_the_gate_from_the_source_activation_to_relu():
+    model, _ = tiny_model("llama")
+    source = copy.deepcopy(model)
+    ids = next(batches_from()(0, 0, 1))
+    mlps = relufy(model)
+    with torch.no_grad():
+        silu, relu = source(input_ids=ids).logits, model(input_ids=ids).logits
+    assert not torch.allclose(silu, relu, atol=1e-3)
+    for m in mlps:  # the first step's share: the source's own function
+        m.source_share = source_share(config(swap_steps=4), 0)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, silu)
+
+    assert [source_share(config(swap_steps=4), s) for s in range(6)] == [1.0, 0.75, 0.5, 0.25, 0.0, 0.0]
+    assert source_share(config(), 0) == 0.0
+    log = train(model, mlps, batches_from(), config(steps=6, swap_steps=4), device="cpu", show_progress=False).log
+    # the first step's cross-entropy is the source's; the trained model ends as plain ReLU
+    assert log[0]["cross_entropy"] == pytest.approx(source(input_ids=ids, labels=ids).loss.item(), rel=1e-5)
+    assert [e["source_share"] for e in log] == [1.0, 0.75, 0.5, 0.25, 0.0, 0.0]
+    assert all(m.source_share == 0.0 for m in mlps)
+    mlps[0].use_hybrid, mlps[0].source_share = True, 0.5  # the kernels compute plain ReLU only
+    assert not mlps[0].runs_hybrid
+    mlps[0].source_share = 0.0
+    assert mlps[0].runs_hybrid == (relufy_module.hybrid_gated_mlp is not None)
+    with pytest.raises(ConfigError, match="swap-steps 6 must be below the 6 training steps"):
+        train(model, mlps, batches_from(), config(steps=6, swap_steps=6), device="cpu", show_progress=False)
+
+
 def test_steps_and_tokens_bound_training():
     assert config(steps=100, tokens=SEQ * BATCH * 10).total_steps() == 10
     assert config(steps=3, tokens=10**9).total_steps() == 3
@@ -195,6 +225,7 @@ def test_steps_and_tokens_bound_training():
         (dict(batch_size=0), "batch-size"),
         (dict(lr=0.0), "lr must be"),
         (dict(warmup_steps=-1), "warmup-steps"),
+        (dict(swap_steps=-1), "swap-steps must be an integer >= 0"),
         (dict(shuffle_buffer=-1), "shuffle-buffer must be an integer >= 0"),
         (dict(hybrid_below=-1.0), "hybrid-below must be a number >= 0"),
         (dict(hybrid_below=float("nan")), "hybrid-below must be a number >= 0"),

@@ -9,16 +9,22 @@ The chain, each stage in its own folder under --work (a stage whose output is th
 2. tokenizer: byte-level BPE (--vocab) trained on the first --tokenizer-mb of the train split;
 3. pretrain: a SiLU Llama (--hidden, --intermediate, --layers) from scratch for --pretrain-minutes
    (recipes/make_demo.py's pretraining loop), best held-out loss kept;
-4. convert: for each --l1 (relative: the L1 term's weight in nats at the start, `--l1-relative`) and
-   --distill (the weight of the KL term to the source model's next-token distributions), the
-   real CLI, `python -m cli convert BASE -o OUT --data CORPUS --recipe ...` in a subprocess, on at most
-   --convert-share of the pretraining tokens; on a GPU its layers move to the hybrid TwELL kernels as they
-   become sparse. The CLI measures the held-out perplexity of the original, of the ReLU swap and of the
-   converted model on the same held-out blocks, and per-layer sparsity and dead units;
-5. report: one JSON (device, versions, corpus, pretraining, every conversion with its log) and PNG plots:
-   cross-entropy and active units against training tokens, and the sparsity / cross-entropy trade-off.
+4. convert: each --runs setting (training settings over the recipe; by default the grid of --l1, relative:
+   the L1 term's weight in nats at the start, and --distill, the weight of the KL term to the source model's
+   next-token distributions) through the real CLI, `python -m cli convert BASE -o OUT --data CORPUS
+   --recipe ...` in a subprocess (--jobs at a time), on at most --convert-share of the pretraining tokens;
+   on a GPU its layers move to the hybrid TwELL kernels as they become sparse. The CLI measures the
+   held-out perplexity of the original, of the ReLU swap and of the converted model on the same held-out
+   blocks, and per-layer sparsity and dead units;
+5. control (--control): the source model trained by the same trainer on the same batches with the same recipe,
+   but no swap, no L1 and no distillation, so that the cost of sparsity is told apart from the gain of the
+   extra tokens;
+6. report: one JSON (device, versions, corpus, pretraining, the control, every conversion with its log) and
+   PNG plots: cross-entropy and active units against training tokens, and the sparsity / cross-entropy
+   trade-off.
 
-    python benchmarks/quality/convert_quality.py --work runs/quality --json benchmarks/results/quality_h100.json
+    python benchmarks/quality/convert_quality.py --work runs/quality --json benchmarks/results/quality_h100.json \
+        --control --runs l1=3.5 l1=3.5,swap_steps=150 --jobs 2
     python benchmarks/quality/convert_quality.py --toy --work /tmp/q   # CPU, tiny, stdlib only (tests)
 """
 from __future__ import annotations
@@ -34,6 +40,8 @@ import subprocess
 import sys
 import sysconfig
 import time
+from contextlib import nullcontext
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,7 +53,7 @@ MIN_BYTES, MAX_BYTES = 500, 200_000
 PACKAGE_FOLDERS = ("site-packages", "dist-packages")
 TOY = dict(corpus_mb=0.4, tokenizer_mb=0.4, vocab=512, hidden=32, intermediate=88, layers=2, heads=2, seq_len=64,
            pretrain_batch=8, pretrain_minutes=0.2, pretrain_steps=20, eval_every=10, convert_batch=4,
-           convert_share=0.25, valid_share=0.1, l1=[7.0], distill=[0.0, 0.5], device="cpu",
+           convert_share=0.25, valid_share=0.1, l1=[7.0], distill=[0.0, 0.5], device="cpu", control=True,
            recipe_overrides={"log_every": 2, "eval_tokens": 512, "warmup_steps": 2, "l1_warmup_steps": 2})
 
 
@@ -130,27 +138,31 @@ def pretrain(args, work: Path, corpus: Path) -> dict:
     return result
 
 
-def convert(args, base: Path, corpus: Path, recipe: Path, out: Path, l1: float, distill: float, tokens: int) -> dict:
-    """One conversion through the command line; returns its figures read back from the checkpoint."""
+def convert(args, base: Path, corpus: Path, recipe: dict, out: Path, settings: dict, tokens: int) -> dict:
+    """One conversion through the command line with `settings` over `recipe`; returns its figures read back
+    from the checkpoint. With --jobs above 1 its output goes to OUT.log."""
+    run_recipe = out.with_name(out.name + ".recipe.yaml")
+    run_recipe.write_text(json.dumps({**recipe, **settings}, indent=1))  # JSON is YAML
     command = [sys.executable, "-m", "cli", "convert", str(base), "-o", str(out), "--data", str(corpus),
-               "--recipe", str(recipe), "--l1", str(l1), "--l1-relative", "--distill", str(distill),
-               "--tokens", str(tokens), "--seq-len", str(args.seq_len), "--batch-size", str(args.convert_batch),
-               "--overwrite"]
+               "--recipe", str(run_recipe), "--tokens", str(tokens), "--seq-len", str(args.seq_len),
+               "--batch-size", str(args.convert_batch), "--overwrite"]
     if args.device:
         command += ["--device", args.device]
     print("$", shlex.join(command), flush=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     started = time.time()
-    subprocess.run(command, cwd=ROOT, env=env, check=True)
+    with open(out.with_name(out.name + ".log"), "w") if args.jobs > 1 else nullcontext() as output:
+        subprocess.run(command, cwd=ROOT, env=env, check=True, stdout=output, stderr=subprocess.STDOUT if output else None)
     log = json.loads((out / "training_log.json").read_text())
     config = json.loads((out / "config.json").read_text())
     layers = [layer["stats"] for layer in config["twell"]["layers"]]
     units = config["intermediate_size"]
     ppl = log["training"]["perplexity"]
+    training = log["training"]
     return {
-        "l1_relative": l1, "distill": distill, "command": shlex.join(command[1:]), "seconds": round(time.time() - started, 1),
-        "tokens": log["training"]["tokens"], "steps": log["training"]["steps"],
-        "training_seconds": log["training"]["seconds"],
+        "settings": settings, "l1_relative": training["l1"], "distill": training["distill"],
+        "command": shlex.join(command[1:]), "seconds": round(time.time() - started, 1),
+        "tokens": training["tokens"], "steps": training["steps"], "training_seconds": training["seconds"],
         "cross_entropy": {k: math.log(v) for k, v in ppl.items()}, "perplexity": ppl,
         "ce_vs_original": math.log(ppl["after training"]) / math.log(ppl["original"]) - 1,
         "mean_active": sum(l["mean_active"] for l in layers) / len(layers),
@@ -159,13 +171,50 @@ def convert(args, base: Path, corpus: Path, recipe: Path, out: Path, l1: float, 
         "plan": [layer["mode"] for layer in config["twell"]["layers"]],
         "l1_reference": log["log"][0].get("l1_reference"),
         "log": [{k: e[k] for k in ("step", "tokens", "cross_entropy", "kl", "l1", "mean_active", "dead_frac",
-                                   "tokens_per_s") if k in e}
+                                   "source_share", "tokens_per_s") if k in e}
                 | {"hybrid_layers": sum(l["path"] == "hybrid" for l in e["layers"])} for e in log["log"]],
     }
 
 
-def run_label(run: dict) -> str:
-    return f"l1 {run['l1_relative']:g}" + (f" distill {run['distill']:g}" if run.get("distill") else "")
+def control(args, base: Path, corpus: Path, recipe: dict, tokens: int) -> dict:
+    """The continued-training control: the source model trained by sparsify's trainer on the conversions'
+    batches with their recipe, but no swap, no L1 and no distillation. Its MLPs are ReluGatedMLPs (for
+    the trainer's statistics) holding the source activation throughout (source_share 1)."""
+    import torch
+
+    from sparsify.data import TextData
+    from sparsify.load import load_model
+    from sparsify.measure import perplexity
+    from sparsify.relufy import relufy
+    from sparsify.train import TrainConfig, train
+
+    config = TrainConfig.from_dict({**recipe, "l1": 0.0, "distill": 0.0, "swap_steps": 0, "hybrid_below": 0.0,
+                                    "tokens": tokens, "seq_len": args.seq_len, "batch_size": args.convert_batch})
+    model, tokenizer, _ = load_model(str(base), dtype=torch.float32, device=args.device)
+    text = TextData(str(corpus), tokenizer, config.seq_len, config.eval_tokens)
+    mlps = relufy(model)
+    for m in mlps:
+        m.source_share = 1.0
+    before = perplexity(model, text.eval_blocks, config.batch_size)
+    result = train(model, mlps, lambda start, rank, world: text.train_batches(
+        config.batch_size, start, rank, world, shuffle_buffer=config.shuffle_buffer, seed=config.seed), config,
+        device=args.device, show_progress=False)
+    after = perplexity(result.model, text.eval_blocks, config.batch_size)
+    print(f"control (continued SiLU): held-out CE {math.log(before):.4f} -> {math.log(after):.4f}", flush=True)
+    return {"tokens": result.tokens, "steps": result.steps, "training_seconds": round(result.seconds, 1),
+            "cross_entropy": {"original": math.log(before), "after training": math.log(after)},
+            "log": [{k: e[k] for k in ("step", "tokens", "cross_entropy", "tokens_per_s")} for e in result.log]}
+
+
+def run_name(settings: dict) -> str:
+    return "_".join(f"{k}_{v:g}" if isinstance(v, (int, float)) else f"{k}_{v}" for k, v in settings.items()
+                    if not (k == "distill" and not v))
+
+
+def run_label(run: dict, without: tuple = ()) -> str:
+    settings = run.get("settings") or {"l1": run["l1_relative"], "distill": run.get("distill", 0.0)}
+    return " ".join(f"{k} {v:g}" if isinstance(v, (int, float)) else f"{k} {v}" for k, v in settings.items()
+                    if k not in without and not (k == "distill" and not v))
 
 
 def plot(result: dict, path: Path) -> None:
@@ -183,6 +232,12 @@ def plot(result: dict, path: Path) -> None:
         label = run_label(run)
         ce.plot(tokens, [e["cross_entropy"] for e in run["log"]], label=label)
         active.plot(tokens, [e["mean_active"] for e in run["log"]], label=label)
+    if result.get("control"):
+        log = result["control"]["log"]
+        ce.plot([e["tokens"] / 1e6 for e in log], [e["cross_entropy"] for e in log], color="black", linewidth=1,
+                label="control: continued SiLU")
+        ce.axhline(result["control"]["cross_entropy"]["after training"], color="black", linestyle="-.",
+                   linewidth=1, label="control (held-out)")
     ce.axhline(original, color="black", linestyle="--", linewidth=1, label="original (held-out)")
     ce.axhline(original * 1.03, color="gray", linestyle=":", linewidth=1, label="original + 3%")
     ce.set(xlabel="conversion tokens (M)", ylabel="training cross-entropy (nats)", title="cross-entropy")
@@ -191,13 +246,16 @@ def plot(result: dict, path: Path) -> None:
                title="active units")
     for axis in (ce, active):
         axis.legend(fontsize=8)
-    for distill in sorted({r.get("distill", 0.0) for r in runs}):  # one curve per distillation weight
-        curve = sorted((r for r in runs if r.get("distill", 0.0) == distill), key=lambda r: r["sparsity"])
-        trade.plot([100 * r["sparsity"] for r in curve], [100 * r["ce_vs_original"] for r in curve], "o-",
-                   label=f"distill {distill:g}")
-    trade.legend(fontsize=8)
+    curves = {}  # one curve per setting other than the L1 weight
     for r in runs:
-        trade.annotate(run_label(r), (100 * r["sparsity"], 100 * r["ce_vs_original"]), fontsize=8,
+        curves.setdefault(run_label(r, without=("l1",)) or "l1 only", []).append(r)
+    for label, curve in curves.items():
+        curve.sort(key=lambda r: r["sparsity"])
+        trade.plot([100 * r["sparsity"] for r in curve], [100 * r["ce_vs_original"] for r in curve], "o-",
+                   label=label)
+    trade.legend(fontsize=7)
+    for r in runs:
+        trade.annotate(f"l1 {r['l1_relative']:g}", (100 * r["sparsity"], 100 * r["ce_vs_original"]), fontsize=7,
                        xytext=(4, 4), textcoords="offset points")
     trade.axhline(3, color="gray", linestyle=":", linewidth=1)
     trade.axvline(99, color="gray", linestyle=":", linewidth=1)
@@ -217,6 +275,10 @@ def _setting(text: str) -> tuple[str, object]:
     if not sep:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
     return key, yaml.safe_load(value)
+
+
+def _settings(text: str) -> dict:
+    return dict(_setting(item) for item in text.split(","))
 
 
 def stage(path: Path, make):
@@ -254,6 +316,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--l1", type=float, nargs="+", default=[3.5, 7.0, 14.0], help="relative L1 coefficients")
     ap.add_argument("--distill", type=float, nargs="+", default=[0.0],
                     help="distillation weights (convert --distill), each run at every --l1")
+    ap.add_argument("--runs", type=_settings, nargs="+", metavar="KEY=VALUE,...",
+                    help="conversions, each a comma-separated list of training settings over the recipe and --set, "
+                         "e.g. l1=3.5 l1=3.5,swap_steps=150 (default: the grid of --l1 and --distill)")
+    ap.add_argument("--control", action="store_true",
+                    help="also train the source on the same tokens without swap, L1 or distillation")
+    ap.add_argument("--jobs", type=int, default=1, help="conversions run at a time (each on the same GPU)")
     ap.add_argument("--convert-share", type=float, default=0.2, help="conversion tokens / pretraining tokens")
     ap.add_argument("--convert-batch", type=int, default=16)
     ap.add_argument("--set", dest="recipe_overrides", type=_setting, nargs="+", default=[], metavar="KEY=VALUE",
@@ -280,24 +348,36 @@ def main(argv=None) -> dict:
     from sparsify.convert import load_recipe
 
     recipe = {**load_recipe(args.recipe, "base"), **dict(args.recipe_overrides)}
-    recipe_path = args.work / "recipe.yaml"
-    recipe_path.write_text(json.dumps(recipe, indent=1))  # JSON is YAML
-    conversions = []
-    for l1, distill in ((l1, distill) for l1 in args.l1 for distill in args.distill):
-        name = f"l1_{l1:g}" + (f"_distill_{distill:g}" if distill else "")
-        out = args.work / name
-        conversions.append(stage(args.work / f"convert_{name}.json", lambda: convert(
-            args, args.work / "base", corpus_dir, recipe_path, out, l1, distill, tokens)))
-        c = conversions[-1]
+    runs = args.runs or [{"l1": l1, "distill": distill} for l1 in args.l1 for distill in args.distill]
+
+    def report(c: dict, reference: dict | None) -> None:
+        vs_control = f", {100 * c['ce_vs_control']:+.2f}% vs control" if reference else ""
         print(f"{run_label(c)}: sparsity {100 * c['sparsity']:.2f}%  held-out CE {c['cross_entropy']['original']:.4f} -> "
               f"{c['cross_entropy']['after swap']:.4f} (swap) -> {c['cross_entropy']['after training']:.4f} "
-              f"({100 * c['ce_vs_original']:+.2f}%)", flush=True)
+              f"({100 * c['ce_vs_original']:+.2f}%{vs_control})", flush=True)
+
+    def run(settings: dict) -> dict:
+        name = run_name(settings)
+        c = stage(args.work / f"convert_{name}.json", lambda: convert(
+            args, args.work / "base", corpus_dir, recipe, args.work / name, settings, tokens))
+        report(c, None)
+        return c
+
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:  # the control trains in this process, conversions in theirs
+        reference = pool.submit(stage, args.work / "control.json", lambda: control(
+            args, args.work / "base", corpus_dir, recipe, tokens)) if args.control else None
+        pending = [pool.submit(run, settings) for settings in runs]
+        continued = reference.result() if reference else None
+        conversions = [job.result() for job in pending]
+    for c in conversions if continued else ():
+        c["ce_vs_control"] = c["cross_entropy"]["after training"] / continued["cross_entropy"]["after training"] - 1
+        report(c, continued)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu"
     result = {"command": shlex.join([Path(sys.argv[0]).name if argv is None else "convert_quality.py",
                                      *(sys.argv[1:] if argv is None else argv)]),
               "device": device, "versions": versions(), "seconds": round(time.time() - started, 1),
               "corpus": corpus, "pretraining": pretraining, "convert_tokens": tokens, "recipe": recipe,
-              "conversions": conversions}
+              "control": continued, "conversions": conversions}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1) + "\n")
