@@ -61,11 +61,10 @@ def recipe_names() -> list[str]:
 
 def load_recipe(recipe: str | Path | None, source: str) -> dict:
     """Training settings of a recipe: a YAML path, or a name in recipes/ ("small" -> recipes/small.yaml).
-    Without one, `demo` uses recipes/demo.yaml and other sources the TrainConfig defaults."""
+    Without one, `demo` uses recipes/demo.yaml and other sources recipes/pretrained.yaml."""
     if recipe is None:
-        if source != "demo":
-            return {}
-        path = recipe = RECIPES / "demo.yaml"  # missing only in a broken install: reported below, never skipped
+        # missing only in a broken install: reported below, never skipped
+        path = recipe = RECIPES / ("demo.yaml" if source == "demo" else "pretrained.yaml")
     else:
         path = Path(recipe)
         if not path.is_file() and (RECIPES / f"{recipe}.yaml").is_file():

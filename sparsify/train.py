@@ -46,7 +46,7 @@ import shutil
 import signal
 import threading
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -86,10 +86,12 @@ class TrainConfig:
         "Read `l1` as the weight of L1 / L1_0, where L1_0 is the L1 term of the first micro-batch (mean over "
         "ranks): the penalty's weight in nats at the start, the same for any width and activation scale "
         "(docs/quality.md: 7 converts both the 192-wide demo and a 1024-wide model).")})
-    l1_warmup_steps: int = field(default=0, metadata={"help": "Raise the L1 coefficient linearly from 0 over this many optimizer steps."})
-    swap_steps: int = field(default=0, metadata={"help": (
-        "Move the gate activation linearly from the source's (SiLU) to ReLU over this many optimizer steps "
-        "instead of swapping it at once (0). Layers train dense until the swap is complete.")})
+    l1_warmup_steps: int | str = field(default=0, metadata={"help": (
+        "Raise the L1 coefficient linearly from 0 over this many optimizer steps, or this share of them (\"50%\").")})
+    swap_steps: int | str = field(default=0, metadata={"help": (
+        "Move the gate activation linearly from the source's (SiLU) to ReLU over this many optimizer steps, or "
+        "this share of them (\"20%\"), instead of swapping it at once (0). Layers train dense until the swap is "
+        "complete.")})
     steps: int | None = field(default=None, metadata={"help": "Optimizer steps; with `tokens`, whichever ends first."})
     tokens: int | None = field(default=None, metadata={"help": "Training tokens; with `steps`, whichever ends first."})
     seq_len: int = field(default=1024, metadata={"help": "Tokens per sequence (packed blocks)."})
@@ -138,7 +140,9 @@ class TrainConfig:
         for name, value in values.items():
             kind = type(defaults[name]) if defaults[name] is not None else int
             try:
-                if kind is float:
+                if name in SHARE_OF_STEPS and _percent(str(value).strip()) is not None:
+                    value = str(value).strip()
+                elif kind is float:
                     value = float(value)
                 elif kind is int and not isinstance(value, bool) and float(value) == int(float(value)):
                     value = int(float(value))
@@ -174,9 +178,14 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 bad(f"{name.replace('_', '-')} must be a positive integer, got {value}")
-        for name in ("l1_warmup_steps", "swap_steps", "warmup_steps", "shuffle_buffer", "save_every"):
+        for name in ("warmup_steps", "shuffle_buffer", "save_every"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 bad(f"{name.replace('_', '-')} must be an integer >= 0, got {getattr(self, name)}")
+        for name in SHARE_OF_STEPS:
+            value = getattr(self, name)
+            share = _percent(value)
+            if not (isinstance(value, int) and value >= 0 or share is not None and 0 <= share < 100):
+                bad(f"{name.replace('_', '-')} must be an integer >= 0 or a share of the steps below 100%, got {value}")
         if not 0 < self.lr <= 1:
             bad(f"lr must be in (0, 1], got {self.lr}")
         if not 0 < self.hybrid_hot_rate <= 1:
@@ -193,6 +202,28 @@ class TrainConfig:
             bad(f"seq-len must be at least 2, got {self.seq_len}")
         if max_positions is not None and self.seq_len > max_positions:
             bad(f"seq-len {self.seq_len} is beyond the model's maximum of {max_positions} positions")
+
+
+    def schedule(self, total: int) -> TrainConfig:
+        """This config with the step counts given as a share of the run ("20%") resolved for `total` steps."""
+        return replace(self, **{name: steps_of(getattr(self, name), total) for name in SHARE_OF_STEPS})
+
+
+# Schedule lengths that a recipe may give as a share of the training steps ("20%"), so that it fits any length.
+SHARE_OF_STEPS = ("l1_warmup_steps", "swap_steps")
+
+
+def _percent(value) -> float | None:
+    """P of a "P%" string; None for anything else."""
+    try:
+        return float(value[:-1]) if isinstance(value, str) and value.endswith("%") else None
+    except ValueError:
+        return None
+
+
+def steps_of(value: int | str, total: int) -> int:
+    """A step count, or a share of `total` steps written "P%", as a step count."""
+    return round(total * float(value[:-1]) / 100) if isinstance(value, str) else value
 
 
 @dataclass
@@ -301,7 +332,7 @@ def distillation_kl(logits: torch.Tensor, teacher: torch.nn.Module, ids: torch.T
 
 def l1_coeff(config: TrainConfig, step: int) -> float:
     """Coefficient at optimizer step `step` (0-based): linear from l1/warm-up to l1, then constant (relative
-    to L1_0 with `l1_relative`)."""
+    to L1_0 with `l1_relative`); `config` with its step counts resolved (TrainConfig.schedule)."""
     if config.l1_warmup_steps == 0:
         return config.l1
     return config.l1 * min(1.0, (step + 1) / config.l1_warmup_steps)
@@ -309,7 +340,7 @@ def l1_coeff(config: TrainConfig, step: int) -> float:
 
 def source_share(config: TrainConfig, step: int) -> float:
     """Weight of the source activation in the gate at optimizer step `step` (0-based): 1 at the first step,
-    falling linearly to 0 (plain ReLU) at `swap_steps`."""
+    falling linearly to 0 (plain ReLU) at `swap_steps`; `config` resolved as for l1_coeff."""
     return max(0.0, 1.0 - step / config.swap_steps) if config.swap_steps else 0.0
 
 
@@ -349,7 +380,8 @@ def train(
     if warning and resume_dir is not None and accelerator.is_main_process:
         console.print(f"[yellow]warning:[/] {warning}")
     total = config.total_steps(world)
-    if config.swap_steps >= total:  # the trained model must be the ReLU model the export describes
+    schedule = config.schedule(total)
+    if schedule.swap_steps >= total:  # the trained model must be the ReLU model the export describes
         raise ConfigError(f"swap-steps {config.swap_steps} must be below the {total} training steps")
     dead_window = config.dead_window_tokens or config.tokens_per_step(world)
 
@@ -416,9 +448,9 @@ def train(
     stop = _StopRequest(world)
     try:
         while step < total:
-            coeff = l1_coeff(config, step)
-            if config.swap_steps:
-                share = source_share(config, step)
+            coeff = l1_coeff(schedule, step)
+            if schedule.swap_steps:
+                share = source_share(schedule, step)
                 for m in mlps:
                     m.source_share = share
             step_fired = None
@@ -463,7 +495,7 @@ def train(
                                      [m.runs_hybrid for m in mlps], config.distill)
                 if config.l1_relative:
                     entry["l1_relative"], entry["l1_reference"] = coeff, l1_reference
-                if config.swap_steps:
+                if schedule.swap_steps:
                     entry["source_share"] = share
                 entry["tokens_per_s"] = window.count * ids.numel() * world / (now - window_started)
                 entry["seconds"] = now - started

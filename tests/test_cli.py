@@ -200,11 +200,11 @@ def gpt2_folder(root):
         (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{tmp}/data.csv", "--steps", "1", "--seq-len", "32"], "unknown data format"),
         (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{tmp}/short.txt", "--steps", "1", "--seq-len", "32"], "shorter than one sequence"),
         (["convert", "{llama}", "-o", "{tmp}/out", "--steps", "1"], "--data is required"),
-        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--l1", "-1e-5"], "l1 must be between"),
-        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--l1", "3"], "l1 must be between"),
+        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--l1", "-1e-5"], "l1 (relative) must be between"),
+        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--l1", "3", "--l1-absolute"], "l1 must be between"),
         (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--distill", "2"], "distill must be in [0, 1]"),
         (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "0"], "steps must be a positive integer"),
-        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}"], "set the training length"),
+        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--recipe", "{tmp}/lr.yaml"], "set the training length"),
         (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--seq-len", "4096"], "beyond the model's maximum of 128 positions"),
         (["convert", "{llama}", "-o", "{tmp}/full", "--data", "{corpus}", "--steps", "1"], "not empty (pass --overwrite"),
         (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--recipe", "nonexistent"], "recipe nonexistent not found"),
@@ -220,6 +220,7 @@ def test_bad_input(files, tmp_path, args, message):
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "data.csv").write_text("text\nhello\n")
     (tmp_path / "short.txt").write_text("too short")
+    (tmp_path / "lr.yaml").write_text("lr: 1.0e-4\n")
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "something").write_text("x")
     paths = {"tmp": tmp_path, "corpus": files / "corpus", "llama": model_folder(files, "llama")}

@@ -63,10 +63,10 @@ def test_toy_pipeline_end_to_end(tmp_path):
 def test_runs_take_any_training_setting_and_run_side_by_side(tmp_path):
     quality = load_script()
     work = tmp_path / "work"
-    quality.main(["--toy", "--work", str(work)])  # corpus, tokenizer, base model
-    result = quality.main(["--toy", "--work", str(work), "--runs", "l1=7,swap_steps=3", "l1=3.5", "--jobs", "2"])
+    result = quality.main(["--toy", "--work", str(work), "--runs", "l1=7,swap_steps=3", "l1=3.5,swap_steps=0",
+                            "--jobs", "2"])
     swap, plain = result["conversions"]
-    assert swap["settings"] == {"l1": 7, "swap_steps": 3} and plain["settings"] == {"l1": 3.5}
+    assert swap["settings"] == {"l1": 7, "swap_steps": 3} and plain["settings"] == {"l1": 3.5, "swap_steps": 0}
     assert [e["source_share"] for e in swap["log"][:2]] == pytest.approx([2 / 3, 0.0])  # steps 2 and 4
     assert "source_share" not in plain["log"][0] and plain["l1_relative"] == 3.5
     assert (work / "l1_7_swap_steps_3.log").read_text()  # with --jobs, each conversion's output in its log

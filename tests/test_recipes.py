@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_named_recipes_resolve():
     assert {"demo", "paper", "small", "midsize"} <= set(recipe_names())
     assert load_recipe(None, "demo") == load_recipe("demo", "other")
+    assert load_recipe(None, "org/model") == load_recipe("pretrained", "demo")  # every other source
     with pytest.raises(ConfigError, match="recipe nope not found .*one of: demo"):
         load_recipe("nope", "other")
 

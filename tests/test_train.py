@@ -205,6 +205,20 @@ def test_progressive_swap_moves_the_gate_from_the_source_activation_to_relu():
         train(model, mlps, batches_from(), config(steps=6, swap_steps=6), device="cpu", show_progress=False)
 
 
+def test_schedules_given_as_a_share_of_the_steps():
+    c = TrainConfig.from_dict({"l1_warmup_steps": "50%", "swap_steps": " 20% ", "steps": 10})
+    assert (c.l1_warmup_steps, c.swap_steps) == ("50%", "20%")
+    c.validate()
+    resolved = c.schedule(c.total_steps())
+    assert (resolved.l1_warmup_steps, resolved.swap_steps) == (5, 2)
+    assert TrainConfig.from_dict({"swap_steps": "150"}).swap_steps == 150  # the command line's strings
+    model, _ = tiny_model("llama")
+    log = train(model, relufy(model), batches_from(), config(steps=5, swap_steps="40%", l1_warmup_steps="80%"),
+                device="cpu", show_progress=False).log
+    assert [e["source_share"] for e in log] == [1.0, 0.5, 0.0, 0.0, 0.0]
+    assert [e["l1_coeff"] for e in log] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3])
+
+
 def test_steps_and_tokens_bound_training():
     assert config(steps=100, tokens=SEQ * BATCH * 10).total_steps() == 10
     assert config(steps=3, tokens=10**9).total_steps() == 3
@@ -225,7 +239,9 @@ def test_steps_and_tokens_bound_training():
         (dict(batch_size=0), "batch-size"),
         (dict(lr=0.0), "lr must be"),
         (dict(warmup_steps=-1), "warmup-steps"),
-        (dict(swap_steps=-1), "swap-steps must be an integer >= 0"),
+        (dict(swap_steps=-1), "swap-steps must be an integer >= 0 or a share"),
+        (dict(swap_steps="100%"), "swap-steps must be an integer >= 0 or a share of the steps below 100%"),
+        (dict(l1_warmup_steps="x%"), "l1-warmup-steps must be"),
         (dict(shuffle_buffer=-1), "shuffle-buffer must be an integer >= 0"),
         (dict(hybrid_below=-1.0), "hybrid-below must be a number >= 0"),
         (dict(hybrid_below=float("nan")), "hybrid-below must be a number >= 0"),

@@ -274,7 +274,11 @@ def _setting(text: str) -> tuple[str, object]:
     key, sep, value = text.partition("=")
     if not sep:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    return key, yaml.safe_load(value)
+    value = yaml.safe_load(value)
+    try:  # YAML 1.1 reads 8e-4 (no dot) as a string
+        return key, float(value) if isinstance(value, str) else value
+    except ValueError:
+        return key, value
 
 
 def _settings(text: str) -> dict:
