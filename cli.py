@@ -131,7 +131,11 @@ def analyze(model, data, tokens, seq_len, batch_size, device, json_path, plot_pa
     result = run(model, data=data, tokens=tokens, seq_len=seq_len, batch_size=batch_size, device=device,
                  json_path=json_path, measure_kernels=measure_kernels)
     console.print(layer_table(result["layers"], [l["recommended"] for l in result["layers"]],
-                              f"{model}: gate activity on {result['tokens']:,} tokens (perplexity {result['perplexity']:.3f})"))
+                              f"{model}: gate activity on {result['tokens']:,} tokens of {result['data']} "
+                              f"(seq-len {result['seq_len']}, perplexity {result['perplexity']:.3f})"))
+    if not result["converted"]:
+        console.print(f"{model} is not converted (gate activation {result['activation']}): active means gate "
+                      "pre-activation > 0, and no kernel setting applies; `sparsify convert` makes a sparse ReLU model.")
     if plot_path:
         plot_activity(result["layers"], plot_path)
 
@@ -157,10 +161,12 @@ def analyze(model, data, tokens, seq_len, batch_size, device, json_path, plot_pa
 @click.option("--repeats", type=int, default=3, show_default=True, help="Timed calls per path and load (median).")
 @click.option("--generate-repeats", type=int, default=7, show_default=True,
               help="Timed calls per load of the generate paths (host-bound: their time varies more).")
+@click.option("--data", help="Text to feed the model (as for convert: its held-out blocks); without it random token "
+                             "ids, which misstate a trained model's activity.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write all figures to this JSON file.")
 @user_errors
 def bench(checkpoint, seq_len, prefill_batch, generate_batch, compiled_batch, no_compiled, compiled_prefill_batch,
-          decode_tokens, decode_context, repeats, generate_repeats, json_path):
+          decode_tokens, decode_context, repeats, generate_repeats, data, json_path):
     """Dense vs TwELL speed of a converted CHECKPOINT on a GPU, in one process, with a logits check: decoder
     prefill, eager generate, compiled static-cache generate and one decode step replayed as a CUDA graph,
     each with a per-component GPU time breakdown."""
@@ -171,7 +177,7 @@ def bench(checkpoint, seq_len, prefill_batch, generate_batch, compiled_batch, no
                               generate_batches=generate_batch, compiled_batches=() if no_compiled else compiled_batch,
                               compiled_prefill_batches=compiled_prefill_batch,
                               decode_tokens=decode_tokens, decode_context=decode_context, repeats=repeats,
-                              generate_repeats=generate_repeats)
+                              generate_repeats=generate_repeats, data=data)
     result["command"] = " ".join(["sparsify", *sys.argv[1:]])
     console.print(bench_table(result))
     if json_path:

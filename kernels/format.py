@@ -94,6 +94,10 @@ def heavy_row_capacity(m: int) -> int:
     return max(64, m // 256)
 
 
+# The narrowest layer shape of the block benchmarks the cost model below was fitted to (D 896 / I 4864):
+# narrower layers are outside it, and a plan by the model runs them dense.
+FITTED_MIN_HIDDEN, FITTED_MIN_INTERMEDIATE = 896, 4864
+
 # Cost model of one block on an H100 in bf16, fitted by benchmarks/fit_cost_model.py to the block
 # benchmark's window, main and tiles grids and its --decode-paths rows (5 shapes, 1-65536 tokens, 29-300
 # active units, tiles 64-256; fit quality in docs/performance.md). A launch costs a smooth

@@ -1,7 +1,7 @@
 """`sparsify analyze`: per-layer gate-activation statistics of any supported model on real text, with
-the kernel setting the plan rule would choose. Works on original SiLU models (active = gate
-pre-activation > 0: the starting point of a conversion) and on converted checkpoints, which load here
-as plain dense ReLU models. Without --data, the demo model and checkpoints converted from it use the
+the kernel setting the plan rule would choose for a converted (ReLU) model. Works on original SiLU models
+(active = gate pre-activation > 0: the starting point of a conversion; no setting is recommended, since
+the kernels compute ReLU) and on converted checkpoints, which load here as plain dense ReLU models. Without --data, the demo model and checkpoints converted from it use the
 demo corpus's held-out file; other models use the data they were converted on if it is still there.
 """
 from __future__ import annotations
@@ -41,7 +41,8 @@ def analyze(
     json_path: str | Path | None = None,
     measure_kernels: bool = False,
 ) -> dict:
-    """{"model", "data", "seq_len", "tokens", "perplexity", "layers": [statistics + "recommended"]}.
+    """{"model", "data", "seq_len", "tokens", "perplexity", "converted", "layers": [statistics + "recommended"]};
+    "recommended" is None for a model that is not converted (its gate is not ReLU).
     `measure_kernels`: recommend by timing the kernel settings on this GPU instead of by the cost model."""
     data = data or default_data(source)
     if measure_kernels:
@@ -52,10 +53,13 @@ def analyze(
     text = TextData(data, tokenizer, seq_len, eval_tokens=tokens)
     measured = sum(block.numel() for block in text.eval_blocks)
     stats = measure(model, spec, text.eval_blocks, batch_size, label=f"measuring ({measured:,} tokens)")
-    plans = plan_model(model, spec, stats, text.eval_blocks, measure_kernels=measure_kernels, device=device)
+    converted = getattr(model.config, spec.act_key) == "relu"
+    plans = (plan_model(model, spec, stats, text.eval_blocks, measure_kernels=measure_kernels, device=device)
+             if converted else [None] * len(stats["layers"]))
     for layer, plan in zip(stats["layers"], plans):
-        layer["recommended"] = {k: v for k, v in plan.items() if k != "stats"}
-    result = {"model": str(source), "family": spec.family, "data": str(data), "seq_len": seq_len, **stats}
+        layer["recommended"] = plan and {k: v for k, v in plan.items() if k != "stats"}
+    result = {"model": str(source), "family": spec.family, "data": str(data), "seq_len": seq_len,
+              "converted": converted, "activation": getattr(model.config, spec.act_key), **stats}
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=1))
     return result

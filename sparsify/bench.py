@@ -44,8 +44,10 @@ intervals (components can sum to more where kernels of different components over
 wall - busy, against the median wall time of the same call without the profiler: time the GPU waits for
 the host (Python, launches, synchronizations). Eager rows also give "mlp_layers": per layer its MLP's GPU
 ms and host ms (CPU time inside its range: issuing the call, under the profiler), summed over the call.
-Inputs are random token ids (seed 0); the mean active units the figures go with are measured on the
-largest prefill input (gate pre-activation > 0). A logits check runs before any timing: relative error of
+Inputs are text (`data`: the same sources as convert; consecutive held-out blocks, see `text_inputs`), or
+without it random token ids (seed 0), which a trained model answers with other activity than text (several
+times more active units on the measured converted model): the result says which. The mean active units the
+figures go with are measured on the largest prefill input (gate pre-activation > 0). A logits check runs before any timing: relative error of
 the final-position logits of that input, and how many greedy tokens of a short generation from 16-token
 prompts agree (bf16 rounding can flip a near-tie, after which the continuations differ: both reported);
 each generate row also reports the agreement of its own dense and TwELL tokens.
@@ -64,7 +66,9 @@ import torch
 
 from .errors import ConfigError
 from .families import mlp_modules, spec_for
-from .load import load_config, resolve_source
+from .data import TextData, resolve as resolve_data
+from .load import load_config, load_tokenizer, require_tokenizer, resolve_source
+from .report import console
 from .measure import gate_hooks
 from .plan import describe
 from .remote.generation import cache_arguments, generate_graphed
@@ -457,15 +461,36 @@ def mean_active(model, ids) -> list[float]:
     return [torch.stack(s).mean().item() for s in sums]
 
 
+RANDOM_IDS_WARNING = ("no --data: the inputs are random token ids, on which a trained model's layers are more "
+                      "active than on text, so the figures misstate its speed; pass --data with text")
+
+
+def text_inputs(data, tokenizer, device="cpu"):
+    """ids(batch, length): `batch` consecutive blocks of `length` tokens of `data`'s held-out text (sparsify.data:
+    a folder's valid* files, else the head of the text), cycled when the text holds fewer blocks."""
+    blocks = {}
+
+    def ids(batch: int, length: int) -> torch.Tensor:
+        if length not in blocks:
+            blocks[length] = TextData(data, tokenizer, length, eval_tokens=batch * length).eval_blocks
+        held = blocks[length]
+        if len(held) < batch:  # a larger batch at a length already read: read again, enough for it
+            held = blocks[length] = TextData(data, tokenizer, length, eval_tokens=batch * length).eval_blocks
+        return torch.stack([held[i % len(held)] for i in range(batch)]).to(device)
+
+    return ids
+
+
 def bench_checkpoint(path: str | Path, *, seq_len: int = 2048, prefill_batches=(1, 8, 64), generate_batches=(1, 8),
                      compiled_batches=(1, 8), compiled_prefill_batches=(), decode_tokens: int = 64,
                      decode_context: int = 512, repeats: int = 3, generate_repeats: int = 7,
-                     device: str = "cuda") -> dict:
+                     device: str = "cuda", data: str | None = None) -> dict:
     """All rows (PATHS) for the dense and the TwELL load of the checkpoint at `path`: prefill at each of
     `prefill_batches` x seq_len (compiled: at each of `compiled_prefill_batches`), eager generate and the
     graph step at each of `generate_batches`, compiled generate, the compiled graph step and generate_graphed at
     each of `compiled_batches` (empty: none);
-    `repeats` timed calls a load, `generate_repeats` for the generate rows."""
+    `repeats` timed calls a load, `generate_repeats` for the generate rows; inputs from the text of `data`
+    (None: random token ids, with a warning)."""
     from transformers import AutoModelForCausalLM
 
     device = require_cuda(device, "sparsify bench")
@@ -478,13 +503,21 @@ def bench_checkpoint(path: str | Path, *, seq_len: int = 2048, prefill_batches=(
     path = resolve_source(path)
     if not getattr(config, "twell", None):
         raise ConfigError(f"{path}: not a sparsify checkpoint (config.json has no twell section)")
+    if data is not None:
+        tokenizer = load_tokenizer(str(path))
+        require_tokenizer(tokenizer, path)
+        resolve_data(data)  # missing / empty / unknown format: before loading any weight
     load = dict(dtype=torch.bfloat16)
     models = {"dense": AutoModelForCausalLM.from_pretrained(path, **load).to(device).eval(),
               "twell": AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, **load).to(device).eval()}
-    gen = torch.Generator().manual_seed(0)
+    if data is None:
+        console.print(f"[yellow]warning:[/] {RANDOM_IDS_WARNING}")
+        gen = torch.Generator().manual_seed(0)
 
-    def ids(batch, length):
-        return torch.randint(0, config.vocab_size, (batch, length), generator=gen).to(device)
+        def ids(batch, length):
+            return torch.randint(0, config.vocab_size, (batch, length), generator=gen).to(device)
+    else:
+        ids = text_inputs(data, tokenizer, device)
 
     prefill_ids = {batch: ids(batch, seq_len) for batch in prefill_batches}
     largest = prefill_ids[max(prefill_batches)]
@@ -518,6 +551,7 @@ def bench_checkpoint(path: str | Path, *, seq_len: int = 2048, prefill_batches=(
         add(graphed_generate_row(models, ids(batch, PROMPT_TOKENS), decode_tokens, generate_repeats))
     return {
         "checkpoint": str(path), "device": torch.cuda.get_device_name(device), "versions": versions(),
+        "inputs": f"text: {data}" if data is not None else "random token ids",
         "seq_len": seq_len, "decode_tokens": decode_tokens, "decode_context": decode_context,
         "prompt_tokens": PROMPT_TOKENS, "repeats": repeats, "generate_repeats": generate_repeats, "paths": PATHS,
         "rows": rows, "component_time": "union", "check": check, "plan": plan_summary(config),

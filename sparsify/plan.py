@@ -21,15 +21,17 @@ The speed-up depends on the token count (decode is memory-bound and wins most; a
 lose on narrow layers, where the kernels' fixed latencies weigh most), so the plan also records
 "sparse_tokens": the token-count ranges [lo, hi] (hi None: no bound) in which the setting beats dense by
 `min_speedup`, judged at the points of TOKEN_GRID with boundaries halfway (geometrically) between them.
-The modeling file runs the kernels only there; a layer with no such range is "dense". `measure` counts a
-tile as overflowing above the kernel's T / C slots (`twell.slots`). `sparsify.tune.measure_plan` replaces
-the predictions by timings on a GPU.
+The modeling file runs the kernels only there; a layer with no such range is "dense". A layer narrower
+than the shapes the model was fitted to (twell.format.FITTED_MIN_*) is "dense" too: its predictions would be
+extrapolations. `measure` counts a tile as overflowing above the kernel's T / C slots (`twell.slots`).
+`sparsify.tune.measure_plan` replaces the predictions by timings on a GPU (any width).
 """
 from __future__ import annotations
 
 from math import isqrt
 
-from twell.format import DENSE_HEAVY_FROM, GATHER, dense_time, twell_time
+from twell.format import (DENSE_HEAVY_FROM, FITTED_MIN_HIDDEN, FITTED_MIN_INTERMEDIATE, GATHER, dense_time,
+                          twell_time)
 
 TOKENS = 16384
 # token counts the window is judged at: both sides of the decode path's ends (16 or 64 rows), then prefills
@@ -78,6 +80,10 @@ def plan_layer(stats: dict, *, hidden_size: int | None = None, tokens: int = TOK
     units = stats["units"]
     d = hidden_size or round(units / LLAMA_RATIO)
     summary = {k: stats[k] for k in ("mean_active", "p99_active", "max_active", "dead_frac") if k in stats}
+    if d < FITTED_MIN_HIDDEN or units < FITTED_MIN_INTERMEDIATE:
+        return {"mode": "dense", "stats": summary | {"reason": (
+            f"D {d} / I {units} is narrower than the cost model's shapes (from D {FITTED_MIN_HIDDEN} / I "
+            f"{FITTED_MIN_INTERMEDIATE}): --measure times the kernels at any width")}}
     heaviest = stats.get("max_active")
     candidates = [
         (round(predicted_speedup(stats["mean_active"], overflow_at(t, int(c), tokens), int(tile), d, units, tokens,
@@ -111,7 +117,10 @@ def plan_layers(layer_stats: list[dict], **options) -> list[dict]:
 
 
 def describe(layer: dict) -> str:
-    """Short text of a layer's setting for tables: 'T256 C8', 'T128 C8 at 1-64, 700+' or 'dense'."""
+    """Short text of a layer's setting for tables: 'T256 C8', 'T128 C8 at 1-64, 700+', 'dense', or '-' for
+    none (mode None)."""
+    if layer["mode"] is None:
+        return "-"
     if layer["mode"] != "sparse":
         return "dense"
     ranges = layer.get("sparse_tokens", [[1, None]])

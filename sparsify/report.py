@@ -23,7 +23,7 @@ def batch_progress(items: list, label: str):
 
 def layer_table(layer_stats: list[dict], plan: list[dict], title: str, hybrid_share: list[float] | None = None) -> Table:
     """Per layer: active units per token (mean / median / p99 / max), sparsity, dead units, the
-    p99.9 of active units per (token, 256-wide tile) and the planned kernel setting; with `hybrid_share`
+    p99.9 of active units per (token, 256-wide tile) and the planned kernel setting (None: "-"); with `hybrid_share`
     (convert), the share of training steps the layer spent on the hybrid kernels, if any did."""
     show_hybrid = any(hybrid_share or [])
     table = Table(title=f"{title}; active units per token of {layer_stats[0]['units']}")
@@ -32,6 +32,7 @@ def layer_table(layer_stats: list[dict], plan: list[dict], title: str, hybrid_sh
     if show_hybrid:
         table.add_column("hybrid steps %", justify="right")
     for i, (s, p) in enumerate(zip(layer_stats, plan)):
+        p = p or {"mode": None}  # no setting (a model that is not converted)
         tile = str(p.get("tile", max(int(t) for t in s["tiles"]) if s["tiles"] else ""))
         table.add_row(
             str(i), f"{s['mean_active']:.1f}", f"{s['median_active']:.0f}", f"{s['p99_active']:.0f}",

@@ -29,7 +29,9 @@ def test_analyze_json_plot_and_table(tmp_path):
         assert set(layer["tiles"]["64"]) == {"max", "p999", "overflow_frac", "overflow_frac_light"}
         assert set(layer["tiles"]["64"]["overflow_frac"]) == {str(c) for c in COMPRESSIONS}
         assert len(layer["position_active"]) == 64
-        assert layer["recommended"]["mode"] in ("sparse", "dense")
+        assert layer["recommended"] is None  # not converted: the kernels compute ReLU
+    assert not report["converted"] and report["activation"] == "silu"
+    assert "is not converted (gate activation silu)" in " ".join(result.output.split())
     assert (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -46,6 +48,9 @@ def test_analyze_converted_checkpoint_defaults_to_its_training_data(tmp_path):
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "a.json").read_text())
     assert report["data"] == str(tmp_path / "text.txt") and report["tokens"] == 128
+    assert report["converted"] and "not converted" not in result.output
+    # 64 wide, 160 units: narrower than the cost model's shapes, so dense (--measure would time it)
+    assert [layer["recommended"]["mode"] for layer in report["layers"]] == ["dense", "dense"]
 
 
 def test_default_data_for_demo_models(tmp_path):

@@ -12,7 +12,7 @@ from sparsify.errors import ConfigError
 from sparsify.families import spec_for
 from sparsify.tune import WINDOW, capture_mlp_inputs, layer_plan, measure_plan
 
-from helpers import tiny_input_ids, tiny_model
+from helpers import tiny_input_ids, tiny_model, tiny_tokenizer
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU error")
 
@@ -287,12 +287,32 @@ def test_mlp_layers_find_the_triton_kernels_on_gpu(tmp_path):
     assert sum(l["gpu_ms"] for l in layers) == pytest.approx(split["mlp_ms"], rel=1e-3)
 
 
+def test_text_inputs_are_consecutive_held_out_blocks(tmp_path):
+    from sparsify.bench import text_inputs
+    from sparsify.data import TextData
+
+    (tmp_path / "text.txt").write_text("".join(f"line {i}: some text to read\n" for i in range(400)))
+    tokenizer = tiny_tokenizer()
+    ids = text_inputs(str(tmp_path / "text.txt"), tokenizer)
+    batch = ids(3, 16)
+    expected = TextData(str(tmp_path / "text.txt"), tokenizer, 16, eval_tokens=48).eval_blocks
+    assert batch.shape == (3, 16) and torch.equal(batch, torch.stack(expected[:3]))
+    assert ids(5, 32).shape == (5, 32) and ids(1, 16).shape == (1, 16)
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("x" * 100)  # fewer blocks than the batch: cycled
+    assert torch.equal(text_inputs(str(tiny), tokenizer)(4, 16)[0], text_inputs(str(tiny), tokenizer)(4, 16)[1])
+
+
 @pytest.mark.gpu
 def test_bench_checkpoint_on_gpu(tmp_path):
     model_bench = load_model_bench()
     model = model_bench.build_model(hidden=256, intermediate=2048, layers=2, heads=4, vocab=300, active=12,
                                     calibration_tokens=512, device="cuda")
     path = model_bench.export(model, tmp_path / "ckpt", active=12, eval_tokens=512)
+    config = json.loads((path / "config.json").read_text())  # narrower than the cost model's shapes: force sparse
+    for layer in config["twell"]["layers"]:
+        layer.update(mode="sparse", tile=128, compression=8, sparse_tokens=[[1, None]])
+    (path / "config.json").write_text(json.dumps(config))
     result = bench_checkpoint(path, seq_len=64, prefill_batches=(2,), generate_batches=(2,), compiled_batches=(1,),
                               compiled_prefill_batches=(2,), decode_tokens=8, decode_context=32, repeats=1,
                               generate_repeats=3)

@@ -117,9 +117,15 @@ def test_min_speedup_and_hidden_size_default():
     assert plan_layer(stats(29)) == plan_layer(stats(29), hidden_size=D)
 
 
-def test_narrow_layer_without_tiles_is_dense():
+def test_layers_narrower_than_the_fitted_shapes_are_dense():
+    """The cost model is fitted from D 896 / I 4864 up: a narrower layer (the 192-wide demo, I 528) is not
+    planned by extrapolation, however sparse, while the fitted shapes keep their plan."""
+    assert plan_layer(stats(29) | {"units": 4864}, hidden_size=896)["mode"] == "sparse"
+    for units, hidden in ((4864, 768), (2816, 1024), (528, 192)):
+        layer = plan_layer(stats(2) | {"units": units}, hidden_size=hidden)
+        assert layer["mode"] == "dense" and "narrower than the cost model's shapes" in layer["stats"]["reason"]
     narrow = {"units": 48, "mean_active": 2, "p99_active": 5, "dead_frac": 0.0, "tiles": {}}
-    assert plan_layer(narrow) == {"mode": "dense", "stats": {"mean_active": 2, "p99_active": 5, "dead_frac": 0.0}}
+    assert plan_layer(narrow)["mode"] == "dense"
 
 
 def test_plan_layers_keeps_order():
