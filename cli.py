@@ -36,7 +36,7 @@ def main():
 TRAIN_OPTIONS = [
     click.option("--l1", type=float, help="L1 coefficient on the MLP hidden activations (paper: 2e-5)."),
     click.option("--l1-relative/--l1-absolute", default=None,
-                 help="Read --l1 as the weight of L1 / L1 at the first step (scale-free; e.g. 7) or as the absolute coefficient."),
+                 help="Read --l1 as the weight of L1 / L1 at the first step (scale-free; e.g. 3.5) or as the absolute coefficient."),
     click.option("--l1-warmup-steps", metavar="STEPS|P%",
                  help="Raise the L1 coefficient linearly from 0 over these steps (or this share of them, e.g. 50%)."),
     click.option("--swap-steps", metavar="STEPS|P%",
@@ -48,6 +48,9 @@ TRAIN_OPTIONS = [
     click.option("--batch-size", type=int, help="Sequences per micro-batch and device."),
     click.option("--grad-accum", type=int, help="Micro-batches per optimizer step."),
     click.option("--lr", type=float, help="Peak learning rate (AdamW, cosine schedule)."),
+    click.option("--eval-tokens", type=int,
+                 help="Held-out tokens to measure perplexity and sparsity on: a folder's valid* files, else the head "
+                      "of the training text, never trained on."),
     click.option("--distill", type=float, metavar="WEIGHT",
                  help="Fit the source model's next-token distributions too: (1 - WEIGHT) * CE + WEIGHT * KL(source || "
                       "trained) (0: off; a whole bf16 copy of the source on each GPU, one more forward a step)."),
@@ -57,14 +60,28 @@ TRAIN_OPTIONS = [
                  help="Also save the training state to OUT.resume/ every this many steps, for runs that may be killed "
                       "(Ctrl-C saves it too)."),
     click.option("--hybrid-below", type=float, metavar="UNITS",
-                 help="Train a layer on the TwELL hybrid kernels while its mean active units per token are below this (GPU; default 40)."),
+                 help="Train a layer on the TwELL hybrid kernels while its mean active units per token are below this (GPU)."),
     click.option("--no-hybrid", is_flag=True, help="Train every layer on the dense path (same as --hybrid-below 0)."),
 ]
 
 
 def train_options(command):
+    """The training options, each showing in --help the value it takes when not given: the default recipe's
+    (pretrained; demo for `demo`), or TrainConfig's where the recipe has none."""
+    from dataclasses import fields
+
+    from sparsify.convert import load_recipe
+    from sparsify.train import TrainConfig
+
+    defaults = {f.name: f.default for f in fields(TrainConfig)}
+    recipes = {name: {**defaults, **load_recipe(None, source)} for name, source in (("pretrained", "any"), ("demo", "demo"))}
     for option in reversed(TRAIN_OPTIONS):
         command = option(command)
+        param = command.__click_params__[-1]
+        if param.name in defaults:
+            values = {name: recipe[param.name] for name, recipe in recipes.items()}
+            param.show_default = (str(values["pretrained"]) if values["pretrained"] == values["demo"] else
+                                  f"{values['pretrained']}; demo: {values['demo']}")
     return command
 
 
@@ -82,11 +99,12 @@ def train_options(command):
 @click.option("--private", is_flag=True, help="With --push-to-hub: make a new repository private.")
 @click.option("--measure", "measure_kernels", is_flag=True,
               help="Choose each layer's kernel setting by timing the candidates on this GPU (CUDA only).")
+@click.option("--dry-run", is_flag=True, help="Print the resolved settings and the training state's size, and stop.")
 @user_errors
 def convert(source, out, data, recipe, device, resume, overwrite, max_shard_size, push_to_hub, private,
-            measure_kernels, **options):
+            measure_kernels, dry_run, **options):
     """Convert SOURCE (a Hub id, a checkpoint folder, or `demo`) into a >99%-sparse ReLU checkpoint in OUT."""
-    from sparsify.convert import convert as run, load_recipe
+    from sparsify.convert import convert as run, load_recipe, run_summary
     from sparsify.report import console, layer_table, perplexity_table
     from sparsify.train import TrainConfig
 
@@ -94,8 +112,13 @@ def convert(source, out, data, recipe, device, resume, overwrite, max_shard_size
     if options.pop("no_hybrid"):
         options["hybrid_below"] = 0
     settings.update({k: v for k, v in options.items() if v is not None})
+    config = TrainConfig.from_dict(settings)
+    if dry_run:
+        config.validate()
+        console.print(run_summary(source, config), soft_wrap=True)
+        return
     summary = run(
-        source, out, TrainConfig.from_dict(settings), data=data, device=device, resume=resume, overwrite=overwrite,
+        source, out, config, data=data, device=device, resume=resume, overwrite=overwrite,
         max_shard_size=max_shard_size, push_to_hub=push_to_hub, private=private, measure_kernels=measure_kernels,
     )
     if _is_main():

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .data import TextData
 from .errors import DataError
-from .load import demo_corpus_path, load_config, load_model, require_tokenizer
+from .load import check_device, demo_corpus_path, load_config, load_model, require_tokenizer
 from .measure import measure
 from .plan import plan_model
 from .tune import require_cuda
@@ -44,6 +44,7 @@ def analyze(
     """{"model", "data", "seq_len", "tokens", "perplexity", "converted", "layers": [statistics + "recommended"]};
     "recommended" is None for a model that is not converted (its gate is not ReLU).
     `measure_kernels`: recommend by timing the kernel settings on this GPU instead of by the cost model."""
+    check_device(device)
     data = data or default_data(source)
     if measure_kernels:
         require_cuda(device, "--measure")

@@ -32,14 +32,15 @@ from transformers.utils.hub import convert_file_size_to_int
 from .data import TextData, resolve as resolve_data
 from .errors import ConfigError, DataError
 from .export import check_output_dir, export_checkpoint
-from .load import demo_corpus_path, load_config, load_model, parameter_count, require_tokenizer, resolve_dtype
+from .load import (check_device, demo_corpus_path, load_config, load_model, parameter_count, require_tokenizer,
+                   resolve_dtype)
 from .measure import measure, perplexity
 from .plan import plan_model
 from .tune import capture_mlp_inputs, require_cuda
 from .relufy import original_mlps, relufy
 from .report import console, plot_training
-from .train import (TrainConfig, check_resume, check_training_memory, discard_saved_state, fsdp_launch,
-                    gather_model, hybrid_share, on_cpu, train)
+from .train import (TEACHER_BYTES, TRAINING_BYTES, TrainConfig, check_resume, check_training_memory,
+                    discard_saved_state, fsdp_launch, gather_model, hybrid_share, on_cpu, train)
 
 
 def recipes_dir():
@@ -87,6 +88,21 @@ def _identity(where: str | Path) -> str:
     return str(Path(where).resolve()) if Path(where).exists() else str(where)
 
 
+def run_summary(source: str, config: TrainConfig, processes: int = 1, sharded: bool = False) -> str:
+    """The resolved settings of a conversion and what its training state will take, read from the source's
+    config alone (no weights): printed at the start and by `convert --dry-run`."""
+    parameters = parameter_count(load_config(source)[0])
+    state = TRAINING_BYTES * parameters / (processes if sharded else 1) + (TEACHER_BYTES * parameters if config.distill else 0)
+    steps = config.total_steps(processes)
+    settings = "  ".join(f"{k}={v}" for k, v in asdict(config).items())
+    return (f"settings: {settings}\n"
+            f"{parameters / 1e6:,.1f}M parameters; {steps:,} steps of {config.tokens_per_step(processes):,} tokens "
+            f"({steps * config.tokens_per_step(processes):,} tokens) on {processes} process(es); training state "
+            + (f"{state / 2**30:.1f} GiB" if state >= 2**30 else f"{state / 2**20:.0f} MiB")
+            + f" a process (fp32 weights, gradients, AdamW{', bf16 teacher' if config.distill else ''}; activations "
+            "come on top)")
+
+
 def resume_dir_for(out: str | Path) -> Path:
     out = Path(out).expanduser().resolve()
     return out.with_name(out.name + ".resume")
@@ -110,9 +126,12 @@ def convert(
     """Convert `source` into a sparse checkpoint at `out`; returns the summary (perplexities, per-layer
     statistics and plan, training log). `measure_kernels` plans each layer by timing the kernel settings
     on this GPU (sparsify.tune) instead of by the cost model."""
+    check_device(device)
     launch = PartialState(cpu=on_cpu(device))
     main, processes = launch.is_main_process, launch.num_processes
     out = check_output_dir(out, overwrite)
+    if Path(source).exists() and (Path(source).resolve() == out.resolve() or out.resolve() in Path(source).resolve().parents):
+        raise ConfigError(f"-o {out}: the output would replace the source model {source}; write elsewhere")
     try:
         convert_file_size_to_int(max_shard_size)
     except ValueError:
@@ -131,6 +150,8 @@ def convert(
     resolve_data(data_spec)  # missing / empty / unknown format: before loading any weight
 
     fsdp, rank0_loading = fsdp_launch()
+    if main and show_progress:
+        console.print(run_summary(source, config, processes, fsdp), soft_wrap=True)
     check_training_memory(parameter_count(load_config(source)[0]), device, processes, fsdp, teacher=config.distill > 0)
     model, tokenizer, spec = load_model(source, dtype=torch.float32, device="cpu" if fsdp else device,
                                         weights=main or not rank0_loading)
@@ -139,6 +160,11 @@ def convert(
     text = TextData(data_spec, tokenizer, config.seq_len, config.eval_tokens)
     ppl = {}
     shown = show_progress and main
+    if main:
+        held_out, warnings = text.held_out()
+        console.print(held_out)
+        for warning in warnings:
+            console.print(f"[yellow]warning:[/] {warning}")
     eval_tokens = sum(block.numel() for block in text.eval_blocks)
     labels = [f"{what} ({eval_tokens:,} held-out tokens)" if shown else None
               for what in ("perplexity of the source", "perplexity after the ReLU swap", "measuring the trained model")]
@@ -156,13 +182,20 @@ def convert(
     mlps = relufy(model)
     if not fsdp:  # under FSDP on the sharded model, before the first step
         source_perplexities(model)
-    result = train(
-        model, mlps, lambda start, rank, world: text.train_batches(
-            config.batch_size, start, rank, world, shuffle_buffer=config.shuffle_buffer, seed=config.seed), config,
-        resume_dir=resume_dir, resume=resume, device=device, show_progress=shown,
-        evaluate=(lambda prepared: source_perplexities(prepared, sharded=True)) if fsdp else None, inputs=inputs,
-        teacher=teacher,
-    )
+    try:
+        result = train(
+            model, mlps, lambda start, rank, world: text.train_batches(
+                config.batch_size, start, rank, world, shuffle_buffer=config.shuffle_buffer, seed=config.seed), config,
+            resume_dir=resume_dir, resume=resume, device=device, show_progress=shown,
+            evaluate=(lambda prepared: source_perplexities(prepared, sharded=True)) if fsdp else None, inputs=inputs,
+            teacher=teacher,
+        )
+    except torch.cuda.OutOfMemoryError:
+        raise ConfigError(
+            f"out of GPU memory training {config.batch_size} x {config.seq_len} tokens a micro-batch: lower "
+            f"--batch-size (raise --grad-accum to keep the step's tokens), add --grad-checkpointing"
+            + (", or --distill 0 (the teacher's copy)" if config.distill else "")
+            + ("" if fsdp else ", or shard over GPUs with recipes/accelerate/fsdp.yaml")) from None
     del teacher
     model = result.model
     stats = measure(model, spec, text.eval_blocks, config.batch_size, sharded=result.sharded, label=labels[2])

@@ -23,6 +23,8 @@ from .errors import DataError
 
 FORMATS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 EVAL_PREFIXES = ("valid", "eval", "test")  # valid* covers validation*
+MIN_EVAL_TOKENS = 16384  # fewer held-out tokens measure perplexity and sparsity too noisily
+HELD_OUT_SHARE_WARN = 0.2  # warn when the head held out of the training text is at least this share of it
 
 
 @dataclass
@@ -34,7 +36,11 @@ class DataSource:
 
     @property
     def description(self) -> str:
-        return self.train if isinstance(self.train, str) else ", ".join(sum(self.train.values(), []))
+        return self.description_of(self.train)
+
+    @staticmethod
+    def description_of(files: dict[str, list[str]] | str) -> str:
+        return files if isinstance(files, str) else ", ".join(sum(files.values(), []))
 
 
 def resolve(spec: str | Path) -> DataSource:
@@ -168,6 +174,26 @@ class TextData:
             # Small data: hold out a tenth, at least one block, and train on the rest.
             self.skip = n_eval if len(head) > n_eval else max(1, len(head) // 10)
             self.eval_blocks = head[: self.skip]
+
+    def held_out(self) -> tuple[str, list[str]]:
+        """What is held out, in words, and warnings: held-out text too small to measure on, or (held out from
+        the head of local training text) a large share of the data, counted up to HELD_OUT_SHARE_WARN."""
+        tokens = len(self.eval_blocks) * self.seq_len
+        warnings = []
+        if tokens < MIN_EVAL_TOKENS:
+            warnings.append(f"only {tokens:,} held-out tokens: the perplexities and sparsity measured on them are "
+                            f"noisy (set --eval-tokens, or give a folder with a valid* file)")
+        if self.source.eval is not None:
+            return f"held out: {tokens:,} tokens of {self.source.description_of(self.source.eval)}", warnings
+        what = f"held out: the first {tokens:,} tokens of {self.source.description}; training starts after them"
+        if not isinstance(self.source.train, str):  # local: count the rest, as far as the share that warns
+            limit = round(len(self.eval_blocks) * (1 / HELD_OUT_SHARE_WARN - 1))
+            rest = sum(1 for _ in itertools.islice(self._blocks(self.source.train), self.skip + limit)) - self.skip
+            if rest < limit:
+                share = len(self.eval_blocks) / (len(self.eval_blocks) + rest)
+                warnings.append(f"the held-out text is {100 * share:.0f}% of the data, never trained on: lower "
+                                f"--eval-tokens or give a folder with a valid* file")
+        return what, warnings
 
     def _blocks(self, source) -> Iterator[torch.Tensor]:
         return blocks(documents(source), self.tokenizer, self.seq_len)

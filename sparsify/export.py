@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import os
 import re
 import shutil
 import tempfile
@@ -98,6 +99,16 @@ def _write(folder: Path, model, tokenizer, spec, plan, training, artifacts, kern
     card.save(folder / "README.md")
 
 
+def _as_umask_allows(folder: Path) -> None:
+    """Permissions as a plain save_pretrained leaves them (the umask's), not the private ones of the staging
+    folder (mkdtemp: 0700), so that a server under another user can read the checkpoint."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for path in folder.rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
 def export_checkpoint(model: nn.Module, tokenizer, out_dir: str | Path, *, spec: FamilySpec, plan: list[dict],
                       training: dict, artifacts: dict[str, str | Path] | None = None,
                       max_shard_size: str | int = "5GB", overwrite: bool = False) -> Path:
@@ -118,6 +129,7 @@ def export_checkpoint(model: nn.Module, tokenizer, out_dir: str | Path, *, spec:
         raise OutputError(f"{out}: cannot write there ({error})") from error
     try:
         _write(staging, model, tokenizer, spec, plan, training, artifacts, kernels, max_shard_size)
+        _as_umask_allows(staging)
         if out.exists():  # empty, or overwrite: move the old one aside only once the new one is complete
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
             out.rename(old / out.name)

@@ -78,6 +78,21 @@ def _load_config(where: str, source):
     return config, spec_for(config)
 
 
+def check_device(device: str | None) -> None:
+    """ConfigError for a --device this machine cannot run on (a CUDA device without CUDA, or no such device)."""
+    if device is None:
+        return
+    try:
+        where = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"--device {device}: not a device (use cpu, cuda or cuda:N)") from None
+    if where.type == "cuda" and not torch.cuda.is_available():
+        build = "a CPU build of torch" if torch.version.cuda is None else f"torch {torch.__version__}, no GPU visible"
+        raise ConfigError(f"--device {device}: no CUDA GPU here ({build}); use --device cpu or leave it out")
+    if where.type == "cuda" and where.index is not None and where.index >= torch.cuda.device_count():
+        raise ConfigError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+
+
 def load_model(source: str | Path, *, dtype: torch.dtype | str | None = None, device: str | torch.device | None = None,
                weights: bool = True):
     """(model, tokenizer or None, spec) for "demo", a checkpoint folder or a Hub id; the model in eval mode

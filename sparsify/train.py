@@ -511,8 +511,9 @@ def train(
                 window, window_started = _Window(len(mlps), accelerator.device), now
                 if progress:
                     progress.stats = _progress_text(entry)
-                    if not progress.console.is_terminal:  # logs to a file: one line per log step
-                        progress.console.print(f"step {step}/{total}  {progress.stats}")
+                    if not progress.console.is_terminal:  # logs to a file: one whole line per log step
+                        progress.console.print(_log_line(entry, total, time.perf_counter() - started, step),
+                                               soft_wrap=True)
             if progress:
                 progress.update(0, completed=step)
             if step < total and stop.agreed():
@@ -663,6 +664,14 @@ def _progress_text(e: dict) -> str:
         + (f"  hybrid {hybrid}/{len(e['layers'])}" if hybrid else "")
         + (f"  mem {e['max_memory_gib']:.1f} GiB" if "max_memory_gib" in e else "")
     )
+
+
+def _log_line(entry: dict, total: int, seconds: float, step: int) -> str:
+    """The line a log step writes where the output is no terminal (a file, nohup, a batch job): wall-clock
+    time, step, the figures and the time left at this run's pace since it started or resumed."""
+    left = seconds / step * (total - step) if step else 0.0
+    return (f"{time.strftime('%Y-%m-%d %H:%M:%S')}  step {entry['step']}/{total}  {_progress_text(entry)}  "
+            f"eta {int(left // 3600)}:{int(left % 3600 // 60):02d}:{int(left % 60):02d}")
 
 
 class _StopRequest:

@@ -4,7 +4,9 @@ non-zero, no traceback, nothing that looks like a complete OUT."""
 import json
 import os
 import re
+import shutil
 import signal
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +19,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from cli import main
 from helpers import tiny_input_ids, tiny_model, tiny_tokenizer
+from sparsify import convert as convert_module
 from sparsify import data as data_module
 from sparsify import export
 from sparsify.families import FAMILIES
@@ -82,6 +85,53 @@ def test_convert_every_family_and_reload_both_ways(files, family, tmp_path):
         plain = AutoModelForCausalLM.from_pretrained(out).eval()(ids).logits
         remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()(ids).logits
     torch.testing.assert_close(remote, plain, rtol=1e-5, atol=1e-5 * plain.abs().max().item())
+
+
+def test_checkpoint_is_readable_and_held_out_text_is_named(files, tmp_path):
+    out = tmp_path / "out"
+    result = convert(files, "llama", out, "--eval-tokens", 64)
+    assert result.exit_code == 0, result.output
+    assert f"held out: 64 tokens of {files / 'corpus' / 'valid.jsonl'}" in " ".join(result.output.split())
+    assert "only 64 held-out tokens" in " ".join(result.output.split())
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~umask  # not the staging folder's 0700
+    for path in out.rglob("*"):
+        assert stat.S_IMODE(path.stat().st_mode) == (0o777 if path.is_dir() else 0o666) & ~umask, path
+
+
+def test_dry_run_prints_the_resolved_settings_and_stops(files, tmp_path, monkeypatch):
+    monkeypatch.setattr(convert_module, "load_model", None)  # no weight is read
+    result = convert(files, "llama", tmp_path / "out", "--dry-run", "--lr", "3e-4", "--swap-steps", "20%")
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "lr=0.0003" in text and "swap_steps=20%" in text and "seq_len=32" in text  # command line over recipe
+    assert re.search(r"parameters; 2 steps of 64 tokens \(128 tokens\) on 1 process\(es\); training state \d+ MiB", text)
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_refuses_to_replace_its_source(files, tmp_path):
+    source = tmp_path / "model"
+    shutil.copytree(model_folder(files, "llama"), source)
+    for out in (source, tmp_path):
+        assert_user_error(run("convert", source, "-o", out, "--data", files / "corpus", "--steps", 1, "--overwrite"),
+                          "the output would replace the source model")
+    assert (source / "config.json").is_file()
+
+
+def test_device_and_out_of_memory_errors_are_one_line(files, tmp_path, monkeypatch):
+    if not torch.cuda.is_available():
+        assert_user_error(convert(files, "llama", tmp_path / "out", "--device", "cuda"),
+                          "--device cuda: no CUDA GPU here")
+    assert_user_error(convert(files, "llama", tmp_path / "out", "--device", "tpu:x"), "--device tpu:x: not a device")
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+
+    monkeypatch.setattr(convert_module, "train", out_of_memory)
+    assert_user_error(convert(files, "llama", tmp_path / "out", "--batch-size", 3),
+                      "out of GPU memory training 3 x 32 tokens a micro-batch: lower --batch-size")
+    assert not (tmp_path / "out").exists()
 
 
 def test_two_processes_train_like_one_with_both_batches(files, tmp_path):
@@ -262,4 +312,5 @@ def test_hybrid_routing_options(files, tmp_path):
     assert result.exit_code == 0, result.output
     log = json.loads((tmp_path / "dense" / "training_log.json").read_text())
     assert log["training"]["hybrid_below"] == 0 and all(l["path"] == "dense" for e in log["log"] for l in e["layers"])
-    assert "hybr" not in result.output.replace(str(tmp_path), "")
+    shown = [line for line in result.output.replace(str(tmp_path), "").splitlines() if not line.startswith("settings:")]
+    assert "hybr" not in "\n".join(shown)  # no hybrid column or progress figure (the settings line names the option)

@@ -123,3 +123,20 @@ def test_shuffled_batches_are_seeded_resumable_and_keep_held_out_blocks_out(tmp_
     assert torch.equal(next(rank1), again[3])
     other_seed = list(itertools.islice(data.train_batches(2, shuffle_buffer=16, seed=4), 8))
     assert not all(torch.equal(a, b) for a, b in zip(again, other_seed))
+
+
+def test_held_out_text_is_reported_with_its_share_and_size(tmp_path):
+    tok = tiny_tokenizer()
+    (tmp_path / "one.txt").write_text("abcdefgh" * 640)  # 5120 tokens: 80 blocks of 64
+    what, warnings = TextData(str(tmp_path / "one.txt"), tok, 64, eval_tokens=64 * 40).held_out()
+    assert "the first 2,560 tokens of" in what
+    assert any("is 50% of the data, never trained on" in w for w in warnings)
+    assert any("only 2,560 held-out tokens" in w for w in warnings)
+    _, warnings = TextData(str(tmp_path / "one.txt"), tok, 64, eval_tokens=64 * 10).held_out()
+    assert not any("of the data" in w for w in warnings)  # 10 of 80 blocks: below the share that warns
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "train.txt").write_text("abcdefgh" * 640)
+    (folder / "valid.txt").write_text("abcdefgh" * 4096)
+    what, warnings = TextData(str(folder), tok, 64, eval_tokens=32768).held_out()
+    assert what == f"held out: 32,768 tokens of {folder / 'valid.txt'}" and warnings == []

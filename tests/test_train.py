@@ -4,6 +4,7 @@ import copy
 import dataclasses
 import json
 import os
+import re
 import signal
 
 import pytest
@@ -370,6 +371,17 @@ def test_progress_line_shows_gpu_memory_when_logged():
              "dead_frac": 0.01, "layers": [{"path": "dense"}]}
     assert "mem" not in _progress_text(entry)
     assert _progress_text({**entry, "max_memory_gib": 12.34}).endswith("mem 12.3 GiB")
+
+
+def test_log_lines_outside_a_terminal_are_whole_with_time_and_eta(capsys):
+    model, _ = tiny_model("llama")
+    train(model, relufy(model), batches_from(), config(steps=3), device="cpu", show_progress=True)
+    lines = [line for line in capsys.readouterr().err.splitlines() if " step " in line]
+    assert [re.search(r" step (\d)/3 ", line).group(1) for line in lines] == ["1", "2", "3"]
+    for line in lines:  # one line each however long: date, time, the figures, the time left
+        assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d  step", line) and "active" in line
+        assert re.search(r"eta \d+:\d\d:\d\d$", line)
+    assert lines[-1].endswith("eta 0:00:00")
 
 
 def test_training_memory_is_checked_before_loading(monkeypatch, tmp_path):
