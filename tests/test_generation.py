@@ -233,3 +233,20 @@ def test_graph_replay_matches_generate_on_gpu(tmp_path, compile):
         loaded.cpu().cuda()  # the captured graphs would read the weights' old addresses: a new loop captures
         assert torch.equal(generate_graphed(loaded, ids, 40, eos_token_id=[], compile=compile), expected)
         assert loaded._decode_loop.loop is not greedy_loop
+
+
+def test_calls_from_two_threads_are_serialized_and_release_frees_the_loop():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sparsify.remote.generation import release_graphed
+
+    model, _ = tiny_model("llama")
+    prompts = [tiny_input_ids(2, 5 + i) for i in range(6)]
+    serial = [generate_graphed(model, ids, 24, eos_token_id=[]) for ids in prompts]
+    with ThreadPoolExecutor(2) as pool:  # one loop on the model, shared by both threads
+        threaded = list(pool.map(lambda ids: generate_graphed(model, ids, 24, eos_token_id=[]), prompts))
+    assert all(torch.equal(a, b) for a, b in zip(threaded, serial))
+    assert model._decode_loop.loop is not None
+    release_graphed(model)
+    assert model._decode_loop.loop is None
+    assert torch.equal(generate_graphed(model, prompts[0], 24, eos_token_id=[]), serial[0])  # built anew

@@ -13,13 +13,15 @@ sampling, top_k, top-p on or off) that fits the cache: a new cache's length is r
 prompts of other lengths reuse the captured (and compiled) step, and temperature and top_p are device
 scalars set at each call. One loop is kept at a time (a cache is batch x length x layers of keys and
 values); it is rebuilt when the model's weights move (another device or dtype): a graph reads the
-addresses it was captured with.
+addresses it was captured with. Calls from several threads on one model take turns (a lock), and
+`release_graphed` frees the loop.
 Works for any causal LM of transformers whose static cache keeps its positions on the device (Llama, Mistral
 without a sliding window, Qwen2/3 and the like), dense or converted; off CUDA the same prefill and step run
 directly.
 Shipped beside modeling_twell.py; imports torch and transformers only.
 """
 import inspect
+import threading
 
 import torch
 
@@ -210,6 +212,15 @@ class DecodeLoop:
         return self.sequences[:, length - n:length + done].clone()
 
 
+def release_graphed(model) -> None:
+    """Frees the decode loop that generate_graphed keeps on `model` (its static cache and graphs); the next
+    call builds a new one."""
+    held = model.__dict__.get("_decode_loop")
+    if held is not None:
+        with held.lock:
+            held.key = held.loop = None
+
+
 @torch.inference_mode()
 def generate_graphed(model, input_ids: torch.Tensor, max_new_tokens: int, *, attention_mask=None,
                      do_sample: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
@@ -249,24 +260,26 @@ def generate_graphed(model, input_ids: torch.Tensor, max_new_tokens: int, *, att
     weights = tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))
     key = (batch, str(input_ids.device), do_sample and (top_k, top_p < 1), stop, pad, compile, weights)
     held = model.__dict__.setdefault("_decode_loop", HeldLoop())
-    if held.key != key or held.loop.max_len < needed:
-        held.key = held.loop = None  # the previous cache goes before the new one is allocated
-        limit = getattr(model.config, "max_position_embeddings", None) or needed
-        length = max(needed, min(-(-wanted // CACHE_ROUND) * CACHE_ROUND, limit))
-        sampling = Sampling(top_k, top_p < 1, input_ids.device) if do_sample else None
-        held.loop = DecodeLoop(model, batch, length, input_ids.device, sampling, stop, pad, compile)
-        held.key = key
-    if held.loop.sampling is not None:
-        held.loop.sampling.set(temperature, top_p)
-    return held.loop.run(input_ids, attention_mask.to(input_ids.device, torch.long), max_new_tokens, streamer)
+    with held.lock:  # one loop (cache, graphs) a model: calls from several threads take turns
+        if held.key != key or held.loop.max_len < needed:
+            held.key = held.loop = None  # the previous cache goes before the new one is allocated
+            limit = getattr(model.config, "max_position_embeddings", None) or needed
+            length = max(needed, min(-(-wanted // CACHE_ROUND) * CACHE_ROUND, limit))
+            sampling = Sampling(top_k, top_p < 1, input_ids.device) if do_sample else None
+            held.loop = DecodeLoop(model, batch, length, input_ids.device, sampling, stop, pad, compile)
+            held.key = key
+        if held.loop.sampling is not None:
+            held.loop.sampling.set(temperature, top_p)
+        return held.loop.run(input_ids, attention_mask.to(input_ids.device, torch.long), max_new_tokens, streamer)
 
 
 class HeldLoop:
-    """The DecodeLoop kept on a model for its next call. Copies and pickles of the model start without one
-    (a CUDA graph cannot be copied, and the copy has weights of its own)."""
+    """The DecodeLoop kept on a model for its next call, and the lock its calls take. Copies and pickles of the
+    model start without one (a CUDA graph cannot be copied, and the copy has weights of its own)."""
 
     def __init__(self):
         self.key = self.loop = None
+        self.lock = threading.Lock()
 
     def __deepcopy__(self, memo):
         return HeldLoop()
