@@ -250,3 +250,70 @@ def test_calls_from_two_threads_are_serialized_and_release_frees_the_loop():
     release_graphed(model)
     assert model._decode_loop.loop is None
     assert torch.equal(generate_graphed(model, prompts[0], 24, eos_token_id=[]), serial[0])  # built anew
+
+
+def converted_checkpoint(tmp_path):
+    """A converted checkpoint planned dense: the routing of generate, not the kernels (tested above), is
+    what these tests check, and the kernels under the interpreter make every step slow."""
+    model, tokenizer = tiny_model("llama")
+    relufy(model)
+    dense = [{"mode": "dense", "stats": {}}] * model.config.num_hidden_layers
+    out = export_checkpoint(model, tokenizer, tmp_path / "ckpt", spec=spec_for(model.config), plan=dense,
+                            training=TRAINING)
+    return AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval(), tokenizer, out
+
+
+def test_generate_takes_the_loop_where_the_call_fits_and_falls_back_elsewhere(tmp_path):
+    """model.generate on a converted checkpoint: greedy and max_length calls run the graphed loop with
+    transformers' tokens; beam search, a logits processor, returned dicts, right padding and graphed=False
+    go to transformers' generate unchanged."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper
+
+    remote, _, _ = converted_checkpoint(tmp_path)
+    ids = tiny_input_ids(2, 6)
+    plain = lambda **kw: remote.generate(ids, graphed=False, eos_token_id=None, pad_token_id=0, **kw)  # noqa: E731
+    fast = remote.generate(ids, max_new_tokens=12, eos_token_id=None, pad_token_id=0)
+    assert remote._decode_loop.loop is not None  # the loop ran it
+    assert torch.equal(fast, plain(max_new_tokens=12))
+    assert torch.equal(remote.generate(ids, max_length=15, eos_token_id=None, pad_token_id=0), plain(max_length=15))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # a shorter first prompt, padded on the left
+    assert torch.equal(remote.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None, pad_token_id=0),
+                       plain(attention_mask=mask, max_new_tokens=8))
+    others = [dict(num_beams=2), dict(repetition_penalty=1.3), dict(return_dict_in_generate=True),
+              dict(logits_processor=LogitsProcessorList([TemperatureLogitsWarper(0.5)]))]
+    right = torch.ones_like(ids)
+    right[0, -2:] = 0
+    for options in others + [dict(attention_mask=right)]:
+        remote.release_graphed()
+        out = remote.generate(ids, max_new_tokens=5, eos_token_id=None, pad_token_id=0, **options)
+        assert remote._decode_loop.loop is None, options  # transformers' generate ran it
+        expected = plain(max_new_tokens=5, **options)
+        if options.get("return_dict_in_generate"):
+            out, expected = out.sequences, expected.sequences
+        assert torch.equal(out, expected), options
+    remote.generation_config.graphed = False  # the switch in the generation config
+    remote.generate(ids, max_new_tokens=5, eos_token_id=None, pad_token_id=0)
+    assert remote._decode_loop.loop is None
+
+
+def test_generate_streams_and_serves_the_text_generation_pipeline(tmp_path):
+    from transformers import TextStreamer, pipeline
+
+    remote, tokenizer, path = converted_checkpoint(tmp_path)
+    ids = tiny_input_ids(1, 6)
+
+    class Collect(TextStreamer):
+        text = ""
+
+        def on_finalized_text(self, text, stream_end=False):
+            Collect.text += text
+
+    out = remote.generate(ids, max_new_tokens=20, eos_token_id=None, pad_token_id=0,
+                          streamer=Collect(tokenizer, skip_prompt=True))
+    assert remote._decode_loop.loop is not None
+    assert Collect.text == tokenizer.decode(out[0, 6:])
+    remote.release_graphed()
+    generator = pipeline("text-generation", model=path, tokenizer=tokenizer, trust_remote_code=True)
+    text = generator("def f(x):", max_new_tokens=10, do_sample=False)[0]["generated_text"]
+    assert text.startswith("def f(x):") and generator.model._decode_loop.loop is not None

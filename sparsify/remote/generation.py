@@ -20,6 +20,7 @@ without a sliding window, Qwen2/3 and the like), dense or converted; off CUDA th
 directly.
 Shipped beside modeling_twell.py; imports torch and transformers only.
 """
+import copy
 import inspect
 import threading
 
@@ -210,6 +211,43 @@ class DecodeLoop:
             streamer.put(self.sequences[:, length + sent:length + done].cpu())
             streamer.end()
         return self.sequences[:, length - n:length + done].clone()
+
+
+# The generation settings the loop implements. A `generate` call that turns any other on (beam search,
+# penalties, returned scores, ...; a setting that is false, 0 or None is off) or passes other arguments (logits
+# processors, an assistant model, ...) goes to transformers' generate unchanged.
+LOOP_SETTINGS = {"max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p", "eos_token_id",
+                 "pad_token_id", "bos_token_id", "use_cache", "graphed", "transformers_version", "_from_model_config"}
+LOOP_ARGUMENTS = {"input_ids", "attention_mask", "streamer", "generation_config", "graphed"}
+
+
+def graphed_call(model, inputs, kwargs: dict) -> dict | None:
+    """generate_graphed's arguments for `model.generate(inputs, **kwargs)` where the loop computes what
+    transformers' generate would (greedy, or sampling with temperature / top_k / top_p, left-padded prompts,
+    max_new_tokens or max_length, eos and pad, a streamer), else None. `graphed=False` (an argument, or the
+    generation config's attribute) turns it off."""
+    config = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
+    if config.update(**{k: v for k, v in kwargs.items() if k not in LOOP_ARGUMENTS}):
+        return None  # arguments that are no generation setting: logits processors, assistants, embeddings, ...
+    others = {k for k, v in config.to_diff_dict().items() if k not in LOOP_SETTINGS and v}
+    if not kwargs.get("graphed", getattr(config, "graphed", True)) or others:
+        return None
+    ids = inputs if inputs is not None else kwargs.get("input_ids")
+    if not (isinstance(ids, torch.Tensor) and ids.ndim == 2 and ids.shape[1] > 0 and not ids.is_floating_point()):
+        return None
+    mask = kwargs.get("attention_mask")
+    if mask is None:
+        if config.pad_token_id is not None and (ids == config.pad_token_id).any():
+            return None  # generate infers a mask from the pad tokens
+    elif mask.shape != ids.shape or not mask[:, -1].all() or (mask[:, 1:] < mask[:, :-1]).any():
+        return None  # not padded on the left
+    new = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - ids.shape[1]
+    if new < 1:
+        return None
+    return dict(input_ids=ids, max_new_tokens=new, attention_mask=mask, do_sample=bool(config.do_sample),
+                temperature=config.temperature, top_k=config.top_k or 0, top_p=config.top_p,
+                eos_token_id=[] if config.eos_token_id is None else config.eos_token_id,
+                pad_token_id=config.pad_token_id, streamer=kwargs.get("streamer"))
 
 
 def release_graphed(model) -> None:

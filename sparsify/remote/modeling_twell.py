@@ -28,7 +28,7 @@ try:
     from .graphs import DecodeGraphs
 except ImportError:  # no triton (or kernel files): dense ReLU math everywhere
     gated_mlp = prepare_down = DecodeGraphs = None
-from .generation import generate_graphed, release_graphed
+from .generation import generate_graphed, graphed_call, release_graphed
 
 BASE_MODEL = "transformers.models.llama.modeling_llama.LlamaForCausalLM"
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton reads it when the kernels are defined, too
@@ -131,6 +131,16 @@ class TwellForCausalLM(_import(BASE_MODEL)):
         """Greedy or sampled continuation with one CUDA-graph replay a token, no Python loop on the host
         between tokens (generation.py; `compile=True` for the fastest step)."""
         return generate_graphed(self, input_ids, max_new_tokens, **options)
+
+    def generate(self, inputs=None, **kwargs):
+        """transformers' generate, through generate_graphed's loop where the call fits it (generation.graphed_call:
+        greedy or sampling with temperature / top_k / top_p, left-padded batches, eos and pad, a streamer);
+        every other call, and any with `graphed=False`, goes to transformers' own generate."""
+        call = graphed_call(self, inputs, kwargs)
+        if call is None:
+            kwargs.pop("graphed", None)
+            return super().generate(inputs, **kwargs)
+        return generate_graphed(self, **call)
 
     def release_graphed(self):
         """Frees what generate_graphed keeps for its next call (the static cache and the CUDA graphs)."""
