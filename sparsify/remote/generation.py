@@ -110,7 +110,7 @@ class DecodeLoop:
         self.step_cache = cache_arguments(model, self.cache, self.position)
         host_counted = [type(layer).__name__ for layer in self.cache.layers if hasattr(layer, "cumulative_length_int")]
         if host_counted:
-            raise ValueError(f"{host_counted[0]}: this cache counts positions on the host (sliding-window "
+            raise LoopUnsupported(f"{host_counted[0]}: this cache counts positions on the host (sliding-window "
                              "attention), which a captured step cannot advance; use model.generate")
         self.graph, self.prefill_graphs = None, {}  # prefill_graphs: padded prompt length -> graph
         if device.type == "cuda":
@@ -213,6 +213,10 @@ class DecodeLoop:
         return self.sequences[:, length - n:length + done].clone()
 
 
+class LoopUnsupported(ValueError):
+    """The model's cache cannot run in a captured step (raised before any token is generated)."""
+
+
 # The generation settings the loop implements. A `generate` call that turns any other on (beam search,
 # penalties, returned scores, ...; a setting that is false, 0 or None is off) or passes other arguments (logits
 # processors, an assistant model, ...) goes to transformers' generate unchanged.
@@ -225,7 +229,9 @@ def graphed_call(model, inputs, kwargs: dict) -> dict | None:
     """generate_graphed's arguments for `model.generate(inputs, **kwargs)` where the loop computes what
     transformers' generate would (greedy, or sampling with temperature / top_k / top_p, left-padded prompts,
     max_new_tokens or max_length, eos and pad, a streamer), else None. `graphed=False` (an argument, or the
-    generation config's attribute) turns it off."""
+    generation config's attribute) turns it off; so does a model whose cache the loop cannot run."""
+    if model.__dict__.get("_loop_unsupported"):
+        return None
     config = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
     if config.update(**{k: v for k, v in kwargs.items() if k not in LOOP_ARGUMENTS}):
         return None  # arguments that are no generation setting: logits processors, assistants, embeddings, ...

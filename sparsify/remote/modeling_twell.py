@@ -28,7 +28,7 @@ try:
     from .graphs import DecodeGraphs
 except ImportError:  # no triton (or kernel files): dense ReLU math everywhere
     gated_mlp = prepare_down = DecodeGraphs = None
-from .generation import generate_graphed, graphed_call, release_graphed
+from .generation import LoopUnsupported, generate_graphed, graphed_call, release_graphed
 
 BASE_MODEL = "transformers.models.llama.modeling_llama.LlamaForCausalLM"
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton reads it when the kernels are defined, too
@@ -137,10 +137,13 @@ class TwellForCausalLM(_import(BASE_MODEL)):
         greedy or sampling with temperature / top_k / top_p, left-padded batches, eos and pad, a streamer);
         every other call, and any with `graphed=False`, goes to transformers' own generate."""
         call = graphed_call(self, inputs, kwargs)
-        if call is None:
-            kwargs.pop("graphed", None)
-            return super().generate(inputs, **kwargs)
-        return generate_graphed(self, **call)
+        if call is not None:
+            try:
+                return generate_graphed(self, **call)
+            except LoopUnsupported:  # sliding-window attention: found when the first loop is built
+                self.__dict__["_loop_unsupported"] = True
+        kwargs.pop("graphed", None)
+        return super().generate(inputs, **kwargs)
 
     def release_graphed(self):
         """Frees what generate_graphed keeps for its next call (the static cache and the CUDA graphs)."""
