@@ -12,8 +12,9 @@ of 3 does not settle:
   mode: the norms, rotary embeddings and other elementwise work fused; the TwELL kernels stay one custom
   op): what the MLP's share of a prefill is once the rest runs fused. One compile per model and batch
   size, in the first (untimed) call, whose time is reported;
-- "generate_eager": plain `generate` (greedy, dynamic cache, eager), `decode_tokens` new tokens after a
-  PROMPT_TOKENS prompt: what a user gets without configuring anything;
+- "generate_eager": plain `generate` (greedy), `decode_tokens` new tokens after a PROMPT_TOKENS prompt: what a
+  user gets without configuring anything (the dense load: transformers' eager loop over a dynamic cache; the
+  TwELL load: the checkpoint's generate, which takes generate_graphed's uncompiled loop for such calls);
 - "generate_compiled": `generate(..., cache_implementation="static", compile_config=CompileConfig(
   fullgraph=True, dynamic=False))`, transformers' documented fast path: it compiles the decode step
   (inductor, mode "reduce-overhead": the step becomes a CUDA graph; fullgraph: a graph break is an error;
@@ -79,7 +80,7 @@ CHECK_BATCH, CHECK_NEW = 4, 32  # greedy agreement: prompts of PROMPT_TOKENS, CH
 PATHS = {
     "prefill": "decoder stack (no LM head), eager, batch x seq_len tokens",
     "prefill_compiled": "decoder stack (no LM head), torch.compile(fullgraph=True, dynamic=False), batch x seq_len tokens",
-    "generate_eager": "generate, greedy, eager, dynamic cache (the default)",
+    "generate_eager": "model.generate, greedy (dense: eager, dynamic cache; TwELL: the checkpoint's routed loop)",
     "generate_compiled": "generate, greedy, cache_implementation='static', compile_config=CompileConfig("
                          "fullgraph=True, dynamic=False): decode step compiled by transformers (inductor, "
                          "reduce-overhead)",
