@@ -233,8 +233,9 @@ def pretrain_llama(config, tok, train, valid, out, *, steps: int, minutes: float
     model.load_state_dict(state)
     out = Path(out)
     model.to(torch.float32).save_pretrained(out)
+    # greedy: the same text at every call (pass do_sample=True to generate for variety)
     GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                     do_sample=True, temperature=0.8, top_k=50, max_new_tokens=100).save_pretrained(out)
+                     max_new_tokens=100).save_pretrained(out)
     tok.save_pretrained(out)
     summary = (f"best validation loss {best:.3f} (perplexity {math.exp(best):.2f}) after {step} steps of "
                f"{batch} x {T} tokens, {seconds:.0f} s on {device}")

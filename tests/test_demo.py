@@ -22,3 +22,14 @@ def test_convert_demo_for_a_few_steps(tmp_path):
     remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
     with torch.no_grad():
         torch.testing.assert_close(remote(ids).logits, plain(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_demo_generates_the_same_text_at_every_call():
+    """The README's `generate` on the demo: greedy by its generation config, so two calls agree."""
+    from sparsify.load import load_model
+
+    model, tokenizer, _ = load_model("demo", device="cpu")
+    assert not model.generation_config.do_sample
+    ids = tokenizer("def main(", return_tensors="pt").input_ids
+    first, second = (model.generate(ids, max_new_tokens=12) for _ in range(2))
+    assert torch.equal(first, second)
