@@ -135,7 +135,8 @@ def convert(source, out, data, recipe, device, resume, overwrite, max_shard_size
 @click.argument("model")
 @click.option("--data", help="Text to measure on (as for convert). Default for demo models: the demo corpus's held-out file.")
 @click.option("--tokens", type=int, default=65536, show_default=True, help="Tokens to measure on.")
-@click.option("--seq-len", type=int, default=512, show_default=True, help="Sequence length (capped at the model's).")
+@click.option("--seq-len", type=int, help="Sequence length (capped at the model's; default: the checkpoint's training "
+                                         "seq-len, else convert's: 1024, demo 256).")
 @click.option("--batch-size", type=int, default=8, show_default=True, help="Sequences per forward pass.")
 @click.option("--device", help="cpu or cuda (default: cuda if available).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write all statistics to this JSON file.")
@@ -149,7 +150,7 @@ def analyze(model, data, tokens, seq_len, batch_size, device, json_path, plot_pa
     from sparsify.errors import ConfigError
     from sparsify.report import console, layer_table, plot_activity
 
-    if tokens < 1 or seq_len < 2 or batch_size < 1:
+    if tokens < 1 or (seq_len is not None and seq_len < 2) or batch_size < 1:
         raise ConfigError("--tokens and --batch-size must be positive and --seq-len at least 2")
     result = run(model, data=data, tokens=tokens, seq_len=seq_len, batch_size=batch_size, device=device,
                  json_path=json_path, measure_kernels=measure_kernels)

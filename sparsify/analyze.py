@@ -30,12 +30,22 @@ def default_data(source: str) -> str | Path:
     raise DataError("--data is required for this model (local .txt/.jsonl/.parquet files or folder, or a datasets name)")
 
 
+def default_seq_len(source: str) -> int:
+    """The sequence length to analyze `source` at when --seq-len is not given: the one a converted checkpoint
+    was trained at, else the one `convert` would use (its default recipe)."""
+    from .convert import load_recipe
+
+    config, _ = load_config(source)
+    trained = (getattr(config, "twell", None) or {}).get("training", {}).get("seq_len")
+    return trained or load_recipe(None, source).get("seq_len", 1024)
+
+
 def analyze(
     source: str,
     *,
     data: str | None = None,
     tokens: int = 65536,
-    seq_len: int = 512,
+    seq_len: int | None = None,
     batch_size: int = 8,
     device: str | None = None,
     json_path: str | Path | None = None,
@@ -50,6 +60,7 @@ def analyze(
         require_cuda(device, "--measure")
     model, tokenizer, spec = load_model(source, device=device)
     require_tokenizer(tokenizer, source)
+    seq_len = seq_len or default_seq_len(source)
     seq_len = min(seq_len, getattr(model.config, "max_position_embeddings", seq_len))
     text = TextData(data, tokenizer, seq_len, eval_tokens=tokens)
     measured = sum(block.numel() for block in text.eval_blocks)

@@ -48,6 +48,7 @@ def test_analyze_converted_checkpoint_defaults_to_its_training_data(tmp_path):
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "a.json").read_text())
     assert report["data"] == str(tmp_path / "text.txt") and report["tokens"] == 128
+    assert report["seq_len"] == 32  # the seq-len it was converted at
     assert report["converted"] and "not converted" not in result.output
     # 64 wide, 160 units: narrower than the cost model's shapes, so dense (--measure would time it)
     assert [layer["recommended"]["mode"] for layer in report["layers"]] == ["dense", "dense"]
