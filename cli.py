@@ -88,7 +88,8 @@ def train_options(command):
 @main.command()
 @click.argument("source")
 @click.option("-o", "--out", required=True, type=click.Path(file_okay=False), help="Output checkpoint folder.")
-@click.option("--data", help="Training text: .txt/.jsonl/.parquet file(s) or folder, or a `datasets` name. Default for demo: the demo corpus.")
+@click.option("--data", help="Training text: .txt/.jsonl/.parquet file(s) or folder, or a `datasets` name as "
+                             "NAME[:CONFIG][@SPLIT]. Default for demo: the demo corpus.")
 @click.option("--recipe", help="Training settings YAML (a path or a name in recipes/); options given here override it.")
 @train_options
 @click.option("--device", help="cpu or cuda (default: cuda if available). Several GPUs: `accelerate launch -m cli convert ...`.")

@@ -1,5 +1,5 @@
 """Training and evaluation text: local .txt / .jsonl / .parquet files (or a folder of them) or a
-`datasets` Hub name, streamed, tokenized and packed into fixed blocks of `seq_len` token ids with the
+`datasets` Hub name (NAME[:CONFIG][@SPLIT]), streamed, tokenized and packed into fixed blocks of `seq_len` token ids with the
 tokenizer's EOS between documents (labels = inputs: Hugging Face models shift them internally).
 
 Evaluation text is never trained on: in a folder, files whose name starts with valid/validation/eval/test
@@ -48,7 +48,9 @@ def resolve(spec: str | Path) -> DataSource:
     dataset name ("owner/name" or "name"), else the path is reported missing."""
     path = Path(spec).expanduser()
     if not path.exists():
-        if str(spec).startswith((".", "/", "~")) or Path(spec).suffix in FORMATS:
+        parts = Path(hub_arguments(str(spec))[0]).parts
+        if (str(spec).startswith((".", "/", "~")) or str(spec).endswith("/") or Path(spec).suffix in FORMATS
+                or len(parts) > 1 and Path(parts[0]).is_dir()):  # a path, mistyped: no Hub lookup
             raise DataError(f"data path {spec} does not exist")
         return DataSource(train=str(spec), eval=None)
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
@@ -70,6 +72,14 @@ def resolve(spec: str | Path) -> DataSource:
     return DataSource(train=_by_builder(train), eval=_by_builder(held_out) if held_out else None)
 
 
+def hub_arguments(spec: str) -> tuple[str, str | None, str]:
+    """(name, config, split) of a Hub dataset given as NAME[:CONFIG][@SPLIT], e.g. allenai/c4:en@validation
+    (split default: train)."""
+    name_config, _, split = spec.partition("@")
+    name, _, config = name_config.partition(":")
+    return name, config or None, split or "train"
+
+
 def _by_builder(files: list[Path]) -> dict[str, list[str]]:
     groups: dict[str, list[str]] = {}
     for p in files:
@@ -88,7 +98,8 @@ def documents(source: dict[str, list[str]] | str) -> Iterator[str]:
     datasets.disable_progress_bars()
     if isinstance(source, str):
         try:
-            stream = datasets.load_dataset(source, split="train", streaming=True)
+            name, config, split = hub_arguments(source)
+            stream = datasets.load_dataset(name, config, split=split, streaming=True)
         except Exception as e:  # the Hub client raises many kinds; all mean "cannot use this name"
             raise DataError(f"cannot load dataset {source!r}: {e}") from None
         streams = [(source, stream)]

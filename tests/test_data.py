@@ -140,3 +140,31 @@ def test_held_out_text_is_reported_with_its_share_and_size(tmp_path):
     (folder / "valid.txt").write_text("abcdefgh" * 4096)
     what, warnings = TextData(str(folder), tok, 64, eval_tokens=32768).held_out()
     assert what == f"held out: 32,768 tokens of {folder / 'valid.txt'}" and warnings == []
+
+
+def test_a_mistyped_local_folder_is_no_hub_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus").mkdir()
+    for spec in ("corpus/trian", "corpsu/"):
+        with pytest.raises(DataError, match=f"data path {spec} does not exist"):
+            resolve(spec)
+    assert resolve("owner/name").train == "owner/name"  # no local folder "owner": a Hub name
+
+
+def test_hub_dataset_name_config_and_split(monkeypatch):
+    from sparsify.data import documents, hub_arguments
+
+    assert hub_arguments("allenai/c4:en@validation") == ("allenai/c4", "en", "validation")
+    assert hub_arguments("wikitext:wikitext-2-raw-v1") == ("wikitext", "wikitext-2-raw-v1", "train")
+    assert hub_arguments("owner/name@train[:1%]") == ("owner/name", None, "train[:1%]")
+    datasets = pytest.importorskip("datasets")
+    calls = []
+
+    def load_dataset(*args, **kwargs):
+        calls.append((args, kwargs))
+        return iter([{"text": "hello"}])
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    assert resolve("allenai/c4:en@validation").train == "allenai/c4:en@validation"
+    assert list(documents("allenai/c4:en@validation")) == ["hello"]
+    assert calls == [(("allenai/c4", "en"), {"split": "validation", "streaming": True})]
