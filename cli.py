@@ -59,6 +59,9 @@ TRAIN_OPTIONS = [
     click.option("--save-every", type=int, metavar="STEPS",
                  help="Also save the training state to OUT.resume/ every this many steps, for runs that may be killed "
                       "(Ctrl-C saves it too)."),
+    click.option("--save-every-minutes", type=float, metavar="MINUTES",
+                 help="Also save the training state to OUT.resume/ when this many minutes have passed since the last "
+                      "save (0: off)."),
     click.option("--hybrid-below", type=float, metavar="UNITS",
                  help="Train a layer on the TwELL hybrid kernels while its mean active units per token are below this (GPU)."),
     click.option("--no-hybrid", is_flag=True, help="Train every layer on the dense path (same as --hybrid-below 0)."),

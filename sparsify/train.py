@@ -29,8 +29,9 @@ pay for run as dense columns). A freshly relufied model starts dense. The log re
 its backup rows per window and its hot units. Ctrl-C (SIGINT) or SIGTERM saves the complete training
 state (accelerate's save_state: weights as safetensors, optimizer, scheduler, RNG; plus step, data position,
 log and dead-unit windows in state.json) to `resume_dir`, from which `resume=True` continues; `save_every`
-also saves it periodically. The signal is acted on at the end of the step in progress, the same step on
-every process (_StopRequest): a terminal's Ctrl-C reaches every process, and `accelerate launch` sends it
+and `save_every_minutes` (default 30) also save it periodically. The signal is acted on at the end of the
+step in progress, the same step on every process (_StopRequest): a terminal's Ctrl-C reaches every process,
+and `accelerate launch` sends it
 to its workers again, so a KeyboardInterrupt would land in each process at a different point, one inside
 a collective the others have left.
 """
@@ -123,6 +124,9 @@ class TrainConfig:
         "distill * KL(source || trained) over the next-token distributions at every position, the source's "
         "from a frozen copy of the original model (one more forward a micro-batch; its weights whole in bf16 "
         "on each GPU, also under FSDP). 0: off.")})
+    save_every_minutes: float = field(default=30.0, metadata={"help": (
+        "Also save the training state for --resume when this many minutes have passed since the start or the "
+        "last save (0: off), so that a crash or a killed job loses at most that much.")})
     save_every: int = field(default=0, metadata={"help": (
         "Also save the training state for --resume every this many optimizer steps (0: only on Ctrl-C or "
         "SIGTERM), for runs that may be killed without time to save: a preempted job, or a large sharded "
@@ -196,6 +200,8 @@ class TrainConfig:
             bad(f"weight-decay must be in [0, 1], got {self.weight_decay}")
         if not self.max_grad_norm > 0:
             bad(f"max-grad-norm must be > 0, got {self.max_grad_norm}")
+        if not 0 <= self.save_every_minutes < math.inf:
+            bad(f"save-every-minutes must be a number >= 0 (0: off), got {self.save_every_minutes}")
         if not 0 <= self.distill <= 1:
             bad(f"distill must be in [0, 1] (the share of the KL term; 0: off), got {self.distill}")
         if self.seq_len < 2:
@@ -268,15 +274,17 @@ LAUNCHER_GRACE_S = 30  # accelerate launch and torchrun kill their processes thi
 SLOW_SAVE_GIB = 30
 
 
-def slow_save_warning(parameters: int, processes: int, save_every: int) -> str | None:
+def slow_save_warning(parameters: int, processes: int, save_every: float) -> str | None:
     """The warning for a multi-process run whose training state is too large to save within a launcher's
-    shutdown timeout, with no periodic save to fall back on (None otherwise)."""
+    shutdown timeout, with no periodic save (`save_every`: steps or minutes, 0 for none) to fall back on
+    (None otherwise)."""
     gib = TRAINING_BYTES * parameters / 2**30
     if processes < 2 or save_every or gib <= SLOW_SAVE_GIB:
         return None
     return (f"the training state is {gib:.0f} GiB: after a Ctrl-C, `accelerate launch` and torchrun kill the "
             f"processes within {LAUNCHER_GRACE_S} s, before a state this size is written (97 GiB took 87 s on "
-            "2 H100s), and the run could not be resumed; pass --save-every N to also save it every N steps")
+            "2 H100s), and the run could not be resumed; pass --save-every N or --save-every-minutes M to also "
+            "save it periodically")
 
 
 def on_cpu(device: str | None) -> bool:
@@ -376,7 +384,8 @@ def train(
     set_seed(config.seed)
     world = accelerator.num_processes
     saved = check_resume(resume_dir, config, world, inputs) if resume else None  # before any work
-    warning = slow_save_warning(sum(p.numel() for p in model.parameters()), world, config.save_every)
+    warning = slow_save_warning(sum(p.numel() for p in model.parameters()), world,
+                                config.save_every or config.save_every_minutes)
     if warning and resume_dir is not None and accelerator.is_main_process:
         console.print(f"[yellow]warning:[/] {warning}")
     total = config.total_steps(world)
@@ -446,6 +455,7 @@ def train(
             progress.console.print(f"saved in {time.perf_counter() - saving:.1f} s")
 
     stop = _StopRequest(world)
+    last_save = time.perf_counter()
     try:
         while step < total:
             coeff = l1_coeff(schedule, step)
@@ -516,14 +526,18 @@ def train(
                                                soft_wrap=True)
             if progress:
                 progress.update(0, completed=step)
-            if step < total and stop.agreed():
+            # the main process's clock decides, so that every process saves at the same step
+            due = bool(config.save_every_minutes) and time.perf_counter() - last_save >= 60 * config.save_every_minutes
+            stopping, due = stop.agreed(due) if step < total else (False, False)
+            if stopping:
                 if resume_dir is None:
                     raise KeyboardInterrupt
                 save()
                 raise TrainingInterrupted(f"interrupted at step {step} of {total}; the training state is in "
                                           f"{resume_dir}: run the same command with --resume to continue")
-            if config.save_every and step % config.save_every == 0 and step < total and resume_dir is not None:
+            if (due or config.save_every and step % config.save_every == 0) and step < total and resume_dir is not None:
                 save()
+                last_save = time.perf_counter()
     finally:
         stop.close()
         for m in mlps:
@@ -693,13 +707,14 @@ class _StopRequest:
     def _note(self, signum, frame) -> None:
         self.requested = True
 
-    def agreed(self) -> bool:
-        """Whether any process has been asked to stop (collective: every process calls it at each step)."""
+    def agreed(self, save_due: bool = False) -> tuple[bool, bool]:
+        """(stop, save): whether any process has been asked to stop, and whether the main process finds a
+        periodic save due (collective: every process calls it at each step)."""
         if self.group is None:
-            return self.requested
-        flag = torch.tensor([int(self.requested)])
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.group)
-        return bool(flag.item())
+            return self.requested, save_due
+        flags = torch.tensor([int(self.requested), int(save_due) if torch.distributed.get_rank() == 0 else 0])
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        return bool(flags[0]), bool(flags[1])
 
     def close(self) -> None:
         for sig, handler in self.previous.items():
@@ -738,8 +753,9 @@ def _save(accelerator: Accelerator, resume_dir, state: dict, config: TrainConfig
     accelerator.wait_for_everyone()
 
 
-# Settings a resumed run may change: they touch no saved state (measurement size, log and save cadence).
-RESUME_FREE = ("eval_tokens", "log_every", "save_every")
+# Settings a resumed run may change: they touch no saved state (log and save cadence). eval_tokens may not:
+# where the held-out blocks are the head of the training text, it moves where training starts.
+RESUME_FREE = ("log_every", "save_every", "save_every_minutes")
 
 
 def check_resume(resume_dir, config: TrainConfig, processes: int, inputs: dict | None = None) -> dict:

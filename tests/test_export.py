@@ -161,9 +161,9 @@ def test_modeling_file_needs_only_torch_and_transformers():
                 for alias in node.names}
     absolute |= {node.module.split(".")[0] for node in ast.walk(tree)
                  if isinstance(node, ast.ImportFrom) and node.level == 0}
-    assert absolute == {"importlib", "os", "torch"}
+    assert absolute == {"importlib", "os", "torch", "warnings"}
     relative = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 1}
-    assert relative == {"gated_mlp", "graphs", "generation"}
+    assert relative == {"format", "gated_mlp", "graphs", "generation"}
     generation = ast.parse(GENERATION_FILE.read_text())  # shipped beside it: torch, transformers and the stdlib
     assert {alias.name for node in ast.walk(generation) if isinstance(node, ast.Import) for alias in node.names} \
         | {node.module.split(".")[0] for node in ast.walk(generation) if isinstance(node, ast.ImportFrom)} \
@@ -182,9 +182,16 @@ def test_remote_model_falls_back_to_dense_math(tmp_path, monkeypatch):
     assert calls == [] and logits.requires_grad
     logits.sum().backward()
     assert remote.model.layers[0].mlp.gate_proj.weight.grad is not None
-    monkeypatch.setattr(_remote_module(remote), "gated_mlp", None)  # no triton / kernel files
+    monkeypatch.setattr(_remote_module(remote), "use_triton", lambda x: False)  # no triton: no fp32 reference
     _close(_logits(remote, ids), _logits(model, ids))
     assert calls == []
+    monkeypatch.setattr(_remote_module(remote), "gated_mlp", None)  # no kernel files
+    _close(_logits(remote, ids), _logits(model, ids))
+    assert calls == []
+    monkeypatch.undo()  # the kernels again (interpreter): the path the two above turned off
+    monkeypatch.setattr(_remote_module(remote), "gated_mlp", lambda *a, **k: calls.append(k) or kernel(*a, **k))
+    _logits(remote, ids)
+    assert calls
 
 
 def _failing(error):

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import time
 
 import pytest
 import torch
@@ -316,6 +317,19 @@ def test_a_killed_run_resumes_from_its_last_periodic_save(tmp_path):
         torch.testing.assert_close(a, b, msg=name)
 
 
+def test_the_state_is_saved_when_the_minutes_have_passed(tmp_path, monkeypatch):
+    clock = iter(range(0, 10**6, 100))  # each read of the clock: 100 s later
+    monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
+    model, _ = tiny_model("llama")
+    train(model, relufy(model), batches_from(), config(steps=3, save_every_minutes=1.0), resume_dir=tmp_path / "r",
+          device="cpu", show_progress=False)
+    assert json.loads((tmp_path / "r" / "state.json").read_text())["step"] == 2  # the last step before the end
+    model, _ = tiny_model("llama")
+    train(model, relufy(model), batches_from(), config(steps=3, save_every_minutes=0.0), resume_dir=tmp_path / "off",
+          device="cpu", show_progress=False)
+    assert not (tmp_path / "off").exists()
+
+
 def test_resume_needs_the_saved_settings_and_processes(tmp_path):
     cfg = config(steps=6, log_every=2)
     model, _ = tiny_model("llama")
@@ -342,7 +356,9 @@ def test_resume_needs_the_saved_settings_and_processes(tmp_path):
     with pytest.raises(ConfigError, match="saved by 2 processes and this run has 1: launch 2"):
         resume()
     state_path.write_text(json.dumps(state))
-    assert resume(log_every=3, eval_tokens=128).steps == 6  # measurement and logging settings may change
+    with pytest.raises(ConfigError, match=r"eval_tokens 65536 -> 128"):  # it moves where training starts
+        resume(eval_tokens=128)
+    assert resume(log_every=3, save_every_minutes=5.0).steps == 6  # logging and saving settings may change
 
 
 def test_gradient_checkpointing_trains_the_same():

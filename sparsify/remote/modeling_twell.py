@@ -18,16 +18,18 @@ and transformers: the kernel files and generation.py sit beside it and are impor
 """
 import importlib
 import os
+import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 try:
+    from .format import use_triton
     from .gated_mlp import gated_mlp, prepare_down
     from .graphs import DecodeGraphs
-except ImportError:  # no triton (or kernel files): dense ReLU math everywhere
-    gated_mlp = prepare_down = DecodeGraphs = None
+except ImportError:  # no kernel files: dense ReLU math everywhere
+    gated_mlp = prepare_down = DecodeGraphs = use_triton = None
 from .generation import LoopUnsupported, generate_graphed, graphed_call, release_graphed
 
 BASE_MODEL = "transformers.models.llama.modeling_llama.LlamaForCausalLM"
@@ -84,6 +86,10 @@ class TwellGatedMLP(nn.Module):
         if gated_mlp is None or not self.kernel_ready or not self.in_window(x.numel() // x.shape[-1]):
             return False
         if torch.is_grad_enabled() and (x.requires_grad or any(p.weight.requires_grad for p in self._projections())):
+            return False
+        if not use_triton(x):  # without Triton the kernels' fp32 reference would be slower than dense
+            if x.is_cuda:
+                warnings.warn("twell: Triton is not installed, so the MLPs run dense (pip install triton)", stacklevel=2)
             return False
         return x.is_cuda or INTERPRET and x.dtype in (torch.float32, torch.float16)
 
