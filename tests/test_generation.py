@@ -292,6 +292,10 @@ def test_generate_takes_the_loop_where_the_call_fits_and_falls_back_elsewhere(tm
         if options.get("return_dict_in_generate"):
             out, expected = out.sequences, expected.sequences
         assert torch.equal(out, expected), options
+    remote.release_graphed()  # sampling takes the loop too; top_k 1 leaves one token to draw: the greedy one
+    sampled = remote.generate(ids, do_sample=True, top_k=1, max_new_tokens=12, eos_token_id=None, pad_token_id=0)
+    assert remote._decode_loop.loop is not None and torch.equal(sampled, fast)
+    remote.release_graphed()
     remote.generation_config.graphed = False  # the switch in the generation config
     remote.generate(ids, max_new_tokens=5, eos_token_id=None, pad_token_id=0)
     assert remote._decode_loop.loop is None
