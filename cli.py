@@ -32,44 +32,9 @@ def main():
     logging.disable_progress_bar()  # loading/saving bars would bury the training progress and tables
 
 
-# Training options: None means "not given", so that a recipe's value (or the default) stands.
-TRAIN_OPTIONS = [
-    click.option("--l1", type=float, help="L1 coefficient on the MLP hidden activations (paper: 2e-5)."),
-    click.option("--l1-relative/--l1-absolute", default=None,
-                 help="Read --l1 as the weight of L1 / L1 at the first step (scale-free; e.g. 3.5) or as the absolute coefficient."),
-    click.option("--l1-warmup-steps", metavar="STEPS|P%",
-                 help="Raise the L1 coefficient linearly from 0 over these steps (or this share of them, e.g. 50%)."),
-    click.option("--swap-steps", metavar="STEPS|P%",
-                 help="Move the gate from SiLU to ReLU linearly over these steps (or share of them, e.g. 20%) instead "
-                      "of at once (0)."),
-    click.option("--steps", type=int, help="Optimizer steps (with --tokens, whichever ends first)."),
-    click.option("--tokens", type=int, help="Training tokens (with --steps, whichever ends first)."),
-    click.option("--seq-len", type=int, help="Tokens per training sequence."),
-    click.option("--batch-size", type=int, help="Sequences per micro-batch and device."),
-    click.option("--grad-accum", type=int, help="Micro-batches per optimizer step."),
-    click.option("--lr", type=float, help="Peak learning rate (AdamW, cosine schedule)."),
-    click.option("--eval-tokens", type=int,
-                 help="Held-out tokens to measure perplexity and sparsity on: a folder's valid* files, else the head "
-                      "of the training text, never trained on."),
-    click.option("--distill", type=float, metavar="WEIGHT",
-                 help="Fit the source model's next-token distributions too: (1 - WEIGHT) * CE + WEIGHT * KL(source || "
-                      "trained) (0: off; a whole bf16 copy of the source on each GPU, one more forward a step)."),
-    click.option("--seed", type=int, help="Random seed."),
-    click.option("--grad-checkpointing/--no-grad-checkpointing", default=None, help="Recompute activations to save memory."),
-    click.option("--save-every", type=int, metavar="STEPS",
-                 help="Also save the training state to OUT.resume/ every this many steps, for runs that may be killed "
-                      "(Ctrl-C saves it too)."),
-    click.option("--save-every-minutes", type=float, metavar="MINUTES",
-                 help="Also save the training state to OUT.resume/ when this many minutes have passed since the last "
-                      "save (0: off)."),
-    click.option("--hybrid-below", type=float, metavar="UNITS",
-                 help="Train a layer on the TwELL hybrid kernels while its mean active units per token are below this (GPU)."),
-    click.option("--no-hybrid", is_flag=True, help="Train every layer on the dense path (same as --hybrid-below 0)."),
-]
-
-
-def train_options(command):
-    """The training options, each showing in --help the value it takes when not given: the default recipe's
+@functools.cache
+def _unset_values() -> dict[str, str]:
+    """Per training setting, the value it takes when not given, as --help shows it: the default recipe's
     (pretrained; demo for `demo`), or TrainConfig's where the recipe has none."""
     from dataclasses import fields
 
@@ -77,14 +42,62 @@ def train_options(command):
     from sparsify.train import TrainConfig
 
     defaults = {f.name: f.default for f in fields(TrainConfig)}
-    recipes = {name: {**defaults, **load_recipe(None, source)} for name, source in (("pretrained", "any"), ("demo", "demo"))}
+    pretrained, demo = ({**defaults, **load_recipe(None, source)} for source in ("any", "demo"))
+    return {name: str(pretrained[name]) if pretrained[name] == demo[name] else f"{pretrained[name]}; demo: {demo[name]}"
+            for name in defaults}
+
+
+class TrainOption(click.Option):
+    """A training option whose --help shows the value it takes when not given, looked up only when help is
+    shown (the recipes and TrainConfig import torch, which every start of the command would pay)."""
+
+    def get_help_record(self, ctx):
+        self.show_default = _unset_values().get(self.name, False)
+        return super().get_help_record(ctx)
+
+
+train_option = functools.partial(click.option, cls=TrainOption)
+
+
+# Training options: None means "not given", so that a recipe's value (or the default) stands.
+TRAIN_OPTIONS = [
+    train_option("--l1", type=float, help="L1 coefficient on the MLP hidden activations (paper: 2e-5)."),
+    train_option("--l1-relative/--l1-absolute", default=None,
+                 help="Read --l1 as the weight of L1 / L1 at the first step (scale-free; e.g. 3.5) or as the absolute coefficient."),
+    train_option("--l1-warmup-steps", metavar="STEPS|P%",
+                 help="Raise the L1 coefficient linearly from 0 over these steps (or this share of them, e.g. 50%)."),
+    train_option("--swap-steps", metavar="STEPS|P%",
+                 help="Move the gate from SiLU to ReLU linearly over these steps (or share of them, e.g. 20%) instead "
+                      "of at once (0)."),
+    train_option("--steps", type=int, help="Optimizer steps (with --tokens, whichever ends first)."),
+    train_option("--tokens", type=int, help="Training tokens (with --steps, whichever ends first)."),
+    train_option("--seq-len", type=int, help="Tokens per training sequence."),
+    train_option("--batch-size", type=int, help="Sequences per micro-batch and device."),
+    train_option("--grad-accum", type=int, help="Micro-batches per optimizer step."),
+    train_option("--lr", type=float, help="Peak learning rate (AdamW, cosine schedule)."),
+    train_option("--eval-tokens", type=int,
+                 help="Held-out tokens to measure perplexity and sparsity on: a folder's valid* files, else the head "
+                      "of the training text, never trained on."),
+    train_option("--distill", type=float, metavar="WEIGHT",
+                 help="Fit the source model's next-token distributions too: (1 - WEIGHT) * CE + WEIGHT * KL(source || "
+                      "trained) (0: off; a whole bf16 copy of the source on each GPU, one more forward a step)."),
+    train_option("--seed", type=int, help="Random seed."),
+    train_option("--grad-checkpointing/--no-grad-checkpointing", default=None, help="Recompute activations to save memory."),
+    train_option("--save-every", type=int, metavar="STEPS",
+                 help="Also save the training state to OUT.resume/ every this many steps, for runs that may be killed "
+                      "(Ctrl-C saves it too)."),
+    train_option("--save-every-minutes", type=float, metavar="MINUTES",
+                 help="Also save the training state to OUT.resume/ when this many minutes have passed since the last "
+                      "save (0: off)."),
+    train_option("--hybrid-below", type=float, metavar="UNITS",
+                 help="Train a layer on the TwELL hybrid kernels while its mean active units per token are below this (GPU)."),
+    train_option("--no-hybrid", is_flag=True, help="Train every layer on the dense path (same as --hybrid-below 0)."),
+]
+
+
+def train_options(command):
     for option in reversed(TRAIN_OPTIONS):
         command = option(command)
-        param = command.__click_params__[-1]
-        if param.name in defaults:
-            values = {name: recipe[param.name] for name, recipe in recipes.items()}
-            param.show_default = (str(values["pretrained"]) if values["pretrained"] == values["demo"] else
-                                  f"{values['pretrained']}; demo: {values['demo']}")
     return command
 
 
@@ -109,6 +122,7 @@ def convert(source, out, data, recipe, device, resume, overwrite, max_shard_size
             measure_kernels, dry_run, **options):
     """Convert SOURCE (a Hub id, a checkpoint folder, or `demo`) into a >99%-sparse ReLU checkpoint in OUT."""
     from sparsify.convert import convert as run, load_recipe, run_summary
+    from sparsify.load import load_config, parameter_count
     from sparsify.report import console, layer_table, perplexity_table
     from sparsify.train import TrainConfig
 
@@ -119,7 +133,7 @@ def convert(source, out, data, recipe, device, resume, overwrite, max_shard_size
     config = TrainConfig.from_dict(settings)
     if dry_run:
         config.validate()
-        console.print(run_summary(source, config), soft_wrap=True)
+        console.print(run_summary(parameter_count(load_config(source)[0]), config), soft_wrap=True)
         return
     summary = run(
         source, out, config, data=data, device=device, resume=resume, overwrite=overwrite,

@@ -1,8 +1,9 @@
 """`sparsify analyze`: per-layer gate-activation statistics of any supported model on real text, with
 the kernel setting the plan rule would choose for a converted (ReLU) model. Works on original SiLU models
 (active = gate pre-activation > 0: the starting point of a conversion; no setting is recommended, since
-the kernels compute ReLU) and on converted checkpoints, which load here as plain dense ReLU models. Without --data, the demo model and checkpoints converted from it use the
-demo corpus's held-out file; other models use the data they were converted on if it is still there.
+the kernels compute ReLU) and on converted checkpoints, which load here as plain dense ReLU models.
+Without --data, the demo model and checkpoints converted from it use the demo corpus's held-out file;
+other models use the data they were converted on if it is still there.
 """
 from __future__ import annotations
 
@@ -30,12 +31,11 @@ def default_data(source: str) -> str | Path:
     raise DataError("--data is required for this model (local .txt/.jsonl/.parquet files or folder, or a datasets name)")
 
 
-def default_seq_len(source: str) -> int:
-    """The sequence length to analyze `source` at when --seq-len is not given: the one a converted checkpoint
-    was trained at, else the one `convert` would use (its default recipe)."""
+def default_seq_len(config, source: str) -> int:
+    """The sequence length to analyze `source` (of `config`) at when --seq-len is not given: the one a
+    converted checkpoint was trained at, else the one `convert` would use (its default recipe)."""
     from .convert import load_recipe
 
-    config, _ = load_config(source)
     trained = (getattr(config, "twell", None) or {}).get("training", {}).get("seq_len")
     return trained or load_recipe(None, source).get("seq_len", 1024)
 
@@ -60,18 +60,19 @@ def analyze(
         require_cuda(device, "--measure")
     model, tokenizer, spec = load_model(source, device=device)
     require_tokenizer(tokenizer, source)
-    seq_len = seq_len or default_seq_len(source)
+    seq_len = seq_len or default_seq_len(model.config, source)
     seq_len = min(seq_len, getattr(model.config, "max_position_embeddings", seq_len))
     text = TextData(data, tokenizer, seq_len, eval_tokens=tokens)
     measured = sum(block.numel() for block in text.eval_blocks)
     stats = measure(model, spec, text.eval_blocks, batch_size, label=f"measuring ({measured:,} tokens)")
-    converted = getattr(model.config, spec.act_key) == "relu"
+    activation = getattr(model.config, spec.act_key)
+    converted = activation == "relu"
     plans = (plan_model(model, spec, stats, text.eval_blocks, measure_kernels=measure_kernels, device=device)
              if converted else [None] * len(stats["layers"]))
     for layer, plan in zip(stats["layers"], plans):
         layer["recommended"] = plan and {k: v for k, v in plan.items() if k != "stats"}
     result = {"model": str(source), "family": spec.family, "data": str(data), "seq_len": seq_len,
-              "converted": converted, "activation": getattr(model.config, spec.act_key), **stats}
+              "converted": converted, "activation": activation, **stats}
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=1))
     return result

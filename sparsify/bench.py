@@ -48,7 +48,8 @@ ms and host ms (CPU time inside its range: issuing the call, under the profiler)
 Inputs are text (`data`: the same sources as convert; consecutive held-out blocks, see `text_inputs`), or
 without it random token ids (seed 0), which a trained model answers with other activity than text (several
 times more active units on the measured converted model): the result says which. The mean active units the
-figures go with are measured on the largest prefill input (gate pre-activation > 0). A logits check runs before any timing: relative error of
+figures go with are measured on the largest prefill input (gate pre-activation > 0). A logits check runs
+before any timing: relative error of
 the final-position logits of that input, and how many greedy tokens of a short generation from 16-token
 prompts agree (bf16 rounding can flip a near-tie, after which the continuations differ: both reported);
 each generate row also reports the agreement of its own dense and TwELL tokens.
@@ -469,14 +470,13 @@ RANDOM_IDS_WARNING = ("no --data: the inputs are random token ids, on which a tr
 def text_inputs(data, tokenizer, device="cpu"):
     """ids(batch, length): `batch` consecutive blocks of `length` tokens of `data`'s held-out text (sparsify.data:
     a folder's valid* files, else the head of the text), cycled when the text holds fewer blocks."""
-    blocks = {}
+    blocks, asked = {}, {}  # per length: the blocks read, and the largest batch they were read for
 
     def ids(batch: int, length: int) -> torch.Tensor:
-        if length not in blocks:
+        if asked.get(length, 0) < batch:
             blocks[length] = TextData(data, tokenizer, length, eval_tokens=batch * length).eval_blocks
+            asked[length] = batch
         held = blocks[length]
-        if len(held) < batch:  # a larger batch at a length already read: read again, enough for it
-            held = blocks[length] = TextData(data, tokenizer, length, eval_tokens=batch * length).eval_blocks
         return torch.stack([held[i % len(held)] for i in range(batch)]).to(device)
 
     return ids

@@ -39,8 +39,8 @@ from .plan import plan_model
 from .tune import capture_mlp_inputs, require_cuda
 from .relufy import original_mlps, relufy
 from .report import console, plot_training
-from .train import (TEACHER_BYTES, TRAINING_BYTES, TrainConfig, check_resume, check_training_memory,
-                    discard_saved_state, fsdp_launch, gather_model, hybrid_share, on_cpu, train)
+from .train import (TrainConfig, check_resume, check_training_memory, discard_saved_state, fsdp_launch,
+                    gather_model, hybrid_share, on_cpu, train, training_state_bytes)
 
 
 def recipes_dir():
@@ -88,11 +88,10 @@ def _identity(where: str | Path) -> str:
     return str(Path(where).resolve()) if Path(where).exists() else str(where)
 
 
-def run_summary(source: str, config: TrainConfig, processes: int = 1, sharded: bool = False) -> str:
-    """The resolved settings of a conversion and what its training state will take, read from the source's
-    config alone (no weights): printed at the start and by `convert --dry-run`."""
-    parameters = parameter_count(load_config(source)[0])
-    state = TRAINING_BYTES * parameters / (processes if sharded else 1) + (TEACHER_BYTES * parameters if config.distill else 0)
+def run_summary(parameters: int, config: TrainConfig, processes: int = 1, sharded: bool = False) -> str:
+    """The resolved settings of a conversion of a model of `parameters` and what its training state will take:
+    printed at the start and by `convert --dry-run`."""
+    state = training_state_bytes(parameters, processes, sharded, teacher=config.distill > 0)
     steps = config.total_steps(processes)
     settings = "  ".join(f"{k}={v}" for k, v in asdict(config).items())
     return (f"settings: {settings}\n"
@@ -150,9 +149,10 @@ def convert(
     resolve_data(data_spec)  # missing / empty / unknown format: before loading any weight
 
     fsdp, rank0_loading = fsdp_launch()
+    parameters = parameter_count(load_config(source)[0])
     if main and show_progress:
-        console.print(run_summary(source, config, processes, fsdp), soft_wrap=True)
-    check_training_memory(parameter_count(load_config(source)[0]), device, processes, fsdp, teacher=config.distill > 0)
+        console.print(run_summary(parameters, config, processes, fsdp), soft_wrap=True)
+    check_training_memory(parameters, device, processes, fsdp, teacher=config.distill > 0)
     model, tokenizer, spec = load_model(source, dtype=torch.float32, device="cpu" if fsdp else device,
                                         weights=main or not rank0_loading)
     require_tokenizer(tokenizer, source)

@@ -209,7 +209,6 @@ class TrainConfig:
         if max_positions is not None and self.seq_len > max_positions:
             bad(f"seq-len {self.seq_len} is beyond the model's maximum of {max_positions} positions")
 
-
     def schedule(self, total: int) -> TrainConfig:
         """This config with the step counts given as a share of the run ("20%") resolved for `total` steps."""
         return replace(self, **{name: steps_of(getattr(self, name), total) for name in SHARE_OF_STEPS})
@@ -248,6 +247,12 @@ TRAINING_BYTES = 16  # a parameter's fp32 weight and gradient and its two fp32 A
 TEACHER_BYTES = 2  # a parameter of the distillation teacher (bf16)
 
 
+def training_state_bytes(parameters: int, processes: int, sharded: bool, teacher: bool = False) -> float:
+    """Bytes of training state on each process before any activation: the whole state, or under FSDP
+    (`sharded`) its share, and a distillation `teacher` whole on each."""
+    return TRAINING_BYTES * parameters / (processes if sharded else 1) + (TEACHER_BYTES * parameters if teacher else 0)
+
+
 def check_training_memory(parameters: int, device: str | None, processes: int, sharded: bool,
                           teacher: bool = False) -> None:
     """ConfigError when the training state alone (TRAINING_BYTES a parameter, before any activation; with a
@@ -257,8 +262,7 @@ def check_training_memory(parameters: int, device: str | None, processes: int, s
         return
     index = torch.device(device).index if device else None
     total = torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()).total_memory
-    need = (TRAINING_BYTES * parameters / (processes if sharded else 1)
-            + (TEACHER_BYTES * parameters if teacher else 0))
+    need = training_state_bytes(parameters, processes, sharded, teacher)
     if need > total:
         fix = (f"use more than {processes} GPUs" if sharded else
                "shard it over several GPUs: accelerate launch --config_file recipes/accelerate/fsdp.yaml "
@@ -522,7 +526,7 @@ def train(
                 if progress:
                     progress.stats = _progress_text(entry)
                     if not progress.console.is_terminal:  # logs to a file: one whole line per log step
-                        progress.console.print(_log_line(entry, total, time.perf_counter() - started, step),
+                        progress.console.print(_log_line(entry, total, time.perf_counter() - started),
                                                soft_wrap=True)
             if progress:
                 progress.update(0, completed=step)
@@ -680,10 +684,11 @@ def _progress_text(e: dict) -> str:
     )
 
 
-def _log_line(entry: dict, total: int, seconds: float, step: int) -> str:
+def _log_line(entry: dict, total: int, seconds: float) -> str:
     """The line a log step writes where the output is no terminal (a file, nohup, a batch job): wall-clock
-    time, step, the figures and the time left at this run's pace since it started or resumed."""
-    left = seconds / step * (total - step) if step else 0.0
+    time, step, the figures and the time left at this run's pace (`seconds` for its steps so far)."""
+    step = entry["step"]
+    left = seconds / step * (total - step)
     return (f"{time.strftime('%Y-%m-%d %H:%M:%S')}  step {entry['step']}/{total}  {_progress_text(entry)}  "
             f"eta {int(left // 3600)}:{int(left % 3600 // 60):02d}:{int(left % 60):02d}")
 

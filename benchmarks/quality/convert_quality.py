@@ -206,15 +206,19 @@ def control(args, base: Path, corpus: Path, recipe: dict, tokens: int) -> dict:
             "log": [{k: e[k] for k in ("step", "tokens", "cross_entropy", "tokens_per_s")} for e in result.log]}
 
 
+def settings_text(settings: dict, sep: str, without: tuple = ()) -> str:
+    """`settings` as "key{sep}value" pairs joined by sep (distill 0, the default, left out)."""
+    return sep.join(f"{k}{sep}{v:g}" if isinstance(v, (int, float)) else f"{k}{sep}{v}" for k, v in settings.items()
+                    if k not in without and not (k == "distill" and not v))
+
+
 def run_name(settings: dict) -> str:
-    return "_".join(f"{k}_{v:g}" if isinstance(v, (int, float)) else f"{k}_{v}" for k, v in settings.items()
-                    if not (k == "distill" and not v))
+    return settings_text(settings, "_")
 
 
 def run_label(run: dict, without: tuple = ()) -> str:
     settings = run.get("settings") or {"l1": run["l1_relative"], "distill": run.get("distill", 0.0)}
-    return " ".join(f"{k} {v:g}" if isinstance(v, (int, float)) else f"{k} {v}" for k, v in settings.items()
-                    if k not in without and not (k == "distill" and not v))
+    return settings_text(settings, " ", without)
 
 
 def plot(result: dict, path: Path) -> None:

@@ -250,9 +250,10 @@ def graphed_call(model, inputs, kwargs: dict) -> dict | None:
     new = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - ids.shape[1]
     if new < 1:
         return None
-    none = lambda value, default: default if value is None else value  # noqa: E731  (unset in transformers 5)
     return dict(input_ids=ids, max_new_tokens=new, attention_mask=mask, do_sample=bool(config.do_sample),
-                temperature=none(config.temperature, 1.0), top_k=config.top_k or 0, top_p=none(config.top_p, 1.0),
+                # unset (None) in transformers 5's generation config: no scaling, no nucleus filter
+                temperature=1.0 if config.temperature is None else config.temperature, top_k=config.top_k or 0,
+                top_p=1.0 if config.top_p is None else config.top_p,
                 eos_token_id=[] if config.eos_token_id is None else config.eos_token_id,
                 pad_token_id=config.pad_token_id, streamer=kwargs.get("streamer"))
 
