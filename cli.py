@@ -106,6 +106,8 @@ def train_options(command):
 @click.option("-o", "--out", required=True, type=click.Path(file_okay=False), help="Output checkpoint folder.")
 @click.option("--data", help="Training text: .txt/.jsonl/.parquet file(s) or folder, or a `datasets` name as "
                              "NAME[:CONFIG][@SPLIT]. Default for demo: the demo corpus.")
+@click.option("--text-column", default="text", show_default=True, metavar="NAME",
+              help="The column of .jsonl/.parquet rows and `datasets` rows that holds the text.")
 @click.option("--recipe", help="Training settings YAML (a path or a name in recipes/); options given here override it.")
 @train_options
 @click.option("--device", help="cpu or cuda (default: cuda if available). Several GPUs: `accelerate launch -m cli convert ...`.")
@@ -118,7 +120,7 @@ def train_options(command):
               help="Choose each layer's kernel setting by timing the candidates on this GPU (CUDA only).")
 @click.option("--dry-run", is_flag=True, help="Print the resolved settings and the training state's size, and stop.")
 @user_errors
-def convert(source, out, data, recipe, device, resume, overwrite, max_shard_size, push_to_hub, private,
+def convert(source, out, data, text_column, recipe, device, resume, overwrite, max_shard_size, push_to_hub, private,
             measure_kernels, dry_run, **options):
     """Convert SOURCE (a Hub id, a checkpoint folder, or `demo`) into a >99%-sparse ReLU checkpoint in OUT."""
     from sparsify.convert import convert as run, load_recipe, run_summary
@@ -136,7 +138,7 @@ def convert(source, out, data, recipe, device, resume, overwrite, max_shard_size
         console.print(run_summary(parameter_count(load_config(source)[0]), config), soft_wrap=True)
         return
     summary = run(
-        source, out, config, data=data, device=device, resume=resume, overwrite=overwrite,
+        source, out, config, data=data, text_column=text_column, device=device, resume=resume, overwrite=overwrite,
         max_shard_size=max_shard_size, push_to_hub=push_to_hub, private=private, measure_kernels=measure_kernels,
     )
     if _is_main():
@@ -152,6 +154,9 @@ def convert(source, out, data, recipe, device, resume, overwrite, max_shard_size
 @main.command()
 @click.argument("model")
 @click.option("--data", help="Text to measure on (as for convert). Default for demo models: the demo corpus's held-out file.")
+@click.option("--text-column", metavar="NAME",
+              help="The column of .jsonl/.parquet rows and `datasets` rows that holds the text (default: text; "
+                   "without --data, the column the checkpoint's data was read from).")
 @click.option("--tokens", type=int, default=65536, show_default=True, help="Tokens to measure on.")
 @click.option("--seq-len", type=int, help="Sequence length (capped at the model's; default: the checkpoint's training "
                                          "seq-len, else convert's: 1024, demo 256).")
@@ -162,7 +167,7 @@ def convert(source, out, data, recipe, device, resume, overwrite, max_shard_size
 @click.option("--measure", "measure_kernels", is_flag=True,
               help="Recommend kernel settings by timing the candidates on this GPU (CUDA only).")
 @user_errors
-def analyze(model, data, tokens, seq_len, batch_size, device, json_path, plot_path, measure_kernels):
+def analyze(model, data, text_column, tokens, seq_len, batch_size, device, json_path, plot_path, measure_kernels):
     """Per-layer gate-activation sparsity of MODEL (a converted checkpoint or an original SiLU model)."""
     from sparsify.analyze import analyze as run
     from sparsify.errors import ConfigError
@@ -170,8 +175,8 @@ def analyze(model, data, tokens, seq_len, batch_size, device, json_path, plot_pa
 
     if tokens < 1 or (seq_len is not None and seq_len < 2) or batch_size < 1:
         raise ConfigError("--tokens and --batch-size must be positive and --seq-len at least 2")
-    result = run(model, data=data, tokens=tokens, seq_len=seq_len, batch_size=batch_size, device=device,
-                 json_path=json_path, measure_kernels=measure_kernels)
+    result = run(model, data=data, text_column=text_column, tokens=tokens, seq_len=seq_len, batch_size=batch_size,
+                 device=device, json_path=json_path, measure_kernels=measure_kernels)
     console.print(layer_table(result["layers"], [l["recommended"] for l in result["layers"]],
                               f"{model}: gate activity on {result['tokens']:,} tokens of {result['data']} "
                               f"(seq-len {result['seq_len']}, perplexity {result['perplexity']:.3f})"))
@@ -185,8 +190,9 @@ def analyze(model, data, tokens, seq_len, batch_size, device, json_path, plot_pa
 @main.command()
 @click.argument("checkpoint")
 @click.option("--seq-len", type=int, default=2048, show_default=True, help="Tokens per prefill sequence.")
-@click.option("--prefill-batch", type=int, multiple=True, default=(1, 8, 64), show_default=True,
-              help="Sequences in a prefill forward (repeat the option for several rows).")
+@click.option("--prefill-batch", multiple=True, default=("1", "8", "64"), show_default=True,
+              help="Sequences in a prefill forward, of --seq-len tokens or BATCHxLENGTH (64x64: batched short "
+                   "prompts); repeat the option for several rows.")
 @click.option("--generate-batch", type=int, multiple=True, default=(1, 8), show_default=True,
               help="Sequences decoded together in eager generate and the CUDA-graph step (repeatable).")
 @click.option("--compiled-batch", type=int, multiple=True, default=(1, 8), show_default=True,

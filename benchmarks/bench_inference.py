@@ -14,8 +14,8 @@ positive), so every (row, tile) overflows: the cost of the decode overflow fallb
   python benchmarks/bench_inference.py --grid window --json out.json  # speed-up against token count
   python benchmarks/bench_inference.py --grid tiles --tile 64 128 256 --compression 4 8 16  # per (tile, C)
   python benchmarks/bench_inference.py --grid tiles ... --json out.json --resume  # finish a run cut short
-  python benchmarks/bench_inference.py --heavy-rows --json out.json    # tokens with thousands of active units
-  python benchmarks/bench_inference.py --first-tokens --json out.json  # one such token every 2048: span vs dense
+  python benchmarks/bench_inference.py --robustness --json out.json  # as the modeling file runs it, heavy rows
+  python benchmarks/bench_inference.py --heavy-block --json out.json  # the dense block of heavy rows alone
   python benchmarks/bench_inference.py --decode-first-token --json out.json  # one such token in a decode-size call
   python benchmarks/bench_inference.py --decode-paths --json out.json  # decode against batched path, 8-64 tokens
   python benchmarks/bench_inference.py --decode-rules --json out.json  # two decode launch rules against the old ones
@@ -30,6 +30,7 @@ import os
 import sys
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from statistics import NormalDist
 
 import torch
@@ -43,8 +44,8 @@ from twell.gated_mlp import DECODE_TILE, gate_config, gate_launch, out_config, o
 
 ROW_KEY = ("D", "I", "M", "k", "tile", "compression")  # what identifies a grid row (--resume)
 LAYERS = 8  # layer copies for graph-replay timing
-HEAVY_K, HEAVY_TILE = 29, 128  # --heavy-rows, --first-tokens: active units of the ordinary rows, tile
-HEAVY_FIRST = 2000  # --first-tokens: active units of each sequence's first token
+HEAVY_K, HEAVY_TILE = 29, 128  # --host-time, --decode-*: active units of the ordinary rows, tile
+HEAVY_FIRST = 2000  # --host-time, --decode-*: active units of a sequence's first token
 GRAPH_ROWS = 4096  # up to this many tokens: CUDA-graph replays (the launches are short enough for host time to show)
 GRIDS = {
     "main": [(2048, 5632, m, k) for m in (4096, 16384, 65536) for k in (29, 100, 300)],
@@ -301,83 +302,177 @@ def sweep():
     return rows
 
 
-def make_heavy(x, rows, units, i):
+def make_heavy(x, rows, units, i, k=HEAVY_K):
     """Sets the bias channel of x's `rows` so that each has about `units` active units (of i) under a
-    make_layer(.., i, HEAVY_K) gate: a unit fires where z > bias * x0 (z about N(0, 1))."""
-    x[rows, 0] = NormalDist().inv_cdf(1 - units / i) / NormalDist().inv_cdf(1 - HEAVY_K / i)
+    make_layer(.., i, k) gate: a unit fires where z > bias * x0 (z about N(0, 1))."""
+    x[rows, 0] = NormalDist().inv_cdf(1 - units / i) / NormalDist().inv_cdf(1 - k / i)
 
 
-def heavy_rows():
-    """Batched block time with heavy rows (tokens with n active units) among M ordinary ones (29 active).
-    A row above `heavy_units(M)` units is not walked by its own program: it posts its work as items (list
-    spans, overflowing tiles) that the span kernel spreads over many programs. Compression 2 (64 slots per
-    128-unit tile: the heavy rows fit) and 8 (16 slots: their tiles overflow and are recomputed as items).
-    One heavy row in the middle, or one in every 2048 rows (a sequence's first token at 2048-token prompts).
-    The block is checked against the fp32 reference at the heavy rows in the same run."""
-    rows = []
-    for d, i, m, every in ((2048, 5632, 16384, 0), (2048, 5632, 4096, 0), (2048, 5632, 16384, 2048),
-                           (4096, 14336, 16384, 0)):
-        w = make_layer(d, i, HEAVY_K)
-        for compression in (2, 8):
-            for heavy in (0, 250, 500, 1000, 2000, 4000):
-                if every and heavy not in (0, 2000):
-                    continue
-                x = make_x(m, d)
-                heavy_at = list(range(0, m, every)) if every else [m // 2]
-                if heavy:
-                    make_heavy(x, heavy_at, heavy, i)
-                tw, partials = gate_pack(x, w["gate"], HEAVY_TILE, compression, gate_config(m, HEAVY_TILE, 2, False))
-                counts = tw.counts.sum(1)
-                block = lambda: sparse(x, w, HEAVY_TILE, compression)
-                out = block()
-                ref = reference(x[heavy_at], w)
-                out_ms = do_bench(lambda: twell_out(x, (tw, partials), w, out_config(m, d, False)),
-                                  return_mode="median")
-                block_ms = do_bench(block, return_mode="median")
-                dense_ms = do_bench(lambda: dense(x, w), return_mode="median")
-                row = dict(D=d, I=i, M=m, compression=compression, heavy_rows=len(heavy_at) if heavy else 0,
-                           heavy_units=int(counts[heavy_at[0]]), max_per_tile=int(tw.counts.max()),
-                           overflowing_pairs=int((tw.counts > tw.values.shape[2]).sum()), out_ms=out_ms,
-                           block_ms=block_ms, dense_ms=dense_ms, speedup=dense_ms / block_ms,
-                           heavy_rows_rel_err=rel_err(out[heavy_at], ref),
-                           dense_heavy_rows_rel_err=rel_err(dense(x[heavy_at], w), ref))
-                print_row(row)
-                rows.append(row)
-    return rows
+def runtime(folder=None):
+    """The modeling file's module as a checkpoint loads it: the kernel files and sparsify/remote's files side
+    by side in one package (or those of `folder`, an exported checkpoint's), imported under a fresh name."""
+    import importlib
+    import shutil
+    import tempfile
+
+    root = Path(tempfile.mkdtemp())
+    package = root / f"twell_runtime_{len(RUNTIMES)}"
+    package.mkdir()
+    sources = [Path(folder)] if folder else [Path(twell.__file__).parent, Path(__file__).parents[1] / "sparsify" / "remote"]
+    for source in sources:
+        for file in source.glob("*.py"):
+            if file.name != "__init__.py":
+                shutil.copy2(file, package / file.name)
+    (package / "__init__.py").write_text("")
+    sys.path.insert(0, str(root))
+    RUNTIMES.append(root)
+    return importlib.import_module(f"{package.name}.modeling_twell")
 
 
-def first_tokens():
-    """Batches of 2048-token sequences whose first token is heavy (HEAVY_FIRST units, as attention sinks
-    often are) against the same batch without them, at 1024-131072 tokens: heavy rows through the span
-    kernel and through the dense block (DENSE_HEAVY_FROM moved past the batch or below it), at
-    compressions 2 (the heavy rows fit their tiles) and 8 (theirs overflow). Each row checks the last
-    heavy rows against fp32; `heavy_dense_ms` is the dense block of the heavy rows alone."""
+RUNTIMES = []
+LAYOUT = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+ROBUST_TOKENS = (1, 8, 64, 512, 2048, 4096, 16384, 65536)
+ROBUST_HEAVY = (0, 1, 0.001, 0.01, 0.05, 0.25, 1.0)  # heavy rows: a count (0, 1) or a share of the tokens
+ROBUST_ACTIVE = (10, 29, 98, 300)
+CALIBRATION = (8, 1024)  # sequences x tokens the plan is measured on, each sequence's first token heavy
+
+
+def planned_mlp(modeling, w, d, i, k, plan_k, heavy_units):
+    """The layer as a converted checkpoint runs it: TwellGatedMLP over w's weights with the plan that
+    sparsify.plan makes from this layer's statistics on calibration inputs of plan_k active units a token
+    and one heavy token (heavy_units) at each sequence's start; and the same weights planned dense."""
+    from sparsify.measure import _LayerCounter
+    from sparsify.plan import plan_layer
+
+    def projections():  # each module its own copies (the kernels' load-time layout changes the down weight's)
+        original = torch.nn.Module()
+        for name, weight in (("gate_proj", w["gate"]), ("up_proj", w["up"]), ("down_proj", w["down"])):
+            linear = torch.nn.Linear(*weight.shape[::-1], bias=False, device="cuda", dtype=weight.dtype)
+            linear.weight.data = weight.clone()
+            original.add_module(name, linear)
+        return original
+
+    sequences, length = CALIBRATION
+    x = make_x(sequences * length, d)
+    make_heavy(x, slice(None), plan_k, i, k)
+    make_heavy(x, slice(None, None, length), heavy_units, i, k)
+    counter = _LayerCounter()
+    counter((x @ w["gate"].t()).view(sequences, length, i))
+    plan = plan_layer(counter.result(sequences), hidden_size=d)
+    return (modeling.TwellGatedMLP(projections(), LAYOUT, plan),
+            modeling.TwellGatedMLP(projections(), LAYOUT, {"mode": "dense"}))
+
+
+def paired_ms(first, second, rounds=3):
+    """do_bench medians of two calls measured alternately, the median of each over the rounds (drift between
+    the two measurements cancels)."""
+    times = [[], []]
+    for _ in range(rounds):
+        for fn, samples in zip((first, second), times):
+            samples.append(do_bench(fn, return_mode="median"))
+    return tuple(sorted(samples)[rounds // 2] for samples in times)
+
+
+def mean_ms(fn, calls):
+    """Mean milliseconds of `calls` consecutive calls (CUDA events around them all)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / calls
+
+
+def heavy_count(m, heavy):
+    return min(m, heavy if isinstance(heavy, int) else max(1, round(heavy * m)))
+
+
+def robustness(folder=None, plan_k=None, tokens=ROBUST_TOKENS, actives=ROBUST_ACTIVE):
+    """The layer exactly as the modeling file runs it (its plan and token windows, TwellGatedMLP.forward)
+    against the same layer planned dense, in one process, on a grid: tokens x heavy rows (half the units
+    active, like a sequence's first token; at the start of the call and then evenly spread) x mean active
+    units, D 2048 / I 5632. Eager calls (do_bench medians, dense and TwELL alternately: host time counts
+    where it exceeds the GPU's; each cell starts the layer's ActivityRouter afresh, and batched cells also
+    time one whole cycle of it, its measuring windows included), and up to 64 tokens also CUDA-graph
+    replays over LAYERS layer copies. The plan is made from each layer's
+    own activity (or `plan_k` units, when the inputs are more or less active than the calibration); each
+    cell checks the output against fp32 in the same run. Yields the cells' rows."""
     d, i = 2048, 5632
-    w = make_layer(d, i, HEAVY_K)
-    rows = []
-    for m in (1024, 2048, 4096, 8192, 16384, 65536, 131072):
-        for heavy in (0, HEAVY_FIRST):
-            x = make_x(m, d)
-            first = list(range(0, m, 2048))
-            if heavy:
-                make_heavy(x, first, heavy, i)
-            check = first[-4:]
-            ref = reference(x[check], w)
-            dense_ms = do_bench(lambda: dense(x, w), return_mode="median")
-            xh = x[first].contiguous()
-            heavy_dense_ms = do_bench(lambda: dense(xh, w), return_mode="median")
-            for compression, rule in itertools.product((2, 8), ("span", "dense block")):
-                rules = dict(DENSE_HEAVY_FROM=1 << 62 if rule == "span" else 0)
-                with launch_rules(**rules):
-                    block = lambda: sparse(x, w, HEAVY_TILE, compression)
-                    out = block()
-                    twell_ms = do_bench(block, return_mode="median")
-                row = dict(D=d, I=i, M=m, heavy_rows=len(first) if heavy else 0, heavy_units=heavy,
-                           compression=compression, heavy_path=rule, dense_ms=dense_ms, twell_ms=twell_ms,
-                           speedup=dense_ms / twell_ms, heavy_dense_ms=heavy_dense_ms,
-                           rel_err=rel_err(out[check], ref), dense_rel_err=rel_err(dense(x[check], w), ref))
+    modeling = runtime(folder)
+    for k in actives:
+        layers = [make_layer(d, i, k) for _ in range(LAYERS)]
+        mlps = [planned_mlp(modeling, w, d, i, k, plan_k or k, i // 2) for w in layers]
+        plan = {key: getattr(mlps[0][0], key) for key in ("mode", "tile", "compression", "sparse_tokens")}
+        for m in tokens:
+            for heavy in dict.fromkeys(heavy_count(m, h) if h else 0 for h in ROBUST_HEAVY):
+                x = make_x(m, d)
+                at = torch.linspace(0, m - 1, heavy).round().long().tolist() if heavy else []
+                if heavy:
+                    make_heavy(x, at, i // 2, i, k)
+                sparse_mlp, dense_mlp = mlps[0]
+                with torch.no_grad():
+                    check = slice(0, min(m, 4096))
+                    ref = reference(x[check], layers[0])
+                    out = sparse_mlp(x[None])[0]
+                    row = dict(D=d, I=i, M=m, k=k, plan_k=plan_k or k, heavy_rows=heavy, plan=plan,
+                               active=(x[check].float() @ layers[0]["gate"].float().t() > 0).sum(1).float().mean().item(),
+                               err_twell=rel_err(out[check], ref),
+                               err_dense=rel_err(dense_mlp(x[None])[0][check], ref))
+                    sparse_mlp.router = None  # each cell from a fresh router: none carries over another's verdict
+                    row["eager_dense_ms"], row["eager_twell_ms"] = paired_ms(lambda: dense_mlp(x[None]),
+                                                                             lambda: sparse_mlp(x[None]))
+                    row["eager_speedup"] = row["eager_dense_ms"] / row["eager_twell_ms"]
+                    if sparse_mlp.router is not None:  # batched: a whole cycle of its router, probes included
+                        calls = sparse_mlp.router.WINDOW + sparse_mlp.router.PROBE_EVERY
+                        sparse_mlp.router = None
+                        row["cycle_dense_ms"] = mean_ms(lambda: dense_mlp(x[None]), calls)
+                        row["cycle_twell_ms"] = mean_ms(lambda: sparse_mlp(x[None]), calls)
+                        row["cycle_speedup"] = row["cycle_dense_ms"] / row["cycle_twell_ms"]
+                    if m <= 64:
+                        row["graph_dense_us"] = per_layer_us(lambda pair: pair[1](x[None]), mlps)
+                        row["graph_twell_us"] = per_layer_us(lambda pair: pair[0](x[None]), mlps)
+                        row["graph_speedup"] = row["graph_dense_us"] / row["graph_twell_us"]
                 print_row(row)
-                rows.append(row)
+                yield row
+        del layers, mlps
+
+
+def heavy_block():
+    """The dense block of heavy rows alone (gated_mlp's heavy_launches: the launches a batched call makes
+    after its out kernel posted n rows) against cuBLAS's dense block of the same n rows, at three shapes;
+    each checked against fp32 at those rows. do_bench medians (L2 flushed). Fits twell.format.HEAVY."""
+    module = sys.modules["twell.gated_mlp"]
+    rows = []
+    for d, i in ((896, 4864), (2048, 5632), (4096, 14336)):
+        w = make_layer(d, i, HEAVY_K)
+        capacity = 16384
+        x = make_x(capacity, d)
+        launches = module.heavy_launches(x, i, True, False, capacity)
+        down_t = w["down_p"].t()
+        for n in (1, 4, 16, 17, 64, 256, 1024, 4096, 16384):
+            posted = torch.randperm(capacity, device="cuda")[:n].sort().values
+            workspace = torch.zeros(1 + capacity, dtype=torch.int32, device="cuda")
+            workspace[0], workspace[1:1 + n] = n, posted.int()
+            h = torch.empty(capacity, i, dtype=x.dtype, device="cuda")
+            part = torch.empty(launches[3], module.HEAVY_FEW_ROWS, d, device="cuda")
+            out = torch.full_like(x, float("nan"))
+
+            def block():
+                gate_up, down, finish, _ = launches
+                gate_up(x, w["gate"], w["up"], workspace, h)
+                down(h, down_t, workspace, out, part)
+                finish(part, workspace, out)
+
+            block()
+            xs = x[posted]
+            row = dict(D=d, I=i, rows=n, heavy_ms=do_bench(block, return_mode="median"),
+                       cublas_ms=do_bench(lambda: dense(xs, w), return_mode="median"),
+                       rel_err=rel_err(out[posted], reference(xs, w)), dense_rel_err=rel_err(dense(xs, w), reference(xs, w)))
+            print_row(row)
+            rows.append(row)
+        del w, x, h
     return rows
 
 
@@ -518,15 +613,21 @@ def main():
     p.add_argument("--compression", type=int, nargs="+", default=[8], help="each row at every compression given")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--sweep", action="store_true", help="launch configurations of both kernels")
-    mode.add_argument("--heavy-rows", action="store_true", help="batches with tokens of thousands of active units")
+    mode.add_argument("--robustness", action="store_true",
+                      help="the layer as the modeling file runs it against dense: tokens x heavy rows x active units")
     mode.add_argument("--decode-paths", action="store_true", help="decode against batched path at 8-64 tokens")
     mode.add_argument("--host-time", action="store_true", help="host time of one eager call against its GPU time")
-    mode.add_argument("--first-tokens", action="store_true",
-                      help="a heavy first token every 2048 tokens, through the span kernel and the dense block")
+    mode.add_argument("--heavy-block", action="store_true", help="the dense block of heavy rows alone, 1-16384 rows")
     mode.add_argument("--decode-first-token", action="store_true",
                       help="one heavy first token in a decode-size call (1-64 tokens)")
     mode.add_argument("--decode-rules", action="store_true",
                       help="the one-token tile-out path and the partial-row steps against what they replace")
+    p.add_argument("--runtime", default=None, metavar="CHECKPOINT",
+                   help="--robustness: time the kernel and modeling files of this exported checkpoint")
+    p.add_argument("--plan-active", type=int, default=None, metavar="K",
+                   help="--robustness: plan every layer from calibration inputs of K active units")
+    p.add_argument("--tokens", type=int, nargs="+", default=ROBUST_TOKENS, help="--robustness: token counts")
+    p.add_argument("--active", type=int, nargs="+", default=ROBUST_ACTIVE, help="--robustness: mean active units")
     p.add_argument("--json", default=None)
     p.add_argument("--resume", action="store_true",
                    help="keep the rows already in --json (a run cut short) and measure only the missing ones")
@@ -546,12 +647,16 @@ def main():
                 command="python " + " ".join(sys.argv))
     if args.sweep:
         result = dict(meta, sweep=sweep())
-    elif args.heavy_rows:
-        result = dict(meta, k=HEAVY_K, tile=HEAVY_TILE, rows=heavy_rows())
+    elif args.robustness:
+        result = dict(meta, runtime=args.runtime or "this tree", heavy_cost=twell.format.HEAVY, rows=[])
+        for row in robustness(args.runtime, args.plan_active, args.tokens, args.active):
+            result["rows"].append(row)
+            if args.json:  # after every row, so that a run cut short keeps what it measured
+                write_json(args.json, result)
+    elif args.heavy_block:
+        result = dict(meta, rows=heavy_block())
     elif args.host_time:
         result = dict(meta, k=HEAVY_K, tile=HEAVY_TILE, rows=host_times())
-    elif args.first_tokens:
-        result = dict(meta, k=HEAVY_K, tile=HEAVY_TILE, rows=first_tokens())
     elif args.decode_first_token:
         result = dict(meta, k=HEAVY_K, tile=HEAVY_TILE, compression=16, rows=decode_first_token())
     elif args.decode_paths:

@@ -108,7 +108,8 @@ def main(argv=None):
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--intermediate", type=int, default=5632)
     parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--prefill-batch", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--prefill-batch", nargs="+", default=["1", "8", "64", "64x64", "16x256", "1x64"],
+                        help="Prefill rows: BATCH (sequences of --seq-len tokens) or BATCHxLENGTH.")
     parser.add_argument("--generate-batch", type=int, nargs="*", default=[1, 8],
                         help="Batch sizes of eager generate and the CUDA-graph step (none: skip them).")
     parser.add_argument("--compiled-batch", type=int, nargs="*", default=[1, 8],
@@ -131,7 +132,7 @@ def main(argv=None):
         if getattr(args, option) < 1:  # before any GPU work (bench_checkpoint checks them after the build)
             parser.error(f"--{option.replace('_', '-')} must be positive, got {getattr(args, option)}")
     if args.quick:
-        args.layers, args.prefill_batch, args.generate_batch, args.compiled_batch = 4, [1, 8], [1], [1]
+        args.layers, args.prefill_batch, args.generate_batch, args.compiled_batch = 4, ["1", "8", "64x64"], [1], [1]
         args.compiled_prefill_batch = [8]
         args.decode_tokens, args.repeats, args.generate_repeats = 32, 2, 2
     from rich.console import Console

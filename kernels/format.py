@@ -63,35 +63,12 @@ def decode_rows(d: int, width: int) -> int:
     return DECODE_ROWS if d * width <= LARGE_LAYER else 16
 
 
-SPAN = 32  # list entries in one work item of a heavy row (gated_mlp's span kernel): 4 steps of 8 units
-
-
-def heavy_units(m: int) -> int:
-    """Units (list entries, plus T per overflowing tile) above which a batched row's walk goes to the span
-    kernel as work items (below DENSE_HEAVY_FROM tokens). A row program walks about 1 unit a microsecond at
-    D 2048 beside the other rows, so a row up to about m / 50 units ends before the launch does if it
-    starts early (H100, 16384 tokens: one row of 250 units costs nothing, 950 units 25%;
-    benchmarks/results/heavy_row_h100.json, before the split)."""
-    return max(128, m // 64)
-
-
-# From this many tokens a batched call computes its heavy rows (above DENSE_HEAVY_UNITS units) densely, as
-# one cuBLAS block over heavy_row_capacity(M) rows, instead of walking them. A row walked late in the launch
-# ends after it, and the span kernel's items queue behind few programs: with one first token of 2000 units
-# every 2048 tokens (compression 8), 131072 tokens run 1.17x dense through the span kernel and 1.67x through
-# the dense block (1.62x without heavy tokens), 16384 tokens 1.34x and 1.39x, 8192 tokens 1.32x and 1.37x.
-# The dense block runs at every call, since its row count is on the device, and costs about 0.06 ms of GPU
-# and 0.25 ms of host time: without heavy tokens 1.60x -> 1.53x at 16384 tokens, 1.60x -> 1.46x at 8192,
-# and below 4096 tokens it is slower than the span kernel even with them
-# (benchmarks/results/heavy_rows_dense_h100.json, host_time_h100.json).
-DENSE_HEAVY_FROM = 16384
-DENSE_HEAVY_UNITS = 128
-
-
-def heavy_row_capacity(m: int) -> int:
-    """Rows a batched call of m tokens (at least DENSE_HEAVY_FROM) computes densely at most; heavier rows
-    past that walk themselves (slower, never wrong)."""
-    return max(64, m // 256)
+# A batched row with more units than this to walk (list entries, plus T per overflowing tile) is not walked
+# by its own program: it posts its index, and a dense block computes every posted row (gated_mlp's
+# heavy_launches). A row walk is a serial chain of dependent gathers beside the other rows, and a dense row
+# costs about as much as this many gathered units (6 * D * I flops at the dense block's rate, against two
+# D-wide weight rows a unit from L2).
+HEAVY_UNITS = 128
 
 
 # The narrowest layer shape of the block benchmarks the cost model below was fitted to (D 896 / I 4864):
@@ -104,6 +81,9 @@ FITTED_MIN_HIDDEN, FITTED_MIN_INTERMEDIATE = 896, 4864
 # maximum of its compute and its weight-streaming time plus a fixed latency; compute runs at
 # peak * D / (D + D_half) (narrow matmuls are less efficient).
 DENSE = (726e12, 660, 2.74e12, 14.3e-6)  # cuBLAS block: peak flop/s, D_half, weight bytes/s, latency s
+# the dense block of heavy rows (gated_mlp's heavy_launches: Triton, rows gathered), same terms, fitted to
+# bench_inference.py --heavy-block
+HEAVY = (454e12, 0, 2.30e12, 35.7e-6)
 # Gate matmul with its packing epilogue, same terms, per batched gate kernel (gate_kernel): the Triton
 # kernel at each planned tile width, and gate_hopper.py's kernel (tile 128 from HOPPER_TILES_PER_SM tiles an SM)
 GATE = {64: (411e12, 255, 4.00e12, 6.0e-6), 128: (621e12, 257, 2.56e12, 7.1e-6),
@@ -119,16 +99,8 @@ L2_BYTES = 50e6
 # heavier than the rest (a sequence's first token often activates hundreds of units) is a serial chain.
 # Seconds per step of that walk at 2 units a step: fixed + per hidden column, fitted to the
 # block with one heavy row before the split (benchmarks/results/heavy_row_h100.json: 1.1 us a unit at D 2048,
-# 1.7 us at D 4096). A row above heavy_units(tokens) posts its walk as work items to the span kernel
-# instead, which runs after the out kernel: SPLIT, fixed + per hidden column, fitted to the out kernel's
-# time with one such row against none (results/heavy_row_split_h100.json: 11-22 us at D 2048, 20-38 us
-# at D 4096, whatever the row's count; more where several heavy rows or their overflowing tiles add up).
-# Those were measured at 16384 tokens, where the span kernel's items overlap the out kernel's tail; in a
-# short batch they do not: one first token of 2000 units cost 56-105 us at 1024-2048 tokens
-# (results/heavy_rows_dense_h100.json), so SPAN_UNIT adds seconds per unit of the heaviest row (D 2048).
+# 1.7 us at D 4096). A row above HEAVY_UNITS posts itself to the dense block of heavy rows instead.
 ROW_WALK = (9.8e-7, 6.0e-10)
-SPLIT = (6.9e-6, 5.9e-9)
-SPAN_UNIT = 4.0e-8
 
 
 def out_units_per_step(m: int) -> int:
@@ -155,14 +127,18 @@ def dense_time(d: int, i: int, tokens: int) -> float:
     return _roofline(6 * tokens * d * i, 6 * d * i, DENSE, d)
 
 
+def heavy_time(d: int, i: int, rows: int) -> float:
+    """Predicted seconds of the dense block of `rows` heavy rows (gated_mlp's heavy_launches); none: nothing."""
+    return _roofline(6 * rows * d * i, 6 * d * i, HEAVY, d) if rows else 0.0
+
+
 def twell_time(mean_active: float, d: int, i: int, tokens: int, max_active: float | None = None,
-               tile: int = 128) -> float:
+               tile: int = 128, heavy_rows: int | None = None) -> float:
     """Predicted seconds of `gated_mlp` at `mean_active` units per token (no overflow) with `tile`-wide
     tiles (batched: the gate kernel's rates depend on it; decode uses its own); `max_active`, the
-    heaviest token's count: up to heavy_units(tokens) (DENSE_HEAVY_UNITS from DENSE_HEAVY_FROM tokens), its
-    serial walk bounds the batched out kernel from below (a smooth maximum with the throughput term: the row
-    runs beside the others); above, the span kernel's time is added (from DENSE_HEAVY_FROM tokens the dense
-    block of the heavy rows, at every call)."""
+    heaviest token's count: up to HEAVY_UNITS its serial walk bounds the batched out kernel from below (a
+    smooth maximum with the throughput term: the row runs beside the others); above, the row goes to the
+    dense block of heavy rows, whose time is added for `heavy_rows` rows (default: one, the heaviest)."""
     pairs = tokens * mean_active
     if tokens <= decode_rows(d, i):  # decode spreads a row's units over the gate programs' tiles
         bandwidth, per_pair, latency = DECODE
@@ -171,17 +147,14 @@ def twell_time(mean_active: float, d: int, i: int, tokens: int, max_active: floa
     from_hbm = max(0.0, 1 - L2_BYTES / (4 * d * i))  # share of the row reads that miss L2
     gather = pairs * (4 * d * ((1 - from_hbm) / l2 + from_hbm / hbm) + per_pair) + latency
     heaviest = max_active or 0.0
-    if tokens >= DENSE_HEAVY_FROM:  # heavy rows dense: that block runs at every call (its row count is on the device)
-        walked_alone, split = DENSE_HEAVY_UNITS, dense_time(d, i, heavy_row_capacity(tokens))
-    else:
-        walked_alone = heavy_units(tokens)
-        split = SPLIT[0] + SPLIT[1] * d + SPAN_UNIT * heaviest * d / 2048 if heaviest > walked_alone else 0.0
+    if heavy_rows is None:
+        heavy_rows = int(heaviest > HEAVY_UNITS)
     # the fitted terms already hold ordinary rows (a batch's heaviest is about twice the mean): only the
     # walk beyond that counts
-    excess = max(0.0, min(heaviest, walked_alone) - 2 * mean_active)
+    excess = max(0.0, min(heaviest, HEAVY_UNITS) - 2 * mean_active)
     walk = excess / out_units_per_step(tokens) * (ROW_WALK[0] + ROW_WALK[1] * d)
     gate = _roofline(2 * tokens * d * i, 2 * d * i, GATE[gate_kernel(tile, tokens, i)], d)
-    return gate + (gather ** 4 + walk ** 4) ** 0.25 + split
+    return gate + (gather ** 4 + walk ** 4) ** 0.25 + heavy_time(d, i, heavy_rows)
 
 
 def choose_setting(mean_active: float, tile_active_max: float, d: int, i: int, tokens: int = 16384,

@@ -1,7 +1,7 @@
 """TwELL inference kernels for a ReLU-gated MLP: out = down(relu(gate(x)) * up(x)).
 
-Two kernels (a small pre-pass between them in decode above HELD_ROWS rows and batched above FUSED_COMPACT_ROWS),
-no host synchronization:
+Two kernels (a small pre-pass between them in decode above HELD_ROWS rows and batched above FUSED_COMPACT_ROWS;
+batched, the dense block of heavy rows after them), no host synchronization:
 1. `_gate_pack_kernel`: tiled x @ gate^T (fp32 accumulation, tensor cores; x and the weight read through
    TMA descriptors on Hopper when their strides allow); its epilogue applies ReLU and packs each program's
    [BM, T] output tile into TwELL (format.py), so the dense gate activation never reaches device memory.
@@ -14,15 +14,11 @@ no host synchronization:
    contiguous rows), and accumulates out += (g * x.up_j) * down_j in fp32 registers: h never reaches
    device memory. A (row, tile) whose count exceeds the slots is
    recomputed densely from the gate and up weights (never dropped) and counted into `overflow`.
-   A heavy row (more units than heavy_units(M), like a sequence's first token) would bound the launch with
-   its serial walk: it posts its work instead, as items (list spans of SPAN entries, overflowing tiles),
-   and `_twell_span_kernel`, launched next, spreads the items over its programs; each writes an fp32
-   partial row, and the row's last item to finish sums them in item order (deterministic while the
-   workspace has room: a heavy row that finds it full walks itself, and which rows do depends on timing).
-   From DENSE_HEAVY_FROM tokens a heavy row (above DENSE_HEAVY_UNITS) posts only its index instead, and the
-   dense block (cuBLAS) runs over a fixed number of rows (heavy_row_capacity) gathered through that
-   device-side list and writes the posted ones: the weights are read once for all of them, and no host
-   synchronization is needed (rows past the capacity walk themselves).
+   A heavy row (more than HEAVY_UNITS units to walk, like a sequence's first token) would bound the launch
+   with its serial walk: it posts its index instead, and a dense block computes every posted row
+   (heavy_launches: two Triton matmuls over the rows gathered through that device-side list, persistent
+   programs that read the count on the device), so a call costs what its heavy rows need at any token
+   count, nothing without them, and no host synchronization.
 Decode (M <= 64 tokens, 16 for layers with D * I > 2^24: decode_rows) is memory-bound and latency-bound
 instead: the gate kernel runs with a narrower tile (I / 64 programs stream the gate matrix; above 16 rows
 I / #SMs, one program per SM) and, in the same program, computes u for its tile's active units only (up to
@@ -55,8 +51,8 @@ from typing import Optional
 
 import torch
 
-from .format import (DENSE_HEAVY_FROM, DENSE_HEAVY_UNITS, SPAN, cdiv, decode_rows, heavy_row_capacity, heavy_units,
-                     on_device, out_units_per_step, slots, tma_ok, use_triton)
+from .format import (HEAVY_UNITS, cdiv, decode_rows, on_device, out_units_per_step, slots, tma_ok,
+                     use_triton)
 from .gate_hopper import hopper_gate_launch
 
 try:
@@ -98,6 +94,9 @@ COMPACT_SLOTS = 2048  # TwELL slots a list pre-pass program holds at once (16 a 
 # above, 1-3.5% slower for D 896 / I 4864 and D 4096 / I 14336, where the added dependent loads at each
 # row's start cost more than the launch (H100, benchmarks/results/fused_compaction_ab_h100.json)
 FUSED_COMPACT_ROWS = 1024
+HEAVY_PROGRAMS_PER_SM = 4  # persistent programs of the dense block of heavy rows
+HEAVY_FEW_ROWS = 16  # up to this many heavy rows the dense block streams its weights over narrow tiles
+HEAVY_KSPLIT = 8  # and splits its down product's reduction this many ways
 
 
 def prepare_down(down_weight: torch.Tensor) -> torch.Tensor:
@@ -273,8 +272,7 @@ def out_launch(x2, width, tile, s, gated, h_fp32, has_overflow, cfg, packed_h=Fa
     from w_dec and up. `tile_stride` and `pdl` as in gate_launch (the out kernel then waits for the gate
     kernel on the device). Called with (x2, values, indices, counts, partials or values, w_dec, up or
     down_t, down_t, out, overflow or counts); w_dec, up and down_t contiguous.
-    Batched (one program a whole row), a heavy row posts its walk as work items for the span kernel,
-    launched after the out kernel (programmatic dependent launch where available)."""
+    Batched (one program a whole row), a heavy row posts its index for the dense block (heavy_launches)."""
     m, d = x2.shape
     ts = _tile_stride(tile, tile_stride)
     nt = cdiv(width, ts)
@@ -294,91 +292,76 @@ def out_launch(x2, width, tile, s, gated, h_fp32, has_overflow, cfg, packed_h=Fa
     fused = split and m <= FUSED_COMPACT_ROWS
     compact = None if held or fused else _Launch(_compact_list_kernel, (m, 1, 1), dict(
         NT=nt, S=s, TC=tc, S_PAD=s_pad, PDL=pdl), dict(num_warps=4, launch_pdl=True) if pdl else dict(num_warps=4))
-    dense_rows = heavy_row_capacity(m) if split and m >= DENSE_HEAVY_FROM else 0
+    heavy_rows = m if split else 0  # room for every row: none is ever left to walk its heavy list
     out = _Launch(_twell_out_kernel, (m, cdiv(d, bd), 1), dict(
-        D=d, I=width, NT=nt, HEAVY=DENSE_HEAVY_UNITS if dense_rows else heavy_units(m),
-        CAP=dense_rows or span_capacity(d), ROWS=dense_rows > 0, stride_xm=x2.stride(0),
+        D=d, I=width, NT=nt, HEAVY=HEAVY_UNITS, stride_xm=x2.stride(0),
         stride_xk=x2.stride(1), T=tile, S=s, NT_PAD=nt_pad, CH=ch, FB_CH=fb_ch,
         OT=max(1, min(nt_pad, 4096 // bd)), BLOCK_D=block_d, BD=bd, LIST_UP=gated and not packed_h,
         FALLBACK_UP=gated, H_FP32=h_fp32,
-        HAS_OVF=has_overflow, PARTIALS=packed_h, TS=ts, PDL=pdl, SPAN=SPAN if split else 0,
+        HAS_OVF=has_overflow, PARTIALS=packed_h, TS=ts, PDL=pdl, POST=heavy_rows > 0,
         HELD=held, COMPACT_TC=tc if fused else 0, S_PAD=s_pad), cfg)
-    # the span kernel has few programs: the step width of a few-row launch
-    spans = span_launch(x2, width, tile, s, gated, h_fp32, out_config(128, d, False),
-                        min(span_capacity(d), 2 * sm_count(x2.device)), use_pdl(x2.device)) \
-        if split and not dense_rows else None
-    return _OutLaunches(compact, out, spans, d, dense_rows, gated)
+    heavy = heavy_launches(x2, width, gated, h_fp32, heavy_rows) if heavy_rows else None
+    return _OutLaunches(compact, out, heavy, heavy_rows, torch.float32 if h_fp32 else x2.dtype)
 
 
 class _OutLaunches:
     """The list pre-pass (where the out kernel neither holds the TwELL nor compacts its own rows), the out
-    kernel and, where it posts heavy rows, the span kernel for their work items or the dense block for
-    `dense_rows` of them; allocates the zeroed workspace and the span kernel's partial rows at each call
-    (they cannot be shared across streams). With `dense_rows`, `out` has one spare row past the last
-    (spare_rows): list slots left empty write there."""
+    kernel and, batched, the dense block of the rows it posts (heavy_launches), with the workspace
+    [rows posted, row of each slot] and the block's h rows allocated at each call (they cannot be shared
+    across streams)."""
 
-    def __init__(self, compact: Optional[_Launch], out: _Launch, spans: Optional[_Launch], d: int,
-                 dense_rows: int = 0, gated: bool = True):
-        self.compact, self.out, self.spans, self.d = compact, out, spans, d
-        self.dense_rows, self.gated = dense_rows, gated
-
-    @property
-    def spare_rows(self) -> int:
-        return 1 if self.dense_rows else 0
+    def __init__(self, compact: Optional[_Launch], out: _Launch, heavy, heavy_rows: int, h_dtype):
+        self.compact, self.out, self.heavy, self.heavy_rows, self.h_dtype = compact, out, heavy, heavy_rows, h_dtype
 
     def __call__(self, x2, values, indices, counts, partials, w_dec, up_or_down, down_t, out, overflow):
         if self.compact is not None:
             self.compact(indices, values, counts)
-        if self.dense_rows:
-            workspace = torch.zeros(1 + self.dense_rows, dtype=torch.int32, device=x2.device)
-            self.out(x2, values, indices, counts, partials, w_dec, up_or_down, down_t, out, overflow, workspace)
-            dense_heavy_rows(x2, w_dec, up_or_down if self.gated else None, down_t, out, workspace)
-            return
-        if self.spans is None:
+        if self.heavy is None:
             self.out(x2, values, indices, counts, partials, w_dec, up_or_down, down_t, out, overflow, counts)
             return
-        cap = span_capacity(self.d)
-        workspace = torch.zeros(1 + 3 * cap, dtype=torch.int32, device=x2.device)
+        workspace = torch.zeros(1 + self.heavy_rows, dtype=torch.int32, device=x2.device)
         self.out(x2, values, indices, counts, partials, w_dec, up_or_down, down_t, out, overflow, workspace)
-        item_rows = torch.empty(cap, self.d, dtype=torch.float32, device=x2.device)
-        self.spans(x2, values, indices, counts, w_dec, up_or_down, down_t, out, workspace, item_rows)
+        gate_up, down, finish, splits = self.heavy
+        h = torch.empty(self.heavy_rows, w_dec.shape[0], dtype=self.h_dtype, device=x2.device)
+        part = torch.empty(splits, HEAVY_FEW_ROWS, x2.shape[1], dtype=torch.float32, device=x2.device)
+        gate_up(x2, w_dec, up_or_down, workspace, h)
+        down(h, down_t, workspace, out, part)
+        finish(part, workspace, out)
 
 
-def dense_heavy_rows(x2, w_dec, up, down_t, out, workspace):
-    """The rows that the out kernel posted to `workspace` ([count, row indices...], int32), through the
-    dense block: out[row] = (relu(x2[row] @ w_dec^T) (* x2[row] @ up^T)) @ down_t for every posted row,
-    over all slots of the list (a fixed shape: nothing waits for the count); empty slots compute row 0 and
-    write it to out's spare row (index M)."""
-    m = x2.shape[0]
-    listed = workspace[1:].long()
-    posted = torch.arange(listed.shape[0], device=x2.device) < workspace[:1]
-    xs = x2.index_select(0, torch.where(posted, listed, 0))
-    h = torch.relu(xs @ w_dec.t())
-    if up is not None:
-        h = h * (xs @ up.t())
-    out.index_copy_(0, torch.where(posted, listed, m), (h @ down_t).to(out.dtype))
-
-
-def span_capacity(d: int) -> int:
-    """Work-item slots of the span kernel: 16 MB of fp32 partial rows (2048 slots at D 2048: 32 tokens of
-    2000 units). Heavy rows beyond it walk themselves: slower, never wrong."""
-    return max(64, 2 ** 22 // d)
-
-
-def span_launch(x2, width, tile, s, gated, h_fp32, cfg, programs: int, pdl=False) -> _Launch:
-    """Launch of the span kernel: the work items that heavy rows of out_launch's kernel posted, strided over
-    `programs` programs, each item's partial row written to a [span_capacity(D), D] fp32 buffer and summed
-    in item order by the row's last item to finish. Called with (x2, values, indices, counts, w_dec,
-    up or down_t, down_t, out, workspace, partials); the workspace is int32 [1 + 3 * capacity], zeroed."""
+def heavy_launches(x2, width, gated, h_fp32, capacity) -> tuple:
+    """Launches of the dense block over the rows that the out kernel posted to the workspace [count, row
+    of each slot (capacity)]: h[slot] = relu(x2[row] @ w_dec^T) (* x2[row] @ up^T), then out[row] =
+    h[slot] @ down_t. Persistent programs (HEAVY_PROGRAMS_PER_SM an SM) loop over the tiles of the posted
+    rows, whose count they read on the device: the block costs what its posted rows need, nothing without
+    them, and no host synchronization (CUDA graphs hold it). Up to HEAVY_FEW_ROWS rows (a call's first
+    tokens) the weights are streamed over narrow tiles and the down product's reduction is split, its fp32
+    partial sums added by a third launch. Called with (x2, w_dec, up or down_t, workspace, h),
+    (h, down_t, workspace, out, partials) and (partials, workspace, out); partials: fp32 [splits,
+    HEAVY_FEW_ROWS, D], the splits returned fourth."""
     d = x2.shape[1]
-    nt = cdiv(width, tile)
-    cfg = dict(cfg, launch_pdl=True) if pdl else dict(cfg)
-    cfg.pop("BD")
-    ch = cfg.pop("CH")
-    return _Launch(_twell_span_kernel, (programs, 1, 1), dict(
-        D=d, I=width, NT=nt, CAP=span_capacity(d), stride_xm=x2.stride(0), stride_xk=x2.stride(1), T=tile,
-        S=s, NT_PAD=max(2, triton.next_power_of_2(nt)), CH=ch, FB_CH=ch, BLOCK_D=triton.next_power_of_2(d),
-        SPAN=SPAN, LIST_UP=gated, FALLBACK_UP=gated, H_FP32=h_fp32, TS=tile, PDL=pdl), cfg)
+    # block sizes (rows, columns, reduction): gate/up product, down product, few rows of each
+    if x2.device.type == "cuda":
+        h_tiles, down_tiles, h_few, down_few, ksplit = (128, 64, 64), (128, 128, 64), (32, 128), (64, 128), HEAVY_KSPLIT
+        options = dict(num_warps=8, num_stages=3)
+    else:  # the interpreter: small blocks, several tiles and splits at test sizes
+        h_tiles, down_tiles, h_few, down_few, ksplit = (16, 32, 32), (16, 32, 32), (16, 32), (16, 32), 2
+        options = dict(num_warps=4, num_stages=1)
+    dot = "ieee" if h_fp32 else "tf32"
+    programs = HEAVY_PROGRAMS_PER_SM * sm_count(x2.device)
+    most_tiles = max(cdiv(capacity, h_tiles[0]) * cdiv(width, h_tiles[1]), cdiv(width, h_few[0]),
+                     cdiv(capacity, down_tiles[0]) * cdiv(d, down_tiles[1]), cdiv(d, down_few[0]) * ksplit)
+    grid = (min(programs, most_tiles), 1, 1)
+    gate_up = _Launch(_heavy_h_kernel, grid, dict(
+        D=d, I=width, CAP=capacity, stride_xm=x2.stride(0), stride_xk=x2.stride(1), BM=h_tiles[0], BN=h_tiles[1],
+        BM_FEW=HEAVY_FEW_ROWS, BN_FEW=h_few[0], BK=h_tiles[2], BK_FEW=h_few[1], GATED=gated, H_FP32=h_fp32,
+        DOT_PRECISION=dot), options)
+    down = _Launch(_heavy_out_kernel, grid, dict(
+        D=d, I=width, CAP=capacity, BM=down_tiles[0], BN=down_tiles[1], BM_FEW=HEAVY_FEW_ROWS, BN_FEW=down_few[0],
+        KSPLIT=ksplit, BK=down_tiles[2], BK_FEW=down_few[1], H_FP32=h_fp32, DOT_PRECISION=dot), options)
+    finish = _Launch(_heavy_finish_kernel, (min(8, cdiv(d, 256)), 1, 1), dict(
+        D=d, CAP=capacity, BM_FEW=HEAVY_FEW_ROWS, KSPLIT=ksplit, BD=256), dict(num_warps=4))
+    return gate_up, down, finish, ksplit
 
 
 def decode_tile_stride(width: int, tile: int, m: int, device: torch.device) -> int:
@@ -504,12 +487,11 @@ def _forward_triton(x, w_dec, up, down, tile, compression, precision, overflow):
     # decode: partial rows of overflowing (row, tile) pairs, written only there (so never initialized)
     partials = tw[0] if plan.partials_shape is None else torch.empty(
         plan.partials_shape, dtype=torch.float32, device=device)
-    # contiguous, so the kernel's [M, D] rows (and any spare row past them)
-    out = x.new_empty((x2.shape[0] + plan.out.spare_rows, x2.shape[1]))
+    out = x.new_empty(x2.shape)
     plan.gate(x2, w_dec, up if up is not None else w_dec, down_t, *tw, partials)
     plan.out(x2, *tw, partials, w_dec, up if up is not None else down_t, down_t, out,
              overflow if overflow is not None else tw[2])
-    return out[:x2.shape[0]].view(x.shape)
+    return out.view(x.shape)
 
 
 def _forward_reference(x, w_dec, up, down, tile, compression, overflow):
@@ -936,13 +918,12 @@ if triton is not None:
 
     @triton.jit
     def _twell_out_kernel(x_ptr, vals_ptr, idx_ptr, cnt_ptr, part_ptr, wdec_ptr, up_ptr, down_ptr, out_ptr,
-                          ovf_ptr, ws_ptr, D, I, NT, HEAVY, CAP, stride_xm, stride_xk,
+                          ovf_ptr, ws_ptr, D, I, NT, HEAVY, stride_xm, stride_xk,
                           T: tl.constexpr, S: tl.constexpr, NT_PAD: tl.constexpr, CH: tl.constexpr,
                           FB_CH: tl.constexpr, OT: tl.constexpr, BLOCK_D: tl.constexpr, BD: tl.constexpr,
                           LIST_UP: tl.constexpr,
                           FALLBACK_UP: tl.constexpr, H_FP32: tl.constexpr, HAS_OVF: tl.constexpr,
-                          PARTIALS: tl.constexpr, TS: tl.constexpr, PDL: tl.constexpr, SPAN: tl.constexpr,
-                          ROWS: tl.constexpr,
+                          PARTIALS: tl.constexpr, TS: tl.constexpr, PDL: tl.constexpr, POST: tl.constexpr,
                           HELD: tl.constexpr, COMPACT_TC: tl.constexpr, S_PAD: tl.constexpr):
         # program (row, output chunk): u needs the whole row of x and up, down only BD output columns
         row = tl.program_id(0).to(tl.int64)
@@ -967,27 +948,13 @@ if triton is not None:
             row_j, row_g = d, d  # placeholders, unused
         incl, fits, total, over = _row_list(row, cnt_ptr, NT, S, NT_PAD)
         n_over = tl.sum(over.to(tl.int32), axis=0)
-        own = total >= 0  # whether this program walks its row (a heavy one may post it as work items instead)
-        if SPAN > 0:
-            # a heavy row (more than HEAVY units to walk) would bound the launch with its serial walk: with
-            # ROWS it posts its index for the dense block ([rows posted, row of each slot (CAP)]); else its
-            # work as items (list spans of SPAN entries, then its overflowing tiles) into the workspace
-            # [items allocated, row of each item slot (CAP), first slot of its row (CAP), items done per
-            # row (CAP)], for the span kernel, which runs after this one and writes the row
+        own = total >= 0  # whether this program walks its row (a heavy one may post it instead)
+        if POST:
+            # a heavy row (more than HEAVY units to walk) would bound the launch with its serial walk: it posts
+            # its index for the dense block ([rows posted, row of each slot (M)]), which writes it next
             if total + n_over * TS > HEAVY:
-                if ROWS:
-                    slot = tl.atomic_add(ws_ptr, 1)
-                    own = slot >= CAP  # no room left: the row walks itself
-                    tl.store(ws_ptr + 1 + slot, row.to(tl.int32), mask=slot < CAP)
-                else:
-                    n_items = tl.cdiv(total, SPAN) + n_over
-                    base = tl.atomic_add(ws_ptr, n_items)
-                    own = base + n_items > CAP  # workspace full: the row walks itself, as a light one
-                    for q0 in range(0, n_items, 64):
-                        q = base + q0 + tl.arange(0, 64)
-                        slot = (q < base + n_items) & (q < CAP)
-                        tl.store(ws_ptr + 1 + q, tl.where(own, -1, row).to(tl.int32), mask=slot)
-                        tl.store(ws_ptr + 1 + CAP + q, base, mask=slot)
+                tl.store(ws_ptr + 1 + tl.atomic_add(ws_ptr, 1), row.to(tl.int32))
+                own = False
         acc = tl.zeros((BD,), dtype=tl.float32)
         if own:
             acc = _walk_list(acc, x, 0, total, incl, fits, row, NT, S, CH, idx_ptr, vals_ptr, row_j, row_g,
@@ -1007,50 +974,127 @@ if triton is not None:
                     if tl.load(cnt_ptr + row * NT + tile) > S:
                         acc = _recompute_tile(acc, x, tile, d, dmask, do, omask, vals_ptr, wdec_ptr, up_ptr,
                                               down_ptr, D, I, T, TS, FB_CH, FALLBACK_UP, H_FP32)
-        if own:  # else the span kernel writes the row
+        if own:  # else the dense block writes the row
             tl.store(out_ptr + row * D + do, acc.to(out_ptr.dtype.element_ty), mask=omask,
                      eviction_policy="evict_first")
 
     @triton.jit
-    def _twell_span_kernel(x_ptr, vals_ptr, idx_ptr, cnt_ptr, wdec_ptr, up_ptr, down_ptr, out_ptr, ws_ptr,
-                           part_ptr, D, I, NT, CAP, stride_xm, stride_xk,
-                           T: tl.constexpr, S: tl.constexpr, NT_PAD: tl.constexpr, CH: tl.constexpr,
-                           FB_CH: tl.constexpr, BLOCK_D: tl.constexpr, SPAN: tl.constexpr,
-                           LIST_UP: tl.constexpr, FALLBACK_UP: tl.constexpr, H_FP32: tl.constexpr,
-                           TS: tl.constexpr, PDL: tl.constexpr):
-        # the work items that heavy rows posted (see _twell_out_kernel), strided over the programs
-        if PDL:  # launched before the out kernel finished: wait for its results
-            tl.extra.cuda.gdc_wait()
-        d = tl.arange(0, BLOCK_D)
-        dmask = d < D
-        for q in range(tl.program_id(0), tl.minimum(tl.load(ws_ptr), CAP), tl.num_programs(0)):
-            row = tl.load(ws_ptr + 1 + q)
-            if row >= 0:  # -1: a slot of a row that found no room and walked itself
-                r = row.to(tl.int64)
-                base = tl.load(ws_ptr + 1 + CAP + q)
-                x = tl.load(x_ptr + r * stride_xm + d * stride_xk, mask=dmask, other=0.0).to(tl.float32)
-                incl, fits, total, over = _row_list(r, cnt_ptr, NT, S, NT_PAD)
-                n_list = tl.cdiv(total, SPAN)
-                n_items = n_list + tl.sum(over.to(tl.int32), axis=0)
-                item = q - base
-                acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-                if item < n_list:  # a span of the list
-                    acc = _walk_list(acc, x, item * SPAN, tl.minimum(item * SPAN + SPAN, total), incl, fits,
-                                     r, NT, S, CH, idx_ptr, vals_ptr, incl, fits, False, d, dmask, d, dmask,
-                                     up_ptr, down_ptr, D, LIST_UP, H_FP32)
-                else:  # an overflowing tile: the (item - n_list)-th
-                    tile = tl.sum((tl.cumsum(over.to(tl.int32), axis=0) <= item - n_list).to(tl.int32), axis=0)
-                    acc = _recompute_tile(acc, x, tile, d, dmask, d, dmask, vals_ptr, wdec_ptr, up_ptr,
-                                          down_ptr, D, I, T, TS, FB_CH, FALLBACK_UP, H_FP32)
-                tl.store(part_ptr + q * D + d, acc, mask=dmask)
-                # the last item of the row to finish sums the row's partials in item order (deterministic);
-                # the barrier puts every thread's partial ahead of the atomic's release
-                tl.debug_barrier()
-                if tl.atomic_add(ws_ptr + 1 + 2 * CAP + base, 1) == n_items - 1:
-                    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-                    for p0 in range(base, base + n_items, 8):  # 8 partial rows a step, in flight together
-                        p = p0 + tl.arange(0, 8)
-                        acc += tl.sum(tl.load(part_ptr + p[:, None] * D + d[None, :], other=0.0,
-                                              mask=(p < base + n_items)[:, None] & dmask[None, :],
-                                              cache_modifier=".cg"), axis=0)
-                    tl.store(out_ptr + r * D + d, acc.to(out_ptr.dtype.element_ty), mask=dmask)
+    def _posted_rows(ws_ptr, block, n, BM: tl.constexpr):
+        """A block of BM slots of the posted rows: (slots, their rows, mask of the posted ones)."""
+        slot = block * BM + tl.arange(0, BM)
+        live = slot < n
+        return slot, tl.load(ws_ptr + 1 + slot, mask=live, other=0).to(tl.int64), live
+
+    @triton.jit
+    def _heavy_h_tiles(x_ptr, wdec_ptr, up_ptr, ws_ptr, h_ptr, n, D, I, stride_xm, stride_xk, BM: tl.constexpr,
+                       BN: tl.constexpr, BK: tl.constexpr, GATED: tl.constexpr, H_FP32: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr):
+        """h[slot, cols] of the posted rows, [BM, BN] tiles strided over the programs."""
+        n_cols = tl.cdiv(I, BN)
+        for t in range(tl.program_id(0), tl.cdiv(n, BM) * n_cols, tl.num_programs(0)):
+            slot, rows, live = _posted_rows(ws_ptr, t // n_cols, n, BM)
+            cols = (t % n_cols) * BN + tl.arange(0, BN)
+            cmask = cols < I
+            g = tl.zeros((BM, BN), dtype=tl.float32)
+            u = tl.zeros((BM, BN), dtype=tl.float32)
+            for k0 in range(0, D, BK):
+                k = k0 + tl.arange(0, BK)
+                kmask = k < D
+                xa = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :] * stride_xk,
+                             mask=live[:, None] & kmask[None, :], other=0.0)
+                w_off = cols[None, :].to(tl.int64) * D + k[:, None]
+                w_mask = cmask[None, :] & kmask[:, None]
+                g = tl.dot(xa, tl.load(wdec_ptr + w_off, mask=w_mask, other=0.0), g, input_precision=DOT_PRECISION)
+                if GATED:
+                    u = tl.dot(xa, tl.load(up_ptr + w_off, mask=w_mask, other=0.0), u,
+                               input_precision=DOT_PRECISION)
+            if not H_FP32:  # g and u rounded to the weights' precision before their product, as dense
+                g = g.to(h_ptr.dtype.element_ty).to(tl.float32)
+                u = u.to(h_ptr.dtype.element_ty).to(tl.float32)
+            h = tl.maximum(g, 0.0) * u if GATED else tl.maximum(g, 0.0)
+            tl.store(h_ptr + slot[:, None].to(tl.int64) * I + cols[None, :], h.to(h_ptr.dtype.element_ty),
+                     mask=live[:, None] & cmask[None, :])
+
+    @triton.jit
+    def _heavy_h_kernel(x_ptr, wdec_ptr, up_ptr, ws_ptr, h_ptr, D, I, CAP, stride_xm, stride_xk,
+                        BM: tl.constexpr, BN: tl.constexpr, BM_FEW: tl.constexpr, BN_FEW: tl.constexpr,
+                        BK: tl.constexpr, BK_FEW: tl.constexpr, GATED: tl.constexpr, H_FP32: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr):
+        # up to BM_FEW posted rows the weights are streamed once, in narrow column tiles over many programs;
+        # more rows take square tiles
+        n = tl.minimum(tl.load(ws_ptr), CAP)
+        if n <= BM_FEW:
+            _heavy_h_tiles(x_ptr, wdec_ptr, up_ptr, ws_ptr, h_ptr, n, D, I, stride_xm, stride_xk, BM_FEW, BN_FEW,
+                           BK_FEW, GATED, H_FP32, DOT_PRECISION)
+        else:
+            _heavy_h_tiles(x_ptr, wdec_ptr, up_ptr, ws_ptr, h_ptr, n, D, I, stride_xm, stride_xk, BM, BN, BK,
+                           GATED, H_FP32, DOT_PRECISION)
+
+    @triton.jit
+    def _heavy_out_dot(acc, h_ptr, down_ptr, slot, live, cols, cmask, k_lo, k_hi, D, I, BK: tl.constexpr,
+                       H_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """acc += h[slot, k_lo:k_hi] @ down_t[k_lo:k_hi, cols]."""
+        for k0 in range(k_lo, k_hi, BK):
+            k = k0 + tl.arange(0, BK)
+            kmask = k < k_hi
+            ha = tl.load(h_ptr + slot[:, None].to(tl.int64) * I + k[None, :], mask=live[:, None] & kmask[None, :],
+                         other=0.0)
+            dw = tl.load(down_ptr + k[:, None].to(tl.int64) * D + cols[None, :], mask=kmask[:, None] & cmask[None, :],
+                         other=0.0)
+            if H_FP32:  # h stays fp32: the weights widened (exactly) instead
+                acc = tl.dot(ha, dw.to(tl.float32), acc, input_precision=DOT_PRECISION)
+            else:
+                acc = tl.dot(ha, dw, acc, input_precision=DOT_PRECISION)
+        return acc
+
+    @triton.jit
+    def _heavy_out_kernel(h_ptr, down_ptr, ws_ptr, out_ptr, part_ptr, D, I, CAP, BM: tl.constexpr,
+                          BN: tl.constexpr, BM_FEW: tl.constexpr, BN_FEW: tl.constexpr, KSPLIT: tl.constexpr,
+                          BK: tl.constexpr, BK_FEW: tl.constexpr, H_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        # out[row, cols] = h[slot] @ down_t[:, cols] for the posted rows. Up to BM_FEW rows the reduction over
+        # I is split KSPLIT ways (a long serial loop over few programs otherwise) into fp32 partial sums
+        # (part, [KSPLIT, BM_FEW, D]), which _heavy_finish_kernel adds in order (deterministic); more rows
+        # take square tiles
+        n = tl.minimum(tl.load(ws_ptr), CAP)
+        if n == 0:  # the split's tiles do not depend on n: without posted rows, nothing to stream
+            return
+        if n <= BM_FEW:
+            n_cols = tl.cdiv(D, BN_FEW)
+            k_chunk = tl.cdiv(tl.cdiv(I, KSPLIT), BK_FEW) * BK_FEW
+            slot = tl.arange(0, BM_FEW)
+            live = slot < n
+            for t in range(tl.program_id(0), n_cols * KSPLIT, tl.num_programs(0)):
+                cols = (t // KSPLIT) * BN_FEW + tl.arange(0, BN_FEW)
+                cmask = cols < D
+                k_lo = (t % KSPLIT) * k_chunk
+                acc = _heavy_out_dot(tl.zeros((BM_FEW, BN_FEW), dtype=tl.float32), h_ptr, down_ptr, slot, live,
+                                     cols, cmask, k_lo, tl.minimum(k_lo + k_chunk, I), D, I, BK_FEW, H_FP32,
+                                     DOT_PRECISION)
+                part = part_ptr + ((t % KSPLIT) * BM_FEW + slot[:, None]) * D + cols[None, :]
+                tl.store(part, acc, mask=live[:, None] & cmask[None, :])
+        else:
+            n_cols = tl.cdiv(D, BN)
+            for t in range(tl.program_id(0), tl.cdiv(n, BM) * n_cols, tl.num_programs(0)):
+                slot, rows, live = _posted_rows(ws_ptr, t // n_cols, n, BM)
+                cols = (t % n_cols) * BN + tl.arange(0, BN)
+                cmask = cols < D
+                acc = _heavy_out_dot(tl.zeros((BM, BN), dtype=tl.float32), h_ptr, down_ptr, slot, live, cols,
+                                     cmask, 0, I, D, I, BK, H_FP32, DOT_PRECISION)
+                tl.store(out_ptr + rows[:, None] * D + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                         mask=live[:, None] & cmask[None, :])
+
+    @triton.jit
+    def _heavy_finish_kernel(part_ptr, ws_ptr, out_ptr, D, CAP, BM_FEW: tl.constexpr, KSPLIT: tl.constexpr,
+                             BD: tl.constexpr):
+        # the few-row split's partial sums, added in split order, to the posted rows of out (more rows were
+        # written directly)
+        n = tl.minimum(tl.load(ws_ptr), CAP)
+        if 0 < n and n <= BM_FEW:
+            slot, rows, live = _posted_rows(ws_ptr, 0, n, BM_FEW)
+            for c0 in range(tl.program_id(0) * BD, D, tl.num_programs(0) * BD):
+                cols = c0 + tl.arange(0, BD)
+                mask = live[:, None] & (cols < D)[None, :]
+                acc = tl.zeros((BM_FEW, BD), dtype=tl.float32)
+                for split in range(KSPLIT):
+                    acc += tl.load(part_ptr + (split * BM_FEW + slot[:, None]) * D + cols[None, :], mask=mask)
+                tl.store(out_ptr + rows[:, None] * D + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)

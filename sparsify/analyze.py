@@ -3,7 +3,8 @@ the kernel setting the plan rule would choose for a converted (ReLU) model. Work
 (active = gate pre-activation > 0: the starting point of a conversion; no setting is recommended, since
 the kernels compute ReLU) and on converted checkpoints, which load here as plain dense ReLU models.
 Without --data, the demo model and checkpoints converted from it use the demo corpus's held-out file;
-other models use the data they were converted on if it is still there.
+other models use the data they were converted on (read from the same column) where a file or folder of the
+name the checkpoint records (no local path) is in the current folder.
 """
 from __future__ import annotations
 
@@ -18,17 +19,20 @@ from .plan import plan_model
 from .tune import require_cuda
 
 
-def default_data(source: str) -> str | Path:
-    """The text to analyze `source` on when --data is not given."""
+def default_data(source: str) -> tuple[str | Path, str]:
+    """The text to analyze `source` on when --data is not given, and the column of its rows to read."""
     if source == "demo":
-        return demo_corpus_path()
+        return demo_corpus_path(), "text"
     config, _ = load_config(source)
     training = (getattr(config, "twell", None) or {}).get("training", {})
     if training.get("base_model") == "demo":
-        return demo_corpus_path()
-    if training.get("data") and Path(training["data"]).exists():
-        return training["data"]
-    raise DataError("--data is required for this model (local .txt/.jsonl/.parquet files or folder, or a datasets name)")
+        return demo_corpus_path(), "text"
+    recorded = training.get("data")
+    if recorded and Path(recorded).exists():
+        return recorded, training.get("text_column", "text")
+    converted_on = f" (it was converted on {recorded}, no file or folder here)" if recorded else ""
+    raise DataError(f"--data is required for this model{converted_on}: local .txt/.jsonl/.parquet files or folder, "
+                    "or a datasets name")
 
 
 def default_seq_len(config, source: str) -> int:
@@ -44,6 +48,7 @@ def analyze(
     source: str,
     *,
     data: str | None = None,
+    text_column: str | None = None,
     tokens: int = 65536,
     seq_len: int | None = None,
     batch_size: int = 8,
@@ -52,17 +57,20 @@ def analyze(
     measure_kernels: bool = False,
 ) -> dict:
     """{"model", "data", "seq_len", "tokens", "perplexity", "converted", "layers": [statistics + "recommended"]};
-    "recommended" is None for a model that is not converted (its gate is not ReLU).
-    `measure_kernels`: recommend by timing the kernel settings on this GPU instead of by the cost model."""
+    "recommended" is None for a model that is not converted (its gate is not ReLU). `text_column`: the column
+    of the data's rows that holds the text (default "text"; without `data`, the one the recorded data was read
+    from). `measure_kernels`: recommend by timing the kernel settings on this GPU instead of by the cost model."""
     check_device(device)
-    data = data or default_data(source)
+    if data is None:
+        data, recorded_column = default_data(source)
+        text_column = text_column or recorded_column
     if measure_kernels:
         require_cuda(device, "--measure")
     model, tokenizer, spec = load_model(source, device=device)
     require_tokenizer(tokenizer, source)
     seq_len = seq_len or default_seq_len(model.config, source)
     seq_len = min(seq_len, getattr(model.config, "max_position_embeddings", seq_len))
-    text = TextData(data, tokenizer, seq_len, eval_tokens=tokens)
+    text = TextData(data, tokenizer, seq_len, eval_tokens=tokens, text_column=text_column or "text")
     measured = sum(block.numel() for block in text.eval_blocks)
     stats = measure(model, spec, text.eval_blocks, batch_size, label=f"measuring ({measured:,} tokens)")
     activation = getattr(model.config, spec.act_key)

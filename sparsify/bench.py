@@ -337,7 +337,23 @@ def _timed_row(path, batch, tokens, calls: dict, models: dict, repeats: int, ran
 @torch.inference_mode()
 def prefill_row(models, ids, repeats) -> dict:
     calls = {name: lambda m=model: m.get_decoder()(input_ids=ids, use_cache=False) for name, model in models.items()}
-    return _timed_row("prefill", ids.shape[0], ids.numel(), calls, models, repeats)
+    return _timed_row("prefill", ids.shape[0], ids.numel(), calls, models, repeats, length=ids.shape[1])
+
+
+def prefill_shapes(specs, seq_len: int) -> list[tuple[int, int]]:
+    """(sequences, tokens each) of the prefill rows: an int or "B" is B sequences of seq_len tokens, "BxS"
+    B sequences of S tokens (batched short prompts: "64x64")."""
+    shapes = []
+    for spec in specs:
+        batch, sep, length = str(spec).partition("x")
+        try:
+            shape = int(batch), int(length) if sep else seq_len
+        except ValueError:
+            raise ConfigError(f"a prefill row is BATCH or BATCHxLENGTH (64x64), got {spec!r}") from None
+        if min(shape) < 1:
+            raise ConfigError(f"a prefill row needs at least one sequence of one token, got {spec!r}")
+        shapes.append(shape)
+    return shapes
 
 
 @torch.inference_mode()
@@ -487,7 +503,8 @@ def bench_checkpoint(path: str | Path, *, seq_len: int = 2048, prefill_batches=(
                      decode_context: int = 512, repeats: int = 3, generate_repeats: int = 7,
                      device: str = "cuda", data: str | None = None) -> dict:
     """All rows (PATHS) for the dense and the TwELL load of the checkpoint at `path`: prefill at each of
-    `prefill_batches` x seq_len (compiled: at each of `compiled_prefill_batches`), eager generate and the
+    `prefill_batches` (prefill_shapes: B sequences of seq_len tokens, or "BxS"; compiled: at each of
+    `compiled_prefill_batches` x seq_len), eager generate and the
     graph step at each of `generate_batches`, compiled generate, the compiled graph step and generate_graphed at
     each of `compiled_batches` (empty: none);
     `repeats` timed calls a load, `generate_repeats` for the generate rows; inputs from the text of `data`
@@ -495,7 +512,8 @@ def bench_checkpoint(path: str | Path, *, seq_len: int = 2048, prefill_batches=(
     from transformers import AutoModelForCausalLM
 
     device = require_cuda(device, "sparsify bench")
-    sizes = (seq_len, decode_tokens, decode_context, repeats, generate_repeats, *prefill_batches, *generate_batches,
+    shapes = prefill_shapes(prefill_batches, seq_len)
+    sizes = (seq_len, decode_tokens, decode_context, repeats, generate_repeats, *generate_batches,
              *compiled_batches, *compiled_prefill_batches)
     if not prefill_batches or min(sizes) < 1:
         raise ConfigError("--seq-len, --decode-tokens, --decode-context, --repeats, --generate-repeats and the batch "
@@ -520,8 +538,8 @@ def bench_checkpoint(path: str | Path, *, seq_len: int = 2048, prefill_batches=(
     else:
         ids = text_inputs(data, tokenizer, device)
 
-    prefill_ids = {batch: ids(batch, seq_len) for batch in prefill_batches}
-    largest = prefill_ids[max(prefill_batches)]
+    prefill_ids = {shape: ids(*shape) for shape in shapes}
+    largest = prefill_ids[max(shapes, key=lambda shape: shape[0] * shape[1])]
     with torch.inference_mode():
         # logits on the largest timed prefill input itself (last position only), so that the check runs the
         # layers at a token count the figures are for: a smaller input could fall outside a sparse window
@@ -536,8 +554,8 @@ def bench_checkpoint(path: str | Path, *, seq_len: int = 2048, prefill_batches=(
         print(f"{row['path']}, batch {row['batch']}: {row['dense']['ms']:.2f} / {row['twell']['ms']:.2f} ms, "
               f"{row['speedup']:.2f}x ({time.perf_counter() - start:.0f} s)", flush=True)
 
-    for batch in prefill_batches:
-        add(prefill_row(models, prefill_ids[batch], repeats))
+    for shape in shapes:
+        add(prefill_row(models, prefill_ids[shape], repeats))
     for batch in generate_batches:
         add(generate_row(models, ids(batch, PROMPT_TOKENS), decode_tokens, generate_repeats))
         add(graph_step_row(models, ids(batch, decode_context)))
@@ -545,7 +563,8 @@ def bench_checkpoint(path: str | Path, *, seq_len: int = 2048, prefill_batches=(
         if hasattr(torch._dynamo.config, "recompile_limit"):  # dense and twell steps at each batch: one code object
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for batch in compiled_prefill_batches:
-        add(compiled_prefill_row(models, prefill_ids[batch] if batch in prefill_ids else ids(batch, seq_len), repeats))
+        shape = batch, seq_len
+        add(compiled_prefill_row(models, prefill_ids[shape] if shape in prefill_ids else ids(*shape), repeats))
     for batch in compiled_batches:
         add(compiled_generate_row(models, ids(batch, PROMPT_TOKENS), decode_tokens, generate_repeats))
         add(graph_step_row(models, ids(batch, decode_context), compiled=True))
@@ -587,14 +606,15 @@ def bench_table(result: dict):
             check += "; as generate " + "/".join(f"{100 * m:.0f}%" for m in row["matches_generate"].values())
         if "compile_s" in row:
             check += f"; compile {row['compile_s']['dense']:.0f}/{row['compile_s']['twell']:.0f} s"
-        rows.add_row(row["path"], str(row["batch"]), str(row["tokens"]), f"{row['dense']['ms']:.2f}",
+        batch = f"{row['batch']}x{row['length']}" if "length" in row else str(row["batch"])  # prefill shapes
+        rows.add_row(row["path"], batch, str(row["tokens"]), f"{row['dense']['ms']:.2f}",
                      f"{row['twell']['ms']:.2f}", f"{row['dense']['tokens_per_s']:,.0f}",
                      f"{row['twell']['tokens_per_s']:,.0f}",
                      f"{row['speedup']:.2f}x" + (f" ({row['paired_speedup']:.2f}x)" if "paired_speedup" in row else ""),
                      check)
         for load in ("dense", "twell"):
             b = row["breakdown"][load]
-            split.add_row(row["path"], str(row["batch"]), load, *(f"{b[f'{p}_ms']:.2f}" for p in parts))
+            split.add_row(row["path"], batch, load, *(f"{b[f'{p}_ms']:.2f}" for p in parts))
     return Group(rows, split)
 
 

@@ -13,7 +13,8 @@ from .plan import describe
 TAGS = ["sparsify", "twell", "relu", "activation-sparsity", "sparse"]
 
 
-def _is_hub_id(name) -> bool:
+def is_hub_id(name) -> bool:
+    """Whether `name` reads as a Hub repository id (owner/name) and is no local path."""
     return isinstance(name, str) and bool(re.fullmatch(r"[\w.-]+/[\w.-]+", name)) and not Path(name).exists()
 
 
@@ -38,8 +39,10 @@ def model_card(*, family: str, plan: list[dict], training: dict, intermediate_si
                artifacts: tuple[str, ...] = ()) -> ModelCard:
     """The card of a checkpoint of `family` with per-layer `plan` (config.twell layers) and `training` dict."""
     base = training.get("base_model")
+    hub_base = base if is_hub_id(base) else None
     data = ModelCardData(
-        base_model=base if _is_hub_id(base) else None,
+        base_model=hub_base,
+        base_model_relation="finetune" if hub_base else None,  # its weights, trained further
         library_name="transformers",
         pipeline_tag="text-generation",
         tags=[*TAGS, family],

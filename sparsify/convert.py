@@ -6,8 +6,10 @@ of the source model's next-token distributions) -> measure on held-out text
 (perplexity after training) -> plan -> export (+ training log JSON and sparsity PNG) -> optional push.
 Weights are trained in fp32 (AdamW updates of ~lr are below bf16's resolution; bf16 autocast on GPU
 does the arithmetic) and exported in the dtype a plain load would use (bf16 on GPU, fp32 on CPU).
-Ctrl-C (and `save_every`) keeps the training state in `OUT.resume/`, a sibling that never looks like a checkpoint;
-`--resume` continues from it and a finished conversion deletes it.
+Ctrl-C (and `save_every`, or an error in a single-process run) keeps the training state in `OUT.resume/`, a
+sibling that never looks like a checkpoint; `--resume` continues from it and a finished conversion deletes it.
+The checkpoint, which may be pushed, records its source and data without local paths: a folder by its name (a
+source folder by the Hub id it was saved from, where its config.json has one).
 Under `accelerate launch` every process trains, the main one alone exports and reports. Under FSDP no
 GPU holds the whole model: it loads into CPU memory (only on the main process with
 fsdp_cpu_ram_efficient_loading, the others get their shards from it), the perplexity and measurement
@@ -29,6 +31,7 @@ import yaml
 from accelerate import PartialState
 from transformers.utils.hub import convert_file_size_to_int
 
+from .card import is_hub_id
 from .data import TextData, resolve as resolve_data
 from .errors import ConfigError, DataError
 from .export import check_output_dir, export_checkpoint
@@ -88,6 +91,24 @@ def _identity(where: str | Path) -> str:
     return str(Path(where).resolve()) if Path(where).exists() else str(where)
 
 
+def _public_name(where: str | Path) -> str:
+    """A source or data argument as the checkpoint records it: a local path by its last component (the
+    checkpoint may be pushed, and a local path means nothing elsewhere), else as given (a Hub name)."""
+    path = Path(where).expanduser()
+    return path.resolve().name if path.exists() else str(where)
+
+
+def _base_model(source: str) -> str:
+    """The model `source` was converted from, as the checkpoint records it: a Hub id or "demo" as given; a local
+    folder as the Hub id its config.json records in `_name_or_path` (written by save_pretrained before
+    transformers 5), else by its name."""
+    if source == "demo" or not Path(source).expanduser().exists():
+        return source
+    config = json.loads((Path(source).expanduser() / "config.json").read_text())
+    origin = config.get("_name_or_path")
+    return origin if is_hub_id(origin) else _public_name(source)
+
+
 def run_summary(parameters: int, config: TrainConfig, processes: int = 1, sharded: bool = False) -> str:
     """The resolved settings of a conversion of a model of `parameters` and what its training state will take:
     printed at the start and by `convert --dry-run`."""
@@ -113,6 +134,7 @@ def convert(
     config: TrainConfig,
     *,
     data: str | None = None,
+    text_column: str = "text",
     device: str | None = None,
     resume: bool = False,
     overwrite: bool = False,
@@ -123,8 +145,9 @@ def convert(
     show_progress: bool = True,
 ) -> dict:
     """Convert `source` into a sparse checkpoint at `out`; returns the summary (perplexities, per-layer
-    statistics and plan, training log). `measure_kernels` plans each layer by timing the kernel settings
-    on this GPU (sparsify.tune) instead of by the cost model."""
+    statistics and plan, training log). `text_column`: the column of the data's rows that holds the text.
+    `measure_kernels` plans each layer by timing the kernel settings on this GPU (sparsify.tune) instead of by
+    the cost model."""
     check_device(device)
     launch = PartialState(cpu=on_cpu(device))
     main, processes = launch.is_main_process, launch.num_processes
@@ -143,7 +166,7 @@ def convert(
         raise DataError("--data is required (local .txt/.jsonl/.parquet files or folder, or a datasets name)")
     data_spec = data or demo_corpus_path()
     # what the training state depends on besides its settings: a resumed run must name the same
-    inputs = {"source": _identity(source), "data": _identity(data_spec)}
+    inputs = {"source": _identity(source), "data": _identity(data_spec), "text_column": text_column}
     if resume:  # before loading any weight
         check_resume(resume_dir, config, processes, inputs)
     resolve_data(data_spec)  # missing / empty / unknown format: before loading any weight
@@ -157,7 +180,7 @@ def convert(
                                         weights=main or not rank0_loading)
     require_tokenizer(tokenizer, source)
     config.validate(getattr(model.config, "max_position_embeddings", None))
-    text = TextData(data_spec, tokenizer, config.seq_len, config.eval_tokens)
+    text = TextData(data_spec, tokenizer, config.seq_len, config.eval_tokens, text_column)
     ppl = {}
     shown = show_progress and main
     if main:
@@ -211,8 +234,9 @@ def convert(
     plan = plan_model(model, spec, stats, text.eval_blocks, measure_kernels=measure_kernels and main, device=device,
                       mlp_inputs=captured)
     training = {
-        "base_model": source,
-        "data": str(data or "demo corpus"),
+        "base_model": _base_model(source),
+        "data": _public_name(data) if data else "demo corpus",
+        "text_column": text_column,
         "tokens": result.tokens,
         "steps": result.steps,
         "seconds": round(result.seconds, 1),

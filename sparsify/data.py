@@ -5,8 +5,9 @@ tokenizer's EOS between documents (labels = inputs: Hugging Face models shift th
 Evaluation text is never trained on: in a folder, files whose name starts with valid/validation/eval/test
 (like the demo corpus's valid.jsonl) are held out whole; otherwise (single files, Hub datasets) the first
 blocks of the training stream are held out and every epoch of training starts after them. A .txt file is one
-document; .jsonl/.parquet rows are documents, read from their "text" column. The `datasets` library is
-imported lazily, so checkpoints and `analyze` with local files still work where it is missing.
+document; .jsonl/.parquet rows and Hub dataset rows are documents, read from their `text_column` ("text" unless
+given). The `datasets` library is imported lazily, so checkpoints and `analyze` with local files still work
+where it is missing.
 """
 from __future__ import annotations
 
@@ -87,12 +88,12 @@ def _by_builder(files: list[Path]) -> dict[str, list[str]]:
     return groups
 
 
-def documents(source: dict[str, list[str]] | str) -> Iterator[str]:
-    """Stream the documents' texts (each pass re-reads the source)."""
+def documents(source: dict[str, list[str]] | str, text_column: str = "text") -> Iterator[str]:
+    """Stream the documents' texts, rows' from their `text_column` (each pass re-reads the source)."""
     try:
         import datasets
     except ImportError:
-        yield from _documents_without_datasets(source)
+        yield from _documents_without_datasets(source, text_column)
         return
     datasets.logging.set_verbosity_error()
     datasets.disable_progress_bars()
@@ -102,23 +103,25 @@ def documents(source: dict[str, list[str]] | str) -> Iterator[str]:
             stream = datasets.load_dataset(name, config, split=split, streaming=True)
         except Exception as e:  # the Hub client raises many kinds; all mean "cannot use this name"
             raise DataError(f"cannot load dataset {source!r}: {e}") from None
-        streams = [(source, stream)]
+        streams = [(source, stream, text_column)]
     else:
         streams = []
         for builder, files in source.items():
             options = {"sample_by": "document"} if builder == "text" else {}
-            streams.append((", ".join(files), datasets.load_dataset(builder, data_files=files, split="train", streaming=True, **options)))
-    for name, stream in streams:
+            # the text builder makes each .txt file one row, whose only column is "text"
+            stream = datasets.load_dataset(builder, data_files=files, split="train", streaming=True, **options)
+            streams.append((", ".join(files), stream, "text" if builder == "text" else text_column))
+    for name, stream, column in streams:
         try:
             for row in stream:
-                yield _text(row, name)
+                yield _text(row, name, column)
         except DataError:
             raise
         except Exception as e:  # malformed JSON / parquet surface as builder-specific errors
             raise DataError(f"cannot read {name}: {e}") from None
 
 
-def _documents_without_datasets(source: dict[str, list[str]] | str) -> Iterator[str]:
+def _documents_without_datasets(source: dict[str, list[str]] | str, text_column: str) -> Iterator[str]:
     # Minimal reader for machines without `datasets` (the GPU image): plain text and JSON lines only.
     if isinstance(source, str) or "parquet" in source:
         raise DataError("reading a Hub dataset or parquet files needs the `datasets` package: pip install datasets")
@@ -134,13 +137,14 @@ def _documents_without_datasets(source: dict[str, list[str]] | str) -> Iterator[
                             row = json.loads(line)
                         except json.JSONDecodeError as e:
                             raise DataError(f"cannot read {path}: line {number}: {e}") from None
-                        yield _text(row, path)
+                        yield _text(row, path, text_column)
 
 
-def _text(row: dict, name: str) -> str:
-    if "text" not in row:
-        raise DataError(f"{name}: rows have no 'text' field (fields: {', '.join(row)})")
-    return row["text"]
+def _text(row: dict, name: str, column: str) -> str:
+    if column not in row:
+        raise DataError(f"{name}: a row has no {column!r} column (its columns: {', '.join(row)}); name the one "
+                        f"that holds the text with --text-column")
+    return row[column]
 
 
 def blocks(docs: Iterator[str], tokenizer, seq_len: int) -> Iterator[torch.Tensor]:
@@ -160,12 +164,12 @@ def blocks(docs: Iterator[str], tokenizer, seq_len: int) -> Iterator[torch.Tenso
 
 
 class TextData:
-    """Packed blocks of one data source: `eval_blocks` (held out) and an endless training stream of
-    batches that cycles over the data (epochs) and can start at a saved position."""
+    """Packed blocks of one data source (rows read from their `text_column`): `eval_blocks` (held out) and an
+    endless training stream of batches that cycles over the data (epochs) and can start at a saved position."""
 
-    def __init__(self, spec: str | Path, tokenizer, seq_len: int, eval_tokens: int):
+    def __init__(self, spec: str | Path, tokenizer, seq_len: int, eval_tokens: int, text_column: str = "text"):
         self.source = resolve(spec)
-        self.tokenizer, self.seq_len = tokenizer, seq_len
+        self.tokenizer, self.seq_len, self.text_column = tokenizer, seq_len, text_column
         n_eval = max(1, -(-eval_tokens // seq_len))
         if self.source.eval is not None:
             self.eval_blocks = list(itertools.islice(self._blocks(self.source.eval), n_eval))
@@ -207,7 +211,7 @@ class TextData:
         return what, warnings
 
     def _blocks(self, source) -> Iterator[torch.Tensor]:
-        return blocks(documents(source), self.tokenizer, self.seq_len)
+        return blocks(documents(source, self.text_column), self.tokenizer, self.seq_len)
 
     def train_batches(self, batch_size: int, start: int = 0, rank: int = 0, world: int = 1, *,
                       shuffle_buffer: int = 0, seed: int = 0) -> Iterator[torch.Tensor]:

@@ -5,8 +5,8 @@ fused gate_up_proj); a unit is active for a token when it is > 0. The same hook 
 models (where this is the starting point of a conversion) and on converted ReLU ones. Beside per-token
 counts it counts active units per (token, tile) for the candidate TwELL tile widths, which decides
 whether a packed tile of `twell.slots(tile, compression)` slots overflows (twell.md sections 2 and 5), over
-all tokens and over the tokens of at most `twell.format.DENSE_HEAVY_UNITS` active units (large batched
-calls run heavier ones through the dense block, where their overflowing tiles cost nothing extra).
+all tokens and over the tokens of at most `twell.format.HEAVY_UNITS` active units (batched calls run
+heavier ones through the dense block, where their overflowing tiles cost nothing extra).
 With `sharded` (a model whose weights FSDP shards over the processes of torch.distributed) every process
 runs its share of the batches, as many forwards as the others (FSDP gathers a layer's weights
 collectively), and the sums and counts are combined over the processes: each gets the statistics of all
@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from twell import slots
-from twell.format import DENSE_HEAVY_UNITS
+from twell.format import HEAVY_UNITS
 
 from .families import FamilySpec, mlp_modules
 from .report import batch_progress
@@ -94,7 +94,7 @@ class _LayerCounter:
         position = active.sum(-1, dtype=torch.int64).sum(0).cpu()
         self.position = position if self.position is None else self.position + position
         flat = active.flatten(0, 1)
-        light = flat.sum(-1) <= DENSE_HEAVY_UNITS
+        light = flat.sum(-1) <= HEAVY_UNITS
         for tile in TILES:
             if tile > units:
                 continue
@@ -168,7 +168,7 @@ def measure(model, spec: FamilySpec, blocks: list[torch.Tensor], batch_size: int
     Per layer: mean / median / p99 / max active units per token, sparsity (fraction of inactive units),
     dead_frac (units that never fired on this text), per tile width the max and p99.9 of active units
     per (token, tile) and the fraction of (token, tile) pairs overflowing each compression's slots (also
-    counting only the pairs of tokens with at most DENSE_HEAVY_UNITS active units), and
+    counting only the pairs of tokens with at most HEAVY_UNITS active units), and
     position_active (mean active units at each sequence position). `sharded`: see the module docstring;
     `label`: as for perplexity."""
     counters = [_LayerCounter() for _ in mlp_modules(model, spec)]

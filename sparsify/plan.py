@@ -6,15 +6,12 @@ kernel runs from 4 output tiles an SM), refined with the costs that its inputs l
 gives per (tile, compression):
 - overflow: an overflowing (token, tile) is recomputed densely in the fallback (T gate rows, 2 * T * D
   bytes, at the L2 gather rate), so a fraction f of overflowing pairs costs f * 2 * D * I bytes per token
-  (from `twell.format.DENSE_HEAVY_FROM` tokens on, only the pairs of tokens light enough to be walked: the
-  heavier ones go through the dense block whole)
-  (the compression costs nothing else: the kernels write and read only a tile's used slots;
+  (batched, only the pairs of tokens light enough to be walked: the heavier ones go through the dense
+  block whole) (the compression costs nothing else: the kernels write and read only a tile's used slots;
   benchmarks/results/inference_tiles_h100.json, compressions 4, 8 and 16 alike where none overflows);
 - the heaviest token (`max_active`): the batched out kernel walks a row in one program; a row above
-  `twell.format.heavy_units` (a sequence's first token often is one) goes to the span kernel instead,
-  about 20 us plus 40 ns a unit (twell.format.SPLIT, SPAN_UNIT), which moves the window's lower end of
-  prefill sizes up (a first token of 2000 units: to about 2900 tokens at D 2048 / I 5632);
-  from DENSE_HEAVY_FROM tokens every call runs the dense block of such rows (twell.format.twell_time).
+  `twell.format.HEAVY_UNITS` (a sequence's first token often is one) goes to the dense block of heavy rows
+  instead (twell.format.twell_time).
 Every measured (tile, compression) gets a predicted speed-up over the dense block at `tokens` tokens
 (default: a 16k-token prefill, the regime of the paper's benchmark); the best one is the layer's setting.
 The speed-up depends on the token count (decode is memory-bound and wins most; a few hundred tokens can
@@ -30,8 +27,7 @@ from __future__ import annotations
 
 from math import isqrt
 
-from twell.format import (DENSE_HEAVY_FROM, FITTED_MIN_HIDDEN, FITTED_MIN_INTERMEDIATE, GATHER, dense_time,
-                          twell_time)
+from twell.format import FITTED_MIN_HIDDEN, FITTED_MIN_INTERMEDIATE, GATHER, decode_rows, dense_time, twell_time
 
 TOKENS = 16384
 # token counts the window is judged at: both sides of the decode path's ends (16 or 64 rows), then prefills
@@ -40,10 +36,10 @@ FITTED_TILE = 128  # the tile the main grids were measured at: ties go to it
 LLAMA_RATIO = 2.75      # I / D of the paper's models, used when the caller gives no hidden size
 
 
-def overflow_at(tile_stats: dict, compression: int, tokens: int) -> float:
-    """The share of (token, tile) pairs that overflow and are recomputed at `tokens` tokens a call (statistics
-    measured before the light-token split: all pairs)."""
-    light = tokens >= DENSE_HEAVY_FROM and "overflow_frac_light" in tile_stats
+def overflow_at(tile_stats: dict, compression: int, batched: bool) -> float:
+    """The share of (token, tile) pairs that overflow and are recomputed in a batched or a decode call
+    (statistics measured before the light-token split: all pairs)."""
+    light = batched and "overflow_frac_light" in tile_stats
     return tile_stats["overflow_frac_light" if light else "overflow_frac"][str(compression)]
 
 
@@ -86,8 +82,8 @@ def plan_layer(stats: dict, *, hidden_size: int | None = None, tokens: int = TOK
             f"{FITTED_MIN_INTERMEDIATE}): --measure times the kernels at any width")}}
     heaviest = stats.get("max_active")
     candidates = [
-        (round(predicted_speedup(stats["mean_active"], overflow_at(t, int(c), tokens), int(tile), d, units, tokens,
-                                 heaviest), 3), int(tile), int(c))
+        (round(predicted_speedup(stats["mean_active"], overflow_at(t, int(c), tokens > decode_rows(d, units)),
+                                 int(tile), d, units, tokens, heaviest), 3), int(tile), int(c))
         for tile, t in stats["tiles"].items()
         for c in t["overflow_frac"]
     ]
@@ -98,8 +94,8 @@ def plan_layer(stats: dict, *, hidden_size: int | None = None, tokens: int = TOK
     t = stats["tiles"][str(tile)]
     summary.update(predicted_speedup=speedup, max_tile_active_p999=t["p999"],
                    overflow_frac=t["overflow_frac"][str(compression)])
-    ranges = token_ranges([(n, predicted_speedup(stats["mean_active"], overflow_at(t, compression, n), tile, d, units,
-                                                 n, heaviest) > min_speedup) for n in TOKEN_GRID])
+    ranges = token_ranges([(n, predicted_speedup(stats["mean_active"], overflow_at(t, compression, n > decode_rows(d, units)),
+                                                 tile, d, units, n, heaviest) > min_speedup) for n in TOKEN_GRID])
     return layer_setting(tile, compression, ranges, summary)
 
 

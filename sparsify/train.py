@@ -29,11 +29,11 @@ pay for run as dense columns). A freshly relufied model starts dense. The log re
 its backup rows per window and its hot units. Ctrl-C (SIGINT) or SIGTERM saves the complete training
 state (accelerate's save_state: weights as safetensors, optimizer, scheduler, RNG; plus step, data position,
 log and dead-unit windows in state.json) to `resume_dir`, from which `resume=True` continues; `save_every`
-and `save_every_minutes` (default 30) also save it periodically. The signal is acted on at the end of the
-step in progress, the same step on every process (_StopRequest): a terminal's Ctrl-C reaches every process,
-and `accelerate launch` sends it
-to its workers again, so a KeyboardInterrupt would land in each process at a different point, one inside
-a collective the others have left.
+and `save_every_minutes` (default 30) also save it periodically, and in a single-process run an error in the
+training loop (bad data, out of memory) saves the last completed step before it propagates. The signal is acted
+on at the end of the step in progress, the same step on every process (_StopRequest): a terminal's Ctrl-C
+reaches every process, and `accelerate launch` sends it to its workers again, so a KeyboardInterrupt would land
+in each process at a different point, one inside a collective the others have left.
 """
 from __future__ import annotations
 
@@ -448,13 +448,18 @@ def train(
     progress = _progress(show_progress and accelerator.is_main_process, total, step)
     started, window_started = time.perf_counter() - elapsed, time.perf_counter()
 
+    saved_step = step  # the step of the state in resume_dir, if any
+    settled = True  # False from a step's update of the weights to its count and units' firing, and during a save
+
     def save():  # reported: a large sharded state is long to write
+        nonlocal saved_step, settled
         if progress:
             progress.console.print(f"step {step}: saving the training state to {resume_dir}")
-        saving = time.perf_counter()
+        saving, settled = time.perf_counter(), False
         _save(accelerator, resume_dir, {"step": step, "batches": consumed, "log": log,
                                         "seconds": time.perf_counter() - started, "last_fired": last_fired,
                                         "l1_reference": l1_reference, "processes": world, "inputs": inputs}, config)
+        saved_step, settled = step, True
         if progress:
             progress.console.print(f"saved in {time.perf_counter() - saving:.1f} s")
 
@@ -491,6 +496,7 @@ def train(
                 window.add(ce, kl, l1, layer_l1, torch.stack([m.stats.active.float() for m in mlps]),
                            torch.stack([m.backup_rows for m in mlps]))
             accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+            settled = False
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -503,6 +509,7 @@ def train(
             if last_fired is None:
                 last_fired = torch.zeros_like(step_fired)
             last_fired = torch.where(step_fired > 0, tokens, last_fired)  # a masked assignment would sync the host
+            settled = True
             if step % config.log_every == 0 or step == total:
                 now = time.perf_counter()
                 entry = window.entry(accelerator, step, tokens, weight, scheduler.get_last_lr()[0], last_fired, dead_window,
@@ -542,6 +549,15 @@ def train(
             if (due or config.save_every and step % config.save_every == 0) and step < total and resume_dir is not None:
                 save()
                 last_save = time.perf_counter()
+    except Exception:
+        # An error (bad data, out of memory) saves the last completed step, in single-process runs only: the save
+        # is collective, and the other processes wait in a collective of the step that the failed one never
+        # reaches (or fail at other points), so they would never join it. There the last periodic save stands.
+        if world == 1 and resume_dir is not None and settled and step > saved_step:
+            save()
+            console.print(f"the training state of step {step} of {total} is saved in {resume_dir}: run the same "
+                          "command with --resume to continue from it", soft_wrap=True)  # a path whole, for copying
+        raise
     finally:
         stop.close()
         for m in mlps:

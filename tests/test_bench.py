@@ -342,3 +342,12 @@ def test_bench_checkpoint_on_gpu(tmp_path):
     graphed = rows["generate_graphed"]
     assert graphed["compile_s"]["twell"] > 0 and graphed["greedy_match"] > 0 and min(graphed["matches_generate"].values()) > 0
     assert graphed["tokens"] == 8 and set(PATHS) == set(rows)
+
+
+def test_prefill_shapes_take_a_batch_or_batch_x_length():
+    from sparsify.bench import prefill_shapes
+
+    assert prefill_shapes([1, "8", "64x64", "16x256"], 2048) == [(1, 2048), (8, 2048), (64, 64), (16, 256)]
+    for bad in ("64x", "x64", "8y2", "0x64", "4x0"):
+        with pytest.raises(ConfigError, match="prefill row"):
+            prefill_shapes([bad], 2048)

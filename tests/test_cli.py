@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from huggingface_hub import ModelCard
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
@@ -22,6 +23,7 @@ from helpers import tiny_input_ids, tiny_model, tiny_tokenizer
 from sparsify import convert as convert_module
 from sparsify import data as data_module
 from sparsify import export
+from sparsify.errors import DataError
 from sparsify.families import FAMILIES
 
 # Tiny runs: 32-token sequences, 256 held-out tokens; options on the command line override the recipe.
@@ -176,19 +178,30 @@ def test_ctrl_c_then_resume(files, tmp_path, monkeypatch):
     assert not (tmp_path / "out.resume").exists()
 
 
+class Killed(BaseException):
+    """A kill: no handler of errors (Exception) sees it."""
+
+
+def failing_batches(n, error):
+    """TextData.train_batches, raising `error` when the (n+1)-th batch is read."""
+    real = data_module.TextData.train_batches
+
+    def batches(self, *args, **kwargs):
+        for i, batch in enumerate(real(self, *args, **kwargs)):
+            if i == n:
+                raise error
+            yield batch
+
+    return batches
+
+
 def test_a_killed_conversion_resumes_from_its_periodic_save(files, tmp_path, monkeypatch):
     out = tmp_path / "out"
     real = data_module.TextData.train_batches
-
-    def killed(self, *args, **kwargs):
-        for i, batch in enumerate(real(self, *args, **kwargs)):
-            if i == 3:  # dies in step 4, without time to save
-                raise RuntimeError("killed")
-            yield batch
-
-    monkeypatch.setattr(data_module.TextData, "train_batches", killed)
-    result = convert(files, "llama", out, "--steps", 5, "--save-every", 2)
-    assert isinstance(result.exception, RuntimeError) and not out.exists()
+    monkeypatch.setattr(data_module.TextData, "train_batches", failing_batches(3, Killed()))  # dies in step 4
+    with pytest.raises(Killed):
+        convert(files, "llama", out, "--steps", 5, "--save-every", 2)
+    assert not out.exists()
     assert json.loads((tmp_path / "out.resume" / "state.json").read_text())["step"] == 2
     monkeypatch.setattr(data_module.TextData, "train_batches", real)
     partial = tmp_path / "out.resume.tmp"  # what a later save killed midway would leave
@@ -198,6 +211,58 @@ def test_a_killed_conversion_resumes_from_its_periodic_save(files, tmp_path, mon
     assert result.exit_code == 0, result.output
     assert [e["step"] for e in json.loads((out / "training_log.json").read_text())["log"]] == [1, 2, 3, 4, 5]
     assert not (tmp_path / "out.resume").exists() and not partial.exists()
+
+
+def test_an_error_mid_run_saves_the_state_and_resume_finishes(files, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    real = data_module.TextData.train_batches
+    monkeypatch.setattr(data_module.TextData, "train_batches",
+                        failing_batches(2, DataError("train.jsonl: line 40: bad row")))  # in step 3
+    result = convert(files, "llama", out, "--steps", 5)
+    assert_user_error(result, "error: train.jsonl: line 40: bad row")
+    assert (f"the training state of step 2 of 5 is saved in {tmp_path / 'out.resume'}: run the same command with "
+            "--resume to continue from it") in " ".join(result.output.split())
+    assert not out.exists() and json.loads((tmp_path / "out.resume" / "state.json").read_text())["step"] == 2
+    monkeypatch.setattr(data_module.TextData, "train_batches", real)
+    result = convert(files, "llama", out, "--steps", 5, "--resume")
+    assert result.exit_code == 0, result.output
+    assert [e["step"] for e in json.loads((out / "training_log.json").read_text())["log"]] == [1, 2, 3, 4, 5]
+
+
+def test_text_column_reads_rows_from_another_column(files, tmp_path):
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"id": i, "content": f"def h{i}(z):\n    return z - {i}\n" * 6}) + "\n"
+                            for i in range(60)))
+    common = ["convert", model_folder(files, "llama"), "--data", data, "--recipe", files / "recipe.yaml", "--steps", 1]
+    assert_user_error(run(*common, "-o", tmp_path / "text"),
+                      f"{data}: a row has no 'text' column (its columns: id, content); name the one that holds the "
+                      "text with --text-column")
+    result = run(*common, "-o", tmp_path / "content", "--text-column", "content")
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "content" / "config.json").read_text())["twell"]["training"]["text_column"] == "content"
+
+
+@pytest.mark.parametrize("name_or_path, base_model", [("someone/base-model", "someone/base-model"),
+                                                      ("/home/me/models/base", None), (None, None)])
+def test_a_local_source_is_named_without_local_paths(files, tmp_path, name_or_path, base_model):
+    """A source folder is recorded as the Hub id its config.json was saved from (the card's base_model, a
+    finetune of it), else by its name, and the data by its name: no local path in what may be pushed."""
+    source = tmp_path / "my-llama"
+    shutil.copytree(model_folder(files, "llama"), source)
+    if name_or_path:  # written by save_pretrained before transformers 5
+        config = json.loads((source / "config.json").read_text())
+        (source / "config.json").write_text(json.dumps({**config, "_name_or_path": name_or_path}))
+    result = run("convert", source, "-o", tmp_path / "out", "--data", files / "corpus", "--recipe", files / "recipe.yaml",
+                 "--steps", 1)
+    assert result.exit_code == 0, result.output
+    training = json.loads((tmp_path / "out" / "config.json").read_text())["twell"]["training"]
+    assert training["base_model"] == (base_model or "my-llama") and training["data"] == "corpus"
+    card = ModelCard.load(tmp_path / "out" / "README.md")
+    assert card.data.base_model == base_model
+    assert card.data.to_dict().get("base_model_relation") == ("finetune" if base_model else None)
+    for name in ("README.md", "config.json", "training_log.json"):
+        text = (tmp_path / "out" / name).read_text()
+        assert str(tmp_path) not in text and str(files) not in text and "/home/me" not in text, name
 
 
 def test_push_to_hub_uploads_the_finished_folder(files, tmp_path, monkeypatch):

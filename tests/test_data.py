@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import tiny_tokenizer
-from sparsify.data import TextData, blocks, resolve
+from sparsify.data import TextData, blocks, documents, resolve
 from sparsify.errors import DataError
 
 EOS = tiny_tokenizer().eos_token_id
@@ -81,13 +81,35 @@ def test_parquet_and_mixed_folder(tmp_path):
         (lambda p: (p / "sub").mkdir() or p / "sub", "empty"),
         (lambda p: (p / "x.csv").write_text("text\nhello") and p / "x.csv", "unknown data format"),
         (lambda p: write_jsonl(p / "short.jsonl", ["hi"]), "shorter than one sequence"),
-        (lambda p: (p / "nt.jsonl").write_text('{"body": "x"}\n') and p / "nt.jsonl", "no 'text' field"),
+        (lambda p: (p / "nt.jsonl").write_text('{"body": "x"}\n') and p / "nt.jsonl", "no 'text' column"),
         (lambda p: (p / "bad.jsonl").write_text("{not json\n") and p / "bad.jsonl", "cannot read"),
     ],
 )
 def test_bad_data(tmp_path, make, message):
     with pytest.raises(DataError, match=message):
         TextData(make(tmp_path), tiny_tokenizer(), seq_len=64, eval_tokens=64)
+
+
+def test_text_column_names_the_column_of_rows(tmp_path, monkeypatch):
+    """.jsonl and .parquet rows (and Hub rows) are read from `text_column`; .txt files stay whole documents; a row
+    without the column is a DataError naming it and the row's columns, with or without `datasets`."""
+    datasets = pytest.importorskip("datasets")
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"id": i, "body": f"jsonl row {i} " * 5}) + "\n" for i in range(30)))
+    datasets.Dataset.from_dict({"body": ["parquet row " * 10] * 5}).to_parquet(str(tmp_path / "b.parquet"))
+    (tmp_path / "c.txt").write_text("plain text " * 30)
+    data = TextData(tmp_path, tiny_tokenizer(), seq_len=16, eval_tokens=32, text_column="body")
+    text = tiny_tokenizer().decode(torch.cat(list(data._blocks(data.source.train))))
+    assert "jsonl row 3" in text and "parquet row" in text and "plain text" in text and '"id"' not in text
+    with monkeypatch.context() as hub:
+        hub.setattr(datasets, "load_dataset", lambda *args, **kwargs: iter([{"content": "hello"}]))
+        assert list(documents("owner/name", "content")) == ["hello"]
+    for reader in ("datasets", "plain"):
+        if reader == "plain":
+            (tmp_path / "b.parquet").unlink()
+            monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
+        with pytest.raises(DataError, match=r"a\.jsonl: a row has no 'text' column \(its columns: id, body\); name the "
+                                            r"one that holds the text with --text-column"):
+            TextData(tmp_path, tiny_tokenizer(), seq_len=16, eval_tokens=32)
 
 
 def test_without_datasets_package_jsonl_and_txt_read_the_same(tmp_path, monkeypatch):

@@ -73,7 +73,9 @@ def test_export_reloads_both_ways_with_the_same_logits(family, tmp_path, monkeyp
     kernel = _remote_module(remote).gated_mlp
     monkeypatch.setattr(_remote_module(remote), "gated_mlp", lambda *a, **k: calls.append(k) or kernel(*a, **k))
     _close(_logits(remote, ids), expected)
-    assert calls == [{"tile": 64, "compression": 2, "precision": "highest"}]  # the sparse layer only
+    assert [{k: v for k, v in call.items() if k != "overflow"} for call in calls] == \
+        [{"tile": 64, "compression": 2, "precision": "highest"}]  # the sparse layer only
+    assert calls[0]["overflow"].item() > 0  # counted for the layer's ActivityRouter
 
     generated = remote.generate(ids[:1, :5], max_new_tokens=4, do_sample=False)
     assert generated.shape == (1, 9) and len(calls) > 1  # prefill and cached decode steps on the kernel
@@ -101,6 +103,28 @@ def test_sparse_tokens_window_picks_the_path_per_call(tmp_path, monkeypatch):
     out = export_checkpoint(model, tokenizer, tmp_path / "ckpt-bad-window", spec=spec, plan=bad, training=TRAINING)
     with pytest.raises(ValueError, match=r"sparse_tokens must be \[lo, hi\] ranges"):
         AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+
+
+def test_batched_calls_follow_the_activity_router(tmp_path, monkeypatch):
+    """Eager batched calls count their overflowing pairs for the layer's ActivityRouter; once a window
+    predicts a loss, the layer runs dense for PROBE_EVERY calls with the same logits, then measures again."""
+    model, tokenizer, spec = _relufied("llama")
+    out = export_checkpoint(model, tokenizer, tmp_path / "ckpt-router", spec=spec, plan=PLAN, training=TRAINING)
+    remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    module = _remote_module(remote)
+    calls, verdicts = [], []
+    kernel = module.gated_mlp
+    monkeypatch.setattr(module, "gated_mlp", lambda *a, **k: calls.append(k) or kernel(*a, **k))
+    monkeypatch.setattr(module.ActivityRouter, "WINDOW", 2)
+    monkeypatch.setattr(module.ActivityRouter, "PROBE_EVERY", 3)
+    monkeypatch.setattr(module.ActivityRouter, "loses", lambda self, share, tokens: verdicts.append(share) or True)
+    ids = tiny_input_ids()
+    expected = _logits(model, ids)
+    window = module.ActivityRouter.WINDOW
+    for _ in range(window + 3 + 1):
+        _close(_logits(remote, ids), expected)
+    assert len(calls) == window + 1  # a window on the kernels, three dense calls, the kernels again
+    assert len(verdicts) == 1 and verdicts[0] > 0  # the window's share of overflowing pairs
 
 
 def test_only_decode_steps_replay_graphs(tmp_path):
@@ -147,6 +171,7 @@ def test_checkpoint_layout(tmp_path):
 
     card = ModelCard.load(out / "README.md")
     assert card.data.base_model == "someone/tiny-base" and card.data.library_name == "transformers"
+    assert card.data.to_dict()["base_model_relation"] == "finetune"
     assert card.data.pipeline_tag == "text-generation" and "phi3" in card.data.tags
     sparsity = 100 * (1 - 70.5 / INTERMEDIATE)
     assert f"| 0 | 70.5 | {sparsity:.2f} | 1.25 | T64 C2 |" in card.text
@@ -163,7 +188,7 @@ def test_modeling_file_needs_only_torch_and_transformers():
                  if isinstance(node, ast.ImportFrom) and node.level == 0}
     assert absolute == {"importlib", "os", "torch", "warnings"}
     relative = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 1}
-    assert relative == {"format", "gated_mlp", "graphs", "generation"}
+    assert relative == {"format", "gated_mlp", "graphs", "routing", "generation"}
     generation = ast.parse(GENERATION_FILE.read_text())  # shipped beside it: torch, transformers and the stdlib
     assert {alias.name for node in ast.walk(generation) if isinstance(node, ast.Import) for alias in node.names} \
         | {node.module.split(".")[0] for node in ast.walk(generation) if isinstance(node, ast.ImportFrom)} \

@@ -10,7 +10,7 @@ from sparsify.families import spec_for
 from sparsify import measure as measure_module
 from sparsify.measure import measure, perplexity, slots
 from sparsify.relufy import relufy
-from twell.format import DENSE_HEAVY_UNITS
+from twell.format import HEAVY_UNITS
 
 
 def gate_preactivations(model, ids):
@@ -50,7 +50,7 @@ def test_statistics_match_direct_computation(family, relu):
         assert set(layer["tiles"]) == {"64", "128"}  # 256 is wider than the 160 units
         per_tile = torch.nn.functional.pad(active, (0, 32)).view(60, -1, 64).sum(-1)  # 160 units -> 3 tiles of 64
         assert layer["tiles"]["64"]["max"] == per_tile.max().item()
-        light = (per_token <= DENSE_HEAVY_UNITS)[:, None]
+        light = (per_token <= HEAVY_UNITS)[:, None]
         for c, frac in layer["tiles"]["64"]["overflow_frac"].items():
             assert frac == pytest.approx((per_tile > slots(64, int(c))).double().mean().item())
             light_frac = layer["tiles"]["64"]["overflow_frac_light"][c]

@@ -26,10 +26,9 @@ def test_sparse_at_29_active_without_overflow():
     assert layer["sparse_tokens"] == [[1, None]] and describe(layer) == "T128 C16"
 
 
-def test_heavy_tokens_overflow_costs_nothing_in_large_batches():
-    """Overflow only from tokens heavy enough for the dense block (overflow_frac_light 0): from
-    DENSE_HEAVY_FROM tokens it costs nothing, so the plan packs as narrowly as without it; below, the
-    overflowing pairs are recomputed and count."""
+def test_heavy_tokens_overflow_costs_nothing_in_batched_calls():
+    """Overflow only from tokens heavy enough for the dense block (overflow_frac_light 0): batched it costs
+    nothing, so the plan packs as narrowly as without it; in decode, the overflowing pairs count."""
     layer_stats = stats(29, {t: {c: 0.02 for c in (2, 4, 8, 16)} for t in (64, 128, 256)})
     for t in layer_stats["tiles"].values():
         t["overflow_frac_light"] = {c: 0.0 for c in t["overflow_frac"]}
@@ -134,21 +133,20 @@ def test_plan_layers_keeps_order():
     assert plans[0]["sparse_tokens"] != plans[1]["sparse_tokens"]
 
 
-def test_heavy_tokens_cost_the_span_kernel_or_the_dense_block():
-    """A token with 1000-2000 active units: below DENSE_HEAVY_FROM tokens it goes to the span kernel, about
-    20 us plus 40 ns a unit, so decode and prefills from a few thousand tokens stay sparse and shorter
-    prefills run dense; from DENSE_HEAVY_FROM tokens every call runs the dense block of the heavy rows, heavy
-    token or not. Below heavy_units the row walks itself, in the fitted terms."""
+def test_heavy_tokens_cost_the_dense_block_of_heavy_rows():
+    """A token with 1000-2000 active units goes to the dense block of heavy rows at every batched size, one
+    such row a call in the plan's prediction: decode and long prefills stay sparse, and the window's lower
+    end of prefills moves up (the block's fixed cost weighs most in short calls). Below HEAVY_UNITS the row
+    walks itself, in the fitted terms."""
     light = plan_layer(stats(29) | {"max_active": 60}, hidden_size=D)  # about twice the mean: ordinary
     assert light["sparse_tokens"] == plan_layer(stats(29), hidden_size=D)["sparse_tokens"]
     for heaviest in (1000, 2000):
         heavy = plan_layer(stats(29) | {"max_active": heaviest}, hidden_size=D)
         assert heavy["stats"]["max_active"] == heaviest
-        assert heavy["stats"]["predicted_speedup"] == light["stats"]["predicted_speedup"]  # 16384 tokens
+        assert 0.9 * light["stats"]["predicted_speedup"] < heavy["stats"]["predicted_speedup"] \
+            < light["stats"]["predicted_speedup"]  # 16384 tokens
         assert 0.7 * predicted_speedup(29, 0.0, 128, D, I, 4096, 60) < predicted_speedup(29, 0.0, 128, D, I, 4096,
                                                                                             heaviest) \
             < predicted_speedup(29, 0.0, 128, D, I, 4096, 60)
         assert heavy["sparse_tokens"][0][0] == 1 and heavy["sparse_tokens"][-1][1] is None
-    # a short prefill with a first token of 2000 units runs dense (1024-2048 tokens lost 0.84-0.89x on an H100)
-    heavy = plan_layer(stats(29) | {"max_active": 2000}, hidden_size=D)
-    assert light["sparse_tokens"][-1][0] <= 1024 < 2048 < heavy["sparse_tokens"][-1][0] <= 4096
+        assert light["sparse_tokens"][-1][0] < heavy["sparse_tokens"][-1][0] <= 4096

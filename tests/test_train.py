@@ -1,5 +1,5 @@
 """Training: the L1 term against a hand computation, config validation, the coefficient warm-up, dead-unit
-tracking, and Ctrl-C -> resume giving the same weights as an uninterrupted run."""
+tracking, and Ctrl-C (or an error) -> resume giving the same weights as an uninterrupted run."""
 import copy
 import dataclasses
 import json
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import tiny_model
-from sparsify.errors import ConfigError
+from sparsify.errors import ConfigError, DataError
 from sparsify import relufy as relufy_module
 from sparsify.relufy import relufy
 from sparsify.train import (TrainConfig, TrainingInterrupted, _progress_text, l1_coeff, slow_save_warning, source_share,
@@ -290,22 +290,31 @@ def test_interrupt_then_resume_equals_uninterrupted(tmp_path, relative):
         torch.testing.assert_close(a, b, msg=name)
 
 
+def failing_batches(n, error):
+    """batches_from(), raising `error` when the (n+1)-th micro-batch is read."""
+    def batches(start, rank, world):
+        for i, b in enumerate(batches_from()(start, rank, world)):
+            if i == n:
+                raise error
+            yield b
+
+    return batches
+
+
+class Killed(BaseException):
+    """A kill: no handler of errors (Exception) sees it."""
+
+
 def test_a_killed_run_resumes_from_its_last_periodic_save(tmp_path):
-    """save_every: a run that dies without saving (here an error while reading step 4's batch, as a kill)
-    resumes from the state saved after step 2 and ends with the uninterrupted run's weights."""
+    """save_every: a run that dies without saving (here killed while reading step 4's batch) resumes from the
+    state saved after step 2 and ends with the uninterrupted run's weights."""
     cfg = config(steps=5, log_every=1, save_every=2)
     straight, _ = tiny_model("llama")
     killed = copy.deepcopy(straight)
     train(straight, relufy(straight), batches_from(), cfg, device="cpu", show_progress=False)
-
-    def dies_at_step_4(start, rank, world):
-        for i, b in enumerate(batches_from()(start, rank, world)):
-            if i == 3:
-                raise RuntimeError("killed")
-            yield b
-
-    with pytest.raises(RuntimeError, match="killed"):
-        train(killed, relufy(killed), dies_at_step_4, cfg, resume_dir=tmp_path / "r", device="cpu", show_progress=False)
+    with pytest.raises(Killed):
+        train(killed, relufy(killed), failing_batches(3, Killed()), cfg, resume_dir=tmp_path / "r", device="cpu",
+              show_progress=False)
     assert json.loads((tmp_path / "r" / "state.json").read_text())["step"] == 2
     assert not (tmp_path / "r.tmp").exists()
     resumed, _ = tiny_model("llama", seed=1)
@@ -315,6 +324,61 @@ def test_a_killed_run_resumes_from_its_last_periodic_save(tmp_path):
     assert json.loads((tmp_path / "r" / "state.json").read_text())["step"] == 4  # saved again on the way
     for (name, a), b in zip(straight.named_parameters(), resumed.parameters()):
         torch.testing.assert_close(a, b, msg=name)
+
+
+def failing_at_call(n, error):
+    """A function that raises `error` at its n-th call (1-based) and does nothing before."""
+    calls = []
+
+    def fail(*args, **kwargs):
+        calls.append(None)
+        if len(calls) == n:
+            raise error
+
+    return fail
+
+
+@pytest.mark.parametrize("where", ["data", "forward"])
+def test_an_error_saves_the_last_completed_step_and_resume_continues(tmp_path, capsys, where):
+    """An error in step 3 (bad data read for it, or out of memory in its forward) saves the state of step 2,
+    says where and how to resume, and propagates unchanged; resuming ends with the uninterrupted run's weights."""
+    cfg = config(steps=5, grad_accum=2, log_every=1)
+    straight, _ = tiny_model("llama")
+    failing = copy.deepcopy(straight)
+    train(straight, relufy(straight), batches_from(), cfg, device="cpu", show_progress=False)
+
+    error = DataError("bad row") if where == "data" else torch.cuda.OutOfMemoryError("CUDA out of memory")
+    mlps = relufy(failing)
+    batches = failing_batches(5, error) if where == "data" else batches_from()  # step 3's 2nd micro-batch
+    if where == "forward":
+        mlps[1].register_forward_pre_hook(failing_at_call(5, error))  # step 3's 1st micro-batch
+    with pytest.raises(type(error)) as raised:
+        train(failing, mlps, batches, cfg, resume_dir=tmp_path / "r", device="cpu", show_progress=False)
+    assert raised.value is error
+    assert json.loads((tmp_path / "r" / "state.json").read_text())["step"] == 2
+    assert (f"the training state of step 2 of 5 is saved in {tmp_path / 'r'}: run the same command with --resume "
+            "to continue from it") in " ".join(capsys.readouterr().err.split())
+    resumed, _ = tiny_model("llama", seed=1)
+    result = train(resumed, relufy(resumed), batches_from(), cfg, resume_dir=tmp_path / "r", resume=True, device="cpu",
+                   show_progress=False)
+    assert [e["step"] for e in result.log] == [1, 2, 3, 4, 5]
+    for (name, a), b in zip(straight.named_parameters(), resumed.parameters()):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+def test_an_error_before_a_completed_step_or_within_an_update_saves_nothing(tmp_path, monkeypatch):
+    # in the first step there is nothing to save; in the optimizer's update the weights may be half updated
+    model, _ = tiny_model("llama")
+    with pytest.raises(DataError):
+        train(model, relufy(model), failing_batches(0, DataError("bad row")), config(), resume_dir=tmp_path / "first",
+              device="cpu", show_progress=False)
+    assert not (tmp_path / "first").exists()
+    monkeypatch.setattr(torch.optim.AdamW, "step", failing_at_call(3, RuntimeError("in the update")))
+    model, _ = tiny_model("llama")
+    with pytest.raises(RuntimeError, match="in the update"):
+        train(model, relufy(model), batches_from(), config(), resume_dir=tmp_path / "update", device="cpu",
+              show_progress=False)
+    assert not (tmp_path / "update").exists()
 
 
 def test_the_state_is_saved_when_the_minutes_have_passed(tmp_path, monkeypatch):

@@ -10,7 +10,7 @@ import torch
 import triton
 
 import twell
-from twell.format import SPAN, empty_twell, heavy_units, slots
+from twell.format import empty_twell, slots
 import twell.gated_mlp  # noqa: F401  (the module, beside the function of the same name)
 from twell.gated_mlp import decode_tile_stride, gate_config, gate_launch, out_config, out_launch
 
@@ -121,13 +121,6 @@ def walked_units(counts, s, ts):
     return units, over, units + over * ts
 
 
-def split_work(counts, s, ts, m):
-    """Per row: whether the batched out kernel posts it to the span kernel, and its work items."""
-    units, over, walked = walked_units(counts, s, ts)
-    heavy = walked > heavy_units(m)
-    return heavy, torch.where(heavy, -(-units // SPAN) + over, 0)
-
-
 @pytest.mark.parametrize("mode", ["fused", "batched pre-pass", "decode pre-pass"])
 @pytest.mark.parametrize("chunk_slots", [2048, 32])  # 32: 2 tiles of 16 slots a chunk, several a row
 def test_list_compaction_in_place(chunk_slots, mode, monkeypatch):
@@ -165,101 +158,75 @@ def test_list_compaction_in_place(chunk_slots, mode, monkeypatch):
         assert torch.equal(tw.values[r].flatten()[:n], values)
 
 
-@pytest.mark.parametrize("gated", [True, False])
-def test_heavy_rows_split_into_work_items(gated):
-    """Batched: the out kernel leaves heavy rows unwritten and posts their work items (list spans and
-    overflowing tiles); the span kernel computes them into partial rows and sums those. NaN-poisoned."""
+def counted_rows(m, d, i, units):
+    """x, gate, up, down where row r has exactly units[r] active units (the first ones): gate[:, 0] = 1,
+    gate[j, 1] = -(j + 0.5), the rest of gate zero, x[r, 0] = units[r], x[r, 1] = 1."""
+    x, _, up, down = block(m, d, i, k=8)
+    gate = torch.zeros(i, d, device=DEV)
+    gate[:, 0] = 1.0
+    gate[:, 1] = -(torch.arange(i, device=DEV) + 0.5)
+    x[:, 0] = torch.as_tensor(units, dtype=torch.float32, device=DEV)
+    x[:, 1] = 1.0
+    return x, gate, up, down
+
+
+@pytest.mark.parametrize("gated,h_fp32", [(True, False), (False, False), (True, True)])
+def test_heavy_rows_through_the_dense_block(gated, h_fp32):
+    """Batched: the out kernel leaves the rows with more than HEAVY_UNITS units to walk unwritten and posts
+    their indices (rows at HEAVY_UNITS - 1, HEAVY_UNITS stay, HEAVY_UNITS + 1 and every unit go); the
+    dense block writes exactly those. NaN-poisoned."""
     torch.manual_seed(3)
-    m, d, i, tile, comp = 70, 24, 300, 64, 2  # 5 tiles of 32 slots: heavy rows fit up to 160 units
-    (x, gate, up, down), tw, s = heavy_rows_packed(m, d, i, tile, comp)
-    heavy, items = split_work(tw.counts, s, tile, m)
-    assert heavy[3] and heavy[m - 1] and not heavy[m // 2] and items[3] >= 3
+    m, d, i, tile = 70, 24, 300, 64
+    heavy_units = gm.HEAVY_UNITS
+    units = [n % 40 for n in range(m)]
+    units[3:7] = heavy_units - 1, heavy_units, heavy_units + 1, i
+    units[8] = 0
+    x, gate, up, down = counted_rows(m, d, i, units)
+    s = slots(tile, 1)  # no tile overflows: a row walks exactly its units
+    tw = empty_twell(m, i, tile, 1, torch.float32 if h_fp32 else x.dtype, x.device)
+    gate_launch(x, gate, None, tile, s, tw.values.dtype, gate_config(m, tile, 4, decode=False))(
+        x, gate, gate, gate, *tw[:3], tw.values)
+    assert tw.counts.sum(1).tolist() == units
+    heavy = torch.tensor(units, device=DEV) > heavy_units
+    launches = out_launch(x, i, tile, s, gated, h_fp32, True, out_config(m, d, decode=False))
     out = torch.full_like(x, float("nan"))
     overflow = torch.zeros(1, dtype=torch.int64, device=DEV)
     down_t = down.t().contiguous()
-    launches = out_launch(x, i, tile, s, gated, False, True, out_config(m, d, decode=False))
-    workspace = torch.zeros(1 + 3 * gm.span_capacity(d), dtype=torch.int32, device=DEV)
-    weights = (gate, up if gated else down_t, down_t, out)
-    assert launches.compact is None  # the out kernel's programs compact their rows' lists
-    launches.out(x, *tw[:3], tw.values, *weights, overflow, workspace)
-    assert out[heavy].isnan().all() and not out[~heavy].isnan().any()
-    assert workspace[0].item() == items.sum().item()
-    assert overflow.item() == (tw.counts > s).sum().item()
-    partials = torch.full((gm.span_capacity(d), d), float("nan"), device=DEV)
-    launches.spans(x, *tw[:3], *weights, workspace, partials)
-    h = torch.relu(x @ gate.t()) * (x @ up.t()) if gated else torch.relu(x @ gate.t())
-    ref = h @ down.t()
-    assert rel_err(out, ref) < 1e-5
-    for row in heavy.nonzero().flatten().tolist():
-        assert rel_err(out[row], ref[row]) < 1e-5, row
-
-
-def test_heavy_rows_beyond_the_workspace_walk_themselves(monkeypatch):
-    """A workspace too small for every heavy row's items: rows that find no room walk themselves."""
-    torch.manual_seed(4)
-    m, d, i = 70, 24, 300
-    x, gate, up, down = heavy_rows_block(m, d, i)
-    x[5, 0] = x[3, 0]  # three heavy rows: two of about 135 units, one with 5 overflowing tiles
-    counts = twell.pack(torch.relu(x @ gate.t()), tile=64, compression=2).counts
-    heavy, items = split_work(counts, slots(64, 2), 64, m)
-    assert heavy.sum() == 3
-    # room for the first heavy row's items only (the interpreter runs the programs in row order)
-    monkeypatch.setattr(gm, "_PLANS", type(gm._PLANS)())  # plans built with the real capacity
-    monkeypatch.setattr(gm, "span_capacity", lambda d: items[3].item())
-    overflow = torch.zeros(1, dtype=torch.int64, device=DEV)
-    out = twell.gated_mlp(x, gate, up, down, tile=64, compression=2, overflow=overflow)
-    assert rel_err(out, reference(x, gate, up, down)) < 1e-5
-    assert overflow.item() == (counts > slots(64, 2)).sum().item()
-
-
-@pytest.mark.parametrize("gated", [True, False])
-def test_heavy_rows_through_the_dense_block(gated, monkeypatch):
-    """Batched from DENSE_HEAVY_FROM tokens: the out kernel leaves rows above DENSE_HEAVY_UNITS unwritten and
-    posts their indices; the dense block writes them, and its empty list slots write only the spare row
-    past the last one. NaN-poisoned."""
-    monkeypatch.setattr(gm, "DENSE_HEAVY_FROM", 64)
-    torch.manual_seed(3)
-    m, d, i, tile, comp = 70, 24, 300, 64, 2
-    (x, gate, up, down), tw, s = heavy_rows_packed(m, d, i, tile, comp)
-    heavy = walked_units(tw.counts, s, tile)[2] > gm.DENSE_HEAVY_UNITS
-    assert heavy.tolist().count(True) == 2 and heavy[3] and heavy[m - 1]
-    launches = out_launch(x, i, tile, s, gated, False, True, out_config(m, d, decode=False))
-    assert launches.spans is None and launches.dense_rows == gm.heavy_row_capacity(m) > 2
-    out = torch.full((m + launches.spare_rows, d), float("nan"), device=DEV)
-    overflow = torch.zeros(1, dtype=torch.int64, device=DEV)
-    down_t = down.t().contiguous()
-    workspace = torch.zeros(1 + launches.dense_rows, dtype=torch.int32, device=DEV)
     up_or_down = up if gated else down_t
+    workspace = torch.zeros(1 + m, dtype=torch.int32, device=DEV)
     launches.out(x, *tw[:3], tw.values, gate, up_or_down, down_t, out, overflow, workspace)
-    assert out[:m][heavy].isnan().all() and not out[:m][~heavy].isnan().any()
-    assert workspace[0].item() == 2 and sorted(workspace[1:3].tolist()) == [3, m - 1]
-    assert overflow.item() == (tw.counts > s).sum().item()
-    gm.dense_heavy_rows(x, gate, up if gated else None, down_t, out, workspace)
-    h = torch.relu(x @ gate.t()) * (x @ up.t()) if gated else torch.relu(x @ gate.t())
-    assert rel_err(out[:m], h @ down.t()) < 1e-5
-    monkeypatch.setattr(gm, "_PLANS", type(gm._PLANS)())  # plans built with the real DENSE_HEAVY_FROM
-    if gated:
-        full = twell.gated_mlp(x, gate, up, down, tile=tile, compression=comp)
-    else:
-        full = twell.mlp(x, gate, down, tile=tile, compression=comp)
-    assert full.shape == x.shape and full.is_contiguous()
-    assert rel_err(full, h @ down.t()) < 1e-5
+    assert out[heavy].isnan().all() and not out[~heavy].isnan().any()
+    assert workspace[0].item() == 2 and sorted(workspace[1:3].tolist()) == [5, 6]
+    h = torch.full((m, i), float("nan"), dtype=tw.values.dtype, device=DEV)
+    gate_up_launch, down_launch, finish_launch, splits = launches.heavy
+    partials = torch.full((splits, gm.HEAVY_FEW_ROWS, d), float("nan"), device=DEV)
+    gate_up_launch(x, gate, up_or_down, workspace, h)
+    down_launch(h, down_t, workspace, out, partials)
+    finish_launch(partials, workspace, out)
+    ref = torch.relu(x @ gate.t()) * (x @ up.t()) if gated else torch.relu(x @ gate.t())
+    ref = ref @ down.t()
+    assert rel_err(out, ref) < 1e-5
+    for row in (5, 6):
+        assert rel_err(out[row], ref[row]) < 1e-5, row
+    full = twell.gated_mlp(x, gate, up, down, tile=tile, compression=1) if gated else \
+        twell.mlp(x, gate, down, tile=tile, compression=1)
+    assert rel_err(full, ref) < 1e-5
 
 
-def test_dense_block_rows_beyond_its_capacity_walk_themselves(monkeypatch):
-    """More heavy rows than the dense block holds: the ones that find the list full walk themselves."""
-    monkeypatch.setattr(gm, "_PLANS", type(gm._PLANS)())
-    monkeypatch.setattr(gm, "DENSE_HEAVY_FROM", 64)
-    monkeypatch.setattr(gm, "heavy_row_capacity", lambda m: 1)
-    torch.manual_seed(4)
-    m, d, i = 70, 24, 300
+def test_heavy_rows_with_overflowing_tiles_and_many_of_them():
+    """Half the rows heavy, with overflowing tiles (which count toward a row's walk): more than
+    HEAVY_FEW_ROWS, so the dense block takes them in square tiles (its programs loop over several blocks of
+    rows) instead of the few-row split; overflow is counted for every row."""
+    torch.manual_seed(6)
+    m, d, i, tile, comp = 80, 24, 300, 64, 4
     x, gate, up, down = heavy_rows_block(m, d, i)
-    x[5, 0] = x[3, 0]  # three heavy rows, room for one
+    x[: m // 2, 0] = x[3, 0]  # half the rows about 45% active: 4-5 overflowing tiles each
     overflow = torch.zeros(1, dtype=torch.int64, device=DEV)
-    out = twell.gated_mlp(x, gate, up, down, tile=64, compression=2, overflow=overflow)
+    out = twell.gated_mlp(x, gate, up, down, tile=tile, compression=comp, overflow=overflow)
     assert rel_err(out, reference(x, gate, up, down)) < 1e-5
-    counts = twell.pack(torch.relu(x @ gate.t()), tile=64, compression=2).counts
-    assert overflow.item() == (counts > slots(64, 2)).sum().item()
+    counts = twell.pack(torch.relu(x @ gate.t()), tile=tile, compression=comp).counts
+    assert overflow.item() == (counts > slots(tile, comp)).sum().item() > m // 2
+    assert m // 2 > gm.HEAVY_FEW_ROWS
 
 
 def overflow_count(g, tile, compression):
@@ -659,22 +626,22 @@ def test_gpu_no_sync_cuda_graph_and_compile():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [4096, 16384])  # heavy rows through the span kernel / the dense block
+@pytest.mark.parametrize("m", [512, 4096, 16384])
 def test_gpu_heavy_rows_deterministic_and_capturable(m):
-    """Batched bf16 with heavy tokens (1000-2000 units, a dense one, one of 2000 every 2048 tokens): within
-    the dense block's error, bit-equal across calls (the span kernel sums partials in item order; the
-    dense block is cuBLAS), replayable as a CUDA graph."""
+    """Batched bf16 with heavy tokens (1000-2000 units, a dense one, one of 2000 every 2048 tokens) through
+    the dense block of heavy rows: within the dense block's error, bit-equal across calls, replayable as a
+    CUDA graph."""
     x, gate, up, down = block(m, 2048, 5632, k=29, dtype=torch.bfloat16)
     bias = NormalDist().inv_cdf(1 - 29 / 5632)
     x[::2048, 0] = NormalDist().inv_cdf(1 - 2000 / 5632) / bias
-    x[1000, 0] = NormalDist().inv_cdf(1 - 1000 / 5632) / bias
-    x[2000, 0] = -30.0
+    x[m // 4, 0] = NormalDist().inv_cdf(1 - 1000 / 5632) / bias
+    x[m // 2, 0] = -30.0
     down = twell.prepare_down(down)
     ref = reference(x, gate, up, down)
     dense = (torch.relu(x @ gate.t()) * (x @ up.t())) @ down.t()
     fn = lambda: twell.gated_mlp(x, gate, up, down, compression=2)
     expected = fn()
-    for row in (0, 1000, 2000):
+    for row in (0, m // 4, m // 2):
         assert rel_err(expected[row], ref[row]) < max(1.25 * rel_err(dense[row], ref[row]), 4e-3), row
     assert rel_err(expected, ref) < 4e-3
     assert all(torch.equal(fn(), expected) for _ in range(3))

@@ -4,9 +4,12 @@ swaps each decoder layer's MLP for a `TwellGatedMLP` that keeps the projection c
 names, so the standard weights load unchanged. Where the layer's plan says "sparse", the call's token
 count lies in one of the plan's "sparse_tokens" ranges (where the kernels beat dense on this layer's
 shape), and the TwELL kernels can run (CUDA; or CPU fp32/fp16 under TRITON_INTERPRET=1, which tests use),
-the MLP runs on them (eager decode steps of up to 64 sequences replayed as CUDA graphs; prefill calls launch
-the kernels directly, so that every generate call allocates alike: the CUDA-graph trees of a compiled
-decode step key on the static cache's addresses, and a graph captured mid-prefill moves them); otherwise,
+the MLP runs on them: eager decode steps of up to 64 sequences replayed as CUDA graphs; other eager calls
+as routing.py decides (on a GPU, calls whose dense block is short run dense, bound by the kernels' host time;
+longer ones launch the kernels directly, unless the layer's recent calls were so active that they lose), never
+captured, so that every
+generate call allocates alike (the CUDA-graph trees of a compiled decode step key on the static cache's
+addresses, and a graph captured mid-prefill moves them); traced or captured calls, the kernels. Otherwise,
 and whenever gradients are needed (the inference kernels have no backward), it runs the same ReLU math
 densely. The kernels read the down weight transposed: it is stored so at construction and again once
 from_pretrained has loaded the weights (same shape and values, so state dicts keep the standard layout). Under
@@ -28,8 +31,9 @@ try:
     from .format import use_triton
     from .gated_mlp import gated_mlp, prepare_down
     from .graphs import DecodeGraphs
+    from .routing import ActivityRouter, eager, eager_dense
 except ImportError:  # no kernel files: dense ReLU math everywhere
-    gated_mlp = prepare_down = DecodeGraphs = use_triton = None
+    gated_mlp = prepare_down = DecodeGraphs = use_triton = ActivityRouter = eager = eager_dense = None
 from .generation import LoopUnsupported, generate_graphed, graphed_call, release_graphed
 
 BASE_MODEL = "transformers.models.llama.modeling_llama.LlamaForCausalLM"
@@ -67,6 +71,8 @@ class TwellGatedMLP(nn.Module):
         # eager decode calls replay CUDA graphs of the kernels: the two launches cost more host time than
         # the dense block's cuBLAS calls, the graph far less (graphs.py)
         self.graphs = DecodeGraphs() if DecodeGraphs is not None else None
+        self.router = None  # ActivityRouter of eager batched calls, made at the first one
+        self.mean_active = plan.get("stats", {}).get("mean_active", 0.0)
         self.prepare_kernel_layout()  # models built from a config; from_pretrained again once loaded
 
     def _projections(self):
@@ -108,11 +114,24 @@ class TwellGatedMLP(nn.Module):
         if self._use_kernel(x):
             gate, up = self._gate_up_weights()
             down = getattr(self, self.down_name).weight
-            precision = "highest" if x.dtype == torch.float32 else "default"
-            if torch.compiler.is_compiling() or x.shape[-2] != 1:  # traced (the custom op), or not a decode step
-                return gated_mlp(x, gate, up, down, tile=self.tile, compression=self.compression, precision=precision)
-            return self.graphs(gated_mlp, x, gate, up, down, tile=self.tile, compression=self.compression,
-                               precision=precision)
+            kernel = dict(tile=self.tile, compression=self.compression,
+                          precision="highest" if x.dtype == torch.float32 else "default")
+            if not eager(x):  # traced (the custom op) or captured: no host time, no routing
+                return gated_mlp(x, gate, up, down, **kernel)
+            tokens = x.numel() // x.shape[-1]
+            if x.shape[-2] == 1:  # a decode step: replayed as a CUDA graph (graphs.py says where it can)
+                return self.graphs(gated_mlp, x, gate, up, down, **kernel)
+            if not (x.is_cuda and eager_dense(tokens, *gate.shape[::-1])):  # host-bound on a GPU: dense
+                if self.router is None:
+                    self.router = ActivityRouter(gate.shape[1], gate.shape[0], self.tile, self.mean_active)
+                counter = self.router.overflow_counter(x, tokens)
+                if counter is not None:
+                    out = gated_mlp(x, gate, up, down, overflow=counter, **kernel)
+                    self.router.after_kernel_call()
+                    return out
+        return self._dense(x)
+
+    def _dense(self, x):
         if self.gate_up_name:
             gate, up = getattr(self, self.gate_up_name)(x).chunk(2, dim=-1)
         else:

@@ -1,0 +1,98 @@
+"""Which path an eager call of a sparse layer takes: the kernels, or the dense block.
+
+A layer's plan says at which token counts its kernels beat dense for the activity it was calibrated on. Two
+things it cannot know decide the rest:
+- Host time. An eager call launches the kernels one by one (six launches batched, about 250 us of host time
+  on an H100 host against the dense block's 130-180 us), so a call whose dense block takes less GPU time
+  than about EAGER_MIN_DENSE_S is bound by its host and runs dense (`eager_dense`). Decode steps replay CUDA
+  graphs (graphs.py), and calls inside a graph capture or a compiled region pay no host time: they keep the
+  plan.
+- The call's own activity. Heavy rows (a sequence's first token, short prompts, text far from the
+  calibration) go through the kernels' dense block, and with enough of them the sparse path loses.
+  `ActivityRouter` counts each layer's overflowing (row, tile) pairs, which heavy rows fill, over a window of
+  batched calls; the counts reach the host without a synchronization (a copy read once it has landed). When
+  the cost model (format.py) predicts that calls with that share of heavy rows lose, the next PROBE_EVERY
+  batched calls run dense, then the kernels measure again.
+"""
+from functools import lru_cache
+
+import torch
+
+from .format import cdiv, dense_time, twell_time
+
+# Eager calls take the kernels only where the dense block's predicted GPU time reaches this: at D 2048 /
+# I 5632 between 4096 tokens (0.46 ms dense; eager kernels 0.6-1.8x) and 16384 (1.85 ms; 1.4-2.1x), the
+# geometric middle, as the planner's windows are (docs/performance.md, robustness grid)
+EAGER_MIN_DENSE_S = 0.92e-3
+
+
+def eager(x: torch.Tensor) -> bool:
+    """Whether a call pays its launches' host time: not traced, not captured into a CUDA graph."""
+    return not torch.compiler.is_compiling() and not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+@lru_cache(maxsize=1024)  # at every eager call of every layer: the cost model once per shape
+def eager_dense(tokens: int, d: int, width: int) -> bool:
+    """Whether an eager call of `tokens` tokens (not a replayed decode step) runs dense for its host time."""
+    return dense_time(d, width, tokens) < EAGER_MIN_DENSE_S
+
+
+class ActivityRouter:
+    """Per layer: whether its next eager batched call takes the kernels (`overflow_counter` returns the
+    counter to pass as gated_mlp's `overflow`) or runs dense (it returns None)."""
+
+    WINDOW = 2  # batched kernel calls counted together
+    # dense calls before the kernels measure again: a window that loses 4x costs a stream that stays heavy
+    # about 2% (WINDOW * 3 / PROBE_EVERY)
+    PROBE_EVERY = 256
+
+    def __init__(self, d: int, width: int, tile: int, mean_active: float):
+        self.d, self.width, self.tiles, self.mean_active = d, width, cdiv(width, tile), mean_active
+        self.counter, self.pairs, self.tokens, self.calls = None, 0, 0, 0
+        self.landing = None  # (pairs, tokens, calls) of a window whose count is on its way to self.host
+        self.host = self.event = None  # made once: a pinned allocation can synchronize the device
+        self.dense_left = 0
+
+    def overflow_counter(self, x: torch.Tensor, tokens: int):
+        self._read_landed()
+        if self.dense_left:
+            self.dense_left -= 1
+            return None
+        if self.counter is None:
+            self.counter = torch.zeros(1, dtype=torch.int64, device=x.device)
+        self.pairs += tokens * self.tiles
+        self.tokens += tokens
+        self.calls += 1
+        return self.counter
+
+    def after_kernel_call(self):
+        """Sends a full window's count toward the host (once the previous one has been read)."""
+        if self.calls < self.WINDOW or self.landing is not None:
+            return
+        if self.host is None:
+            cuda = self.counter.is_cuda
+            self.host = torch.empty(1, dtype=torch.int64, pin_memory=cuda)
+            self.event = torch.cuda.Event() if cuda else None
+        self.host.copy_(self.counter, non_blocking=True)
+        if self.event is not None:
+            self.event.record()
+        self.landing = (self.pairs, self.tokens, self.calls)
+        self.counter, self.pairs, self.tokens, self.calls = None, 0, 0, 0
+
+    def _read_landed(self):
+        if self.landing is None:
+            return
+        if self.event is not None and not self.event.query():
+            return
+        pairs, tokens, calls = self.landing
+        self.landing = None
+        if self.loses(self.host.item() / pairs, tokens / calls):
+            self.dense_left = self.PROBE_EVERY
+
+    def loses(self, overflow_share: float, tokens: float) -> bool:
+        """Whether calls of `tokens` tokens whose share of overflowing pairs is `overflow_share` are predicted
+        slower than dense: a heavy row overflows about all its tiles, so the share estimates the heavy rows'."""
+        tokens = max(1, round(tokens))
+        heavy_rows = round(overflow_share * tokens)
+        return twell_time(self.mean_active, self.d, self.width, tokens, heavy_rows=heavy_rows) > \
+            dense_time(self.d, self.width, tokens)
