@@ -483,14 +483,16 @@ RANDOM_IDS_WARNING = ("no --data: the inputs are random token ids, on which a tr
                       "active than on text, so the figures misstate its speed; pass --data with text")
 
 
-def text_inputs(data, tokenizer, device="cpu"):
+def text_inputs(data, tokenizer, device="cpu", text_column: str = "text"):
     """ids(batch, length): `batch` consecutive blocks of `length` tokens of `data`'s held-out text (sparsify.data:
-    a folder's valid* files, else the head of the text), cycled when the text holds fewer blocks."""
+    a folder's valid* files, else the head of the text; rows read from `text_column`), cycled when the text
+    holds fewer blocks."""
     blocks, asked = {}, {}  # per length: the blocks read, and the largest batch they were read for
 
     def ids(batch: int, length: int) -> torch.Tensor:
         if asked.get(length, 0) < batch:
-            blocks[length] = TextData(data, tokenizer, length, eval_tokens=batch * length).eval_blocks
+            blocks[length] = TextData(data, tokenizer, length, eval_tokens=batch * length,
+                                      text_column=text_column).eval_blocks
             asked[length] = batch
         held = blocks[length]
         return torch.stack([held[i % len(held)] for i in range(batch)]).to(device)
@@ -501,14 +503,14 @@ def text_inputs(data, tokenizer, device="cpu"):
 def bench_checkpoint(path: str | Path, *, seq_len: int = 2048, prefill_batches=(1, 8, 64), generate_batches=(1, 8),
                      compiled_batches=(1, 8), compiled_prefill_batches=(), decode_tokens: int = 64,
                      decode_context: int = 512, repeats: int = 3, generate_repeats: int = 7,
-                     device: str = "cuda", data: str | None = None) -> dict:
+                     device: str = "cuda", data: str | None = None, text_column: str = "text") -> dict:
     """All rows (PATHS) for the dense and the TwELL load of the checkpoint at `path`: prefill at each of
     `prefill_batches` (prefill_shapes: B sequences of seq_len tokens, or "BxS"; compiled: at each of
     `compiled_prefill_batches` x seq_len), eager generate and the
     graph step at each of `generate_batches`, compiled generate, the compiled graph step and generate_graphed at
     each of `compiled_batches` (empty: none);
     `repeats` timed calls a load, `generate_repeats` for the generate rows; inputs from the text of `data`
-    (None: random token ids, with a warning)."""
+    (rows read from `text_column`; None: random token ids, with a warning)."""
     from transformers import AutoModelForCausalLM
 
     device = require_cuda(device, "sparsify bench")
@@ -536,7 +538,7 @@ def bench_checkpoint(path: str | Path, *, seq_len: int = 2048, prefill_batches=(
         def ids(batch, length):
             return torch.randint(0, config.vocab_size, (batch, length), generator=gen).to(device)
     else:
-        ids = text_inputs(data, tokenizer, device)
+        ids = text_inputs(data, tokenizer, device, text_column)
 
     prefill_ids = {shape: ids(*shape) for shape in shapes}
     largest = prefill_ids[max(shapes, key=lambda shape: shape[0] * shape[1])]

@@ -8,7 +8,7 @@ from rich.console import Console
 from sparsify.bench import (COMPONENTS, PATHS, RANGE, _range_of, bench_checkpoint, bench_table, busy_us, component_split,
                             device_kernels, kernel_component, launch_ids, logits_agreement, mlp_layers,
                             module_component, module_ranges, path_row, plan_summary, profile_split, write_json)
-from sparsify.errors import ConfigError
+from sparsify.errors import ConfigError, DataError
 from sparsify.families import spec_for
 from sparsify.tune import WINDOW, capture_mlp_inputs, layer_plan, measure_plan
 
@@ -301,6 +301,11 @@ def test_text_inputs_are_consecutive_held_out_blocks(tmp_path):
     tiny = tmp_path / "tiny.txt"
     tiny.write_text("x" * 100)  # fewer blocks than the batch: cycled
     assert torch.equal(text_inputs(str(tiny), tokenizer)(4, 16)[0], text_inputs(str(tiny), tokenizer)(4, 16)[1])
+    rows = tmp_path / "rows.jsonl"  # the same text in another column of .jsonl rows
+    rows.write_text("".join(json.dumps({"id": i, "body": f"line {i}: some text to read\n"}) + "\n" for i in range(400)))
+    assert text_inputs(str(rows), tokenizer, text_column="body")(3, 16).shape == (3, 16)
+    with pytest.raises(DataError, match="body"):
+        text_inputs(str(rows), tokenizer)(3, 16)
 
 
 @pytest.mark.gpu
