@@ -101,13 +101,17 @@ def train_options(command):
     return command
 
 
+TEXT_COLUMN_HELP = "The column of .jsonl/.parquet rows and `datasets` rows that holds the text"
+text_column_option = click.option("--text-column", default="text", show_default=True, metavar="NAME",
+                                  help=TEXT_COLUMN_HELP + ".")
+
+
 @main.command()
 @click.argument("source")
 @click.option("-o", "--out", required=True, type=click.Path(file_okay=False), help="Output checkpoint folder.")
 @click.option("--data", help="Training text: .txt/.jsonl/.parquet file(s) or folder, or a `datasets` name as "
                              "NAME[:CONFIG][@SPLIT]. Default for demo: the demo corpus.")
-@click.option("--text-column", default="text", show_default=True, metavar="NAME",
-              help="The column of .jsonl/.parquet rows and `datasets` rows that holds the text.")
+@text_column_option
 @click.option("--recipe", help="Training settings YAML (a path or a name in recipes/); options given here override it.")
 @train_options
 @click.option("--device", help="cpu or cuda (default: cuda if available). Several GPUs: `accelerate launch -m cli convert ...`.")
@@ -155,8 +159,8 @@ def convert(source, out, data, text_column, recipe, device, resume, overwrite, m
 @click.argument("model")
 @click.option("--data", help="Text to measure on (as for convert). Default for demo models: the demo corpus's held-out file.")
 @click.option("--text-column", metavar="NAME",
-              help="The column of .jsonl/.parquet rows and `datasets` rows that holds the text (default: text; "
-                   "without --data, the column the checkpoint's data was read from).")
+              help=TEXT_COLUMN_HELP + " (default: text; without --data, the column the checkpoint's data was read "
+                                      "from).")
 @click.option("--tokens", type=int, default=65536, show_default=True, help="Tokens to measure on.")
 @click.option("--seq-len", type=int, help="Sequence length (capped at the model's; default: the checkpoint's training "
                                          "seq-len, else convert's: 1024, demo 256).")
@@ -211,8 +215,7 @@ def analyze(model, data, text_column, tokens, seq_len, batch_size, device, json_
               help="Timed calls per load of the generate paths (host-bound: their time varies more).")
 @click.option("--data", help="Text to feed the model (as for convert: its held-out blocks); without it random token "
                              "ids, which misstate a trained model's activity.")
-@click.option("--text-column", default="text", show_default=True,
-              help="Column of --data's .jsonl / .parquet / datasets rows that holds the text.")
+@text_column_option
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write all figures to this JSON file.")
 @user_errors
 def bench(checkpoint, seq_len, prefill_batch, generate_batch, compiled_batch, no_compiled, compiled_prefill_batch,

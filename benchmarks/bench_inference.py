@@ -633,6 +633,8 @@ def main():
                    help="keep the rows already in --json (a run cut short) and measure only the missing ones")
     args = p.parse_args()
     rows, done = [], set()
+    if args.runtime and not (Path(args.runtime) / "modeling_twell.py").is_file():
+        p.error(f"--runtime: {args.runtime} has no modeling_twell.py (give an exported checkpoint's folder)")
     if args.resume and not args.json:
         p.error("--resume needs --json: the file whose rows to keep")
     if args.resume and os.path.exists(args.json):

@@ -2,9 +2,9 @@
 
 A layer's plan says at which token counts its kernels beat dense for the activity it was calibrated on. Two
 things it cannot know decide the rest:
-- Host time. An eager call launches the kernels one by one (six launches batched, about 250 us of host time
-  on an H100 host against the dense block's 130-180 us), so a call whose dense block takes less GPU time
-  than about EAGER_MIN_DENSE_S is bound by its host and runs dense (`eager_dense`). Decode steps replay CUDA
+- Host time. An eager call launches the kernels one by one (six launches batched, each through Triton's
+  launcher), more host time than the dense block's cuBLAS calls take, so a call whose dense block takes less
+  GPU time than EAGER_MIN_DENSE_S is bound by its host and runs dense (`eager_dense`). Decode steps replay CUDA
   graphs (graphs.py), and calls inside a graph capture or a compiled region pay no host time: they keep the
   plan.
 - The call's own activity. Heavy rows (a sequence's first token, short prompts, text far from the
@@ -20,9 +20,9 @@ import torch
 
 from .format import cdiv, dense_time, twell_time
 
-# Eager calls take the kernels only where the dense block's predicted GPU time reaches this: at D 2048 /
-# I 5632 between 4096 tokens (0.46 ms dense; eager kernels 0.6-1.8x) and 16384 (1.85 ms; 1.4-2.1x), the
-# geometric middle, as the planner's windows are (docs/performance.md, robustness grid)
+# Eager calls take the kernels only where the dense block's predicted GPU time reaches this: the geometric
+# middle between the largest eager call measured host-bound and the smallest measured faster than dense
+# (docs/performance.md, the robustness grid), as the planner's windows are placed
 EAGER_MIN_DENSE_S = 0.92e-3
 
 
@@ -42,8 +42,8 @@ class ActivityRouter:
     counter to pass as gated_mlp's `overflow`) or runs dense (it returns None)."""
 
     WINDOW = 2  # batched kernel calls counted together
-    # dense calls before the kernels measure again: a window that loses 4x costs a stream that stays heavy
-    # about 2% (WINDOW * 3 / PROBE_EVERY)
+    # dense calls before the kernels measure again; what a stream that stays heavy pays for the measuring
+    # windows (more kernel calls than WINDOW, while a count travels): docs/performance.md
     PROBE_EVERY = 256
 
     def __init__(self, d: int, width: int, tile: int, mean_active: float):
