@@ -14,7 +14,8 @@ of 3 does not settle:
   size, in the first (untimed) call, whose time is reported;
 - "generate_eager": plain `generate` (greedy), `decode_tokens` new tokens after a PROMPT_TOKENS prompt: what a
   user gets without configuring anything (the dense load: transformers' eager loop over a dynamic cache; the
-  TwELL load: the checkpoint's generate, which takes generate_graphed's uncompiled loop for such calls);
+  TwELL load: the checkpoint's generate, which takes generate_graphed's uncompiled loop for such calls), and
+  beside them the dense load through that same loop ("dense_loop", `loop_speedup`);
 - "generate_compiled": `generate(..., cache_implementation="static", compile_config=CompileConfig(
   fullgraph=True, dynamic=False))`, transformers' documented fast path: it compiles the decode step
   (inductor, mode "reduce-overhead": the step becomes a CUDA graph; fullgraph: a graph break is an error;
@@ -358,8 +359,19 @@ def prefill_shapes(specs, seq_len: int) -> list[tuple[int, int]]:
 
 @torch.inference_mode()
 def generate_row(models, prompt, new_tokens, repeats) -> dict:
+    """model.generate of each load, and the dense load through the TwELL load's loop ("dense_loop":
+    generate_graphed uncompiled), so that `loop_speedup` (dense_loop / twell) shows what sparsity gives
+    beside what the loop gives. `first_call_s`: each call's first run (the loops capture their graphs)."""
     calls = {name: lambda m=model: _generate(m, prompt, new_tokens) for name, model in models.items()}
-    return _timed_row("generate_eager", prompt.shape[0], prompt.shape[0] * new_tokens, calls, models, repeats)
+    calls["dense_loop"] = lambda: generate_graphed(models["dense"], prompt, new_tokens, min_new_tokens=new_tokens,
+                                                   pad_token_id=0)[:, prompt.shape[1]:]
+    first = _first_call_seconds(calls)
+    row = _timed_row("generate_eager", prompt.shape[0], prompt.shape[0] * new_tokens, calls,
+                     {**models, "dense_loop": models["dense"]}, repeats, first_call_s=first)
+    row["loop_speedup"] = row["dense_loop"]["ms"] / row["twell"]["ms"]
+    row["paired_loop_speedup"] = statistics.median(
+        d / t for d, t in zip(row["dense_loop"]["samples_ms"], row["twell"]["samples_ms"]))
+    return row
 
 
 def _first_call_seconds(calls: dict) -> dict:
@@ -606,6 +618,8 @@ def bench_table(result: dict):
             check += "; graph vs eager " + "/".join(f"{e:.1e}" for e in row["graph_vs_eager_rel_err"].values())
         if "matches_generate" in row:
             check += "; as generate " + "/".join(f"{100 * m:.0f}%" for m in row["matches_generate"].values())
+        if "loop_speedup" in row:
+            check += f"; vs dense loop {row['loop_speedup']:.2f}x"
         if "compile_s" in row:
             check += f"; compile {row['compile_s']['dense']:.0f}/{row['compile_s']['twell']:.0f} s"
         batch = f"{row['batch']}x{row['length']}" if "length" in row else str(row["batch"])  # prefill shapes
@@ -614,7 +628,7 @@ def bench_table(result: dict):
                      f"{row['twell']['tokens_per_s']:,.0f}",
                      f"{row['speedup']:.2f}x" + (f" ({row['paired_speedup']:.2f}x)" if "paired_speedup" in row else ""),
                      check)
-        for load in ("dense", "twell"):
+        for load in row["breakdown"]:
             b = row["breakdown"][load]
             split.add_row(row["path"], batch, load, *(f"{b[f'{p}_ms']:.2f}" for p in parts))
     return Group(rows, split)

@@ -327,6 +327,9 @@ def test_bench_checkpoint_on_gpu(tmp_path):
     assert set(rows) == {"prefill", "prefill_compiled", "generate_eager", "generate_compiled", "decode_step_graph",
                          "decode_step_compiled_graph", "generate_graphed"}
     assert result["component_time"] == "union"
+    generate = rows["generate_eager"]  # beside it, the dense load through the TwELL load's loop
+    assert generate["loop_speedup"] == pytest.approx(generate["dense_loop"]["ms"] / generate["twell"]["ms"])
+    assert set(generate["first_call_s"]) == {"dense", "twell", "dense_loop"}
     for row in rows.values():
         assert row["speedup"] == pytest.approx(row["dense"]["ms"] / row["twell"]["ms"])
         for load in ("dense", "twell"):

@@ -81,6 +81,22 @@ def test_end_of_sequence_pads_and_stops_early():
     assert alone.shape[1] == 6 + first_end[0] + 1 and alone[0, -1] == eos
 
 
+def test_min_new_tokens_holds_back_the_end_of_sequence_as_generate_does():
+    """min_new_tokens / min_length keep a stop id from being chosen before that many new tokens: the loop's
+    tokens equal transformers' (greedy and top_k 1 sampling), which suppresses the id in the logits."""
+    model, _ = tiny_model("llama")
+    ids = tiny_input_ids(2, 6)
+    eos = int(generate_graphed(model, ids, 30, eos_token_id=[])[0, 6 + 2])  # chosen third without a minimum
+    for least in (1, 5, 30):
+        out = generate_graphed(model, ids, 30, min_new_tokens=least, eos_token_id=eos, pad_token_id=1)
+        expected = reference(model, ids, 30, min_new_tokens=least, eos_token_id=eos, pad_token_id=1)
+        assert torch.equal(out, expected), least
+        assert not (out[:, 6:6 + least] == eos).any()
+    sampled = generate_graphed(model, ids, 30, min_new_tokens=5, do_sample=True, top_k=1, eos_token_id=eos,
+                               pad_token_id=1)
+    assert torch.equal(sampled, reference(model, ids, 30, min_new_tokens=5, eos_token_id=eos, pad_token_id=1))
+
+
 class Recorder:
     """The streamer interface of transformers (put, end)."""
 
@@ -252,6 +268,22 @@ def test_calls_from_two_threads_are_serialized_and_release_frees_the_loop():
     assert torch.equal(generate_graphed(model, prompts[0], 24, eos_token_id=[]), serial[0])  # built anew
 
 
+def test_the_loop_goes_with_the_model():
+    """The loop holds its model weakly: deleting the model frees its cache without the garbage collector."""
+    import gc
+    import weakref
+
+    model, _ = tiny_model("llama")
+    generate_graphed(model, tiny_input_ids(1, 5), 4, eos_token_id=[])
+    model_ref, loop_ref = weakref.ref(model), weakref.ref(model._decode_loop.loop)
+    gc.disable()
+    try:
+        del model
+        assert loop_ref() is None and model_ref() is None
+    finally:
+        gc.enable()
+
+
 def converted_checkpoint(tmp_path):
     """A converted checkpoint planned dense: the routing of generate, not the kernels (tested above), is
     what these tests check, and the kernels under the interpreter make every step slow."""
@@ -271,11 +303,17 @@ def test_generate_takes_the_loop_where_the_call_fits_and_falls_back_elsewhere(tm
 
     remote, _, _ = converted_checkpoint(tmp_path)
     ids = tiny_input_ids(2, 6)
-    plain = lambda **kw: remote.generate(ids, graphed=False, eos_token_id=None, pad_token_id=0, **kw)  # noqa: E731
+    plain = lambda **kw: remote.generate(ids, graphed=False, **{"eos_token_id": None, "pad_token_id": 0, **kw})  # noqa: E731
     fast = remote.generate(ids, max_new_tokens=12, eos_token_id=None, pad_token_id=0)
     assert remote._decode_loop.loop is not None  # the loop ran it
     assert torch.equal(fast, plain(max_new_tokens=12))
     assert torch.equal(remote.generate(ids, max_length=15, eos_token_id=None, pad_token_id=0), plain(max_length=15))
+    eos = int(fast[1, 6 + 1])  # the second sequence's second new token
+    for least in (dict(min_new_tokens=6), dict(min_length=10)):  # min_length counts the prompt
+        remote.release_graphed()
+        out = remote.generate(ids, max_new_tokens=12, eos_token_id=eos, pad_token_id=0, **least)
+        assert remote._decode_loop.loop is not None, least
+        assert torch.equal(out, plain(max_new_tokens=12, eos_token_id=eos, **least)), least
     mask = torch.ones_like(ids)
     mask[0, :2] = 0  # a shorter first prompt, padded on the left
     assert torch.equal(remote.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None, pad_token_id=0),
@@ -295,7 +333,9 @@ def test_generate_takes_the_loop_where_the_call_fits_and_falls_back_elsewhere(tm
     remote.release_graphed()  # sampling takes the loop too; top_k 1 leaves one token to draw: the greedy one
     sampled = remote.generate(ids, do_sample=True, top_k=1, max_new_tokens=12, eos_token_id=None, pad_token_id=0)
     assert remote._decode_loop.loop is not None and torch.equal(sampled, fast)
-    remote.release_graphed()
+    remote.to(torch.float64)  # a move or cast frees the loop (its cache and graphs hold the old tensors)
+    assert remote._decode_loop.loop is None
+    remote.to(torch.float32)
     remote.generation_config.graphed = False  # the switch in the generation config
     remote.generate(ids, max_new_tokens=5, eos_token_id=None, pad_token_id=0)
     assert remote._decode_loop.loop is None

@@ -23,6 +23,7 @@ Shipped beside modeling_twell.py; imports torch and transformers only.
 import copy
 import inspect
 import threading
+import weakref
 
 import torch
 
@@ -93,14 +94,19 @@ class DecodeLoop:
                  compile: bool):
         from transformers import StaticCache
 
-        self.model, self.sampling, self.pad, self.max_len = model, sampling, pad, max_len
+        # the model holds this loop (HeldLoop): a weak reference back lets `del model` free both at once (a
+        # compiled forward holds the model, so that loop goes when the garbage collector finds the cycle)
+        self.model, self.sampling, self.pad, self.max_len = weakref.proxy(model), sampling, pad, max_len
         self.cache = StaticCache(config=model.config, max_cache_len=max_len)
-        self.forward = torch.compile(model, fullgraph=True, dynamic=False) if compile else model
+        self.forward = torch.compile(model, fullgraph=True, dynamic=False) if compile else self.model
         self.stop = torch.tensor(stop, dtype=torch.long, device=device)
         self.sequences = torch.full((batch, max_len), pad, dtype=torch.long, device=device)
         self.slots = torch.arange(max_len, device=device)
         # the position of the newest token in self.sequences: the token the next step feeds to the model
         self.position = torch.zeros(1, dtype=torch.long, device=device)
+        # the prompt's last slot, and how many new tokens must come before a stop id may (min_new_tokens)
+        self.start = torch.zeros(1, dtype=torch.long, device=device)
+        self.min_new = torch.zeros(1, dtype=torch.long, device=device)
         self.finished = torch.zeros(batch, dtype=torch.bool, device=device)
         # which cache slots hold tokens (0: a prompt's left padding, or not written yet), and each sequence's
         # padding length (its positions count from its first real token)
@@ -137,7 +143,11 @@ class DecodeLoop:
 
     def advance(self, logits: torch.Tensor):
         """Takes the next token from `logits` [batch, vocab] for the position after self.position: pad for
-        finished sequences; records it, marks sequences that reached a stop id, moves the position on."""
+        finished sequences; records it, marks sequences that reached a stop id, moves the position on. Stop ids
+        cannot be chosen before min_new tokens (as transformers' min-length logits processors do)."""
+        if self.stop.numel():
+            early = self.position - self.start < self.min_new
+            logits = torch.where(early, logits.index_fill(-1, self.stop, float("-inf")), logits)
         nxt = torch.where(self.finished, self.pad, choose(logits, self.sampling))
         self.finished |= torch.isin(nxt, self.stop)
         self.position += 1
@@ -171,11 +181,12 @@ class DecodeLoop:
         self.pads.copy_(length - attention_mask.sum(-1, keepdim=True))
         self.finished.zero_()
         self.position.fill_(length - 1)
+        self.start.fill_(length - 1)
 
     def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
-            streamer=None) -> torch.Tensor:
+            min_new_tokens: int = 0, streamer=None) -> torch.Tensor:
         """The prompt's prefill, then up to max_new_tokens - 1 steps, checking every CHECK_EVERY tokens
-        whether every sequence finished. Returns [batch, prompt + generated] token ids, ending where the
+        whether every sequence finished (none can before min_new_tokens). Returns [batch, prompt + generated] token ids, ending where the
         last sequence ended, as generate's. `streamer` (transformers' streamer interface: put, end) gets the
         prompt, then the new tokens every CHECK_EVERY tokens."""
         batch, n = input_ids.shape
@@ -184,6 +195,7 @@ class DecodeLoop:
         padded = length + max_new_tokens <= self.max_len and batch * length <= PREFILL_GRAPH_TOKENS
         length = length if padded else n
         self.load(input_ids, attention_mask, length)
+        self.min_new.fill_(min_new_tokens)
         if streamer is not None:
             streamer.put(input_ids.cpu())
         if padded and self.graph is not None:
@@ -220,7 +232,7 @@ class LoopUnsupported(ValueError):
 # The generation settings the loop implements. A `generate` call that turns any other on (beam search,
 # penalties, returned scores, ...; a setting that is false, 0 or None is off) or passes other arguments (logits
 # processors, an assistant model, ...) goes to transformers' generate unchanged.
-LOOP_SETTINGS = {"max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p", "eos_token_id",
+LOOP_SETTINGS = {"max_new_tokens", "max_length", "min_new_tokens", "min_length", "do_sample", "temperature", "top_k", "top_p", "eos_token_id",
                  "pad_token_id", "bos_token_id", "use_cache", "graphed", "transformers_version", "_from_model_config"}
 LOOP_ARGUMENTS = {"input_ids", "attention_mask", "streamer", "generation_config", "graphed"}
 
@@ -228,7 +240,7 @@ LOOP_ARGUMENTS = {"input_ids", "attention_mask", "streamer", "generation_config"
 def graphed_call(model, inputs, kwargs: dict) -> dict | None:
     """generate_graphed's arguments for `model.generate(inputs, **kwargs)` where the loop computes what
     transformers' generate would (greedy, or sampling with temperature / top_k / top_p, left-padded prompts,
-    max_new_tokens or max_length, eos and pad, a streamer), else None. `graphed=False` (an argument, or the
+    max_new_tokens or max_length, min_new_tokens or min_length, eos and pad, a streamer), else None. `graphed=False` (an argument, or the
     generation config's attribute) turns it off; so does a model whose cache the loop cannot run."""
     if model.__dict__.get("_loop_unsupported"):
         return None
@@ -250,7 +262,9 @@ def graphed_call(model, inputs, kwargs: dict) -> dict | None:
     new = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - ids.shape[1]
     if new < 1:
         return None
-    return dict(input_ids=ids, max_new_tokens=new, attention_mask=mask, do_sample=bool(config.do_sample),
+    least = max(config.min_new_tokens or 0, (config.min_length or 0) - ids.shape[1])
+    return dict(input_ids=ids, max_new_tokens=new, min_new_tokens=least, attention_mask=mask,
+                do_sample=bool(config.do_sample),
                 # unset (None) in transformers 5's generation config: no scaling, no nucleus filter
                 temperature=1.0 if config.temperature is None else config.temperature, top_k=config.top_k or 0,
                 top_p=1.0 if config.top_p is None else config.top_p,
@@ -268,24 +282,25 @@ def release_graphed(model) -> None:
 
 
 @torch.inference_mode()
-def generate_graphed(model, input_ids: torch.Tensor, max_new_tokens: int, *, attention_mask=None,
-                     do_sample: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+def generate_graphed(model, input_ids: torch.Tensor, max_new_tokens: int, *, min_new_tokens: int = 0,
+                     attention_mask=None, do_sample: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                      eos_token_id=None, pad_token_id=None, compile: bool = False, streamer=None) -> torch.Tensor:
     """`model`'s continuation of `input_ids` [batch, prompt] (prompts of different lengths padded on the
     left, with `attention_mask` 0 there), like `model.generate(input_ids, attention_mask=...,
     max_new_tokens=..., do_sample=...)` for greedy decoding and for sampling with temperature, top_k and
     top_p: [batch, prompt + new] ids, with pad_token_id after a sequence's end-of-sequence token, ending
-    where the last sequence ended (the decoding itself runs on by up to CHECK_EVERY - 1 steps). eos_token_id
-    (an id or a list; [] for none) and pad_token_id default to the model's generation config. `streamer`
+    where the last sequence ended (the decoding itself runs on by up to CHECK_EVERY - 1 steps), and never
+    before min_new_tokens (an end-of-sequence token is not chosen before). eos_token_id (an id or a list; []
+    for none) and pad_token_id default to the model's generation config. `streamer`
     (e.g. transformers' TextStreamer) gets the new tokens every CHECK_EVERY tokens. `compile`: the step's forward
     through torch.compile (fullgraph, static shapes) before capture, fastest (the first call compiles: about
     a minute for a 28-layer 1.5B model on an H100 host). The first call of a batch size and of greedy or sampling
     (with its top_k, and top_p < 1 or not) captures the step (a few steps' time), and the first prompt of
     each padded length (padded_length) its prefill; later calls that fit the cache reuse them, whatever
     their prompt length, temperature and top_p."""
-    if input_ids.ndim != 2 or input_ids.shape[1] == 0 or max_new_tokens < 1:
-        raise ValueError(f"input_ids must be [batch, prompt] with a prompt, and max_new_tokens positive; got "
-                         f"{tuple(input_ids.shape)} and {max_new_tokens}")
+    if input_ids.ndim != 2 or input_ids.shape[1] == 0 or max_new_tokens < 1 or min_new_tokens < 0:
+        raise ValueError(f"input_ids must be [batch, prompt] with a prompt, max_new_tokens positive and "
+                         f"min_new_tokens >= 0; got {tuple(input_ids.shape)}, {max_new_tokens} and {min_new_tokens}")
     if do_sample and not (temperature > 0 and top_k >= 0 and 0 < top_p <= 1):
         raise ValueError(f"sampling needs temperature > 0, top_k >= 0 and 0 < top_p <= 1; got {temperature}, "
                          f"{top_k}, {top_p}")
@@ -316,7 +331,8 @@ def generate_graphed(model, input_ids: torch.Tensor, max_new_tokens: int, *, att
             held.key = key
         if held.loop.sampling is not None:
             held.loop.sampling.set(temperature, top_p)
-        return held.loop.run(input_ids, attention_mask.to(input_ids.device, torch.long), max_new_tokens, streamer)
+        return held.loop.run(input_ids, attention_mask.to(input_ids.device, torch.long), max_new_tokens,
+                             min_new_tokens, streamer)
 
 
 class HeldLoop:

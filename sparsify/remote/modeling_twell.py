@@ -174,6 +174,10 @@ class TwellForCausalLM(_import(BASE_MODEL)):
         """Frees what generate_graphed keeps for its next call (the static cache and the CUDA graphs)."""
         release_graphed(self)
 
+    def _apply(self, fn, *args, **kwargs):
+        release_graphed(self)  # .to(), .cuda(), .half(): the loop's cache and graphs hold the old tensors
+        return super()._apply(fn, *args, **kwargs)
+
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
         """The base class's loading, then the kernels' down-weight layout, once, outside any compiled region."""
