@@ -10,10 +10,11 @@ from sparsify.export import export_checkpoint
 from sparsify.families import spec_for
 from sparsify.relufy import relufy
 from sparsify.remote.generation import CACHE_ROUND, CHECK_EVERY, Sampling, choose, generate_graphed, padded_length
+from twell.layer_plan import ALL_TOKENS, LayerPlan, Mode
 
 from helpers import tiny_input_ids, tiny_model
 
-PLAN = [{"mode": "sparse", "tile": 64, "compression": 2, "stats": {}}, {"mode": "dense", "stats": {}}]
+PLAN = [LayerPlan(Mode.SPARSE, 64, 2, ALL_TOKENS), LayerPlan()]
 TRAINING = {"base_model": "someone/tiny-base", "tokens": 0, "steps": 0}
 
 
@@ -173,6 +174,27 @@ def test_sampling_is_seeded_and_reuses_the_step_across_temperatures():
     assert model._decode_loop.loop.sampling.top_k == 5
 
 
+def test_sampled_tokens_follow_the_distribution_of_transformers_sampling():
+    """The loop's samples and transformers' generate's, over 3000 copies of one prompt with temperature,
+    top_k and top_p on: the frequencies of the (first, second) new token pairs (the prefill's choice and one
+    captured step's) agree within sampling noise (total variation; top_k 3 leaves at most 9 pairs)."""
+    model, _ = tiny_model("llama")
+    with torch.no_grad():  # peaked logits (a random model's are near uniform), so that the settings matter:
+        model.lm_head.weight.mul_(20)  # temperature 1 instead of 1.5 gives a distance of 0.09, top_p 0.7 0.4
+    ids = tiny_input_ids(1, 5).expand(3000, 5)
+    options = dict(do_sample=True, temperature=1.5, top_k=3, top_p=0.95)
+    torch.manual_seed(0)
+    ours = generate_graphed(model, ids, 2, eos_token_id=[], **options)[:, -2:]
+    theirs = model.generate(ids, max_new_tokens=2, min_new_tokens=2, pad_token_id=0, **options)[:, -2:]
+    pairs = torch.cat([ours, theirs]).unique(dim=0)
+    assert len(pairs) >= 4  # many pairs drawn: the check is not between two near-greedy runs
+
+    def frequency(tokens):
+        return ((tokens[:, None] == pairs).all(-1).float().sum(0) / len(tokens))
+
+    assert 0.5 * (frequency(ours) - frequency(theirs)).abs().sum() < 0.06
+
+
 def test_bad_arguments():
     model, _ = tiny_model("llama")
     with pytest.raises(ValueError, match="input_ids must be"):
@@ -289,7 +311,7 @@ def converted_checkpoint(tmp_path):
     what these tests check, and the kernels under the interpreter make every step slow."""
     model, tokenizer = tiny_model("llama")
     relufy(model)
-    dense = [{"mode": "dense", "stats": {}}] * model.config.num_hidden_layers
+    dense = [LayerPlan()] * model.config.num_hidden_layers
     out = export_checkpoint(model, tokenizer, tmp_path / "ckpt", spec=spec_for(model.config), plan=dense,
                             training=TRAINING)
     return AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval(), tokenizer, out
