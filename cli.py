@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import functools
 import sys
+from dataclasses import Field, fields
+from typing import get_args, get_origin, get_type_hints
 
 import click
 
+from sparsify.config import TrainConfig, load_recipe
 from sparsify.errors import SparsifyError
 
 
@@ -36,62 +39,41 @@ def main():
 def _unset_values() -> dict[str, str]:
     """Per training setting, the value it takes when not given, as --help shows it: the default recipe's
     (pretrained; demo for `demo`), or TrainConfig's where the recipe has none."""
-    from dataclasses import fields
+    def shown(value) -> str:  # as the command line takes it: a tuple's values apart
+        return " ".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
-    from sparsify.convert import load_recipe
-    from sparsify.train import TrainConfig
-
-    defaults = {f.name: f.default for f in fields(TrainConfig)}
-    pretrained, demo = ({**defaults, **load_recipe(None, source)} for source in ("any", "demo"))
-    return {name: str(pretrained[name]) if pretrained[name] == demo[name] else f"{pretrained[name]}; demo: {demo[name]}"
-            for name in defaults}
+    pretrained, demo = (vars(TrainConfig.from_dict(load_recipe(None, source))) for source in ("any", "demo"))
+    return {name: shown(value) if value == demo[name] else f"{shown(value)}; demo: {shown(demo[name])}"
+            for name, value in pretrained.items()}
 
 
 class TrainOption(click.Option):
-    """A training option whose --help shows the value it takes when not given, looked up only when help is
-    shown (the recipes and TrainConfig import torch, which every start of the command would pay)."""
+    """A training option whose --help shows the value it takes when not given, read from the recipes only when
+    help is shown."""
 
     def get_help_record(self, ctx):
         self.show_default = _unset_values().get(self.name, False)
         return super().get_help_record(ctx)
 
 
-train_option = functools.partial(click.option, cls=TrainOption)
+def _train_option(setting: Field, hint):
+    """The option of a TrainConfig field of type `hint`: --NAME, or the field's `flag` ("--on/--off"), with its
+    help. Its value is None when not given, so that a recipe's value (or the default) stands."""
+    if get_origin(hint) is tuple:
+        kind = get_args(hint)  # a fixed number of values: click's tuple type
+    elif str in get_args(hint):
+        kind = str  # a count or a share ("20%"): TrainConfig.from_dict reads either
+    else:
+        kind = next(k for k in get_args(hint) or (hint,) if k is not type(None))  # int | None: int
+    declaration = setting.metadata.get("flag", "--" + setting.name.replace("_", "-"))
+    if kind is bool and "/" not in declaration:
+        declaration += "/--no-" + declaration[2:]
+    return click.option(declaration, setting.name, cls=TrainOption, default=None, type=None if kind is bool else kind,
+                        metavar=setting.metadata.get("metavar"), help=setting.metadata["help"])
 
 
-# Training options: None means "not given", so that a recipe's value (or the default) stands.
-TRAIN_OPTIONS = [
-    train_option("--l1", type=float, help="L1 coefficient on the MLP hidden activations (paper: 2e-5)."),
-    train_option("--l1-relative/--l1-absolute", default=None,
-                 help="Read --l1 as the weight of L1 / L1 at the first step (scale-free; e.g. 3.5) or as the absolute coefficient."),
-    train_option("--l1-warmup-steps", metavar="STEPS|P%",
-                 help="Raise the L1 coefficient linearly from 0 over these steps (or this share of them, e.g. 50%)."),
-    train_option("--swap-steps", metavar="STEPS|P%",
-                 help="Move the gate from SiLU to ReLU linearly over these steps (or share of them, e.g. 20%) instead "
-                      "of at once (0)."),
-    train_option("--steps", type=int, help="Optimizer steps (with --tokens, whichever ends first)."),
-    train_option("--tokens", type=int, help="Training tokens (with --steps, whichever ends first)."),
-    train_option("--seq-len", type=int, help="Tokens per training sequence."),
-    train_option("--batch-size", type=int, help="Sequences per micro-batch and device."),
-    train_option("--grad-accum", type=int, help="Micro-batches per optimizer step."),
-    train_option("--lr", type=float, help="Peak learning rate (AdamW, cosine schedule)."),
-    train_option("--eval-tokens", type=int,
-                 help="Held-out tokens to measure perplexity and sparsity on: a folder's valid* files, else the head "
-                      "of the training text, never trained on."),
-    train_option("--distill", type=float, metavar="WEIGHT",
-                 help="Fit the source model's next-token distributions too: (1 - WEIGHT) * CE + WEIGHT * KL(source || "
-                      "trained) (0: off; a whole bf16 copy of the source on each GPU, one more forward a step)."),
-    train_option("--seed", type=int, help="Random seed."),
-    train_option("--grad-checkpointing/--no-grad-checkpointing", default=None, help="Recompute activations to save memory."),
-    train_option("--save-every", type=int, metavar="STEPS",
-                 help="Also save the training state to OUT.resume/ every this many steps, for runs that may be killed "
-                      "(Ctrl-C saves it too)."),
-    train_option("--save-every-minutes", type=float, metavar="MINUTES",
-                 help="Also save the training state to OUT.resume/ when this many minutes have passed since the last "
-                      "save (0: off)."),
-    train_option("--hybrid-below", type=float, metavar="UNITS",
-                 help="Train a layer on the TwELL hybrid kernels while its mean active units per token are below this (GPU)."),
-    train_option("--no-hybrid", is_flag=True, help="Train every layer on the dense path (same as --hybrid-below 0)."),
+TRAIN_OPTIONS = [_train_option(setting, get_type_hints(TrainConfig)[setting.name]) for setting in fields(TrainConfig)] + [
+    click.option("--no-hybrid", is_flag=True, help="Train every layer on the dense path (same as --hybrid-below 0)."),
 ]
 
 
@@ -127,10 +109,9 @@ text_column_option = click.option("--text-column", default="text", show_default=
 def convert(source, out, data, text_column, recipe, device, resume, overwrite, max_shard_size, push_to_hub, private,
             measure_kernels, dry_run, **options):
     """Convert SOURCE (a Hub id, a checkpoint folder, or `demo`) into a >99%-sparse ReLU checkpoint in OUT."""
-    from sparsify.convert import convert as run, load_recipe, run_summary
+    from sparsify.convert import convert as run, run_summary
     from sparsify.load import load_config, parameter_count
     from sparsify.report import console, layer_table, perplexity_table
-    from sparsify.train import TrainConfig
 
     settings = load_recipe(recipe, source)
     if options.pop("no_hybrid"):

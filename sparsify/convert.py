@@ -23,15 +23,14 @@ import json
 import tempfile
 from contextlib import nullcontext
 from dataclasses import asdict
-from importlib.resources import files
 from pathlib import Path
 
 import torch
-import yaml
 from accelerate import PartialState
 from transformers.utils.hub import convert_file_size_to_int
 
 from .card import is_hub_id
+from .config import TrainConfig, load_recipe  # noqa: F401 (load_recipe: analyze and the benchmarks import it from here)
 from .data import TextData, resolve as resolve_data
 from .errors import ConfigError, DataError
 from .export import check_output_dir, export_checkpoint
@@ -42,48 +41,8 @@ from .plan import plan_model
 from .tune import capture_mlp_inputs, require_cuda
 from .relufy import original_mlps, relufy
 from .report import console, plot_training
-from .train import (TrainConfig, check_resume, check_training_memory, discard_saved_state, fsdp_launch,
-                    gather_model, hybrid_share, on_cpu, train, training_state_bytes)
-
-
-def recipes_dir():
-    """The folder of named recipes. The repository keeps them in a top-level recipes/, which pyproject
-    installs as sparsify/recipes (package data), so a regular install reads them from the package; a
-    checkout or editable install has no sparsify/recipes and reads the repository's folder."""
-    installed = files("sparsify") / "recipes"
-    return installed if installed.is_dir() else Path(__file__).resolve().parent.parent / "recipes"
-
-
-RECIPES = recipes_dir()  # a Path, or an importlib.resources Traversable (is_file, iterdir, read_text)
-
-
-def recipe_names() -> list[str]:
-    if not RECIPES.is_dir():
-        return []
-    return sorted(p.name[:-len(".yaml")] for p in RECIPES.iterdir() if p.name.endswith(".yaml"))
-
-
-def load_recipe(recipe: str | Path | None, source: str) -> dict:
-    """Training settings of a recipe: a YAML path, or a name in recipes/ ("small" -> recipes/small.yaml).
-    Without one, `demo` uses recipes/demo.yaml and other sources recipes/pretrained.yaml."""
-    if recipe is None:
-        # missing only in a broken install: reported below, never skipped
-        path = recipe = RECIPES / ("demo.yaml" if source == "demo" else "pretrained.yaml")
-    else:
-        path = Path(recipe)
-        if not path.is_file() and (RECIPES / f"{recipe}.yaml").is_file():
-            path = RECIPES / f"{recipe}.yaml"
-    if not path.is_file():
-        names = recipe_names()
-        known = f"one of: {', '.join(names)}" if names else f"no named recipes are installed at {RECIPES}"
-        raise ConfigError(f"recipe {recipe} not found (a YAML file, or {known})")
-    try:
-        values = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"recipe {path}: not valid YAML ({e})") from None
-    if not isinstance(values, dict):
-        raise ConfigError(f"recipe {path}: expected a mapping of training settings")
-    return values
+from .resume import check_resume, discard_saved_state
+from .train import check_training_memory, fsdp_launch, gather_model, hybrid_share, on_cpu, train, training_state_bytes
 
 
 def _identity(where: str | Path) -> str:

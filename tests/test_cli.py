@@ -1,6 +1,7 @@
 """The `sparsify` command end to end on tiny random models (CliRunner, CPU): convert for a few steps for
 every family and reload both ways, Ctrl-C and --resume, and every bad input: a clear message, exit code
 non-zero, no traceback, nothing that looks like a complete OUT."""
+import dataclasses
 import json
 import os
 import re
@@ -23,6 +24,7 @@ from helpers import tiny_input_ids, tiny_model, tiny_tokenizer
 from sparsify import convert as convert_module
 from sparsify import data as data_module
 from sparsify import export
+from sparsify.config import TrainConfig
 from sparsify.errors import DataError
 from sparsify.families import FAMILIES
 
@@ -68,6 +70,32 @@ def assert_user_error(result, message):
 def test_help_lists_commands():
     result = run("--help")
     assert result.exit_code == 0 and "convert" in result.output and "analyze" in result.output
+
+
+def test_every_training_setting_is_an_option_with_its_help():
+    """convert's training options are made from TrainConfig's fields: one each, under the field's name (or its
+    `flag`), with the field's help, so that the two cannot diverge."""
+    options = {option.name: option for option in main.commands["convert"].params}
+    for setting in dataclasses.fields(TrainConfig):
+        option = options[setting.name]
+        assert option.help == setting.metadata["help"], setting.name
+        assert option.opts == ["--" + setting.name.replace("_", "-")], setting.name
+    assert options["l1_relative"].secondary_opts == ["--l1-absolute"]
+    assert options["grad_checkpointing"].secondary_opts == ["--no-grad-checkpointing"]
+
+
+def test_convert_help_shows_the_training_defaults_without_importing_torch():
+    """--help shows the value each training option takes when not given (the default recipe's, and the demo's
+    where it differs) and stays fast: neither the command nor its help imports torch."""
+    code = ("import sys\nfrom click.testing import CliRunner\nfrom cli import main\n"
+            "print(CliRunner().invoke(main, ['convert', '--help']).output)\nassert 'torch' not in sys.modules")
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    text = " ".join(done.stdout.split())
+    assert "--seq-len INTEGER Tokens per training sequence (packed blocks). [default: (1024; demo: 256)]" in text
+    assert "--betas <FLOAT FLOAT>... AdamW betas. [default: (0.9 0.95)]" in text
+    assert text.count("[default: (") == len(dataclasses.fields(TrainConfig))
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

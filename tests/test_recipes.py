@@ -1,11 +1,11 @@
 """Named recipes: found from the checkout (editable install) and shipped in the wheel (pyproject maps
 recipes/ to sparsify/recipes with its YAMLs, and the accelerate launch configs in recipes/accelerate/, as
-package data; sparsify.convert.recipes_dir finds either)."""
+package data; sparsify.config.recipes_dir finds either)."""
 from pathlib import Path
 
 import pytest
 
-from sparsify.convert import load_recipe, recipe_names
+from sparsify.config import load_recipe, recipe_names
 from sparsify.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -16,8 +16,8 @@ from helpers import tiny_model
 from sparsify.errors import ConfigError, DataError
 from sparsify import relufy as relufy_module
 from sparsify.relufy import relufy
-from sparsify.train import (TrainConfig, TrainingInterrupted, _progress_text, l1_coeff, slow_save_warning, source_share,
-                            train)
+from sparsify.config import TrainConfig
+from sparsify.train import TrainingInterrupted, _progress_text, l1_coeff, slow_save_warning, source_share, train
 
 SEQ, BATCH = 16, 2
 

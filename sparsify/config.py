@@ -1,0 +1,226 @@
+"""Training settings: `TrainConfig` (one field per setting, its help in the field's metadata: the CLI's
+training options are made from them) and the recipes, YAML files of any of its fields. Imports no torch, so
+that the command starts and shows its help at once."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, replace
+from importlib.resources import files
+from pathlib import Path
+
+import yaml
+
+from .errors import ConfigError
+
+# An absolute coefficient depends on the model's activation scale (the paper's 1.5B model: 2e-5; the 3M-parameter
+# demo: 8e-2); above 1 the L1 term swamps the cross-entropy of any model. A relative one (`l1_relative`) is the
+# penalty's initial weight in nats: beyond 100 it is 30 times any language model's cross-entropy.
+MAX_L1 = 1.0
+MAX_L1_RELATIVE = 100.0
+# A layer on the hybrid kernels goes back to dense only above this multiple of `hybrid_below`, so that a layer
+# whose activity hovers around the threshold does not flip at every check.
+HYBRID_EXIT = 1.25
+
+
+def _setting(default, help_text: str, **cli):
+    """A TrainConfig field: its default, its help, and how the command line spells it where the field's name
+    and type do not say (`flag`: a boolean's "--on/--off" declaration; `metavar`)."""
+    return field(default=default, metadata={"help": help_text, **cli})
+
+
+@dataclass
+class TrainConfig:
+    """Training settings; a recipe YAML holds any of these keys, command-line options override it."""
+
+    l1: float = _setting(2e-5, "L1 coefficient on the MLP hidden activations (paper: 2e-5).")
+    l1_relative: bool = _setting(False, (
+        "Read --l1 as the weight of L1 / L1_0, L1_0 the L1 term of the first micro-batch (mean over processes): "
+        "the penalty's weight in nats at the start, the same for any width and activation scale; or as the "
+        "absolute coefficient."), flag="--l1-relative/--l1-absolute")
+    l1_warmup_steps: int | str = _setting(0, (
+        "Raise the L1 coefficient linearly from 0 over this many optimizer steps, or this share of them (50%)."),
+        metavar="STEPS|P%")
+    swap_steps: int | str = _setting(0, (
+        "Move the gate activation linearly from the source's (SiLU) to ReLU over this many optimizer steps, or "
+        "this share of them (20%), instead of swapping it at once (0). Layers train dense until the swap is "
+        "complete."), metavar="STEPS|P%")
+    steps: int | None = _setting(None, "Optimizer steps; with --tokens, whichever ends first.")
+    tokens: int | None = _setting(None, "Training tokens; with --steps, whichever ends first.")
+    seq_len: int = _setting(1024, "Tokens per training sequence (packed blocks).")
+    batch_size: int = _setting(8, "Sequences per micro-batch and device.")
+    grad_accum: int = _setting(1, "Micro-batches accumulated per optimizer step.")
+    lr: float = _setting(2e-5, "Peak learning rate (AdamW, cosine schedule).")
+    weight_decay: float = _setting(0.0, "AdamW weight decay.")
+    betas: tuple[float, float] = _setting((0.9, 0.95), "AdamW betas.")
+    warmup_steps: int = _setting(0, "Linear learning-rate warm-up steps before the cosine decay.")
+    max_grad_norm: float = _setting(1.0, "Gradient clipping norm.")
+    grad_checkpointing: bool = _setting(False, "Recompute activations in the backward to save memory.")
+    hybrid_below: float = _setting(40.0, (
+        "Train a layer's MLP on the TwELL hybrid kernels while its mean active units per token are below this "
+        f"(back to dense above {HYBRID_EXIT}x it), re-checked at every log step; on CUDA with triton only; 0: "
+        "always dense. The default lies below the activity at which those kernels stop being faster than the "
+        "dense path."), metavar="UNITS")
+    hybrid_max_nnz: int = _setting(128, (
+        "E of the hybrid format: token rows with more active units run in the dense backup (paper: 128)."))
+    hybrid_hot_rate: float = _setting(0.013, (
+        "On the hybrid path, units that fired in more than this share of the last step's tokens run as dense "
+        "columns (re-chosen at every log step; 1: never). The default is the rate above which a dense column "
+        "costs less than per-pair gathers."))
+    dead_window_tokens: int | None = _setting(None, (
+        "A unit is dead when it has not fired in this many tokens (default: one optimizer step's tokens)."))
+    shuffle_buffer: int = _setting(1024, (
+        "Training blocks drawn at random from a buffer of this many (0: the data's own order)."))
+    eval_tokens: int = _setting(65536, (
+        "Held-out tokens to measure perplexity and sparsity on: a folder's valid* files, else the head of the "
+        "training text, never trained on."))
+    seed: int = _setting(0, "Random seed.")
+    log_every: int = _setting(10, "Log (JSON and progress line) every this many optimizer steps.")
+    distill: float = _setting(0.0, (
+        "Fit the source model's next-token distributions too: (1 - WEIGHT) * CE + WEIGHT * KL(source || "
+        "trained) at every position, the source a frozen copy of the original model (one more forward a "
+        "micro-batch; its weights whole in bf16 on each GPU, also under FSDP). 0: off."), metavar="WEIGHT")
+    save_every_minutes: float = _setting(30.0, (
+        "Also save the training state to OUT.resume/ when this many minutes have passed since the start or the "
+        "last save (0: off), so that a crash or a killed job loses at most that much."), metavar="MINUTES")
+    save_every: int = _setting(0, (
+        "Also save the training state to OUT.resume/ every this many optimizer steps (0: only on Ctrl-C or "
+        "SIGTERM), for runs that may be killed without time to save: a preempted job, or a large sharded state "
+        "under `accelerate launch`, which kills its processes 30 s after Ctrl-C."), metavar="STEPS")
+
+    @classmethod
+    def from_dict(cls, values: dict) -> TrainConfig:
+        """From a recipe's or the command line's values, with YAML's quirks mended ("2e-5" reads as a
+        string in YAML 1.1, "1e9" tokens as a float)."""
+        defaults = {f.name: f.default for f in fields(cls)}
+        unknown = set(values) - set(defaults)
+        if unknown:
+            raise ConfigError(f"unknown training settings: {', '.join(sorted(unknown))} (known: {', '.join(sorted(defaults))})")
+        config = {}
+        for name, value in values.items():
+            kind = type(defaults[name]) if defaults[name] is not None else int
+            try:
+                if name in SHARE_OF_STEPS and _percent(str(value).strip()) is not None:
+                    value = str(value).strip()
+                elif kind is float:
+                    value = float(value)
+                elif kind is int and not isinstance(value, bool) and float(value) == int(float(value)):
+                    value = int(float(value))
+                elif kind is tuple:
+                    value = tuple(float(v) for v in value)
+            except (TypeError, ValueError):
+                raise ConfigError(f"{name}: {value!r} is not a {kind.__name__}") from None
+            config[name] = value
+        return cls(**config)
+
+    def tokens_per_step(self, world: int = 1) -> int:
+        return self.seq_len * self.batch_size * self.grad_accum * world
+
+    def total_steps(self, world: int = 1) -> int:
+        bounds = [self.steps] if self.steps is not None else []
+        if self.tokens is not None:
+            bounds.append(math.ceil(self.tokens / self.tokens_per_step(world)))
+        return min(bounds)
+
+    def validate(self, max_positions: int | None = None) -> None:
+        def bad(message):
+            raise ConfigError(message)
+
+        if self.l1_relative:
+            if not (isinstance(self.l1, (int, float)) and 0 <= self.l1 <= MAX_L1_RELATIVE):
+                bad(f"l1 (relative) must be between 0 and {MAX_L1_RELATIVE} (the initial weight of the L1 term "
+                    f"in nats), got {self.l1}")
+        elif not (isinstance(self.l1, (int, float)) and 0 <= self.l1 <= MAX_L1):
+            bad(f"l1 must be between 0 and {MAX_L1} (the paper uses 2e-5; or use l1_relative), got {self.l1}")
+        if self.steps is None and self.tokens is None:
+            bad("set the training length: --steps or --tokens (or a recipe that sets them)")
+        for name in ("steps", "tokens", "seq_len", "batch_size", "grad_accum", "log_every", "dead_window_tokens", "eval_tokens", "hybrid_max_nnz"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                bad(f"{name.replace('_', '-')} must be a positive integer, got {value}")
+        for name in ("warmup_steps", "shuffle_buffer", "save_every"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                bad(f"{name.replace('_', '-')} must be an integer >= 0, got {getattr(self, name)}")
+        for name in SHARE_OF_STEPS:
+            value = getattr(self, name)
+            share = _percent(value)
+            if not (isinstance(value, int) and value >= 0 or share is not None and 0 <= share < 100):
+                bad(f"{name.replace('_', '-')} must be an integer >= 0 or a share of the steps below 100%, got {value}")
+        if not 0 < self.lr <= 1:
+            bad(f"lr must be in (0, 1], got {self.lr}")
+        if not 0 < self.hybrid_hot_rate <= 1:
+            bad(f"hybrid-hot-rate must be in (0, 1], got {self.hybrid_hot_rate}")
+        if not 0 <= self.hybrid_below < math.inf:
+            bad(f"hybrid-below must be a number >= 0 (0: dense only), got {self.hybrid_below}")
+        if not 0 <= self.weight_decay <= 1:
+            bad(f"weight-decay must be in [0, 1], got {self.weight_decay}")
+        if not self.max_grad_norm > 0:
+            bad(f"max-grad-norm must be > 0, got {self.max_grad_norm}")
+        if not 0 <= self.save_every_minutes < math.inf:
+            bad(f"save-every-minutes must be a number >= 0 (0: off), got {self.save_every_minutes}")
+        if not 0 <= self.distill <= 1:
+            bad(f"distill must be in [0, 1] (the share of the KL term; 0: off), got {self.distill}")
+        if self.seq_len < 2:
+            bad(f"seq-len must be at least 2, got {self.seq_len}")
+        if max_positions is not None and self.seq_len > max_positions:
+            bad(f"seq-len {self.seq_len} is beyond the model's maximum of {max_positions} positions")
+
+    def schedule(self, total: int) -> TrainConfig:
+        """This config with the step counts given as a share of the run ("20%") resolved for `total` steps."""
+        return replace(self, **{name: steps_of(getattr(self, name), total) for name in SHARE_OF_STEPS})
+
+
+# Schedule lengths that a recipe may give as a share of the training steps ("20%"), so that it fits any length.
+SHARE_OF_STEPS = ("l1_warmup_steps", "swap_steps")
+
+
+def _percent(value) -> float | None:
+    """P of a "P%" string; None for anything else."""
+    try:
+        return float(value[:-1]) if isinstance(value, str) and value.endswith("%") else None
+    except ValueError:
+        return None
+
+
+def steps_of(value: int | str, total: int) -> int:
+    """A step count, or a share of `total` steps written "P%", as a step count."""
+    return round(total * float(value[:-1]) / 100) if isinstance(value, str) else value
+
+
+def recipes_dir():
+    """The folder of named recipes. The repository keeps them in a top-level recipes/, which pyproject
+    installs as sparsify/recipes (package data), so a regular install reads them from the package; a
+    checkout or editable install has no sparsify/recipes and reads the repository's folder."""
+    installed = files("sparsify") / "recipes"
+    return installed if installed.is_dir() else Path(__file__).resolve().parent.parent / "recipes"
+
+
+RECIPES = recipes_dir()  # a Path, or an importlib.resources Traversable (is_file, iterdir, read_text)
+
+
+def recipe_names() -> list[str]:
+    if not RECIPES.is_dir():
+        return []
+    return sorted(p.name[:-len(".yaml")] for p in RECIPES.iterdir() if p.name.endswith(".yaml"))
+
+
+def load_recipe(recipe: str | Path | None, source: str) -> dict:
+    """Training settings of a recipe: a YAML path, or a name in recipes/ ("small" -> recipes/small.yaml).
+    Without one, `demo` uses recipes/demo.yaml and other sources recipes/pretrained.yaml."""
+    if recipe is None:
+        # missing only in a broken install: reported below, never skipped
+        path = recipe = RECIPES / ("demo.yaml" if source == "demo" else "pretrained.yaml")
+    else:
+        path = Path(recipe)
+        if not path.is_file() and (RECIPES / f"{recipe}.yaml").is_file():
+            path = RECIPES / f"{recipe}.yaml"
+    if not path.is_file():
+        names = recipe_names()
+        known = f"one of: {', '.join(names)}" if names else f"no named recipes are installed at {RECIPES}"
+        raise ConfigError(f"recipe {recipe} not found (a YAML file, or {known})")
+    try:
+        values = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"recipe {path}: not valid YAML ({e})") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"recipe {path}: expected a mapping of training settings")
+    return values

@@ -1,0 +1,93 @@
+"""The training state on disk, from which an interrupted run continues: accelerate's save_state (weights,
+optimizer, scheduler, RNG) plus state.json (where the run stands, its settings, processes and inputs) and
+last_fired.pt, in a folder (convert: OUT.resume/)."""
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+
+from .config import TrainConfig
+from .errors import ConfigError
+
+LAUNCHER_GRACE_S = 30  # accelerate launch and torchrun kill their processes this long after a Ctrl-C
+# Settings a resumed run may change: they touch no saved state (log and save cadence). eval_tokens may not:
+# where the held-out blocks are the head of the training text, it moves where training starts.
+RESUME_FREE = ("log_every", "save_every", "save_every_minutes")
+
+
+def _staging_dir(resume_dir) -> Path:
+    """Where a save is written before it replaces `resume_dir`: what a process killed while saving leaves."""
+    resume_dir = Path(resume_dir)
+    return resume_dir.with_name(resume_dir.name + ".tmp")
+
+
+def discard_saved_state(resume_dir) -> None:
+    """Removes the saved training state and whatever a save killed midway left beside it."""
+    for folder in (resume_dir, _staging_dir(resume_dir)):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def save_state(accelerator: Accelerator, resume_dir, state: dict, last_fired: torch.Tensor | None,
+               config: TrainConfig) -> None:
+    """Saves the training state (collective: every process calls it): `state` (JSON values) into state.json
+    with the `config`, and the units' `last_fired` token counts."""
+    # Written beside and renamed into place: a process killed while saving (a launcher's shutdown timeout)
+    # leaves the previous state, never a half-written one.
+    # Every process writes its part (its RNG state; under FSDP its shards): the main one alone clears the
+    # folder before and renames it after all are done.
+    resume_dir = Path(resume_dir)
+    tmp = _staging_dir(resume_dir)
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(tmp)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        torch.save(last_fired, tmp / "last_fired.pt")
+        (tmp / "state.json").write_text(json.dumps({**state, "config": asdict(config)}, indent=1))
+        shutil.rmtree(resume_dir, ignore_errors=True)
+        tmp.rename(resume_dir)
+    accelerator.wait_for_everyone()
+
+
+def load_last_fired(resume_dir, device) -> torch.Tensor | None:
+    """The units' last-firing token counts saved with the state in `resume_dir`, on `device`."""
+    fired = torch.load(Path(resume_dir) / "last_fired.pt")
+    return None if fired is None else fired.to(device)
+
+
+def check_resume(resume_dir, config: TrainConfig, processes: int, inputs: dict | None = None) -> dict:
+    """The saved state (state.json) of `resume_dir`, after checking that this run continues it: the training
+    settings it was saved with (but RESUME_FREE: another batch size, schedule or L1 would make a run that is
+    neither), as many processes (under FSDP each holds its shards; the batches per step depend on it) and
+    the same `inputs` (see train.train). ConfigError naming what differs otherwise."""
+    path = Path(resume_dir) / "state.json" if resume_dir is not None else None
+    if path is None or not path.is_file():
+        staging = _staging_dir(resume_dir) if resume_dir is not None else None
+        raise ConfigError(f"--resume: no saved training state in {resume_dir}" + (
+            f" ({staging} holds a save that was killed before it finished, which cannot be resumed from: a "
+            f"launcher kills its processes {LAUNCHER_GRACE_S} s after a Ctrl-C; see --save-every)"
+            if staging is not None and staging.is_dir() else ""))
+    state = json.loads(path.read_text())
+
+    def differences(saved: dict | None, current: dict) -> str:
+        current = json.loads(json.dumps(current))  # as state.json holds it (tuples as lists)
+        return "; ".join(f"{name} {saved[name]!r} -> {value!r}" for name, value in current.items()
+                         if name in (saved or {}) and name not in RESUME_FREE and saved[name] != value)
+
+    for what, key, current in (("with other training settings", "config", asdict(config)),
+                               ("by a run on other inputs", "inputs", inputs or {})):
+        changed = differences(state.get(key), current)
+        if changed:
+            raise ConfigError(f"--resume: the state in {resume_dir} was saved {what} ({changed}); resume with the "
+                              "same, or start again without --resume")
+    saved_processes = state.get("processes", processes)
+    if saved_processes != processes:
+        raise ConfigError(f"--resume: the state in {resume_dir} was saved by {saved_processes} processes and this "
+                          f"run has {processes}: launch {saved_processes}")
+    return state
