@@ -24,6 +24,7 @@ import tempfile
 from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
+from typing import Callable
 
 import torch
 from accelerate import PartialState
@@ -42,7 +43,8 @@ from .tune import capture_mlp_inputs, require_cuda
 from .relufy import original_mlps, relufy
 from .report import console, plot_training
 from .resume import check_resume, discard_saved_state
-from .train import check_training_memory, fsdp_launch, gather_model, hybrid_share, on_cpu, train, training_state_bytes
+from .train import (TrainResult, check_training_memory, fsdp_launch, gather_model, hybrid_share, on_cpu, train,
+                    training_state_bytes)
 
 
 def _identity(where: str | Path) -> str:
@@ -110,35 +112,10 @@ def convert(
     check_device(device)
     launch = PartialState(cpu=on_cpu(device))
     main, processes = launch.is_main_process, launch.num_processes
-    out = check_output_dir(out, overwrite)
-    if Path(source).exists() and (Path(source).resolve() == out.resolve() or out.resolve() in Path(source).resolve().parents):
-        raise ConfigError(f"-o {out}: the output would replace the source model {source}; write elsewhere")
-    try:
-        convert_file_size_to_int(max_shard_size)
-    except ValueError:
-        raise ConfigError(f"--max-shard-size {max_shard_size!r}: use a number and a unit, e.g. 5GB or 500MB") from None
-    config.validate()
-    if measure_kernels:
-        require_cuda(device, "--measure")
-    resume_dir = resume_dir_for(out)
-    if data is None and source != "demo":
-        raise DataError("--data is required (local .txt/.jsonl/.parquet files or folder, or a datasets name)")
-    data_spec = data or demo_corpus_path()
-    # what the training state depends on besides its settings: a resumed run must name the same
-    inputs = {"source": _identity(source), "data": _identity(data_spec), "text_column": text_column}
-    if resume:  # before loading any weight
-        check_resume(resume_dir, config, processes, inputs)
-    resolve_data(data_spec)  # missing / empty / unknown format: before loading any weight
-
-    fsdp, rank0_loading = fsdp_launch()
-    parameters = parameter_count(load_config(source)[0])
-    if main and show_progress:
-        console.print(run_summary(parameters, config, processes, fsdp), soft_wrap=True)
-    check_training_memory(parameters, device, processes, fsdp, teacher=config.distill > 0)
-    model, tokenizer, spec = load_model(source, dtype=torch.float32, device="cpu" if fsdp else device,
-                                        weights=main or not rank0_loading)
-    require_tokenizer(tokenizer, source)
-    config.validate(getattr(model.config, "max_position_embeddings", None))
+    out, resume_dir, data_spec, inputs = _check_inputs(source, out, config, data, text_column, device, resume, overwrite,
+                                                       max_shard_size, measure_kernels, processes)
+    fsdp = fsdp_launch()[0]
+    model, tokenizer, spec = _load_source(source, config, device, launch, show_progress)
     text = TextData(data_spec, tokenizer, config.seq_len, config.eval_tokens, text_column)
     ppl = {}
     shown = show_progress and main
@@ -158,11 +135,91 @@ def convert(
 
     # the dtype the training computes in (bf16 autocast on GPU): the teacher's and the export's
     compute_dtype = resolve_dtype(None, torch.device("cpu" if on_cpu(device) else "cuda"))
+    result, mlps = _train(model, text, config, source_perplexities, compute_dtype, fsdp=fsdp, resume_dir=resume_dir,
+                          resume=resume, device=device, shown=shown, inputs=inputs)
+    model = result.model
+    stats = measure(model, spec, text.eval_blocks, config.batch_size, sharded=result.sharded, label=labels[2])
+    ppl["after training"] = stats["perplexity"]
+    captured = None
+    if result.sharded:
+        if measure_kernels:  # every process runs the forwards; the main one times the layers on them
+            captured = capture_mlp_inputs(model, spec, text.eval_blocks, keep=main)
+        with console.status("gathering the trained weights into CPU memory") if shown else nullcontext():
+            model = gather_model(model, mlps)
+        if model is None:  # another process: the main one plans and exports
+            return {"perplexity": ppl, "layers": stats["layers"], "log": result.log}
+    plan = plan_model(model, spec, stats, text.eval_blocks, measure_kernels=measure_kernels and main, device=device,
+                      mlp_inputs=captured)
+    training = _training_record(source, data, text_column, config, result, stats["tokens"], ppl)
+    summary = {"perplexity": ppl, "layers": stats["layers"], "plan": plan, "training": training, "log": result.log,
+               "hybrid_share": hybrid_share(result.log)}
+    if not main:
+        return summary
+
+    model.to(compute_dtype)  # as trained
+    _write(model, tokenizer, out, spec, plan, training, result.log, max_shard_size=max_shard_size, overwrite=overwrite)
+    discard_saved_state(resume_dir)
+    if push_to_hub:
+        from .push import push_to_hub as push
+
+        summary["url"] = push(out, push_to_hub, private=private)
+    return summary
+
+
+def _check_inputs(source: str, out, config: TrainConfig, data: str | None, text_column: str, device: str | None,
+                  resume: bool, overwrite: bool, max_shard_size: str, measure_kernels: bool,
+                  processes: int) -> tuple[Path, Path, str | Path, dict]:
+    """Fails fast, before any weight is read, on what would stop the conversion later; returns OUT checked, the
+    folder of its training state, the data to read and the inputs a resumed run must name again."""
+    out = check_output_dir(out, overwrite)
+    if Path(source).exists() and (Path(source).resolve() == out.resolve() or out.resolve() in Path(source).resolve().parents):
+        raise ConfigError(f"-o {out}: the output would replace the source model {source}; write elsewhere")
+    try:
+        convert_file_size_to_int(max_shard_size)
+    except ValueError:
+        raise ConfigError(f"--max-shard-size {max_shard_size!r}: use a number and a unit, e.g. 5GB or 500MB") from None
+    config.validate()
+    if measure_kernels:
+        require_cuda(device, "--measure")
+    resume_dir = resume_dir_for(out)
+    if data is None and source != "demo":
+        raise DataError("--data is required (local .txt/.jsonl/.parquet files or folder, or a datasets name)")
+    data_spec = data or demo_corpus_path()
+    # what the training state depends on besides its settings: a resumed run must name the same
+    inputs = {"source": _identity(source), "data": _identity(data_spec), "text_column": text_column}
+    if resume:
+        check_resume(resume_dir, config, processes, inputs)
+    resolve_data(data_spec)  # missing / empty / unknown format
+    return out, resume_dir, data_spec, inputs
+
+
+def _load_source(source: str, config: TrainConfig, device: str | None, launch: PartialState, show_progress: bool):
+    """(model, tokenizer, family spec) of `source` in fp32, after printing the run's settings and checking that
+    its training state fits the GPUs (under FSDP: loaded into CPU memory, only by the main process where the
+    launch config loads on rank 0)."""
+    fsdp, rank0_loading = fsdp_launch()
+    main, processes = launch.is_main_process, launch.num_processes
+    parameters = parameter_count(load_config(source)[0])
+    if main and show_progress:
+        console.print(run_summary(parameters, config, processes, fsdp), soft_wrap=True)
+    check_training_memory(parameters, device, processes, fsdp, teacher=config.distill > 0)
+    model, tokenizer, spec = load_model(source, dtype=torch.float32, device="cpu" if fsdp else device,
+                                        weights=main or not rank0_loading)
+    require_tokenizer(tokenizer, source)
+    config.validate(getattr(model.config, "max_position_embeddings", None))
+    return model, tokenizer, spec
+
+
+def _train(model, text: TextData, config: TrainConfig, source_perplexities: Callable, compute_dtype: torch.dtype, *,
+           fsdp: bool, resume_dir: Path, resume: bool, device: str | None, shown: bool, inputs: dict):
+    """Relufies `model` and trains it on `text` (train.train's result, and the model's ReluGatedMLPs), the
+    source's perplexities measured after the swap: here, or under FSDP on the sharded model before the first
+    step. Running out of GPU memory is a ConfigError naming what lowers it."""
     # the distillation teacher: the source model as loaded, frozen; under FSDP (loaded into CPU memory) whole
     # on every process, train broadcasting the main process's weights
     teacher = copy.deepcopy(model).to(compute_dtype) if config.distill else None
     mlps = relufy(model)
-    if not fsdp:  # under FSDP on the sharded model, before the first step
+    if not fsdp:
         source_perplexities(model)
     try:
         result = train(
@@ -178,50 +235,36 @@ def convert(
             f"--batch-size (raise --grad-accum to keep the step's tokens), add --grad-checkpointing"
             + (", or --distill 0 (the teacher's copy)" if config.distill else "")
             + ("" if fsdp else ", or shard over GPUs with recipes/accelerate/fsdp.yaml")) from None
-    del teacher
-    model = result.model
-    stats = measure(model, spec, text.eval_blocks, config.batch_size, sharded=result.sharded, label=labels[2])
-    ppl["after training"] = stats["perplexity"]
-    captured = None
-    if result.sharded:
-        if measure_kernels:  # every process runs the forwards; the main one times the layers on them
-            captured = capture_mlp_inputs(model, spec, text.eval_blocks, keep=main)
-        with console.status("gathering the trained weights into CPU memory") if shown else nullcontext():
-            model = gather_model(model, mlps)
-        if model is None:  # another process: the main one plans and exports
-            return {"perplexity": ppl, "layers": stats["layers"], "log": result.log}
-    plan = plan_model(model, spec, stats, text.eval_blocks, measure_kernels=measure_kernels and main, device=device,
-                      mlp_inputs=captured)
-    training = {
+    return result, mlps
+
+
+def _training_record(source: str, data: str | None, text_column: str, config: TrainConfig, result: TrainResult,
+                     eval_tokens: int, ppl: dict) -> dict:
+    """The checkpoint's record of the training (config.json's twell.training, training_log.json), without local
+    paths: the checkpoint may be pushed."""
+    return {
         "base_model": _base_model(source),
         "data": _public_name(data) if data else "demo corpus",
         "text_column": text_column,
         "tokens": result.tokens,
         "steps": result.steps,
         "seconds": round(result.seconds, 1),
-        "eval_tokens": stats["tokens"],
+        "eval_tokens": eval_tokens,
         "perplexity": ppl,
         **{k: v for k, v in asdict(config).items() if k not in ("steps", "tokens")},
         "max_steps": config.steps,
         "max_tokens": config.tokens,
     }
-    summary = {"perplexity": ppl, "layers": stats["layers"], "plan": plan, "training": training, "log": result.log,
-               "hybrid_share": hybrid_share(result.log)}
-    if not main:
-        return summary
 
-    model.to(compute_dtype)  # as trained
+
+def _write(model, tokenizer, out: Path, spec, plan, training: dict, log: list[dict], *, max_shard_size: str,
+           overwrite: bool) -> None:
+    """Exports the checkpoint to `out` with training_log.json and the sparsity plot of the `log`."""
     with tempfile.TemporaryDirectory() as tmp:
         artifacts = {"training_log.json": Path(tmp) / "training_log.json", "sparsity.png": Path(tmp) / "sparsity.png"}
-        artifacts["training_log.json"].write_text(json.dumps({"training": training, "log": result.log}, indent=1))
-        plot_training(result.log, artifacts["sparsity.png"])
+        artifacts["training_log.json"].write_text(json.dumps({"training": training, "log": log}, indent=1))
+        plot_training(log, artifacts["sparsity.png"])
         export_checkpoint(
             model, tokenizer, out, spec=spec, plan=plan, training=training, artifacts=artifacts,
             max_shard_size=max_shard_size, overwrite=overwrite,
         )
-    discard_saved_state(resume_dir)
-    if push_to_hub:
-        from .push import push_to_hub as push
-
-        summary["url"] = push(out, push_to_hub, private=private)
-    return summary

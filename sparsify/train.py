@@ -178,7 +178,7 @@ def loss_terms(model, mlps: list, ids: torch.Tensor, teacher: torch.nn.Module | 
     output = model(input_ids=ids, labels=ids)
     kl = distillation_kl(output.logits, teacher, ids) if teacher is not None else torch.zeros_like(output.loss)
     layer_l1 = torch.stack([m.stats.l1.float() for m in mlps])
-    # the output's logits ([batch, seq_len, vocab]) go with it: they need not live through the backward
+    # returns without `output`: its logits ([batch, seq_len, vocab]) need not live through the backward
     return LossTerms(output.loss, kl, layer_l1.mean()), layer_l1
 
 
