@@ -38,6 +38,7 @@ import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
 import twell
+import twell.cost_model
 from twell.format import empty_twell, slots
 from twell.format import decode_rows
 from twell.gated_mlp import DECODE_TILE, gate_config, gate_launch, out_config, out_launch
@@ -358,9 +359,21 @@ def planned_mlp(modeling, w, d, i, k, plan_k, heavy_units):
     make_heavy(x, slice(None, None, length), heavy_units, i, k)
     counter = _LayerCounter()
     counter((x @ w["gate"].t()).view(sequences, length, i))
-    plan = plan_layer(counter.result(sequences), hidden_size=d)
-    return (modeling.TwellGatedMLP(projections(), LAYOUT, plan),
-            modeling.TwellGatedMLP(projections(), LAYOUT, {"mode": "dense"}))
+    entry = plan_layer(counter.result(sequences), hidden_size=d).to_json()
+    return (modeling.TwellGatedMLP(projections(), LAYOUT, runtime_plan(modeling, entry)),
+            modeling.TwellGatedMLP(projections(), LAYOUT, runtime_plan(modeling, {"mode": "dense"})))
+
+
+def runtime_plan(modeling, entry: dict):
+    """A config.json plan entry as `modeling`'s TwellGatedMLP takes it (runtimes before LayerPlan: the entry)."""
+    return modeling.LayerPlan.from_json(entry) if hasattr(modeling, "LayerPlan") else entry
+
+
+def plan_of(mlp) -> dict:
+    """The setting a TwellGatedMLP runs, as config.json writes it (runtimes before LayerPlan: its attributes)."""
+    if hasattr(mlp, "plan"):
+        return {key: value for key, value in mlp.plan.to_json().items() if key != "stats"}
+    return {key: getattr(mlp, key) for key in ("mode", "tile", "compression", "sparse_tokens")}
 
 
 def paired_ms(first, second, rounds=3):
@@ -404,7 +417,7 @@ def robustness(folder=None, plan_k=None, tokens=ROBUST_TOKENS, actives=ROBUST_AC
     for k in actives:
         layers = [make_layer(d, i, k) for _ in range(LAYERS)]
         mlps = [planned_mlp(modeling, w, d, i, k, plan_k or k, i // 2) for w in layers]
-        plan = {key: getattr(mlps[0][0], key) for key in ("mode", "tile", "compression", "sparse_tokens")}
+        plan = plan_of(mlps[0][0])
         for m in tokens:
             for heavy in dict.fromkeys(heavy_count(m, h) if h else 0 for h in ROBUST_HEAVY):
                 x = make_x(m, d)
@@ -442,7 +455,7 @@ def robustness(folder=None, plan_k=None, tokens=ROBUST_TOKENS, actives=ROBUST_AC
 def heavy_block():
     """The dense block of heavy rows alone (gated_mlp's heavy_launches: the launches a batched call makes
     after its out kernel posted n rows) against cuBLAS's dense block of the same n rows, at three shapes;
-    each checked against fp32 at those rows. do_bench medians (L2 flushed). Fits twell.format.HEAVY."""
+    each checked against fp32 at those rows. do_bench medians (L2 flushed). Fits twell.cost_model.HEAVY."""
     module = sys.modules["twell.gated_mlp"]
     rows = []
     for d, i in ((896, 4864), (2048, 5632), (4096, 14336)):
@@ -650,7 +663,7 @@ def main():
     if args.sweep:
         result = dict(meta, sweep=sweep())
     elif args.robustness:
-        result = dict(meta, runtime=args.runtime or "this tree", heavy_cost=twell.format.HEAVY, rows=[])
+        result = dict(meta, runtime=args.runtime or "this tree", heavy_cost=twell.cost_model.HEAVY, rows=[])
         for row in robustness(args.runtime, args.plan_active, args.tokens, args.active):
             result["rows"].append(row)
             if args.json:  # after every row, so that a run cut short keeps what it measured

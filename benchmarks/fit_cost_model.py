@@ -1,12 +1,12 @@
-"""Fit the cost model of `twell.format` (dense_time, twell_time) to block-benchmark results.
+"""Fit the cost model of `twell.cost_model` (dense_time, twell_time) to block-benchmark results.
 
 Cases: every row of the given bench_inference.py JSON files without overflow (dense_ms, twell_ms and,
 for batched rows, gate_ms and updown_ms), and `bench_inference.py --decode-paths` rows (dense_us and the
 time of the path the kernel takes at that size). Each component is fitted on log time (scipy least squares): the
 dense block on dense times, the decode path on decode twell times, the gate launch (once per batched gate
-kernel, `twell.format.gate_kernel`: the Triton kernel per tile width, the Hopper kernel) and the out launch
-separately on the batched breakdown. Prints the constants to paste into twell/format.py, then, with the
-constants currently in twell/format.py, measured against predicted speed-up per case and the rms error.
+kernel, `twell.cost_model.gate_kernel`: the Triton kernel per tile width, the Hopper kernel) and the out launch
+separately on the batched breakdown. Prints the constants to paste into kernels/cost_model.py, then, with the
+constants currently in kernels/cost_model.py, measured against predicted speed-up per case and the rms error.
 
   python benchmarks/fit_cost_model.py benchmarks/results/inference_window_h100.json \\
       benchmarks/results/inference_h100.json benchmarks/results/inference_tiles_h100.json \\
@@ -18,7 +18,7 @@ import json
 import numpy as np
 from scipy.optimize import least_squares
 
-from twell import format as cost
+from twell import cost_model as cost
 from twell.format import decode_rows
 
 
@@ -78,7 +78,7 @@ def main():
           + ", ".join(f"{k!r} {len(v)}" for k, v in kernels.items()))
     print(f"GATHER = ({o[0]:.2f}e12, {o[1]:.2f}e12, {o[2]:.3f}e-9, {o[3]:.1f}e-6)")
     print(f"DECODE = ({k[0]:.2f}e12, {k[1]:.1f}e-9, {k[2]:.1f}e-6)")
-    print(f"\nwith the constants in twell/format.py ({len(cases)} cases):")
+    print(f"\nwith the constants in kernels/cost_model.py ({len(cases)} cases):")
     errors = []
     for c in cases:
         measured = c["dense"] / c["twell"]

@@ -35,8 +35,7 @@ from sparsify.bench import bench_checkpoint, bench_table, versions, write_json
 from sparsify.export import export_checkpoint
 from sparsify.families import spec_for
 from sparsify.measure import measure
-from sparsify.plan import plan_layers
-from sparsify.tune import measure_plan
+from sparsify.plan import measure_plan, plan_layers
 
 BIAS = 0          # the constant residual channel
 BIAS_VALUE = 1.0  # its value in every token embedding
@@ -81,7 +80,7 @@ def build_model(*, hidden: int = 2048, intermediate: int = 5632, layers: int = 4
 
 def export(model, out: Path, *, active: float, eval_tokens: int = 4096, measure_kernels: bool = False) -> Path:
     """The model as a converted checkpoint (bf16 on CUDA, as convert exports) planned on fresh tokens, by
-    the cost model or, with `measure_kernels`, by timings (sparsify.tune; the cost model's plan is kept in
+    the cost model or, with `measure_kernels`, by timings (sparsify.plan.measure_plan; the cost model's plan is kept in
     the training section for comparison)."""
     spec = spec_for(model.config)
     device = next(model.parameters()).device
@@ -90,7 +89,7 @@ def export(model, out: Path, *, active: float, eval_tokens: int = 4096, measure_
     blocks = list(torch.randint(0, model.config.vocab_size, (max(1, eval_tokens // seq), seq), generator=generator))
     stats = measure(model, spec, blocks)
     plan = plan_layers(stats["layers"], hidden_size=model.config.hidden_size)
-    cost_model_plan = plan
+    cost_model_plan = [layer.to_json() for layer in plan]
     if measure_kernels:
         plan = measure_plan(model, spec, blocks, device=device)
     if device.type == "cuda":

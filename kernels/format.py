@@ -1,4 +1,5 @@
-"""TwELL packed layout of a ReLU activation, packing in Triton, and a plain PyTorch reference.
+"""TwELL packed layout of a ReLU activation, packing in Triton, and a plain PyTorch reference; also the
+launch rules that the kernels and the cost model (cost_model.py) share (decode_rows, HEAVY_UNITS, ...).
 
 A dense activation g [M, I] is cut along I into tiles of T columns (T = the gate matmul's column tile,
 so each matmul program packs its own output tile in its epilogue). Each (row, tile) keeps its positives
@@ -71,102 +72,14 @@ def decode_rows(d: int, width: int) -> int:
 HEAVY_UNITS = 128
 
 
-# The narrowest layer shape of the block benchmarks the cost model below was fitted to (D 896 / I 4864):
-# narrower layers are outside it, and a plan by the model runs them dense.
-FITTED_MIN_HIDDEN, FITTED_MIN_INTERMEDIATE = 896, 4864
-
-# Cost model of one block on an H100 in bf16, fitted by benchmarks/fit_cost_model.py to the block
-# benchmark's window, main and tiles grids and its --decode-paths rows (5 shapes, 1-65536 tokens, 29-300
-# active units, tiles 64-256; fit quality in docs/performance.md). A launch costs a smooth
-# maximum of its compute and its weight-streaming time plus a fixed latency; compute runs at
-# peak * D / (D + D_half) (narrow matmuls are less efficient).
-DENSE = (726e12, 660, 2.74e12, 14.3e-6)  # cuBLAS block: peak flop/s, D_half, weight bytes/s, latency s
-# the dense block of heavy rows (gated_mlp's heavy_launches: Triton, rows gathered), same terms, fitted to
-# bench_inference.py --heavy-block
-HEAVY = (454e12, 0, 2.30e12, 35.7e-6)
-# Gate matmul with its packing epilogue, same terms, per batched gate kernel (gate_kernel): the Triton
-# kernel at each planned tile width, and gate_hopper.py's kernel (tile 128 from HOPPER_TILES_PER_SM tiles an SM)
-GATE = {64: (411e12, 255, 4.00e12, 6.0e-6), 128: (621e12, 257, 2.56e12, 7.1e-6),
-        256: (681e12, 471, 4.00e12, 15.6e-6), "hopper": (691e12, 400, 1.71e12, 4.9e-6)}
-H100_SMS = 132
 HOPPER_TILES_PER_SM = 4  # gate_hopper.py runs from this many output tiles an SM (hopper_gate_launch): ~1500
 #                          tokens at I 5632
-GATHER = (6.27e12, 2.76e12, 0.000e-9, 17.6e-6)  # up + down rows of the active pairs: bytes/s from L2 and
-#                                                 from HBM, seconds per pair, latency of the out kernel
-DECODE = (2.54e12, 3.8e-9, 9.1e-6)  # decode: bytes/s (gate matrix, active up/down rows), s per pair, latency
-L2_BYTES = 50e6
-# Batched, the out kernel walks each row in one program, a few units a step, beside the other rows: a row
-# heavier than the rest (a sequence's first token often activates hundreds of units) is a serial chain.
-# Seconds per step of that walk at 2 units a step: fixed + per hidden column, fitted to the
-# block with one heavy row before the split (benchmarks/results/heavy_row_h100.json: 1.1 us a unit at D 2048,
-# 1.7 us at D 4096). A row above HEAVY_UNITS posts itself to the dense block of heavy rows instead.
-ROW_WALK = (9.8e-7, 6.0e-10)
 
 
 def out_units_per_step(m: int) -> int:
     """Units the batched out kernel takes a step (gated_mlp.out_config): with few rows in flight, more
     units a step, fewer dependent steps a row; with many, fewer, to keep more rows in flight."""
     return 8 if m <= 256 else 4 if m <= 512 else 2
-
-
-def _roofline(flops: float, nbytes: float, rates: tuple, d: int) -> float:
-    peak, d_half, bandwidth, latency = rates
-    return ((flops * (d + d_half) / (peak * d)) ** 4 + (nbytes / bandwidth) ** 4) ** 0.25 + latency
-
-
-def gate_kernel(tile: int, tokens: int, i: int):
-    """Which batched gate kernel an H100 runs, as a key of GATE: "hopper" for gate_hopper.py's (tile 128,
-    enough tiles), else the Triton kernel's tile width (tiles below 64, never planned, cost as 64)."""
-    if tile == 128 and cdiv(tokens, 128) * cdiv(i, 128) >= HOPPER_TILES_PER_SM * H100_SMS:
-        return "hopper"
-    return min(max(tile, 64), 256)
-
-
-def dense_time(d: int, i: int, tokens: int) -> float:
-    """Predicted seconds of the dense bf16 block (gate and up as one matmul, ReLU product, down)."""
-    return _roofline(6 * tokens * d * i, 6 * d * i, DENSE, d)
-
-
-def heavy_time(d: int, i: int, rows: int) -> float:
-    """Predicted seconds of the dense block of `rows` heavy rows (gated_mlp's heavy_launches); none: nothing."""
-    return _roofline(6 * rows * d * i, 6 * d * i, HEAVY, d) if rows else 0.0
-
-
-def twell_time(mean_active: float, d: int, i: int, tokens: int, max_active: float | None = None,
-               tile: int = 128, heavy_rows: int | None = None) -> float:
-    """Predicted seconds of `gated_mlp` at `mean_active` units per token (no overflow) with `tile`-wide
-    tiles (batched: the gate kernel's rates depend on it; decode uses its own); `max_active`, the
-    heaviest token's count: up to HEAVY_UNITS its serial walk bounds the batched out kernel from below (a
-    smooth maximum with the throughput term: the row runs beside the others); above, the row goes to the
-    dense block of heavy rows, whose time is added for `heavy_rows` rows (default: one, the heaviest)."""
-    pairs = tokens * mean_active
-    if tokens <= decode_rows(d, i):  # decode spreads a row's units over the gate programs' tiles
-        bandwidth, per_pair, latency = DECODE
-        return (2 * d * i + 4 * d * pairs) / bandwidth + pairs * per_pair + latency
-    l2, hbm, per_pair, latency = GATHER
-    from_hbm = max(0.0, 1 - L2_BYTES / (4 * d * i))  # share of the row reads that miss L2
-    gather = pairs * (4 * d * ((1 - from_hbm) / l2 + from_hbm / hbm) + per_pair) + latency
-    heaviest = max_active or 0.0
-    if heavy_rows is None:
-        heavy_rows = int(heaviest > HEAVY_UNITS)
-    # the fitted terms already hold ordinary rows (a batch's heaviest is about twice the mean): only the
-    # walk beyond that counts
-    excess = max(0.0, min(heaviest, HEAVY_UNITS) - 2 * mean_active)
-    walk = excess / out_units_per_step(tokens) * (ROW_WALK[0] + ROW_WALK[1] * d)
-    gate = _roofline(2 * tokens * d * i, 2 * d * i, GATE[gate_kernel(tile, tokens, i)], d)
-    return gate + (gather ** 4 + walk ** 4) ** 0.25 + heavy_time(d, i, heavy_rows)
-
-
-def choose_setting(mean_active: float, tile_active_max: float, d: int, i: int, tokens: int = 16384,
-                   tile: int = 128) -> dict:
-    """Per-layer plan from measured activity: `mean_active` units per token, `tile_active_max` a high
-    quantile (e.g. p99.9) of active units per (token, tile) at this tile width. Returns
-    {"mode": "sparse"|"dense", "tile", "compression", "predicted_speedup"} (speed-up of the MLP block
-    over dense bf16 at this token count, from the model above; sparse when it exceeds 1)."""
-    compression = next((c for c in (8, 4, 2) if slots(tile, c) >= tile_active_max), 1)
-    speedup = dense_time(d, i, tokens) / twell_time(mean_active, d, i, tokens)
-    return dict(mode="sparse" if speedup > 1 else "dense", tile=tile, compression=compression,
-                predicted_speedup=round(speedup, 3))
 
 
 def use_triton(t: torch.Tensor) -> bool:

@@ -18,7 +18,8 @@ from functools import lru_cache
 
 import torch
 
-from .format import cdiv, dense_time, twell_time
+from .cost_model import dense_time, twell_time
+from .format import cdiv
 
 # Eager calls take the kernels only where the dense block's predicted GPU time reaches this: the geometric
 # middle between the largest eager call measured host-bound and the smallest measured faster than dense

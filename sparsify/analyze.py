@@ -11,12 +11,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from twell.layer_plan import LayerPlan
+
 from .data import TextData
 from .errors import DataError
 from .load import check_device, demo_corpus_path, load_config, load_model, require_tokenizer
 from .measure import measure
 from .plan import plan_model
 from .tune import require_cuda
+
+
+def _entry_without_stats(plan: LayerPlan) -> dict:
+    return {key: value for key, value in plan.to_json().items() if key != "stats"}
 
 
 def default_data(source: str) -> tuple[str | Path, str]:
@@ -57,7 +63,8 @@ def analyze(
     measure_kernels: bool = False,
 ) -> dict:
     """{"model", "data", "seq_len", "tokens", "perplexity", "converted", "layers": [statistics + "recommended"]};
-    "recommended" is None for a model that is not converted (its gate is not ReLU). `text_column`: the column
+    "recommended" is the layer's LayerPlan (in the JSON file its entry without stats, which the layer's own
+    statistics hold), None for a model that is not converted (its gate is not ReLU). `text_column`: the column
     of the data's rows that holds the text (default "text"; without `data`, the one the recorded data was read
     from). `measure_kernels`: recommend by timing the kernel settings on this GPU instead of by the cost model."""
     check_device(device)
@@ -78,9 +85,9 @@ def analyze(
     plans = (plan_model(model, spec, stats, text.eval_blocks, measure_kernels=measure_kernels, device=device)
              if converted else [None] * len(stats["layers"]))
     for layer, plan in zip(stats["layers"], plans):
-        layer["recommended"] = plan and {k: v for k, v in plan.items() if k != "stats"}
+        layer["recommended"] = plan
     result = {"model": str(source), "family": spec.family, "data": str(data), "seq_len": seq_len,
               "converted": converted, "activation": activation, **stats}
     if json_path:
-        Path(json_path).write_text(json.dumps(result, indent=1))
+        Path(json_path).write_text(json.dumps(result, indent=1, default=_entry_without_stats))
     return result

@@ -8,6 +8,8 @@ from pathlib import Path
 
 from huggingface_hub import ModelCard, ModelCardData
 
+from twell.layer_plan import LayerPlan
+
 from .plan import describe
 
 TAGS = ["sparsify", "twell", "relu", "activation-sparsity", "sparse"]
@@ -22,22 +24,21 @@ def _percent(value) -> str:
     return "-" if value is None else f"{100 * value:.2f}"
 
 
-def layer_table(plan: list[dict], intermediate_size: int) -> str:
+def layer_table(plan: list[LayerPlan], intermediate_size: int) -> str:
     """Markdown table: layer, mean active units per token, sparsity %, dead %, kernel setting."""
     rows = ["| layer | mean active units | sparsity % | dead units % | setting |", "|---:|---:|---:|---:|---|"]
     for index, layer in enumerate(plan):
-        stats = layer.get("stats", {})
-        mean = stats.get("mean_active")
+        mean = layer.mean_active
         sparsity = None if mean is None else 1 - mean / intermediate_size
         active = "-" if mean is None else f"{mean:.1f}"
-        dead = _percent(stats.get("dead_frac"))
+        dead = _percent(layer.stats.get("dead_frac"))
         rows.append(f"| {index} | {active} | {_percent(sparsity)} | {dead} | {describe(layer)} |")
     return "\n".join(rows)
 
 
-def model_card(*, family: str, plan: list[dict], training: dict, intermediate_size: int,
+def model_card(*, family: str, plan: list[LayerPlan], training: dict, intermediate_size: int,
                artifacts: tuple[str, ...] = ()) -> ModelCard:
-    """The card of a checkpoint of `family` with per-layer `plan` (config.twell layers) and `training` dict."""
+    """The card of a checkpoint of `family` with per-layer `plan` and `training` dict."""
     base = training.get("base_model")
     hub_base = base if is_hub_id(base) else None
     data = ModelCardData(
@@ -47,7 +48,7 @@ def model_card(*, family: str, plan: list[dict], training: dict, intermediate_si
         pipeline_tag="text-generation",
         tags=[*TAGS, family],
     )
-    means = [layer["stats"]["mean_active"] for layer in plan if "mean_active" in layer.get("stats", {})]
+    means = [layer.mean_active for layer in plan if layer.mean_active is not None]
     overall = (
         f"On held-out text, {sum(means) / len(means):.1f} of {intermediate_size} hidden units are active per "
         f"token on average ({_percent(1 - sum(means) / len(means) / intermediate_size)}% sparsity).\n\n"

@@ -20,11 +20,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from twell.layer_plan import FORMAT_VERSION, LayerPlan
+
 from .card import model_card
 from .errors import OutputError
 from .families import FamilySpec
 
-FORMAT_VERSION = 1
 MODELING_FILE = Path(__file__).parent / "remote" / "modeling_twell.py"
 GENERATION_FILE = MODELING_FILE.with_name("generation.py")  # imported by the modeling file
 AUTO_MAP = {"AutoModelForCausalLM": "modeling_twell.TwellForCausalLM"}
@@ -58,12 +59,12 @@ def modeling_source(spec: FamilySpec) -> str:
     return source
 
 
-def twell_section(spec: FamilySpec, plan: list[dict], training: dict) -> dict:
-    return {"format_version": FORMAT_VERSION, "family": spec.family, "mlp": spec.layout(), "layers": plan,
-            "training": training}
+def twell_section(spec: FamilySpec, plan: list[LayerPlan], training: dict) -> dict:
+    return {"format_version": FORMAT_VERSION, "family": spec.family, "mlp": spec.layout(),
+            "layers": [layer.to_json() for layer in plan], "training": training}
 
 
-def _check_layout(model: nn.Module, spec: FamilySpec, plan: list[dict]) -> None:
+def _check_layout(model: nn.Module, spec: FamilySpec, plan: list[LayerPlan]) -> None:
     """The model has a ReLU gate, saves under exactly the parameter names of the family's own class (so that
     both the plain and the remote-code load find every weight), and the plan covers every layer."""
     if getattr(model.config, spec.act_key) != "relu":
@@ -109,11 +110,11 @@ def _as_umask_allows(folder: Path) -> None:
         path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
-def export_checkpoint(model: nn.Module, tokenizer, out_dir: str | Path, *, spec: FamilySpec, plan: list[dict],
+def export_checkpoint(model: nn.Module, tokenizer, out_dir: str | Path, *, spec: FamilySpec, plan: list[LayerPlan],
                       training: dict, artifacts: dict[str, str | Path] | None = None,
                       max_shard_size: str | int = "5GB", overwrite: bool = False) -> Path:
-    """Write the relufied `model` (its MLPs keep the original parameter names) with `plan` (one config.twell
-    layer entry per decoder layer) and `training` (settings and tokens used) to `out_dir`; returns it.
+    """Write the relufied `model` (its MLPs keep the original parameter names) with `plan` (one LayerPlan per
+    decoder layer) and `training` (settings and tokens used) to `out_dir`; returns it.
     `artifacts` maps file names in OUT to files to copy there (training log, plots)."""
     out = check_output_dir(out_dir, overwrite)
     _check_layout(model, spec, plan)

@@ -1,39 +1,40 @@
-"""Per-layer kernel settings from measured statistics (twell.md section 5), through a cost model.
+"""Per-layer kernel plans (`twell.layer_plan.LayerPlan`), by either of two planners:
 
-The model is `twell.format`'s (dense_time, twell_time: roofline terms and latencies fitted to the H100 block
-benchmark; the batched gate kernel's rates depend on the tile width, and at tile 128 on an H100 a faster
-kernel runs from 4 output tiles an SM), refined with the costs that its inputs leave out and `measure`
-gives per (tile, compression):
-- overflow: an overflowing (token, tile) is recomputed densely in the fallback (T gate rows, 2 * T * D
-  bytes, at the L2 gather rate), so a fraction f of overflowing pairs costs f * 2 * D * I bytes per token
-  (batched, only the pairs of tokens light enough to be walked: the heavier ones go through the dense
-  block whole) (the compression costs nothing else: the kernels write and read only a tile's used slots;
-  benchmarks/results/inference_tiles_h100.json, compressions 4, 8 and 16 alike where none overflows);
-- the heaviest token (`max_active`): the batched out kernel walks a row in one program; a row above
-  `twell.format.HEAVY_UNITS` (a sequence's first token often is one) goes to the dense block of heavy rows
-  instead (twell.format.twell_time).
-Every measured (tile, compression) gets a predicted speed-up over the dense block at `tokens` tokens
-(default: a 16k-token prefill, the regime of the paper's benchmark); the best one is the layer's setting.
-The speed-up depends on the token count (decode is memory-bound and wins most; a few hundred tokens can
-lose on narrow layers, where the kernels' fixed latencies weigh most), so the plan also records
-"sparse_tokens": the token-count ranges [lo, hi] (hi None: no bound) in which the setting beats dense by
-`min_speedup`, judged at the points of TOKEN_GRID with boundaries halfway (geometrically) between them.
-The modeling file runs the kernels only there; a layer with no such range is "dense". A layer narrower
-than the shapes the model was fitted to (twell.format.FITTED_MIN_*) is "dense" too: its predictions would be
-extrapolations. `measure` counts a tile as overflowing above the kernel's T / C slots (`twell.slots`).
-`sparsify.tune.measure_plan` replaces the predictions by timings on a GPU (any width).
+- `plan_layers`: from `measure`'s statistics through twell's H100 cost model (`twell.cost_model`), plus the
+  costs its inputs leave out and `measure` gives per (tile, compression): overflow (an overflowing (token,
+  tile) is recomputed densely, so a fraction f of overflowing pairs costs f * 2 * D * I bytes a token at the
+  gather rate; batched, only the pairs of tokens light enough to be walked count, the heavier ones go to the
+  dense block of heavy rows whole) and the heaviest token (`max_active`). The compression costs nothing
+  else: the kernels write and read only a tile's used slots. Every measured (tile, compression) gets a
+  predicted speed-up over dense at `tokens` tokens (default: a 16k-token prefill); the best is the setting.
+  A layer narrower than the shapes the model was fitted to is dense: its predictions would be extrapolations.
+- `measure_plan` (`--measure`, CUDA): from timings of each layer's own weights and captured inputs
+  (`sparsify.tune`): the fastest candidate whose error stays within the dense bf16 path's bound.
+
+The speed-up depends on the token count (decode is memory-bound and wins most; a few hundred tokens can lose
+on narrow layers, where the kernels' fixed latencies weigh most), so each planner also judges its setting at
+a grid of token counts: "sparse_tokens" holds the ranges [lo, hi] (hi None: no bound) where it wins, with
+boundaries halfway (geometrically) between the judged counts. A layer with no such range is dense.
 """
 from __future__ import annotations
 
 from math import isqrt
 
-from twell.format import FITTED_MIN_HIDDEN, FITTED_MIN_INTERMEDIATE, GATHER, decode_rows, dense_time, twell_time
+import torch
 
-TOKENS = 16384
-# token counts the window is judged at: both sides of the decode path's ends (16 or 64 rows), then prefills
+from twell.cost_model import FITTED_MIN_HIDDEN, FITTED_MIN_INTERMEDIATE, GATHER, dense_time, twell_time
+from twell.format import decode_rows
+from twell.layer_plan import ALL_TOKENS, LayerPlan, Mode
+
+from .errors import ConfigError
+from .families import FamilySpec, down_weight, gate_weight, has_bias, mlp_modules, up_weight
+from .tune import CANDIDATES, TOKENS, activity, capture_mlp_inputs, require_cuda, time_layer, time_window
+
+# token counts the cost model judges a setting at: both sides of the decode path's ends (16 or 64 rows),
+# then prefills
 TOKEN_GRID = (1, 4, 16, 17, 32, 64, 65, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 4096, 16384)
-FITTED_TILE = 128  # the tile the main grids were measured at: ties go to it
-LLAMA_RATIO = 2.75      # I / D of the paper's models, used when the caller gives no hidden size
+FITTED_TILE = 128  # the tile the cost model's main grids were measured at: ties go to it
+LLAMA_RATIO = 2.75  # I / D of the paper's models, used when the caller gives no hidden size
 
 
 def overflow_at(tile_stats: dict, compression: int, batched: bool) -> float:
@@ -70,68 +71,111 @@ def token_ranges(wins: list[tuple[int, bool]]) -> list[list]:
     return ranges
 
 
+def _setting(tile: int, compression: int, sparse_tokens: list[list], stats: dict) -> LayerPlan:
+    """Sparse at its token ranges, or dense (keeping the stats) where there are none."""
+    if not sparse_tokens:
+        return LayerPlan(stats=stats)
+    return LayerPlan(Mode.SPARSE, tile, compression, sparse_tokens, stats)
+
+
 def plan_layer(stats: dict, *, hidden_size: int | None = None, tokens: int = TOKENS,
-               min_speedup: float = 1.0) -> dict:
-    """One layer's {"mode", "tile", "compression", "sparse_tokens", "stats"} from its `measure` statistics."""
+               min_speedup: float = 1.0) -> LayerPlan:
+    """One layer's plan from its `measure` statistics, by the cost model."""
     units = stats["units"]
     d = hidden_size or round(units / LLAMA_RATIO)
     summary = {k: stats[k] for k in ("mean_active", "p99_active", "max_active", "dead_frac") if k in stats}
     if d < FITTED_MIN_HIDDEN or units < FITTED_MIN_INTERMEDIATE:
-        return {"mode": "dense", "stats": summary | {"reason": (
+        return LayerPlan(stats=summary | {"reason": (
             f"D {d} / I {units} is narrower than the cost model's shapes (from D {FITTED_MIN_HIDDEN} / I "
-            f"{FITTED_MIN_INTERMEDIATE}): --measure times the kernels at any width")}}
+            f"{FITTED_MIN_INTERMEDIATE}): --measure times the kernels at any width")})
     heaviest = stats.get("max_active")
-    candidates = [
-        (round(predicted_speedup(stats["mean_active"], overflow_at(t, int(c), tokens > decode_rows(d, units)),
-                                 int(tile), d, units, tokens, heaviest), 3), int(tile), int(c))
-        for tile, t in stats["tiles"].items()
-        for c in t["overflow_frac"]
-    ]
+
+    def speedup_at(n: int, tile: int, compression: int) -> float:
+        overflow = overflow_at(stats["tiles"][str(tile)], compression, n > decode_rows(d, units))
+        return predicted_speedup(stats["mean_active"], overflow, tile, d, units, n, heaviest)
+
+    candidates = [(round(speedup_at(tokens, int(tile), int(c)), 3), int(tile), int(c))
+                  for tile, t in stats["tiles"].items() for c in t["overflow_frac"]]
     if not candidates:  # I narrower than the smallest measured tile
-        return {"mode": "dense", "stats": summary}
+        return LayerPlan(stats=summary)
     # ties: the main grids' tile, then the narrower packing (compressions cost the same without overflow)
     speedup, tile, compression = max(candidates, key=lambda s: (s[0], s[1] == FITTED_TILE, s[2]))
     t = stats["tiles"][str(tile)]
     summary.update(predicted_speedup=speedup, max_tile_active_p999=t["p999"],
                    overflow_frac=t["overflow_frac"][str(compression)])
-    ranges = token_ranges([(n, predicted_speedup(stats["mean_active"], overflow_at(t, compression, n > decode_rows(d, units)),
-                                                 tile, d, units, n, heaviest) > min_speedup) for n in TOKEN_GRID])
-    return layer_setting(tile, compression, ranges, summary)
+    ranges = token_ranges([(n, speedup_at(n, tile, compression) > min_speedup) for n in TOKEN_GRID])
+    return _setting(tile, compression, ranges, summary)
 
 
-def layer_setting(tile: int, compression: int, sparse_tokens: list[list], stats: dict) -> dict:
-    """A plan entry: sparse with its token ranges, or dense (keeping the stats) where there are none."""
-    if not sparse_tokens:
-        return {"mode": "dense", "stats": stats}
-    return {"mode": "sparse", "tile": tile, "compression": compression, "sparse_tokens": sparse_tokens,
-            "stats": stats}
-
-
-def plan_layers(layer_stats: list[dict], **options) -> list[dict]:
-    """The per-layer plan written to config.json's "twell" section (options: those of `plan_layer`)."""
+def plan_layers(layer_stats: list[dict], **options) -> list[LayerPlan]:
+    """The cost model's plan of every layer (options: those of `plan_layer`)."""
     return [plan_layer(s, **options) for s in layer_stats]
 
 
-def describe(layer: dict) -> str:
-    """Short text of a layer's setting for tables: 'T256 C8', 'T128 C8 at 1-64, 700+', 'dense', or '-' for
-    none (mode None)."""
-    if layer["mode"] is None:
-        return "-"
-    if layer["mode"] != "sparse":
-        return "dense"
-    ranges = layer.get("sparse_tokens", [[1, None]])
-    where = "" if ranges == [[1, None]] else " at " + ", ".join(
-        f"{lo}+" if hi is None else f"{lo}-{hi}" for lo, hi in ranges)
-    return f"T{layer['tile']} C{layer['compression']}{where}"
+def fastest_correct(results: dict):
+    """(ms, (tile, compression)) of the fastest candidate within the error bound, or None."""
+    return min(((r["ms"], key) for key, r in results.items() if key != "dense" and r["ok"]), default=None)
+
+
+def timed_layer_plan(activity_stats: dict, results: dict, window: list[dict], tokens: int = TOKENS) -> LayerPlan:
+    """The plan from `tune.time_layer`'s results (timed at `tokens` rows) and `tune.time_window`'s for the
+    fastest correct candidate: that setting, at the token counts where it beat dense; dense without one."""
+    dense = results["dense"]
+    stats = {**activity_stats, "dense_ms": round(dense["ms"], 4), "dense_rel_err": dense["rel_err"]}
+    best = fastest_correct(results)
+    if best is None:
+        return LayerPlan(stats=stats)
+    ms, (tile, compression) = best
+    r = results[(tile, compression)]
+    stats.update(sparse_ms=round(ms, 4), measured_speedup=round(dense["ms"] / ms, 3), rel_err=r["rel_err"],
+                 overflow_frac=r["overflow_frac"],
+                 window=[[w["tokens"], round(w["dense_ms"], 4), round(w["sparse_ms"], 4)] for w in window])
+    wins = [(w["tokens"], w["ok"] and w["sparse_ms"] < w["dense_ms"]) for w in window] + [(tokens, ms < dense["ms"])]
+    return _setting(tile, compression, token_ranges(wins), stats)
+
+
+def measure_plan(model, spec: FamilySpec, inputs, candidates=CANDIDATES, device="cuda", *,
+                 tokens: int = TOKENS, mlp_inputs: list[torch.Tensor] | None = None) -> list[LayerPlan]:
+    """Every layer's plan from timings: `inputs` are token-id blocks (held-out text), `candidates`
+    (tile, compression) pairs tried beside dense on every layer. The model must be on the CUDA device,
+    unless `mlp_inputs` (capture_mlp_inputs of the model, e.g. run sharded) are given: then each layer's
+    weights are copied to the GPU in turn."""
+    device = require_cuda(device, "--measure")
+    if mlp_inputs is None and next(model.parameters()).device.type != "cuda":
+        raise ConfigError("--measure: the model must be on the CUDA GPU")
+    xs = mlp_inputs if mlp_inputs is not None else capture_mlp_inputs(model, spec, inputs, tokens)
+    plan = []
+    for mlp, x in zip(mlp_modules(model, spec), xs):
+        weights = [w.detach().to(device, torch.bfloat16).contiguous()
+                   for w in (gate_weight(mlp, spec), up_weight(mlp, spec), down_weight(mlp, spec))]
+        x = x.to(device, torch.bfloat16)
+        if has_bias(mlp, spec):  # the kernels take no bias: such layers run dense
+            plan.append(LayerPlan(stats=activity(x, weights[0])))
+            continue
+        results = time_layer(x, *weights, candidates)
+        best = fastest_correct(results)
+        window = [] if best is None else time_window(x, *weights, *best[1])
+        plan.append(timed_layer_plan(activity(x, weights[0]), results, window, tokens))
+    return plan
 
 
 def plan_model(model, spec, stats: dict, blocks, *, measure_kernels: bool = False, device=None,
-               mlp_inputs=None) -> list[dict]:
+               mlp_inputs=None) -> list[LayerPlan]:
     """The plan of a measured model: by the cost model from `stats` (measure's output), or with
     `measure_kernels` by timing each layer's candidates on the GPU over `blocks` (or the layers' captured
-    `mlp_inputs`; sparsify.tune)."""
+    `mlp_inputs`)."""
     if measure_kernels:
-        from .tune import measure_plan
-
         return measure_plan(model, spec, blocks, device=device, mlp_inputs=mlp_inputs)
     return plan_layers(stats["layers"], hidden_size=model.config.hidden_size)
+
+
+def describe(layer: LayerPlan | None) -> str:
+    """Short text of a layer's setting for tables: 'T256 C8', 'T128 C8 at 1-64, 700+', 'dense', or '-' for
+    none (a model that is not converted)."""
+    if layer is None:
+        return "-"
+    if not layer.is_sparse:
+        return "dense"
+    where = "" if layer.sparse_tokens == ALL_TOKENS else " at " + ", ".join(
+        f"{lo}+" if hi is None else f"{lo}-{hi}" for lo, hi in layer.sparse_tokens)
+    return f"T{layer.tile} C{layer.compression}{where}"

@@ -8,6 +8,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from twell.layer_plan import LayerPlan
+
 from .plan import describe
 
 console = Console(stderr=True)
@@ -21,7 +23,8 @@ def batch_progress(items: list, label: str):
         yield from progress.track(items, total=len(items))
 
 
-def layer_table(layer_stats: list[dict], plan: list[dict], title: str, hybrid_share: list[float] | None = None) -> Table:
+def layer_table(layer_stats: list[dict], plan: list[LayerPlan | None], title: str,
+                hybrid_share: list[float] | None = None) -> Table:
     """Per layer: active units per token (mean / median / p99 / max), sparsity, dead units, the
     p99.9 of active units per (token, 256-wide tile) and the planned kernel setting (None: "-"); with `hybrid_share`
     (convert), the share of training steps the layer spent on the hybrid kernels, if any did."""
@@ -32,8 +35,8 @@ def layer_table(layer_stats: list[dict], plan: list[dict], title: str, hybrid_sh
     if show_hybrid:
         table.add_column("hybrid steps %", justify="right")
     for i, (s, p) in enumerate(zip(layer_stats, plan)):
-        p = p or {"mode": None}  # no setting (a model that is not converted)
-        tile = str(p.get("tile", max(int(t) for t in s["tiles"]) if s["tiles"] else ""))
+        planned_tile = p.tile if p is not None else None  # None: a model that is not converted
+        tile = str(planned_tile or max((int(t) for t in s["tiles"]), default=""))
         table.add_row(
             str(i), f"{s['mean_active']:.1f}", f"{s['median_active']:.0f}", f"{s['p99_active']:.0f}",
             str(s["max_active"]), f"{100 * s['sparsity']:.2f}", f"{100 * s['dead_frac']:.1f}",

@@ -1,15 +1,13 @@
-"""`--measure`: the per-layer plan from timings on the GPU instead of the cost model.
+"""Timing a layer's kernel settings on the GPU, the input of `--measure`'s planner (`sparsify.plan.measure_plan`).
 
 Each layer's MLP input is captured (forward pre-hook) on held-out token blocks, repeated to `tokens`
 rows, and the layer's own weights in bf16 run every candidate: the dense path a layer planned dense
 runs (gate, up and down linears, ReLU) and `twell.gated_mlp` at each (tile, compression). Times are
 `triton.testing.do_bench` medians; a candidate counts only if its relative error against the fp32 block
 stays within twice the dense bf16 path's own error (plus 1e-3), so a fast but wrong setting never wins.
-The fastest candidate is the layer's setting. Then dense and that setting are timed again on the first
-rows at each count of WINDOW (decode sizes to short prefills, where the kernels' latencies weigh most;
-up to GRAPH_TOKENS as CUDA-graph replays over enough copies of the weights that they do not sit in L2),
-with the same error check, and the counts where the setting wins give the layer's "sparse_tokens"
-(`sparsify.plan.token_ranges`). Its stats keep the measured times and errors.
+`time_window` times dense and one setting again on the first rows at each count of WINDOW (decode sizes to
+short prefills, where the kernels' latencies weigh most; up to GRAPH_TOKENS as CUDA-graph replays over
+enough copies of the weights that they do not sit in L2), with the same error check.
 """
 from __future__ import annotations
 
@@ -19,11 +17,10 @@ import torch
 import torch.nn.functional as F
 
 from .errors import ConfigError
-from .families import FamilySpec, down_weight, gate_weight, has_bias, mlp_modules, up_weight
-from .plan import layer_setting, token_ranges
+from .families import FamilySpec, mlp_modules
 
 CANDIDATES = tuple(itertools.product((64, 128, 256), (16, 8, 4, 2)))
-TOKENS = 16384
+TOKENS = 16384  # a 16k-token prefill, the regime of the paper's benchmark: the count a setting is chosen at
 WINDOW = (1, 4, 16, 17, 64, 65, 128, 256, 512, 1024, 4096)  # token counts timed for the window (< TOKENS)
 GRAPH_TOKENS = 1024
 
@@ -103,11 +100,6 @@ def time_layer(x, gate, up, down, candidates) -> dict:
     return results
 
 
-def fastest_correct(results: dict):
-    """(ms, (tile, compression)) of the fastest candidate within the error bound, or None."""
-    return min(((r["ms"], key) for key, r in results.items() if key != "dense" and r["ok"]), default=None)
-
-
 def time_window(x, gate, up, down, tile: int, compression: int, points=WINDOW) -> list[dict]:
     """[{tokens, dense_ms, sparse_ms, ok}] for the first `tokens` rows of x at each of `points` (< len(x))."""
     import twell
@@ -141,51 +133,9 @@ def time_window(x, gate, up, down, tile: int, compression: int, points=WINDOW) -
     return window
 
 
-def layer_plan(activity_stats: dict, results: dict, window: list[dict], tokens: int = TOKENS) -> dict:
-    """The plan entry from `time_layer`'s results (timed at `tokens` rows) and `time_window`'s for the
-    fastest correct candidate: that setting, at the token counts where it beat dense; dense without one."""
-    dense = results["dense"]
-    stats = {**activity_stats, "dense_ms": round(dense["ms"], 4), "dense_rel_err": dense["rel_err"]}
-    best = fastest_correct(results)
-    if best is None:
-        return {"mode": "dense", "stats": stats}
-    ms, (tile, compression) = best
-    r = results[(tile, compression)]
-    stats.update(sparse_ms=round(ms, 4), measured_speedup=round(dense["ms"] / ms, 3), rel_err=r["rel_err"],
-                 overflow_frac=r["overflow_frac"],
-                 window=[[w["tokens"], round(w["dense_ms"], 4), round(w["sparse_ms"], 4)] for w in window])
-    wins = [(w["tokens"], w["ok"] and w["sparse_ms"] < w["dense_ms"]) for w in window] + [(tokens, ms < dense["ms"])]
-    return layer_setting(tile, compression, token_ranges(wins), stats)
-
-
 def activity(x, gate) -> dict:
     """Mean and p99 active units per token and the never-firing fraction of units on rows x."""
     active = F.linear(x, gate) > 0
     per_token = active.sum(-1).float()
     return {"mean_active": per_token.mean().item(), "p99_active": per_token.quantile(0.99).item(),
             "dead_frac": (~active.any(0)).float().mean().item()}
-
-
-def measure_plan(model, spec: FamilySpec, inputs, candidates=CANDIDATES, device="cuda", *,
-                 tokens: int = TOKENS, mlp_inputs: list[torch.Tensor] | None = None) -> list[dict]:
-    """config.twell "layers" from timings: `inputs` are token-id blocks (held-out text), `candidates`
-    (tile, compression) pairs tried beside dense on every layer. The model must be on the CUDA device,
-    unless `mlp_inputs` (capture_mlp_inputs of the model, e.g. run sharded) are given: then each layer's
-    weights are copied to the GPU in turn."""
-    device = require_cuda(device, "--measure")
-    if mlp_inputs is None and next(model.parameters()).device.type != "cuda":
-        raise ConfigError("--measure: the model must be on the CUDA GPU")
-    xs = mlp_inputs if mlp_inputs is not None else capture_mlp_inputs(model, spec, inputs, tokens)
-    plan = []
-    for mlp, x in zip(mlp_modules(model, spec), xs):
-        weights = [w.detach().to(device, torch.bfloat16).contiguous()
-                   for w in (gate_weight(mlp, spec), up_weight(mlp, spec), down_weight(mlp, spec))]
-        x = x.to(device, torch.bfloat16)
-        if has_bias(mlp, spec):  # the kernels take no bias: such layers run dense
-            plan.append({"mode": "dense", "stats": activity(x, weights[0])})
-            continue
-        results = time_layer(x, *weights, candidates)
-        best = fastest_correct(results)
-        window = [] if best is None else time_window(x, *weights, *best[1])
-        plan.append(layer_plan(activity(x, weights[0]), results, window, tokens))
-    return plan

@@ -1,4 +1,4 @@
-"""bench and --measure on CPU (clear errors), bench's pure helpers, and tune's choice rule."""
+"""bench and --measure on CPU (clear errors), bench's pure helpers, and the measured planner's choice rule."""
 import json
 
 import pytest
@@ -10,7 +10,9 @@ from sparsify.bench import (COMPONENTS, PATHS, RANGE, _range_of, bench_checkpoin
                             module_component, module_ranges, path_row, plan_summary, profile_split, write_json)
 from sparsify.errors import ConfigError, DataError
 from sparsify.families import spec_for
-from sparsify.tune import WINDOW, capture_mlp_inputs, layer_plan, measure_plan
+from sparsify.plan import measure_plan, timed_layer_plan
+from sparsify.tune import WINDOW, capture_mlp_inputs
+from twell.layer_plan import ALL_TOKENS, LayerPlan, Mode
 
 from helpers import tiny_input_ids, tiny_model, tiny_tokenizer
 
@@ -179,18 +181,18 @@ def test_measured_plan_takes_the_fastest_correct_candidate():
     # the chosen setting at fewer tokens: wins at decode sizes, loses at 128-256, one wrong result at 4096
     window = [{"tokens": n, "dense_ms": 0.04, "sparse_ms": s, "ok": n != 4096}
               for n, s in ((1, 0.02), (64, 0.03), (128, 0.05), (256, 0.05), (1024, 0.03), (4096, 0.01))]
-    layer = layer_plan(activity, results, window)
-    assert (layer["mode"], layer["tile"], layer["compression"]) == ("sparse", 128, 8)
-    assert layer["stats"]["measured_speedup"] == pytest.approx(2.0 / 1.5, abs=1e-3)
-    assert layer["sparse_tokens"] == [[1, 90], [513, 2048], [8193, None]]
-    assert layer["stats"]["window"][0] == [1, 0.04, 0.02]
+    layer = timed_layer_plan(activity, results, window)
+    assert (layer.mode, layer.tile, layer.compression) == (Mode.SPARSE, 128, 8)
+    assert layer.stats["measured_speedup"] == pytest.approx(2.0 / 1.5, abs=1e-3)
+    assert layer.sparse_tokens == ((1, 90), (513, 2048), (8193, None))
+    assert layer.stats["window"][0] == [1, 0.04, 0.02]
     slower = {"dense": {"ms": 1.0, "rel_err": 3.3e-3}, (128, 8): {"ms": 1.5, "rel_err": 2.9e-3, "overflow_frac": 0.0, "ok": True}}
-    dense = layer_plan(activity, slower, window[2:4])
-    assert dense["mode"] == "dense" and dense["stats"]["measured_speedup"] == pytest.approx(0.667, abs=1e-3)
-    decode_only = layer_plan(activity, slower, window[:3])
-    assert decode_only["sparse_tokens"] == [[1, 90]]
+    dense = timed_layer_plan(activity, slower, window[2:4])
+    assert dense.mode is Mode.DENSE and dense.stats["measured_speedup"] == pytest.approx(0.667, abs=1e-3)
+    decode_only = timed_layer_plan(activity, slower, window[:3])
+    assert decode_only.sparse_tokens == ((1, 90),)
     wrong = {"dense": results["dense"], (256, 16): results[(256, 16)]}
-    assert layer_plan(activity, wrong, []) == {"mode": "dense", "stats": {**activity, "dense_ms": 2.0, "dense_rel_err": 3.3e-3}}
+    assert timed_layer_plan(activity, wrong, []) == LayerPlan(stats={**activity, "dense_ms": 2.0, "dense_rel_err": 3.3e-3})
 
 
 def test_capture_mlp_inputs_keeps_or_only_runs():
@@ -217,16 +219,14 @@ def test_measure_plan_times_the_window_on_gpu():
     plan = measure_plan(model, spec_for(model.config), blocks, candidates=[(128, 8), (64, 4)], tokens=2048)
     assert len(plan) == model.config.num_hidden_layers
     for layer in plan:
-        assert layer["stats"]["dense_ms"] > 0 and layer["stats"]["dense_rel_err"] < 1e-2
-        if "window" in layer["stats"]:  # a correct candidate was timed at every window size below 2048
-            assert [w[0] for w in layer["stats"]["window"]] == [n for n in WINDOW if n < 2048]
-        for lo, hi in layer.get("sparse_tokens", []):
-            assert 1 <= lo and (hi is None or lo <= hi)
+        assert layer.stats["dense_ms"] > 0 and layer.stats["dense_rel_err"] < 1e-2
+        if "window" in layer.stats:  # a correct candidate was timed at every window size below 2048
+            assert [w[0] for w in layer.stats["window"]] == [n for n in WINDOW if n < 2048]
     # the main process of an FSDP run: the whole model in CPU memory, inputs captured on the sharded one
     inputs = capture_mlp_inputs(model, spec_for(model.config), blocks, tokens=2048)
     on_cpu = measure_plan(model.cpu(), spec_for(model.config), blocks, candidates=[(128, 8)], tokens=2048,
                           mlp_inputs=inputs)
-    assert len(on_cpu) == model.config.num_hidden_layers and all(l["stats"]["dense_ms"] > 0 for l in on_cpu)
+    assert len(on_cpu) == model.config.num_hidden_layers and all(l.stats["dense_ms"] > 0 for l in on_cpu)
 
 
 def load_model_bench():
@@ -275,7 +275,7 @@ def test_mlp_layers_find_the_triton_kernels_on_gpu(tmp_path):
 
     model, tokenizer = tiny_model("llama")
     relufy(model)
-    plan = [{"mode": "sparse", "tile": 64, "compression": 2, "stats": {}}] * model.config.num_hidden_layers
+    plan = [LayerPlan(Mode.SPARSE, 64, 2, ALL_TOKENS)] * model.config.num_hidden_layers
     path = export_checkpoint(model, tokenizer, tmp_path / "ckpt", spec=spec_for(model.config), plan=plan,
                              training={"base_model": "someone/tiny-base", "tokens": 0, "steps": 0})
     twell_model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True).cuda().eval()

@@ -1,4 +1,5 @@
 import ast
+import dataclasses
 import inspect
 import json
 import os
@@ -17,13 +18,13 @@ from sparsify.errors import OutputError
 from sparsify.export import GENERATION_FILE, MODELING_FILE, check_output_dir, export_checkpoint
 from sparsify.families import FAMILIES, spec_for
 from sparsify.relufy import relufy
+from twell.layer_plan import ALL_TOKENS, LayerPlan, Mode
 
 # Layer 0 on the kernels (tile 64, 2 slots per 64 -> random weights overflow: the dense fallback runs too),
 # layer 1 dense.
 PLAN = [
-    {"mode": "sparse", "tile": 64, "compression": 2,
-     "stats": {"mean_active": 70.5, "p99_active": 90, "dead_frac": 0.0125}},
-    {"mode": "dense", "stats": {"mean_active": 80.0, "p99_active": 100, "dead_frac": 0.0}},
+    LayerPlan(Mode.SPARSE, 64, 2, ALL_TOKENS, {"mean_active": 70.5, "p99_active": 90, "dead_frac": 0.0125}),
+    LayerPlan(stats={"mean_active": 80.0, "p99_active": 100, "dead_frac": 0.0}),
 ]
 TIED = ("gemma", "qwen3")  # released models of these families share the embedding with the LM head
 TRAINING = {"base_model": "someone/tiny-base", "tokens": 4096, "steps": 2, "l1": 2e-5}
@@ -85,7 +86,7 @@ def test_export_reloads_both_ways_with_the_same_logits(family, tmp_path, monkeyp
 def test_sparse_tokens_window_picks_the_path_per_call(tmp_path, monkeypatch):
     """A layer planned sparse for decode sizes only: prefill runs dense, each one-token step on the kernels."""
     model, tokenizer, spec = _relufied("llama")
-    plan = [dict(PLAN[0], sparse_tokens=[[1, 1]]), PLAN[1]]
+    plan = [dataclasses.replace(PLAN[0], sparse_tokens=((1, 1),)), PLAN[1]]
     out = export_checkpoint(model, tokenizer, tmp_path / "ckpt-window", spec=spec, plan=plan, training=TRAINING)
     remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
     calls = []
@@ -99,8 +100,13 @@ def test_sparse_tokens_window_picks_the_path_per_call(tmp_path, monkeypatch):
     assert calls == [1, 1, 1]  # the 5-token prefill dense, then three single-token steps on the kernel
     assert torch.equal(generated, model.generate(ids[:1, :5], max_new_tokens=4, do_sample=False))
 
-    bad = [dict(PLAN[0], sparse_tokens=[[0, 4]]), PLAN[1]]
-    out = export_checkpoint(model, tokenizer, tmp_path / "ckpt-bad-window", spec=spec, plan=bad, training=TRAINING)
+    config = json.loads((out / "config.json").read_text())
+    del config["twell"]["layers"][0]["sparse_tokens"]  # as written before windows: every token count
+    (out / "config.json").write_text(json.dumps(config))
+    mlp = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).model.layers[0].mlp
+    assert mlp.in_window(1) and mlp.in_window(24) and mlp.in_window(1 << 20)
+    config["twell"]["layers"][0]["sparse_tokens"] = [[0, 4]]
+    (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"sparse_tokens must be \[lo, hi\] ranges"):
         AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
 
@@ -162,7 +168,10 @@ def test_checkpoint_layout(tmp_path):
     assert config["hidden_act"] == "relu"
     assert config["auto_map"] == {"AutoModelForCausalLM": "modeling_twell.TwellForCausalLM"}
     assert config["twell"] == {
-        "format_version": 1, "family": "phi3", "layers": PLAN, "training": TRAINING,
+        "format_version": 1, "family": "phi3", "training": TRAINING,
+        "layers": [{"mode": "sparse", "tile": 64, "compression": 2, "sparse_tokens": [[1, None]],
+                    "stats": {"mean_active": 70.5, "p99_active": 90, "dead_frac": 0.0125}},
+                   {"mode": "dense", "stats": {"mean_active": 80.0, "p99_active": 100, "dead_frac": 0.0}}],
         "mlp": {"layers": "model.layers", "mlp": "mlp", "gate": None, "up": None, "down": "down_proj",
                 "gate_up": "gate_up_proj", "act_key": "hidden_act"},
     }
@@ -188,11 +197,11 @@ def test_modeling_file_needs_only_torch_and_transformers():
                  if isinstance(node, ast.ImportFrom) and node.level == 0}
     assert absolute == {"importlib", "os", "torch", "warnings"}
     relative = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 1}
-    assert relative == {"format", "gated_mlp", "graphs", "routing", "generation"}
+    assert relative == {"format", "gated_mlp", "graphs", "routing", "generation", "layer_plan"}
     generation = ast.parse(GENERATION_FILE.read_text())  # shipped beside it: torch, transformers and the stdlib
     assert {alias.name for node in ast.walk(generation) if isinstance(node, ast.Import) for alias in node.names} \
         | {node.module.split(".")[0] for node in ast.walk(generation) if isinstance(node, ast.ImportFrom)} \
-        == {"copy", "inspect", "threading", "torch", "transformers"}
+        == {"copy", "inspect", "threading", "torch", "transformers", "weakref"}
 
 
 def test_remote_model_falls_back_to_dense_math(tmp_path, monkeypatch):

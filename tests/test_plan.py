@@ -2,6 +2,7 @@
 import pytest
 
 from sparsify.plan import TOKEN_GRID, describe, plan_layer, plan_layers, predicted_speedup, token_ranges
+from twell.layer_plan import ALL_TOKENS, Mode
 
 D, I = 2048, 5632
 
@@ -19,11 +20,11 @@ def test_sparse_at_29_active_without_overflow():
     layer = plan_layer(stats(29), hidden_size=D)
     # no overflow anywhere: tile 128 (the fastest gate kernels); compressions cost the same, and the
     # narrowest packing wins the tie (least memory)
-    assert (layer["mode"], layer["tile"], layer["compression"]) == ("sparse", 128, 16)
-    assert layer["stats"]["predicted_speedup"] > 1.2
-    assert layer["stats"]["overflow_frac"] == 0 and layer["stats"]["max_tile_active_p999"] == 9
+    assert (layer.mode, layer.tile, layer.compression) == (Mode.SPARSE, 128, 16)
+    assert layer.stats["predicted_speedup"] > 1.2
+    assert layer.stats["overflow_frac"] == 0 and layer.stats["max_tile_active_p999"] == 9
     # sparse at every token count (the H100 grids measured 1.04-1.16x at 65-512 tokens, the thinnest margin)
-    assert layer["sparse_tokens"] == [[1, None]] and describe(layer) == "T128 C16"
+    assert layer.sparse_tokens == ALL_TOKENS and describe(layer) == "T128 C16"
 
 
 def test_heavy_tokens_overflow_costs_nothing_in_batched_calls():
@@ -34,8 +35,8 @@ def test_heavy_tokens_overflow_costs_nothing_in_batched_calls():
         t["overflow_frac_light"] = {c: 0.0 for c in t["overflow_frac"]}
     light = plan_layer(layer_stats, hidden_size=D)
     plain = plan_layer(stats(29), hidden_size=D)
-    assert light["stats"]["predicted_speedup"] == plain["stats"]["predicted_speedup"]
-    assert light["stats"]["overflow_frac"] == 0.02
+    assert light.stats["predicted_speedup"] == plain.stats["predicted_speedup"]
+    assert light.stats["overflow_frac"] == 0.02
     assert predicted_speedup(29, 0.02, 128, D, I, tokens=1) < predicted_speedup(29, 0.0, 128, D, I, tokens=1)
 
 
@@ -43,23 +44,23 @@ def test_narrow_layers_leave_a_dense_window():
     # decode and long prefills on the kernels, a dense window between (D 896 / I 4864: latency-bound there,
     # measured 0.99-1.07x at 65-256 tokens, predicted 0.87-0.96x)
     layer = plan_layer(stats(29) | {"units": 4864}, hidden_size=896)
-    (lo, hi), (lo2, hi2) = layer["sparse_tokens"]
+    (lo, hi), (lo2, hi2) = layer.sparse_tokens
     assert lo == 1 and 64 <= hi < lo2 <= 1024 and hi2 is None
     assert describe(layer) == f"T128 C16 at 1-{hi}, {lo2}+"
 
 
 def test_wide_layers_run_sparse_at_every_token_count():
     layer = plan_layer(stats(29) | {"units": 14336}, hidden_size=4096)
-    assert layer["sparse_tokens"] == [[1, None]] and describe(layer) == "T128 C16"
+    assert layer.sparse_tokens == ALL_TOKENS and describe(layer) == "T128 C16"
 
 
 def test_busy_layers_run_sparse_only_at_decode_sizes():
     for active in (98, 300):
         layer = plan_layer(stats(active), hidden_size=D)
-        assert layer["stats"]["predicted_speedup"] < 1  # at 16k tokens
+        assert layer.stats["predicted_speedup"] < 1  # at 16k tokens
         # decode is memory-bound: reading 2/3 fewer weights wins even at 300 active units
-        assert layer["mode"] == "sparse" and layer["sparse_tokens"] == [[1, layer["sparse_tokens"][0][1]]]
-        assert 4 <= layer["sparse_tokens"][0][1] < 64
+        assert layer.mode is Mode.SPARSE and layer.sparse_tokens == ((1, layer.sparse_tokens[0][1]),)
+        assert 4 <= layer.sparse_tokens[0][1] < 64
 
 
 def test_token_ranges():
@@ -72,24 +73,24 @@ def test_token_ranges():
 def test_heavy_overflow_moves_to_a_smaller_compression():
     overflow = {t: {2: 0.0, 4: 0.0, 8: 0.02, 16: 0.3} for t in (64, 128, 256)}
     layer = plan_layer(stats(29, overflow), hidden_size=D)
-    assert (layer["mode"], layer["compression"]) == ("sparse", 4)
+    assert (layer.mode, layer.compression) == (Mode.SPARSE, 4)
 
 
 def test_overflow_at_one_tile_width_picks_another():
     overflow = {64: {2: 0, 4: 0, 8: 0, 16: 0}, 128: {2: 0.1, 4: 0.1, 8: 0.1, 16: 0.1}, 256: {2: 0.1, 4: 0.1, 8: 0.1, 16: 0.1}}
-    assert plan_layer(stats(29, overflow), hidden_size=D)["tile"] == 64
+    assert plan_layer(stats(29, overflow), hidden_size=D).tile == 64
 
 
 def test_dense_when_every_packing_overflows():
     everywhere = {t: {c: 0.5 for c in (2, 4, 8, 16)} for t in (64, 128, 256)}
     layer = plan_layer(stats(5, everywhere), hidden_size=D)
-    assert layer["stats"]["predicted_speedup"] < 1 and layer["stats"]["overflow_frac"] == 0.5
+    assert layer.stats["predicted_speedup"] < 1 and layer.stats["overflow_frac"] == 0.5
     # prefills recompute the overflowing tiles and lose; decode still reads under half the dense bytes
-    assert layer["sparse_tokens"] == [[1, layer["sparse_tokens"][0][1]]] and layer["sparse_tokens"][0][1] < 64
+    assert layer.sparse_tokens == ((1, layer.sparse_tokens[0][1]),) and layer.sparse_tokens[0][1] < 64
     # asked for more than its best token count is predicted to give, it runs dense
-    best = max(predicted_speedup(5, 0.5, layer["tile"], D, I, n) for n in TOKEN_GRID)
-    assert plan_layer(stats(5, everywhere), hidden_size=D, min_speedup=best)["mode"] == "dense"
-    assert plan_layer(stats(5, everywhere), hidden_size=D, min_speedup=0.99 * best)["mode"] == "sparse"
+    best = max(predicted_speedup(5, 0.5, layer.tile, D, I, n) for n in TOKEN_GRID)
+    assert plan_layer(stats(5, everywhere), hidden_size=D, min_speedup=best).mode is Mode.DENSE
+    assert plan_layer(stats(5, everywhere), hidden_size=D, min_speedup=0.99 * best).mode is Mode.SPARSE
 
 
 def test_prediction_matches_the_h100_runs():
@@ -110,8 +111,8 @@ def test_tile_width_ranks_as_measured():
 
 def test_min_speedup_and_hidden_size_default():
     best = max(predicted_speedup(29, 0, tile, D, I, n) for n in TOKEN_GRID for tile in (64, 128, 256))
-    assert plan_layer(stats(29), hidden_size=D, min_speedup=best)["mode"] == "dense"
-    assert plan_layer(stats(29), hidden_size=D, min_speedup=0.99 * best)["mode"] == "sparse"
+    assert plan_layer(stats(29), hidden_size=D, min_speedup=best).mode is Mode.DENSE
+    assert plan_layer(stats(29), hidden_size=D, min_speedup=0.99 * best).mode is Mode.SPARSE
     # without the hidden size the paper's I / D ratio stands in: same plan at this shape
     assert plan_layer(stats(29)) == plan_layer(stats(29), hidden_size=D)
 
@@ -119,18 +120,18 @@ def test_min_speedup_and_hidden_size_default():
 def test_layers_narrower_than_the_fitted_shapes_are_dense():
     """The cost model is fitted from D 896 / I 4864 up: a narrower layer (the 192-wide demo, I 528) is not
     planned by extrapolation, however sparse, while the fitted shapes keep their plan."""
-    assert plan_layer(stats(29) | {"units": 4864}, hidden_size=896)["mode"] == "sparse"
+    assert plan_layer(stats(29) | {"units": 4864}, hidden_size=896).mode is Mode.SPARSE
     for units, hidden in ((4864, 768), (2816, 1024), (528, 192)):
         layer = plan_layer(stats(2) | {"units": units}, hidden_size=hidden)
-        assert layer["mode"] == "dense" and "narrower than the cost model's shapes" in layer["stats"]["reason"]
+        assert layer.mode is Mode.DENSE and "narrower than the cost model's shapes" in layer.stats["reason"]
     narrow = {"units": 48, "mean_active": 2, "p99_active": 5, "dead_frac": 0.0, "tiles": {}}
-    assert plan_layer(narrow)["mode"] == "dense"
+    assert plan_layer(narrow).mode is Mode.DENSE
 
 
 def test_plan_layers_keeps_order():
     plans = plan_layers([stats(5), stats(300)], hidden_size=D)
     assert plans == [plan_layer(stats(5), hidden_size=D), plan_layer(stats(300), hidden_size=D)]
-    assert plans[0]["sparse_tokens"] != plans[1]["sparse_tokens"]
+    assert plans[0].sparse_tokens != plans[1].sparse_tokens
 
 
 def test_heavy_tokens_cost_the_dense_block_of_heavy_rows():
@@ -139,14 +140,14 @@ def test_heavy_tokens_cost_the_dense_block_of_heavy_rows():
     end of prefills moves up (the block's fixed cost weighs most in short calls). Below HEAVY_UNITS the row
     walks itself, in the fitted terms."""
     light = plan_layer(stats(29) | {"max_active": 60}, hidden_size=D)  # about twice the mean: ordinary
-    assert light["sparse_tokens"] == plan_layer(stats(29), hidden_size=D)["sparse_tokens"]
+    assert light.sparse_tokens == plan_layer(stats(29), hidden_size=D).sparse_tokens
     for heaviest in (1000, 2000):
         heavy = plan_layer(stats(29) | {"max_active": heaviest}, hidden_size=D)
-        assert heavy["stats"]["max_active"] == heaviest
-        assert 0.9 * light["stats"]["predicted_speedup"] < heavy["stats"]["predicted_speedup"] \
-            < light["stats"]["predicted_speedup"]  # 16384 tokens
+        assert heavy.stats["max_active"] == heaviest
+        assert 0.9 * light.stats["predicted_speedup"] < heavy.stats["predicted_speedup"] \
+            < light.stats["predicted_speedup"]  # 16384 tokens
         assert 0.7 * predicted_speedup(29, 0.0, 128, D, I, 4096, 60) < predicted_speedup(29, 0.0, 128, D, I, 4096,
                                                                                             heaviest) \
             < predicted_speedup(29, 0.0, 128, D, I, 4096, 60)
-        assert heavy["sparse_tokens"][0][0] == 1 and heavy["sparse_tokens"][-1][1] is None
-        assert light["sparse_tokens"][-1][0] < heavy["sparse_tokens"][-1][0] <= 4096
+        assert heavy.sparse_tokens[0][0] == 1 and heavy.sparse_tokens[-1][1] is None
+        assert light.sparse_tokens[-1][0] < heavy.sparse_tokens[-1][0] <= 4096

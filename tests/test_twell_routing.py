@@ -3,7 +3,7 @@ activity predicts a loss."""
 import pytest
 import torch
 
-from twell.format import dense_time
+from twell.cost_model import dense_time
 from twell.routing import EAGER_MIN_DENSE_S, ActivityRouter, eager_dense
 
 

@@ -35,6 +35,7 @@ try:
 except ImportError:  # no kernel files: dense ReLU math everywhere
     gated_mlp = prepare_down = DecodeGraphs = use_triton = ActivityRouter = eager = eager_dense = None
 from .generation import LoopUnsupported, generate_graphed, graphed_call, release_graphed
+from .layer_plan import LayerPlan, layer_plans
 
 BASE_MODEL = "transformers.models.llama.modeling_llama.LlamaForCausalLM"
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton reads it when the kernels are defined, too
@@ -48,31 +49,22 @@ def _import(path):
 class TwellGatedMLP(nn.Module):
     """down(relu(gate(x)) * up(x)) over one layer's original projections, on TwELL kernels when planned."""
 
-    def __init__(self, original, layout, plan):
+    def __init__(self, original, layout, plan: LayerPlan):
         super().__init__()
         self.gate_up_name = layout.get("gate_up")
         self.names = (self.gate_up_name,) if self.gate_up_name else (layout["gate"], layout["up"])
         self.down_name = layout["down"]
         for name in (*self.names, self.down_name):
             self.add_module(name, getattr(original, name))
-        self.mode = plan.get("mode", "dense")
-        self.tile = plan.get("tile")
-        self.compression = plan.get("compression")
-        self.sparse_tokens = plan.get("sparse_tokens", [[1, None]])  # plans written before windows: all
-        for bounds in self.sparse_tokens:
-            if not (isinstance(bounds, list) and len(bounds) == 2 and isinstance(bounds[0], int) and bounds[0] >= 1
-                    and (bounds[1] is None or isinstance(bounds[1], int) and bounds[1] >= bounds[0])):
-                raise ValueError(f"config.twell: sparse_tokens must be [lo, hi] ranges (1 <= lo <= hi, hi null "
-                                 f"for no bound), got {self.sparse_tokens!r}")
-        # the windows as (lo, hi) pairs with an int bound, compared without branching on None at each call
-        self._windows = tuple((lo, hi if hi is not None else 2 ** 62) for lo, hi in self.sparse_tokens)
+        self.plan = plan
+        # the windows with an int bound, compared without branching on None at each call
+        self._windows = tuple((lo, hi if hi is not None else 2 ** 62) for lo, hi in plan.sparse_tokens)
         # whether the kernels may serve this layer at all (a bias is structural: fixed once built)
-        self.kernel_ready = self.mode == "sparse" and all(p.bias is None for p in self._projections())
+        self.kernel_ready = plan.is_sparse and all(p.bias is None for p in self._projections())
         # eager decode calls replay CUDA graphs of the kernels: the two launches cost more host time than
         # the dense block's cuBLAS calls, the graph far less (graphs.py)
         self.graphs = DecodeGraphs() if DecodeGraphs is not None else None
         self.router = None  # ActivityRouter of eager batched calls, made at the first one
-        self.mean_active = plan.get("stats", {}).get("mean_active", 0.0)
         self.prepare_kernel_layout()  # models built from a config; from_pretrained again once loaded
 
     def _projections(self):
@@ -114,7 +106,7 @@ class TwellGatedMLP(nn.Module):
         if self._use_kernel(x):
             gate, up = self._gate_up_weights()
             down = getattr(self, self.down_name).weight
-            kernel = dict(tile=self.tile, compression=self.compression,
+            kernel = dict(tile=self.plan.tile, compression=self.plan.compression,
                           precision="highest" if x.dtype == torch.float32 else "default")
             if not eager(x):  # traced (the custom op) or captured: no host time, no routing
                 return gated_mlp(x, gate, up, down, **kernel)
@@ -123,7 +115,8 @@ class TwellGatedMLP(nn.Module):
                 return self.graphs(gated_mlp, x, gate, up, down, **kernel)
             if not (x.is_cuda and eager_dense(tokens, *gate.shape[::-1])):  # host-bound on a GPU: dense
                 if self.router is None:
-                    self.router = ActivityRouter(gate.shape[1], gate.shape[0], self.tile, self.mean_active)
+                    self.router = ActivityRouter(gate.shape[1], gate.shape[0], self.plan.tile,
+                                                 self.plan.mean_active or 0.0)
                 counter = self.router.overflow_counter(x, tokens)
                 if counter is not None:
                     out = gated_mlp(x, gate, up, down, overflow=counter, **kernel)
@@ -144,12 +137,12 @@ class TwellForCausalLM(_import(BASE_MODEL)):
 
     def __init__(self, config):
         super().__init__(config)
-        twell = config.twell
-        layout = twell["mlp"]
+        layout = config.twell["mlp"]
         layers = self.get_submodule(layout["layers"])
-        if len(twell["layers"]) != len(layers):
-            raise ValueError(f"config.twell plans {len(twell['layers'])} layers, the model has {len(layers)}")
-        for layer, plan in zip(layers, twell["layers"]):
+        plans = layer_plans(config.twell)
+        if len(plans) != len(layers):
+            raise ValueError(f"config.twell plans {len(plans)} layers, the model has {len(layers)}")
+        for layer, plan in zip(layers, plans):
             setattr(layer, layout["mlp"], TwellGatedMLP(getattr(layer, layout["mlp"]), layout, plan))
 
     def generate_graphed(self, input_ids, max_new_tokens, **options):
