@@ -409,7 +409,8 @@ def robustness(folder=None, plan_k=None, tokens=ROBUST_TOKENS, actives=ROBUST_AC
     units, D 2048 / I 5632. Eager calls (do_bench medians, dense and TwELL alternately: host time counts
     where it exceeds the GPU's; each cell starts the layer's ActivityRouter afresh, and batched cells also
     time one whole cycle of it, its measuring windows included), and up to 64 tokens also CUDA-graph
-    replays over LAYERS layer copies. The plan is made from each layer's
+    replays over LAYERS layer copies, of the call as one sequence's prefill [1, M, D] ("graph") and as a
+    decode step of M sequences [M, 1, D] ("step_graph"). The plan is made from each layer's
     own activity (or `plan_k` units, when the inputs are more or less active than the calibration); each
     cell checks the output against fp32 in the same run. Yields the cells' rows."""
     d, i = 2048, 5632
@@ -443,10 +444,11 @@ def robustness(folder=None, plan_k=None, tokens=ROBUST_TOKENS, actives=ROBUST_AC
                         row["cycle_dense_ms"] = mean_ms(lambda: dense_mlp(x[None]), calls)
                         row["cycle_twell_ms"] = mean_ms(lambda: sparse_mlp(x[None]), calls)
                         row["cycle_speedup"] = row["cycle_dense_ms"] / row["cycle_twell_ms"]
-                    if m <= 64:
-                        row["graph_dense_us"] = per_layer_us(lambda pair: pair[1](x[None]), mlps)
-                        row["graph_twell_us"] = per_layer_us(lambda pair: pair[0](x[None]), mlps)
-                        row["graph_speedup"] = row["graph_dense_us"] / row["graph_twell_us"]
+                    if m <= 64:  # as one sequence's prefill, and as a decode step of m sequences
+                        for name, shaped in (("graph", x[None]), ("step_graph", x[:, None]))[:1 if m == 1 else 2]:
+                            row[f"{name}_dense_us"] = per_layer_us(lambda pair: pair[1](shaped), mlps)
+                            row[f"{name}_twell_us"] = per_layer_us(lambda pair: pair[0](shaped), mlps)
+                            row[f"{name}_speedup"] = row[f"{name}_dense_us"] / row[f"{name}_twell_us"]
                 print_row(row)
                 yield row
         del layers, mlps

@@ -97,6 +97,7 @@ FUSED_COMPACT_ROWS = 1024
 HEAVY_PROGRAMS_PER_SM = 4  # persistent programs of the dense block of heavy rows
 HEAVY_FEW_ROWS = 16  # up to this many heavy rows the dense block streams its weights over narrow tiles
 HEAVY_KSPLIT = 8  # and splits its down product's reduction this many ways
+UNIT_SAMPLE = 64  # with a four-element overflow counter, one batched row in this many reports its units
 
 
 def prepare_down(down_weight: torch.Tensor) -> torch.Tensor:
@@ -265,14 +266,16 @@ def tile_sum_launch(m: int, d: int, nt: int, s: int, has_overflow: bool, pdl: bo
 
 
 def out_launch(x2, width, tile, s, gated, h_fp32, has_overflow, cfg, packed_h=False, tile_stride=None,
-               pdl=False) -> "_OutLaunches":
+               pdl=False, count_units=False) -> "_OutLaunches":
     """Launches of out [M, D] = sum over active units j of h_j * down_t[j], h_j = g_j * (x . up[j]) (or g_j
     when not gated). With packed_h (decode path), the TwELL already holds h and overflowing tiles read
     their partial rows from the buffer that gate_launch(partials=True) wrote; otherwise they are recomputed
     from w_dec and up. `tile_stride` and `pdl` as in gate_launch (the out kernel then waits for the gate
     kernel on the device). Called with (x2, values, indices, counts, partials or values, w_dec, up or
     down_t, down_t, out, overflow or counts); w_dec, up and down_t contiguous.
-    Batched (one program a whole row), a heavy row posts its index for the dense block (heavy_launches)."""
+    Batched (one program a whole row), a heavy row posts its index for the dense block (heavy_launches), and
+    with count_units every UNIT_SAMPLE-th row it walks adds its units and itself to overflow[1] and [2], and
+    the posted rows' count goes to overflow[3]."""
     m, d = x2.shape
     ts = _tile_stride(tile, tile_stride)
     nt = cdiv(width, ts)
@@ -299,9 +302,11 @@ def out_launch(x2, width, tile, s, gated, h_fp32, has_overflow, cfg, packed_h=Fa
         OT=max(1, min(nt_pad, 4096 // bd)), BLOCK_D=block_d, BD=bd, LIST_UP=gated and not packed_h,
         FALLBACK_UP=gated, H_FP32=h_fp32,
         HAS_OVF=has_overflow, PARTIALS=packed_h, TS=ts, PDL=pdl, POST=heavy_rows > 0,
+        COUNT_UNITS=UNIT_SAMPLE if count_units and split else 0,
         HELD=held, COMPACT_TC=tc if fused else 0, S_PAD=s_pad), cfg)
     heavy = heavy_launches(x2, width, gated, h_fp32, heavy_rows) if heavy_rows else None
-    return _OutLaunches(compact, out, heavy, heavy_rows, torch.float32 if h_fp32 else x2.dtype)
+    return _OutLaunches(compact, out, heavy, heavy_rows, torch.float32 if h_fp32 else x2.dtype,
+                        count_units and split)
 
 
 class _OutLaunches:
@@ -310,8 +315,9 @@ class _OutLaunches:
     [rows posted, row of each slot] and the block's h rows allocated at each call (they cannot be shared
     across streams)."""
 
-    def __init__(self, compact: Optional[_Launch], out: _Launch, heavy, heavy_rows: int, h_dtype):
+    def __init__(self, compact: Optional[_Launch], out: _Launch, heavy, heavy_rows: int, h_dtype, count_units: bool):
         self.compact, self.out, self.heavy, self.heavy_rows, self.h_dtype = compact, out, heavy, heavy_rows, h_dtype
+        self.count_units = count_units
 
     def __call__(self, x2, values, indices, counts, partials, w_dec, up_or_down, down_t, out, overflow):
         if self.compact is not None:
@@ -321,6 +327,8 @@ class _OutLaunches:
             return
         workspace = torch.zeros(1 + self.heavy_rows, dtype=torch.int32, device=x2.device)
         self.out(x2, values, indices, counts, partials, w_dec, up_or_down, down_t, out, overflow, workspace)
+        if self.count_units:
+            overflow[3:] += workspace[:1]
         gate_up, down, finish, splits = self.heavy
         h = torch.empty(self.heavy_rows, w_dec.shape[0], dtype=self.h_dtype, device=x2.device)
         part = torch.empty(splits, HEAVY_FEW_ROWS, x2.shape[1], dtype=torch.float32, device=x2.device)
@@ -410,8 +418,8 @@ class _Plan:
             self.out = tile_sum_launch(m, d, cdiv(width, ts), s, overflow is not None, pdl)
             return
         self.out = out_launch(x2, width, tile, s, up is not None, h_fp32, overflow is not None,
-                              out_config(m, d, self.decode, cdiv(width, ts)),
-                              packed_h=self.decode, tile_stride=ts, pdl=pdl)
+                              out_config(m, d, self.decode, cdiv(width, ts)), packed_h=self.decode,
+                              tile_stride=ts, pdl=pdl, count_units=overflow is not None and overflow.numel() == 4)
 
 
 PLAN_CACHE = 256  # plans kept (layers of one shape share them; a new prompt length adds one)
@@ -438,8 +446,8 @@ def check_args(x, w_dec, up, down, tile, compression, precision, overflow):
                          f"down {tuple(down.shape)} (expected [D, I])")
     if width > 65536:
         raise ValueError(f"I = {width} > 65536 is not supported")
-    if overflow is not None and (overflow.numel() != 1 or overflow.dtype not in (torch.int32, torch.int64)):
-        raise ValueError("overflow must be a one-element int32 or int64 tensor")
+    if overflow is not None and (overflow.numel() not in (1, 4) or overflow.dtype not in (torch.int32, torch.int64)):
+        raise ValueError("overflow must be a one- or four-element int32 or int64 tensor")
     slots(tile, compression)
 
 
@@ -501,9 +509,15 @@ def _forward_reference(x, w_dec, up, down, tile, compression, overflow):
     xf = x2.float()
     g = torch.relu(xf @ w_dec.float().t())
     if overflow is not None:
-        nt = cdiv(width, tile)
+        nt, s = cdiv(width, tile), slots(tile, compression)
         per_tile = torch.nn.functional.pad(g > 0, (0, nt * tile - width)).view(x2.shape[0], nt, tile).sum(-1)
-        overflow += (per_tile > slots(tile, compression)).sum().to(overflow.dtype)
+        over = per_tile > s
+        overflow[0] += over.sum().to(overflow.dtype)
+        if overflow.numel() == 4 and x2.shape[0] > decode_rows(d, width):  # the batched path's activity counts
+            units = per_tile.masked_fill(over, 0).sum(-1)
+            heavy = units + over.sum(-1) * tile > HEAVY_UNITS
+            sampled = (torch.arange(x2.shape[0]) % UNIT_SAMPLE == 0) & ~heavy
+            overflow[1:] += torch.stack([units[sampled].sum(), sampled.sum(), heavy.sum()]).to(overflow.dtype)
     h = g * (xf @ up.float().t()) if up is not None else g
     return (h @ down.float().t()).to(x.dtype).view(x.shape)
 
@@ -555,7 +569,10 @@ def gated_mlp(x, gate_weight, up_weight, down_weight, *, tile: int = 128, compre
               precision: str = "default", overflow: Optional[torch.Tensor] = None) -> torch.Tensor:
     """down(relu(gate(x)) * up(x)) through TwELL. HF layouts: gate/up [I, D], down [D, I]; x [..., D].
 
-    `overflow`, if given (one-element int32/int64), gets the number of overflowing (row, tile) pairs added.
+    `overflow`, if given (int32/int64), gets the number of overflowing (row, tile) pairs added to its first
+    element; a four-element one also gets, where the call takes the batched path, the active units of every
+    UNIT_SAMPLE-th row that is not heavy added to the second, those rows' count to the third and the heavy
+    rows' count to the fourth.
     """
     return _gated_mlp_call(x, gate_weight, up_weight, down_weight, tile, compression, precision, overflow=overflow)
 
@@ -924,7 +941,8 @@ if triton is not None:
                           LIST_UP: tl.constexpr,
                           FALLBACK_UP: tl.constexpr, H_FP32: tl.constexpr, HAS_OVF: tl.constexpr,
                           PARTIALS: tl.constexpr, TS: tl.constexpr, PDL: tl.constexpr, POST: tl.constexpr,
-                          HELD: tl.constexpr, COMPACT_TC: tl.constexpr, S_PAD: tl.constexpr):
+                          HELD: tl.constexpr, COMPACT_TC: tl.constexpr, S_PAD: tl.constexpr,
+                          COUNT_UNITS: tl.constexpr):
         # program (row, output chunk): u needs the whole row of x and up, down only BD output columns
         row = tl.program_id(0).to(tl.int64)
         if COMPACT_TC > 0:  # the row's program compacts its list itself (no pre-pass launch), then a barrier:
@@ -955,6 +973,10 @@ if triton is not None:
             if total + n_over * TS > HEAVY:
                 tl.store(ws_ptr + 1 + tl.atomic_add(ws_ptr, 1), row.to(tl.int32))
                 own = False
+        if COUNT_UNITS > 0:  # a sample of the rows' activity, one row in COUNT_UNITS (few atomics on one address)
+            if own & (row % COUNT_UNITS == 0):
+                tl.atomic_add(ovf_ptr + 1, total.to(ovf_ptr.dtype.element_ty))
+                tl.atomic_add(ovf_ptr + 2, tl.full((), 1, ovf_ptr.dtype.element_ty))
         acc = tl.zeros((BD,), dtype=tl.float32)
         if own:
             acc = _walk_list(acc, x, 0, total, incl, fits, row, NT, S, CH, idx_ptr, vals_ptr, row_j, row_g,

@@ -7,19 +7,24 @@ things it cannot know decide the rest:
   GPU time than EAGER_MIN_DENSE_S is bound by its host and runs dense (`eager_dense`). Decode steps replay CUDA
   graphs (graphs.py), and calls inside a graph capture or a compiled region pay no host time: they keep the
   plan.
+- Heavy first tokens. A prompt's prefill (several tokens a sequence) starts with a heavy token in every
+  sequence (attention sinks). Up to decode_rows tokens the kernels take their decode path, where a heavy row
+  reads every weight row beside the sparse work, so such calls run dense, eager or captured
+  (`short_prefill`); a decode step of many sequences (one token each) keeps the kernels.
 - The call's own activity. Heavy rows (a sequence's first token, short prompts, text far from the
   calibration) go through the kernels' dense block, and with enough of them the sparse path loses.
-  `ActivityRouter` counts each layer's overflowing (row, tile) pairs, which heavy rows fill, over a window of
-  batched calls; the counts reach the host without a synchronization (a copy read once it has landed). When
-  the cost model (format.py) predicts that calls with that share of heavy rows lose, the next PROBE_EVERY
-  batched calls run dense, then the kernels measure again.
+  `ActivityRouter` counts each layer's heavy rows and the active units of a sample of the other rows, over a
+  window of batched calls (gated_mlp's four-element `overflow` counter); the counts reach the host without a
+  synchronization (a copy read once it has landed). When the cost model predicts that calls with that
+  share of heavy rows and that activity lose (text far from the calibration can make every row several
+  times more active), the next PROBE_EVERY batched calls run dense, then the kernels measure again.
 """
 from functools import lru_cache
 
 import torch
 
 from .cost_model import dense_time, twell_time
-from .format import cdiv
+from .format import decode_rows
 
 # Eager calls take the kernels only where the dense block's predicted GPU time reaches this: the geometric
 # middle between the largest eager call measured host-bound and the smallest measured faster than dense
@@ -38,6 +43,12 @@ def eager_dense(tokens: int, d: int, width: int) -> bool:
     return dense_time(d, width, tokens) < EAGER_MIN_DENSE_S
 
 
+def short_prefill(shape: torch.Size, d: int, width: int) -> bool:
+    """Whether a call of this input shape is a prefill (several tokens a sequence) short enough for the decode
+    path, where it runs dense (static shapes: under torch.compile a guard, not a graph break)."""
+    return len(shape) >= 3 and shape[-2] > 1 and shape[:-1].numel() <= decode_rows(d, width)
+
+
 class ActivityRouter:
     """Per layer: whether its next eager batched call takes the kernels (`overflow_counter` returns the
     counter to pass as gated_mlp's `overflow`) or runs dense (it returns None)."""
@@ -47,9 +58,9 @@ class ActivityRouter:
     # windows (more kernel calls than WINDOW, while a count travels): docs/performance.md
     PROBE_EVERY = 256
 
-    def __init__(self, d: int, width: int, tile: int, mean_active: float):
-        self.d, self.width, self.tiles, self.mean_active = d, width, cdiv(width, tile), mean_active
-        self.counter, self.pairs, self.tokens, self.calls = None, 0, 0, 0
+    def __init__(self, d: int, width: int, mean_active: float):
+        self.d, self.width, self.mean_active = d, width, mean_active
+        self.counter, self.tokens, self.calls = None, 0, 0
         self.landing = None  # (pairs, tokens, calls) of a window whose count is on its way to self.host
         self.host = self.event = None  # made once: a pinned allocation can synchronize the device
         self.dense_left = 0
@@ -59,9 +70,8 @@ class ActivityRouter:
         if self.dense_left:
             self.dense_left -= 1
             return None
-        if self.counter is None:
-            self.counter = torch.zeros(1, dtype=torch.int64, device=x.device)
-        self.pairs += tokens * self.tiles
+        if self.counter is None:  # overflowing pairs, sampled rows' units, those rows, heavy rows
+            self.counter = torch.zeros(4, dtype=torch.int64, device=x.device)
         self.tokens += tokens
         self.calls += 1
         return self.counter
@@ -72,28 +82,29 @@ class ActivityRouter:
             return
         if self.host is None:
             cuda = self.counter.is_cuda
-            self.host = torch.empty(1, dtype=torch.int64, pin_memory=cuda)
+            self.host = torch.empty(4, dtype=torch.int64, pin_memory=cuda)
             self.event = torch.cuda.Event() if cuda else None
         self.host.copy_(self.counter, non_blocking=True)
         if self.event is not None:
             self.event.record()
-        self.landing = (self.pairs, self.tokens, self.calls)
-        self.counter, self.pairs, self.tokens, self.calls = None, 0, 0, 0
+        self.landing = (self.tokens, self.calls)
+        self.counter, self.tokens, self.calls = None, 0, 0
 
     def _read_landed(self):
         if self.landing is None:
             return
         if self.event is not None and not self.event.query():
             return
-        pairs, tokens, calls = self.landing
+        tokens, calls = self.landing
         self.landing = None
-        if self.loses(self.host.item() / pairs, tokens / calls):
+        _, units, rows, heavy = self.host.tolist()
+        if self.loses(heavy / tokens, tokens / calls, units / rows if rows else self.mean_active):
             self.dense_left = self.PROBE_EVERY
 
-    def loses(self, overflow_share: float, tokens: float) -> bool:
-        """Whether calls of `tokens` tokens whose share of overflowing pairs is `overflow_share` are predicted
-        slower than dense: a heavy row overflows about all its tiles, so the share estimates the heavy rows'."""
+    def loses(self, heavy_share: float, tokens: float, mean_active: float) -> bool:
+        """Whether calls of `tokens` tokens with this share of heavy rows, whose other rows have `mean_active`
+        units, are predicted slower than dense."""
         tokens = max(1, round(tokens))
-        heavy_rows = round(overflow_share * tokens)
-        return twell_time(self.mean_active, self.d, self.width, tokens, heavy_rows=heavy_rows) > \
+        heavy_rows = round(heavy_share * tokens)
+        return twell_time(mean_active, self.d, self.width, tokens, heavy_rows=heavy_rows) > \
             dense_time(self.d, self.width, tokens)

@@ -66,6 +66,7 @@ import time
 from pathlib import Path
 
 import torch
+from twell.layer_plan import layer_plans
 
 from .errors import ConfigError
 from .families import mlp_modules, spec_for
@@ -118,10 +119,9 @@ def logits_agreement(dense_logits: torch.Tensor, twell_logits: torch.Tensor, den
 
 def plan_summary(config) -> dict:
     """Per-layer settings of a checkpoint's config.twell plan, and the count of sparse layers."""
-    layers = config.twell["layers"]
-    return {"layers": [describe(layer) for layer in layers],
-            "sparse_layers": sum(layer["mode"] == "sparse" for layer in layers),
-            "predicted_speedup": [layer.get("stats", {}).get("predicted_speedup") for layer in layers]}
+    plans = layer_plans(config.twell)
+    return {"layers": [describe(plan) for plan in plans], "sparse_layers": sum(plan.is_sparse for plan in plans),
+            "predicted_speedup": [plan.stats.get("predicted_speedup") for plan in plans]}
 
 
 def versions() -> dict:

@@ -76,7 +76,7 @@ def test_export_reloads_both_ways_with_the_same_logits(family, tmp_path, monkeyp
     _close(_logits(remote, ids), expected)
     assert [{k: v for k, v in call.items() if k != "overflow"} for call in calls] == \
         [{"tile": 64, "compression": 2, "precision": "highest"}]  # the sparse layer only
-    assert calls[0]["overflow"].item() > 0  # counted for the layer's ActivityRouter
+    assert calls[0]["overflow"][0].item() > 0  # counted for the layer's ActivityRouter
 
     generated = remote.generate(ids[:1, :5], max_new_tokens=4, do_sample=False)
     assert generated.shape == (1, 9) and len(calls) > 1  # prefill and cached decode steps on the kernel
@@ -112,8 +112,8 @@ def test_sparse_tokens_window_picks_the_path_per_call(tmp_path, monkeypatch):
 
 
 def test_batched_calls_follow_the_activity_router(tmp_path, monkeypatch):
-    """Eager batched calls count their overflowing pairs for the layer's ActivityRouter; once a window
-    predicts a loss, the layer runs dense for PROBE_EVERY calls with the same logits, then measures again."""
+    """Eager batched calls count their activity for the layer's ActivityRouter; once a window predicts a
+    loss, the layer runs dense for PROBE_EVERY calls with the same logits, then measures again."""
     model, tokenizer, spec = _relufied("llama")
     out = export_checkpoint(model, tokenizer, tmp_path / "ckpt-router", spec=spec, plan=PLAN, training=TRAINING)
     remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
@@ -123,14 +123,15 @@ def test_batched_calls_follow_the_activity_router(tmp_path, monkeypatch):
     monkeypatch.setattr(module, "gated_mlp", lambda *a, **k: calls.append(k) or kernel(*a, **k))
     monkeypatch.setattr(module.ActivityRouter, "WINDOW", 2)
     monkeypatch.setattr(module.ActivityRouter, "PROBE_EVERY", 3)
-    monkeypatch.setattr(module.ActivityRouter, "loses", lambda self, share, tokens: verdicts.append(share) or True)
+    monkeypatch.setattr(module.ActivityRouter, "loses",
+                        lambda self, *measured: verdicts.append(measured) or True)
     ids = tiny_input_ids()
     expected = _logits(model, ids)
     window = module.ActivityRouter.WINDOW
     for _ in range(window + 3 + 1):
         _close(_logits(remote, ids), expected)
     assert len(calls) == window + 1  # a window on the kernels, three dense calls, the kernels again
-    assert len(verdicts) == 1 and verdicts[0] > 0  # the window's share of overflowing pairs
+    assert len(verdicts) == 1 and verdicts[0][1] == ids.numel()  # one window: (heavy share, tokens, activity)
 
 
 def test_only_decode_steps_replay_graphs(tmp_path):

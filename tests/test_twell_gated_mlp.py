@@ -229,6 +229,29 @@ def test_heavy_rows_with_overflowing_tiles_and_many_of_them():
     assert m // 2 > gm.HEAVY_FEW_ROWS
 
 
+def test_four_element_counter_samples_the_activity_of_the_rows_walked():
+    """With a four-element counter the batched path also adds the active units of every UNIT_SAMPLE-th row
+    it walks (a heavy row is posted, not walked: not counted), those rows' count and the heavy rows' count,
+    as the reference does; decode-sized calls count overflow only."""
+    torch.manual_seed(7)
+    m, d, i, tile, comp = 2 * gm.UNIT_SAMPLE + 2, 24, 300, 64, 4
+    x, gate, up, down = heavy_rows_block(m, d, i)
+    x[gm.UNIT_SAMPLE, 0] = x[3, 0]  # a sampled row heavy: left out
+    x[0, 0] = NormalDist().inv_cdf(0.9) / NormalDist().inv_cdf(1 - 8 / i)  # one sampled row busier than the rest
+    counters = torch.zeros(4, dtype=torch.int64, device=DEV)
+    out = twell.gated_mlp(x, gate, up, down, tile=tile, compression=comp, overflow=counters)
+    assert rel_err(out, reference(x, gate, up, down)) < 1e-5
+    expected = torch.zeros(4, dtype=torch.int64)
+    gm._forward_reference(x.cpu(), gate.cpu(), up.cpu(), down.cpu(), tile, comp, expected)
+    active = (x @ gate.t() > 0).sum(1)
+    assert counters.tolist() == expected.tolist()
+    assert expected[2] == 2 and expected[1] == active[0] + active[2 * gm.UNIT_SAMPLE] > 0
+    assert expected[3] == 4  # rows 3, m // 2, m - 1 (heavy_rows_block) and UNIT_SAMPLE
+    decode = torch.zeros(4, dtype=torch.int64, device=DEV)
+    twell.gated_mlp(x[:8], gate, up, down, tile=tile, compression=comp, overflow=decode)
+    assert decode[1:].tolist() == [0, 0, 0]
+
+
 def overflow_count(g, tile, compression):
     """Overflowing (row, tile) pairs of a gate pre-activation [M, I], at the kernels' decode tiles (blocks of
     min(tile, 64), each holding a tile of decode_tile_stride units: narrower on a GPU above 16 rows)."""

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from twell.cost_model import dense_time
-from twell.routing import EAGER_MIN_DENSE_S, ActivityRouter, eager_dense
+from twell.gated_mlp import UNIT_SAMPLE
+from twell.routing import EAGER_MIN_DENSE_S, ActivityRouter, eager_dense, short_prefill
 
 
 def test_eager_dense_where_the_dense_block_is_short():
@@ -16,55 +17,78 @@ def test_eager_dense_where_the_dense_block_is_short():
     assert next(n for n in range(1, 1 << 17) if not eager_dense(n, 4096, 14336)) < first
 
 
-def test_loses_where_heavy_rows_outweigh_the_saving():
+def test_loses_where_heavy_rows_or_busier_rows_outweigh_the_saving():
     """The cost model's verdict at D 2048 / I 5632, 29 active units: no heavy rows win at 4096 tokens, every
     row heavy loses, and the verdict flips once between."""
-    router = ActivityRouter(2048, 5632, 128, 29.0)
+    router = ActivityRouter(2048, 5632, 29.0)
     shares = [n / 100 for n in range(101)]
-    verdicts = [router.loses(share, 4096) for share in shares]
+    verdicts = [router.loses(share, 4096, 29.0) for share in shares]
     assert not verdicts[0] and verdicts[-1]
     flips = sum(a != b for a, b in zip(verdicts, verdicts[1:]))
     assert flips == 1
+    # no heavy rows, but every row several times the calibration's activity: a loss too
+    assert not router.loses(0.0, 16384, 29.0) and router.loses(0.0, 16384, 3 * 29.0)
 
 
-def feed(router, tokens, overflow_pairs, calls):
-    """`calls` batched calls of `tokens` tokens, each adding `overflow_pairs` to the counter it was handed (as
-    the kernels would); returns how many ran on the kernels."""
+def feed(router, tokens, heavy_rows, calls, active=29):
+    """`calls` batched calls of `tokens` tokens, each adding `heavy_rows`, and the sampled rows' `active`
+    units a row, to the counter it was handed (as the kernels would); returns how many ran on the kernels."""
     x = torch.zeros(tokens, 8)
+    sampled = (tokens - heavy_rows) // UNIT_SAMPLE
     kernel_calls = 0
     for _ in range(calls):
         counter = router.overflow_counter(x, tokens)
         if counter is not None:
-            counter += overflow_pairs
+            counter += torch.tensor([0, active * sampled, sampled, heavy_rows])
             router.after_kernel_call()
             kernel_calls += 1
     return kernel_calls
 
 
 def test_router_routes_dense_after_a_heavy_window_then_measures_again():
-    router = ActivityRouter(2048, 5632, 128, 29.0)
-    tiles = router.tiles
-    # light calls (1% of the pairs overflow): the kernels throughout
-    assert feed(router, 4096, 4096 * tiles // 100, 3 * router.WINDOW) == 3 * router.WINDOW
+    router = ActivityRouter(2048, 5632, 29.0)
+    # light calls (1% of the rows heavy): the kernels throughout
+    assert feed(router, 4096, 41, 3 * router.WINDOW) == 3 * router.WINDOW
     # every row heavy: one window measured on the kernels, read at the next call, then PROBE_EVERY dense
-    assert feed(router, 4096, 4096 * tiles, router.WINDOW) == router.WINDOW
-    assert feed(router, 4096, 4096 * tiles, router.PROBE_EVERY) == 0
+    assert feed(router, 4096, 4096, router.WINDOW) == router.WINDOW
+    assert feed(router, 4096, 4096, router.PROBE_EVERY) == 0
     # then the kernels measure again: light now, so they stay
     assert feed(router, 4096, 0, router.WINDOW + 1) == router.WINDOW + 1
     assert feed(router, 4096, 0, 2 * router.WINDOW) == 2 * router.WINDOW
 
 
+def test_router_routes_dense_when_every_row_is_more_active_than_planned():
+    router = ActivityRouter(2048, 5632, 29.0)
+    assert feed(router, 16384, 0, 3 * router.WINDOW, active=35) == 3 * router.WINDOW  # a little more: kernels
+    assert feed(router, 16384, 0, router.WINDOW + 1, active=100) == router.WINDOW  # 3.4x: dense after a window
+
+
 @pytest.mark.gpu
 def test_gpu_router_reads_the_count_without_a_synchronization():
     """On CUDA the window's count comes back through a pinned copy read once its event has completed."""
-    router = ActivityRouter(2048, 5632, 128, 29.0)
+    router = ActivityRouter(2048, 5632, 29.0)
     x = torch.zeros(4096, 8, device="cuda")
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(router.WINDOW):
-            router.overflow_counter(x, 4096).add_(4096 * router.tiles)
+            router.overflow_counter(x, 4096)[3].add_(4096)
             router.after_kernel_call()
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert router.overflow_counter(x, 4096) is None  # read: every row heavy, so dense
+
+
+def test_short_prefills_run_dense_and_decode_steps_keep_the_kernels():
+    """A call of several tokens a sequence up to the decode rows is a short prefill (its first tokens are
+    heavy); one token a sequence, 2-D rows and calls past the decode rows are not."""
+    from twell.format import decode_rows
+
+    small, large = (2048, 5632), (4096, 14336)
+    rows = decode_rows(*small)
+    assert short_prefill(torch.Size([1, 2, 8]), *small) and short_prefill(torch.Size([4, rows // 4, 8]), *small)
+    assert not short_prefill(torch.Size([1, rows + 1, 8]), *small)
+    assert not short_prefill(torch.Size([rows, 1, 8]), *small)  # a decode step of many sequences
+    assert not short_prefill(torch.Size([rows, 8]), *small)  # rows without sequences
+    assert decode_rows(*large) < rows
+    assert not short_prefill(torch.Size([1, decode_rows(*large) + 1, 8]), *large)

@@ -9,7 +9,9 @@ as routing.py decides (on a GPU, calls whose dense block is short run dense, bou
 longer ones launch the kernels directly, unless the layer's recent calls were so active that they lose), never
 captured, so that every
 generate call allocates alike (the CUDA-graph trees of a compiled decode step key on the static cache's
-addresses, and a graph captured mid-prefill moves them); traced or captured calls, the kernels. Otherwise,
+addresses, and a graph captured mid-prefill moves them); traced or captured calls, the kernels, except a short
+prefill (several tokens a sequence, at most the kernels' decode rows: its first tokens are heavy), which runs
+dense eager or not. Otherwise,
 and whenever gradients are needed (the inference kernels have no backward), it runs the same ReLU math
 densely. The kernels read the down weight transposed: it is stored so at construction and again once
 from_pretrained has loaded the weights (same shape and values, so state dicts keep the standard layout). Under
@@ -31,9 +33,10 @@ try:
     from .format import use_triton
     from .gated_mlp import gated_mlp, prepare_down
     from .graphs import DecodeGraphs
-    from .routing import ActivityRouter, eager, eager_dense
+    from .routing import ActivityRouter, eager, eager_dense, short_prefill
 except ImportError:  # no kernel files: dense ReLU math everywhere
-    gated_mlp = prepare_down = DecodeGraphs = use_triton = ActivityRouter = eager = eager_dense = None
+    gated_mlp = prepare_down = DecodeGraphs = use_triton = None
+    ActivityRouter = eager = eager_dense = short_prefill = None
 from .generation import LoopUnsupported, generate_graphed, graphed_call, release_graphed
 from .layer_plan import LayerPlan, layer_plans
 
@@ -61,6 +64,7 @@ class TwellGatedMLP(nn.Module):
         self._windows = tuple((lo, hi if hi is not None else 2 ** 62) for lo, hi in plan.sparse_tokens)
         # whether the kernels may serve this layer at all (a bias is structural: fixed once built)
         self.kernel_ready = plan.is_sparse and all(p.bias is None for p in self._projections())
+        self.width, self.d = self._gate_up_weights()[0].shape
         # eager decode calls replay CUDA graphs of the kernels: the two launches cost more host time than
         # the dense block's cuBLAS calls, the graph far less (graphs.py)
         self.graphs = DecodeGraphs() if DecodeGraphs is not None else None
@@ -81,7 +85,11 @@ class TwellGatedMLP(nn.Module):
         return any(lo <= tokens <= hi for lo, hi in self._windows)
 
     def _use_kernel(self, x):
+        """Whether the plan and the call let the kernels serve it (the cheap, common refusals first: they
+        are host time on every call of a dense-routed layer)."""
         if gated_mlp is None or not self.kernel_ready or not self.in_window(x.numel() // x.shape[-1]):
+            return False
+        if x.is_cuda and short_prefill(x.shape, self.d, self.width):  # heavy first tokens (routing.py)
             return False
         if torch.is_grad_enabled() and (x.requires_grad or any(p.weight.requires_grad for p in self._projections())):
             return False
@@ -103,26 +111,27 @@ class TwellGatedMLP(nn.Module):
                 down.data = prepare_down(down.data)
 
     def forward(self, x):
-        if self._use_kernel(x):
-            gate, up = self._gate_up_weights()
-            down = getattr(self, self.down_name).weight
-            kernel = dict(tile=self.plan.tile, compression=self.plan.compression,
-                          precision="highest" if x.dtype == torch.float32 else "default")
-            if not eager(x):  # traced (the custom op) or captured: no host time, no routing
-                return gated_mlp(x, gate, up, down, **kernel)
-            tokens = x.numel() // x.shape[-1]
-            if x.shape[-2] == 1:  # a decode step: replayed as a CUDA graph (graphs.py says where it can)
-                return self.graphs(gated_mlp, x, gate, up, down, **kernel)
-            if not (x.is_cuda and eager_dense(tokens, *gate.shape[::-1])):  # host-bound on a GPU: dense
-                if self.router is None:
-                    self.router = ActivityRouter(gate.shape[1], gate.shape[0], self.plan.tile,
-                                                 self.plan.mean_active or 0.0)
-                counter = self.router.overflow_counter(x, tokens)
-                if counter is not None:
-                    out = gated_mlp(x, gate, up, down, overflow=counter, **kernel)
-                    self.router.after_kernel_call()
-                    return out
-        return self._dense(x)
+        if not self._use_kernel(x):
+            return self._dense(x)
+        gate, up = self._gate_up_weights()
+        down = getattr(self, self.down_name).weight
+        kernel = dict(tile=self.plan.tile, compression=self.plan.compression,
+                      precision="highest" if x.dtype == torch.float32 else "default")
+        if not eager(x):  # traced (the custom op) or captured: no host time, no activity routing
+            return gated_mlp(x, gate, up, down, **kernel)
+        if x.shape[-2] == 1:  # a decode step: replayed as a CUDA graph (graphs.py says where it can)
+            return self.graphs(gated_mlp, x, gate, up, down, **kernel)
+        tokens = x.numel() // x.shape[-1]
+        if x.is_cuda and eager_dense(tokens, self.d, self.width):  # host-bound on a GPU: dense
+            return self._dense(x)
+        if self.router is None:
+            self.router = ActivityRouter(self.d, self.width, self.plan.mean_active or 0.0)
+        counter = self.router.overflow_counter(x, tokens)
+        if counter is None:  # the layer's recent calls were so active that the kernels lose
+            return self._dense(x)
+        out = gated_mlp(x, gate, up, down, overflow=counter, **kernel)
+        self.router.after_kernel_call()
+        return out
 
     def _dense(self, x):
         if self.gate_up_name:
