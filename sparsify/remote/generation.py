@@ -293,9 +293,9 @@ def generate_graphed(model, input_ids: torch.Tensor, max_new_tokens: int, *, min
     before min_new_tokens (an end-of-sequence token is not chosen before). eos_token_id (an id or a list; []
     for none) and pad_token_id default to the model's generation config. `streamer`
     (e.g. transformers' TextStreamer) gets the new tokens every CHECK_EVERY tokens. `compile`: the step's forward
-    through torch.compile (fullgraph, static shapes) before capture, fastest (the first call compiles: about
-    a minute for a 28-layer 1.5B model on an H100 host). The first call of a batch size and of greedy or sampling
-    (with its top_k, and top_p < 1 or not) captures the step (a few steps' time), and the first prompt of
+    through torch.compile (fullgraph, static shapes) before capture, fastest (the first call of a batch size
+    compiles it, which takes far longer than capturing). The first call of a batch size and of greedy or sampling
+    (with its top_k, and top_p < 1 or not) captures the step, and the first prompt of
     each padded length (padded_length) its prefill; later calls that fit the cache reuse them, whatever
     their prompt length, temperature and top_p."""
     if input_ids.ndim != 2 or input_ids.shape[1] == 0 or max_new_tokens < 1 or min_new_tokens < 0:
