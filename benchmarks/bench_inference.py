@@ -645,13 +645,18 @@ def main():
     p.add_argument("--active", type=int, nargs="+", default=ROBUST_ACTIVE, help="--robustness: mean active units")
     p.add_argument("--json", default=None)
     p.add_argument("--resume", action="store_true",
-                   help="keep the rows already in --json (a run cut short) and measure only the missing ones")
+                   help="block grid: keep the rows already in --json (a run cut short) and measure only the "
+                        "missing ones")
     args = p.parse_args()
     rows, done = [], set()
     if args.runtime and not (Path(args.runtime) / "modeling_twell.py").is_file():
         p.error(f"--runtime: {args.runtime} has no modeling_twell.py (give an exported checkpoint's folder)")
     if args.resume and not args.json:
         p.error("--resume needs --json: the file whose rows to keep")
+    other_modes = ("sweep", "robustness", "decode_paths", "host_time", "heavy_block", "decode_first_token",
+                   "decode_rules")
+    if args.resume and any(getattr(args, name) for name in other_modes):
+        p.error("--resume continues the block grid only; the other modes' runs start afresh")
     if args.resume and os.path.exists(args.json):
         try:
             with open(args.json) as f:
