@@ -105,9 +105,15 @@ text_column_option = click.option("--text-column", default="text", show_default=
 @click.option("--measure", "measure_kernels", is_flag=True,
               help="Choose each layer's kernel setting by timing the candidates on this GPU (CUDA only).")
 @click.option("--dry-run", is_flag=True, help="Print the resolved settings and the training state's size, and stop.")
+@click.option("--report-to", default="none", show_default=True, metavar="TRACKERS",
+              help="Send the training log's figures at each log step to these accelerate trackers, separated by "
+                   "commas: tensorboard (into OUT.logs/; pip install tensorboard), wandb (pip install wandb), any "
+                   "other that accelerate supports, all (those installed) or none.")
+@click.option("-q", "--quiet", is_flag=True,
+              help="No progress bars, log lines or settings: only warnings, errors and the final summary.")
 @user_errors
 def convert(source, out, data, text_column, recipe, device, resume, overwrite, max_shard_size, push_to_hub, private,
-            measure_kernels, dry_run, **options):
+            measure_kernels, dry_run, report_to, quiet, **options):
     """Convert SOURCE (a Hub id, a checkpoint folder, or `demo`) into a >99%-sparse ReLU checkpoint in OUT."""
     from sparsify.convert import convert as run, run_summary
     from sparsify.load import load_config, parameter_count
@@ -125,6 +131,7 @@ def convert(source, out, data, text_column, recipe, device, resume, overwrite, m
     summary = run(
         source, out, config, data=data, text_column=text_column, device=device, resume=resume, overwrite=overwrite,
         max_shard_size=max_shard_size, push_to_hub=push_to_hub, private=private, measure_kernels=measure_kernels,
+        show_progress=not quiet, report_to=report_to,
     )
     if _is_main():
         t = summary["training"]

@@ -44,7 +44,7 @@ from .relufy import original_mlps, relufy
 from .report import console, plot_training
 from .resume import check_resume, discard_saved_state
 from .train import (TrainResult, check_training_memory, fsdp_launch, gather_model, hybrid_share, on_cpu, train,
-                    training_state_bytes)
+                    trackers, training_state_bytes)
 
 
 def _identity(where: str | Path) -> str:
@@ -89,6 +89,12 @@ def resume_dir_for(out: str | Path) -> Path:
     return out.with_name(out.name + ".resume")
 
 
+def logging_dir_for(out: str | Path) -> Path:
+    """Where the trackers of --report-to that write files (tensorboard) write them: beside OUT, not in the checkpoint."""
+    out = Path(out).expanduser().resolve()
+    return out.with_name(out.name + ".logs")
+
+
 def convert(
     source: str,
     out: str | Path,
@@ -104,16 +110,19 @@ def convert(
     private: bool = False,
     measure_kernels: bool = False,
     show_progress: bool = True,
+    report_to: str = "none",
 ) -> dict:
     """Convert `source` into a sparse checkpoint at `out`; returns the summary (perplexities, per-layer
     statistics and plan, training log). `text_column`: the column of the data's rows that holds the text.
     `measure_kernels` plans each layer by timing the kernel settings on this GPU (sparsify.tune) instead of by
-    the cost model."""
+    the cost model. `show_progress` False prints only warnings (no settings, progress bars or log lines).
+    `report_to`: the accelerate trackers that get the training log's figures (train.trackers)."""
     check_device(device)
     launch = PartialState(cpu=on_cpu(device))
     main, processes = launch.is_main_process, launch.num_processes
     out, resume_dir, data_spec, inputs = _check_inputs(source, out, config, data, text_column, device, resume, overwrite,
                                                        max_shard_size, measure_kernels, processes)
+    report_trackers = trackers(report_to)
     fsdp = fsdp_launch()[0]
     model, tokenizer, spec = _load_source(source, config, device, launch, show_progress)
     text = TextData(data_spec, tokenizer, config.seq_len, config.eval_tokens, text_column)
@@ -121,7 +130,8 @@ def convert(
     shown = show_progress and main
     if main:
         held_out, warnings = text.held_out()
-        console.print(held_out)
+        if shown:
+            console.print(held_out)
         for warning in warnings:
             console.print(f"[yellow]warning:[/] {warning}")
     eval_tokens = sum(block.numel() for block in text.eval_blocks)
@@ -136,7 +146,8 @@ def convert(
     # the dtype the training computes in (bf16 autocast on GPU): the teacher's and the export's
     compute_dtype = resolve_dtype(None, torch.device("cpu" if on_cpu(device) else "cuda"))
     result, mlps = _train(model, text, config, source_perplexities, compute_dtype, fsdp=fsdp, resume_dir=resume_dir,
-                          resume=resume, device=device, shown=shown, inputs=inputs)
+                          resume=resume, device=device, shown=shown, inputs=inputs, report_to=report_trackers,
+                          logging_dir=logging_dir_for(out))
     model = result.model
     stats = measure(model, spec, text.eval_blocks, config.batch_size, sharded=result.sharded, label=labels[2])
     ppl["after training"] = stats["perplexity"]
@@ -211,10 +222,12 @@ def _load_source(source: str, config: TrainConfig, device: str | None, launch: P
 
 
 def _train(model, text: TextData, config: TrainConfig, source_perplexities: Callable, compute_dtype: torch.dtype, *,
-           fsdp: bool, resume_dir: Path, resume: bool, device: str | None, shown: bool, inputs: dict):
+           fsdp: bool, resume_dir: Path, resume: bool, device: str | None, shown: bool, inputs: dict,
+           report_to: list[str], logging_dir: Path):
     """Relufies `model` and trains it on `text` (train.train's result, and the model's ReluGatedMLPs), the
     source's perplexities measured after the swap: here, or under FSDP on the sharded model before the first
-    step. Running out of GPU memory is a ConfigError naming what lowers it."""
+    step; the log's figures go to the trackers of `report_to`. Running out of GPU memory is a ConfigError naming
+    what lowers it."""
     # the distillation teacher: the source model as loaded, frozen; under FSDP (loaded into CPU memory) whole
     # on every process, train broadcasting the main process's weights
     teacher = copy.deepcopy(model).to(compute_dtype) if config.distill else None
@@ -227,7 +240,7 @@ def _train(model, text: TextData, config: TrainConfig, source_perplexities: Call
                 config.batch_size, start, rank, world, shuffle_buffer=config.shuffle_buffer, seed=config.seed), config,
             resume_dir=resume_dir, resume=resume, device=device, show_progress=shown,
             evaluate=(lambda prepared: source_perplexities(prepared, sharded=True)) if fsdp else None, inputs=inputs,
-            teacher=teacher,
+            teacher=teacher, report_to=report_to, logging_dir=logging_dir,
         )
     except torch.cuda.OutOfMemoryError:
         raise ConfigError(

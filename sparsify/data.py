@@ -8,6 +8,10 @@ blocks of the training stream are held out and every epoch of training starts af
 document; .jsonl/.parquet rows and Hub dataset rows are documents, read from their `text_column` ("text" unless
 given). The `datasets` library is imported lazily, so checkpoints and `analyze` with local files still work
 where it is missing.
+
+The training stream (TrainingBatches) has a position, saved with an interrupted run's state: the documents read
+so far, the tokens read but not yet packed, and the shuffle buffer with its RNG. A resumed run continues from it
+without reading or tokenizing the consumed text again.
 """
 from __future__ import annotations
 
@@ -88,56 +92,99 @@ def _by_builder(files: list[Path]) -> dict[str, list[str]]:
     return groups
 
 
-def documents(source: dict[str, list[str]] | str, text_column: str = "text") -> Iterator[str]:
-    """Stream the documents' texts, rows' from their `text_column` (each pass re-reads the source)."""
-    try:
-        import datasets
-    except ImportError:
-        yield from _documents_without_datasets(source, text_column)
-        return
-    datasets.logging.set_verbosity_error()
-    datasets.disable_progress_bars()
-    if isinstance(source, str):
+class Documents:
+    """The texts of a source's documents in order, rows' from their `text_column`, read from `position` (a
+    `state_dict()` of an earlier Documents of the same source; None: the start). Each iteration reads the source
+    again from there; `state_dict()` is the position after the documents yielded so far. With `datasets`, a position
+    is the part of the source (a builder's files, or the Hub dataset) and the IterableDataset's own state_dict in
+    it: datasets skips the files (shards) before it unread and reads the rows before it in its file without
+    yielding them. Without `datasets`, it is the file and the byte offset in it."""
+
+    def __init__(self, source: dict[str, list[str]] | str, text_column: str = "text", position: dict | None = None):
+        self.source, self.text_column = source, text_column
+        self.position = position or {}
+        self._reading = None  # the IterableDataset being read: its position is asked for only when needed
+
+    def state_dict(self) -> dict:
+        if self._reading is not None:
+            return {**self.position, "rows": self._reading.state_dict()}
+        return dict(self.position)
+
+    def __iter__(self) -> Iterator[str]:
         try:
-            name, config, split = hub_arguments(source)
-            stream = datasets.load_dataset(name, config, split=split, streaming=True)
-        except Exception as e:  # the Hub client raises many kinds; all mean "cannot use this name"
-            raise DataError(f"cannot load dataset {source!r}: {e}") from None
-        streams = [(source, stream, text_column)]
-    else:
+            import datasets
+        except ImportError:
+            return self._without_datasets()
+        return self._with_datasets(datasets)
+
+    def _check_reader(self, reader: str) -> None:
+        if self.position.get("reader", reader) != reader:
+            raise DataError(f"--resume: the saved data position was read {'without' if reader == 'datasets' else 'with'}"
+                            " the `datasets` package installed; resume where it was saved, or start again")
+
+    def _with_datasets(self, datasets) -> Iterator[str]:
+        self._check_reader("datasets")
+        datasets.logging.set_verbosity_error()
+        datasets.disable_progress_bars()
+        streams = self._streams(datasets)
+        first = self.position.get("stream", 0)
+        for index in range(first, len(streams)):
+            name, stream, column = streams[index]
+            if index == first and "rows" in self.position:
+                stream.load_state_dict(self.position["rows"])
+            self.position, self._reading = {"reader": "datasets", "stream": index}, stream
+            try:
+                for row in stream:
+                    yield _text(row, name, column)
+            except DataError:
+                raise
+            except Exception as e:  # malformed JSON / parquet surface as builder-specific errors
+                raise DataError(f"cannot read {name}: {e}") from None
+        self.position, self._reading = {"reader": "datasets", "stream": len(streams)}, None
+
+    def _streams(self, datasets) -> list[tuple[str, object, str]]:
+        """(name, IterableDataset, text column) of each part of the source: the Hub dataset, or per builder its files."""
+        if isinstance(self.source, str):
+            try:
+                name, config, split = hub_arguments(self.source)
+                return [(self.source, datasets.load_dataset(name, config, split=split, streaming=True), self.text_column)]
+            except Exception as e:  # the Hub client raises many kinds; all mean "cannot use this name"
+                raise DataError(f"cannot load dataset {self.source!r}: {e}") from None
         streams = []
-        for builder, files in source.items():
+        for builder, files in self.source.items():
             options = {"sample_by": "document"} if builder == "text" else {}
             # the text builder makes each .txt file one row, whose only column is "text"
             stream = datasets.load_dataset(builder, data_files=files, split="train", streaming=True, **options)
-            streams.append((", ".join(files), stream, "text" if builder == "text" else text_column))
-    for name, stream, column in streams:
-        try:
-            for row in stream:
-                yield _text(row, name, column)
-        except DataError:
-            raise
-        except Exception as e:  # malformed JSON / parquet surface as builder-specific errors
-            raise DataError(f"cannot read {name}: {e}") from None
+            streams.append((", ".join(files), stream, "text" if builder == "text" else self.text_column))
+        return streams
 
-
-def _documents_without_datasets(source: dict[str, list[str]] | str, text_column: str) -> Iterator[str]:
-    # Minimal reader for machines without `datasets` (the GPU image): plain text and JSON lines only.
-    if isinstance(source, str) or "parquet" in source:
-        raise DataError("reading a Hub dataset or parquet files needs the `datasets` package: pip install datasets")
-    for builder, files in source.items():
-        for path in files:
+    def _without_datasets(self) -> Iterator[str]:
+        # Minimal reader for machines without `datasets` (the GPU image): plain text and JSON lines only.
+        self._check_reader("plain")
+        if isinstance(self.source, str) or "parquet" in self.source:
+            raise DataError("reading a Hub dataset or parquet files needs the `datasets` package: pip install datasets")
+        files = [(builder, path) for builder, paths in self.source.items() for path in paths]
+        start = self.position.get("file", 0)
+        for index in range(start, len(files)):
+            builder, path = files[index]
             if builder == "text":
+                self.position = {"reader": "plain", "file": index + 1}
                 yield Path(path).read_text(encoding="utf-8")
                 continue
-            with open(path, encoding="utf-8") as f:
-                for number, line in enumerate(f, 1):
+            resumed = index == start and "offset" in self.position
+            offset, number = (self.position["offset"], self.position["line"]) if resumed else (0, 0)
+            with open(path, "rb") as f:
+                f.seek(offset)
+                for line in f:
+                    offset, number = offset + len(line), number + 1
+                    self.position = {"reader": "plain", "file": index, "offset": offset, "line": number}
                     if line.strip():
                         try:
                             row = json.loads(line)
                         except json.JSONDecodeError as e:
                             raise DataError(f"cannot read {path}: line {number}: {e}") from None
-                        yield _text(row, path, text_column)
+                        yield _text(row, path, self.text_column)
+        self.position = {"reader": "plain", "file": len(files)}
 
 
 def _text(row: dict, name: str, column: str) -> str:
@@ -147,20 +194,38 @@ def _text(row: dict, name: str, column: str) -> str:
     return row[column]
 
 
+DOCUMENTS_A_CALL = 64  # documents tokenized together: fast tokenizers batch them in Rust
+
+
+class Packer:
+    """Tokenizes documents and packs them, EOS-separated, into LongTensor blocks of exactly seq_len ids. `pending`
+    holds the ids read but not yet in a block (a tensor that is replaced, never written into)."""
+
+    def __init__(self, tokenizer, seq_len: int):
+        self.tokenizer, self.seq_len = tokenizer, seq_len
+        sep = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.bos_token_id
+        self.sep = [] if sep is None else [sep]
+        self.pending = torch.zeros(0, dtype=torch.long)
+
+    def blocks(self, docs: Iterator[str]) -> Iterator[torch.Tensor]:
+        """The blocks of `pending` and then of `docs` (the tail shorter than one block stays pending)."""
+        while True:
+            while len(self.pending) >= self.seq_len:
+                # a copy: a view would keep the whole chunk's ids alive (in a shuffle buffer, in a saved state)
+                block, self.pending = self.pending[: self.seq_len].clone(), self.pending[self.seq_len :]
+                yield block
+            chunk = list(itertools.islice(docs, DOCUMENTS_A_CALL))
+            if not chunk:
+                return
+            encoded = self.tokenizer(chunk, add_special_tokens=False, verbose=False)["input_ids"]
+            self.pending = torch.cat([self.pending, torch.tensor([i for ids in encoded for i in [*ids, *self.sep]],
+                                                                 dtype=torch.long)])
+
+
 def blocks(docs: Iterator[str], tokenizer, seq_len: int) -> Iterator[torch.Tensor]:
     """Tokenize documents and pack them, EOS-separated, into LongTensor blocks of exactly seq_len ids
     (the tail shorter than one block is dropped)."""
-    sep = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.bos_token_id
-    buffer: list[int] = []
-    while chunk := list(itertools.islice(docs, 64)):  # 64 documents a call: fast tokenizers batch in Rust
-        for ids in tokenizer(chunk, add_special_tokens=False, verbose=False)["input_ids"]:
-            buffer.extend(ids)
-            if sep is not None:
-                buffer.append(sep)
-        n = len(buffer) // seq_len * seq_len
-        for i in range(0, n, seq_len):
-            yield torch.tensor(buffer[i : i + seq_len])
-        del buffer[:n]
+    return Packer(tokenizer, seq_len).blocks(docs)
 
 
 class TextData:
@@ -211,33 +276,81 @@ class TextData:
         return what, warnings
 
     def _blocks(self, source) -> Iterator[torch.Tensor]:
-        return blocks(documents(source, self.text_column), self.tokenizer, self.seq_len)
+        return blocks(iter(Documents(source, self.text_column)), self.tokenizer, self.seq_len)
 
     def train_batches(self, batch_size: int, start: int = 0, rank: int = 0, world: int = 1, *,
-                      shuffle_buffer: int = 0, seed: int = 0) -> Iterator[torch.Tensor]:
+                      shuffle_buffer: int = 0, seed: int = 0) -> TrainingBatches:
         """Endless [batch_size, seq_len] batches. Batch i (counted over all ranks) goes to rank i % world;
-        `start` is the number of batches already consumed (all ranks), to resume where training stopped.
+        `start` is the number of batches already consumed (all ranks), skipped by reading them, unless a saved
+        position is loaded (TrainingBatches.load_state_dict), which reads none of them again.
         With `shuffle_buffer` > 0, blocks pass through a buffer of that many blocks drawn at random (seeded:
         every rank and a resumed run see the same order), so that batches mix documents of the whole
         stream instead of following the files' order."""
-
-        def epochs():
-            while True:
-                yield from itertools.islice(self._blocks(self.source.train), self.skip, None)
-
-        stream = _shuffled(epochs(), shuffle_buffer, seed) if shuffle_buffer > 0 else epochs()
-        yield from itertools.islice(_batched(stream, batch_size), start + rank, None, world)
+        return TrainingBatches(self, batch_size, start, rank, world, shuffle_buffer, seed)
 
 
-def _shuffled(stream: Iterator[torch.Tensor], buffer_size: int, seed: int) -> Iterator[torch.Tensor]:
-    rng = random.Random(seed)
-    buffer = list(itertools.islice(stream, buffer_size))
-    for block in stream:  # endless: each new block takes the place of a random one, which goes out
-        i = rng.randrange(len(buffer))
-        yield buffer[i]
-        buffer[i] = block
+class TrainingBatches:
+    """One rank's endless training batches of a TextData (see TextData.train_batches): epochs over the training
+    text, each after its held-out head, through the shuffle buffer. `state_dict()` is the position after the
+    batches yielded so far over all ranks (the same on every rank: each reads a whole round of `world` batches
+    before it yields its own); `load_state_dict(position)`, before the first batch, continues from there without
+    reading or tokenizing the consumed documents again."""
 
+    def __init__(self, data: TextData, batch_size: int, start: int, rank: int, world: int, shuffle_buffer: int,
+                 seed: int):
+        self.data, self.batch_size, self.rank, self.world = data, batch_size, rank, world
+        self.start, self.buffer_size, self.rng = start, shuffle_buffer, random.Random(seed)
+        self.buffer: list[torch.Tensor] = []
+        self.documents = Documents(data.source.train, data.text_column)
+        self.packer = Packer(data.tokenizer, data.seq_len)
+        self.epoch_blocks = 0  # blocks packed in this epoch, whose first data.skip are held out
+        self._batches = None
 
-def _batched(stream: Iterator[torch.Tensor], batch_size: int) -> Iterator[torch.Tensor]:
-    while True:  # the stream is endless
-        yield torch.stack(list(itertools.islice(stream, batch_size)))
+    def state_dict(self) -> dict:
+        # Tensors shared with the stream, which replaces them and never writes into them: a snapshot costs no copy.
+        return {"documents": self.documents.state_dict(), "pending": self.packer.pending,
+                "epoch_blocks": self.epoch_blocks, "buffer": list(self.buffer), "rng": self.rng.getstate()}
+
+    def load_state_dict(self, position: dict) -> None:
+        self.documents = Documents(self.data.source.train, self.data.text_column, position["documents"])
+        self.packer.pending, self.epoch_blocks = position["pending"], position["epoch_blocks"]
+        self.buffer = list(position["buffer"])
+        self.rng.setstate(position["rng"])
+        self.start = 0
+
+    def __iter__(self) -> TrainingBatches:
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        if self._batches is None:
+            self._batches = self._rounds()
+        return next(self._batches)
+
+    def _rounds(self) -> Iterator[torch.Tensor]:
+        blocks = self._shuffled(self._epochs())
+        for _ in range(self.start * self.batch_size):
+            next(blocks)
+        while True:
+            batches = [[next(blocks) for _ in range(self.batch_size)] for _ in range(self.world)]
+            yield torch.stack(batches[self.rank])
+
+    def _epochs(self) -> Iterator[torch.Tensor]:
+        while True:
+            for block in self.packer.blocks(iter(self.documents)):
+                self.epoch_blocks += 1
+                if self.epoch_blocks > self.data.skip:
+                    yield block
+            # the next epoch reads the text again from its start; this one's tail shorter than a block is dropped
+            self.documents = Documents(self.data.source.train, self.data.text_column)
+            self.packer, self.epoch_blocks = Packer(self.data.tokenizer, self.data.seq_len), 0
+
+    def _shuffled(self, blocks: Iterator[torch.Tensor]) -> Iterator[torch.Tensor]:
+        if not self.buffer_size:
+            yield from blocks
+            return
+        while len(self.buffer) < self.buffer_size:
+            self.buffer.append(next(blocks))
+        for block in blocks:  # endless: each new block takes the place of a random one, which goes out
+            i = self.rng.randrange(len(self.buffer))
+            out, self.buffer[i] = self.buffer[i], block
+            yield out

@@ -24,3 +24,7 @@ class ConfigError(SparsifyError):
 
 class OutputError(SparsifyError):
     """The output folder cannot be written (exists and is not empty without --overwrite, ...)."""
+
+
+class MissingDependencyError(SparsifyError):
+    """An optional package that an option needs is not installed (the tracker of --report-to)."""

@@ -2,6 +2,7 @@
 `analyze`."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from rich.console import Console
@@ -15,12 +16,32 @@ from .plan import describe
 console = Console(stderr=True)
 
 
+LOGGED_SHARE = 0.1  # outside a terminal, a progress line is printed each time this share more of the items is done
+
+
 def batch_progress(items: list, label: str):
-    """`items`, shown as a progress bar "label: i/n batches" while they are consumed (gone when done)."""
+    """`items`, shown as a progress bar "label: i/n batches" while they are consumed (gone when done); where the
+    output is no terminal, as a timestamped line at every tenth of them instead."""
+    if not console.is_terminal:
+        started, every = time.perf_counter(), max(1, round(LOGGED_SHARE * len(items)))
+        for done, item in enumerate(items, 1):
+            yield item
+            if done % every == 0 or done == len(items):
+                console.print(timestamped(f"{label}: {done}/{len(items)} batches", time.perf_counter() - started,
+                                          done, len(items)), soft_wrap=True)
+        return
     with Progress(TextColumn(f"[bold]{label}"), BarColumn(bar_width=None), MofNCompleteColumn(),
                   TextColumn("batches"), TimeElapsedColumn(), TimeRemainingColumn(), console=console,
                   transient=True) as progress:
         yield from progress.track(items, total=len(items))
+
+
+def timestamped(text: str, seconds: float, done: int, total: int) -> str:
+    """A whole line for output that is no terminal (a file, nohup, a batch job), where progress bars do not show:
+    the wall-clock time, `text` and the time left at the pace so far (`seconds` for `done` of `total`)."""
+    left = seconds / done * (total - done)
+    return (f"{time.strftime('%Y-%m-%d %H:%M:%S')}  {text}  "
+            f"eta {int(left // 3600)}:{int(left % 3600 // 60):02d}:{int(left % 60):02d}")
 
 
 def layer_table(layer_stats: list[dict], plan: list[LayerPlan | None], title: str,

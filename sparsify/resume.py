@@ -1,6 +1,6 @@
 """The training state on disk, from which an interrupted run continues: accelerate's save_state (weights,
-optimizer, scheduler, RNG) plus state.json (where the run stands, its settings, processes and inputs) and
-last_fired.pt, in a folder (convert: OUT.resume/)."""
+optimizer, scheduler, RNG) plus state.json (where the run stands, its settings, processes and inputs),
+last_fired.pt and data_position.pt (where the data stream stands), in a folder (convert: OUT.resume/)."""
 from __future__ import annotations
 
 import json
@@ -33,9 +33,10 @@ def discard_saved_state(resume_dir) -> None:
 
 
 def save_state(accelerator: Accelerator, resume_dir, state: dict, last_fired: torch.Tensor | None,
-               config: TrainConfig) -> None:
+               config: TrainConfig, data_position: dict | None) -> None:
     """Saves the training state (collective: every process calls it): `state` (JSON values) into state.json
-    with the `config`, and the units' `last_fired` token counts."""
+    with the `config`, the units' `last_fired` token counts and the data stream's `data_position` (its
+    state_dict; None for a stream without one)."""
     # Written beside and renamed into place: a process killed while saving (a launcher's shutdown timeout)
     # leaves the previous state, never a half-written one.
     # Every process writes its part (its RNG state; under FSDP its shards): the main one alone clears the
@@ -49,6 +50,7 @@ def save_state(accelerator: Accelerator, resume_dir, state: dict, last_fired: to
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         torch.save(last_fired, tmp / "last_fired.pt")
+        torch.save(data_position, tmp / "data_position.pt")
         (tmp / "state.json").write_text(json.dumps({**state, "config": asdict(config)}, indent=1))
         shutil.rmtree(resume_dir, ignore_errors=True)
         tmp.rename(resume_dir)
@@ -59,6 +61,11 @@ def load_last_fired(resume_dir, device) -> torch.Tensor | None:
     """The units' last-firing token counts saved with the state in `resume_dir`, on `device`."""
     fired = torch.load(Path(resume_dir) / "last_fired.pt")
     return None if fired is None else fired.to(device)
+
+
+def load_data_position(resume_dir) -> dict | None:
+    """The data stream's position saved with the state in `resume_dir` (None: the stream had none)."""
+    return torch.load(Path(resume_dir) / "data_position.pt")
 
 
 def check_resume(resume_dir, config: TrainConfig, processes: int, inputs: dict | None = None) -> dict:

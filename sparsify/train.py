@@ -12,7 +12,7 @@ import signal
 import threading
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
 
@@ -25,10 +25,10 @@ from transformers import get_cosine_schedule_with_warmup
 
 from . import relufy
 from .config import HYBRID_EXIT, TrainConfig
-from .errors import ConfigError, SparsifyError
+from .errors import ConfigError, MissingDependencyError, SparsifyError
 from .families import spec_for
-from .report import console
-from .resume import LAUNCHER_GRACE_S, check_resume, load_last_fired, save_state
+from .report import console, timestamped
+from .resume import LAUNCHER_GRACE_S, check_resume, load_data_position, load_last_fired, save_state
 
 
 class TrainingInterrupted(SparsifyError):
@@ -248,6 +248,7 @@ class _RunState:
     log: list[dict] = field(default_factory=list)
     l1_reference: float | None = None  # L1_0 of `l1_relative`: measured on the first micro-batch
     last_fired: torch.Tensor | None = None  # [layers, I]: the token count at each unit's last firing
+    data_position: dict | None = None  # the batch stream's state_dict after `batches`, where it has one
     # False while the weights are ahead of this state (from a step's update to its count and units' firing)
     # and during a save: then there is nothing consistent to save
     settled: bool = True
@@ -282,18 +283,23 @@ def train(
     evaluate: Callable[[torch.nn.Module], None] | None = None,
     inputs: dict | None = None,
     teacher: torch.nn.Module | None = None,
+    report_to: list = (),
+    logging_dir: str | Path | None = None,
 ) -> TrainResult:
     """Train `model` (in place; under FSDP see TrainResult.model). `batches(start, rank, world)` yields
-    [batch, seq_len] token ids, starting after `start` batches consumed over all ranks. `evaluate(model)`, if
+    [batch, seq_len] token ids, starting after `start` batches consumed over all ranks; a stream with
+    `state_dict()` and `load_state_dict()` (TextData.train_batches') is saved at its position and a resumed run
+    loads it, reading none of the consumed batches again. `evaluate(model)`, if
     given, runs on every process with the prepared model before the first step and before a resumed state
     loads. `inputs` (JSON values; convert: the source model and the data) is saved with an interrupted
     state, and a resumed run must give the same (check_resume). `teacher` (needed with `config.distill`): a
     frozen model over the same vocabulary, moved to this process's device and run under the same autocast,
     whose next-token distributions the model is fitted to (convert passes a copy of the source model); under
     FSDP it stays whole on each process, its weights broadcast from the main one (which alone may have read
-    them).
+    them). `report_to`: accelerate trackers (names, see `trackers`, or GeneralTracker objects) that get each log
+    entry's figures, those that write files into `logging_dir`.
     Returns the log (one entry per logged step) and the trained model."""
-    accelerator = _accelerator(config, device, teacher)
+    accelerator = _accelerator(config, device, teacher, report_to, logging_dir)
     saved = check_resume(resume_dir, config, accelerator.num_processes, inputs) if resume else None  # before any work
     warning = slow_save_warning(sum(p.numel() for p in model.parameters()), accelerator.num_processes,
                                 config.save_every or config.save_every_minutes)
@@ -306,20 +312,49 @@ def train(
         run.model.train()
     state = _RunState(time.perf_counter()) if saved is None else _RunState.resumed(accelerator, resume_dir, saved)
     stream = batches(state.batches, accelerator.process_index, run.world)
+    if saved is not None and (position := load_data_position(resume_dir)) is not None:
+        stream.load_state_dict(position)
+    # the settings as trackers store them (tensorboard's hparams take scalars: betas as text)
+    accelerator.init_trackers("sparsify", config={k: str(v) if isinstance(v, tuple) else v
+                                                  for k, v in asdict(config).items()})
     progress = _progress(show_progress and accelerator.is_main_process, run.total, state.step)
     try:
         with _tracked(mlps, config.hybrid_max_nnz):
             _loop(run, state, stream, _Saver(run, resume_dir, inputs, progress, state.step), progress)
     finally:
-        if progress:
+        if progress and progress.live.is_started:
             progress.stop()
+        for tracker in accelerator.trackers:  # not end_training(): it ends the process group, which measuring needs
+            tracker.finish()
     return _finish(run, state)
 
 
-def _accelerator(config: TrainConfig, device: str | None, teacher: torch.nn.Module | None) -> Accelerator:
-    """accelerate's Accelerator for this process (bf16 autocast on GPU), after checking what it will run."""
+def trackers(report_to: str) -> list[str]:
+    """The accelerate trackers that --report-to names, comma-separated ("all": those installed; "none": no
+    tracker). ConfigError for a name accelerate does not know, MissingDependencyError for a tracker whose
+    package is not installed."""
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
+    from accelerate.utils import LoggerType
+
+    names = [name.strip() for name in report_to.split(",") if name.strip() not in ("", "none")]
+    known = ["all", *LOGGER_TYPE_TO_CLASS]  # the built-in trackers and those registered with accelerate
+    installed = {tracker.value for tracker in get_available_trackers()}
+    for name in names:
+        if name not in known:
+            raise ConfigError(f"--report-to {name}: not a tracker; use none, or one or more of {', '.join(known)} "
+                              "separated by commas")
+        if name in {kind.value for kind in LoggerType} - {"all"} and name not in installed:
+            raise MissingDependencyError(f"--report-to {name}: the {name} package is not installed (pip install {name})")
+    return names
+
+
+def _accelerator(config: TrainConfig, device: str | None, teacher: torch.nn.Module | None, report_to: list,
+                 logging_dir: str | Path | None) -> Accelerator:
+    """accelerate's Accelerator for this process (bf16 autocast on GPU) with the trackers of `report_to`, after
+    checking what it will run."""
     cpu = on_cpu(device)
-    accelerator = Accelerator(cpu=cpu, mixed_precision="no" if cpu else "bf16")
+    accelerator = Accelerator(cpu=cpu, mixed_precision="no" if cpu else "bf16", log_with=list(report_to) or None,
+                              project_dir=logging_dir)
     _check_fsdp(accelerator)
     if config.distill and teacher is None:
         raise ConfigError("distill needs the source model as the teacher")
@@ -419,6 +454,8 @@ def _step(run: _Run, state: _RunState, stream: Iterator[torch.Tensor], routing: 
     run.optimizer.zero_grad(set_to_none=True)
     state.step += 1
     state.batches += config.grad_accum * run.world
+    if hasattr(stream, "state_dict"):
+        state.data_position = stream.state_dict()
 
     # Dead units, at optimizer-step granularity: fired counts summed over micro-batches and ranks.
     step_fired = accelerator.reduce(step_fired, reduction="sum")
@@ -436,6 +473,7 @@ def _log_and_route(run: _Run, state: _RunState, window: _Window, outcome: _StepO
     step: chosen from them where layers may move to the hybrid kernels, else `routing` unchanged."""
     entry = _log_entry(run, state, window, outcome, now)
     state.log.append(entry)
+    run.accelerator.log(_tracker_values(entry), step=entry["step"])
     if run.routes:  # the same reduced figures on every rank: all ranks choose the same paths
         routing = _route(run, entry, outcome.fired)
     if progress:
@@ -443,6 +481,16 @@ def _log_and_route(run: _Run, state: _RunState, window: _Window, outcome: _StepO
         if not progress.console.is_terminal:  # logs to a file: one whole line per log step
             progress.console.print(_log_line(entry, run.total, time.perf_counter() - state.started), soft_wrap=True)
     return routing
+
+
+def _tracker_values(entry: dict) -> dict:
+    """A log entry as trackers take it: its figures, each layer's under layers/INDEX/ (its path as `hybrid`, 1 or
+    0), the step aside."""
+    values = {name: value for name, value in entry.items() if name not in ("step", "layers")}
+    for index, layer in enumerate(entry["layers"]):
+        values.update({f"layers/{index}/{name}": value for name, value in layer.items() if name != "path"})
+        values[f"layers/{index}/hybrid"] = int(layer["path"] == "hybrid")
+    return values
 
 
 def _log_entry(run: _Run, state: _RunState, window: _Window, outcome: _StepOutcome, now: float) -> dict:
@@ -520,7 +568,8 @@ class _Saver:
         save_state(self.run.accelerator, self.resume_dir,
                    {"step": state.step, "batches": state.batches, "log": state.log,
                     "seconds": time.perf_counter() - state.started, "l1_reference": state.l1_reference,
-                    "processes": self.run.world, "inputs": self.inputs}, state.last_fired, self.run.config)
+                    "processes": self.run.world, "inputs": self.inputs}, state.last_fired, self.run.config,
+                   state.data_position)
         self.saved_step, state.settled = state.step, True
         if progress:
             progress.console.print(f"saved in {time.perf_counter() - saving:.1f} s")
@@ -657,7 +706,8 @@ def _progress(enabled: bool, total: int, step: int) -> _Progress | None:
     progress = _Progress(TextColumn("[bold]training"), BarColumn(bar_width=None), MofNCompleteColumn(),
                          TimeElapsedColumn(), TimeRemainingColumn(), console=console)
     progress.add_task("train", total=total, completed=step)
-    progress.start()
+    if console.is_terminal:  # elsewhere (a file, a batch job) each log step prints a whole line instead
+        progress.start()
     return progress
 
 
@@ -673,12 +723,9 @@ def _progress_text(e: dict) -> str:
 
 
 def _log_line(entry: dict, total: int, seconds: float) -> str:
-    """The line a log step writes where the output is no terminal (a file, nohup, a batch job): wall-clock
-    time, step, the figures and the time left at this run's pace (`seconds` for its steps so far)."""
-    step = entry["step"]
-    left = seconds / step * (total - step)
-    return (f"{time.strftime('%Y-%m-%d %H:%M:%S')}  step {entry['step']}/{total}  {_progress_text(entry)}  "
-            f"eta {int(left // 3600)}:{int(left % 3600 // 60):02d}:{int(left % 60):02d}")
+    """The line a log step writes where the output is no terminal: the step and its figures, timestamped with
+    the time left at this run's pace (`seconds` for its steps so far)."""
+    return timestamped(f"step {entry['step']}/{total}  {_progress_text(entry)}", seconds, entry["step"], total)
 
 
 class _StopRequest:

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's cli.py, not tests/
 from cli import main  # noqa: E402
 from sparsify import convert  # noqa: E402
-from sparsify.data import TextData  # noqa: E402
+from sparsify.data import TrainingBatches  # noqa: E402
 from sparsify.relufy import ReluGatedMLP  # noqa: E402
 
 init = AcceleratorState.__init__
@@ -60,22 +60,26 @@ def load_on_main_only(*args, weights=True, **kwargs):
     return load_model(*args, weights=weights, **kwargs)
 
 
-def interrupted(train_batches, at: int):
-    @functools.wraps(train_batches)
-    def batches(*args, **kwargs):
-        for i, batch in enumerate(train_batches(*args, **kwargs)):
-            if i == at and PartialState().is_main_process:
-                os.kill(os.getpid(), signal.SIGINT)
-            yield batch
+def interrupted(next_batch, at: int):
+    """TrainingBatches.__next__, sending SIGINT to the main process when it reads its `at`-th batch (the stream
+    itself unchanged: the state saves its position)."""
+    reads = []
 
-    return batches
+    @functools.wraps(next_batch)
+    def batch(self):
+        if len(reads) == at and PartialState().is_main_process:
+            os.kill(os.getpid(), signal.SIGINT)
+        reads.append(None)
+        return next_batch(self)
+
+    return batch
 
 
 AcceleratorState.__init__ = fsdp_on_cpu
 ReluGatedMLP.forward = forward_on_whole_weights
 convert.load_model = load_on_main_only
 if "SPARSIFY_TEST_INTERRUPT" in os.environ:
-    TextData.train_batches = interrupted(TextData.train_batches, int(os.environ["SPARSIFY_TEST_INTERRUPT"]))
+    TrainingBatches.__next__ = interrupted(TrainingBatches.__next__, int(os.environ["SPARSIFY_TEST_INTERRUPT"]))
 
 if __name__ == "__main__":
     main()

@@ -181,20 +181,21 @@ def test_two_processes_train_like_one_with_both_batches(files, tmp_path):
 
 def test_ctrl_c_then_resume(files, tmp_path, monkeypatch):
     out = tmp_path / "out"
-    real = data_module.TextData.train_batches
+    real, reads = data_module.TrainingBatches.__next__, []
 
-    def interrupted(self, *args, **kwargs):
-        for i, batch in enumerate(real(self, *args, **kwargs)):
-            if i == 2:  # Ctrl-C during step 3: it ends, then training stops
-                os.kill(os.getpid(), signal.SIGINT)
-            yield batch
+    def interrupted(self):
+        reads.append(None)
+        if len(reads) == 3:  # Ctrl-C during step 3: it ends, then training stops
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(self)
 
-    monkeypatch.setattr(data_module.TextData, "train_batches", interrupted)
+    monkeypatch.setattr(data_module.TrainingBatches, "__next__", interrupted)
     result = convert(files, "llama", out, "--steps", 5)
     assert_user_error(result, "interrupted at step 3 of 5")
     assert not out.exists() and (tmp_path / "out.resume" / "state.json").is_file()
+    assert torch.load(tmp_path / "out.resume" / "data_position.pt")["documents"]  # where the text stream stands
 
-    monkeypatch.setattr(data_module.TextData, "train_batches", real)
+    monkeypatch.setattr(data_module.TrainingBatches, "__next__", real)
     assert_user_error(convert(files, "llama", out, "--steps", 8, "--resume"), "other training settings (steps 5 -> 8)")
     other_data = run("convert", model_folder(files, "llama"), "-o", out, "--data", files / "corpus" / "train.jsonl",
                      "--recipe", files / "recipe.yaml", "--steps", 5, "--resume")
@@ -211,27 +212,27 @@ class Killed(BaseException):
 
 
 def failing_batches(n, error):
-    """TextData.train_batches, raising `error` when the (n+1)-th batch is read."""
-    real = data_module.TextData.train_batches
+    """TrainingBatches.__next__, raising `error` when the (n+1)-th batch is read."""
+    real, reads = data_module.TrainingBatches.__next__, []
 
-    def batches(self, *args, **kwargs):
-        for i, batch in enumerate(real(self, *args, **kwargs)):
-            if i == n:
-                raise error
-            yield batch
+    def next_batch(self):
+        if len(reads) == n:
+            raise error
+        reads.append(None)
+        return real(self)
 
-    return batches
+    return next_batch
 
 
 def test_a_killed_conversion_resumes_from_its_periodic_save(files, tmp_path, monkeypatch):
     out = tmp_path / "out"
-    real = data_module.TextData.train_batches
-    monkeypatch.setattr(data_module.TextData, "train_batches", failing_batches(3, Killed()))  # dies in step 4
+    real = data_module.TrainingBatches.__next__
+    monkeypatch.setattr(data_module.TrainingBatches, "__next__", failing_batches(3, Killed()))  # dies in step 4
     with pytest.raises(Killed):
         convert(files, "llama", out, "--steps", 5, "--save-every", 2)
     assert not out.exists()
     assert json.loads((tmp_path / "out.resume" / "state.json").read_text())["step"] == 2
-    monkeypatch.setattr(data_module.TextData, "train_batches", real)
+    monkeypatch.setattr(data_module.TrainingBatches, "__next__", real)
     partial = tmp_path / "out.resume.tmp"  # what a later save killed midway would leave
     partial.mkdir()
     (partial / "optimizer_0").write_bytes(b"\0" * 1024)
@@ -243,15 +244,15 @@ def test_a_killed_conversion_resumes_from_its_periodic_save(files, tmp_path, mon
 
 def test_an_error_mid_run_saves_the_state_and_resume_finishes(files, tmp_path, monkeypatch):
     out = tmp_path / "out"
-    real = data_module.TextData.train_batches
-    monkeypatch.setattr(data_module.TextData, "train_batches",
+    real = data_module.TrainingBatches.__next__
+    monkeypatch.setattr(data_module.TrainingBatches, "__next__",
                         failing_batches(2, DataError("train.jsonl: line 40: bad row")))  # in step 3
     result = convert(files, "llama", out, "--steps", 5)
     assert_user_error(result, "error: train.jsonl: line 40: bad row")
     assert (f"the training state of step 2 of 5 is saved in {tmp_path / 'out.resume'}: run the same command with "
             "--resume to continue from it") in " ".join(result.output.split())
     assert not out.exists() and json.loads((tmp_path / "out.resume" / "state.json").read_text())["step"] == 2
-    monkeypatch.setattr(data_module.TextData, "train_batches", real)
+    monkeypatch.setattr(data_module.TrainingBatches, "__next__", real)
     result = convert(files, "llama", out, "--steps", 5, "--resume")
     assert result.exit_code == 0, result.output
     assert [e["step"] for e in json.loads((out / "training_log.json").read_text())["log"]] == [1, 2, 3, 4, 5]
@@ -407,3 +408,74 @@ def test_hybrid_routing_options(files, tmp_path):
     assert log["training"]["hybrid_below"] == 0 and all(l["path"] == "dense" for e in log["log"] for l in e["layers"])
     shown = [line for line in result.output.replace(str(tmp_path), "").splitlines() if not line.startswith("settings:")]
     assert "hybr" not in "\n".join(shown)  # no hybrid column or progress figure (the settings line names the option)
+
+
+def test_output_outside_a_terminal_is_whole_timestamped_lines_and_quiet_keeps_warnings_and_summary(files, tmp_path):
+    """Where the output is no terminal (CliRunner's, like nohup's or a batch job's), the evaluations and the
+    training steps print whole lines with the time and the time left; --quiet prints neither, nor the settings,
+    but the warnings and the summary."""
+    result = convert(files, "llama", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    stamp = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d  "
+    for what in ("perplexity of the source", "perplexity after the ReLU swap", "measuring the trained model"):
+        shown = [line for line in lines if what in line]  # 256 held-out tokens: 4 batches of 2 x 32
+        assert [re.fullmatch(rf"{stamp}{what} \(256 held-out tokens\): (\d)/4 batches  eta \d+:\d\d:\d\d", line)[1]
+                for line in shown] == ["1", "2", "3", "4"], shown
+    assert len([line for line in lines if re.match(rf"{stamp}step \d/2  .* eta \d+:\d\d:\d\d$", line)]) == 2
+    quiet = convert(files, "llama", tmp_path / "quiet", "--quiet")
+    assert quiet.exit_code == 0, quiet.output
+    assert "warning: only 256 held-out tokens" in quiet.output and "trained 2 steps" in quiet.output
+    assert "perplexity on held-out text" in quiet.output
+    for shown in ("settings:", "held out:", "batches", "step 1/2", "eta"):
+        assert shown not in quiet.output
+
+
+def test_report_to_sends_each_log_entry_to_accelerate_trackers(files, tmp_path, monkeypatch):
+    """--report-to NAME: an accelerate tracker (here a recording one registered under its name) gets the settings
+    and, at each log step, the figures of the training log's entry."""
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS, GeneralTracker
+
+    class Recorder(GeneralTracker):
+        name, requires_logging_directory, runs = "recorder", False, []
+
+        def __init__(self, project):
+            super().__init__()
+            self.project, self.config, self.logged, self.finished = project, None, [], False
+            self.runs.append(self)
+
+        @property
+        def tracker(self):
+            return self
+
+        def store_init_configuration(self, values):
+            self.config = values
+
+        def log(self, values, step=None, **kwargs):
+            self.logged.append((step, values))
+
+        def finish(self):
+            self.finished = True
+
+    monkeypatch.setitem(LOGGER_TYPE_TO_CLASS, "recorder", Recorder)
+    result = convert(files, "llama", tmp_path / "out", "--report-to", "recorder", "--quiet")
+    assert result.exit_code == 0, result.output
+    [run] = Recorder.runs
+    assert run.finished and run.config["lr"] == 1e-3 and run.config["betas"] == "(0.9, 0.95)"
+    log = json.loads((tmp_path / "out" / "training_log.json").read_text())["log"]
+    assert [step for step, _ in run.logged] == [entry["step"] for entry in log] == [1, 2]
+    for (_, values), entry in zip(run.logged, log):
+        for name in ("loss", "cross_entropy", "l1", "l1_coeff", "lr", "mean_active", "dead_frac", "tokens", "tokens_per_s"):
+            assert values[name] == entry[name], name
+        assert values["layers/1/active"] == entry["layers"][1]["active"] and values["layers/0/hybrid"] == 0
+
+
+def test_report_to_names_a_tracker_that_is_unknown_or_not_installed(files, tmp_path, monkeypatch):
+    import accelerate.tracking
+
+    monkeypatch.setattr(convert_module, "load_model", None)  # stops before any weight is read
+    monkeypatch.setattr(accelerate.tracking, "get_available_trackers", lambda: [])
+    assert_user_error(convert(files, "llama", tmp_path / "out", "--report-to", "tensorboard"),
+                      "error: --report-to tensorboard: the tensorboard package is not installed (pip install tensorboard)")
+    assert_user_error(convert(files, "llama", tmp_path / "out", "--report-to", "none,tensorbord"),
+                      "error: --report-to tensorbord: not a tracker; use none, or one or more of all, ")

@@ -1,5 +1,5 @@
-"""Data: formats, packing with EOS between documents, the held-out split, batching/resume positions, and
-every bad-data error."""
+"""Data: formats, packing with EOS between documents, the held-out split, batching/resume positions (continued
+without reading the consumed documents again), and every bad-data error."""
 import itertools
 import json
 import random
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import tiny_tokenizer
-from sparsify.data import TextData, blocks, documents, resolve
+from sparsify.data import Documents, TextData, blocks, resolve
 from sparsify.errors import DataError
 
 EOS = tiny_tokenizer().eos_token_id
@@ -102,7 +102,7 @@ def test_text_column_names_the_column_of_rows(tmp_path, monkeypatch):
     assert "jsonl row 3" in text and "parquet row" in text and "plain text" in text and '"id"' not in text
     with monkeypatch.context() as hub:
         hub.setattr(datasets, "load_dataset", lambda *args, **kwargs: iter([{"content": "hello"}]))
-        assert list(documents("owner/name", "content")) == ["hello"]
+        assert list(Documents("owner/name", "content")) == ["hello"]
     for reader in ("datasets", "plain"):
         if reader == "plain":
             (tmp_path / "b.parquet").unlink()
@@ -147,6 +147,55 @@ def test_shuffled_batches_are_seeded_resumable_and_keep_held_out_blocks_out(tmp_
     assert not all(torch.equal(a, b) for a, b in zip(again, other_seed))
 
 
+class CountingTokenizer:
+    """The tiny tokenizer, recording the texts it tokenizes."""
+
+    def __init__(self):
+        self.tokenizer, self.texts = tiny_tokenizer(), []
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+    def __call__(self, texts, **kwargs):
+        self.texts += texts
+        return self.tokenizer(texts, **kwargs)
+
+
+@pytest.mark.parametrize("reader", ["datasets", "without-datasets", "hub"])
+def test_batches_continue_from_a_saved_position_without_reading_the_consumed_documents(tmp_path, monkeypatch, reader):
+    """A stream loaded with another's state_dict (saved and read back as --resume does) yields the batches the
+    other would have yielded next, over epochs, and tokenizes none of the documents read before the position."""
+    letters = random.Random(0)  # each document its own text: what is tokenized can be told apart
+    texts = [f"{i}:" + "".join(letters.choices("abcdefgh", k=letters.randint(2, 30))) for i in range(300)]
+    if reader == "hub":
+        datasets = pytest.importorskip("datasets")
+        monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: datasets.Dataset.from_dict(
+            {"text": texts}).to_iterable_dataset(num_shards=4))
+        spec = "owner/corpus"
+    else:  # a folder: rows in two files and a whole-document text file
+        for name, part in (("a.jsonl", texts[:150]), ("b.jsonl", texts[150:299])):
+            write_jsonl(tmp_path / name, part)
+        (tmp_path / "c.txt").write_text(texts[299])
+        spec = tmp_path
+        if reader == "without-datasets":
+            monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
+    tokenizer = CountingTokenizer()
+    data = TextData(spec, tokenizer, seq_len=8, eval_tokens=16)
+    batches = dict(batch_size=2, rank=1, world=2, shuffle_buffer=16, seed=3)
+    uninterrupted = list(itertools.islice(data.train_batches(**batches), 700))  # over two epochs
+    first = data.train_batches(**batches)
+    tokenizer.texts.clear()
+    consumed = [next(first) for _ in range(100)]
+    torch.save(first.state_dict(), tmp_path / "position.pt")
+    read_before, tokenizer.texts = tokenizer.texts, []
+    resumed = data.train_batches(**batches, start=200)
+    resumed.load_state_dict(torch.load(tmp_path / "position.pt"))
+    following = [next(resumed) for _ in range(600)]
+    assert all(torch.equal(a, b) for a, b in zip(consumed + following, uninterrupted, strict=True))
+    epoch = tokenizer.texts.index(texts[0])  # where the next epoch reads the text again
+    assert tokenizer.texts[:epoch] == texts[len(read_before):]
+
+
 def test_held_out_text_is_reported_with_its_share_and_size(tmp_path):
     tok = tiny_tokenizer()
     (tmp_path / "one.txt").write_text("abcdefgh" * 640)  # 5120 tokens: 80 blocks of 64
@@ -174,7 +223,7 @@ def test_a_mistyped_local_folder_is_no_hub_name(tmp_path, monkeypatch):
 
 
 def test_hub_dataset_name_config_and_split(monkeypatch):
-    from sparsify.data import documents, hub_arguments
+    from sparsify.data import hub_arguments
 
     assert hub_arguments("allenai/c4:en@validation") == ("allenai/c4", "en", "validation")
     assert hub_arguments("wikitext:wikitext-2-raw-v1") == ("wikitext", "wikitext-2-raw-v1", "train")
@@ -188,5 +237,5 @@ def test_hub_dataset_name_config_and_split(monkeypatch):
 
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
     assert resolve("allenai/c4:en@validation").train == "allenai/c4:en@validation"
-    assert list(documents("allenai/c4:en@validation")) == ["hello"]
+    assert list(Documents("allenai/c4:en@validation")) == ["hello"]
     assert calls == [(("allenai/c4", "en"), {"split": "validation", "streaming": True})]

@@ -290,6 +290,48 @@ def test_interrupt_then_resume_equals_uninterrupted(tmp_path, relative):
         torch.testing.assert_close(a, b, msg=name)
 
 
+def test_resume_continues_the_text_from_its_saved_position(tmp_path, monkeypatch):
+    """TextData's batches: Ctrl-C, then --resume, ends with the uninterrupted run's weights, and the resumed run
+    tokenizes none of the documents the interrupted one read (it continues from the saved position)."""
+    from test_data import CountingTokenizer
+
+    from sparsify.data import TextData, TrainingBatches
+
+    # 4 tokens a document (3 digits and EOS): 16 blocks of 16 tokens a chunk of 64 tokenized documents
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": f"{i:03d}"}) + "\n" for i in range(400)))
+    cfg = config(steps=6, grad_accum=2, log_every=2, shuffle_buffer=8, eval_tokens=SEQ)
+    tokenizer = CountingTokenizer()
+
+    def run(model, resume=False):  # the texts the tokenizer read in training (the head read by TextData aside)
+        data = TextData(tmp_path / "d.jsonl", tokenizer, SEQ, cfg.eval_tokens)
+        tokenizer.texts.clear()
+        batches = lambda start, rank, world: data.train_batches(cfg.batch_size, start, rank, world,
+                                                                shuffle_buffer=cfg.shuffle_buffer, seed=cfg.seed)
+        train(model, relufy(model), batches, cfg, resume_dir=tmp_path / "r", resume=resume, device="cpu",
+              show_progress=False)
+
+    straight, _ = tiny_model("qwen2")
+    interrupted = copy.deepcopy(straight)
+    run(straight)
+    real, reads = TrainingBatches.__next__, []
+
+    def interrupting(self):  # Ctrl-C while step 3 reads its 2nd micro-batch
+        reads.append(self)
+        if len(reads) == 6:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(self)
+
+    with monkeypatch.context() as patch, pytest.raises(TrainingInterrupted, match="interrupted at step 3 of 6"):
+        patch.setattr(TrainingBatches, "__next__", interrupting)
+        run(interrupted)
+    read_before = list(tokenizer.texts)
+    resumed, _ = tiny_model("qwen2", seed=1)
+    run(resumed, resume=True)
+    assert read_before and tokenizer.texts and not set(read_before) & set(tokenizer.texts)
+    for (name, a), b in zip(straight.named_parameters(), resumed.parameters()):
+        torch.testing.assert_close(a, b, msg=name)
+
+
 def failing_batches(n, error):
     """batches_from(), raising `error` when the (n+1)-th micro-batch is read."""
     def batches(start, rank, world):
@@ -456,7 +498,7 @@ def test_progress_line_shows_gpu_memory_when_logged():
 def test_log_lines_outside_a_terminal_are_whole_with_time_and_eta(capsys):
     model, _ = tiny_model("llama")
     train(model, relufy(model), batches_from(), config(steps=3), device="cpu", show_progress=True)
-    lines = [line for line in capsys.readouterr().err.splitlines() if " step " in line]
+    lines = capsys.readouterr().err.splitlines()  # these lines alone: no progress bar, which a file cannot show
     assert [re.search(r" step (\d)/3 ", line).group(1) for line in lines] == ["1", "2", "3"]
     for line in lines:  # one line each however long: date, time, the figures, the time left
         assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d  step", line) and "active" in line
