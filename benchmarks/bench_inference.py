@@ -41,7 +41,9 @@ import twell
 import twell.cost_model
 from twell.format import empty_twell, slots
 from twell.format import decode_rows
-from twell.gated_mlp import DECODE_TILE, gate_config, gate_launch, out_config, out_launch
+from twell.batched import gate_config, gate_launch, out_config, out_launch
+from twell.decode import DECODE_TILE, PART_BYTES, PART_STAGES
+from twell.heavy import HEAVY_FEW_ROWS, heavy_launches
 
 ROW_KEY = ("D", "I", "M", "k", "tile", "compression")  # what identifies a grid row (--resume)
 LAYERS = 8  # layer copies for graph-replay timing
@@ -130,8 +132,8 @@ def plan_launches(x, layers, tile=128, compression=8):
     which do_bench counted at 2048 tokens). The out launches start with the list pre-pass, which compacts
     the TwELL in place: out calls repeated without a gate call between them do the same work on reshuffled
     lists (fine for timing; their outputs mean nothing)."""
-    plan = sys.modules["twell.gated_mlp"]._Plan(x, layers[0]["gate"], layers[0]["up"], tile, compression,
-                                                "default", None)
+    plan = sys.modules["twell.gated_mlp"]._Launches(x, layers[0]["gate"], layers[0]["up"], tile, compression,
+                                                    "default", None)
     bufs = {}
     for lw in layers:
         tw = (torch.empty(plan.twell_shape, dtype=plan.vals_dtype, device=x.device),
@@ -170,19 +172,23 @@ def time_fn(fn, graphs):
 
 @contextmanager
 def launch_rules(**rules):
-    """twell.gated_mlp's module-level launch rules (gate_config, out_config, decode_rows, HELD_ROWS, ...)
-    replaced inside the block, its cached plans dropped on the way in and out (they hold the launches)."""
-    module = sys.modules["twell.gated_mlp"]  # the module; twell.gated_mlp is also the function
-    saved = {name: getattr(module, name) for name in rules}
-    for name, rule in rules.items():
-        setattr(module, name, rule)
-    module._PLANS.clear()
+    """The kernel launch paths' module-level launch rules (gate_config, out_config, decode_rows, HELD_ROWS, ...)
+    replaced inside the block, in every launch-path module that holds them, the cached launches dropped on the
+    way in and out."""
+    # the modules; twell.gated_mlp is also the function
+    modules = [sys.modules[f"twell.{name}"] for name in ("gated_mlp", "batched", "decode", "heavy")]
+    saved = [(module, name, getattr(module, name)) for module in modules for name in rules if hasattr(module, name)]
+    assert {name for _, name, _ in saved} == set(rules), "no launch path holds these rules"
+    for module, name, _ in saved:
+        setattr(module, name, rules[name])
+    cache = modules[0]._LAUNCH_CACHE
+    cache.clear()
     try:
         yield
     finally:
-        for name, rule in saved.items():
+        for module, name, rule in saved:
             setattr(module, name, rule)
-        module._PLANS.clear()
+        cache.clear()
 
 
 def per_layer_us(fn, layers):
@@ -455,23 +461,22 @@ def robustness(folder=None, plan_k=None, tokens=ROBUST_TOKENS, actives=ROBUST_AC
 
 
 def heavy_block():
-    """The dense block of heavy rows alone (gated_mlp's heavy_launches: the launches a batched call makes
+    """The dense block of heavy rows alone (twell.heavy.heavy_launches: the launches a batched call makes
     after its out kernel posted n rows) against cuBLAS's dense block of the same n rows, at three shapes;
     each checked against fp32 at those rows. do_bench medians (L2 flushed). Fits twell.cost_model.HEAVY."""
-    module = sys.modules["twell.gated_mlp"]
     rows = []
     for d, i in ((896, 4864), (2048, 5632), (4096, 14336)):
         w = make_layer(d, i, HEAVY_K)
         capacity = 16384
         x = make_x(capacity, d)
-        launches = module.heavy_launches(x, i, True, False, capacity)
+        launches = heavy_launches(x, i, True, False, capacity)
         down_t = w["down_p"].t()
         for n in (1, 4, 16, 17, 64, 256, 1024, 4096, 16384):
             posted = torch.randperm(capacity, device="cuda")[:n].sort().values
             workspace = torch.zeros(1 + capacity, dtype=torch.int32, device="cuda")
             workspace[0], workspace[1:1 + n] = n, posted.int()
             h = torch.empty(capacity, i, dtype=x.dtype, device="cuda")
-            part = torch.empty(launches[3], module.HEAVY_FEW_ROWS, d, device="cuda")
+            part = torch.empty(launches[3], HEAVY_FEW_ROWS, d, device="cuda")
             out = torch.full_like(x, float("nan"))
 
             def block():
@@ -605,14 +610,13 @@ def decode_rules():
         del layers
     d, i = 2048, 5632
     layers = [make_layer(d, i, HEAVY_K) for _ in range(LAYERS)]
-    module = sys.modules["twell.gated_mlp"]
     for m in (1, 16, 64):
         x = make_x(m, d)
         make_heavy(x, [0], HEAVY_FIRST, i)
         ref = reference(x, layers[0])
         row = dict(rule="partial_rows", D=d, I=i, M=m, dense_us=per_layer_us(lambda lw: dense(x, lw), layers),
                    first_token_units=int((x[:1].float() @ layers[0]["gate"].float().t() > 0).sum()))
-        for name, rule in (("new", (module.PART_BYTES, module.PART_STAGES)), ("old", (128, 1))):
+        for name, rule in (("new", (PART_BYTES, PART_STAGES)), ("old", (128, 1))):
             with launch_rules(PART_BYTES=rule[0], PART_STAGES=rule[1]):
                 row[name + "_err"] = rel_err(sparse(x, layers[0], 128, 16), ref)
                 row[name + "_us"] = per_layer_us(lambda lw: sparse(x, lw, 128, 16), layers)

@@ -48,7 +48,7 @@ def dense_time(d: int, i: int, tokens: int) -> float:
 
 
 def heavy_time(d: int, i: int, rows: int) -> float:
-    """Predicted seconds of the dense block of `rows` heavy rows (gated_mlp's heavy_launches); none: nothing."""
+    """Predicted seconds of the dense block of `rows` heavy rows (heavy.heavy_launches); none: nothing."""
     return _roofline(6 * rows * d * i, 6 * d * i, HEAVY, d) if rows else 0.0
 
 

@@ -1,5 +1,6 @@
 """TwELL packed layout of a ReLU activation, packing in Triton, and a plain PyTorch reference; also the
-launch rules that the kernels and the cost model (cost_model.py) share (decode_rows, HEAVY_UNITS, ...).
+launch rules that the kernels, their reference and the cost model (cost_model.py) share (decode_rows,
+HEAVY_UNITS, UNIT_SAMPLE, ...).
 
 A dense activation g [M, I] is cut along I into tiles of T columns (T = the gate matmul's column tile,
 so each matmul program packs its own output tile in its epilogue). Each (row, tile) keeps its positives
@@ -57,19 +58,18 @@ LARGE_LAYER = 1 << 24  # D * I above which the decode path ends at 16 rows
 def decode_rows(d: int, width: int) -> int:
     """Most tokens that take the decode path. Above 16 rows its gate kernel runs one program per SM, each
     streaming I / #SMs gate rows and then reading its active columns' up rows, which at D * I > 2^24 loses
-    to the batched path from about 24 rows (H100: 3584 / 18944 5-10% slower at 24-32 rows, 4096 / 14336
-    2-8% faster up to 32, both 1.2-1.4x slower at 48-64; both 5% faster at 17, where ending at 16 gives
-    that up; benchmarks/results/decode_mid_rows_h100.json, decode_rows_h100.json). Smaller layers are
-    faster up to 64."""
+    to the batched path from about 24 rows: such layers end the decode path at 16 rows, giving up the few
+    rows above it where decode still wins. Smaller layers take it up to 64 rows, where it is faster."""
     return DECODE_ROWS if d * width <= LARGE_LAYER else 16
 
 
 # A batched row with more units than this to walk (list entries, plus T per overflowing tile) is not walked
-# by its own program: it posts its index, and a dense block computes every posted row (gated_mlp's
+# by its own program: it posts its index, and a dense block computes every posted row (heavy.py's
 # heavy_launches). A row walk is a serial chain of dependent gathers beside the other rows, and a dense row
 # costs about as much as this many gathered units (6 * D * I flops at the dense block's rate, against two
 # D-wide weight rows a unit from L2).
 HEAVY_UNITS = 128
+UNIT_SAMPLE = 64  # with a four-element overflow counter, one batched row in this many reports its units
 
 
 HOPPER_TILES_PER_SM = 4  # gate_hopper.py runs from this many output tiles an SM (hopper_gate_launch): ~1500
@@ -77,7 +77,7 @@ HOPPER_TILES_PER_SM = 4  # gate_hopper.py runs from this many output tiles an SM
 
 
 def out_units_per_step(m: int) -> int:
-    """Units the batched out kernel takes a step (gated_mlp.out_config): with few rows in flight, more
+    """Units the batched out kernel takes a step (batched.out_config): with few rows in flight, more
     units a step, fewer dependent steps a row; with many, fewer, to keep more rows in flight."""
     return 8 if m <= 256 else 4 if m <= 512 else 2
 

@@ -10,9 +10,13 @@ import torch
 import triton
 
 import twell
-from twell.format import empty_twell, slots
 import twell.gated_mlp  # noqa: F401  (the module, beside the function of the same name)
-from twell.gated_mlp import decode_tile_stride, gate_config, gate_launch, out_config, out_launch
+from twell import batched as batched_module
+from twell.batched import gate_config, gate_launch, out_config, out_launch
+from twell.decode import HELD_ROWS, TILE_OUT_MAX_D, decode_tile_stride, tile_out_launch, tile_sum_launch
+from twell.format import HEAVY_UNITS, UNIT_SAMPLE, empty_twell, slots, tma_ok
+from twell.heavy import HEAVY_FEW_ROWS
+from twell.reference import forward_reference, tile_counts, tile_shares
 
 gm = sys.modules["twell.gated_mlp"]
 gh = sys.modules["twell.gate_hopper"]
@@ -128,11 +132,11 @@ def test_list_compaction_in_place(chunk_slots, mode, monkeypatch):
     order at the start of its TwELL (an overflowing tile's entries left out): moved by the batched out
     kernel's own program for its row (up to FUSED_COMPACT_ROWS rows), or by the pre-pass launched before
     the out kernel (more batched rows; decode, where a row spans several output-chunk programs)."""
-    monkeypatch.setattr(gm, "COMPACT_SLOTS", chunk_slots)
-    monkeypatch.setattr(gm, "FUSED_COMPACT_ROWS", 1024 if mode == "fused" else 0)
+    monkeypatch.setattr(batched_module, "COMPACT_SLOTS", chunk_slots)
+    monkeypatch.setattr(batched_module, "FUSED_COMPACT_ROWS", 1024 if mode == "fused" else 0)
     batched = mode != "decode pre-pass"
     torch.manual_seed(5)
-    m, d, i, tile, comp = (9 if batched else gm.HELD_ROWS + 8), 16, 200, 32, 2  # 7 tiles of 15 slots
+    m, d, i, tile, comp = (9 if batched else HELD_ROWS + 8), 16, 200, 32, 2  # 7 tiles of 15 slots
     x, gate, up, down = block(m, d, i, k=12)
     x[2, 0] = -40.0  # every unit active: row 2's six full tiles overflow, its last (8 units) fits
     s = slots(tile, comp)
@@ -177,7 +181,7 @@ def test_heavy_rows_through_the_dense_block(gated, h_fp32):
     dense block writes exactly those. NaN-poisoned."""
     torch.manual_seed(3)
     m, d, i, tile = 70, 24, 300, 64
-    heavy_units = gm.HEAVY_UNITS
+    heavy_units = HEAVY_UNITS
     units = [n % 40 for n in range(m)]
     units[3:7] = heavy_units - 1, heavy_units, heavy_units + 1, i
     units[8] = 0
@@ -199,7 +203,7 @@ def test_heavy_rows_through_the_dense_block(gated, h_fp32):
     assert workspace[0].item() == 2 and sorted(workspace[1:3].tolist()) == [5, 6]
     h = torch.full((m, i), float("nan"), dtype=tw.values.dtype, device=DEV)
     gate_up_launch, down_launch, finish_launch, splits = launches.heavy
-    partials = torch.full((splits, gm.HEAVY_FEW_ROWS, d), float("nan"), device=DEV)
+    partials = torch.full((splits, HEAVY_FEW_ROWS, d), float("nan"), device=DEV)
     gate_up_launch(x, gate, up_or_down, workspace, h)
     down_launch(h, down_t, workspace, out, partials)
     finish_launch(partials, workspace, out)
@@ -208,8 +212,7 @@ def test_heavy_rows_through_the_dense_block(gated, h_fp32):
     assert rel_err(out, ref) < 1e-5
     for row in (5, 6):
         assert rel_err(out[row], ref[row]) < 1e-5, row
-    full = twell.gated_mlp(x, gate, up, down, tile=tile, compression=1) if gated else \
-        twell.mlp(x, gate, down, tile=tile, compression=1)
+    full = gm.forward(x, gate, up if gated else None, down, tile, 1, "default", None)
     assert rel_err(full, ref) < 1e-5
 
 
@@ -226,7 +229,7 @@ def test_heavy_rows_with_overflowing_tiles_and_many_of_them():
     assert rel_err(out, reference(x, gate, up, down)) < 1e-5
     counts = twell.pack(torch.relu(x @ gate.t()), tile=tile, compression=comp).counts
     assert overflow.item() == (counts > slots(tile, comp)).sum().item() > m // 2
-    assert m // 2 > gm.HEAVY_FEW_ROWS
+    assert m // 2 > HEAVY_FEW_ROWS
 
 
 def test_four_element_counter_samples_the_activity_of_the_rows_walked():
@@ -234,18 +237,18 @@ def test_four_element_counter_samples_the_activity_of_the_rows_walked():
     it walks (a heavy row is posted, not walked: not counted), those rows' count and the heavy rows' count,
     as the reference does; decode-sized calls count overflow only."""
     torch.manual_seed(7)
-    m, d, i, tile, comp = 2 * gm.UNIT_SAMPLE + 2, 24, 300, 64, 4
+    m, d, i, tile, comp = 2 * UNIT_SAMPLE + 2, 24, 300, 64, 4
     x, gate, up, down = heavy_rows_block(m, d, i)
-    x[gm.UNIT_SAMPLE, 0] = x[3, 0]  # a sampled row heavy: left out
+    x[UNIT_SAMPLE, 0] = x[3, 0]  # a sampled row heavy: left out
     x[0, 0] = NormalDist().inv_cdf(0.9) / NormalDist().inv_cdf(1 - 8 / i)  # one sampled row busier than the rest
     counters = torch.zeros(4, dtype=torch.int64, device=DEV)
     out = twell.gated_mlp(x, gate, up, down, tile=tile, compression=comp, overflow=counters)
     assert rel_err(out, reference(x, gate, up, down)) < 1e-5
     expected = torch.zeros(4, dtype=torch.int64)
-    gm._forward_reference(x.cpu(), gate.cpu(), up.cpu(), down.cpu(), tile, comp, expected)
+    forward_reference(x.cpu(), gate.cpu(), up.cpu(), down.cpu(), tile, comp, expected)
     active = (x @ gate.t() > 0).sum(1)
     assert counters.tolist() == expected.tolist()
-    assert expected[2] == 2 and expected[1] == active[0] + active[2 * gm.UNIT_SAMPLE] > 0
+    assert expected[2] == 2 and expected[1] == active[0] + active[2 * UNIT_SAMPLE] > 0
     assert expected[3] == 4  # rows 3, m // 2, m - 1 (heavy_rows_block) and UNIT_SAMPLE
     decode = torch.zeros(4, dtype=torch.int64, device=DEV)
     twell.gated_mlp(x[:8], gate, up, down, tile=tile, compression=comp, overflow=decode)
@@ -257,9 +260,7 @@ def overflow_count(g, tile, compression):
     min(tile, 64), each holding a tile of decode_tile_stride units: narrower on a GPU above 16 rows)."""
     tile = min(tile, 64)
     ts = decode_tile_stride(g.shape[1], tile, g.shape[0], g.device)
-    nt = math.ceil(g.shape[1] / ts)
-    per_tile = torch.nn.functional.pad(g > 0, (0, nt * ts - g.shape[1])).view(g.shape[0], nt, ts).sum(-1)
-    return (per_tile > slots(tile, compression)).sum().item()
+    return (tile_counts(g, ts) > slots(tile, compression)).sum().item()
 
 
 # 20: the compacted up loop 4 blocks deep and the held TwELL; 40: the T-wide up loop, TwELL read after counts
@@ -281,14 +282,8 @@ def test_decode_dense_rows(m, dense_rows, dtype, precision):
 
 
 def tile_partials(h, down, over, ts):
-    """Expected partial rows [M, NT, D]: each overflowing (row, tile)'s h over the tile's units times their
-    down columns (fp32), NaN elsewhere."""
-    m, i = h.shape
-    nt = over.shape[1]
-    hp = torch.nn.functional.pad(h.float(), (0, nt * ts - i)).view(m, nt, ts)
-    downp = torch.nn.functional.pad(down.float(), (0, nt * ts - i)).view(-1, nt, ts)
-    parts = torch.einsum("mtu,dtu->mtd", hp, downp)
-    return torch.where(over[..., None], parts, float("nan"))
+    """Expected partial rows [M, NT, D]: the tile shares of the (row, tile) pairs in `over`, NaN elsewhere."""
+    return torch.where(over[..., None], tile_shares(h, down, ts), float("nan"))
 
 
 @pytest.mark.parametrize("gated", [True, False])
@@ -338,7 +333,7 @@ def test_tile_out_decode_writes_every_tile_share(dtype, precision):
     h_fp32 = precision == "highest"
     s = slots(tile, comp)
     nt = math.ceil(i / tile)
-    assert gm.tile_out_launch(1, d, gated=True, decode=True)
+    assert tile_out_launch(1, d, gated=True, decode=True)
     counts = torch.full((2, nt), -1, dtype=torch.int32, device=DEV)  # a second row to catch stray writes
     partials = torch.full((2, nt, d), float("nan"), device=DEV)
     down_t = down.t().contiguous()
@@ -353,7 +348,7 @@ def test_tile_out_decode_writes_every_tile_share(dtype, precision):
     assert rel_err(partials[:1], expected) < (1e-5 if h_fp32 else 2e-3)
     out = torch.full_like(x, float("nan"))
     overflow = torch.zeros(1, dtype=torch.int64, device=DEV)
-    gm.tile_sum_launch(1, d, nt, s, True)(partials, counts, out, overflow)
+    tile_sum_launch(1, d, nt, s, True)(partials, counts, out, overflow)
     assert rel_err(out, partials[0].sum(0)) < (1e-6 if h_fp32 else 1e-3)  # fp32 sums in another order, rounded
     assert overflow.item() == (counts[0] > s).sum().item() == 2  # 4 slots: the tiles of 6 and 20
     assert rel_err(out, reference(x, gate, up, down)) < (1e-5 if h_fp32 else 3e-3)
@@ -421,11 +416,11 @@ def test_whole_up_rows_only_where_they_fit_in_registers():
 def test_tile_out_only_for_one_gated_decode_token_that_fits():
     """The tile-out path takes one-token gated decode calls up to TILE_OUT_MAX_D; a gate program reads fewer
     units' whole up and down rows a round where D is larger (D 8192: one)."""
-    assert gm.tile_out_launch(1, gm.TILE_OUT_MAX_D, gated=True, decode=True)
-    assert not gm.tile_out_launch(1, gm.TILE_OUT_MAX_D + 1, gated=True, decode=True)
-    assert not gm.tile_out_launch(2, 64, gated=True, decode=True)
-    assert not gm.tile_out_launch(1, 64, gated=False, decode=True)
-    assert not gm.tile_out_launch(1, 64, gated=True, decode=False)
+    assert tile_out_launch(1, TILE_OUT_MAX_D, gated=True, decode=True)
+    assert not tile_out_launch(1, TILE_OUT_MAX_D + 1, gated=True, decode=True)
+    assert not tile_out_launch(2, 64, gated=True, decode=True)
+    assert not tile_out_launch(1, 64, gated=False, decode=True)
+    assert not tile_out_launch(1, 64, gated=True, decode=False)
     x, gate = torch.zeros(1, 8192), torch.zeros(8, 8192)
     launch = gate_launch(x, gate, gate, 64, 8, x.dtype, gate_config(1, 64, 2, decode=True), partials=True,
                          tile_out=True)
@@ -459,7 +454,7 @@ def test_decode_tiles_narrower_than_the_block(gated):
     gate_launch(x, gate, upw, tile, s, x.dtype, gate_config(m, tile, 4, decode=True), partials=True, tile_stride=ts)(
         x, gate, up if gated else gate, down_t, vals, idx, cnt, partials)
     g = torch.relu(x @ gate.t())
-    per_tile = torch.nn.functional.pad(g > 0, (0, nt * ts - i)).view(m, nt, ts).sum(-1)
+    per_tile = tile_counts(g, ts)
     assert torch.equal(cnt, per_tile.int()) and (cnt[4] > s).all()
     h = g * (x @ up.t()) if gated else g
     expected = tile_partials(h, down, cnt > s, ts)
@@ -475,7 +470,6 @@ def test_decode_tiles_narrower_than_the_block(gated):
 def test_tma_and_pointer_main_loops_pack_alike():
     """The batched gate kernel reads x and the weight through TMA descriptors when they allow it (the
     interpreter emulates them), else through pointers: both must give the same TwELL."""
-    from twell.gated_mlp import tma_ok
     x, gate, up, down = block(70, 32, 96, k=8)
     x[7, 0] = -40.0  # a dense row: overflowing tiles
     wide = torch.zeros(70, 33, device=DEV)
@@ -586,7 +580,7 @@ def test_gpu_hopper_gate_kernel_packs_like_the_triton_kernel(m, d, i, compressio
     packed = []
     for hopper in (True, False):
         if not hopper:
-            monkeypatch.setattr(gm, "hopper_gate_launch", lambda *args: None)
+            monkeypatch.setattr(batched_module, "hopper_gate_launch", lambda *args: None)
         launch = gate_launch(x, gate, None, 128, s, dtype, gate_config(m, 128, 2, decode=False))
         assert (launch.kernel is gh.gate_pack_kernel) == hopper
         tw = empty_twell(m, i, 128, compression, dtype, x.device)
@@ -615,7 +609,7 @@ def test_gpu_hopper_gate_kernel_that_does_not_compile_falls_back(monkeypatch):
     monkeypatch.setattr(gh, "gate_pack_kernel", Broken())
     monkeypatch.setattr(gh, "_failure", None)
     monkeypatch.setattr(gh, "TILES_PER_SM", 0)
-    monkeypatch.setattr(gm, "_PLANS", type(gm._PLANS)())
+    monkeypatch.setattr(gm, "_LAUNCH_CACHE", type(gm._LAUNCH_CACHE)())
     x, gate, up, down = block(1000, 256, 768, k=29, dtype=torch.bfloat16)
     with pytest.warns(RuntimeWarning, match="does not compile"):
         assert gh.hopper_gate_launch(x, gate, 128, 16, torch.bfloat16) is None

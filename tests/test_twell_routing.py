@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from twell.cost_model import dense_time
-from twell.gated_mlp import UNIT_SAMPLE
+from twell.format import UNIT_SAMPLE
 from twell.routing import EAGER_MIN_DENSE_S, ActivityRouter, eager_dense, short_prefill
 
 

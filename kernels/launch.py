@@ -1,0 +1,44 @@
+"""What every launch path of gated_mlp shares: a kernel bound to a fixed grid and scalar arguments
+(`Launch`), the device's SM count and whether it takes programmatic dependent launches."""
+import torch
+
+try:
+    import triton.language as tl
+except ImportError:  # CPU-only machines run the reference path
+    tl = None
+
+
+class Launch:
+    """One kernel at a fixed grid, scalar arguments and options; called with its tensor arguments. The
+    first call goes through Triton's JIT (compiling if needed); later ones run the compiled kernel directly,
+    skipping Triton's per-call argument binding and cache lookup. That is sound while the tensors keep the
+    dtypes and 16-byte alignment of the first call, which gated_mlp's launch-cache key guarantees: Triton
+    specializes on nothing else (the scalars are fixed here)."""
+
+    def __init__(self, kernel, grid, scalars: dict, options: dict, extra=None):
+        names = kernel.arg_names[len(kernel.arg_names) - len(scalars):]
+        self.kernel, self.grid, self.options, self.extra = kernel, grid, options, extra
+        self.scalars = tuple(scalars[n] for n in names)  # tensors first, then these, in signature order
+        self.run = None
+
+    def __call__(self, *tensors):
+        if self.extra is not None:  # arguments made from the tensors at each call (TMA descriptors)
+            tensors = tensors + self.extra(*tensors)
+        if self.run is not None:
+            self.run(*tensors, *self.scalars)
+            return
+        compiled = self.kernel[self.grid](*tensors, *self.scalars, **self.options)
+        if compiled is not None:  # None under the interpreter
+            self.run = compiled[self.grid]
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors (4 under the interpreter: a few programs, each taking several items)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch (Hopper and newer): the out kernel is launched while the gate kernel
+    runs and waits for it on the device, which hides its launch latency (decode)."""
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+            and hasattr(tl.extra.cuda, "gdc_wait"))  # Triton >= 3.4

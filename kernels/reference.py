@@ -1,0 +1,50 @@
+"""Plain PyTorch references of what the kernels compute: the block, which every path's output matches (heavy
+rows included); each tile's share of a row's output, which a decode gate program writes for an overflowing
+(row, tile) and the one-token tile-out path for every tile; and `forward_reference`, the path of CPU tensors
+without Triton, which adds to `overflow` what the kernels add."""
+import torch
+
+from .format import HEAVY_UNITS, UNIT_SAMPLE, cdiv, decode_rows, slots
+
+
+def gated_mlp_reference(x, gate_weight, up_weight, down_weight):
+    """fp32 reference of the block, returned in x's dtype."""
+    xf = x.float()
+    h = torch.relu(xf @ gate_weight.float().t()) * (xf @ up_weight.float().t())
+    return (h @ down_weight.float().t()).to(x.dtype)
+
+
+def tile_counts(g: torch.Tensor, tile: int) -> torch.Tensor:
+    """Active units of each (row, tile) of g [M, I] cut into tiles of `tile` units: [M, NT]."""
+    nt = cdiv(g.shape[1], tile)
+    return torch.nn.functional.pad(g > 0, (0, nt * tile - g.shape[1])).view(g.shape[0], nt, tile).sum(-1)
+
+
+def tile_shares(h: torch.Tensor, down: torch.Tensor, tile: int) -> torch.Tensor:
+    """Each tile's share of each row's output, fp32 [M, NT, D]: h [M, I] over the tile's units times their
+    columns of down [D, I]."""
+    m, i = h.shape
+    nt = cdiv(i, tile)
+    h_tiles = torch.nn.functional.pad(h.float(), (0, nt * tile - i)).view(m, nt, tile)
+    down_tiles = torch.nn.functional.pad(down.float(), (0, nt * tile - i)).view(-1, nt, tile)
+    return torch.einsum("mtu,dtu->mtd", h_tiles, down_tiles)
+
+
+def forward_reference(x, w_dec, up, down, tile, compression, overflow):
+    """gated_mlp's path for CPU tensors without the interpreter (up None: relu(x @ w_dec^T) is h itself);
+    counts overflow at the caller's tile."""
+    width, d = w_dec.shape
+    x2 = x.reshape(-1, d)
+    xf = x2.float()
+    g = torch.relu(xf @ w_dec.float().t())
+    if overflow is not None:
+        per_tile = tile_counts(g, tile)
+        over = per_tile > slots(tile, compression)
+        overflow[0] += over.sum().to(overflow.dtype)
+        if overflow.numel() == 4 and x2.shape[0] > decode_rows(d, width):  # the batched path's activity counts
+            units = per_tile.masked_fill(over, 0).sum(-1)
+            heavy = units + over.sum(-1) * tile > HEAVY_UNITS
+            sampled = (torch.arange(x2.shape[0]) % UNIT_SAMPLE == 0) & ~heavy
+            overflow[1:] += torch.stack([units[sampled].sum(), sampled.sum(), heavy.sum()]).to(overflow.dtype)
+    h = g * (xf @ up.float().t()) if up is not None else g
+    return (h @ down.float().t()).to(x.dtype).view(x.shape)
