@@ -1,30 +1,8 @@
-"""Hybrid TwELL training kernels: a ReLU-gated (or plain ReLU) MLP block, forward and backward, on the
-per-row sparse pattern of its gate (docs/twell.md section 4).
-
-- The gate pre-activation x @ gate^T is one dense matmul (cuBLAS); it is transient, never saved.
-- `_pack_kernel` (a program per block of rows) compacts the row's positives, in unit order, into ELL slots
-  (int32 unit index + fp32 value, at most E = max_nnz), and counts them (row nnz, per-unit `fired`).
-  A row with more than E positives goes whole to the dense backup.
-- The dense backup (`_rows_*` kernels) runs tensor-core tiles over the backup rows, gathered through a
-  device-side list (rows with nnz > E first, their count on the device): persistent programs loop over
-  as many tiles as the count needs, so there is no host synchronization anywhere, any number of rows
-  fits (all M of them included: nothing is dropped), and an empty backup costs a few idle launches.
-  Forward: h of the backup rows is written over their rows of the (transient) gate pre-activation, then
-  out = h @ down^T for those rows. Backward recomputes their g, u and dh (nothing dense is saved).
-- `_sddmm_kernel` (a program per row): the sampled dense-dense product a[row] . W[j] at the row's units:
-  forward u = x . up[j], h = g * u and the row's sum |h| (L1); backward dh = dout . down[:, j], plus the
-  L1 gradient sign(h) * dl1 / M, giving d_gate_pre = dh * u and d_up = dh * g on the pattern. For
-  D <= 2048 the backward one is fused into the d_down weight-gradient kernel instead (see below).
-- `_spmm_kernel` (a program per row): out = h @ down^T and dx = d_gate_pre @ gate + d_up @ up, gathering
-  rows of [I, D] weights. Whole rows a program: with a program per (row, 256-wide D chunk), a short
-  dependent chain per program, an H100 ran 10x slower (per-program cost, not bytes).
-- `_wgrad_kernel` (a program per segment of <= SEG entries of one unit): weight gradients as
-  transposed-sparse x dense, from a per-unit list of the ELL entries (CSC, a stable sort of the unit
-  indices); busy units' extra segments are added in order after: deterministic, no atomics. The d_down
-  one also computes dh per entry from the dout row it gathers anyway (saves one gather pass).
-Saved for backward: x, the weights, ELL indices, g and u [M, E] (fp32), the CSC (perm [M * E] int32 and
-per-unit offsets/segments, built in the forward so that its small launches hide behind the big
-kernels), and the backup row list.
+"""Hybrid TwELL training kernels: a ReLU-gated MLP block, forward and backward (autograd), on the per-row sparse
+pattern of its gate: rows with at most max_nnz active units go through ELL slots and row-gathering kernels, the
+others through a dense backup over a device-side row list, with no host synchronization; also the block's L1
+term and activity statistics. Training only: not copied into checkpoints. Design: docs/design.md, "Hybrid
+training kernels"; reference: hybrid_gated_mlp_reference.
 """
 from typing import NamedTuple
 
@@ -35,10 +13,26 @@ from .format import on_device, use_triton
 try:
     import triton
     import triton.language as tl
+    from triton.language import constexpr
 
     _HAS_TRITON = True
 except ImportError:  # CPU-only installs: the reference path below computes the same outputs and stats
+    constexpr = int  # the modes below, which no kernel reads then
     _HAS_TRITON = False
+
+# Modes (MODE) of _spmm_kernel, which sums over a row's slots with the gathered weight rows w1[j], w2[j], and
+# of _wgrad_kernel, which sums over a unit's entries with the gathered rows x[t]; a, b: values per entry
+A = constexpr(0)  # sum a w1[j]; sum a x
+A_AND_B = constexpr(1)  # sum a w1[j] + b w2[j]; out1 = sum a x and out2 = sum b x
+A_TIMES_B = constexpr(2)  # sum (a b) w1[j]; sum (a b) x
+# _wgrad_kernel only (the last modes: MODE >= DH_GATED), x = dout: also dh = dout . w[unit] of each entry plus
+# the L1 term (the backward SDDMM, fused: the dout row is gathered once for both)
+DH_GATED = constexpr(3)  # a = g, b = u: out1 = sum g u dout (d_down^T), d_gate_pre -> o1, d_up -> o2
+DH_PLAIN = constexpr(4)  # non-gated, a = h: d_pre -> o1
+# Modes of _rows_units_kernel, over the backup rows
+ROWS_FORWARD = constexpr(0)  # gated forward: h over the gate pre-activation, sum |h|
+ROWS_BACKWARD_GATED = constexpr(1)  # d_gate_pre, d_up, h
+ROWS_BACKWARD_PLAIN = constexpr(2)  # non-gated: d_pre, relu(pre)
 
 
 class HybridStats(NamedTuple):
@@ -72,7 +66,7 @@ if _HAS_TRITON:
             if HOT:  # hot units are dense columns, computed outside
                 pos = pos & (tl.load(cold_ptr + cols, mask=cols < I, other=0) != 0)[None, :]
             # prefix sum over the positive mask: each value's slot, sorted by unit, deterministic
-            # (a triangular-ones matmul on the tensor cores instead ran 2.6x slower on an H100)
+            # (a triangular-ones matmul on the tensor cores instead measured slower)
             incl = tl.cumsum(pos.to(tl.int32), 1)
             slot = count[:, None] + incl - 1
             keep = pos & (slot < E)
@@ -136,7 +130,7 @@ if _HAS_TRITON:
     def _spmm_kernel(a_ptr, b_ptr, w1_ptr, w2_ptr, idx_ptr, nnz_ptr, out_ptr, D, E,
                      stride_w1, stride_w2, stride_out, MODE: tl.constexpr, BLOCK_S: tl.constexpr,
                      BLOCK_D: tl.constexpr):
-        # MODE 0: out = sum a w1[j]; 1: + sum b w2[j]; 2: out = sum (a b) w1[j]
+        # out = sum over the row's slots as MODE says (A, A_AND_B, A_TIMES_B)
         row = tl.program_id(0).to(tl.int64)
         n = tl.load(nnz_ptr + row)
         n = tl.where(n > E, 0, n)
@@ -151,11 +145,11 @@ if _HAS_TRITON:
                 j = tl.load(idx_ptr + e, mask=smask, other=0).to(tl.int64)
                 m2 = smask[:, None] & dmask[None, :]
                 a = tl.load(a_ptr + e, mask=smask, other=0.0)
-                if MODE == 2:
+                if MODE == A_TIMES_B:
                     a = a * tl.load(b_ptr + e, mask=smask, other=0.0)
                 w = tl.load(w1_ptr + j[:, None] * stride_w1 + cols[None, :], mask=m2, other=0.0)
                 acc += tl.sum(a[:, None] * w.to(tl.float32), 0)
-                if MODE == 1:
+                if MODE == A_AND_B:
                     b = tl.load(b_ptr + e, mask=smask, other=0.0)
                     w = tl.load(w2_ptr + j[:, None] * stride_w2 + cols[None, :], mask=m2, other=0.0)
                     acc += tl.sum(b[:, None] * w.to(tl.float32), 0)
@@ -166,11 +160,8 @@ if _HAS_TRITON:
                       out2_ptr, part1_ptr, part2_ptr, w_ptr, c_ptr, o1_ptr, o2_ptr, I, D, E, stride_x,
                       SEG: tl.constexpr, MODE: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_D: tl.constexpr):
-        # MODE 0: out1 = sum a x; 1: out1 = sum a x, out2 = sum b x; 2: out1 = sum (a b) x.
-        # MODE 3 (gated) / 4 (non-gated), x = dout, BLOCK_D >= D: also dh = dout . w[unit] for each
-        # entry (the backward SDDMM, fused: the dout row is gathered once for both), plus the L1 term,
-        # giving d_gate_pre -> o1, d_up -> o2 (gated: a = g, b = u; out1 = sum g u dout = d_down^T)
-        # or d_pre -> o1 (non-gated: a = h).
+        # out1 (and out2) = sums over the unit's entries as MODE says (A, A_AND_B, A_TIMES_B); DH_GATED and
+        # DH_PLAIN (x = dout, BLOCK_D >= D) also write each entry's gradients to o1 (and o2).
         # A program per segment of at most SEG entries of one unit (busy units would otherwise leave
         # a long tail); a unit's first segment writes its output row, later ones a partial row that
         # _wgrad_reduce_kernel adds in order: deterministic.
@@ -186,7 +177,7 @@ if _HAS_TRITON:
             for d0 in range(0, D, BLOCK_D):
                 cols = d0 + tl.arange(0, BLOCK_D)
                 dmask = cols < D
-                if MODE >= 3:
+                if MODE >= DH_GATED:
                     wrow = tl.load(w_ptr + unit * D + cols, mask=dmask, other=0.0).to(tl.float32)
                     c = tl.load(c_ptr)
                 acc1 = tl.zeros([BLOCK_D], tl.float32)
@@ -199,23 +190,23 @@ if _HAS_TRITON:
                     xt = tl.load(x_ptr + t[:, None] * stride_x + cols[None, :],
                                  mask=emask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
                     a = tl.load(a_ptr + p, mask=emask, other=0.0)
-                    if MODE == 2:
+                    if MODE == A_TIMES_B:
                         a = a * tl.load(b_ptr + p, mask=emask, other=0.0)
-                    if MODE == 3:  # g > 0 on the pattern: sign(h) = sign(u)
+                    if MODE == DH_GATED:  # g > 0 on the pattern: sign(h) = sign(u)
                         u = tl.load(b_ptr + p, mask=emask, other=0.0)
                         sgn = tl.where(u > 0.0, 1.0, tl.where(u < 0.0, -1.0, 0.0))
                         dh = tl.sum(xt * wrow[None, :], 1) + c * sgn
                         tl.store(o1_ptr + p, dh * u, mask=emask)
                         tl.store(o2_ptr + p, dh * a, mask=emask)
                         a = a * u
-                    if MODE == 4:  # h > 0 on the pattern
+                    if MODE == DH_PLAIN:  # h > 0 on the pattern
                         tl.store(o1_ptr + p, tl.sum(xt * wrow[None, :], 1) + c, mask=emask)
                     acc1 += tl.sum(a[:, None] * xt, 0)
-                    if MODE == 1:
+                    if MODE == A_AND_B:
                         b = tl.load(b_ptr + p, mask=emask, other=0.0)
                         acc2 += tl.sum(b[:, None] * xt, 0)
                 tl.store(dst1 + cols, acc1, mask=dmask)
-                if MODE == 1:
+                if MODE == A_AND_B:
                     tl.store(dst2 + cols, acc2, mask=dmask)
 
     @triton.jit
@@ -282,12 +273,11 @@ if _HAS_TRITON:
                            o3_ptr, l1_ptr, c_ptr, cold_ptr, N, K, stride_x, stride_dout, stride_o, stride_w3k,
                            stride_w3n, MODE: tl.constexpr, HOT: tl.constexpr, DOT: tl.constexpr,
                            NPROG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        # Dense [backup rows, units] tiles. MODE 0 (gated forward): h = relu(o1) * (x @ up^T) over o1 =
-        # the gate pre-activation, in place, and the program's sum |h| into l1_ptr. MODE 1 (gated
-        # backward): g, u recomputed (w1 = gate, w2 = up), dh = dout @ down (w3) + c sign(h):
-        # o1 = dh u [g > 0], o2 = dh relu(g), o3 = h. MODE 2 (non-gated backward, w1 = up):
-        # o1 = (dh + c) [pre > 0], o3 = relu(pre). With HOT, units where cold_ptr is 0 count as inactive
-        # (they are dense columns, computed outside).
+        # Dense [backup rows, units] tiles. ROWS_FORWARD: h = relu(o1) * (x @ up^T) over o1 = the gate
+        # pre-activation, in place, and the program's sum |h| into l1_ptr. ROWS_BACKWARD_GATED: g, u
+        # recomputed (w1 = gate, w2 = up), dh = dout @ down (w3) + c sign(h): o1 = dh u [g > 0],
+        # o2 = dh relu(g), o3 = h. ROWS_BACKWARD_PLAIN (w1 = up): o1 = (dh + c) [pre > 0], o3 = relu(pre).
+        # With HOT, units where cold_ptr is 0 count as inactive (they are dense columns, computed outside).
         count = tl.load(count_ptr)
         n_n = tl.cdiv(N, BN)
         dt = o1_ptr.dtype.element_ty
@@ -297,13 +287,13 @@ if _HAS_TRITON:
             m = rmask[:, None] & (cols < N)[None, :]
             offs = rows[:, None] * stride_o + cols[None, :]
             acc1, acc2, acc3 = _rows_dots(x_ptr, dout_ptr, w1_ptr, w2_ptr, w3_ptr, rows, rmask, cols, N, K,
-                                          stride_x, stride_dout, stride_w3k, stride_w3n, MODE == 1, MODE > 0,
-                                          DOT, BM, BN, BK)
+                                          stride_x, stride_dout, stride_w3k, stride_w3n,
+                                          MODE == ROWS_BACKWARD_GATED, MODE != ROWS_FORWARD, DOT, BM, BN, BK)
             if HOT:
                 on = (tl.load(cold_ptr + cols, mask=cols < N, other=0) != 0)[None, :]
             else:
                 on = cols[None, :] >= 0
-            if MODE == 0:
+            if MODE == ROWS_FORWARD:
                 g = tl.where(on, tl.maximum(tl.load(o1_ptr + offs, mask=m, other=0.0).to(tl.float32), 0.0), 0.0)
                 h = (g * acc1.to(dt).to(tl.float32)).to(dt)
                 tl.store(o1_ptr + offs, h, mask=m)
@@ -312,7 +302,7 @@ if _HAS_TRITON:
                 c = tl.load(c_ptr)
                 pre = tl.where(on, acc1.to(dt).to(tl.float32), 0.0)  # as the forward's matmul output
                 g = tl.maximum(pre, 0.0)
-                if MODE == 1:
+                if MODE == ROWS_BACKWARD_GATED:
                     u = acc2.to(dt).to(tl.float32)
                     h = (g * u).to(dt).to(tl.float32)
                     dh = acc3 + c * tl.where(h > 0.0, 1.0, tl.where(h < 0.0, -1.0, 0.0))
@@ -322,7 +312,7 @@ if _HAS_TRITON:
                 else:
                     tl.store(o1_ptr + offs, ((acc3 + c) * (pre > 0.0)).to(dt), mask=m)
                     tl.store(o3_ptr + offs, g.to(dt), mask=m)
-        if MODE == 0:
+        if MODE == ROWS_FORWARD:
             tl.store(l1_ptr + tl.program_id(0), tl.sum(tl.sum(l1, 1), 0))
 
     @triton.jit
@@ -421,7 +411,7 @@ def _pack(pre, E, cold=None):
 
 
 def _transpose(w, dtype):
-    """w.t() as a contiguous tensor of dtype (torch's strided copy ran at ~0.5 TB/s on an H100)."""
+    """w.t() as a contiguous tensor of dtype (a tiled copy: torch's strided one is far below bandwidth)."""
     R, C = w.shape
     out = _empty((C, R), dtype=dtype, device=w.device)
     block = 64 if w.is_cuda else 16
@@ -437,7 +427,7 @@ def _spmm(idx, nnz, a, w1, b=None, w2=None, *, dtype):
     D = w1.shape[1]
     bl = _blocks(idx.device)
     out = _empty((M, D), dtype=dtype, device=idx.device)
-    mode = 0 if b is None else (1 if w2 is not None else 2)
+    mode = A if b is None else (A_AND_B if w2 is not None else A_TIMES_B)
     _spmm_kernel[(M,)](a, a if b is None else b, w1, w1 if w2 is None else w2, idx, nnz, out, D, E,
                        w1.stride(0), (w1 if w2 is None else w2).stride(0), out.stride(0), MODE=mode,
                        BLOCK_S=bl["BLOCK_S"], BLOCK_D=min(bl["BLOCK_D"], triton.next_power_of_2(D)),
@@ -469,17 +459,18 @@ def _fused_dh(D, device):
 
 
 def _wgrad(csc, E, a, b, x, mode, w=None, c=None, o1=None, o2=None):
-    """Weight gradient rows [I, D] (fp32) as transposed-sparse x dense; modes: see _wgrad_kernel."""
+    """Weight gradient rows [I, D] (fp32) as transposed-sparse x dense; modes: A, A_AND_B, A_TIMES_B, DH_GATED,
+    DH_PLAIN (_wgrad_kernel)."""
     perm, offsets, nseg, seg_first, seg_unit = csc
     I, n_prog = nseg.numel(), seg_unit.numel()
     D = x.shape[1]
     bl = _blocks(x.device)
-    block_d = triton.next_power_of_2(D) if mode >= 3 else min(bl["BLOCK_D"], triton.next_power_of_2(D))
+    block_d = triton.next_power_of_2(D) if mode >= DH_GATED else min(bl["BLOCK_D"], triton.next_power_of_2(D))
     outs, parts = [], []
-    for _ in range(2 if mode == 1 else 1):
+    for _ in range(2 if mode == A_AND_B else 1):
         outs.append(_empty((I, D), dtype=torch.float32, device=x.device))
         parts.append(_empty((n_prog - I, D), dtype=torch.float32, device=x.device))
-    out2, part2 = (outs[1], parts[1]) if mode == 1 else (outs[0], parts[0])
+    out2, part2 = (outs[1], parts[1]) if mode == A_AND_B else (outs[0], parts[0])
     b = a if b is None else b
     _wgrad_kernel[(n_prog,)](seg_unit, seg_first, perm, offsets, a, b, x, outs[0], out2, parts[0], part2,
                              x if w is None else w, a if c is None else c, a if o1 is None else o1,
@@ -487,7 +478,7 @@ def _wgrad(csc, E, a, b, x, mode, w=None, c=None, o1=None, o2=None):
                              BLOCK_N=bl["BLOCK_N"], BLOCK_D=block_d, num_warps=4)
     for out, part in zip(outs, parts):
         _wgrad_reduce_kernel[(I,)](nseg, seg_first, out, part, D, BLOCK_D=block_d, num_warps=4)
-    return outs[0], (outs[1] if mode == 1 else None)
+    return outs[0], (outs[1] if mode == A_AND_B else None)
 
 
 def _sddmm(a, w, idx, nnz, g, u, *, backward, gated, c=None):
@@ -540,19 +531,20 @@ def _backup_launch(device, M, N):
 
 
 def _rows_units(mode, backup, x, w1, *, pre=None, w2=None, dout=None, down=None, c=None, cold=None):
-    """_rows_units_kernel over the backup rows. Mode 0 writes h over `pre` and returns the backup's
-    sum |h|; modes 1 / 2 return [M, I] buffers with only the backup rows written: (d_gate_pre, d_up, h)
-    / (d_pre, None, h). (Transient, dense-sized: the backup's size is known only on the device.)"""
+    """_rows_units_kernel over the backup rows. ROWS_FORWARD writes h over `pre` and returns the backup's
+    sum |h|; ROWS_BACKWARD_GATED / ROWS_BACKWARD_PLAIN return [M, I] buffers with only the backup rows
+    written: (d_gate_pre, d_up, h) / (d_pre, None, h). (Transient, dense-sized: the backup's size is known
+    only on the device.)"""
     order, count = backup
     M, K = x.shape
     N = w1.shape[0]
     nprog, bm, bn, bk = _backup_launch(x.device, M, N)
-    if mode == 0:
+    if mode == ROWS_FORWARD:
         o1 = o2 = o3 = pre
         l1 = _empty(nprog, dtype=torch.float32, device=x.device)
     else:
         o1, o3 = (_empty((M, N), dtype=x.dtype, device=x.device) for _ in range(2))
-        o2 = _empty((M, N), dtype=x.dtype, device=x.device) if mode == 1 else o1
+        o2 = _empty((M, N), dtype=x.dtype, device=x.device) if mode == ROWS_BACKWARD_GATED else o1
         l1 = o1
     _rows_units_kernel[(nprog,)](order, count, x, x if dout is None else dout, w1, w1 if w2 is None else w2,
                                  x if down is None else down, o1, o2, o3, l1, l1 if c is None else c,
@@ -561,7 +553,7 @@ def _rows_units(mode, backup, x, w1, *, pre=None, w2=None, dout=None, down=None,
                                  0 if down is None else down.stride(0), 0 if down is None else down.stride(1),
                                  MODE=mode, HOT=cold is not None, DOT=_dot(x), NPROG=nprog, BM=bm, BN=bn, BK=bk,
                                  num_warps=4)
-    return l1.sum() if mode == 0 else (o1, o2 if mode == 1 else None, o3)
+    return l1.sum() if mode == ROWS_FORWARD else (o1, o2 if mode == ROWS_BACKWARD_GATED else None, o3)
 
 
 def _rows_mm(backup, a, b, out, a2=None, b2=None, relu_a=False):
@@ -614,7 +606,7 @@ class _HybridGatedMLP(torch.autograd.Function):
             u = _empty((M, E), dtype=torch.float32, device=x.device)
             downT = _transpose(down, dt)  # [I, D]: rows gathered per active unit
             *backup, n_backup = _backup_list(nnz, E)
-            l1_backup = _rows_units(0, backup, x2, up, pre=pre, cold=cold)  # pre's backup rows now hold h
+            l1_backup = _rows_units(ROWS_FORWARD, backup, x2, up, pre=pre, cold=cold)  # pre's backup rows: h
             rowsum = _sddmm(x2, up, idx, nnz, g, u, backward=False, gated=True)
             out = _spmm(idx, nnz, g, downT, u, dtype=dt)
             _rows_mm(backup, pre, downT, out)
@@ -654,12 +646,13 @@ class _HybridGatedMLP(torch.autograd.Function):
             if _fused_dh(D, x2.device):  # dh rides in the d_down kernel (one gather of dout rows)
                 dgp = _empty((M, E), dtype=torch.float32, device=x2.device)
                 du = _empty((M, E), dtype=torch.float32, device=x2.device)
-                ddownT, _ = _wgrad(csc, E, g, u, dout2, mode=3, w=downT, c=c, o1=dgp, o2=du)
+                ddownT, _ = _wgrad(csc, E, g, u, dout2, mode=DH_GATED, w=downT, c=c, o1=dgp, o2=du)
             else:
                 dgp, du = _sddmm(dout2, downT, idx, nnz, g, u, backward=True, gated=True, c=c)
             # the backup rows' dense [rows, I] gradients (other rows of these buffers are never written)
             hot, cold, g_hot, u_hot = hot_state or (None,) * 4
-            dgpb, dub, hb = _rows_units(1, backup, x2, gate, w2=up, dout=dout2, down=down, c=c, cold=cold)
+            dgpb, dub, hb = _rows_units(ROWS_BACKWARD_GATED, backup, x2, gate, w2=up, dout=dout2, down=down, c=c,
+                                        cold=cold)
             if hot_state:  # the hot columns' gradients, dense for every row
                 dgp_hot, du_hot, h_hot = _hot_grads(g_hot, u_hot, dout2 @ down[:, hot], c)
             dx = dgate = dup = ddown = None
@@ -670,7 +663,7 @@ class _HybridGatedMLP(torch.autograd.Function):
                     dx.addmm_(dgp_hot, gate[hot]).addmm_(du_hot, up[hot])
                 dx = dx.reshape(ctx.x_shape).to(ctx.dtypes[0])
             if need_gate or need_up:
-                dgate, dup = _wgrad(csc, E, dgp, du, x2, mode=1)
+                dgate, dup = _wgrad(csc, E, dgp, du, x2, mode=A_AND_B)
                 _rows_wgrad(backup, dgpb, x2, dgate)
                 _rows_wgrad(backup, dub, x2, dup)
                 if hot_state:
@@ -679,7 +672,7 @@ class _HybridGatedMLP(torch.autograd.Function):
                 dgate, dup = dgate.to(ctx.dtypes[1]), dup.to(ctx.dtypes[2])
             if need_down:
                 if ddownT is None:
-                    ddownT, _ = _wgrad(csc, E, g, u, dout2, mode=2)
+                    ddownT, _ = _wgrad(csc, E, g, u, dout2, mode=A_TIMES_B)
                 _rows_wgrad(backup, hb, dout2, ddownT)
                 if hot_state:
                     ddownT.index_add_(0, hot, (h_hot.t() @ dout2).float())
@@ -694,69 +687,6 @@ def _backward_inputs(x2, down, idx, width, csc, dout, dl1):
     dout2 = dout.reshape(-1, d).to(x2.dtype).contiguous()
     c = (dl1.float() / m).reshape(1)
     return dout2, c, _transpose(down, x2.dtype), csc or _csc(idx, width, _blocks(x2.device)["SEG"])
-
-
-class _HybridMLP(torch.autograd.Function):
-    @staticmethod
-    @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, x, up_w, down_w, max_nnz):
-        dt = _compute_dtype(x)
-        ctx.dtypes = (x.dtype, up_w.dtype, down_w.dtype)
-        ctx.x_shape = x.shape
-        D = x.shape[-1]
-        E = int(max_nnz)
-        with torch.autocast(x.device.type, enabled=False):
-            x2 = x.reshape(-1, D).to(dt).contiguous()
-            up, down = (w.to(dt).contiguous() for w in (up_w, down_w))
-            M, I = x2.shape[0], up.shape[0]
-            pre = x2 @ up.t()
-            idx, h, nnz, rowsum, fired = _pack(pre, E)
-            downT = _transpose(down, dt)
-            *backup, n_backup = _backup_list(nnz, E)
-            out = _spmm(idx, nnz, h, downT, dtype=dt)
-            _rows_mm(backup, pre, downT, out, relu_a=True)
-            del pre
-            csc = _csc(idx, I, _blocks(x.device)["SEG"]) if any(ctx.needs_input_grad[1:3]) else ()
-            l1 = rowsum.sum() / M  # the pack sums every row's positives, backup rows included
-            active = nnz.sum().float() / M
-            fired = fired.long()
-        ctx.save_for_backward(x2, up, down, idx, nnz, h, *backup, *csc)
-        ctx.E = E
-        ctx.mark_non_differentiable(active, fired, n_backup)
-        return out.reshape(*ctx.x_shape[:-1], down.shape[0]), l1, active, fired, n_backup
-
-    @staticmethod
-    @torch.amp.custom_bwd(device_type="cuda")
-    def backward(ctx, dout, dl1, *_):
-        x2, up, down, idx, nnz, h, *saved = ctx.saved_tensors
-        backup, csc = saved[:2], saved[2:]
-        E = ctx.E
-        M, D = x2.shape
-        need_x, need_up, need_down = ctx.needs_input_grad[:3]
-        with torch.autocast(x2.device.type, enabled=False):
-            dout2, c, downT, csc = _backward_inputs(x2, down, idx, up.shape[0], csc, dout, dl1)
-            ddownT = None
-            if _fused_dh(D, x2.device):
-                dpre = _empty((M, E), dtype=torch.float32, device=x2.device)
-                ddownT, _ = _wgrad(csc, E, h, None, dout2, mode=4, w=downT, c=c, o1=dpre)
-            else:
-                dpre, _ = _sddmm(dout2, downT, idx, nnz, None, None, backward=True, gated=False, c=c)
-            dpreb, _, hb = _rows_units(2, backup, x2, up, dout=dout2, down=down, c=c)
-            dx = dup = ddown = None
-            if need_x:
-                dx = _spmm(idx, nnz, dpre, up, dtype=x2.dtype)
-                _rows_mm(backup, dpreb, up, dx)
-                dx = dx.reshape(ctx.x_shape).to(ctx.dtypes[0])
-            if need_up:
-                dup, _ = _wgrad(csc, E, dpre, None, x2, mode=0)
-                _rows_wgrad(backup, dpreb, x2, dup)
-                dup = dup.to(ctx.dtypes[1])
-            if need_down:
-                if ddownT is None:
-                    ddownT, _ = _wgrad(csc, E, h, None, dout2, mode=0)
-                _rows_wgrad(backup, hb, dout2, ddownT)
-                ddown = _transpose(ddownT, ctx.dtypes[2])
-        return dx, dup, ddown, None
 
 
 def hybrid_gated_mlp(x, gate_weight, up_weight, down_weight, *, max_nnz=128, hot_units=None):
@@ -793,19 +723,10 @@ HOT_RATE = 0.013
 def hot_units(fired: torch.Tensor, tokens, rate: float = HOT_RATE):
     """The busiest units among those that fired in more than `rate` of `tokens` tokens (int64 indices,
     sorted), as many as the largest multiple of 64 (of 8 below 64) that fits, so that the dense columns'
-    matmuls keep aligned shapes (cuBLAS ran 2.5x slower at 1716 columns than the FLOPs allow); or None."""
+    matmuls keep aligned shapes (cuBLAS runs far below its FLOP rate at unaligned widths); or None."""
     n = int((fired > rate * tokens).sum())
     n = n - n % (64 if n >= 64 else 8)
     return torch.topk(fired, n).indices.sort().values if n else None
-
-
-def hybrid_mlp(x, up_weight, down_weight, *, max_nnz=128):
-    """Non-gated down(relu(up(x))) on the hybrid sparse format; returns (out, HybridStats)."""
-    if not use_triton(x):
-        return hybrid_mlp_reference(x, up_weight, down_weight, max_nnz=max_nnz)
-    with on_device(x):
-        out, l1, active, fired, backup = _HybridMLP.apply(x, up_weight, down_weight, max_nnz)
-    return out, HybridStats(l1, active, fired, backup)
 
 
 def _stats(pre, l1, max_nnz, hot_units=None):
@@ -822,11 +743,3 @@ def hybrid_gated_mlp_reference(x, gate_weight, up_weight, down_weight, *, max_nn
     h = torch.relu(pre) * (x @ up_weight.t())
     l1 = h.abs().sum(-1).mean()
     return h @ down_weight.t(), _stats(pre.detach(), l1, max_nnz, hot_units)
-
-
-def hybrid_mlp_reference(x, up_weight, down_weight, *, max_nnz=128):
-    """Plain PyTorch (dense) non-gated block with the same outputs and stats as hybrid_mlp."""
-    pre = x @ up_weight.t()
-    h = torch.relu(pre)
-    l1 = h.abs().sum(-1).mean()
-    return h @ down_weight.t(), _stats(pre.detach(), l1, max_nnz)

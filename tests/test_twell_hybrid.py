@@ -10,6 +10,86 @@ from twell import hybrid as H
 L1_COEFF = 0.37  # large, so that a wrong L1 gradient shows in every weight's gradient
 
 
+class _HybridMLP(torch.autograd.Function):
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, x, up_w, down_w, max_nnz):
+        dt = H._compute_dtype(x)
+        ctx.dtypes = (x.dtype, up_w.dtype, down_w.dtype)
+        ctx.x_shape = x.shape
+        D = x.shape[-1]
+        E = int(max_nnz)
+        with torch.autocast(x.device.type, enabled=False):
+            x2 = x.reshape(-1, D).to(dt).contiguous()
+            up, down = (w.to(dt).contiguous() for w in (up_w, down_w))
+            M, I = x2.shape[0], up.shape[0]
+            pre = x2 @ up.t()
+            idx, h, nnz, rowsum, fired = H._pack(pre, E)
+            downT = H._transpose(down, dt)
+            *backup, n_backup = H._backup_list(nnz, E)
+            out = H._spmm(idx, nnz, h, downT, dtype=dt)
+            H._rows_mm(backup, pre, downT, out, relu_a=True)
+            del pre
+            csc = H._csc(idx, I, H._blocks(x.device)["SEG"]) if any(ctx.needs_input_grad[1:3]) else ()
+            l1 = rowsum.sum() / M  # the pack sums every row's positives, backup rows included
+            active = nnz.sum().float() / M
+            fired = fired.long()
+        ctx.save_for_backward(x2, up, down, idx, nnz, h, *backup, *csc)
+        ctx.E = E
+        ctx.mark_non_differentiable(active, fired, n_backup)
+        return out.reshape(*ctx.x_shape[:-1], down.shape[0]), l1, active, fired, n_backup
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, dout, dl1, *_):
+        x2, up, down, idx, nnz, h, *saved = ctx.saved_tensors
+        backup, csc = saved[:2], saved[2:]
+        E = ctx.E
+        M, D = x2.shape
+        need_x, need_up, need_down = ctx.needs_input_grad[:3]
+        with torch.autocast(x2.device.type, enabled=False):
+            dout2, c, downT, csc = H._backward_inputs(x2, down, idx, up.shape[0], csc, dout, dl1)
+            ddownT = None
+            if H._fused_dh(D, x2.device):
+                dpre = H._empty((M, E), dtype=torch.float32, device=x2.device)
+                ddownT, _ = H._wgrad(csc, E, h, None, dout2, mode=H.DH_PLAIN, w=downT, c=c, o1=dpre)
+            else:
+                dpre, _ = H._sddmm(dout2, downT, idx, nnz, None, None, backward=True, gated=False, c=c)
+            dpreb, _, hb = H._rows_units(H.ROWS_BACKWARD_PLAIN, backup, x2, up, dout=dout2, down=down, c=c)
+            dx = dup = ddown = None
+            if need_x:
+                dx = H._spmm(idx, nnz, dpre, up, dtype=x2.dtype)
+                H._rows_mm(backup, dpreb, up, dx)
+                dx = dx.reshape(ctx.x_shape).to(ctx.dtypes[0])
+            if need_up:
+                dup, _ = H._wgrad(csc, E, dpre, None, x2, mode=H.A)
+                H._rows_wgrad(backup, dpreb, x2, dup)
+                dup = dup.to(ctx.dtypes[1])
+            if need_down:
+                if ddownT is None:
+                    ddownT, _ = H._wgrad(csc, E, h, None, dout2, mode=H.A)
+                H._rows_wgrad(backup, hb, dout2, ddownT)
+                ddown = H._transpose(ddownT, ctx.dtypes[2])
+        return dx, dup, ddown, None
+
+
+def hybrid_mlp(x, up_weight, down_weight, *, max_nnz=128):
+    """Non-gated down(relu(up(x))) on the hybrid sparse format; returns (out, H.HybridStats)."""
+    if not H.use_triton(x):
+        return hybrid_mlp_reference(x, up_weight, down_weight, max_nnz=max_nnz)
+    with H.on_device(x):
+        out, l1, active, fired, backup = _HybridMLP.apply(x, up_weight, down_weight, max_nnz)
+    return out, H.HybridStats(l1, active, fired, backup)
+
+
+def hybrid_mlp_reference(x, up_weight, down_weight, *, max_nnz=128):
+    """Plain PyTorch (dense) non-gated block with the same outputs and stats as hybrid_mlp."""
+    pre = x @ up_weight.t()
+    h = torch.relu(pre)
+    l1 = h.abs().sum(-1).mean()
+    return h @ down_weight.t(), H._stats(pre.detach(), l1, max_nnz)
+
+
 def rel(a, b):
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
@@ -42,7 +122,7 @@ def run(fn, tensors, dout, max_nnz, **kw):
 
 def check(gated, tensors, max_nnz, tol=1e-5, **kw):
     fn, ref = (H.hybrid_gated_mlp, H.hybrid_gated_mlp_reference) if gated else \
-        (H.hybrid_mlp, H.hybrid_mlp_reference)
+        (hybrid_mlp, hybrid_mlp_reference)
     M, D = tensors[0].shape[0], tensors[-1].shape[0]
     dout = torch.randn(M, D, generator=torch.Generator().manual_seed(1)).to(tensors[0].device)
     out, st, grads = run(fn, tensors, dout, max_nnz, **kw)
@@ -172,7 +252,7 @@ def test_frozen_weights(gated):
     """Only x needs a gradient (frozen weights): the backward builds the CSC it still needs."""
     tensors = problem(23, 30, 40, 6, gated=gated)
     fn, ref = (H.hybrid_gated_mlp, H.hybrid_gated_mlp_reference) if gated else \
-        (H.hybrid_mlp, H.hybrid_mlp_reference)
+        (hybrid_mlp, hybrid_mlp_reference)
     dout = torch.randn(23, 30)
     grads = []
     for f, dtype in ((fn, torch.float32), (ref, torch.float64)):
@@ -201,7 +281,7 @@ def test_gpu_bf16_autocast(gated, hot):
     as the dense bf16 block, fp32 gradients; backup rows included (and hot units as dense columns)."""
     tensors = problem(3000, 320, 1100, 20, gated=gated, device="cuda")
     fn, ref = (H.hybrid_gated_mlp, H.hybrid_gated_mlp_reference) if gated else \
-        (H.hybrid_mlp, H.hybrid_mlp_reference)
+        (hybrid_mlp, hybrid_mlp_reference)
     kw = dict(hot_units=torch.arange(0, 1100, 17, device="cuda")) if hot else {}  # 65 units, unit 2 not among them
     dout = torch.randn(3000, 320, device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
