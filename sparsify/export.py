@@ -2,12 +2,14 @@
 
 OUT holds the safetensors weights under the original names (save_pretrained), config.json with the ReLU
 activation, an `auto_map` to modeling_twell.py and the `twell` section (docs/design.md), the modeling
-file with its base class patched in, generation.py and the kernel files flat beside it, tokenizer and generation config,
-the model card and the trainer's artifacts. Everything is written to a temporary sibling folder and
-renamed into place at the end, so a failure never leaves an OUT that looks complete.
+file with its base class patched in, generation.py and the inference runtime's kernel files flat beside it,
+tokenizer and generation config, the model card and the trainer's artifacts. Everything is written to a
+temporary sibling folder and renamed into place at the end, so a failure never leaves an OUT that looks
+complete.
 """
 from __future__ import annotations
 
+import ast
 import copy
 import importlib.util
 import json
@@ -50,6 +52,19 @@ def kernel_dir() -> Path:
     return folder
 
 
+def runtime_files(kernels: Path) -> list[Path]:
+    """The kernel files that the modeling file and generation.py import, directly or through each other's relative
+    imports: the inference runtime, without the training kernels or anything else of the package."""
+    found, pending = set(), [MODELING_FILE, GENERATION_FILE]
+    while pending:
+        for node in ast.walk(ast.parse(pending.pop().read_text())):
+            path = kernels / f"{node.module}.py" if isinstance(node, ast.ImportFrom) and node.level == 1 else None
+            if path is not None and path.is_file() and path not in found:
+                found.add(path)
+                pending.append(path)
+    return sorted(found)
+
+
 def modeling_source(spec: FamilySpec) -> str:
     """modeling_twell.py with BASE_MODEL set to the family's transformers CausalLM."""
     source, count = re.subn(
@@ -90,9 +105,8 @@ def _write(folder: Path, model, tokenizer, spec, plan, training, artifacts, kern
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     (folder / "modeling_twell.py").write_text(modeling_source(spec))
     shutil.copy2(GENERATION_FILE, folder / GENERATION_FILE.name)
-    for kernel_file in kernels.glob("*.py"):
-        if kernel_file.name != "__init__.py":
-            shutil.copy2(kernel_file, folder / kernel_file.name)
+    for kernel_file in runtime_files(kernels):
+        shutil.copy2(kernel_file, folder / kernel_file.name)
     for name, path in artifacts.items():
         shutil.copy2(path, folder / name)
     card = model_card(family=spec.family, plan=plan, training=training,

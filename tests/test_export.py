@@ -28,6 +28,9 @@ PLAN = [
 ]
 TIED = ("gemma", "qwen3")  # released models of these families share the embedding with the LM head
 TRAINING = {"base_model": "someone/tiny-base", "tokens": 4096, "steps": 2, "l1": 2e-5}
+# The inference runtime: what the modeling file imports from the kernel package, directly or through its files
+RUNTIME = {"batched.py", "cost_model.py", "decode.py", "format.py", "gate_hopper.py", "gated_mlp.py", "graphs.py",
+           "heavy.py", "launch.py", "layer_plan.py", "reference.py", "routing.py"}
 
 
 def _relufied(family, **overrides):
@@ -159,8 +162,13 @@ def test_checkpoint_layout(tmp_path):
     out = export_checkpoint(model, tokenizer, tmp_path / "out-layout", spec=spec, plan=PLAN, training=TRAINING,
                             artifacts={"training_log.json": log, "sparsity.png": plot})
     names = {p.name for p in out.iterdir()}
-    kernel_files = {p.name for p in export.kernel_dir().glob("*.py")} - {"__init__.py"}
-    assert {"gated_mlp.py", "format.py"} <= kernel_files <= names and "__init__.py" not in names
+    # exactly the runtime (no training kernels, no package __init__), and every relative import resolves in it
+    assert {name for name in names if name.endswith(".py")} == RUNTIME | {"modeling_twell.py", "generation.py"}
+    for name in RUNTIME | {"modeling_twell.py", "generation.py"}:
+        relative = {node.module for node in ast.walk(ast.parse((out / name).read_text()))
+                    if isinstance(node, ast.ImportFrom) and node.level == 1}
+        assert {f"{module}.py" for module in relative} <= names, name
+    assert type(AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)).__name__ == "TwellForCausalLM"
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "README.md",
             "modeling_twell.py", "generation.py", "training_log.json", "sparsity.png"} <= names
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging left behind
