@@ -1,19 +1,10 @@
-"""The batched gate kernel of gated_mlp.py for Hopper, written in Gluon: the same output bits, faster.
-
-Batched, x @ gate^T is compute-bound, and the packing epilogue (format.pack_store) took about a fifth of
-the Triton kernel: a tile's epilogue left the tensor cores idle, and the second program sharing the SM did
-not fill them (D 2048 / I 5632, 16384 tokens: 0.72 ms, with cuBLAS's matmul alone at 0.54). Here each
-persistent program splits into warp groups with one task each:
-- a producer warp streams x and gate-weight blocks through TMA into a ring of STAGES shared buffers;
-- two consumer warp groups take alternate output tiles of the program's tile list (ping-pong). A turn
-  barrier makes their main loops alternate strictly, so that one packs its tile while the other's MMAs
-  keep the tensor cores busy. (The strict order is also what keeps the ring's phase parities valid: a
-  consumer only waits on a stage once every earlier use of it has completed.)
-The epilogue is pack_store's (the same key-min loop over the same fp32 accumulator of the same MMA
-sequence), so the TwELL is bit-identical to the Triton kernel's (GPU test). Same time as the main loop
-alone at 29 active units (0.58 ms there on an H100).
-Gluon is experimental and has no interpreter: where it is missing (or not on an sm_90 GPU) the Triton
-kernel runs, which is also the one CI tests under TRITON_INTERPRET.
+"""The batched gate kernel of batched.py for Hopper, written in Gluon: the same TwELL, bit for bit, with the
+packing epilogue hidden behind the tensor cores' work. Each persistent program splits into warp groups: a
+producer warp streams x and gate-weight blocks through TMA into a ring of STAGES shared buffers, and two
+consumer warp groups take alternate output tiles, their main loops strictly alternating, so that one packs
+its tile (format.pack_store's loop, on the MMA accumulator) while the other's MMAs run. Gluon is experimental
+and has no interpreter: where it is missing, or off an sm_90 GPU, the Triton kernel runs (the one CI tests).
+Design: docs/design.md, "Kernel package".
 """
 import os
 import warnings
@@ -33,7 +24,7 @@ except ImportError:  # a Triton without Gluon's Hopper API, or none at all
     gluon = None
 
 BM, BN, BK = 128, 128, 64  # a consumer's tile (the TwELL tile is BN wide) and the K block of the ring
-STAGES = 4  # ring depth (4 x 32 KB); 5 and 6 measured no faster
+STAGES = 4  # ring depth (4 x 32 KB); deeper rings measured no faster
 GROUP_M = 8  # row blocks that sweep the columns together, so x blocks stay in L2
 MAXNREG = 168  # 12 warps (3 groups) x 32 x 168 fits the register file; the consumers take 232 each
 
@@ -49,10 +40,10 @@ def usable(x2: torch.Tensor, w: torch.Tensor, tile: int, vals_dtype: torch.dtype
 
 
 def hopper_gate_launch(x2: torch.Tensor, w: torch.Tensor, tile: int, s: int, vals_dtype: torch.dtype):
-    """(kernel, grid, scalar arguments, options, per-call arguments) of this kernel in place of gated_mlp's
+    """(kernel, grid, scalar arguments, options, per-call arguments) of this kernel in place of batched.py's
     batched gate launch, or None where the Triton kernel runs: where not usable, and below TILES_PER_SM
     output tiles an SM (each program takes a fixed share of the tiles; with few a program, the uneven
-    shares cost more than the ping-pong saves: 512 tokens at D 4096, 116 against 108 us)."""
+    shares cost more than the ping-pong saves)."""
     if not usable(x2, w, tile, vals_dtype):
         return None
     (m, d), width = x2.shape, w.shape[0]
@@ -60,7 +51,7 @@ def hopper_gate_launch(x2: torch.Tensor, w: torch.Tensor, tile: int, s: int, val
     if cdiv(m, BM) * cdiv(width, BN) < TILES_PER_SM * sms:
         return None
     dt = gl.bfloat16 if x2.dtype == torch.bfloat16 else gl.float16
-    x_layout = gl.NVMMASharedLayout.get_default_for([BM, BK], dt)  # made once: 7 us each
+    x_layout = gl.NVMMASharedLayout.get_default_for([BM, BK], dt)  # made once: each costs host time
     w_layout = gl.NVMMASharedLayout.get_default_for([BN, BK], dt)
 
     def descriptors(x2, w, *_):  # at each call: the pointers change
@@ -186,7 +177,7 @@ if gluon is not None:
     @gluon.jit
     def gate_pack_kernel(x_ptr, w_ptr, up_ptr, down_ptr, vals_ptr, idx_ptr, cnt_ptr, part_ptr, x_desc, w_desc,
                          M, N, K, S: gl.constexpr, RING: gl.constexpr, GROUP: gl.constexpr):
-        """relu(x @ w^T) packed into TwELL (values, indices, counts), with gated_mlp's gate-kernel signature:
+        """relu(x @ w^T) packed into TwELL (values, indices, counts), with batched._gate_pack_kernel's signature:
         x_ptr, w_ptr, up_ptr, down_ptr and part_ptr are unused (x and w are read through the descriptors)."""
         dtype: gl.constexpr = x_desc.dtype
         a_bufs = gl.allocate_shared_memory(dtype, [RING] + x_desc.block_type.shape, x_desc.layout)

@@ -1,24 +1,12 @@
-"""CUDA graphs for decode-size calls made from eager code.
-
-An eager decode step is host-bound. On an H100 host one M = 1 call of gated_mlp costs 153 us of host
-time for 22 us of GPU work: the plan lookup, five allocations and two Triton launches. The dense block's
-cuBLAS calls cost 59 us. Replayed as a CUDA graph, the same call costs a copy in, one graph launch and a
-copy out: 54 us (benchmarks/results/host_overhead_h100.json).
-
-`DecodeGraphs` keeps one graph per call signature: the function, x's shape and dtype, the device and
-current stream, the addresses, shapes, strides and dtypes of the tensor arguments, and the other arguments.
-A graph reads its tensor arguments at the addresses it was captured with, so a tensor that moves gets a
-new signature, and one changed in place is read as it is now.
-- A signature is captured the second time it is seen and replayed from then on. The first call runs
-  directly, on a copy of x laid out like the static input: it compiles what the capture will launch, and
-  shapes seen once never pay for a capture.
-- Each graph owns its static input and output. Its temporaries come from a memory pool shared by the
-  graphs of one stream.
-- This is safe because one lock makes copy in, replay and copy out a single step, so the graphs of a
-  stream replay one at a time.
-- Calls that a graph cannot serve run directly: CPU tensors, tracing (torch.compile, dispatch modes,
-  tensor subclasses other than Parameter), calls inside a CUDA graph capture, calls recorded by
-  autograd, and calls with more than `rows` rows. `fn` returns one tensor.
+"""CUDA graphs for decode-size calls made from eager code. An eager decode step is bound by its host time
+(argument handling, allocations, kernel launches), which exceeds its GPU work; replayed as a CUDA graph, the
+same call costs a copy in, one graph launch and a copy out.
+`DecodeGraphs` keeps one graph per call signature: the function, x's shape and dtype, the device and current
+stream, the tensor arguments' addresses, shapes, strides and dtypes, and the other arguments. A graph reads
+its tensor arguments at the addresses it was captured with, so a tensor that moves gets a new signature, and
+one changed in place is read as it is now. A signature is captured the second time it is seen; calls that a
+graph cannot serve run directly (`DecodeGraphs.graphable`). The graphs of a stream share a memory pool, and
+one lock makes copy in, replay and copy out a single step. Design: docs/design.md, "Kernel package".
 """
 import threading
 from collections import OrderedDict
