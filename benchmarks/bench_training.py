@@ -195,7 +195,7 @@ def breakdown(M, D, I, k, uneven_mean, E):
 
     for bn, seg in ((4, 256), (8, 512)):
         csc_v = H._csc(idx, I, seg)
-        variant(f"wgrad_gate_up_N{bn}_SEG{seg}", lambda: H._wgrad(csc_v, E, dgp, du, x, mode=1),
+        variant(f"wgrad_gate_up_N{bn}_SEG{seg}", lambda: H._wgrad(csc_v, E, dgp, du, x, mode=H.A_AND_B),
                 BLOCK_N=bn, SEG=seg)
     o1, o2 = torch.empty_like(dgp), torch.empty_like(du)
     return dict(
@@ -209,9 +209,9 @@ def breakdown(M, D, I, k, uneven_mean, E):
         sddmm_bwd=bench(lambda: H._sddmm(dout, downT, idx, nnz, g, u, backward=True, gated=True, c=c)),
         spmm_bwd_dx=bench(lambda: H._spmm(idx, nnz, dgp, gate, du, up, dtype=bf)),
         csc_sort=bench(lambda: H._csc(idx, I, H.GPU_BLOCKS["SEG"])),
-        wgrad_gate_up=bench(lambda: H._wgrad(csc, E, dgp, du, x, mode=1)),
-        wgrad_down=bench(lambda: H._wgrad(csc, E, g, u, dout, mode=2)),
-        wgrad_down_fused_dh=bench(lambda: H._wgrad(csc, E, g, u, dout, mode=3, w=downT, c=c, o1=o1, o2=o2)),
+        wgrad_gate_up=bench(lambda: H._wgrad(csc, E, dgp, du, x, mode=H.A_AND_B)),
+        wgrad_down=bench(lambda: H._wgrad(csc, E, g, u, dout, mode=H.A_TIMES_B)),
+        wgrad_down_fused_dh=bench(lambda: H._wgrad(csc, E, g, u, dout, mode=H.DH_GATED, w=downT, c=c, o1=o1, o2=o2)),
     )
 
 

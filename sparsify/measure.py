@@ -4,7 +4,7 @@ A forward hook on each MLP's gate projection reads the gate pre-activation (the 
 fused gate_up_proj); a unit is active for a token when it is > 0. The same hook works on original SiLU
 models (where this is the starting point of a conversion) and on converted ReLU ones. Beside per-token
 counts it counts active units per (token, tile) for the candidate TwELL tile widths, which decides
-whether a packed tile of `twell.slots(tile, compression)` slots overflows (twell.md sections 2 and 5), over
+whether a packed tile of `twell.slots(tile, compression)` slots overflows (the TwELL format), over
 all tokens and over the tokens of at most `twell.format.HEAVY_UNITS` active units (batched calls run
 heavier ones through the dense block, where their overflowing tiles cost nothing extra).
 With `sharded` (a model whose weights FSDP shards over the processes of torch.distributed) every process

@@ -8,7 +8,7 @@ undoable conversion, as in PEFT); `original_mlps` does so for a while, also on a
 sharded since (the modules share the projections).
 
 With `track = True` each forward stores `MLPStats`: l1 (differentiable: mean over tokens of the sum over
-units of |relu(gate(x)) * up(x)|, twell.md section 1 for one layer), active (mean units per token whose
+units of |relu(gate(x)) * up(x)|, the paper's penalty for one layer), active (mean units per token whose
 gate pre-activation is > 0) and fired (tokens in which each unit fired), and `backup_rows`: the token rows
 that went to the hybrid kernels' dense backup (0 on the dense path). With `use_hybrid = True` the forward
 goes through `twell.hybrid_gated_mlp` (sparse Triton kernels on CUDA and under the interpreter, its dense

@@ -54,7 +54,7 @@ def test_l1_matches_hand_computation():
     model, _ = tiny_model("llama")
     reference = copy.deepcopy(model)
     ids = next(batches_from()(0, 0, 1))
-    # Hand computation of twell.md section 1 on the original weights, with SiLU swapped for ReLU.
+    # The L1 penalty computed by hand on the original weights, with SiLU swapped for ReLU.
     layer_l1, inputs = [], []
     hooks = [layer.mlp.register_forward_hook(lambda m, a, o: inputs.append(a[0])) for layer in reference.model.layers]
     reference.config.hidden_act = "relu"
