@@ -4,8 +4,7 @@ computes u = x . up for its tile's active units only (`_up_whole_rows`, `_up_k_l
 h = g * u and the out kernel only gathers down rows; an overflowing (row, tile) writes the tile's share of
 the row's output as an fp32 partial row (`_partial_rows`) for the out kernel to add. One gated token
 (`tile_out_launch`) packs nothing: each gate program writes its tile's share of the output (`_tile_out`)
-and `_twell_tile_sum_kernel` adds the shares. Reference: reference.tile_shares.
-The launch constants' measurements: docs/performance.md, "Launch constants in kernels/"."""
+and `_twell_tile_sum_kernel` adds the shares. Reference: reference.tile_shares."""
 import torch
 
 from .format import cdiv

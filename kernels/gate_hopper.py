@@ -4,7 +4,6 @@ producer warp streams x and gate-weight blocks through TMA into a ring of STAGES
 consumer warp groups take alternate output tiles, their main loops strictly alternating, so that one packs
 its tile (format.pack_store's loop, on the MMA accumulator) while the other's MMAs run. Gluon is experimental
 and has no interpreter: where it is missing, or off an sm_90 GPU, the Triton kernel runs (the one CI tests).
-Design: docs/design.md, "Kernel package".
 """
 import os
 import warnings

@@ -6,7 +6,7 @@ stream, the tensor arguments' addresses, shapes, strides and dtypes, and the oth
 its tensor arguments at the addresses it was captured with, so a tensor that moves gets a new signature, and
 one changed in place is read as it is now. A signature is captured the second time it is seen; calls that a
 graph cannot serve run directly (`DecodeGraphs.graphable`). The graphs of a stream share a memory pool, and
-one lock makes copy in, replay and copy out a single step. Design: docs/design.md, "Kernel package".
+one lock makes copy in, replay and copy out a single step.
 """
 import threading
 from collections import OrderedDict

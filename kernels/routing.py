@@ -1,23 +1,11 @@
-"""Which path an eager call of a sparse layer takes: the kernels, or the dense block.
-
-A layer's plan says at which token counts its kernels beat dense for the activity it was calibrated on. Two
-things it cannot know decide the rest:
-- Host time. An eager call launches the kernels one by one (six launches batched, each through Triton's
-  launcher), more host time than the dense block's cuBLAS calls take, so a call whose dense block takes less
-  GPU time than EAGER_MIN_DENSE_S is bound by its host and runs dense (`eager_dense`). Decode steps replay CUDA
-  graphs (graphs.py), and calls inside a graph capture or a compiled region pay no host time: they keep the
-  plan.
-- Heavy first tokens. A prompt's prefill (several tokens a sequence) starts with a heavy token in every
-  sequence (attention sinks). Up to decode_rows tokens the kernels take their decode path, where a heavy row
-  reads every weight row beside the sparse work, so such calls run dense, eager or captured
-  (`short_prefill`); a decode step of many sequences (one token each) keeps the kernels.
-- The call's own activity. Heavy rows (a sequence's first token, short prompts, text far from the
-  calibration) go through the kernels' dense block, and with enough of them the sparse path loses.
-  `ActivityRouter` counts each layer's heavy rows and the active units of a sample of the other rows, over a
-  window of batched calls (gated_mlp's four-element `overflow` counter); the counts reach the host without a
-  synchronization (a copy read once it has landed). When the cost model predicts that calls with that
-  share of heavy rows and that activity lose (text far from the calibration can make every row several
-  times more active), the next PROBE_EVERY batched calls run dense, then the kernels measure again.
+"""Which path a call of a sparse layer takes, the kernels or the dense block, beyond its plan's token windows:
+- `short_prefill`: a prefill of several tokens a sequence, up to the decode rows, runs dense, eager or
+  captured (its sequences' first tokens are heavy, which the decode path pays for at full weight reads).
+- `eager_dense`: an eager call whose dense block takes less GPU time than EAGER_MIN_DENSE_S is bound by the
+  kernels' launch time and runs dense. Decode steps replay graphs; captured and traced calls pay no host time.
+- `ActivityRouter`: longer eager calls count their heavy rows and a sample of the other rows' active units
+  (gated_mlp's four-element `overflow` counter, read without a synchronization); when the cost model predicts a
+  loss, the next PROBE_EVERY calls run dense, then the kernels measure again.
 """
 from functools import lru_cache
 
@@ -27,8 +15,8 @@ from .cost_model import dense_time, twell_time
 from .format import decode_rows
 
 # Eager calls take the kernels only where the dense block's predicted GPU time reaches this: the geometric
-# middle between the largest eager call measured host-bound and the smallest measured faster than dense
-# (docs/performance.md, the robustness grid), as the planner's windows are placed
+# middle between the largest eager call measured host-bound and the smallest measured faster than dense, as
+# the planner's windows are placed
 EAGER_MIN_DENSE_S = 0.92e-3
 
 
@@ -54,8 +42,8 @@ class ActivityRouter:
     counter to pass as gated_mlp's `overflow`) or runs dense (it returns None)."""
 
     WINDOW = 2  # batched kernel calls counted together
-    # dense calls before the kernels measure again; what a stream that stays heavy pays for the measuring
-    # windows (more kernel calls than WINDOW, while a count travels): docs/performance.md
+    # dense calls before the kernels measure again: a stream that stays heavy pays for each measuring window
+    # (WINDOW kernel calls, and those issued while the count travels) once in this many calls
     PROBE_EVERY = 256
 
     def __init__(self, d: int, width: int, mean_active: float):

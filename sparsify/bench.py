@@ -1,59 +1,12 @@
 """`sparsify bench CHECKPOINT`: dense vs TwELL speed of a converted checkpoint, in one process, on a GPU.
 
-The checkpoint loads twice in bf16: plain (the family's own class with a ReLU gate: dense math, no
-remote code) and with trust_remote_code=True (TwellGatedMLP: each layer on its planned kernel setting).
-Each row of the result is one path, timed for both loads in turn (CUDA events, medians after warm-up;
-every timed call kept as `samples_ms`, and `paired_speedup` the median of each round's ratio). The
-host-bound generate rows take `generate_repeats` calls a load (default 7, against `repeats` for the
-others): on a shared host the same eager `generate` varies by up to 1.6x from call to call, which a median
-of 3 does not settle:
-- "prefill": the decoder stack (no LM head) over batch x seq_len token ids, eager;
-- "prefill_compiled": the same call through torch.compile(fullgraph=True, dynamic=False) (inductor, default
-  mode: the norms, rotary embeddings and other elementwise work fused; the TwELL kernels stay one custom
-  op): what the MLP's share of a prefill is once the rest runs fused. One compile per model and batch
-  size, in the first (untimed) call, whose time is reported;
-- "generate_eager": plain `generate` (greedy), `decode_tokens` new tokens after a PROMPT_TOKENS prompt: what a
-  user gets without configuring anything (the dense load: transformers' eager loop over a dynamic cache; the
-  TwELL load: the checkpoint's generate, which takes generate_graphed's uncompiled loop for such calls), and
-  beside them the dense load through that same loop ("dense_loop", `loop_speedup`);
-- "generate_compiled": `generate(..., cache_implementation="static", compile_config=CompileConfig(
-  fullgraph=True, dynamic=False))`, transformers' documented fast path: it compiles the decode step
-  (inductor, mode "reduce-overhead": the step becomes a CUDA graph; fullgraph: a graph break is an error;
-  static shapes: one graph per batch size) and runs the prefill eagerly. One compile per model and batch
-  size, in the first (untimed) call, whose time is reported;
-- "generate_graphed": the checkpoint's `generate_graphed(compile=True)` (generation.py; the same function
-  for the dense load): the compiled step captured as one CUDA graph and replayed once a token, no Python
-  loop between tokens; the prefill runs eagerly. The first call per model and batch size compiles and
-  captures (its time reported);
-- "decode_step_graph": one greedy step (a one-token forward over a static cache holding `decode_context`
-  tokens) captured as one CUDA graph and replayed: the GPU time of a serving loop that captures its step.
-- "decode_step_compiled_graph": the same step through torch.compile (fullgraph, static shapes, inductor's
-  default mode: norms, rotary embeddings and residual adds fused), captured as one CUDA graph by this bench
-  and replayed: the GPU time of a serving loop that compiles and captures its step (as vLLM does), without
-  transformers' generate loop around it. One compile per model and batch size (compiled batches).
-Tokens per second count the new tokens (generate) or the input tokens (prefill) of the call.
-Each row also has a breakdown per load: GPU milliseconds per component of one call, from torch.profiler
-(CUDA activity). Eager calls run with a profiler range around every MLP, attention, norm and LM-head module
-(forward hooks), and a kernel counts for the range that launched it. Where ranges cannot reach (inside
-the compiled step; kernels the profiler does not tie to a launching range) a kernel counts by its name:
-twell kernels and fused ReLU as "mlp", flash/fmha/softmax as "attention", rsqrt/norm as "norm", cuBLAS GEMMs
-as "matmul" (in compiled rows the dense MLP's GEMMs land there, beside the attention projections and the LM
-head), anything else as "other" (embedding, rotary, residual adds, cache writes, sampling). The graph
-step's split is that of the same step run eagerly (the graph holds the same kernels, less the copies in
-and out of the MLP's own decode graphs). A component's time is the union of its kernels' intervals (the
-MLP's two programmatic dependent launches overlap and count once); "gpu_busy_ms" is the union of all kernel
-intervals (components can sum to more where kernels of different components overlap); "gpu_idle_ms" =
-wall - busy, against the median wall time of the same call without the profiler: time the GPU waits for
-the host (Python, launches, synchronizations). Eager rows also give "mlp_layers": per layer its MLP's GPU
-ms and host ms (CPU time inside its range: issuing the call, under the profiler), summed over the call.
-Inputs are text (`data`: the same sources as convert; consecutive held-out blocks, see `text_inputs`), or
-without it random token ids (seed 0), which a trained model answers with other activity than text (several
-times more active units on the measured converted model): the result says which. The mean active units the
-figures go with are measured on the largest prefill input (gate pre-activation > 0). A logits check runs
-before any timing: relative error of
-the final-position logits of that input, and how many greedy tokens of a short generation from 16-token
-prompts agree (bf16 rounding can flip a near-tie, after which the continuations differ: both reported);
-each generate row also reports the agreement of its own dense and TwELL tokens.
+The checkpoint loads twice in bf16, plain (the family's class with a ReLU gate: dense) and with remote code
+(TwellGatedMLP on each layer's plan). Each result row is one path of PATHS at one batch size, timed for both
+loads in turn (CUDA-event medians, every timed call kept, `paired_speedup` the median of each round's
+ratio), with a per-component GPU breakdown from torch.profiler and its checks (logits and greedy tokens
+against the dense load; graph replays against the step run directly). Inputs are text (`data`) or, without
+it, random token ids, which a trained model answers with other activity than text. docs/design.md says how
+each path and the breakdown are measured.
 """
 from __future__ import annotations
 

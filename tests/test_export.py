@@ -371,3 +371,15 @@ def test_compiled_decode_step_runs_the_kernel_in_one_graph(tmp_path):
     decode_ops = [node.target for node in graphs[1].graph.nodes if node.op == "call_function"]
     assert decode_ops.count(torch.ops.twell.gated_mlp.default) == 1  # layer 0 only
     _close(compiled, expected)
+
+
+def test_shipped_files_cite_nothing_outside_the_checkpoint():
+    """The files a checkpoint carries name no repository folder or document (a reader of the checkpoint has
+    neither) and hold no before/after timing (measured figures live in docs/performance.md)."""
+    import re
+
+    shipped = [MODELING_FILE, GENERATION_FILE, *export.runtime_files(export.kernel_dir())]
+    outside = re.compile(r"docs/|benchmarks/|results/|twell\.md|\d+(\.\d+)? ?-> ?\d+(\.\d+)? ?(us|ms)\b")
+    cited = [f"{path.name}:{n}" for path in shipped for n, line in enumerate(path.read_text().splitlines(), 1)
+             if outside.search(line)]
+    assert not cited

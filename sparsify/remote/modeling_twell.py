@@ -1,25 +1,11 @@
-"""Modeling file of checkpoints converted by sparsify: `AutoModelForCausalLM.from_pretrained(path,
-trust_remote_code=True)` builds the original transformers CausalLM (BASE_MODEL, written at export) and
-swaps each decoder layer's MLP for a `TwellGatedMLP` that keeps the projection children under their own
-names, so the standard weights load unchanged. Where the layer's plan says "sparse", the call's token
-count lies in one of the plan's "sparse_tokens" ranges (where the kernels beat dense on this layer's
-shape), and the TwELL kernels can run (CUDA; or CPU fp32/fp16 under TRITON_INTERPRET=1, which tests use),
-the MLP runs on them: eager decode steps of up to 64 sequences replayed as CUDA graphs; other eager calls
-as routing.py decides (on a GPU, calls whose dense block is short run dense, bound by the kernels' host time;
-longer ones launch the kernels directly, unless the layer's recent calls were so active that they lose), never
-captured, so that every
-generate call allocates alike (the CUDA-graph trees of a compiled decode step key on the static cache's
-addresses, and a graph captured mid-prefill moves them); traced or captured calls, the kernels, except a short
-prefill (several tokens a sequence, at most the kernels' decode rows: its first tokens are heavy), which runs
-dense eager or not. Otherwise,
-and whenever gradients are needed (the inference kernels have no backward), it runs the same ReLU math
-densely. The kernels read the down weight transposed: it is stored so at construction and again once
-from_pretrained has loaded the weights (same shape and values, so state dicts keep the standard layout). Under
-torch.compile the kernel call is the custom op twell::gated_mlp (fullgraph=True holds; mode
-"reduce-overhead" puts it in the compiled CUDA graph). The module layout and per-layer plan come from
-config.json's "twell" section, so this file holds no per-architecture table. `generate_graphed` decodes
-with one CUDA-graph replay a token (generation.py). It imports neither sparsify nor anything beyond torch
-and transformers: the kernel files and generation.py sit beside it and are imported relatively.
+"""Modeling file of checkpoints converted by sparsify. `AutoModelForCausalLM.from_pretrained(path,
+trust_remote_code=True)` builds the original CausalLM (BASE_MODEL, written at export) and swaps each decoder
+layer's MLP for a `TwellGatedMLP` that keeps the projections under their own names, so the standard weights
+load unchanged. A layer planned sparse runs the TwELL kernels where its plan's token windows and routing.py
+say they win and they can run (CUDA; CPU fp32/fp16 under TRITON_INTERPRET=1); otherwise, and whenever
+gradients are needed, the same ReLU math runs densely. Eager decode steps replay CUDA graphs (graphs.py);
+traced calls use the custom op twell::gated_mlp. `generate` decodes through generation.py's graphed loop where
+the call fits it. Imports torch, transformers and the files beside it only.
 """
 import importlib
 import os
