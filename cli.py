@@ -72,7 +72,8 @@ def _train_option(setting: Field, hint):
                         metavar=setting.metadata.get("metavar"), help=setting.metadata["help"])
 
 
-TRAIN_OPTIONS = [_train_option(setting, get_type_hints(TrainConfig)[setting.name]) for setting in fields(TrainConfig)] + [
+_HINTS = get_type_hints(TrainConfig)
+TRAIN_OPTIONS = [_train_option(setting, _HINTS[setting.name]) for setting in fields(TrainConfig)] + [
     click.option("--no-hybrid", is_flag=True, help="Train every layer on the dense path (same as --hybrid-below 0)."),
 ]
 

@@ -348,7 +348,7 @@ def planned_mlp(modeling, w, d, i, k, plan_k, heavy_units):
     """The layer as a converted checkpoint runs it: TwellGatedMLP over w's weights with the plan that
     sparsify.plan makes from this layer's statistics on calibration inputs of plan_k active units a token
     and one heavy token (heavy_units) at each sequence's start; and the same weights planned dense."""
-    from sparsify.measure import _LayerCounter
+    from sparsify.measure import LayerCounter
     from sparsify.plan import plan_layer
 
     def projections():  # each module its own copies (the kernels' load-time layout changes the down weight's)
@@ -363,7 +363,7 @@ def planned_mlp(modeling, w, d, i, k, plan_k, heavy_units):
     x = make_x(sequences * length, d)
     make_heavy(x, slice(None), plan_k, i, k)
     make_heavy(x, slice(None, None, length), heavy_units, i, k)
-    counter = _LayerCounter()
+    counter = LayerCounter()
     counter((x @ w["gate"].t()).view(sequences, length, i))
     entry = plan_layer(counter.result(sequences), hidden_size=d).to_json()
     return (modeling.TwellGatedMLP(projections(), LAYOUT, runtime_plan(modeling, entry)),

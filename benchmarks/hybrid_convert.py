@@ -31,7 +31,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the GPU machine has no network: 
 
 import torch  # noqa: E402
 
-from sparsify.convert import convert, load_recipe  # noqa: E402
+from sparsify.config import load_recipe  # noqa: E402
+from sparsify.convert import convert  # noqa: E402
 from sparsify.train import TrainConfig, hybrid_kernels_run, on_cpu  # noqa: E402
 
 # Used where neither the command line nor a recipe sets them: a short run on the demo model (528 units a

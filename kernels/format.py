@@ -13,8 +13,8 @@ of the authors' packed uint32 words (no bit unpacking in the consumer, any I, fp
 
 NT = ceil(I / T). Only the first min(count, S) slots of a tile are written; the rest are undefined and
 never read. An overflowing tile keeps its first S positives here and is marked by its count: the compute
-kernels handle such tiles densely (never drop data: recomputed, or at decode size read from a dense copy
-the gate kernel wrote), and `pack` users can see it in `counts`.
+kernels handle such tiles densely (never drop data: recomputed, or at decode size read from the partial
+output rows the gate kernel wrote), and `pack` users can see it in `counts`.
 Slot s of a row holds its s-th positive column (found by a row-wise min after slot s-1): deterministic
 and sorted.
 """

@@ -3,7 +3,6 @@
 two Triton matmuls over the rows gathered through the device-side list, then, up to HEAVY_FEW_ROWS rows, an
 ordered sum of the split reduction's partial sums. Persistent programs read the count on the device: no
 host synchronization, nothing to do without heavy rows. Reference: reference.gated_mlp_reference."""
-import torch
 
 from .format import cdiv
 from .launch import Launch, sm_count

@@ -1,7 +1,7 @@
 """Plain PyTorch references of what the kernels compute: the block, which every path's output matches (heavy
 rows included); each tile's share of a row's output, which a decode gate program writes for an overflowing
 (row, tile) and the one-token tile-out path for every tile; and `forward_reference`, the path of CPU tensors
-without Triton, which adds to `overflow` what the kernels add."""
+without Triton, which adds to `overflow` what the batched path's kernels add."""
 import torch
 
 from .format import HEAVY_UNITS, UNIT_SAMPLE, cdiv, decode_rows, slots

@@ -49,7 +49,7 @@ class ActivityRouter:
     def __init__(self, d: int, width: int, mean_active: float):
         self.d, self.width, self.mean_active = d, width, mean_active
         self.counter, self.tokens, self.calls = None, 0, 0
-        self.landing = None  # (pairs, tokens, calls) of a window whose count is on its way to self.host
+        self.landing = None  # (tokens, calls) of a window whose count is on its way to self.host
         self.host = self.event = None  # made once: a pinned allocation can synchronize the device
         self.dense_left = 0
 

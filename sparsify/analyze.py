@@ -44,7 +44,7 @@ def default_data(source: str) -> tuple[str | Path, str]:
 def default_seq_len(config, source: str) -> int:
     """The sequence length to analyze `source` (of `config`) at when --seq-len is not given: the one a
     converted checkpoint was trained at, else the one `convert` would use (its default recipe)."""
-    from .convert import load_recipe
+    from .config import load_recipe
 
     trained = (getattr(config, "twell", None) or {}).get("training", {}).get("seq_len")
     return trained or load_recipe(None, source).get("seq_len", 1024)

@@ -31,7 +31,7 @@ from accelerate import PartialState
 from transformers.utils.hub import convert_file_size_to_int
 
 from .card import is_hub_id
-from .config import TrainConfig, load_recipe  # noqa: F401 (load_recipe: analyze and the benchmarks import it from here)
+from .config import TrainConfig
 from .data import TextData, resolve as resolve_data
 from .errors import ConfigError, DataError
 from .export import check_output_dir, export_checkpoint

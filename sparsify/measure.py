@@ -74,7 +74,7 @@ def _forward(model, blocks, batch_size, sharded=False, counters=(), label=None) 
     return math.exp((sums[0] / sums[1]).item())
 
 
-class _LayerCounter:
+class LayerCounter:
     """Accumulates one layer's counts over batches: per-token active counts, per-unit firing counts,
     histograms of per-(token, tile) active counts, and active counts summed per sequence position."""
 
@@ -104,7 +104,7 @@ class _LayerCounter:
                 hist = torch.bincount(pairs.cpu(), minlength=tile + 1)
                 hists[tile] = hist if tile not in hists else hists[tile] + hist
 
-    def merge(self, other: "_LayerCounter"):
+    def merge(self, other: "LayerCounter"):
         """Adds another process's counts of the same layer."""
         self.per_token += other.per_token
         self.fired, self.position = _add(self.fired, other.fired), _add(self.position, other.position)
@@ -171,7 +171,7 @@ def measure(model, spec: FamilySpec, blocks: list[torch.Tensor], batch_size: int
     counting only the pairs of tokens with at most HEAVY_UNITS active units), and
     position_active (mean active units at each sequence position). `sharded`: see the module docstring;
     `label`: as for perplexity."""
-    counters = [_LayerCounter() for _ in mlp_modules(model, spec)]
+    counters = [LayerCounter() for _ in mlp_modules(model, spec)]
     with gate_hooks(model, spec, counters):
         ppl = _forward(model, blocks, batch_size, sharded, counters, label)
     if sharded:  # every process's counters, in rank order, merged on each

@@ -64,8 +64,10 @@ def load_last_fired(resume_dir, device) -> torch.Tensor | None:
 
 
 def load_data_position(resume_dir) -> dict | None:
-    """The data stream's position saved with the state in `resume_dir` (None: the stream had none)."""
-    return torch.load(Path(resume_dir) / "data_position.pt")
+    """The data stream's position saved with the state in `resume_dir` (None: the stream had none, or the state
+    was saved without one, and the stream skips the consumed batches by reading them)."""
+    path = Path(resume_dir) / "data_position.pt"
+    return torch.load(path) if path.is_file() else None
 
 
 def check_resume(resume_dir, config: TrainConfig, processes: int, inputs: dict | None = None) -> dict:

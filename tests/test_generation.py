@@ -355,6 +355,8 @@ def test_generate_takes_the_loop_where_the_call_fits_and_falls_back_elsewhere(tm
     remote.release_graphed()  # sampling takes the loop too; top_k 1 leaves one token to draw: the greedy one
     sampled = remote.generate(ids, do_sample=True, top_k=1, max_new_tokens=12, eos_token_id=None, pad_token_id=0)
     assert remote._decode_loop.loop is not None and torch.equal(sampled, fast)
+    remote.to("cpu")  # nothing moves: the loop stays
+    assert remote._decode_loop.loop is not None
     remote.to(torch.float64)  # a move or cast frees the loop (its cache and graphs hold the old tensors)
     assert remote._decode_loop.loop is None
     remote.to(torch.float32)

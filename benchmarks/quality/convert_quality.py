@@ -353,7 +353,7 @@ def main(argv=None) -> dict:
     print(f"corpus: {corpus['files']} files, {corpus['bytes']} bytes", flush=True)
     pretraining = stage(args.work / "pretrain.json", lambda: pretrain(args, args.work, corpus_dir))
     tokens = int(args.convert_share * pretraining["tokens"])
-    from sparsify.convert import load_recipe
+    from sparsify.config import load_recipe
 
     recipe = {**load_recipe(args.recipe, "base"), **dict(args.recipe_overrides)}
     runs = args.runs or [{"l1": l1, "distill": distill} for l1 in args.l1 for distill in args.distill]

@@ -104,9 +104,8 @@ class DecodeLoop:
         self.slots = torch.arange(max_len, device=device)
         # the position of the newest token in self.sequences: the token the next step feeds to the model
         self.position = torch.zeros(1, dtype=torch.long, device=device)
-        # the prompt's last slot, and how many new tokens must come before a stop id may (min_new_tokens)
-        self.start = torch.zeros(1, dtype=torch.long, device=device)
-        self.min_new = torch.zeros(1, dtype=torch.long, device=device)
+        # the first position from which a stop id may be chosen: the prompt's last slot + min_new_tokens
+        self.stop_from = torch.zeros(1, dtype=torch.long, device=device)
         self.finished = torch.zeros(batch, dtype=torch.bool, device=device)
         # which cache slots hold tokens (0: a prompt's left padding, or not written yet), and each sequence's
         # padding length (its positions count from its first real token)
@@ -144,10 +143,10 @@ class DecodeLoop:
     def advance(self, logits: torch.Tensor):
         """Takes the next token from `logits` [batch, vocab] for the position after self.position: pad for
         finished sequences; records it, marks sequences that reached a stop id, moves the position on. Stop ids
-        cannot be chosen before min_new tokens (as transformers' min-length logits processors do)."""
+        cannot be chosen before min_new_tokens (as transformers' min-length logits processors do)."""
         if self.stop.numel():
-            early = self.position - self.start < self.min_new
-            logits = torch.where(early, logits.index_fill(-1, self.stop, float("-inf")), logits)
+            early = self.position < self.stop_from
+            logits.index_copy_(-1, self.stop, logits.index_select(-1, self.stop).masked_fill(early, float("-inf")))
         nxt = torch.where(self.finished, self.pad, choose(logits, self.sampling))
         self.finished |= torch.isin(nxt, self.stop)
         self.position += 1
@@ -170,7 +169,7 @@ class DecodeLoop:
                             **cache_arguments(self.model, self.cache, slots), use_cache=True, logits_to_keep=1).logits
         self.advance(logits[:, -1])
 
-    def load(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, length: int):
+    def load(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, length: int, min_new_tokens: int):
         """The state before a prefill: the prompt at slots length - n .. length - 1, padding before it."""
         n = input_ids.shape[1]
         self.cache.reset()
@@ -181,27 +180,26 @@ class DecodeLoop:
         self.pads.copy_(length - attention_mask.sum(-1, keepdim=True))
         self.finished.zero_()
         self.position.fill_(length - 1)
-        self.start.fill_(length - 1)
+        self.stop_from.fill_(length - 1 + min_new_tokens)
 
     def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
             min_new_tokens: int = 0, streamer=None) -> torch.Tensor:
         """The prompt's prefill, then up to max_new_tokens - 1 steps, checking every CHECK_EVERY tokens
-        whether every sequence finished (none can before min_new_tokens). Returns [batch, prompt + generated] token ids, ending where the
-        last sequence ended, as generate's. `streamer` (transformers' streamer interface: put, end) gets the
+        whether every sequence finished (none can before min_new_tokens). Returns [batch, prompt + generated]
+        token ids, ending where the last sequence ended, as generate's. `streamer` (transformers' streamer interface: put, end) gets the
         prompt, then the new tokens every CHECK_EVERY tokens."""
         batch, n = input_ids.shape
         length = padded_length(n)
         # padded where a graph may serve it (on CUDA one is captured, elsewhere the same prefill runs directly)
         padded = length + max_new_tokens <= self.max_len and batch * length <= PREFILL_GRAPH_TOKENS
         length = length if padded else n
-        self.load(input_ids, attention_mask, length)
-        self.min_new.fill_(min_new_tokens)
+        self.load(input_ids, attention_mask, length, min_new_tokens)
         if streamer is not None:
             streamer.put(input_ids.cpu())
         if padded and self.graph is not None:
             if length not in self.prefill_graphs:
                 self.prefill_graphs[length] = self._capture(lambda: self.prefill(length), self.prefill_pool)
-                self.load(input_ids, attention_mask, length)
+                self.load(input_ids, attention_mask, length, min_new_tokens)
             self.prefill_graphs[length].replay()
         else:
             self.prefill(length)

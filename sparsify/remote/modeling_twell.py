@@ -15,14 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-try:
-    from .format import use_triton
-    from .gated_mlp import gated_mlp, prepare_down
-    from .graphs import DecodeGraphs
-    from .routing import ActivityRouter, eager, eager_dense, short_prefill
-except ImportError:  # no kernel files: dense ReLU math everywhere
-    gated_mlp = prepare_down = DecodeGraphs = use_triton = None
-    ActivityRouter = eager = eager_dense = short_prefill = None
+from .format import use_triton
+from .gated_mlp import gated_mlp, prepare_down
+from .graphs import DecodeGraphs
+from .routing import ActivityRouter, eager, eager_dense, short_prefill
 from .generation import LoopUnsupported, generate_graphed, graphed_call, release_graphed
 from .layer_plan import LayerPlan, layer_plans
 
@@ -53,7 +49,7 @@ class TwellGatedMLP(nn.Module):
         self.width, self.d = self._gate_up_weights()[0].shape
         # eager decode calls replay CUDA graphs of the kernels: the two launches cost more host time than
         # the dense block's cuBLAS calls, the graph far less (graphs.py)
-        self.graphs = DecodeGraphs() if DecodeGraphs is not None else None
+        self.graphs = DecodeGraphs()
         self.router = None  # ActivityRouter of eager batched calls, made at the first one
         self.prepare_kernel_layout()  # models built from a config; from_pretrained again once loaded
 
@@ -73,7 +69,7 @@ class TwellGatedMLP(nn.Module):
     def _use_kernel(self, x):
         """Whether the plan and the call let the kernels serve it (the cheap, common refusals first: they
         are host time on every call of a dense-routed layer)."""
-        if gated_mlp is None or not self.kernel_ready or not self.in_window(x.numel() // x.shape[-1]):
+        if not self.kernel_ready or not self.in_window(x.numel() // x.shape[-1]):
             return False
         if x.is_cuda and short_prefill(x.shape, self.d, self.width):  # heavy first tokens (routing.py)
             return False
@@ -92,7 +88,7 @@ class TwellGatedMLP(nn.Module):
         object); moves and casts (.to) and load_state_dict keep the layout. Weights on the meta device
         (not loaded yet, or offloaded) are left as they are."""
         down = getattr(self, self.down_name).weight
-        if prepare_down is not None and self.kernel_ready and not down.is_meta and not down.t().is_contiguous():
+        if self.kernel_ready and not down.is_meta and not down.t().is_contiguous():
             with torch.inference_mode(False):  # a normal tensor even when first called in inference mode
                 down.data = prepare_down(down.data)
 
@@ -163,8 +159,11 @@ class TwellForCausalLM(_import(BASE_MODEL)):
         release_graphed(self)
 
     def _apply(self, fn, *args, **kwargs):
-        release_graphed(self)  # .to(), .cuda(), .half(): the loop's cache and graphs hold the old tensors
-        return super()._apply(fn, *args, **kwargs)
+        before = [p.data_ptr() for p in self.parameters()]
+        moved = super()._apply(fn, *args, **kwargs)
+        if [p.data_ptr() for p in self.parameters()] != before:  # .to(), .cuda(), .half() that moved weights:
+            release_graphed(self)  # the loop's cache and graphs belong to the old ones
+        return moved
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
