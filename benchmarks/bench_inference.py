@@ -316,8 +316,8 @@ def make_heavy(x, rows, units, i, k=HEAVY_K):
 
 
 def runtime(folder=None):
-    """The modeling file's module as a checkpoint loads it: the kernel files and sparsify/remote's files side
-    by side in one package (or those of `folder`, an exported checkpoint's), imported under a fresh name."""
+    """The modeling file's module as a checkpoint loads it: the files an export writes (the modeling file,
+    generation.py and the inference kernel files) side by side in one package (or those of `folder`, an exported checkpoint's), imported under a fresh name."""
     import importlib
     import shutil
     import tempfile
@@ -325,11 +325,14 @@ def runtime(folder=None):
     root = Path(tempfile.mkdtemp())
     package = root / f"twell_runtime_{len(RUNTIMES)}"
     package.mkdir()
-    sources = [Path(folder)] if folder else [Path(twell.__file__).parent, Path(__file__).parents[1] / "sparsify" / "remote"]
-    for source in sources:
-        for file in source.glob("*.py"):
-            if file.name != "__init__.py":
-                shutil.copy2(file, package / file.name)
+    if folder:
+        files = [file for file in Path(folder).glob("*.py") if file.name != "__init__.py"]
+    else:  # the files an export writes beside each other
+        from sparsify import export
+
+        files = [export.MODELING_FILE, export.GENERATION_FILE, *export.runtime_files(export.kernel_dir())]
+    for file in files:
+        shutil.copy2(file, package / file.name)
     (package / "__init__.py").write_text("")
     sys.path.insert(0, str(root))
     RUNTIMES.append(root)
