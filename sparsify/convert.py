@@ -125,6 +125,7 @@ def convert(
     report_trackers = trackers(report_to)
     fsdp = fsdp_launch()[0]
     model, tokenizer, spec = _load_source(source, config, device, launch, show_progress)
+    base_model = _base_model(source)  # read now: the source folder may change while the conversion trains
     text = TextData(data_spec, tokenizer, config.seq_len, config.eval_tokens, text_column)
     ppl = {}
     shown = show_progress and main
@@ -161,7 +162,7 @@ def convert(
             return {"perplexity": ppl, "layers": stats["layers"], "log": result.log}
     plan = plan_model(model, spec, stats, text.eval_blocks, measure_kernels=measure_kernels and main, device=device,
                       mlp_inputs=captured)
-    training = _training_record(source, data, text_column, config, result, stats["tokens"], ppl)
+    training = _training_record(base_model, data, text_column, config, result, stats["tokens"], ppl)
     summary = {"perplexity": ppl, "layers": stats["layers"], "plan": plan, "training": training, "log": result.log,
                "hybrid_share": hybrid_share(result.log)}
     if not main:
@@ -251,12 +252,12 @@ def _train(model, text: TextData, config: TrainConfig, source_perplexities: Call
     return result, mlps
 
 
-def _training_record(source: str, data: str | None, text_column: str, config: TrainConfig, result: TrainResult,
+def _training_record(base_model: str, data: str | None, text_column: str, config: TrainConfig, result: TrainResult,
                      eval_tokens: int, ppl: dict) -> dict:
     """The checkpoint's record of the training (config.json's twell.training, training_log.json), without local
     paths: the checkpoint may be pushed."""
     return {
-        "base_model": _base_model(source),
+        "base_model": base_model,
         "data": _public_name(data) if data else "demo corpus",
         "text_column": text_column,
         "tokens": result.tokens,

@@ -75,8 +75,12 @@ def test_gpu_router_reads_the_count_without_a_synchronization():
             router.after_kernel_call()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
-    assert router.overflow_counter(x, 4096) is None  # read: every row heavy, so dense
+    torch.cuda.synchronize()  # the window's copy has landed: the read that follows must not wait either
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        assert router.overflow_counter(x, 4096) is None  # read: every row heavy, so dense
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def test_short_prefills_run_dense_and_decode_steps_keep_the_kernels():

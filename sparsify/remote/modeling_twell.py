@@ -66,10 +66,10 @@ class TwellGatedMLP(nn.Module):
         the static token count: under torch.compile a guard, not a graph break)."""
         return any(lo <= tokens <= hi for lo, hi in self._windows)
 
-    def _use_kernel(self, x):
-        """Whether the plan and the call let the kernels serve it (the cheap, common refusals first: they
-        are host time on every call of a dense-routed layer)."""
-        if not self.kernel_ready or not self.in_window(x.numel() // x.shape[-1]):
+    def _use_kernel(self, x, tokens: int):
+        """Whether the plan and the call of `tokens` tokens let the kernels serve it (the cheap, common
+        refusals first: they are host time on every call of a dense-routed layer)."""
+        if not self.kernel_ready or not self.in_window(tokens):
             return False
         if x.is_cuda and short_prefill(x.shape, self.d, self.width):  # heavy first tokens (routing.py)
             return False
@@ -93,7 +93,8 @@ class TwellGatedMLP(nn.Module):
                 down.data = prepare_down(down.data)
 
     def forward(self, x):
-        if not self._use_kernel(x):
+        tokens = x.numel() // x.shape[-1]
+        if not self._use_kernel(x, tokens):
             return self._dense(x)
         gate, up = self._gate_up_weights()
         down = getattr(self, self.down_name).weight
@@ -103,7 +104,6 @@ class TwellGatedMLP(nn.Module):
             return gated_mlp(x, gate, up, down, **kernel)
         if x.shape[-2] == 1:  # a decode step: replayed as a CUDA graph (graphs.py says where it can)
             return self.graphs(gated_mlp, x, gate, up, down, **kernel)
-        tokens = x.numel() // x.shape[-1]
         if x.is_cuda and eager_dense(tokens, self.d, self.width):  # host-bound on a GPU: dense
             return self._dense(x)
         if self.router is None:
