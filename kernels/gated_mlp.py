@@ -80,7 +80,7 @@ def check_args(x, w_dec, up, down, tile, compression, precision, overflow):
     slots(tile, compression)
 
 
-def forward(x, w_dec, up, down, tile, compression, precision, overflow):
+def forward(x, w_dec, up, down, tile, compression, precision, overflow=None):
     """Shared body of the gated (up given) and non-gated (up None) blocks; w_dec decides activity.
     Calls look their checked arguments and launches up by _launch_key instead of rebuilding them: building
     them and a first launch through Triton's JIT cost more host time than a whole block takes on the GPU at
@@ -132,47 +132,22 @@ def _forward_triton(x, w_dec, up, down, tile, compression, precision, overflow):
     return out.view(x.shape)
 
 
-def _register_ops(name, forward_fn, args_schema):
-    """Custom ops twell::<name> (pure) and twell::<name>_overflow (adds into `overflow`), and the entry
-    point `call(*args, overflow)` that runs forward_fn directly in eager mode: the custom-op dispatch costs
-    tens of microseconds a call, as much as the decode kernels. The ops serve whatever traces the call
-    (torch.compile, export, fake tensors and other dispatch modes, tensor subclasses). An exported
-    checkpoint may carry a second copy of these files: then the ops registered first are reused."""
-    def impl(*args):
-        return forward_fn(*args)
-
-    def fake(x, *args):
-        return x.new_empty(x.shape)
-
-    ops = []
-    for op_name, with_overflow in ((name, False), (f"{name}_overflow", True)):
-        try:
-            ops.append(getattr(torch.ops.twell, op_name).default)
-            continue
-        except (AttributeError, RuntimeError):
-            pass
-        schema = f"({args_schema}" + (", Tensor(a!) overflow) -> Tensor" if with_overflow else ") -> Tensor")
-        lib_op = torch.library.custom_op(f"twell::{op_name}", impl, schema=schema,
-                                         mutates_args=("overflow",) if with_overflow else ())
-        lib_op.register_fake(fake)
-        ops.append(lib_op)
-    pure_op, overflow_op = ops
-
-    def call(x, *args, overflow=None):
-        if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or type(x) is not torch.Tensor:
-            return pure_op(x, *args) if overflow is None else overflow_op(x, *args, overflow)
-        return forward_fn(x, *args, overflow)
-
-    return call
+def _custom_op(name, schema, mutates_args=()):
+    """The custom op twell::<name> around `forward` (inference only: no autograd), with its fake
+    implementation. An exported checkpoint may carry a second copy of these files: then the op registered
+    first is reused."""
+    try:
+        return getattr(torch.ops.twell, name).default
+    except (AttributeError, RuntimeError):
+        pass
+    op = torch.library.custom_op(f"twell::{name}", forward, schema=schema, mutates_args=mutates_args)
+    op.register_fake(lambda x, *args: x.new_empty(x.shape))
+    return op
 
 
-def _gated_mlp_forward(x, gate_weight, up_weight, down_weight, tile, compression, precision, overflow=None):
-    return forward(x, gate_weight, up_weight, down_weight, tile, compression, precision, overflow)
-
-
-_gated_mlp_call = _register_ops(
-    "gated_mlp", _gated_mlp_forward, "Tensor x, Tensor gate_weight, Tensor up_weight, Tensor down_weight, "
-    "int tile, int compression, str precision")
+_ARGS = "Tensor x, Tensor gate_weight, Tensor up_weight, Tensor down_weight, int tile, int compression, str precision"
+_gated_mlp_op = _custom_op("gated_mlp", f"({_ARGS}) -> Tensor")
+_gated_mlp_overflow_op = _custom_op("gated_mlp_overflow", f"({_ARGS}, Tensor(a!) overflow) -> Tensor", ("overflow",))
 
 
 def gated_mlp(x, gate_weight, up_weight, down_weight, *, tile: int = 128, compression: int = 8,
@@ -184,4 +159,9 @@ def gated_mlp(x, gate_weight, up_weight, down_weight, *, tile: int = 128, compre
     UNIT_SAMPLE-th row that is not heavy added to the second, those rows' count to the third and the heavy
     rows' count to the fourth.
     """
-    return _gated_mlp_call(x, gate_weight, up_weight, down_weight, tile, compression, precision, overflow=overflow)
+    args = (x, gate_weight, up_weight, down_weight, tile, compression, precision)
+    # eager calls skip the custom ops, whose dispatch costs about as much host time as the decode kernels
+    # take on the GPU; what traces the call (compile, export, dispatch modes, tensor subclasses) needs them
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or type(x) is not torch.Tensor:
+        return _gated_mlp_op(*args) if overflow is None else _gated_mlp_overflow_op(*args, overflow)
+    return forward(*args, overflow)
