@@ -15,6 +15,7 @@ positive), so every (row, tile) overflows: the cost of the decode overflow fallb
   python benchmarks/bench_inference.py --grid tiles --tile 64 128 256 --compression 4 8 16  # per (tile, C)
   python benchmarks/bench_inference.py --grid tiles ... --json out.json --resume  # finish a run cut short
   python benchmarks/bench_inference.py --robustness --json out.json  # as the modeling file runs it, heavy rows
+  python benchmarks/bench_inference.py --robustness ... --json out.json --resume  # finish a run cut short
   python benchmarks/bench_inference.py --heavy-block --json out.json  # the dense block of heavy rows alone
   python benchmarks/bench_inference.py --decode-first-token --json out.json  # one such token in a decode-size call
   python benchmarks/bench_inference.py --decode-paths --json out.json  # decode against batched path, 8-64 tokens
@@ -41,11 +42,12 @@ import twell
 import twell.cost_model
 from twell.format import empty_twell, slots
 from twell.format import decode_rows
-from twell.batched import gate_config, gate_launch, out_config, out_launch
+from twell.batched import gate_config, gate_launch, out_launch
 from twell.decode import DECODE_TILE, PART_BYTES, PART_STAGES
 from twell.heavy import HEAVY_FEW_ROWS, heavy_launches
 
 ROW_KEY = ("D", "I", "M", "k", "tile", "compression")  # what identifies a grid row (--resume)
+ROBUST_KEY = ("D", "I", "M", "k", "plan_k", "heavy_rows")  # what identifies a --robustness row (--resume)
 LAYERS = 8  # layer copies for graph-replay timing
 HEAVY_K, HEAVY_TILE = 29, 128  # --host-time, --decode-*: active units of the ordinary rows, tile
 HEAVY_FIRST = 2000  # --host-time, --decode-*: active units of a sequence's first token
@@ -344,6 +346,7 @@ LAYOUT = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 ROBUST_TOKENS = (1, 8, 64, 512, 2048, 4096, 16384, 65536)
 ROBUST_HEAVY = (0, 1, 0.001, 0.01, 0.05, 0.25, 1.0)  # heavy rows: a count (0, 1) or a share of the tokens
 ROBUST_ACTIVE = (10, 29, 98, 300)
+ROBUST_SHAPE = (2048, 5632)  # D, I
 CALIBRATION = (8, 1024)  # sequences x tokens the plan is measured on, each sequence's first token heavy
 
 
@@ -411,7 +414,15 @@ def heavy_count(m, heavy):
     return min(m, heavy if isinstance(heavy, int) else max(1, round(heavy * m)))
 
 
-def robustness(folder=None, plan_k=None, tokens=ROBUST_TOKENS, actives=ROBUST_ACTIVE):
+def robustness_cells(k, plan_k, tokens, done=()):
+    """The cells (M, heavy rows) of --robustness at k active units, in the order measured, less those whose
+    ROBUST_KEY is in `done`."""
+    d, i = ROBUST_SHAPE
+    cells = [(m, heavy) for m in tokens for heavy in dict.fromkeys(heavy_count(m, h) if h else 0 for h in ROBUST_HEAVY)]
+    return [(m, heavy) for m, heavy in cells if (d, i, m, k, plan_k or k, heavy) not in done]
+
+
+def robustness(folder=None, plan_k=None, tokens=ROBUST_TOKENS, actives=ROBUST_ACTIVE, done=()):
     """The layer exactly as the modeling file runs it (its plan and token windows, TwellGatedMLP.forward)
     against the same layer planned dense, in one process, on a grid: tokens x heavy rows (half the units
     active, like a sequence's first token; at the start of the call and then evenly spread) x mean active
@@ -421,45 +432,48 @@ def robustness(folder=None, plan_k=None, tokens=ROBUST_TOKENS, actives=ROBUST_AC
     replays over LAYERS layer copies, of the call as one sequence's prefill [1, M, D] ("graph") and as a
     decode step of M sequences [M, 1, D] ("step_graph"). The plan is made from each layer's
     own activity (or `plan_k` units, when the inputs are more or less active than the calibration); each
-    cell checks the output against fp32 in the same run. Yields the cells' rows."""
-    d, i = 2048, 5632
+    cell checks the output against fp32 in the same run. Yields the rows of the cells whose ROBUST_KEY is
+    not in `done` (a run cut short: its rows' keys)."""
+    d, i = ROBUST_SHAPE
     modeling = runtime(folder)
     for k in actives:
+        cells = robustness_cells(k, plan_k, tokens, done)
+        if not cells:
+            continue
         layers = [make_layer(d, i, k) for _ in range(LAYERS)]
         mlps = [planned_mlp(modeling, w, d, i, k, plan_k or k, i // 2) for w in layers]
         plan = plan_of(mlps[0][0])
-        for m in tokens:
-            for heavy in dict.fromkeys(heavy_count(m, h) if h else 0 for h in ROBUST_HEAVY):
-                x = make_x(m, d)
-                at = torch.linspace(0, m - 1, heavy).round().long().tolist() if heavy else []
-                if heavy:
-                    make_heavy(x, at, i // 2, i, k)
-                sparse_mlp, dense_mlp = mlps[0]
-                with torch.no_grad():
-                    check = slice(0, min(m, 4096))
-                    ref = reference(x[check], layers[0])
-                    out = sparse_mlp(x[None])[0]
-                    row = dict(D=d, I=i, M=m, k=k, plan_k=plan_k or k, heavy_rows=heavy, plan=plan,
-                               active=(x[check].float() @ layers[0]["gate"].float().t() > 0).sum(1).float().mean().item(),
-                               err_twell=rel_err(out[check], ref),
-                               err_dense=rel_err(dense_mlp(x[None])[0][check], ref))
-                    sparse_mlp.router = None  # each cell from a fresh router: none carries over another's verdict
-                    row["eager_dense_ms"], row["eager_twell_ms"] = paired_ms(lambda: dense_mlp(x[None]),
-                                                                             lambda: sparse_mlp(x[None]))
-                    row["eager_speedup"] = row["eager_dense_ms"] / row["eager_twell_ms"]
-                    if sparse_mlp.router is not None:  # batched: a whole cycle of its router, probes included
-                        calls = sparse_mlp.router.WINDOW + sparse_mlp.router.PROBE_EVERY
-                        sparse_mlp.router = None
-                        row["cycle_dense_ms"] = mean_ms(lambda: dense_mlp(x[None]), calls)
-                        row["cycle_twell_ms"] = mean_ms(lambda: sparse_mlp(x[None]), calls)
-                        row["cycle_speedup"] = row["cycle_dense_ms"] / row["cycle_twell_ms"]
-                    if m <= 64:  # as one sequence's prefill, and as a decode step of m sequences
-                        for name, shaped in (("graph", x[None]), ("step_graph", x[:, None]))[:1 if m == 1 else 2]:
-                            row[f"{name}_dense_us"] = per_layer_us(lambda pair: pair[1](shaped), mlps)
-                            row[f"{name}_twell_us"] = per_layer_us(lambda pair: pair[0](shaped), mlps)
-                            row[f"{name}_speedup"] = row[f"{name}_dense_us"] / row[f"{name}_twell_us"]
-                print_row(row)
-                yield row
+        for m, heavy in cells:
+            x = make_x(m, d)
+            at = torch.linspace(0, m - 1, heavy).round().long().tolist() if heavy else []
+            if heavy:
+                make_heavy(x, at, i // 2, i, k)
+            sparse_mlp, dense_mlp = mlps[0]
+            with torch.no_grad():
+                check = slice(0, min(m, 4096))
+                ref = reference(x[check], layers[0])
+                out = sparse_mlp(x[None])[0]
+                row = dict(D=d, I=i, M=m, k=k, plan_k=plan_k or k, heavy_rows=heavy, plan=plan,
+                           active=(x[check].float() @ layers[0]["gate"].float().t() > 0).sum(1).float().mean().item(),
+                           err_twell=rel_err(out[check], ref),
+                           err_dense=rel_err(dense_mlp(x[None])[0][check], ref))
+                sparse_mlp.router = None  # each cell from a fresh router: none carries over another's verdict
+                row["eager_dense_ms"], row["eager_twell_ms"] = paired_ms(lambda: dense_mlp(x[None]),
+                                                                         lambda: sparse_mlp(x[None]))
+                row["eager_speedup"] = row["eager_dense_ms"] / row["eager_twell_ms"]
+                if sparse_mlp.router is not None:  # batched: a whole cycle of its router, probes included
+                    calls = sparse_mlp.router.WINDOW + sparse_mlp.router.PROBE_EVERY
+                    sparse_mlp.router = None
+                    row["cycle_dense_ms"] = mean_ms(lambda: dense_mlp(x[None]), calls)
+                    row["cycle_twell_ms"] = mean_ms(lambda: sparse_mlp(x[None]), calls)
+                    row["cycle_speedup"] = row["cycle_dense_ms"] / row["cycle_twell_ms"]
+                if m <= 64:  # as one sequence's prefill, and as a decode step of m sequences
+                    for name, shaped in (("graph", x[None]), ("step_graph", x[:, None]))[:1 if m == 1 else 2]:
+                        row[f"{name}_dense_us"] = per_layer_us(lambda pair: pair[1](shaped), mlps)
+                        row[f"{name}_twell_us"] = per_layer_us(lambda pair: pair[0](shaped), mlps)
+                        row[f"{name}_speedup"] = row[f"{name}_dense_us"] / row[f"{name}_twell_us"]
+            print_row(row)
+            yield row
         del layers, mlps
 
 
@@ -472,21 +486,19 @@ def heavy_block():
         w = make_layer(d, i, HEAVY_K)
         capacity = 16384
         x = make_x(capacity, d)
-        launches = heavy_launches(x, i, True, False, capacity)
+        heavy = heavy_launches(x, i, True, False)
         down_t = w["down_p"].t()
         for n in (1, 4, 16, 17, 64, 256, 1024, 4096, 16384):
             posted = torch.randperm(capacity, device="cuda")[:n].sort().values
             workspace = torch.zeros(1 + capacity, dtype=torch.int32, device="cuda")
             workspace[0], workspace[1:1 + n] = n, posted.int()
+            # the block's buffers allocated once, outside the timed calls
             h = torch.empty(capacity, i, dtype=x.dtype, device="cuda")
-            part = torch.empty(launches[3], HEAVY_FEW_ROWS, d, device="cuda")
+            part = torch.empty(heavy.splits, HEAVY_FEW_ROWS, d, device="cuda")
             out = torch.full_like(x, float("nan"))
 
             def block():
-                gate_up, down, finish, _ = launches
-                gate_up(x, w["gate"], w["up"], workspace, h)
-                down(h, down_t, workspace, out, part)
-                finish(part, workspace, out)
+                heavy(x, w["gate"], w["up"], down_t, workspace, out, h=h, part=part)
 
             block()
             xs = x[posted]
@@ -628,7 +640,17 @@ def decode_rules():
     return rows
 
 
-def main():
+def resumed(path, key):
+    """An earlier run's result at `path` (a run cut short) and the identities (`key`'s fields) of its rows;
+    None and no rows where there is no file yet."""
+    if not os.path.exists(path):
+        return None, set()
+    with open(path) as f:
+        result = json.load(f)
+    return result, {tuple(row[name] for name in key) for row in result["rows"]}
+
+
+def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--grid", nargs="*", default=["main", "decode"], choices=sorted(GRIDS))
     p.add_argument("--tile", type=int, nargs="+", default=[128], help="each row at every tile given")
@@ -652,34 +674,36 @@ def main():
     p.add_argument("--active", type=int, nargs="+", default=ROBUST_ACTIVE, help="--robustness: mean active units")
     p.add_argument("--json", default=None)
     p.add_argument("--resume", action="store_true",
-                   help="block grid: keep the rows already in --json (a run cut short) and measure only the "
-                        "missing ones")
-    args = p.parse_args()
-    rows, done = [], set()
+                   help="block grid and --robustness: keep the rows already in --json (a run cut short) and "
+                        "measure only the missing ones")
+    args = p.parse_args(argv)
     if args.runtime and not (Path(args.runtime) / "modeling_twell.py").is_file():
         p.error(f"--runtime: {args.runtime} has no modeling_twell.py (give an exported checkpoint's folder)")
     if args.resume and not args.json:
         p.error("--resume needs --json: the file whose rows to keep")
-    other_modes = ("sweep", "robustness", "decode_paths", "host_time", "heavy_block", "decode_first_token",
-                   "decode_rules")
+    other_modes = ("sweep", "decode_paths", "host_time", "heavy_block", "decode_first_token", "decode_rules")
     if args.resume and any(getattr(args, name) for name in other_modes):
-        p.error("--resume continues the block grid only; the other modes' runs start afresh")
-    if args.resume and os.path.exists(args.json):
+        p.error("--resume continues the block grid and --robustness only; the other modes' runs start afresh")
+    runtime_name = args.runtime or "this tree"
+    earlier, done = None, set()
+    if args.resume:
+        kind = "--robustness" if args.robustness else "grid"
         try:
-            with open(args.json) as f:
-                rows = json.load(f)["rows"]
-            done = {tuple(r[key] for key in ROW_KEY) for r in rows}
+            earlier, done = resumed(args.json, ROBUST_KEY if args.robustness else ROW_KEY)
         except (json.JSONDecodeError, KeyError, TypeError) as error:
-            p.error(f"--resume: {args.json} is not a grid result ({error!r})")
+            p.error(f"--resume: {args.json} is not a {kind} result ({error!r})")
+        if args.robustness and earlier is not None and earlier.get("runtime") != runtime_name:
+            p.error(f"--resume: {args.json} timed the runtime {earlier.get('runtime')!r}, not {runtime_name!r}")
+    rows = earlier["rows"] if earlier is not None else []
     torch.manual_seed(0)
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 command="python " + " ".join(sys.argv))
     if args.sweep:
         result = dict(meta, sweep=sweep())
     elif args.robustness:
-        result = dict(meta, runtime=args.runtime or "this tree", heavy_cost=twell.cost_model.HEAVY, rows=[])
-        for row in robustness(args.runtime, args.plan_active, args.tokens, args.active):
-            result["rows"].append(row)
+        result = dict(meta, runtime=runtime_name, heavy_cost=twell.cost_model.HEAVY, rows=rows)
+        for row in robustness(args.runtime, args.plan_active, args.tokens, args.active, done):
+            rows.append(row)
             if args.json:  # after every row, so that a run cut short keeps what it measured
                 write_json(args.json, result)
     elif args.heavy_block:

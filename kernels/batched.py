@@ -13,7 +13,7 @@ from .decode import (HELD_ROWS, HELD_SLOTS, PART_BYTES, PART_STAGES, WHOLE_UP_RO
                      decode_out_config)
 from .format import HEAVY_UNITS, UNIT_SAMPLE, cdiv, out_units_per_step, tma_ok
 from .gate_hopper import hopper_gate_launch
-from .heavy import HEAVY_FEW_ROWS, heavy_launches
+from .heavy import HeavyBlock, heavy_launches
 from .launch import Launch
 
 try:
@@ -128,7 +128,7 @@ def out_launch(x2, width, tile, s, gated, h_fp32, has_overflow, cfg, packed_h=Fa
     down_t, down_t, out, overflow or counts); w_dec, up and down_t contiguous.
     Batched (one program a whole row), a heavy row posts its index for the dense block (heavy_launches), and
     with count_units every UNIT_SAMPLE-th row it walks adds its units and itself to overflow[1] and [2], and
-    the posted rows' count goes to overflow[3]."""
+    each posted row adds itself to overflow[3]."""
     m, d = x2.shape
     ts = _tile_stride(tile, tile_stride)
     nt = cdiv(width, ts)
@@ -148,29 +148,25 @@ def out_launch(x2, width, tile, s, gated, h_fp32, has_overflow, cfg, packed_h=Fa
     fused = split and m <= FUSED_COMPACT_ROWS
     compact = None if held or fused else Launch(_compact_list_kernel, (m, 1, 1), dict(
         NT=nt, S=s, TC=tc, S_PAD=s_pad, PDL=pdl), dict(num_warps=4, launch_pdl=True) if pdl else dict(num_warps=4))
-    heavy_rows = m if split else 0  # room for every row: none is ever left to walk its heavy list
     out = Launch(_twell_out_kernel, (m, cdiv(d, bd), 1), dict(
         D=d, I=width, NT=nt, HEAVY=HEAVY_UNITS, stride_xm=x2.stride(0),
         stride_xk=x2.stride(1), T=tile, S=s, NT_PAD=nt_pad, CH=ch, FB_CH=fb_ch,
         OT=max(1, min(nt_pad, 4096 // bd)), BLOCK_D=block_d, BD=bd, LIST_UP=gated and not packed_h,
         FALLBACK_UP=gated, H_FP32=h_fp32,
-        HAS_OVF=has_overflow, PARTIALS=packed_h, TS=ts, PDL=pdl, POST=heavy_rows > 0,
+        HAS_OVF=has_overflow, PARTIALS=packed_h, TS=ts, PDL=pdl, POST=split,
         COUNT_UNITS=UNIT_SAMPLE if count_units and split else 0,
         HELD=held, COMPACT_TC=tc if fused else 0, S_PAD=s_pad), cfg)
-    heavy = heavy_launches(x2, width, gated, h_fp32, heavy_rows) if heavy_rows else None
-    return _OutLaunches(compact, out, heavy, heavy_rows, torch.float32 if h_fp32 else x2.dtype,
-                        count_units and split)
+    return _OutLaunches(compact, out, heavy_launches(x2, width, gated, h_fp32) if split else None)
 
 
 class _OutLaunches:
     """The list pre-pass (where the out kernel neither holds the TwELL nor compacts its own rows), the out
     kernel and, batched, the dense block of the rows it posts (heavy_launches), with the workspace
-    [rows posted, row of each slot] and the block's h rows allocated at each call (they cannot be shared
-    across streams)."""
+    [rows posted, row of each slot] allocated at each call (it cannot be shared across streams), room for
+    every row."""
 
-    def __init__(self, compact: Optional[Launch], out: Launch, heavy, heavy_rows: int, h_dtype, count_units: bool):
-        self.compact, self.out, self.heavy, self.heavy_rows, self.h_dtype = compact, out, heavy, heavy_rows, h_dtype
-        self.count_units = count_units
+    def __init__(self, compact: Optional[Launch], out: Launch, heavy: Optional[HeavyBlock]):
+        self.compact, self.out, self.heavy = compact, out, heavy
 
     def __call__(self, x2, values, indices, counts, partials, w_dec, up_or_down, down_t, out, overflow):
         if self.compact is not None:
@@ -178,16 +174,9 @@ class _OutLaunches:
         if self.heavy is None:
             self.out(x2, values, indices, counts, partials, w_dec, up_or_down, down_t, out, overflow, counts)
             return
-        workspace = torch.zeros(1 + self.heavy_rows, dtype=torch.int32, device=x2.device)
+        workspace = torch.zeros(1 + x2.shape[0], dtype=torch.int32, device=x2.device)
         self.out(x2, values, indices, counts, partials, w_dec, up_or_down, down_t, out, overflow, workspace)
-        if self.count_units:
-            overflow[3:] += workspace[:1]
-        gate_up, down, finish, splits = self.heavy
-        h = torch.empty(self.heavy_rows, w_dec.shape[0], dtype=self.h_dtype, device=x2.device)
-        part = torch.empty(splits, HEAVY_FEW_ROWS, x2.shape[1], dtype=torch.float32, device=x2.device)
-        gate_up(x2, w_dec, up_or_down, workspace, h)
-        down(h, down_t, workspace, out, part)
-        finish(part, workspace, out)
+        self.heavy(x2, w_dec, up_or_down, down_t, workspace, out)
 
 
 if triton is not None:
@@ -447,6 +436,8 @@ if triton is not None:
             # its index for the dense block ([rows posted, row of each slot (M)]), which writes it next
             if total + n_over * TS > HEAVY:
                 tl.store(ws_ptr + 1 + tl.atomic_add(ws_ptr, 1), row.to(tl.int32))
+                if COUNT_UNITS > 0:  # the heavy rows' count, beside the sample (what ActivityRouter reads)
+                    tl.atomic_add(ovf_ptr + 3, tl.full((), 1, ovf_ptr.dtype.element_ty))
                 own = False
         if COUNT_UNITS > 0:  # a sample of the rows' activity, one row in COUNT_UNITS (few atomics on one address)
             if own & (row % COUNT_UNITS == 0):

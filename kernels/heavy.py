@@ -4,6 +4,8 @@ two Triton matmuls over the rows gathered through the device-side list, then, up
 ordered sum of the split reduction's partial sums. Persistent programs read the count on the device: no
 host synchronization, nothing to do without heavy rows. Reference: reference.gated_mlp_reference."""
 
+import torch
+
 from .format import cdiv
 from .launch import Launch, sm_count
 
@@ -18,17 +20,16 @@ HEAVY_FEW_ROWS = 16  # up to this many heavy rows the dense block streams its we
 HEAVY_KSPLIT = 8  # and splits its down product's reduction this many ways
 
 
-def heavy_launches(x2, width, gated, h_fp32, capacity) -> tuple:
-    """Launches of the dense block over the rows that the out kernel posted to the workspace [count, row
-    of each slot (capacity)]: h[slot] = relu(x2[row] @ w_dec^T) (* x2[row] @ up^T), then out[row] =
-    h[slot] @ down_t. Persistent programs (HEAVY_PROGRAMS_PER_SM an SM) loop over the tiles of the posted
-    rows, whose count they read on the device: the block costs what its posted rows need, nothing without
-    them, and no host synchronization (CUDA graphs hold it). Up to HEAVY_FEW_ROWS rows (a call's first
-    tokens) the weights are streamed over narrow tiles and the down product's reduction is split, its fp32
-    partial sums added by a third launch. Called with (x2, w_dec, up or down_t, workspace, h),
-    (h, down_t, workspace, out, partials) and (partials, workspace, out); partials: fp32 [splits,
-    HEAVY_FEW_ROWS, D], the splits returned fourth."""
-    d = x2.shape[1]
+def heavy_launches(x2, width, gated, h_fp32) -> "HeavyBlock":
+    """The dense block over the rows that the out kernel posted to the workspace [count, row of each slot]
+    (room for every row of x2: each row posts itself at most once, so the count needs no bound):
+    h[slot] = relu(x2[row] @ w_dec^T) (* x2[row] @ up^T), then out[row] = h[slot] @ down_t. Persistent
+    programs (HEAVY_PROGRAMS_PER_SM an SM) loop over the tiles of the posted rows, whose count they read on
+    the device: the block costs what its posted rows need, nothing without them, and no host
+    synchronization (CUDA graphs hold it). Up to HEAVY_FEW_ROWS rows (a call's first tokens) the weights
+    are streamed over narrow tiles and the down product's reduction is split, its fp32 partial sums added
+    by a third launch."""
+    rows, d = x2.shape
     # block sizes (rows, columns, reduction): gate/up product, down product, few rows of each
     if x2.device.type == "cuda":
         h_tiles, down_tiles, h_few, down_few, ksplit = (128, 64, 64), (128, 128, 64), (32, 128), (64, 128), HEAVY_KSPLIT
@@ -38,19 +39,37 @@ def heavy_launches(x2, width, gated, h_fp32, capacity) -> tuple:
         options = dict(num_warps=4, num_stages=1)
     dot = "ieee" if h_fp32 else "tf32"
     programs = HEAVY_PROGRAMS_PER_SM * sm_count(x2.device)
-    most_tiles = max(cdiv(capacity, h_tiles[0]) * cdiv(width, h_tiles[1]), cdiv(width, h_few[0]),
-                     cdiv(capacity, down_tiles[0]) * cdiv(d, down_tiles[1]), cdiv(d, down_few[0]) * ksplit)
+    most_tiles = max(cdiv(rows, h_tiles[0]) * cdiv(width, h_tiles[1]), cdiv(width, h_few[0]),
+                     cdiv(rows, down_tiles[0]) * cdiv(d, down_tiles[1]), cdiv(d, down_few[0]) * ksplit)
     grid = (min(programs, most_tiles), 1, 1)
     gate_up = Launch(_heavy_h_kernel, grid, dict(
-        D=d, I=width, CAP=capacity, stride_xm=x2.stride(0), stride_xk=x2.stride(1), BM=h_tiles[0], BN=h_tiles[1],
+        D=d, I=width, stride_xm=x2.stride(0), stride_xk=x2.stride(1), BM=h_tiles[0], BN=h_tiles[1],
         BM_FEW=HEAVY_FEW_ROWS, BN_FEW=h_few[0], BK=h_tiles[2], BK_FEW=h_few[1], GATED=gated, H_FP32=h_fp32,
         DOT_PRECISION=dot), options)
     down = Launch(_heavy_out_kernel, grid, dict(
-        D=d, I=width, CAP=capacity, BM=down_tiles[0], BN=down_tiles[1], BM_FEW=HEAVY_FEW_ROWS, BN_FEW=down_few[0],
+        D=d, I=width, BM=down_tiles[0], BN=down_tiles[1], BM_FEW=HEAVY_FEW_ROWS, BN_FEW=down_few[0],
         KSPLIT=ksplit, BK=down_tiles[2], BK_FEW=down_few[1], H_FP32=h_fp32, DOT_PRECISION=dot), options)
     finish = Launch(_heavy_finish_kernel, (min(8, cdiv(d, 256)), 1, 1), dict(
-        D=d, CAP=capacity, BM_FEW=HEAVY_FEW_ROWS, KSPLIT=ksplit, BD=256), dict(num_warps=4))
-    return gate_up, down, finish, ksplit
+        D=d, BM_FEW=HEAVY_FEW_ROWS, KSPLIT=ksplit, BD=256), dict(num_warps=4))
+    return HeavyBlock(gate_up, down, finish, ksplit, torch.float32 if h_fp32 else x2.dtype)
+
+
+class HeavyBlock:
+    """The dense block's three launches, called with (x2, w_dec, up or down_t, down_t, workspace, out). Its
+    buffers are allocated at each call (they cannot be shared across streams): h [rows, I] and the few-row
+    split's fp32 partial sums [splits, HEAVY_FEW_ROWS, D]; a caller may pass its own instead."""
+
+    def __init__(self, gate_up: Launch, down: Launch, finish: Launch, splits: int, h_dtype):
+        self.gate_up, self.down, self.finish, self.splits, self.h_dtype = gate_up, down, finish, splits, h_dtype
+
+    def __call__(self, x2, w_dec, up_or_down, down_t, workspace, out, h=None, part=None):
+        if h is None:
+            h = torch.empty(x2.shape[0], w_dec.shape[0], dtype=self.h_dtype, device=x2.device)
+        if part is None:
+            part = torch.empty(self.splits, HEAVY_FEW_ROWS, x2.shape[1], dtype=torch.float32, device=x2.device)
+        self.gate_up(x2, w_dec, up_or_down, workspace, h)
+        self.down(h, down_t, workspace, out, part)
+        self.finish(part, workspace, out)
 
 
 if triton is not None:
@@ -93,13 +112,13 @@ if triton is not None:
                      mask=live[:, None] & cmask[None, :])
 
     @triton.jit
-    def _heavy_h_kernel(x_ptr, wdec_ptr, up_ptr, ws_ptr, h_ptr, D, I, CAP, stride_xm, stride_xk,
+    def _heavy_h_kernel(x_ptr, wdec_ptr, up_ptr, ws_ptr, h_ptr, D, I, stride_xm, stride_xk,
                         BM: tl.constexpr, BN: tl.constexpr, BM_FEW: tl.constexpr, BN_FEW: tl.constexpr,
                         BK: tl.constexpr, BK_FEW: tl.constexpr, GATED: tl.constexpr, H_FP32: tl.constexpr,
                         DOT_PRECISION: tl.constexpr):
         # up to BM_FEW posted rows the weights are streamed once, in narrow column tiles over many programs;
         # more rows take square tiles
-        n = tl.minimum(tl.load(ws_ptr), CAP)
+        n = tl.load(ws_ptr)
         if n <= BM_FEW:
             _heavy_h_tiles(x_ptr, wdec_ptr, up_ptr, ws_ptr, h_ptr, n, D, I, stride_xm, stride_xk, BM_FEW, BN_FEW,
                            BK_FEW, GATED, H_FP32, DOT_PRECISION)
@@ -125,14 +144,14 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _heavy_out_kernel(h_ptr, down_ptr, ws_ptr, out_ptr, part_ptr, D, I, CAP, BM: tl.constexpr,
+    def _heavy_out_kernel(h_ptr, down_ptr, ws_ptr, out_ptr, part_ptr, D, I, BM: tl.constexpr,
                           BN: tl.constexpr, BM_FEW: tl.constexpr, BN_FEW: tl.constexpr, KSPLIT: tl.constexpr,
                           BK: tl.constexpr, BK_FEW: tl.constexpr, H_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
         # out[row, cols] = h[slot] @ down_t[:, cols] for the posted rows. Up to BM_FEW rows the reduction over
         # I is split KSPLIT ways (a long serial loop over few programs otherwise) into fp32 partial sums
         # (part, [KSPLIT, BM_FEW, D]), which _heavy_finish_kernel adds in order (deterministic); more rows
         # take square tiles
-        n = tl.minimum(tl.load(ws_ptr), CAP)
+        n = tl.load(ws_ptr)
         if n == 0:  # the split's tiles do not depend on n: without posted rows, nothing to stream
             return
         if n <= BM_FEW:
@@ -161,11 +180,11 @@ if triton is not None:
                          mask=live[:, None] & cmask[None, :])
 
     @triton.jit
-    def _heavy_finish_kernel(part_ptr, ws_ptr, out_ptr, D, CAP, BM_FEW: tl.constexpr, KSPLIT: tl.constexpr,
+    def _heavy_finish_kernel(part_ptr, ws_ptr, out_ptr, D, BM_FEW: tl.constexpr, KSPLIT: tl.constexpr,
                              BD: tl.constexpr):
         # the few-row split's partial sums, added in split order, to the posted rows of out (more rows were
         # written directly)
-        n = tl.minimum(tl.load(ws_ptr), CAP)
+        n = tl.load(ws_ptr)
         if 0 < n and n <= BM_FEW:
             slot, rows, live = _posted_rows(ws_ptr, 0, n, BM_FEW)
             for c0 in range(tl.program_id(0) * BD, D, tl.num_programs(0) * BD):

@@ -202,11 +202,11 @@ def test_heavy_rows_through_the_dense_block(gated, h_fp32):
     assert out[heavy].isnan().all() and not out[~heavy].isnan().any()
     assert workspace[0].item() == 2 and sorted(workspace[1:3].tolist()) == [5, 6]
     h = torch.full((m, i), float("nan"), dtype=tw.values.dtype, device=DEV)
-    gate_up_launch, down_launch, finish_launch, splits = launches.heavy
-    partials = torch.full((splits, HEAVY_FEW_ROWS, d), float("nan"), device=DEV)
-    gate_up_launch(x, gate, up_or_down, workspace, h)
-    down_launch(h, down_t, workspace, out, partials)
-    finish_launch(partials, workspace, out)
+    partials = torch.full((launches.heavy.splits, HEAVY_FEW_ROWS, d), float("nan"), device=DEV)
+    launches.heavy(x, gate, up_or_down, down_t, workspace, out, h=h, part=partials)
+    # the block wrote the buffers given, at the two posted slots only
+    assert h[:2].isfinite().all() and h[2:].isnan().all()
+    assert partials[:, :2].isfinite().all() and partials[:, 2:].isnan().all()
     ref = torch.relu(x @ gate.t()) * (x @ up.t()) if gated else torch.relu(x @ gate.t())
     ref = ref @ down.t()
     assert rel_err(out, ref) < 1e-5

@@ -1,0 +1,74 @@
+"""benchmarks/bench_inference.py on CPU: what --resume keeps of a run cut short and what it measures again
+(the measurements themselves need a GPU)."""
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def bench():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_inference.py"
+    spec = importlib.util.spec_from_file_location("bench_inference", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def robust_row(bench, m, k, heavy, plan_k=None):
+    d, i = bench.ROBUST_SHAPE
+    return dict(D=d, I=i, M=m, k=k, plan_k=plan_k or k, heavy_rows=heavy, eager_speedup=1.0)
+
+
+def write(path, result):
+    path.write_text(json.dumps(result))
+    return str(path)
+
+
+def test_robustness_cells_leave_out_the_rows_already_measured(bench, tmp_path):
+    # heavy rows at 64 tokens: none, one (the count and the shares that round below one), 5%, 25%, all
+    assert bench.robustness_cells(29, None, (1, 64)) == [(1, 0), (1, 1), (64, 0), (64, 1), (64, 3), (64, 16),
+                                                         (64, 64)]
+    earlier = [robust_row(bench, 1, 29, 0), robust_row(bench, 64, 29, 3),
+               robust_row(bench, 64, 29, 16, plan_k=98)]  # planned from other inputs: another cell
+    result, done = bench.resumed(write(tmp_path / "r.json", dict(runtime="this tree", rows=earlier)),
+                                 bench.ROBUST_KEY)
+    assert result["rows"] == earlier and len(done) == 3
+    assert bench.robustness_cells(29, None, (1, 64), done) == [(1, 1), (64, 0), (64, 1), (64, 16), (64, 64)]
+    assert bench.robustness_cells(29, 98, (64,), done) == [(64, 0), (64, 1), (64, 3), (64, 64)]
+    assert bench.resumed(str(tmp_path / "none.json"), bench.ROBUST_KEY) == (None, set())
+
+
+def test_resume_continues_a_robustness_run(bench, tmp_path, monkeypatch):
+    earlier = [robust_row(bench, 1, 29, 0), robust_row(bench, 64, 29, 3)]
+    path = write(tmp_path / "r.json", dict(runtime="this tree", rows=earlier))
+    seen = {}
+
+    def robustness(folder, plan_k, tokens, actives, done):
+        seen.update(done=done, tokens=tokens, actives=actives)
+        yield robust_row(bench, 64, 29, 0)
+
+    monkeypatch.setattr(bench, "robustness", robustness)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "no GPU")
+    bench.main(["--robustness", "--tokens", "1", "64", "--active", "29", "--json", path, "--resume"])
+    assert seen == dict(done={tuple(row[key] for key in bench.ROBUST_KEY) for row in earlier}, tokens=[1, 64],
+                        actives=[29])
+    result = json.loads(Path(path).read_text())
+    assert result["rows"] == earlier + [robust_row(bench, 64, 29, 0)] and result["runtime"] == "this tree"
+
+
+@pytest.mark.parametrize("args,result,message", [
+    (["--robustness"], dict(rows=[dict(D=2048, I=5632, M=1, k=29, tile=128, compression=8)]),
+     "is not a --robustness result"),
+    ([], dict(runtime="this tree", rows=[dict(D=2048, I=5632, M=1, k=29, plan_k=29, heavy_rows=0)]),
+     "is not a grid result"),
+    (["--robustness"], dict(runtime="/elsewhere/ckpt", rows=[]), "timed the runtime '/elsewhere/ckpt'"),
+    (["--heavy-block"], dict(rows=[]), "continues the block grid and --robustness only"),
+])
+def test_resume_refuses_another_run(bench, tmp_path, capsys, args, result, message):
+    path = write(tmp_path / "r.json", result)
+    with pytest.raises(SystemExit):
+        bench.main([*args, "--json", path, "--resume"])
+    assert message in capsys.readouterr().err
