@@ -9,7 +9,8 @@ from transformers import AutoModelForCausalLM
 from sparsify.export import export_checkpoint
 from sparsify.families import spec_for
 from sparsify.relufy import relufy
-from sparsify.remote.generation import CACHE_ROUND, CHECK_EVERY, Sampling, choose, generate_graphed, padded_length
+from sparsify.remote.generation import (CACHE_ROUND, CHECK_EVERY, Sampling, choose, generate_graphed, graphed_call,
+                                        padded_length)
 from twell.layer_plan import ALL_TOKENS, LayerPlan, Mode
 
 from helpers import tiny_input_ids, tiny_model
@@ -319,8 +320,8 @@ def converted_checkpoint(tmp_path):
 
 def test_generate_takes_the_loop_where_the_call_fits_and_falls_back_elsewhere(tmp_path):
     """model.generate on a converted checkpoint: greedy and max_length calls run the graphed loop with
-    transformers' tokens; beam search, a logits processor, returned dicts, right padding and graphed=False
-    go to transformers' generate unchanged."""
+    transformers' tokens (a static cache with the loop's compiled step); beam search, a logits processor,
+    returned dicts, right padding, other caches and graphed=False go to transformers' generate unchanged."""
     from transformers import LogitsProcessorList, TemperatureLogitsWarper
 
     remote, _, _ = converted_checkpoint(tmp_path)
@@ -352,6 +353,14 @@ def test_generate_takes_the_loop_where_the_call_fits_and_falls_back_elsewhere(tm
         if options.get("return_dict_in_generate"):
             out, expected = out.sequences, expected.sequences
         assert torch.equal(out, expected), options
+    # a static cache is where transformers compiles the step: the loop's compiled step serves it
+    static = graphed_call(remote, ids, dict(max_new_tokens=5, cache_implementation="static"))
+    assert static["compile"] and not graphed_call(remote, ids, dict(max_new_tokens=5))["compile"]
+    remote.release_graphed()
+    out = remote.generate(ids, max_new_tokens=12, eos_token_id=None, pad_token_id=0, cache_implementation="static",
+                          disable_compile=True)
+    assert remote._decode_loop.loop is not None and torch.equal(out, fast)
+    assert graphed_call(remote, ids, dict(max_new_tokens=5, cache_implementation="offloaded")) is None
     remote.release_graphed()  # sampling takes the loop too; top_k 1 leaves one token to draw: the greedy one
     sampled = remote.generate(ids, do_sample=True, top_k=1, max_new_tokens=12, eos_token_id=None, pad_token_id=0)
     assert remote._decode_loop.loop is not None and torch.equal(sampled, fast)

@@ -231,14 +231,16 @@ class LoopUnsupported(ValueError):
 # penalties, returned scores, ...; a setting that is false, 0 or None is off) or passes other arguments (logits
 # processors, an assistant model, ...) goes to transformers' generate unchanged.
 LOOP_SETTINGS = {"max_new_tokens", "max_length", "min_new_tokens", "min_length", "do_sample", "temperature", "top_k", "top_p", "eos_token_id",
-                 "pad_token_id", "bos_token_id", "use_cache", "graphed", "transformers_version", "_from_model_config"}
+                 "pad_token_id", "bos_token_id", "use_cache", "graphed", "transformers_version", "_from_model_config",
+                 "cache_implementation", "compile_config", "disable_compile"}
 LOOP_ARGUMENTS = {"input_ids", "attention_mask", "streamer", "generation_config", "graphed"}
 
 
 def graphed_call(model, inputs, kwargs: dict) -> dict | None:
     """generate_graphed's arguments for `model.generate(inputs, **kwargs)` where the loop computes what
     transformers' generate would (greedy, or sampling with temperature / top_k / top_p, left-padded prompts,
-    max_new_tokens or max_length, min_new_tokens or min_length, eos and pad, a streamer), else None. `graphed=False` (an argument, or the
+    max_new_tokens or max_length, min_new_tokens or min_length, eos and pad, a streamer; a static cache, which
+    transformers compiles, runs the loop's compiled step), else None. `graphed=False` (an argument, or the
     generation config's attribute) turns it off; so does a model whose cache the loop cannot run."""
     if model.__dict__.get("_loop_unsupported"):
         return None
@@ -247,6 +249,8 @@ def graphed_call(model, inputs, kwargs: dict) -> dict | None:
         return None  # arguments that are no generation setting: logits processors, assistants, embeddings, ...
     others = {k for k, v in config.to_diff_dict().items() if k not in LOOP_SETTINGS and v}
     if not kwargs.get("graphed", getattr(config, "graphed", True)) or others:
+        return None
+    if config.cache_implementation not in (None, "static"):  # offloaded, quantized, sliding-window caches
         return None
     ids = inputs if inputs is not None else kwargs.get("input_ids")
     if not (isinstance(ids, torch.Tensor) and ids.ndim == 2 and ids.shape[1] > 0 and not ids.is_floating_point()):
@@ -267,7 +271,9 @@ def graphed_call(model, inputs, kwargs: dict) -> dict | None:
                 temperature=1.0 if config.temperature is None else config.temperature, top_k=config.top_k or 0,
                 top_p=1.0 if config.top_p is None else config.top_p,
                 eos_token_id=[] if config.eos_token_id is None else config.eos_token_id,
-                pad_token_id=config.pad_token_id, streamer=kwargs.get("streamer"))
+                pad_token_id=config.pad_token_id, streamer=kwargs.get("streamer"),
+                # a static cache is where transformers compiles the decode step: the loop's compiled step
+                compile=config.cache_implementation == "static" and not config.disable_compile)
 
 
 def release_graphed(model) -> None:
