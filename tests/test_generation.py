@@ -243,6 +243,10 @@ def test_graph_replay_matches_generate_on_gpu(tmp_path, compile):
     for loaded in (model.cuda(), AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).cuda().eval()):
         expected = reference(loaded, ids, 40, eos_token_id=None, pad_token_id=0)
         assert torch.equal(generate_graphed(loaded, ids, 40, eos_token_id=[], compile=compile), expected)
+        if compile and hasattr(loaded, "release_graphed"):  # generate with a static cache: the compiled loop
+            static = loaded.generate(ids, max_new_tokens=40, eos_token_id=None, pad_token_id=0,
+                                     cache_implementation="static")
+            assert torch.equal(static, expected) and loaded._decode_loop.loop.forward is not loaded._decode_loop.loop.model
         mask = torch.ones_like(ids)
         mask[0, :4] = 0  # a left-padded prompt: the same captured step, another mask
         padded = ids.masked_fill(mask == 0, 0)
