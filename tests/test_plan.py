@@ -40,6 +40,18 @@ def test_heavy_tokens_overflow_costs_nothing_in_batched_calls():
     assert predicted_speedup(29, 0.02, 128, D, I, tokens=1) < predicted_speedup(29, 0.0, 128, D, I, tokens=1)
 
 
+def test_decode_only_overflow_moves_to_a_smaller_compression():
+    """A busy layer whose narrowest packing overflows only in decode (its heavy pairs go to the dense block in
+    batched calls, so the 16k-token prediction ties): the packing that does not overflow there wins the tie."""
+    overflow = {t: {2: 0.0, 4: 0.0, 8: 0.0015, 16: 0.24} for t in (64, 128, 256)}
+    layer_stats = stats(300, overflow)
+    for t in layer_stats["tiles"].values():
+        t["overflow_frac_light"] = {c: 0.0 for c in t["overflow_frac"]}
+    layer = plan_layer(layer_stats, hidden_size=D)
+    assert (layer.mode, layer.tile, layer.compression) == (Mode.SPARSE, 128, 8)
+    assert layer.sparse_tokens[0][0] == 1  # the decode window stays
+
+
 def test_narrow_layers_leave_a_dense_window():
     # decode and long prefills on the kernels, a dense window between (D 896 / I 4864: latency-bound there,
     # measured 0.99-1.07x at 65-256 tokens, predicted 0.87-0.96x)
