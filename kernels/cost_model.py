@@ -5,6 +5,7 @@ Each launch costs a smooth maximum of its compute and its weight-streaming time 
 compute runs at peak * D / (D + D_half) (narrow matmuls are less efficient). The constants are fitted to
 H100 block benchmarks of 5 shapes, 1-65536 tokens, 29-300 active units and tiles 64-256.
 """
+from .decode import DECODE_TILE, decode_tile_stride
 from .format import HEAVY_UNITS, HOPPER_TILES_PER_SM, cdiv, decode_rows, out_units_per_step
 
 # The narrowest layer shape the constants were fitted to: narrower layers are outside the model, and a plan
@@ -20,7 +21,9 @@ GATE = {64: (411e12, 255, 4.00e12, 6.0e-6), 128: (621e12, 257, 2.56e12, 7.1e-6),
 H100_SMS = 132
 GATHER = (6.27e12, 2.76e12, 0.000e-9, 17.6e-6)  # up + down rows of the active pairs: bytes/s from L2 and
 #                                                 from HBM, seconds per pair, latency of the out kernel
-DECODE = (2.54e12, 3.8e-9, 9.1e-6)  # decode: bytes/s (gate matrix, active up/down rows), s per pair, latency
+# Decode: bytes/s (gate matrix, active up/down rows), seconds per active column of a gate program's tile (its
+# rows' union: each is a serial step of the program, computing u and reading the unit's rows), latency
+DECODE = (2.47e12, 0.85e-6, 7.1e-6)
 L2_BYTES = 50e6
 # Batched, the out kernel walks each row in one program, a few units a step, beside the other rows: a row
 # heavier than the rest (a sequence's first token often activates hundreds of units) is a serial chain.
@@ -55,14 +58,16 @@ def heavy_time(d: int, i: int, rows: int) -> float:
 def twell_time(mean_active: float, d: int, i: int, tokens: int, max_active: float | None = None,
                tile: int = 128, heavy_rows: int | None = None) -> float:
     """Predicted seconds of `gated_mlp` at `mean_active` units per token (no overflow) with `tile`-wide
-    tiles (batched: the gate kernel's rates depend on it; decode uses its own); `max_active`, the
+    tiles (batched: the gate kernel's rates depend on it; decode: its tiles of at most DECODE_TILE units); `max_active`, the
     heaviest token's count: up to HEAVY_UNITS its serial walk bounds the batched out kernel from below (a
     smooth maximum with the throughput term: the row runs beside the others); above, the row goes to the
     dense block of heavy rows, whose time is added for `heavy_rows` rows (default: one, the heaviest)."""
     pairs = tokens * mean_active
     if tokens <= decode_rows(d, i):  # decode spreads a row's units over the gate programs' tiles
-        bandwidth, per_pair, latency = DECODE
-        return (2 * d * i + 4 * d * pairs) / bandwidth + pairs * per_pair + latency
+        bandwidth, per_column, latency = DECODE
+        stride = decode_tile_stride(i, min(tile, DECODE_TILE), tokens, H100_SMS)
+        columns = stride * (1 - (1 - min(mean_active / i, 1.0)) ** tokens)
+        return (2 * d * i + 4 * d * pairs) / bandwidth + columns * per_column + latency
     l2, hbm, per_pair, latency = GATHER
     from_hbm = max(0.0, 1 - L2_BYTES / (4 * d * i))  # share of the row reads that miss L2
     gather = pairs * (4 * d * ((1 - from_hbm) / l2 + from_hbm / hbm) + per_pair) + latency

@@ -5,10 +5,9 @@ h = g * u and the out kernel only gathers down rows; an overflowing (row, tile) 
 the row's output as an fp32 partial row (`_partial_rows`) for the out kernel to add. One gated token
 (`tile_out_launch`) packs nothing: each gate program writes its tile's share of the output (`_tile_out`)
 and `_twell_tile_sum_kernel` adds the shares. Reference: reference.tile_shares."""
-import torch
 
 from .format import cdiv
-from .launch import Launch, sm_count
+from .launch import Launch
 
 try:
     import triton
@@ -64,14 +63,14 @@ def decode_out_config(m: int, d: int, tiles: int) -> dict:
     return dict(CH=32, BD=bd, num_warps=4)
 
 
-def decode_tile_stride(width: int, tile: int, m: int, device: torch.device) -> int:
-    """Decode tile width (units a gate program streams). Above 16 rows: I / #SMs where that fits in the
-    tile, one program per SM (I / 64 programs leave SMs idle: 88 of 132 at I = 5632), which measured
-    faster at 64 rows and slower at 1 and 8. At least half the tile, so that a narrow layer does not pay
-    for mostly empty T-wide blocks."""
-    if device.type != "cuda" or m <= 16:
+def decode_tile_stride(width: int, tile: int, m: int, sms: int | None) -> int:
+    """Decode tile width (units a gate program streams) on a GPU of `sms` SMs (None: not a GPU, the tile).
+    Above 16 rows: I / #SMs where that fits in the tile, one program per SM (I / 64 programs leave SMs
+    idle: 88 of 132 at I = 5632), which measured faster at 64 rows and slower at 1 and 8. At least half the
+    tile, so that a narrow layer does not pay for mostly empty T-wide blocks."""
+    if sms is None or m <= 16:
         return tile
-    return min(tile, max(cdiv(width, sm_count(device)), tile // 2))
+    return min(tile, max(cdiv(width, sms), tile // 2))
 
 
 def tile_out_launch(m: int, d: int, gated: bool, decode: bool) -> bool:

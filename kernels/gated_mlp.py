@@ -12,7 +12,7 @@ import torch
 from .batched import gate_config, gate_launch, out_config, out_launch
 from .decode import DECODE_TILE, decode_tile_stride, tile_out_launch, tile_sum_launch
 from .format import cdiv, decode_rows, on_device, slots, use_triton
-from .launch import use_pdl
+from .launch import sm_count, use_pdl
 from .reference import forward_reference
 
 PRECISIONS = ("default", "highest")
@@ -32,7 +32,7 @@ class _Launches:
         self.decode = m <= decode_rows(d, width)
         self.tile_out = tile_out_launch(m, d, up is not None, self.decode)
         tile = min(tile, DECODE_TILE) if self.decode else tile
-        ts = decode_tile_stride(width, tile, m, x2.device) if self.decode else tile
+        ts = decode_tile_stride(width, tile, m, sm_count(x2.device) if x2.is_cuda else None) if self.decode else tile
         pdl = self.decode and use_pdl(x2.device)
         s = slots(tile, compression)
         h_fp32 = precision == "highest"

@@ -16,6 +16,7 @@ from twell.batched import gate_config, gate_launch, out_config, out_launch
 from twell.decode import HELD_ROWS, TILE_OUT_MAX_D, decode_tile_stride, tile_out_launch, tile_sum_launch
 from twell.format import HEAVY_UNITS, UNIT_SAMPLE, empty_twell, slots, tma_ok
 from twell.heavy import HEAVY_FEW_ROWS
+from twell.launch import sm_count
 from twell.reference import forward_reference, tile_counts, tile_shares
 
 gm = sys.modules["twell.gated_mlp"]
@@ -259,7 +260,7 @@ def overflow_count(g, tile, compression):
     """Overflowing (row, tile) pairs of a gate pre-activation [M, I], at the kernels' decode tiles (blocks of
     min(tile, 64), each holding a tile of decode_tile_stride units: narrower on a GPU above 16 rows)."""
     tile = min(tile, 64)
-    ts = decode_tile_stride(g.shape[1], tile, g.shape[0], g.device)
+    ts = decode_tile_stride(g.shape[1], tile, g.shape[0], sm_count(g.device) if g.is_cuda else None)
     return (tile_counts(g, ts) > slots(tile, compression)).sum().item()
 
 
