@@ -650,7 +650,31 @@ def resumed(path, key):
     return result, {tuple(row[name] for name in key) for row in result["rows"]}
 
 
-def main(argv=None):
+def block_grid(args, result: dict, done: set) -> None:
+    """The block grid's rows missing from `done` appended to result["rows"] (written to --json after each),
+    then all of them as a table."""
+    rows = result["rows"]
+    for grid in args.grid:
+        for (d, i, m, k), tile, compression in itertools.product(GRIDS[grid], args.tile, args.compression):
+            comp = compression if k < 200 else min(compression, 4)
+            if (d, i, m, k, tile, comp) in done:
+                continue
+            rows.append(bench_row(d, i, m, k, tile, comp))
+            print({key: round(v, 4) if isinstance(v, float) else v for key, v in rows[-1].items()}, flush=True)
+            if args.json:  # after every row, so that a run cut short keeps what it measured
+                write_json(args.json, result)
+    print(f"\n{'D':>5} {'I':>6} {'M':>6} {'k':>4} {'mean':>6} {'max':>5} {'maxT':>4} {'ovf':>6} "
+          f"{'dense':>8} {'twell':>8} {'x':>5} {'gate':>7} {'updn':>7} {'cuBLAS':>7} {'errD':>7} {'errT':>7}")
+    for r in rows:
+        print(f"{r['D']:5d} {r['I']:6d} {r['M']:6d} {r['k']:4d} {r['mean_active']:6.1f} "
+              f"{r['max_active']:5.0f} {r['max_tile_active']:4d} {r['overflow_tiles']:6d} "
+              f"{r['dense_ms']:8.4f} {r['twell_ms']:8.4f} {r['speedup']:5.2f} "
+              f"{r.get('gate_ms', float('nan')):7.4f} {r.get('updown_ms', float('nan')):7.4f} "
+              f"{r.get('cublas_gate_ms', float('nan')):7.4f} "
+              f"{r['err_dense']:7.1e} {r['err_twell']:7.1e}")
+
+
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     p.add_argument("--grid", nargs="*", default=["main", "decode"], choices=sorted(GRIDS))
     p.add_argument("--tile", type=int, nargs="+", default=[128], help="each row at every tile given")
@@ -676,6 +700,11 @@ def main(argv=None):
     p.add_argument("--resume", action="store_true",
                    help="block grid and --robustness: keep the rows already in --json (a run cut short) and "
                         "measure only the missing ones")
+    return p
+
+
+def main(argv=None):
+    p = parser()
     args = p.parse_args(argv)
     if args.runtime and not (Path(args.runtime) / "modeling_twell.py").is_file():
         p.error(f"--runtime: {args.runtime} has no modeling_twell.py (give an exported checkpoint's folder)")
@@ -718,25 +747,7 @@ def main(argv=None):
         result = dict(meta, rows=decode_rules())
     else:
         result = dict(meta, rows=rows)
-        for grid in args.grid:
-            for (d, i, m, k), tile, compression in itertools.product(GRIDS[grid], args.tile, args.compression):
-                comp = compression if k < 200 else min(compression, 4)
-                if (d, i, m, k, tile, comp) in done:
-                    continue
-                rows.append(bench_row(d, i, m, k, tile, comp))
-                print({key: round(v, 4) if isinstance(v, float) else v for key, v in rows[-1].items()},
-                      flush=True)
-                if args.json:  # after every row, so that a run cut short keeps what it measured
-                    write_json(args.json, result)
-        print(f"\n{'D':>5} {'I':>6} {'M':>6} {'k':>4} {'mean':>6} {'max':>5} {'maxT':>4} {'ovf':>6} "
-              f"{'dense':>8} {'twell':>8} {'x':>5} {'gate':>7} {'updn':>7} {'cuBLAS':>7} {'errD':>7} {'errT':>7}")
-        for r in rows:
-            print(f"{r['D']:5d} {r['I']:6d} {r['M']:6d} {r['k']:4d} {r['mean_active']:6.1f} "
-                  f"{r['max_active']:5.0f} {r['max_tile_active']:4d} {r['overflow_tiles']:6d} "
-                  f"{r['dense_ms']:8.4f} {r['twell_ms']:8.4f} {r['speedup']:5.2f} "
-                  f"{r.get('gate_ms', float('nan')):7.4f} {r.get('updown_ms', float('nan')):7.4f} "
-                  f"{r.get('cublas_gate_ms', float('nan')):7.4f} "
-                  f"{r['err_dense']:7.1e} {r['err_twell']:7.1e}")
+        block_grid(args, result, done)
     if args.json:
         write_json(args.json, result)
 

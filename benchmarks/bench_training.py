@@ -215,45 +215,50 @@ def breakdown(M, D, I, k, uneven_mean, E):
     )
 
 
+def bias_channel_llama(cfg, k, mode, records):
+    """A bf16 Llama of `cfg` with random weights whose MLPs (dense or hybrid) see input channel 0 set to 1 and
+    gate[:, 0] set for about k active units, each appending its (L1, active units) to `records`."""
+    import torch.nn.functional as F
+    from transformers import LlamaForCausalLM
+
+    b0 = torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor(k / cfg.intermediate_size)).item()
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+
+    def forward(self, x):
+        x = torch.cat([torch.ones_like(x[..., :1]), x[..., 1:]], -1)  # the bias channel
+        if mode == "hybrid":
+            out, st = H.hybrid_gated_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+            records.append((st.l1, st.active))
+            return out
+        h = torch.relu(F.linear(x, self.gate_proj.weight)) * F.linear(x, self.up_proj.weight)
+        records.append((h.abs().sum(-1).mean(), (h != 0).sum(-1).float().mean().detach()))
+        return F.linear(h, self.down_proj.weight)
+
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate_proj.weight.normal_(0, cfg.hidden_size ** -0.5)[:, 0] = b0
+            layer.mlp.forward = forward.__get__(layer.mlp)
+    return model
+
+
 def e2e(k=29, batch=4, seq=2048, steps=5):
     """Training steps (forward, backward, AdamW) of a 1.5B-shape Llama (28 layers, D 2048, I 5632,
     vocabulary 49152, random weights), dense MLPs vs hybrid; sparsity controlled by a bias channel
     (MLP input channel 0 set to 1, gate[:, 0] set for k active units). Tokens/s and peak memory."""
-    import torch.nn.functional as F
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
 
     cfg = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=28,
                       num_attention_heads=16, num_key_value_heads=16, vocab_size=49152,
                       max_position_embeddings=seq, hidden_act="relu")
     cfg._attn_implementation = "sdpa"
-    b0 = torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor(k / 5632)).item()
     results = {}
     for mode in ("dense", "hybrid"):
-        torch.manual_seed(0)
-        with torch.device("cuda"):
-            model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-        mlps = [layer.mlp for layer in model.model.layers]
-        with torch.no_grad():
-            for m in mlps:
-                m.gate_proj.weight.normal_(0, 2048**-0.5)[:, 0] = b0
-
         # each MLP call's (L1, active units) of the current step, in layer order; the step empties it, so no
         # tensor of an autograd graph outlives its step (the graph would keep the parameters alive)
         records = []
-
-        def forward(self, x, mode=mode):
-            x = torch.cat([torch.ones_like(x[..., :1]), x[..., 1:]], -1)  # the bias channel
-            if mode == "hybrid":
-                out, st = H.hybrid_gated_mlp(x, self.gate_proj.weight, self.up_proj.weight,
-                                             self.down_proj.weight)
-                records.append((st.l1, st.active))
-                return out
-            h = torch.relu(F.linear(x, self.gate_proj.weight)) * F.linear(x, self.up_proj.weight)
-            records.append((h.abs().sum(-1).mean(), (h != 0).sum(-1).float().mean().detach()))
-            return F.linear(h, self.down_proj.weight)
-
-        for m in mlps:
-            m.forward = forward.__get__(m)
+        model = bias_channel_llama(cfg, k, mode, records)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
         ids = torch.randint(0, 49152, (batch, seq), device="cuda")
 
@@ -291,7 +296,7 @@ def e2e(k=29, batch=4, seq=2048, steps=5):
                              mean_active=torch.stack(active).mean().item())
         print(mode, json.dumps(results[mode]), flush=True)
         weight = weakref.ref(model.model.embed_tokens.weight)
-        del model, opt, mlps, step, ids
+        del model, opt, step, ids
         gc.collect()  # each MLP's bound forward refers back to it: the model is freed by the cycle collector
         torch.cuda.empty_cache()
         if weight() is not None:  # the next mode's peak would count these weights

@@ -124,8 +124,7 @@ def convert(
                                                        max_shard_size, measure_kernels, processes)
     report_trackers = trackers(report_to)
     fsdp = fsdp_launch()[0]
-    model, tokenizer, spec = _load_source(source, config, device, launch, show_progress)
-    base_model = _base_model(source)  # read now: the source folder may change while the conversion trains
+    model, tokenizer, spec, base_model = _load_source(source, config, device, launch, show_progress)
     text = TextData(data_spec, tokenizer, config.seq_len, config.eval_tokens, text_column)
     ppl = {}
     shown = show_progress and main
@@ -208,7 +207,8 @@ def _check_inputs(source: str, out, config: TrainConfig, data: str | None, text_
 def _load_source(source: str, config: TrainConfig, device: str | None, launch: PartialState, show_progress: bool):
     """(model, tokenizer, family spec) of `source` in fp32, after printing the run's settings and checking that
     its training state fits the GPUs (under FSDP: loaded into CPU memory, only by the main process where the
-    launch config loads on rank 0)."""
+    launch config loads on rank 0), and the base model the checkpoint will record (read now: the source
+    folder may change while the conversion trains)."""
     fsdp, rank0_loading = fsdp_launch()
     main, processes = launch.is_main_process, launch.num_processes
     parameters = parameter_count(load_config(source)[0])
@@ -219,7 +219,7 @@ def _load_source(source: str, config: TrainConfig, device: str | None, launch: P
                                         weights=main or not rank0_loading)
     require_tokenizer(tokenizer, source)
     config.validate(getattr(model.config, "max_position_embeddings", None))
-    return model, tokenizer, spec
+    return model, tokenizer, spec, _base_model(source)
 
 
 def _train(model, text: TextData, config: TrainConfig, source_perplexities: Callable, compute_dtype: torch.dtype, *,

@@ -300,7 +300,7 @@ def stage(path: Path, make):
     return value
 
 
-def main(argv=None) -> dict:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", type=Path, required=True, help="folder for corpus, models and stage results")
     ap.add_argument("--json", type=Path, help="write the report here (and the plot beside it, .png)")
@@ -336,6 +336,11 @@ def main(argv=None) -> dict:
                     help="override recipe settings, e.g. --set lr=3e-4 l1_warmup_steps=50")
     ap.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     ap.add_argument("--seed", type=int, default=0)
+    return ap
+
+
+def main(argv=None) -> dict:
+    ap = parser()
     args = ap.parse_args(argv)
     if args.toy:
         for key, value in TOY.items():
