@@ -123,7 +123,7 @@ def twell_out(x, packed, w, cfg, packed_h=False):
     tw, partials = packed
     down_t = w["down_p"].t()
     out = torch.empty_like(x)
-    out_launch(x, tw.width, tw.tile, tw.values.shape[2], True, False, False, cfg, packed_h=packed_h)(
+    out_launch(x, tw.width, tw.tile, tw.values.shape[2], False, False, cfg, packed_h=packed_h)(
         x, *tw[:3], partials, w["gate"], w["up"], down_t, out, tw.counts)
     return out
 
@@ -486,7 +486,7 @@ def heavy_block():
         w = make_layer(d, i, HEAVY_K)
         capacity = 16384
         x = make_x(capacity, d)
-        heavy = heavy_launches(x, i, True, False)
+        heavy = heavy_launches(x, i, False)
         down_t = w["down_p"].t()
         for n in (1, 4, 16, 17, 64, 256, 1024, 4096, 16384):
             posted = torch.randperm(capacity, device="cuda")[:n].sort().values

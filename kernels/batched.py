@@ -118,14 +118,14 @@ def gate_launch(x2, w, up, tile, s, vals_dtype, cfg, h_fp32=False, partials=Fals
         ROWS_BK=triton.next_power_of_2(d), TILE_OUT=tile_out), cfg, extra)
 
 
-def out_launch(x2, width, tile, s, gated, h_fp32, has_overflow, cfg, packed_h=False, tile_stride=None,
+def out_launch(x2, width, tile, s, h_fp32, has_overflow, cfg, packed_h=False, tile_stride=None,
                pdl=False, count_units=False) -> "_OutLaunches":
-    """Launches of out [M, D] = sum over active units j of h_j * down_t[j], h_j = g_j * (x . up[j]) (or g_j
-    when not gated). With packed_h (decode path), the TwELL already holds h and overflowing tiles read
-    their partial rows from the buffer that gate_launch(partials=True) wrote; otherwise they are recomputed
-    from w_dec and up. `tile_stride` and `pdl` as in gate_launch (the out kernel then waits for the gate
-    kernel on the device). Called with (x2, values, indices, counts, partials or values, w_dec, up or
-    down_t, down_t, out, overflow or counts); w_dec, up and down_t contiguous.
+    """Launches of out [M, D] = sum over active units j of h_j * down_t[j], h_j = g_j * (x . up[j]). With
+    packed_h (decode path), the TwELL already holds h and overflowing tiles read their partial rows from
+    the buffer that gate_launch(partials=True) wrote; otherwise they are recomputed from gate and up.
+    `tile_stride` and `pdl` as in gate_launch (the out kernel then waits for the gate kernel on the
+    device). Called with (x2, values, indices, counts, partials or values, gate, up, down_t, out, overflow
+    or counts); gate, up and down_t contiguous.
     Batched (one program a whole row), a heavy row posts its index for the dense block (heavy_launches), and
     with count_units every UNIT_SAMPLE-th row it walks adds its units and itself to overflow[1] and [2], and
     each posted row adds itself to overflow[3]."""
@@ -151,12 +151,11 @@ def out_launch(x2, width, tile, s, gated, h_fp32, has_overflow, cfg, packed_h=Fa
     out = Launch(_twell_out_kernel, (m, cdiv(d, bd), 1), dict(
         D=d, I=width, NT=nt, HEAVY=HEAVY_UNITS, stride_xm=x2.stride(0),
         stride_xk=x2.stride(1), T=tile, S=s, NT_PAD=nt_pad, CH=ch, FB_CH=fb_ch,
-        OT=max(1, min(nt_pad, 4096 // bd)), BLOCK_D=block_d, BD=bd, LIST_UP=gated and not packed_h,
-        FALLBACK_UP=gated, H_FP32=h_fp32,
+        OT=max(1, min(nt_pad, 4096 // bd)), BLOCK_D=block_d, BD=bd, LIST_UP=not packed_h, H_FP32=h_fp32,
         HAS_OVF=has_overflow, PARTIALS=packed_h, TS=ts, PDL=pdl, POST=split,
         COUNT_UNITS=UNIT_SAMPLE if count_units and split else 0,
         HELD=held, COMPACT_TC=tc if fused else 0, S_PAD=s_pad), cfg)
-    return _OutLaunches(compact, out, heavy_launches(x2, width, gated, h_fp32) if split else None)
+    return _OutLaunches(compact, out, heavy_launches(x2, width, h_fp32) if split else None)
 
 
 class _OutLaunches:
@@ -168,15 +167,15 @@ class _OutLaunches:
     def __init__(self, compact: Optional[Launch], out: Launch, heavy: Optional[HeavyBlock]):
         self.compact, self.out, self.heavy = compact, out, heavy
 
-    def __call__(self, x2, values, indices, counts, partials, w_dec, up_or_down, down_t, out, overflow):
+    def __call__(self, x2, values, indices, counts, partials, gate, up, down_t, out, overflow):
         if self.compact is not None:
             self.compact(indices, values, counts)
         if self.heavy is None:
-            self.out(x2, values, indices, counts, partials, w_dec, up_or_down, down_t, out, overflow, counts)
+            self.out(x2, values, indices, counts, partials, gate, up, down_t, out, overflow, counts)
             return
         workspace = torch.zeros(1 + x2.shape[0], dtype=torch.int32, device=x2.device)
-        self.out(x2, values, indices, counts, partials, w_dec, up_or_down, down_t, out, overflow, workspace)
-        self.heavy(x2, w_dec, up_or_down, down_t, workspace, out)
+        self.out(x2, values, indices, counts, partials, gate, up, down_t, out, overflow, workspace)
+        self.heavy(x2, gate, up, down_t, workspace, out)
 
 
 if triton is not None:
@@ -277,12 +276,13 @@ if triton is not None:
 
     @triton.jit
     def _accumulate_units(acc, x, j, g, active, d, dmask, do, omask, up_ptr, down_ptr, D,
-                          GATED: tl.constexpr, H_FP32: tl.constexpr):
-        """acc += sum over the CH units j (where active) of h_j * down_t[j, do], h_j = g_j * (x . up[j, :])."""
+                          TIMES_UP: tl.constexpr, H_FP32: tl.constexpr):
+        """acc += sum over the CH units j (where active) of h_j * down_t[j, do]: h_j = g_j * (x . up[j, :])
+        with TIMES_UP, else g_j (the decode path packs h)."""
         rows = j[:, None].to(tl.int64) * D
         dw = tl.load(down_ptr + rows + do[None, :], mask=active[:, None] & omask[None, :], other=0.0,
                      eviction_policy="evict_last")
-        if GATED:  # the down rows above are already in flight while this reduction waits
+        if TIMES_UP:  # the down rows above are already in flight while this reduction waits
             uw = tl.load(up_ptr + rows + d[None, :], mask=active[:, None] & dmask[None, :], other=0.0,
                          eviction_policy="evict_last")
             h = g * tl.sum(uw.to(tl.float32) * x[None, :], axis=1)
@@ -324,7 +324,7 @@ if triton is not None:
     @triton.jit
     def _walk_list(acc, x, lo, hi, incl, fits, row, NT, S: tl.constexpr, CH: tl.constexpr, idx_ptr, vals_ptr,
                    row_j, row_g, HELD: tl.constexpr,
-                   d, dmask, do, omask, up_ptr, down_ptr, D, GATED: tl.constexpr, H_FP32: tl.constexpr):
+                   d, dmask, do, omask, up_ptr, down_ptr, D, TIMES_UP: tl.constexpr, H_FP32: tl.constexpr):
         """acc += the units of list entries lo..hi - 1, CH a step; the next step's units are fetched before
         this step's weights are consumed."""
         e = tl.arange(0, CH)
@@ -332,26 +332,25 @@ if triton is not None:
         for e0 in range(lo, hi, CH):
             j_next, g_next, active_next = _list_entries(e + e0 + CH, incl, fits, hi, row, NT, S, idx_ptr,
                                                         vals_ptr, row_j, row_g, HELD)
-            acc = _accumulate_units(acc, x, j, g, active, d, dmask, do, omask, up_ptr, down_ptr, D, GATED,
+            acc = _accumulate_units(acc, x, j, g, active, d, dmask, do, omask, up_ptr, down_ptr, D, TIMES_UP,
                                     H_FP32)
             j, g, active = j_next, g_next, active_next
         return acc
 
     @triton.jit
-    def _recompute_tile(acc, x, tile, d, dmask, do, omask, vals_ptr, wdec_ptr, up_ptr, down_ptr, D, I,
-                        T: tl.constexpr, TS: tl.constexpr, FB_CH: tl.constexpr, GATED: tl.constexpr,
-                        H_FP32: tl.constexpr):
-        """acc += an overflowing tile's units, recomputed densely from the gate (and up) weights."""
+    def _recompute_tile(acc, x, tile, d, dmask, do, omask, vals_ptr, gate_ptr, up_ptr, down_ptr, D, I,
+                        T: tl.constexpr, TS: tl.constexpr, FB_CH: tl.constexpr, H_FP32: tl.constexpr):
+        """acc += an overflowing tile's units, recomputed densely from the gate and up weights."""
         for u0 in range(0, T, FB_CH):
             in_tile = u0 + tl.arange(0, FB_CH)
             unit = tile * TS + in_tile
             inside = (in_tile < TS) & (unit < I)
-            gw = tl.load(wdec_ptr + unit[:, None].to(tl.int64) * D + d[None, :],
+            gw = tl.load(gate_ptr + unit[:, None].to(tl.int64) * D + d[None, :],
                          mask=inside[:, None] & dmask[None, :], other=0.0)
             gate = tl.sum(gw.to(tl.float32) * x[None, :], axis=1)
             gate = gate.to(vals_ptr.dtype.element_ty).to(tl.float32)  # as the packed value
             acc = _accumulate_units(acc, x, unit, gate, inside & (gate > 0), d, dmask, do, omask, up_ptr,
-                                    down_ptr, D, GATED, H_FP32)
+                                    down_ptr, D, True, H_FP32)
         return acc
 
     @triton.jit
@@ -398,12 +397,11 @@ if triton is not None:
                 start += _compact_chunk(idx_ptr, vals_ptr, cnt_ptr, row, t0, start, NT, S, TC, S_PAD)
 
     @triton.jit
-    def _twell_out_kernel(x_ptr, vals_ptr, idx_ptr, cnt_ptr, part_ptr, wdec_ptr, up_ptr, down_ptr, out_ptr,
+    def _twell_out_kernel(x_ptr, vals_ptr, idx_ptr, cnt_ptr, part_ptr, gate_ptr, up_ptr, down_ptr, out_ptr,
                           ovf_ptr, ws_ptr, D, I, NT, HEAVY, stride_xm, stride_xk,
                           T: tl.constexpr, S: tl.constexpr, NT_PAD: tl.constexpr, CH: tl.constexpr,
                           FB_CH: tl.constexpr, OT: tl.constexpr, BLOCK_D: tl.constexpr, BD: tl.constexpr,
-                          LIST_UP: tl.constexpr,
-                          FALLBACK_UP: tl.constexpr, H_FP32: tl.constexpr, HAS_OVF: tl.constexpr,
+                          LIST_UP: tl.constexpr, H_FP32: tl.constexpr, HAS_OVF: tl.constexpr,
                           PARTIALS: tl.constexpr, TS: tl.constexpr, PDL: tl.constexpr, POST: tl.constexpr,
                           HELD: tl.constexpr, COMPACT_TC: tl.constexpr, S_PAD: tl.constexpr,
                           COUNT_UNITS: tl.constexpr):
@@ -457,11 +455,11 @@ if triton is not None:
                     p = tl.load(part_ptr + (row * NT + t)[:, None] * D + do[None, :],
                                 mask=ov[:, None] & omask[None, :], other=0.0)
                     acc += tl.sum(p, axis=0)
-            elif own:  # recompute the tiles densely from the gate (and up) weights
+            elif own:  # recompute the tiles densely from the gate and up weights
                 for tile in range(0, NT):
                     if tl.load(cnt_ptr + row * NT + tile) > S:
-                        acc = _recompute_tile(acc, x, tile, d, dmask, do, omask, vals_ptr, wdec_ptr, up_ptr,
-                                              down_ptr, D, I, T, TS, FB_CH, FALLBACK_UP, H_FP32)
+                        acc = _recompute_tile(acc, x, tile, d, dmask, do, omask, vals_ptr, gate_ptr, up_ptr,
+                                              down_ptr, D, I, T, TS, FB_CH, H_FP32)
         if own:  # else the dense block writes the row
             tl.store(out_ptr + row * D + do, acc.to(out_ptr.dtype.element_ty), mask=omask,
                      eviction_policy="evict_first")

@@ -73,13 +73,12 @@ def decode_tile_stride(width: int, tile: int, m: int, sms: int | None) -> int:
     return min(tile, max(cdiv(width, sms), tile // 2))
 
 
-def tile_out_launch(m: int, d: int, gated: bool, decode: bool) -> bool:
-    """Whether a call takes the tile-out decode path: one token, gated, D up to TILE_OUT_MAX_D (and small
-    enough for one unit's whole up and down rows in a gate program's registers). There the gate programs
-    write the output's shares and a small kernel adds them, instead of packing TwELL for the out kernel's
-    gather of down rows."""
-    return (decode and gated and m == 1 and d <= TILE_OUT_MAX_D
-            and 2 * triton.next_power_of_2(d) <= WHOLE_UP_ROWS)
+def tile_out_launch(m: int, d: int, decode: bool) -> bool:
+    """Whether a call takes the tile-out decode path: one token, D up to TILE_OUT_MAX_D (and small enough
+    for one unit's whole up and down rows in a gate program's registers). There the gate programs write the
+    output's shares and a small kernel adds them, instead of packing TwELL for the out kernel's gather of
+    down rows."""
+    return decode and m == 1 and d <= TILE_OUT_MAX_D and 2 * triton.next_power_of_2(d) <= WHOLE_UP_ROWS
 
 
 def tile_sum_launch(m: int, d: int, nt: int, s: int, has_overflow: bool, pdl: bool = False) -> Launch:

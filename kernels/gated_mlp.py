@@ -26,11 +26,11 @@ def prepare_down(down_weight: torch.Tensor) -> torch.Tensor:
 class _Launches:
     """Everything a call derives from its launch-cache key: the path, buffer shapes and both launches."""
 
-    def __init__(self, x2, w_dec, up, tile, compression, precision, overflow):
+    def __init__(self, x2, gate, up, tile, compression, precision, overflow):
         m, d = x2.shape
-        width = w_dec.shape[0]
+        width = gate.shape[0]
         self.decode = m <= decode_rows(d, width)
-        self.tile_out = tile_out_launch(m, d, up is not None, self.decode)
+        self.tile_out = tile_out_launch(m, d, self.decode)
         tile = min(tile, DECODE_TILE) if self.decode else tile
         ts = decode_tile_stride(width, tile, m, sm_count(x2.device) if x2.is_cuda else None) if self.decode else tile
         pdl = self.decode and use_pdl(x2.device)
@@ -40,13 +40,13 @@ class _Launches:
         self.twell_shape = (m, cdiv(width, ts), s)
         # decode: overflowing (row, tile) pairs' partial output rows, written only there
         self.partials_shape = (m, cdiv(width, ts), d) if self.decode else None
-        self.gate = gate_launch(x2, w_dec, up if self.decode else None, tile, s, self.vals_dtype,
+        self.gate = gate_launch(x2, gate, up if self.decode else None, tile, s, self.vals_dtype,
                                 gate_config(m, tile, x2.element_size(), self.decode), h_fp32,
                                 partials=self.decode, tile_stride=ts, pdl=pdl, tile_out=self.tile_out)
         if self.tile_out:
             self.out = tile_sum_launch(m, d, cdiv(width, ts), s, overflow is not None, pdl)
             return
-        self.out = out_launch(x2, width, tile, s, up is not None, h_fp32, overflow is not None,
+        self.out = out_launch(x2, width, tile, s, h_fp32, overflow is not None,
                               out_config(m, d, self.decode, cdiv(width, ts)), packed_h=self.decode,
                               tile_stride=ts, pdl=pdl, count_units=overflow is not None and overflow.numel() == 4)
 
@@ -55,23 +55,23 @@ LAUNCH_CACHE_SIZE = 256  # launch sets kept (layers of one shape share them; a n
 _LAUNCH_CACHE = OrderedDict()  # recent launch sets by _launch_key, least recently used first
 
 
-def _launch_key(x2, w_dec, up, down_t, tile, compression, precision, overflow):
+def _launch_key(x2, gate, up, down_t, tile, compression, precision, overflow):
     """Shapes, strides, dtypes, devices and pointer alignment: what the launches depend on."""
-    tensors = [t for t in (x2, w_dec, down_t, up, overflow) if t is not None]
-    return (tile, compression, precision, up is not None, overflow is not None,
+    tensors = [t for t in (x2, gate, down_t, up, overflow) if t is not None]
+    return (tile, compression, precision, overflow is not None,
             all(t.data_ptr() % 16 == 0 for t in tensors),
             *((t.shape, t.stride(), t.dtype, t.device) for t in tensors))
 
 
-def check_args(x, w_dec, up, down, tile, compression, precision, overflow):
+def check_args(x, gate, up, down, tile, compression, precision, overflow):
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    devices = {str(t.device) for t in (x, w_dec, up, down, overflow) if t is not None}
+    devices = {str(t.device) for t in (x, gate, up, down, overflow) if t is not None}
     if len(devices) > 1:
         raise ValueError(f"x, the weights and overflow must be on one device, got {sorted(devices)}")
-    width, d = w_dec.shape
-    if x.shape[-1] != d or down.shape != (d, width) or (up is not None and up.shape != w_dec.shape):
-        raise ValueError(f"shape mismatch: x {tuple(x.shape)}, weights [I, D] = {tuple(w_dec.shape)}, "
+    width, d = gate.shape
+    if x.shape[-1] != d or down.shape != (d, width) or up.shape != gate.shape:
+        raise ValueError(f"shape mismatch: x {tuple(x.shape)}, weights [I, D] = {tuple(gate.shape)}, "
                          f"down {tuple(down.shape)} (expected [D, I])")
     if width > 65536:
         raise ValueError(f"I = {width} > 65536 is not supported")
@@ -80,32 +80,32 @@ def check_args(x, w_dec, up, down, tile, compression, precision, overflow):
     slots(tile, compression)
 
 
-def forward(x, w_dec, up, down, tile, compression, precision, overflow=None):
-    """Shared body of the gated (up given) and non-gated (up None) blocks; w_dec decides activity.
+def forward(x, gate, up, down, tile, compression, precision, overflow=None):
+    """The block's body (gated_mlp, its custom ops, the modeling file's layers).
     Calls look their checked arguments and launches up by _launch_key instead of rebuilding them: building
     them and a first launch through Triton's JIT cost more host time than a whole block takes on the GPU at
     small token counts."""
     if not use_triton(x):
-        check_args(x, w_dec, up, down, tile, compression, precision, overflow)
-        return forward_reference(x, w_dec, up, down, tile, compression, overflow)
+        check_args(x, gate, up, down, tile, compression, precision, overflow)
+        return forward_reference(x, gate, up, down, tile, compression, overflow)
     with on_device(x):
-        return _forward_triton(x, w_dec, up, down, tile, compression, precision, overflow)
+        return _forward_triton(x, gate, up, down, tile, compression, precision, overflow)
 
 
-def _forward_triton(x, w_dec, up, down, tile, compression, precision, overflow):
-    if x.shape[-1] != w_dec.shape[1]:  # before the reshape, so that it fails as a ValueError
-        check_args(x, w_dec, up, down, tile, compression, precision, overflow)
+def _forward_triton(x, gate, up, down, tile, compression, precision, overflow):
+    if x.shape[-1] != gate.shape[1]:  # before the reshape, so that it fails as a ValueError
+        check_args(x, gate, up, down, tile, compression, precision, overflow)
     x2 = x.reshape(-1, x.shape[-1])
     down_t = down.t().contiguous()  # no copy when the weight came from prepare_down
-    up = up.contiguous() if up is not None else None
-    w_dec = w_dec.contiguous()  # the overflow fallback reads contiguous rows; one copy serves both kernels
-    key = _launch_key(x2, w_dec, up, down_t, tile, compression, precision, overflow)
+    up = up.contiguous()
+    gate = gate.contiguous()  # the overflow fallback reads contiguous rows; one copy serves both kernels
+    key = _launch_key(x2, gate, up, down_t, tile, compression, precision, overflow)
     launches = _LAUNCH_CACHE.get(key)
     if launches is None:
-        check_args(x, w_dec, up, down, tile, compression, precision, overflow)
+        check_args(x, gate, up, down, tile, compression, precision, overflow)
         if x2.shape[0] == 0:
             return x.new_empty(x.shape)
-        launches = _LAUNCH_CACHE[key] = _Launches(x2, w_dec, up, tile, compression, precision, overflow)
+        launches = _LAUNCH_CACHE[key] = _Launches(x2, gate, up, tile, compression, precision, overflow)
         if len(_LAUNCH_CACHE) > LAUNCH_CACHE_SIZE:
             _LAUNCH_CACHE.popitem(last=False)
     else:
@@ -116,7 +116,7 @@ def _forward_triton(x, w_dec, up, down, tile, compression, precision, overflow):
         partials = torch.empty(launches.partials_shape, dtype=torch.float32, device=device)
         out = x.new_empty(x2.shape)
         # nothing packed: counts stand in for the values and indices
-        launches.gate(x2, w_dec, up, down_t, counts, counts, counts, partials)
+        launches.gate(x2, gate, up, down_t, counts, counts, counts, partials)
         launches.out(partials, counts, out, overflow if overflow is not None else counts)
         return out.view(x.shape)
     tw = (torch.empty(launches.twell_shape, dtype=launches.vals_dtype, device=device),
@@ -126,8 +126,8 @@ def _forward_triton(x, w_dec, up, down, tile, compression, precision, overflow):
     partials = tw[0] if launches.partials_shape is None else torch.empty(
         launches.partials_shape, dtype=torch.float32, device=device)
     out = x.new_empty(x2.shape)
-    launches.gate(x2, w_dec, up if up is not None else w_dec, down_t, *tw, partials)
-    launches.out(x2, *tw, partials, w_dec, up if up is not None else down_t, down_t, out,
+    launches.gate(x2, gate, up, down_t, *tw, partials)
+    launches.out(x2, *tw, partials, gate, up, down_t, out,
                  overflow if overflow is not None else tw[2])
     return out.view(x.shape)
 

@@ -20,10 +20,10 @@ HEAVY_FEW_ROWS = 16  # up to this many heavy rows the dense block streams its we
 HEAVY_KSPLIT = 8  # and splits its down product's reduction this many ways
 
 
-def heavy_launches(x2, width, gated, h_fp32) -> "HeavyBlock":
+def heavy_launches(x2, width, h_fp32) -> "HeavyBlock":
     """The dense block over the rows that the out kernel posted to the workspace [count, row of each slot]
     (room for every row of x2: each row posts itself at most once, so the count needs no bound):
-    h[slot] = relu(x2[row] @ w_dec^T) (* x2[row] @ up^T), then out[row] = h[slot] @ down_t. Persistent
+    h[slot] = relu(x2[row] @ gate^T) * (x2[row] @ up^T), then out[row] = h[slot] @ down_t. Persistent
     programs (HEAVY_PROGRAMS_PER_SM an SM) loop over the tiles of the posted rows, whose count they read on
     the device: the block costs what its posted rows need, nothing without them, and no host
     synchronization (CUDA graphs hold it). Up to HEAVY_FEW_ROWS rows (a call's first tokens) the weights
@@ -44,7 +44,7 @@ def heavy_launches(x2, width, gated, h_fp32) -> "HeavyBlock":
     grid = (min(programs, most_tiles), 1, 1)
     gate_up = Launch(_heavy_h_kernel, grid, dict(
         D=d, I=width, stride_xm=x2.stride(0), stride_xk=x2.stride(1), BM=h_tiles[0], BN=h_tiles[1],
-        BM_FEW=HEAVY_FEW_ROWS, BN_FEW=h_few[0], BK=h_tiles[2], BK_FEW=h_few[1], GATED=gated, H_FP32=h_fp32,
+        BM_FEW=HEAVY_FEW_ROWS, BN_FEW=h_few[0], BK=h_tiles[2], BK_FEW=h_few[1], H_FP32=h_fp32,
         DOT_PRECISION=dot), options)
     down = Launch(_heavy_out_kernel, grid, dict(
         D=d, I=width, BM=down_tiles[0], BN=down_tiles[1], BM_FEW=HEAVY_FEW_ROWS, BN_FEW=down_few[0],
@@ -55,19 +55,19 @@ def heavy_launches(x2, width, gated, h_fp32) -> "HeavyBlock":
 
 
 class HeavyBlock:
-    """The dense block's three launches, called with (x2, w_dec, up or down_t, down_t, workspace, out). Its
+    """The dense block's three launches, called with (x2, gate, up, down_t, workspace, out). Its
     buffers are allocated at each call (they cannot be shared across streams): h [rows, I] and the few-row
     split's fp32 partial sums [splits, HEAVY_FEW_ROWS, D]; a caller may pass its own instead."""
 
     def __init__(self, gate_up: Launch, down: Launch, finish: Launch, splits: int, h_dtype):
         self.gate_up, self.down, self.finish, self.splits, self.h_dtype = gate_up, down, finish, splits, h_dtype
 
-    def __call__(self, x2, w_dec, up_or_down, down_t, workspace, out, h=None, part=None):
+    def __call__(self, x2, gate, up, down_t, workspace, out, h=None, part=None):
         if h is None:
-            h = torch.empty(x2.shape[0], w_dec.shape[0], dtype=self.h_dtype, device=x2.device)
+            h = torch.empty(x2.shape[0], gate.shape[0], dtype=self.h_dtype, device=x2.device)
         if part is None:
             part = torch.empty(self.splits, HEAVY_FEW_ROWS, x2.shape[1], dtype=torch.float32, device=x2.device)
-        self.gate_up(x2, w_dec, up_or_down, workspace, h)
+        self.gate_up(x2, gate, up, workspace, h)
         self.down(h, down_t, workspace, out, part)
         self.finish(part, workspace, out)
 
@@ -82,9 +82,8 @@ if triton is not None:
         return slot, tl.load(ws_ptr + 1 + slot, mask=live, other=0).to(tl.int64), live
 
     @triton.jit
-    def _heavy_h_tiles(x_ptr, wdec_ptr, up_ptr, ws_ptr, h_ptr, n, D, I, stride_xm, stride_xk, BM: tl.constexpr,
-                       BN: tl.constexpr, BK: tl.constexpr, GATED: tl.constexpr, H_FP32: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr):
+    def _heavy_h_tiles(x_ptr, gate_ptr, up_ptr, ws_ptr, h_ptr, n, D, I, stride_xm, stride_xk, BM: tl.constexpr,
+                       BN: tl.constexpr, BK: tl.constexpr, H_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
         """h[slot, cols] of the posted rows, [BM, BN] tiles strided over the programs."""
         n_cols = tl.cdiv(I, BN)
         for t in range(tl.program_id(0), tl.cdiv(n, BM) * n_cols, tl.num_programs(0)):
@@ -100,31 +99,28 @@ if triton is not None:
                              mask=live[:, None] & kmask[None, :], other=0.0)
                 w_off = cols[None, :].to(tl.int64) * D + k[:, None]
                 w_mask = cmask[None, :] & kmask[:, None]
-                g = tl.dot(xa, tl.load(wdec_ptr + w_off, mask=w_mask, other=0.0), g, input_precision=DOT_PRECISION)
-                if GATED:
-                    u = tl.dot(xa, tl.load(up_ptr + w_off, mask=w_mask, other=0.0), u,
-                               input_precision=DOT_PRECISION)
+                g = tl.dot(xa, tl.load(gate_ptr + w_off, mask=w_mask, other=0.0), g, input_precision=DOT_PRECISION)
+                u = tl.dot(xa, tl.load(up_ptr + w_off, mask=w_mask, other=0.0), u, input_precision=DOT_PRECISION)
             if not H_FP32:  # g and u rounded to the weights' precision before their product, as dense
                 g = g.to(h_ptr.dtype.element_ty).to(tl.float32)
                 u = u.to(h_ptr.dtype.element_ty).to(tl.float32)
-            h = tl.maximum(g, 0.0) * u if GATED else tl.maximum(g, 0.0)
+            h = tl.maximum(g, 0.0) * u
             tl.store(h_ptr + slot[:, None].to(tl.int64) * I + cols[None, :], h.to(h_ptr.dtype.element_ty),
                      mask=live[:, None] & cmask[None, :])
 
     @triton.jit
-    def _heavy_h_kernel(x_ptr, wdec_ptr, up_ptr, ws_ptr, h_ptr, D, I, stride_xm, stride_xk,
+    def _heavy_h_kernel(x_ptr, gate_ptr, up_ptr, ws_ptr, h_ptr, D, I, stride_xm, stride_xk,
                         BM: tl.constexpr, BN: tl.constexpr, BM_FEW: tl.constexpr, BN_FEW: tl.constexpr,
-                        BK: tl.constexpr, BK_FEW: tl.constexpr, GATED: tl.constexpr, H_FP32: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr):
+                        BK: tl.constexpr, BK_FEW: tl.constexpr, H_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
         # up to BM_FEW posted rows the weights are streamed once, in narrow column tiles over many programs;
         # more rows take square tiles
         n = tl.load(ws_ptr)
         if n <= BM_FEW:
-            _heavy_h_tiles(x_ptr, wdec_ptr, up_ptr, ws_ptr, h_ptr, n, D, I, stride_xm, stride_xk, BM_FEW, BN_FEW,
-                           BK_FEW, GATED, H_FP32, DOT_PRECISION)
+            _heavy_h_tiles(x_ptr, gate_ptr, up_ptr, ws_ptr, h_ptr, n, D, I, stride_xm, stride_xk, BM_FEW, BN_FEW,
+                           BK_FEW, H_FP32, DOT_PRECISION)
         else:
-            _heavy_h_tiles(x_ptr, wdec_ptr, up_ptr, ws_ptr, h_ptr, n, D, I, stride_xm, stride_xk, BM, BN, BK,
-                           GATED, H_FP32, DOT_PRECISION)
+            _heavy_h_tiles(x_ptr, gate_ptr, up_ptr, ws_ptr, h_ptr, n, D, I, stride_xm, stride_xk, BM, BN, BK,
+                           H_FP32, DOT_PRECISION)
 
     @triton.jit
     def _heavy_out_dot(acc, h_ptr, down_ptr, slot, live, cols, cmask, k_lo, k_hi, D, I, BK: tl.constexpr,

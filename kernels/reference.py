@@ -30,13 +30,12 @@ def tile_shares(h: torch.Tensor, down: torch.Tensor, tile: int) -> torch.Tensor:
     return torch.einsum("mtu,dtu->mtd", h_tiles, down_tiles)
 
 
-def forward_reference(x, w_dec, up, down, tile, compression, overflow):
-    """gated_mlp's path for CPU tensors without the interpreter (up None: relu(x @ w_dec^T) is h itself);
-    counts overflow at the caller's tile."""
-    width, d = w_dec.shape
+def forward_reference(x, gate, up, down, tile, compression, overflow):
+    """gated_mlp's path for CPU tensors without the interpreter; counts overflow at the caller's tile."""
+    width, d = gate.shape
     x2 = x.reshape(-1, d)
     xf = x2.float()
-    g = torch.relu(xf @ w_dec.float().t())
+    g = torch.relu(xf @ gate.float().t())
     if overflow is not None:
         per_tile = tile_counts(g, tile)
         over = per_tile > slots(tile, compression)
@@ -46,5 +45,4 @@ def forward_reference(x, w_dec, up, down, tile, compression, overflow):
             heavy = units + over.sum(-1) * tile > HEAVY_UNITS
             sampled = (torch.arange(x2.shape[0]) % UNIT_SAMPLE == 0) & ~heavy
             overflow[1:] += torch.stack([units[sampled].sum(), sampled.sum(), heavy.sum()]).to(overflow.dtype)
-    h = g * (xf @ up.float().t()) if up is not None else g
-    return (h @ down.float().t()).to(x.dtype).view(x.shape)
+    return ((g * (xf @ up.float().t())) @ down.float().t()).to(x.dtype).view(x.shape)

@@ -89,7 +89,7 @@ def test_kernels_write_every_output_and_read_only_valid_slots():
     out = torch.full_like(x, float("nan"))
     overflow = torch.zeros(1, dtype=torch.int64, device=DEV)
     # 8 output columns per program: each row split over 3 programs, the overflow counted once
-    out_launch(x, 48, 16, s, True, False, True, dict(CH=4, BD=8))(
+    out_launch(x, 48, 16, s, False, True, dict(CH=4, BD=8))(
         x, *tw[:3], tw.values, gate, up, down.t().contiguous(), out, overflow)
     assert rel_err(out, reference(x, gate, up, down)) < 1e-5
     assert overflow.item() == (tw.counts > slots(16, 4)).sum().item() > 0
@@ -146,7 +146,7 @@ def test_list_compaction_in_place(chunk_slots, mode, monkeypatch):
         x, gate, gate, gate, *tw[:3], tw.values)
     fitting = torch.arange(s, device=DEV) < torch.where(tw.counts <= s, tw.counts, 0)[..., None]
     expected = [(tw.indices[r][fitting[r]].clone(), tw.values[r][fitting[r]].clone()) for r in range(m)]
-    launches = out_launch(x, i, tile, s, True, False, True, out_config(m, d, decode=not batched),
+    launches = out_launch(x, i, tile, s, False, True, out_config(m, d, decode=not batched),
                           packed_h=not batched)
     assert (launches.compact is None) == (mode == "fused")
     if batched:
@@ -175,8 +175,8 @@ def counted_rows(m, d, i, units):
     return x, gate, up, down
 
 
-@pytest.mark.parametrize("gated,h_fp32", [(True, False), (False, False), (True, True)])
-def test_heavy_rows_through_the_dense_block(gated, h_fp32):
+@pytest.mark.parametrize("h_fp32", [False, True])
+def test_heavy_rows_through_the_dense_block(h_fp32):
     """Batched: the out kernel leaves the rows with more than HEAVY_UNITS units to walk unwritten and posts
     their indices (rows at HEAVY_UNITS - 1, HEAVY_UNITS stay, HEAVY_UNITS + 1 and every unit go); the
     dense block writes exactly those. NaN-poisoned."""
@@ -193,27 +193,25 @@ def test_heavy_rows_through_the_dense_block(gated, h_fp32):
         x, gate, gate, gate, *tw[:3], tw.values)
     assert tw.counts.sum(1).tolist() == units
     heavy = torch.tensor(units, device=DEV) > heavy_units
-    launches = out_launch(x, i, tile, s, gated, h_fp32, True, out_config(m, d, decode=False))
+    launches = out_launch(x, i, tile, s, h_fp32, True, out_config(m, d, decode=False))
     out = torch.full_like(x, float("nan"))
     overflow = torch.zeros(1, dtype=torch.int64, device=DEV)
     down_t = down.t().contiguous()
-    up_or_down = up if gated else down_t
     workspace = torch.zeros(1 + m, dtype=torch.int32, device=DEV)
-    launches.out(x, *tw[:3], tw.values, gate, up_or_down, down_t, out, overflow, workspace)
+    launches.out(x, *tw[:3], tw.values, gate, up, down_t, out, overflow, workspace)
     assert out[heavy].isnan().all() and not out[~heavy].isnan().any()
     assert workspace[0].item() == 2 and sorted(workspace[1:3].tolist()) == [5, 6]
     h = torch.full((m, i), float("nan"), dtype=tw.values.dtype, device=DEV)
     partials = torch.full((launches.heavy.splits, HEAVY_FEW_ROWS, d), float("nan"), device=DEV)
-    launches.heavy(x, gate, up_or_down, down_t, workspace, out, h=h, part=partials)
+    launches.heavy(x, gate, up, down_t, workspace, out, h=h, part=partials)
     # the block wrote the buffers given, at the two posted slots only
     assert h[:2].isfinite().all() and h[2:].isnan().all()
     assert partials[:, :2].isfinite().all() and partials[:, 2:].isnan().all()
-    ref = torch.relu(x @ gate.t()) * (x @ up.t()) if gated else torch.relu(x @ gate.t())
-    ref = ref @ down.t()
+    ref = (torch.relu(x @ gate.t()) * (x @ up.t())) @ down.t()
     assert rel_err(out, ref) < 1e-5
     for row in (5, 6):
         assert rel_err(out[row], ref[row]) < 1e-5, row
-    full = gm.forward(x, gate, up if gated else None, down, tile, 1, "default", None)
+    full = gm.forward(x, gate, up, down, tile, 1, "default", None)
     assert rel_err(full, ref) < 1e-5
 
 
@@ -287,8 +285,7 @@ def tile_partials(h, down, over, ts):
     return torch.where(over[..., None], tile_shares(h, down, ts), float("nan"))
 
 
-@pytest.mark.parametrize("gated", [True, False])
-def test_decode_kernels_read_partials_only_where_written(gated):
+def test_decode_kernels_read_partials_only_where_written():
     """Decode launches on NaN-poisoned buffers: the partial rows hold exactly the overflowing (row, tile)
     pairs' share of the output (from the stored values, rounded as packed) and are read nowhere else."""
     torch.manual_seed(1)
@@ -299,22 +296,21 @@ def test_decode_kernels_read_partials_only_where_written(gated):
     tw.values.fill_(float("nan"))
     nt, s = tw.counts.shape[1], slots(tile, comp)
     partials = torch.full((m, nt, d), float("nan"), device=DEV)
-    upw = up if gated else None
     down_t = down.t().contiguous()
-    gate_launch(x, gate, upw, tile, s, x.dtype, gate_config(m, tile, 2, decode=True), partials=True)(
-        x, gate, up if gated else gate, down_t, *tw[:3], partials)
+    gate_launch(x, gate, up, tile, s, x.dtype, gate_config(m, tile, 2, decode=True), partials=True)(
+        x, gate, up, down_t, *tw[:3], partials)
     over = tw.counts > s
     assert over[1].all() and over.sum() < over.numel()
     g = torch.relu(x.float() @ gate.float().t())
-    h = (g * (x.float() @ up.float().t()) if gated else g).to(x.dtype)  # as packed
+    h = (g * (x.float() @ up.float().t())).to(x.dtype)  # as packed
     expected = tile_partials(h, down, over, tile)
     assert torch.equal(partials.isnan(), expected.isnan())
     written = ~expected.isnan()
     assert rel_err(partials[written], expected[written]) < 2e-3  # h rounded to fp16 on both sides
     out = torch.full_like(x, float("nan"))
     overflow = torch.zeros(1, dtype=torch.int64, device=DEV)
-    out_launch(x, i, tile, s, gated, False, True, dict(CH=4, BD=8), packed_h=True)(
-        x, *tw[:3], partials, gate, up if gated else down_t, down_t, out, overflow)
+    out_launch(x, i, tile, s, False, True, dict(CH=4, BD=8), packed_h=True)(
+        x, *tw[:3], partials, gate, up, down_t, out, overflow)
     assert rel_err(out, h.float() @ down.float().t()) < 3e-3
     assert overflow.item() == over.sum().item()
 
@@ -334,7 +330,7 @@ def test_tile_out_decode_writes_every_tile_share(dtype, precision):
     h_fp32 = precision == "highest"
     s = slots(tile, comp)
     nt = math.ceil(i / tile)
-    assert tile_out_launch(1, d, gated=True, decode=True)
+    assert tile_out_launch(1, d, decode=True)
     counts = torch.full((2, nt), -1, dtype=torch.int32, device=DEV)  # a second row to catch stray writes
     partials = torch.full((2, nt, d), float("nan"), device=DEV)
     down_t = down.t().contiguous()
@@ -414,14 +410,13 @@ def test_whole_up_rows_only_where_they_fit_in_registers():
         assert launch_scalar(launch, "UP_ROWS") == expected
 
 
-def test_tile_out_only_for_one_gated_decode_token_that_fits():
-    """The tile-out path takes one-token gated decode calls up to TILE_OUT_MAX_D; a gate program reads fewer
+def test_tile_out_only_for_one_decode_token_that_fits():
+    """The tile-out path takes one-token decode calls up to TILE_OUT_MAX_D; a gate program reads fewer
     units' whole up and down rows a round where D is larger (D 8192: one)."""
-    assert tile_out_launch(1, TILE_OUT_MAX_D, gated=True, decode=True)
-    assert not tile_out_launch(1, TILE_OUT_MAX_D + 1, gated=True, decode=True)
-    assert not tile_out_launch(2, 64, gated=True, decode=True)
-    assert not tile_out_launch(1, 64, gated=False, decode=True)
-    assert not tile_out_launch(1, 64, gated=True, decode=False)
+    assert tile_out_launch(1, TILE_OUT_MAX_D, decode=True)
+    assert not tile_out_launch(1, TILE_OUT_MAX_D + 1, decode=True)
+    assert not tile_out_launch(2, 64, decode=True)
+    assert not tile_out_launch(1, 64, decode=False)
     x, gate = torch.zeros(1, 8192), torch.zeros(8, 8192)
     launch = gate_launch(x, gate, gate, 64, 8, x.dtype, gate_config(1, 64, 2, decode=True), partials=True,
                          tile_out=True)
@@ -433,12 +428,11 @@ def test_decode_out_holds_the_row_twell_only_where_it_fits():
     counts (HELD, a power of two covering the row's slots); otherwise it reads list entries after them."""
     for m, width, expected in ((1, 151, 32), (32, 4096, 512), (33, 4096, 0), (1, 64 * 513, 0)):
         x = torch.zeros(m, 8)
-        launch = out_launch(x, width, 64, 8, True, False, True, out_config(m, 8, True), packed_h=True).out
+        launch = out_launch(x, width, 64, 8, False, True, out_config(m, 8, True), packed_h=True).out
         assert launch_scalar(launch, "HELD") == expected, (m, width)
 
 
-@pytest.mark.parametrize("gated", [True, False])
-def test_decode_tiles_narrower_than_the_block(gated):
+def test_decode_tiles_narrower_than_the_block():
     """Decode spread over more programs: tiles of tile_stride units inside T-wide blocks (the block's
     last columns belong to the next tile). NaN-poisoned buffers, a dense row, I not a multiple."""
     torch.manual_seed(2)
@@ -450,20 +444,19 @@ def test_decode_tiles_narrower_than_the_block(gated):
     idx = torch.full((m, nt, s), -1, dtype=torch.int32, device=DEV)
     cnt = torch.full((m, nt), -1, dtype=torch.int32, device=DEV)
     partials = torch.full((m, nt, d), float("nan"), device=DEV)
-    upw = up if gated else None
     down_t = down.t().contiguous()
-    gate_launch(x, gate, upw, tile, s, x.dtype, gate_config(m, tile, 4, decode=True), partials=True, tile_stride=ts)(
-        x, gate, up if gated else gate, down_t, vals, idx, cnt, partials)
+    gate_launch(x, gate, up, tile, s, x.dtype, gate_config(m, tile, 4, decode=True), partials=True, tile_stride=ts)(
+        x, gate, up, down_t, vals, idx, cnt, partials)
     g = torch.relu(x @ gate.t())
     per_tile = tile_counts(g, ts)
     assert torch.equal(cnt, per_tile.int()) and (cnt[4] > s).all()
-    h = g * (x @ up.t()) if gated else g
+    h = g * (x @ up.t())
     expected = tile_partials(h, down, cnt > s, ts)
     assert torch.equal(partials.isnan(), expected.isnan())
     out = torch.full_like(x, float("nan"))
     overflow = torch.zeros(1, dtype=torch.int64, device=DEV)
-    out_launch(x, i, tile, s, gated, False, True, dict(CH=4, BD=8), packed_h=True, tile_stride=ts)(
-        x, vals, idx, cnt, partials, gate, up if gated else down_t, down_t, out, overflow)
+    out_launch(x, i, tile, s, False, True, dict(CH=4, BD=8), packed_h=True, tile_stride=ts)(
+        x, vals, idx, cnt, partials, gate, up, down_t, out, overflow)
     assert rel_err(out, h @ down.t()) < 1e-5
     assert overflow.item() == (per_tile > s).sum().item()
 
