@@ -182,8 +182,8 @@ def breakdown(M, D, I, k, uneven_mean, E):
     u = torch.empty(M, E, device="cuda")
     downT = down.t().contiguous()
     c = torch.full((1,), 1e-3, device="cuda")
-    H._sddmm(x, up, idx, nnz, g, u, backward=False, gated=True)
-    dgp, du = H._sddmm(dout, downT, idx, nnz, g, u, backward=True, gated=True, c=c)
+    H._sddmm(x, up, idx, nnz, g, u, backward=False)
+    dgp, du = H._sddmm(dout, downT, idx, nnz, g, u, backward=True, c=c)
     csc = H._csc(idx, I, H.GPU_BLOCKS["SEG"])
     variants = {}
 
@@ -204,9 +204,9 @@ def breakdown(M, D, I, k, uneven_mean, E):
         pack=bench(lambda: H._pack(pre, E)),
         transpose_down_torch=bench(lambda: down.t().contiguous()),
         transpose_down=bench(lambda: H._transpose(down, bf)),
-        sddmm_fwd=bench(lambda: H._sddmm(x, up, idx, nnz, g, u, backward=False, gated=True)),
+        sddmm_fwd=bench(lambda: H._sddmm(x, up, idx, nnz, g, u, backward=False)),
         spmm_fwd=bench(lambda: H._spmm(idx, nnz, g, downT, u, dtype=bf)),
-        sddmm_bwd=bench(lambda: H._sddmm(dout, downT, idx, nnz, g, u, backward=True, gated=True, c=c)),
+        sddmm_bwd=bench(lambda: H._sddmm(dout, downT, idx, nnz, g, u, backward=True, c=c)),
         spmm_bwd_dx=bench(lambda: H._spmm(idx, nnz, dgp, gate, du, up, dtype=bf)),
         csc_sort=bench(lambda: H._csc(idx, I, H.GPU_BLOCKS["SEG"])),
         wgrad_gate_up=bench(lambda: H._wgrad(csc, E, dgp, du, x, mode=H.A_AND_B)),

@@ -25,14 +25,12 @@ except ImportError:  # CPU-only installs: the reference path below computes the 
 A = constexpr(0)  # sum a w1[j]; sum a x
 A_AND_B = constexpr(1)  # sum a w1[j] + b w2[j]; out1 = sum a x and out2 = sum b x
 A_TIMES_B = constexpr(2)  # sum (a b) w1[j]; sum (a b) x
-# _wgrad_kernel only (the last modes: MODE >= DH_GATED), x = dout: also dh = dout . w[unit] of each entry plus
+# _wgrad_kernel only (its last mode, DH_GATED), x = dout: also dh = dout . w[unit] of each entry plus
 # the L1 term (the backward SDDMM, fused: the dout row is gathered once for both)
 DH_GATED = constexpr(3)  # a = g, b = u: out1 = sum g u dout (d_down^T), d_gate_pre -> o1, d_up -> o2
-DH_PLAIN = constexpr(4)  # non-gated, a = h: d_pre -> o1
 # Modes of _rows_units_kernel, over the backup rows
-ROWS_FORWARD = constexpr(0)  # gated forward: h over the gate pre-activation, sum |h|
-ROWS_BACKWARD_GATED = constexpr(1)  # d_gate_pre, d_up, h
-ROWS_BACKWARD_PLAIN = constexpr(2)  # non-gated: d_pre, relu(pre)
+ROWS_FORWARD = constexpr(0)  # h over the gate pre-activation, sum |h|
+ROWS_BACKWARD = constexpr(1)  # d_gate_pre, d_up, h
 
 
 class HybridStats(NamedTuple):
@@ -89,8 +87,7 @@ if _HAS_TRITON:
     @triton.jit
     def _sddmm_kernel(a_ptr, w_ptr, idx_ptr, nnz_ptr, g_ptr, u_ptr, out1_ptr, out2_ptr, rowsum_ptr,
                       c_ptr, D, E, stride_a, stride_w,
-                      BACKWARD: tl.constexpr, GATED: tl.constexpr, BLOCK_S: tl.constexpr,
-                      BLOCK_D: tl.constexpr):
+                      BACKWARD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         n = tl.load(nnz_ptr + row)
         n = tl.where(n > E, 0, n)  # backup rows: nothing here
@@ -114,15 +111,12 @@ if _HAS_TRITON:
                 l1 += tl.sum(tl.abs(g * acc), 0)
             else:  # acc = dh from the output; add the L1 term c * sign(h), c = dl1 / M
                 c = tl.load(c_ptr)
-                if GATED:  # g > 0 on the pattern, so sign(h) = sign(u)
-                    g = tl.load(g_ptr + e, mask=smask, other=0.0)
-                    u = tl.load(u_ptr + e, mask=smask, other=0.0)
-                    sgn = tl.where(u > 0.0, 1.0, tl.where(u < 0.0, -1.0, 0.0))
-                    dh = acc + c * sgn
-                    tl.store(out1_ptr + e, dh * u, mask=smask)
-                    tl.store(out2_ptr + e, dh * g, mask=smask)
-                else:  # h = relu(pre) > 0 on the pattern
-                    tl.store(out1_ptr + e, acc + c, mask=smask)
+                g = tl.load(g_ptr + e, mask=smask, other=0.0)  # g > 0 on the pattern, so sign(h) = sign(u)
+                u = tl.load(u_ptr + e, mask=smask, other=0.0)
+                sgn = tl.where(u > 0.0, 1.0, tl.where(u < 0.0, -1.0, 0.0))
+                dh = acc + c * sgn
+                tl.store(out1_ptr + e, dh * u, mask=smask)
+                tl.store(out2_ptr + e, dh * g, mask=smask)
         if not BACKWARD:
             tl.store(rowsum_ptr + row, l1)
 
@@ -160,8 +154,8 @@ if _HAS_TRITON:
                       out2_ptr, part1_ptr, part2_ptr, w_ptr, c_ptr, o1_ptr, o2_ptr, I, D, E, stride_x,
                       SEG: tl.constexpr, MODE: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_D: tl.constexpr):
-        # out1 (and out2) = sums over the unit's entries as MODE says (A, A_AND_B, A_TIMES_B); DH_GATED and
-        # DH_PLAIN (x = dout, BLOCK_D >= D) also write each entry's gradients to o1 (and o2).
+        # out1 (and out2) = sums over the unit's entries as MODE says (A, A_AND_B, A_TIMES_B); DH_GATED
+        # (x = dout, BLOCK_D >= D) also writes each entry's gradients to o1 and o2.
         # A program per segment of at most SEG entries of one unit (busy units would otherwise leave
         # a long tail); a unit's first segment writes its output row, later ones a partial row that
         # _wgrad_reduce_kernel adds in order: deterministic.
@@ -199,8 +193,6 @@ if _HAS_TRITON:
                         tl.store(o1_ptr + p, dh * u, mask=emask)
                         tl.store(o2_ptr + p, dh * a, mask=emask)
                         a = a * u
-                    if MODE == DH_PLAIN:  # h > 0 on the pattern
-                        tl.store(o1_ptr + p, tl.sum(xt * wrow[None, :], 1) + c, mask=emask)
                     acc1 += tl.sum(a[:, None] * xt, 0)
                     if MODE == A_AND_B:
                         b = tl.load(b_ptr + p, mask=emask, other=0.0)
@@ -274,9 +266,8 @@ if _HAS_TRITON:
                            stride_w3n, MODE: tl.constexpr, HOT: tl.constexpr, DOT: tl.constexpr,
                            NPROG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         # Dense [backup rows, units] tiles. ROWS_FORWARD: h = relu(o1) * (x @ up^T) over o1 = the gate
-        # pre-activation, in place, and the program's sum |h| into l1_ptr. ROWS_BACKWARD_GATED: g, u
-        # recomputed (w1 = gate, w2 = up), dh = dout @ down (w3) + c sign(h): o1 = dh u [g > 0],
-        # o2 = dh relu(g), o3 = h. ROWS_BACKWARD_PLAIN (w1 = up): o1 = (dh + c) [pre > 0], o3 = relu(pre).
+        # pre-activation, in place, and the program's sum |h| into l1_ptr. ROWS_BACKWARD: g, u recomputed
+        # (w1 = gate, w2 = up), dh = dout @ down (w3) + c sign(h): o1 = dh u [g > 0], o2 = dh relu(g), o3 = h.
         # With HOT, units where cold_ptr is 0 count as inactive (they are dense columns, computed outside).
         count = tl.load(count_ptr)
         n_n = tl.cdiv(N, BN)
@@ -288,7 +279,7 @@ if _HAS_TRITON:
             offs = rows[:, None] * stride_o + cols[None, :]
             acc1, acc2, acc3 = _rows_dots(x_ptr, dout_ptr, w1_ptr, w2_ptr, w3_ptr, rows, rmask, cols, N, K,
                                           stride_x, stride_dout, stride_w3k, stride_w3n,
-                                          MODE == ROWS_BACKWARD_GATED, MODE != ROWS_FORWARD, DOT, BM, BN, BK)
+                                          MODE == ROWS_BACKWARD, MODE == ROWS_BACKWARD, DOT, BM, BN, BK)
             if HOT:
                 on = (tl.load(cold_ptr + cols, mask=cols < N, other=0) != 0)[None, :]
             else:
@@ -302,16 +293,12 @@ if _HAS_TRITON:
                 c = tl.load(c_ptr)
                 pre = tl.where(on, acc1.to(dt).to(tl.float32), 0.0)  # as the forward's matmul output
                 g = tl.maximum(pre, 0.0)
-                if MODE == ROWS_BACKWARD_GATED:
-                    u = acc2.to(dt).to(tl.float32)
-                    h = (g * u).to(dt).to(tl.float32)
-                    dh = acc3 + c * tl.where(h > 0.0, 1.0, tl.where(h < 0.0, -1.0, 0.0))
-                    tl.store(o1_ptr + offs, (dh * u * (pre > 0.0)).to(dt), mask=m)
-                    tl.store(o2_ptr + offs, (dh * g).to(dt), mask=m)
-                    tl.store(o3_ptr + offs, h.to(dt), mask=m)
-                else:
-                    tl.store(o1_ptr + offs, ((acc3 + c) * (pre > 0.0)).to(dt), mask=m)
-                    tl.store(o3_ptr + offs, g.to(dt), mask=m)
+                u = acc2.to(dt).to(tl.float32)
+                h = (g * u).to(dt).to(tl.float32)
+                dh = acc3 + c * tl.where(h > 0.0, 1.0, tl.where(h < 0.0, -1.0, 0.0))
+                tl.store(o1_ptr + offs, (dh * u * (pre > 0.0)).to(dt), mask=m)
+                tl.store(o2_ptr + offs, (dh * g).to(dt), mask=m)
+                tl.store(o3_ptr + offs, h.to(dt), mask=m)
         if MODE == ROWS_FORWARD:
             tl.store(l1_ptr + tl.program_id(0), tl.sum(tl.sum(l1, 1), 0))
 
@@ -459,8 +446,8 @@ def _fused_dh(D, device):
 
 
 def _wgrad(csc, E, a, b, x, mode, w=None, c=None, o1=None, o2=None):
-    """Weight gradient rows [I, D] (fp32) as transposed-sparse x dense; modes: A, A_AND_B, A_TIMES_B, DH_GATED,
-    DH_PLAIN (_wgrad_kernel)."""
+    """Weight gradient rows [I, D] (fp32) as transposed-sparse x dense; modes: A, A_AND_B, A_TIMES_B, DH_GATED
+    (_wgrad_kernel)."""
     perm, offsets, nseg, seg_first, seg_unit = csc
     I, n_prog = nseg.numel(), seg_unit.numel()
     D = x.shape[1]
@@ -481,21 +468,20 @@ def _wgrad(csc, E, a, b, x, mode, w=None, c=None, o1=None, o2=None):
     return outs[0], (outs[1] if mode == A_AND_B else None)
 
 
-def _sddmm(a, w, idx, nnz, g, u, *, backward, gated, c=None):
-    """Forward (gated): writes u, returns per-row sum |g u|. Backward: returns (d_gate_pre, d_up) for
-    gated, (d_pre, None) for non-gated, on the pattern."""
+def _sddmm(a, w, idx, nnz, g, u, *, backward, c=None):
+    """Forward: writes u, returns per-row sum |g u|. Backward: returns (d_gate_pre, d_up) on the pattern."""
     M, E = idx.shape
     D = a.shape[1]
     bl = _blocks(a.device)
     dev = a.device
     rowsum = _empty(M, dtype=torch.float32, device=dev) if not backward else None
     out1 = _empty((M, E), dtype=torch.float32, device=dev) if backward else None
-    out2 = _empty((M, E), dtype=torch.float32, device=dev) if backward and gated else None
+    out2 = _empty((M, E), dtype=torch.float32, device=dev) if backward else None
     dummy = idx
     _sddmm_kernel[(M,)](a, w, idx, nnz, g if g is not None else dummy, u if u is not None else dummy,
                         out1 if out1 is not None else dummy, out2 if out2 is not None else dummy,
                         rowsum if rowsum is not None else dummy, c if c is not None else dummy,
-                        D, E, a.stride(0), w.stride(0), BACKWARD=backward, GATED=gated,
+                        D, E, a.stride(0), w.stride(0), BACKWARD=backward,
                         BLOCK_S=bl["SDDMM_S"], BLOCK_D=bl["SDDMM_D"], num_warps=4)
     return rowsum if not backward else (out1, out2)
 
@@ -532,9 +518,8 @@ def _backup_launch(device, M, N):
 
 def _rows_units(mode, backup, x, w1, *, pre=None, w2=None, dout=None, down=None, c=None, cold=None):
     """_rows_units_kernel over the backup rows. ROWS_FORWARD writes h over `pre` and returns the backup's
-    sum |h|; ROWS_BACKWARD_GATED / ROWS_BACKWARD_PLAIN return [M, I] buffers with only the backup rows
-    written: (d_gate_pre, d_up, h) / (d_pre, None, h). (Transient, dense-sized: the backup's size is known
-    only on the device.)"""
+    sum |h|; ROWS_BACKWARD returns [M, I] buffers with only the backup rows written: (d_gate_pre, d_up, h).
+    (Transient, dense-sized: the backup's size is known only on the device.)"""
     order, count = backup
     M, K = x.shape
     N = w1.shape[0]
@@ -544,7 +529,7 @@ def _rows_units(mode, backup, x, w1, *, pre=None, w2=None, dout=None, down=None,
         l1 = _empty(nprog, dtype=torch.float32, device=x.device)
     else:
         o1, o3 = (_empty((M, N), dtype=x.dtype, device=x.device) for _ in range(2))
-        o2 = _empty((M, N), dtype=x.dtype, device=x.device) if mode == ROWS_BACKWARD_GATED else o1
+        o2 = _empty((M, N), dtype=x.dtype, device=x.device)
         l1 = o1
     _rows_units_kernel[(nprog,)](order, count, x, x if dout is None else dout, w1, w1 if w2 is None else w2,
                                  x if down is None else down, o1, o2, o3, l1, l1 if c is None else c,
@@ -553,7 +538,7 @@ def _rows_units(mode, backup, x, w1, *, pre=None, w2=None, dout=None, down=None,
                                  0 if down is None else down.stride(0), 0 if down is None else down.stride(1),
                                  MODE=mode, HOT=cold is not None, DOT=_dot(x), NPROG=nprog, BM=bm, BN=bn, BK=bk,
                                  num_warps=4)
-    return l1.sum() if mode == ROWS_FORWARD else (o1, o2 if mode == ROWS_BACKWARD_GATED else None, o3)
+    return l1.sum() if mode == ROWS_FORWARD else (o1, o2, o3)
 
 
 def _rows_mm(backup, a, b, out, a2=None, b2=None, relu_a=False):
@@ -607,7 +592,7 @@ class _HybridGatedMLP(torch.autograd.Function):
             downT = _transpose(down, dt)  # [I, D]: rows gathered per active unit
             *backup, n_backup = _backup_list(nnz, E)
             l1_backup = _rows_units(ROWS_FORWARD, backup, x2, up, pre=pre, cold=cold)  # pre's backup rows: h
-            rowsum = _sddmm(x2, up, idx, nnz, g, u, backward=False, gated=True)
+            rowsum = _sddmm(x2, up, idx, nnz, g, u, backward=False)
             out = _spmm(idx, nnz, g, downT, u, dtype=dt)
             _rows_mm(backup, pre, downT, out)
             del pre
@@ -648,10 +633,10 @@ class _HybridGatedMLP(torch.autograd.Function):
                 du = _empty((M, E), dtype=torch.float32, device=x2.device)
                 ddownT, _ = _wgrad(csc, E, g, u, dout2, mode=DH_GATED, w=downT, c=c, o1=dgp, o2=du)
             else:
-                dgp, du = _sddmm(dout2, downT, idx, nnz, g, u, backward=True, gated=True, c=c)
+                dgp, du = _sddmm(dout2, downT, idx, nnz, g, u, backward=True, c=c)
             # the backup rows' dense [rows, I] gradients (other rows of these buffers are never written)
             hot, cold, g_hot, u_hot = hot_state or (None,) * 4
-            dgpb, dub, hb = _rows_units(ROWS_BACKWARD_GATED, backup, x2, gate, w2=up, dout=dout2, down=down, c=c,
+            dgpb, dub, hb = _rows_units(ROWS_BACKWARD, backup, x2, gate, w2=up, dout=dout2, down=down, c=c,
                                         cold=cold)
             if hot_state:  # the hot columns' gradients, dense for every row
                 dgp_hot, du_hot, h_hot = _hot_grads(g_hot, u_hot, dout2 @ down[:, hot], c)

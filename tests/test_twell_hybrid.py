@@ -10,92 +10,12 @@ from twell import hybrid as H
 L1_COEFF = 0.37  # large, so that a wrong L1 gradient shows in every weight's gradient
 
 
-class _HybridMLP(torch.autograd.Function):
-    @staticmethod
-    @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, x, up_w, down_w, max_nnz):
-        dt = H._compute_dtype(x)
-        ctx.dtypes = (x.dtype, up_w.dtype, down_w.dtype)
-        ctx.x_shape = x.shape
-        D = x.shape[-1]
-        E = int(max_nnz)
-        with torch.autocast(x.device.type, enabled=False):
-            x2 = x.reshape(-1, D).to(dt).contiguous()
-            up, down = (w.to(dt).contiguous() for w in (up_w, down_w))
-            M, I = x2.shape[0], up.shape[0]
-            pre = x2 @ up.t()
-            idx, h, nnz, rowsum, fired = H._pack(pre, E)
-            downT = H._transpose(down, dt)
-            *backup, n_backup = H._backup_list(nnz, E)
-            out = H._spmm(idx, nnz, h, downT, dtype=dt)
-            H._rows_mm(backup, pre, downT, out, relu_a=True)
-            del pre
-            csc = H._csc(idx, I, H._blocks(x.device)["SEG"]) if any(ctx.needs_input_grad[1:3]) else ()
-            l1 = rowsum.sum() / M  # the pack sums every row's positives, backup rows included
-            active = nnz.sum().float() / M
-            fired = fired.long()
-        ctx.save_for_backward(x2, up, down, idx, nnz, h, *backup, *csc)
-        ctx.E = E
-        ctx.mark_non_differentiable(active, fired, n_backup)
-        return out.reshape(*ctx.x_shape[:-1], down.shape[0]), l1, active, fired, n_backup
-
-    @staticmethod
-    @torch.amp.custom_bwd(device_type="cuda")
-    def backward(ctx, dout, dl1, *_):
-        x2, up, down, idx, nnz, h, *saved = ctx.saved_tensors
-        backup, csc = saved[:2], saved[2:]
-        E = ctx.E
-        M, D = x2.shape
-        need_x, need_up, need_down = ctx.needs_input_grad[:3]
-        with torch.autocast(x2.device.type, enabled=False):
-            dout2, c, downT, csc = H._backward_inputs(x2, down, idx, up.shape[0], csc, dout, dl1)
-            ddownT = None
-            if H._fused_dh(D, x2.device):
-                dpre = H._empty((M, E), dtype=torch.float32, device=x2.device)
-                ddownT, _ = H._wgrad(csc, E, h, None, dout2, mode=H.DH_PLAIN, w=downT, c=c, o1=dpre)
-            else:
-                dpre, _ = H._sddmm(dout2, downT, idx, nnz, None, None, backward=True, gated=False, c=c)
-            dpreb, _, hb = H._rows_units(H.ROWS_BACKWARD_PLAIN, backup, x2, up, dout=dout2, down=down, c=c)
-            dx = dup = ddown = None
-            if need_x:
-                dx = H._spmm(idx, nnz, dpre, up, dtype=x2.dtype)
-                H._rows_mm(backup, dpreb, up, dx)
-                dx = dx.reshape(ctx.x_shape).to(ctx.dtypes[0])
-            if need_up:
-                dup, _ = H._wgrad(csc, E, dpre, None, x2, mode=H.A)
-                H._rows_wgrad(backup, dpreb, x2, dup)
-                dup = dup.to(ctx.dtypes[1])
-            if need_down:
-                if ddownT is None:
-                    ddownT, _ = H._wgrad(csc, E, h, None, dout2, mode=H.A)
-                H._rows_wgrad(backup, hb, dout2, ddownT)
-                ddown = H._transpose(ddownT, ctx.dtypes[2])
-        return dx, dup, ddown, None
-
-
-def hybrid_mlp(x, up_weight, down_weight, *, max_nnz=128):
-    """Non-gated down(relu(up(x))) on the hybrid sparse format; returns (out, H.HybridStats)."""
-    if not H.use_triton(x):
-        return hybrid_mlp_reference(x, up_weight, down_weight, max_nnz=max_nnz)
-    with H.on_device(x):
-        out, l1, active, fired, backup = _HybridMLP.apply(x, up_weight, down_weight, max_nnz)
-    return out, H.HybridStats(l1, active, fired, backup)
-
-
-def hybrid_mlp_reference(x, up_weight, down_weight, *, max_nnz=128):
-    """Plain PyTorch (dense) non-gated block with the same outputs and stats as hybrid_mlp."""
-    pre = x @ up_weight.t()
-    h = torch.relu(pre)
-    l1 = h.abs().sum(-1).mean()
-    return h @ down_weight.t(), H._stats(pre.detach(), l1, max_nnz)
-
-
 def rel(a, b):
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def problem(M, D, I, k, *, gated=True, special_rows=True, device="cpu", seed=0):
+def problem(M, D, I, k, *, special_rows=True, device="cpu", seed=0):
     """Bias-channel recipe (docs/performance.md): about k active units a row; row 0 (if M > 2) is empty and
     row 1 fully dense (forces the backup); unit 2 fires in nearly every row."""
     gen = torch.Generator().manual_seed(seed)
@@ -109,8 +29,7 @@ def problem(M, D, I, k, *, gated=True, special_rows=True, device="cpu", seed=0):
         x[1, 0] = -50.0  # every pre-activation > 0
     up = torch.randn(I, D, generator=gen) / D**0.5
     down = torch.randn(D, I, generator=gen) / k**0.5
-    ts = (x, w, up, down) if gated else (x, w, down)
-    return [t.to(device) for t in ts]
+    return [t.to(device) for t in (x, w, up, down)]
 
 
 def run(fn, tensors, dout, max_nnz, **kw):
@@ -120,9 +39,8 @@ def run(fn, tensors, dout, max_nnz, **kw):
     return out, stats, [t.grad for t in leaves]
 
 
-def check(gated, tensors, max_nnz, tol=1e-5, **kw):
-    fn, ref = (H.hybrid_gated_mlp, H.hybrid_gated_mlp_reference) if gated else \
-        (hybrid_mlp, hybrid_mlp_reference)
+def check(tensors, max_nnz, tol=1e-5, **kw):
+    fn, ref = H.hybrid_gated_mlp, H.hybrid_gated_mlp_reference
     M, D = tensors[0].shape[0], tensors[-1].shape[0]
     dout = torch.randn(M, D, generator=torch.Generator().manual_seed(1)).to(tensors[0].device)
     out, st, grads = run(fn, tensors, dout, max_nnz, **kw)
@@ -139,19 +57,17 @@ def check(gated, tensors, max_nnz, tol=1e-5, **kw):
     return st
 
 
-@pytest.mark.parametrize("gated", [True, False])
 # D = 70 > 64 takes the unfused backward SDDMM in the interpreter; the others the fused one
 @pytest.mark.parametrize("M,D,I,k,E", [(37, 45, 70, 6, 12), (1, 33, 50, 5, 16), (64, 19, 100, 9, 11),
                                        (20, 70, 30, 5, 8)])
-def test_matches_dense_autograd(gated, M, D, I, k, E):
-    st = check(gated, problem(M, D, I, k, gated=gated), E)
+def test_matches_dense_autograd(M, D, I, k, E):
+    st = check(problem(M, D, I, k), E)
     if M > 2:  # the sparse path and the backup both ran
         assert 1 <= int(st.backup_rows) < M
 
 
-@pytest.mark.parametrize("gated", [True, False])
-def test_all_rows_dense_backup(gated):
-    st = check(gated, problem(21, 24, 40, 30, gated=gated, special_rows=False), max_nnz=3)
+def test_all_rows_dense_backup():
+    st = check(problem(21, 24, 40, 30, special_rows=False), max_nnz=3)
     assert int(st.backup_rows) == 21
 
 
@@ -166,7 +82,7 @@ def test_hot_units_as_dense_columns(all_dense):
     fired = (pre > 0).sum(0)
     never = int((fired == 0).nonzero()[0]) if (fired == 0).any() else 0
     hot = torch.tensor(sorted({2, 9, never}))
-    st = check(True, tensors, 10, hot_units=hot)
+    st = check(tensors, 10, hot_units=hot)
     assert int(st.backup_rows) == int(((pre > 0).sum(1) - (pre[:, hot] > 0).sum(1) > 10).sum())
 
 
@@ -193,9 +109,8 @@ def test_nan_poisoned_buffers(monkeypatch):
         return t.fill_(float("nan") if dtype.is_floating_point else 987654)
 
     monkeypatch.setattr(H, "_empty", poisoned)
-    check(True, problem(29, 35, 60, 7), max_nnz=10)
-    check(True, problem(29, 35, 60, 7), max_nnz=10, hot_units=torch.tensor([2, 40]))
-    check(False, problem(29, 35, 60, 7, gated=False), max_nnz=10)
+    check(problem(29, 35, 60, 7), max_nnz=10)
+    check(problem(29, 35, 60, 7), max_nnz=10, hot_units=torch.tensor([2, 40]))
 
 
 def saved_activation_bytes(fn, tensors, max_nnz):
@@ -247,12 +162,10 @@ def test_grad_accumulation_checkpoint_noncontiguous():
     assert rel(first[0][:, ::2], ref[0]) < 1e-5 and rel(first[1].t(), ref[1]) < 1e-5
 
 
-@pytest.mark.parametrize("gated", [True, False])
-def test_frozen_weights(gated):
+def test_frozen_weights():
     """Only x needs a gradient (frozen weights): the backward builds the CSC it still needs."""
-    tensors = problem(23, 30, 40, 6, gated=gated)
-    fn, ref = (H.hybrid_gated_mlp, H.hybrid_gated_mlp_reference) if gated else \
-        (hybrid_mlp, hybrid_mlp_reference)
+    tensors = problem(23, 30, 40, 6)
+    fn, ref = H.hybrid_gated_mlp, H.hybrid_gated_mlp_reference
     dout = torch.randn(23, 30)
     grads = []
     for f, dtype in ((fn, torch.float32), (ref, torch.float64)):
@@ -275,13 +188,12 @@ def test_without_triton_uses_reference(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gated,hot", [(True, False), (False, False), (True, True)])
-def test_gpu_bf16_autocast(gated, hot):
+@pytest.mark.parametrize("hot", [False, True])
+def test_gpu_bf16_autocast(hot):
     """fp32 master weights under bf16 autocast: outputs and gradients as close to the fp64 reference
     as the dense bf16 block, fp32 gradients; backup rows included (and hot units as dense columns)."""
-    tensors = problem(3000, 320, 1100, 20, gated=gated, device="cuda")
-    fn, ref = (H.hybrid_gated_mlp, H.hybrid_gated_mlp_reference) if gated else \
-        (hybrid_mlp, hybrid_mlp_reference)
+    tensors = problem(3000, 320, 1100, 20, device="cuda")
+    fn, ref = H.hybrid_gated_mlp, H.hybrid_gated_mlp_reference
     kw = dict(hot_units=torch.arange(0, 1100, 17, device="cuda")) if hot else {}  # 65 units, unit 2 not among them
     dout = torch.randn(3000, 320, device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
