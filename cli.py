@@ -103,8 +103,10 @@ text_column_option = click.option("--text-column", default="text", show_default=
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors shard.")
 @click.option("--push-to-hub", "push_to_hub", metavar="REPO_ID", help="Upload OUT to this Hub repository (created if needed).")
 @click.option("--private", is_flag=True, help="With --push-to-hub: make a new repository private.")
-@click.option("--measure", "measure_kernels", is_flag=True,
-              help="Choose each layer's kernel setting by timing the candidates on this GPU (CUDA only).")
+@click.option("--measure/--no-measure", "measure_kernels", default=None,
+              help="Choose each layer's kernel setting by timing the candidates on this GPU (CUDA only), or by the "
+                   "cost model. Default: timed on a GPU where the layers are narrower than the cost model's shapes "
+                   "(hidden size 896, 4864 units), which it would plan dense.")
 @click.option("--dry-run", is_flag=True, help="Print the resolved settings and the training state's size, and stop.")
 @click.option("--report-to", default="none", show_default=True, metavar="TRACKERS",
               help="Send the training log's figures at each log step to these accelerate trackers, separated by "

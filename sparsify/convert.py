@@ -38,7 +38,7 @@ from .export import check_output_dir, export_checkpoint
 from .load import (check_device, demo_corpus_path, load_config, load_model, parameter_count, require_tokenizer,
                    resolve_dtype)
 from .measure import measure, perplexity
-from .plan import plan_model
+from .plan import measured_by_default, plan_model
 from .tune import capture_mlp_inputs, require_cuda
 from .relufy import original_mlps, relufy
 from .report import console, plot_training
@@ -108,23 +108,23 @@ def convert(
     max_shard_size: str = "5GB",
     push_to_hub: str | None = None,
     private: bool = False,
-    measure_kernels: bool = False,
+    measure_kernels: bool | None = None,
     show_progress: bool = True,
     report_to: str = "none",
 ) -> dict:
     """Convert `source` into a sparse checkpoint at `out`; returns the summary (perplexities, per-layer
     statistics and plan, training log). `text_column`: the column of the data's rows that holds the text.
     `measure_kernels` plans each layer by timing the kernel settings on this GPU (sparsify.tune) instead of by
-    the cost model. `show_progress` False prints only warnings (no settings, progress bars or log lines).
+    the cost model (None: where the cost model does not cover the layer shape, on a GPU). `show_progress` False prints only warnings (no settings, progress bars or log lines).
     `report_to`: the accelerate trackers that get the training log's figures (train.trackers)."""
     check_device(device)
     launch = PartialState(cpu=on_cpu(device))
     main, processes = launch.is_main_process, launch.num_processes
     out, resume_dir, data_spec, inputs = _check_inputs(source, out, config, data, text_column, device, resume, overwrite,
                                                        max_shard_size, measure_kernels, processes)
-    report_trackers = trackers(report_to)
-    fsdp = fsdp_launch()[0]
+    report_trackers, fsdp = trackers(report_to), fsdp_launch()[0]
     model, tokenizer, spec, base_model = _load_source(source, config, device, launch, show_progress)
+    measure_kernels = _measure_kernels(measure_kernels, model.config, device, show_progress and main)
     text = TextData(data_spec, tokenizer, config.seq_len, config.eval_tokens, text_column)
     ppl = {}
     shown = show_progress and main
@@ -202,6 +202,19 @@ def _check_inputs(source: str, out, config: TrainConfig, data: str | None, text_
         check_resume(resume_dir, config, processes, inputs)
     resolve_data(data_spec)  # missing / empty / unknown format
     return out, resume_dir, data_spec, inputs
+
+
+def _measure_kernels(asked: bool | None, model_config, device: str | None, shown: bool) -> bool:
+    """Whether to plan by timing the kernels: as asked, else where the cost model does not cover the layers."""
+    if asked is not None:
+        return asked
+    d, units = model_config.hidden_size, model_config.intermediate_size
+    if not measured_by_default(d, units, device):
+        return False
+    if shown:
+        console.print(f"planning by timing the kernels on this GPU: layers of D {d} / I {units} are narrower than "
+                      f"the cost model's shapes (--no-measure: plan them dense)")
+    return True
 
 
 def _load_source(source: str, config: TrainConfig, device: str | None, launch: PartialState, show_progress: bool):

@@ -78,13 +78,26 @@ def _setting(tile: int, compression: int, sparse_tokens: list[list], stats: dict
     return LayerPlan(Mode.SPARSE, tile, compression, sparse_tokens, stats)
 
 
+def outside_cost_model(hidden_size: int, intermediate_size: int) -> bool:
+    """Whether a layer is narrower than the shapes the cost model was fitted to (its plan by the model is
+    dense: its predictions would be extrapolations)."""
+    return hidden_size < FITTED_MIN_HIDDEN or intermediate_size < FITTED_MIN_INTERMEDIATE
+
+
+def measured_by_default(hidden_size: int, intermediate_size: int, device) -> bool:
+    """Whether `convert` times the kernel settings unasked: on a CUDA GPU, where the cost model does not
+    cover the layer shape."""
+    on_gpu = torch.device(device or "cuda").type == "cuda" and torch.cuda.is_available()
+    return on_gpu and outside_cost_model(hidden_size, intermediate_size)
+
+
 def plan_layer(stats: dict, *, hidden_size: int | None = None, tokens: int = TOKENS,
                min_speedup: float = 1.0) -> LayerPlan:
     """One layer's plan from its `measure` statistics, by the cost model."""
     units = stats["units"]
     d = hidden_size or round(units / LLAMA_RATIO)
     summary = {k: stats[k] for k in ("mean_active", "p99_active", "max_active", "dead_frac") if k in stats}
-    if d < FITTED_MIN_HIDDEN or units < FITTED_MIN_INTERMEDIATE:
+    if outside_cost_model(d, units):
         return LayerPlan(stats=summary | {"reason": (
             f"D {d} / I {units} is narrower than the cost model's shapes (from D {FITTED_MIN_HIDDEN} / I "
             f"{FITTED_MIN_INTERMEDIATE}): --measure times the kernels at any width")})

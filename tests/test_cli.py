@@ -140,6 +140,20 @@ def test_dry_run_prints_the_resolved_settings_and_stops(files, tmp_path, monkeyp
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("flag,expected", [([], None), (["--measure"], True), (["--no-measure"], False)])
+def test_measure_flag_reaches_convert_unset_by_default(files, tmp_path, monkeypatch, flag, expected):
+    """Unset, convert decides (it times the kernels on a GPU where the cost model does not reach)."""
+    seen = {}
+
+    def run(*args, **kwargs):
+        seen.update(kwargs)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(convert_module, "convert", run)
+    convert(files, "llama", tmp_path / "out", *flag)
+    assert seen["measure_kernels"] is expected
+
+
 def test_convert_refuses_to_replace_its_source(files, tmp_path):
     source = tmp_path / "model"
     shutil.copytree(model_folder(files, "llama"), source)

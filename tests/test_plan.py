@@ -1,7 +1,10 @@
 """The per-layer plan on synthetic statistics at the paper's shape (D = 2048, I = 5632)."""
+from types import SimpleNamespace
+
 import pytest
 
-from sparsify.plan import TOKEN_GRID, describe, plan_layer, plan_layers, predicted_speedup, token_ranges
+from sparsify.plan import (TOKEN_GRID, describe, measured_by_default, plan_layer, plan_layers, predicted_speedup,
+                           token_ranges)
 from twell.layer_plan import ALL_TOKENS, Mode
 
 D, I = 2048, 5632
@@ -163,3 +166,20 @@ def test_heavy_tokens_cost_the_dense_block_of_heavy_rows():
             < predicted_speedup(29, 0.0, 128, D, I, 4096, 60)
         assert heavy.sparse_tokens[0][0] == 1 and heavy.sparse_tokens[-1][1] is None
         assert light.sparse_tokens[-1][0] < heavy.sparse_tokens[-1][0] <= 4096
+
+
+def test_convert_times_the_kernels_unasked_only_where_the_cost_model_does_not_reach(monkeypatch):
+    """`convert` without --measure / --no-measure times the kernels on a GPU for layers narrower than the
+    fitted shapes (the cost model would plan them dense), and never off a GPU."""
+    import torch
+
+    from sparsify.convert import _measure_kernels
+
+    narrow, wide = SimpleNamespace(hidden_size=1024, intermediate_size=2816), SimpleNamespace(hidden_size=D, intermediate_size=I)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert measured_by_default(1024, 2816, None) and measured_by_default(896, 4000, "cuda:1")
+    assert not measured_by_default(D, I, None) and not measured_by_default(1024, 2816, "cpu")
+    assert _measure_kernels(None, narrow, None, False) and not _measure_kernels(None, wide, None, False)
+    assert not _measure_kernels(False, narrow, None, False) and _measure_kernels(True, wide, None, False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not _measure_kernels(None, narrow, None, False)
