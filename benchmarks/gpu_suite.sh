@@ -21,9 +21,9 @@ step() { [[ $1 =~ $ONLY ]] || return 0; echo "=== $1"; shift; "$@" || { echo "FA
 multi_gpu_check() {  # NAME N LAUNCHER...: the demo on N GPUs started by LAUNCHER against 1 GPU with all N batches
     local name=$1 gpus=$2; shift 2
     local work=/tmp/${name}_hybrid_check
-    timeout 150 "$@" -m cli convert demo -o "$work/two" --steps 40 --hybrid-below 1000 --batch-size $((16 / gpus)) \
+    timeout 150 "$@" -m cli convert demo -o "$work/two" --steps 40 --hybrid-below 1000 --no-measure --batch-size $((16 / gpus)) \
         --overwrite | tail -3 &&
-    timeout 150 python3 -m cli convert demo -o "$work/one" --steps 40 --hybrid-below 1000 --batch-size 16 --overwrite | tail -3 &&
+    timeout 150 python3 -m cli convert demo -o "$work/one" --steps 40 --hybrid-below 1000 --no-measure --batch-size 16 --overwrite | tail -3 &&
     NAME="$name" WORK="$work" OUT="$OUT" python3 - <<'PY'
 import json, os
 import accelerate, torch, transformers, triton
