@@ -3,6 +3,8 @@ built offline in well under a second; shared by the tests of all stages."""
 from __future__ import annotations
 
 import functools
+import importlib.util
+from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -63,3 +65,12 @@ def tiny_model(family: str, *, seed: int = 0, **overrides):
 def tiny_input_ids(batch: int = 2, length: int = 12, seed: int = 0) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, 256, (batch, length), generator=generator)
+
+
+def load_benchmark(relative_path: str):
+    """A script under benchmarks/ (no package) imported as a module, under its file name."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / relative_path
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -14,7 +14,7 @@ from sparsify.plan import measure_plan, timed_layer_plan
 from sparsify.tune import WINDOW, capture_mlp_inputs
 from twell.layer_plan import ALL_TOKENS, LayerPlan, Mode
 
-from helpers import tiny_input_ids, tiny_model, tiny_tokenizer
+from helpers import load_benchmark, tiny_input_ids, tiny_model, tiny_tokenizer
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU error")
 
@@ -230,14 +230,7 @@ def test_measure_plan_times_the_window_on_gpu():
 
 
 def load_model_bench():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "model_bench.py"
-    spec = importlib.util.spec_from_file_location("model_bench", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("model_bench.py")
 
 
 def test_synthetic_model_has_the_requested_activity_and_exports(tmp_path):

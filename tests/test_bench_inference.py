@@ -1,20 +1,17 @@
 """benchmarks/bench_inference.py on CPU: what --resume keeps of a run cut short and what it measures again
 (the measurements themselves need a GPU)."""
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
+from helpers import load_benchmark
+
 
 @pytest.fixture(scope="module")
 def bench():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_inference.py"
-    spec = importlib.util.spec_from_file_location("bench_inference", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_inference.py")
 
 
 def robust_row(bench, m, k, heavy, plan_k=None):

@@ -2,20 +2,14 @@
 corpus, tokenizer, pretraining, two conversions (without and with distillation) through the real CLI,
 the continued-training control, a progressive-swap run given by --runs, report and plot. Its figures at toy size mean nothing; the test keeps the script from rotting and checks
 what the report must hold."""
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-
+from helpers import load_benchmark
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("convert_quality", ROOT / "benchmarks/quality/convert_quality.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("quality/convert_quality.py")
 
 
 def test_held_out_split_is_disjoint_and_independent_of_order():
