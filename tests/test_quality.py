@@ -8,6 +8,7 @@ import pytest
 
 from helpers import load_benchmark
 
+
 def load_script():
     return load_benchmark("quality/convert_quality.py")
 
