@@ -161,8 +161,12 @@ def convert(source, out, data, text_column, recipe, device, resume, overwrite, m
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write a heatmap PNG (layers x token position).")
 @click.option("--measure", "measure_kernels", is_flag=True,
               help="Recommend kernel settings by timing the candidates on this GPU (CUDA only).")
+@click.option("--write-plan", is_flag=True,
+              help="Give the checkpoint (a local converted one) the recommended settings in place of its own: "
+                   "config.json's plan and the model card; the weights stay. With --measure: planned for this GPU.")
 @user_errors
-def analyze(model, data, text_column, tokens, seq_len, batch_size, device, json_path, plot_path, measure_kernels):
+def analyze(model, data, text_column, tokens, seq_len, batch_size, device, json_path, plot_path, measure_kernels,
+            write_plan):
     """Per-layer gate-activation sparsity of MODEL (a converted checkpoint or an original SiLU model)."""
     from sparsify.analyze import analyze as run
     from sparsify.errors import ConfigError
@@ -171,13 +175,15 @@ def analyze(model, data, text_column, tokens, seq_len, batch_size, device, json_
     if tokens < 1 or (seq_len is not None and seq_len < 2) or batch_size < 1:
         raise ConfigError("--tokens and --batch-size must be positive and --seq-len at least 2")
     result = run(model, data=data, text_column=text_column, tokens=tokens, seq_len=seq_len, batch_size=batch_size,
-                 device=device, json_path=json_path, measure_kernels=measure_kernels)
+                 device=device, json_path=json_path, measure_kernels=measure_kernels, write_plan=write_plan)
     console.print(layer_table(result["layers"], [l["recommended"] for l in result["layers"]],
                               f"{model}: gate activity on {result['tokens']:,} tokens of {result['data']} "
                               f"(seq-len {result['seq_len']}, perplexity {result['perplexity']:.3f})"))
     if not result["converted"]:
         console.print(f"{model} is not converted (gate activation {result['activation']}): active means gate "
                       "pre-activation > 0, and no kernel setting applies; `sparsify convert` makes a sparse ReLU model.")
+    if write_plan:
+        console.print(f"wrote the recommended settings into {model}/config.json and its model card")
     if plot_path:
         plot_activity(result["layers"], plot_path)
 

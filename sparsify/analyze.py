@@ -14,7 +14,8 @@ from pathlib import Path
 from twell.layer_plan import LayerPlan
 
 from .data import TextData
-from .errors import DataError
+from .errors import ConfigError, DataError
+from .export import replace_plan
 from .load import check_device, demo_corpus_path, load_config, load_model, require_tokenizer
 from .measure import measure
 from .plan import plan_model
@@ -23,6 +24,10 @@ from .tune import require_cuda
 
 def _entry_without_stats(plan: LayerPlan) -> dict:
     return {key: value for key, value in plan.to_json().items() if key != "stats"}
+
+
+def _converted_folder(source: str) -> bool:
+    return (Path(source) / "config.json").is_file() and bool(getattr(load_config(source)[0], "twell", None))
 
 
 def default_data(source: str) -> tuple[str | Path, str]:
@@ -61,18 +66,24 @@ def analyze(
     device: str | None = None,
     json_path: str | Path | None = None,
     measure_kernels: bool = False,
+    write_plan: bool = False,
 ) -> dict:
     """{"model", "data", "seq_len", "tokens", "perplexity", "converted", "layers": [statistics + "recommended"]};
     "recommended" is the layer's LayerPlan (in the JSON file its entry without stats, which the layer's own
     statistics hold), None for a model that is not converted (its gate is not ReLU). `text_column`: the column
     of the data's rows that holds the text (default "text"; without `data`, the one the recorded data was read
-    from). `measure_kernels`: recommend by timing the kernel settings on this GPU instead of by the cost model."""
+    from). `measure_kernels`: recommend by timing the kernel settings on this GPU instead of by the cost model.
+    `write_plan`: give the checkpoint (a local converted one) the recommended plan (export.replace_plan), e.g.
+    timed on the GPU that will serve it."""
     check_device(device)
     if data is None:
         data, recorded_column = default_data(source)
         text_column = text_column or recorded_column
     if measure_kernels:
         require_cuda(device, "--measure")
+    if write_plan and not _converted_folder(source):
+        raise ConfigError(f"--write-plan: {source} is not a local converted checkpoint (a folder whose config.json "
+                          "has a twell section)")
     model, tokenizer, spec = load_model(source, device=device)
     require_tokenizer(tokenizer, source)
     seq_len = seq_len or default_seq_len(model.config, source)
@@ -86,6 +97,8 @@ def analyze(
              if converted else [None] * len(stats["layers"]))
     for layer, plan in zip(stats["layers"], plans):
         layer["recommended"] = plan
+    if write_plan:
+        replace_plan(source, plans)
     result = {"model": str(source), "family": spec.family, "data": str(data), "seq_len": seq_len,
               "converted": converted, "activation": activation, **stats}
     if json_path:

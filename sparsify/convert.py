@@ -34,7 +34,7 @@ from .card import is_hub_id
 from .config import TrainConfig
 from .data import TextData, resolve as resolve_data
 from .errors import ConfigError, DataError
-from .export import check_output_dir, export_checkpoint
+from .export import ARTIFACTS, check_output_dir, export_checkpoint
 from .load import (check_device, demo_corpus_path, load_config, load_model, parameter_count, require_tokenizer,
                    resolve_dtype)
 from .measure import measure, perplexity
@@ -288,7 +288,7 @@ def _write(model, tokenizer, out: Path, spec, plan, training: dict, log: list[di
            overwrite: bool) -> None:
     """Exports the checkpoint to `out` with training_log.json and the sparsity plot of the `log`."""
     with tempfile.TemporaryDirectory() as tmp:
-        artifacts = {"training_log.json": Path(tmp) / "training_log.json", "sparsity.png": Path(tmp) / "sparsity.png"}
+        artifacts = {name: Path(tmp) / name for name in ARTIFACTS}
         artifacts["training_log.json"].write_text(json.dumps({"training": training, "log": log}, indent=1))
         plot_training(log, artifacts["sparsity.png"])
         export_checkpoint(

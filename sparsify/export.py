@@ -114,6 +114,44 @@ def _write(folder: Path, model, tokenizer, spec, plan, training, artifacts, kern
     card.save(folder / "README.md")
 
 
+ARTIFACTS = ("training_log.json", "sparsity.png")  # files of a conversion that the card shows or names
+
+
+def replace_plan(folder: str | Path, plan: list[LayerPlan]) -> Path:
+    """Gives a converted checkpoint `plan` (one LayerPlan per layer) in place of its own: config.json's twell
+    layers and the card's table; the weights and the runtime files stay. Both files are written beside the
+    old ones first and then renamed over them, so a failure to write leaves the old plan."""
+    folder = Path(folder)
+    config_file = folder / "config.json"
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise OutputError(f"{folder}: no readable config.json ({error})") from error
+    section = config.get("twell")
+    if not section:
+        raise OutputError(f"{folder} is not a converted checkpoint (its config.json has no twell section)")
+    if len(plan) != len(section["layers"]):
+        raise ValueError(f"the plan has {len(plan)} layers, the checkpoint {len(section['layers'])}")
+    section.update(format_version=FORMAT_VERSION, layers=[layer.to_json() for layer in plan])
+    card = model_card(family=section["family"], plan=plan, training=section["training"],
+                      intermediate_size=config["intermediate_size"],
+                      artifacts=tuple(name for name in ARTIFACTS if (folder / name).is_file()))
+    files = {"config.json": json.dumps(config, indent=2, sort_keys=True) + "\n", "README.md": str(card)}
+    staged = {name: folder / f".{name}.partial" for name in files}
+    try:
+        for name, text in files.items():
+            staged[name].write_text(text, encoding="utf-8")
+            staged[name].chmod(config_file.stat().st_mode & 0o777)
+        for name in files:
+            os.replace(staged[name], folder / name)
+    except OSError as error:
+        raise OutputError(f"writing the plan into {folder} failed ({error})") from error
+    finally:
+        for path in staged.values():
+            path.unlink(missing_ok=True)
+    return folder
+
+
 def _as_umask_allows(folder: Path) -> None:
     """Permissions as a plain save_pretrained leaves them (the umask's), not the private ones of the staging
     folder (mkdtemp: 0700), so that a server under another user can read the checkpoint."""

@@ -72,3 +72,57 @@ def test_default_data_for_demo_models(tmp_path):
     config.save_pretrained(tmp_path)
     assert default_data("demo") == (demo_corpus_path(), "text")
     assert default_data(str(tmp_path)) == (demo_corpus_path(), "text")
+
+
+def test_write_plan_replaces_a_checkpoints_plan_and_keeps_its_weights(tmp_path):
+    """analyze --write-plan gives a converted checkpoint the recommended plan (here the cost model's: dense,
+    the layers being narrower than its shapes) in config.json and the card; the weights stay, and the
+    checkpoint loads with the new plan. A model that is not converted, or not a local folder, is refused
+    before anything is measured; a failed write leaves the old plan."""
+    import pytest
+    from transformers import AutoModelForCausalLM
+
+    from sparsify import export
+    from sparsify.errors import OutputError
+    from sparsify.families import spec_for
+    from sparsify.relufy import relufy
+    from twell.layer_plan import ALL_TOKENS, LayerPlan, Mode
+
+    model, tokenizer = tiny_model("llama")
+    model.save_pretrained(tmp_path / "silu")
+    tokenizer.save_pretrained(tmp_path / "silu")
+    relufy(model)
+    sparse = [LayerPlan(Mode.SPARSE, 64, 2, ALL_TOKENS)] * model.config.num_hidden_layers
+    out = export.export_checkpoint(model, tokenizer, tmp_path / "ckpt", spec=spec_for(model.config), plan=sparse,
+                                   training={"base_model": "someone/tiny", "tokens": 0})
+    weights = (out / "model.safetensors").read_bytes()
+    assert "T64 C2" in (out / "README.md").read_text()
+    (tmp_path / "text.txt").write_text("def f(x):\n    return x\n" * 200)
+    runner = CliRunner()
+    args = ["--data", str(tmp_path / "text.txt"), "--tokens", "128", "--seq-len", "32", "--write-plan"]
+    for refused in (tmp_path / "silu", tmp_path / "missing"):
+        result = runner.invoke(main, ["analyze", str(refused), *args])
+        assert result.exit_code == 1 and "is not a local converted checkpoint" in " ".join(result.output.split())
+    failing = LayerPlan()  # a write that fails: the old plan stays whole
+
+    def no_rename(*_):
+        raise OSError("disk full")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(export.os, "replace", no_rename)
+        with pytest.raises(OutputError, match="disk full"):
+            export.replace_plan(out, [failing] * model.config.num_hidden_layers)
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
+    assert json.loads((out / "config.json").read_text())["twell"]["layers"][0]["mode"] == "sparse"
+    result = runner.invoke(main, ["analyze", str(out), *args])
+    assert result.exit_code == 0, result.output
+    assert "wrote the recommended settings" in result.output
+    layers = json.loads((out / "config.json").read_text())["twell"]["layers"]
+    assert [layer["mode"] for layer in layers] == ["dense", "dense"]
+    assert "narrower than the cost model's shapes" in layers[0]["stats"]["reason"]
+    assert "T64 C2" not in (out / "README.md").read_text() and "dense" in (out / "README.md").read_text()
+    assert (out / "model.safetensors").read_bytes() == weights
+    loaded = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    assert all(not mlp.plan.is_sparse for mlp in (layer.mlp for layer in loaded.model.layers))
+    with pytest.raises(ValueError, match="the plan has 1 layers"):
+        export.replace_plan(out, [failing])
