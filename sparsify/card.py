@@ -89,13 +89,15 @@ model = AutoModelForCausalLM.from_pretrained("<this repo or folder>", trust_remo
 model = AutoModelForCausalLM.from_pretrained("<this repo or folder>")
 ```
 
-For decoding, `generate_graphed` (generation.py) is the fastest: no Python between tokens, each token one
-CUDA-graph replay of the compiled decode step (the first call of a batch size compiles and captures it,
-later calls that fit its cache reuse it; greedy, or `do_sample=True` with `temperature`, `top_k`, `top_p`;
-`attention_mask` for prompts padded on the left; `streamer`, e.g. transformers' `TextStreamer`, gets the
-text 16 tokens at a time):
+`model.generate` (and `pipeline("text-generation", ...)`) decodes with no Python between tokens where the
+call fits (greedy, or `do_sample=True` with `temperature`, `top_k`, `top_p`; prompts padded on the left; a
+streamer): each token is one CUDA-graph replay of the decode step (the first call of a batch size captures
+it; later calls that fit its cache reuse it). Other calls (beam search, logits processors, ...) and
+`graphed=False` run transformers' own `generate`. With `cache_implementation="static"`, or through
+`generate_graphed` (generation.py), the step is compiled too, the fastest:
 
 ```python
+model.generate(input_ids, max_new_tokens=64, cache_implementation="static")
 model.generate_graphed(input_ids, max_new_tokens=64, compile=True)
 ```
 

@@ -195,7 +195,7 @@ def test_checkpoint_layout(tmp_path):
     assert f"| 0 | 70.5 | {sparsity:.2f} | 1.25 | T64 C2 |" in card.text
     assert "| 1 | 80.0 | 50.00 | 0.00 | dense |" in card.text
     assert "![sparsity.png](sparsity.png)" in card.text and "Tokens used: 4096" in card.text
-    assert "model.generate_graphed(input_ids, max_new_tokens=64, compile=True)" in card.text
+    assert 'model.generate(input_ids, max_new_tokens=64, cache_implementation="static")' in card.text
 
 
 def test_modeling_file_needs_only_torch_and_transformers():
