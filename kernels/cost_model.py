@@ -58,10 +58,11 @@ def heavy_time(d: int, i: int, rows: int) -> float:
 def twell_time(mean_active: float, d: int, i: int, tokens: int, max_active: float | None = None,
                tile: int = 128, heavy_rows: int | None = None) -> float:
     """Predicted seconds of `gated_mlp` at `mean_active` units per token (no overflow) with `tile`-wide
-    tiles (batched: the gate kernel's rates depend on it; decode: its tiles of at most DECODE_TILE units); `max_active`, the
-    heaviest token's count: up to HEAVY_UNITS its serial walk bounds the batched out kernel from below (a
-    smooth maximum with the throughput term: the row runs beside the others); above, the row goes to the
-    dense block of heavy rows, whose time is added for `heavy_rows` rows (default: one, the heaviest)."""
+    tiles (batched: the gate kernel's rates depend on it; decode: tiles of at most DECODE_TILE units);
+    `max_active`, the heaviest token's count: up to HEAVY_UNITS its serial walk bounds the batched out
+    kernel from below (a smooth maximum with the throughput term: the row runs beside the others); above,
+    the row goes to the dense block of heavy rows, whose time is added for `heavy_rows` rows (default: one,
+    the heaviest)."""
     pairs = tokens * mean_active
     if tokens <= decode_rows(d, i):  # decode spreads a row's units over the gate programs' tiles
         bandwidth, per_column, latency = DECODE

@@ -30,8 +30,8 @@ from .errors import ConfigError
 from .families import FamilySpec, down_weight, gate_weight, has_bias, mlp_modules, up_weight
 from .tune import CANDIDATES, TOKENS, activity, capture_mlp_inputs, require_cuda, time_layer, time_window
 
-# token counts the cost model judges a setting at: both sides of the decode path's ends (16 or 64 rows),
-# then prefills
+# token counts the cost model judges a setting at: decode steps of a few sequences, both sides of the decode
+# path's ends (16 or 64 rows), then prefills
 TOKEN_GRID = (1, 2, 4, 8, 16, 17, 32, 64, 65, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 4096, 16384)
 FITTED_TILE = 128  # the tile the cost model's main grids were measured at: ties go to it
 LLAMA_RATIO = 2.75  # I / D of the paper's models, used when the caller gives no hidden size
