@@ -186,8 +186,8 @@ class DecodeLoop:
             min_new_tokens: int = 0, streamer=None) -> torch.Tensor:
         """The prompt's prefill, then up to max_new_tokens - 1 steps, checking every CHECK_EVERY tokens
         whether every sequence finished (none can before min_new_tokens). Returns [batch, prompt + generated]
-        token ids, ending where the last sequence ended, as generate's. `streamer` (transformers' streamer interface: put, end) gets the
-        prompt, then the new tokens every CHECK_EVERY tokens."""
+        token ids, ending where the last sequence ended, as generate's. `streamer` (transformers' streamer
+        interface: put, end) gets the prompt, then the new tokens every CHECK_EVERY tokens."""
         batch, n = input_ids.shape
         length = padded_length(n)
         # padded where a graph may serve it (on CUDA one is captured, elsewhere the same prefill runs directly)
