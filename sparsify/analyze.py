@@ -14,8 +14,8 @@ from pathlib import Path
 from twell.layer_plan import LayerPlan
 
 from .data import TextData
-from .errors import ConfigError, DataError
-from .export import replace_plan
+from .errors import ConfigError, DataError, OutputError
+from .export import converted_config, replace_plan
 from .load import check_device, demo_corpus_path, load_config, load_model, require_tokenizer
 from .measure import measure
 from .plan import plan_model
@@ -24,10 +24,6 @@ from .tune import require_cuda
 
 def _entry_without_stats(plan: LayerPlan) -> dict:
     return {key: value for key, value in plan.to_json().items() if key != "stats"}
-
-
-def _converted_folder(source: str) -> bool:
-    return (Path(source) / "config.json").is_file() and bool(getattr(load_config(source)[0], "twell", None))
 
 
 def default_data(source: str) -> tuple[str | Path, str]:
@@ -81,9 +77,11 @@ def analyze(
         text_column = text_column or recorded_column
     if measure_kernels:
         require_cuda(device, "--measure")
-    if write_plan and not _converted_folder(source):
-        raise ConfigError(f"--write-plan: {source} is not a local converted checkpoint (a folder whose config.json "
-                          "has a twell section)")
+    if write_plan:  # a plan this version can replace, checked before anything is measured
+        try:
+            converted_config(source)
+        except OutputError as error:
+            raise ConfigError(f"--write-plan: {source} is not a local converted checkpoint ({error})") from None
     model, tokenizer, spec = load_model(source, device=device)
     require_tokenizer(tokenizer, source)
     seq_len = seq_len or default_seq_len(model.config, source)
@@ -97,10 +95,10 @@ def analyze(
              if converted else [None] * len(stats["layers"]))
     for layer, plan in zip(stats["layers"], plans):
         layer["recommended"] = plan
-    if write_plan:
-        replace_plan(source, plans)
     result = {"model": str(source), "family": spec.family, "data": str(data), "seq_len": seq_len,
               "converted": converted, "activation": activation, **stats}
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=1, default=_entry_without_stats))
+    if write_plan:
+        replace_plan(source, plans)
     return result

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from twell.layer_plan import FORMAT_VERSION, LayerPlan
+from twell.layer_plan import FORMAT_VERSION, LayerPlan, layer_plans
 
 from .card import model_card
 from .errors import OutputError
@@ -102,7 +102,7 @@ def _write(folder: Path, model, tokenizer, spec, plan, training, artifacts, kern
     config_file = folder / "config.json"
     config = json.loads(config_file.read_text())
     config.update({"auto_map": AUTO_MAP, "twell": twell_section(spec, plan, training)})
-    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    config_file.write_text(_config_text(config))
     (folder / "modeling_twell.py").write_text(modeling_source(spec))
     shutil.copy2(GENERATION_FILE, folder / GENERATION_FILE.name)
     for kernel_file in runtime_files(kernels):
@@ -117,31 +117,44 @@ def _write(folder: Path, model, tokenizer, spec, plan, training, artifacts, kern
 ARTIFACTS = ("training_log.json", "sparsity.png")  # files of a conversion that the card shows or names
 
 
+def _config_text(config: dict) -> str:
+    return json.dumps(config, indent=2, sort_keys=True) + "\n"
+
+
+def converted_config(folder: str | Path) -> dict:
+    """config.json of a converted checkpoint folder, checked to hold a plan this version reads (OutputError
+    naming what is missing otherwise)."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+        layer_plans(config["twell"])  # its layers, in a format version this runtime reads
+        complete = {"family", "training"} <= set(config["twell"]) and "intermediate_size" in config
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
+        raise OutputError(f"{folder} is not a converted checkpoint this version reads (config.json: {error!r})") from error
+    if not complete:
+        raise OutputError(f"{folder}: config.json lacks twell.family, twell.training or intermediate_size")
+    return config
+
+
 def replace_plan(folder: str | Path, plan: list[LayerPlan]) -> Path:
     """Gives a converted checkpoint `plan` (one LayerPlan per layer) in place of its own: config.json's twell
     layers and the card's table; the weights and the runtime files stay. Both files are written beside the
-    old ones first and then renamed over them, so a failure to write leaves the old plan."""
+    old ones first, then renamed over them, config.json (what loading reads) last: a failure leaves the old
+    plan in force."""
     folder = Path(folder)
-    config_file = folder / "config.json"
-    try:
-        config = json.loads(config_file.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise OutputError(f"{folder}: no readable config.json ({error})") from error
-    section = config.get("twell")
-    if not section:
-        raise OutputError(f"{folder} is not a converted checkpoint (its config.json has no twell section)")
+    config = converted_config(folder)
+    section = config["twell"]
     if len(plan) != len(section["layers"]):
         raise ValueError(f"the plan has {len(plan)} layers, the checkpoint {len(section['layers'])}")
-    section.update(format_version=FORMAT_VERSION, layers=[layer.to_json() for layer in plan])
+    section["layers"] = [layer.to_json() for layer in plan]
     card = model_card(family=section["family"], plan=plan, training=section["training"],
                       intermediate_size=config["intermediate_size"],
                       artifacts=tuple(name for name in ARTIFACTS if (folder / name).is_file()))
-    files = {"config.json": json.dumps(config, indent=2, sort_keys=True) + "\n", "README.md": str(card)}
+    files = {"README.md": str(card), "config.json": _config_text(config)}  # renamed in this order
     staged = {name: folder / f".{name}.partial" for name in files}
     try:
         for name, text in files.items():
             staged[name].write_text(text, encoding="utf-8")
-            staged[name].chmod(config_file.stat().st_mode & 0o777)
+            staged[name].chmod((folder / "config.json").stat().st_mode & 0o777)
         for name in files:
             os.replace(staged[name], folder / name)
     except OSError as error:

@@ -1,6 +1,7 @@
 """`sparsify analyze`: the JSON holds every statistic and the recommendation, on an original SiLU model
 and on a converted checkpoint (which defaults to the data it was converted on, found by its recorded name)."""
 import json
+import os
 
 from click.testing import CliRunner
 
@@ -100,9 +101,11 @@ def test_write_plan_replaces_a_checkpoints_plan_and_keeps_its_weights(tmp_path):
     (tmp_path / "text.txt").write_text("def f(x):\n    return x\n" * 200)
     runner = CliRunner()
     args = ["--data", str(tmp_path / "text.txt"), "--tokens", "128", "--seq-len", "32", "--write-plan"]
-    for refused in (tmp_path / "silu", tmp_path / "missing"):
-        result = runner.invoke(main, ["analyze", str(refused), *args])
-        assert result.exit_code == 1 and "is not a local converted checkpoint" in " ".join(result.output.split())
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("sparsify.analyze.load_model", None)  # refused before any weight is read
+        for refused in (tmp_path / "silu", tmp_path / "missing"):
+            result = runner.invoke(main, ["analyze", str(refused), *args])
+            assert result.exit_code == 1 and "is not a local converted checkpoint" in " ".join(result.output.split())
     failing = LayerPlan()  # a write that fails: the old plan stays whole
 
     def no_rename(*_):
@@ -113,6 +116,20 @@ def test_write_plan_replaces_a_checkpoints_plan_and_keeps_its_weights(tmp_path):
         with pytest.raises(OutputError, match="disk full"):
             export.replace_plan(out, [failing] * model.config.num_hidden_layers)
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
+    assert json.loads((out / "config.json").read_text())["twell"]["layers"][0]["mode"] == "sparse"
+    renamed, rename = [], os.replace
+
+    def second_rename_fails(source, target):
+        if renamed:
+            raise OSError("disk full")
+        renamed.append(os.path.basename(target))
+        rename(source, target)
+
+    with pytest.MonkeyPatch.context() as patch:  # the card is renamed first, config.json (what loads) last
+        patch.setattr(export.os, "replace", second_rename_fails)
+        with pytest.raises(OutputError, match="disk full"):
+            export.replace_plan(out, [failing] * model.config.num_hidden_layers)
+    assert renamed == ["README.md"] and "T64 C2" not in (out / "README.md").read_text()
     assert json.loads((out / "config.json").read_text())["twell"]["layers"][0]["mode"] == "sparse"
     result = runner.invoke(main, ["analyze", str(out), *args])
     assert result.exit_code == 0, result.output
