@@ -153,6 +153,8 @@ class TrainConfig:
             bad(f"hybrid-below must be a number >= 0 (0: dense only), got {self.hybrid_below}")
         if not 0 <= self.weight_decay <= 1:
             bad(f"weight-decay must be in [0, 1], got {self.weight_decay}")
+        if len(self.betas) != 2 or not all(0 <= beta < 1 for beta in self.betas):
+            bad(f"betas must be two numbers in [0, 1) (AdamW's), got {self.betas}")
         if not self.max_grad_norm > 0:
             bad(f"max-grad-norm must be > 0, got {self.max_grad_norm}")
         if not 0 <= self.save_every_minutes < math.inf:

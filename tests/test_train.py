@@ -251,6 +251,9 @@ def test_steps_and_tokens_bound_training():
         (dict(hybrid_max_nnz=0), "hybrid-max-nnz must be a positive integer"),
         (dict(distill=1.5), r"distill must be in \[0, 1\]"),
         (dict(distill=float("nan")), r"distill must be in \[0, 1\]"),
+        (dict(betas=(1.5, 0.9)), r"betas must be two numbers in \[0, 1\)"),
+        (dict(betas=(0.9, 0.95, 0.99)), "betas must be two numbers"),
+        (dict(betas=(0.9, float("nan"))), "betas must be two numbers"),
     ],
 )
 def test_bad_config(kw, message):
