@@ -473,9 +473,9 @@ def _log_and_route(run: _Run, state: _RunState, window: _Window, outcome: _StepO
     step: chosen from them where layers may move to the hybrid kernels, else `routing` unchanged."""
     entry = _log_entry(run, state, window, outcome, now)
     state.log.append(entry)
-    run.accelerator.log(_tracker_values(entry), step=entry["step"])
     if run.routes:  # the same reduced figures on every rank: all ranks choose the same paths
         routing = _route(run, entry, outcome.fired)
+    run.accelerator.log(_tracker_values(entry), step=entry["step"])  # with the layers' hot units the route added
     if progress:
         progress.stats = _progress_text(entry)
         if not progress.console.is_terminal:  # logs to a file: one whole line per log step
