@@ -84,15 +84,18 @@ def run_summary(parameters: int, config: TrainConfig, processes: int = 1, sharde
             "come on top)")
 
 
-def resume_dir_for(out: str | Path) -> Path:
+def _beside(out: str | Path, suffix: str) -> Path:
     out = Path(out).expanduser().resolve()
-    return out.with_name(out.name + ".resume")
+    return out.with_name(out.name + suffix)
+
+
+def resume_dir_for(out: str | Path) -> Path:
+    return _beside(out, ".resume")
 
 
 def logging_dir_for(out: str | Path) -> Path:
     """Where the trackers of --report-to that write files (tensorboard) write them: beside OUT, not in the checkpoint."""
-    out = Path(out).expanduser().resolve()
-    return out.with_name(out.name + ".logs")
+    return _beside(out, ".logs")
 
 
 def convert(
@@ -124,10 +127,10 @@ def convert(
                                                        max_shard_size, measure_kernels, processes)
     report_trackers, fsdp = trackers(report_to), fsdp_launch()[0]
     model, tokenizer, spec, base_model = _load_source(source, config, device, launch, show_progress)
-    measure_kernels = _measure_kernels(measure_kernels, model.config, device, show_progress and main)
+    shown = show_progress and main
+    measure_kernels = _measure_kernels(measure_kernels, model.config, device, shown)
     text = TextData(data_spec, tokenizer, config.seq_len, config.eval_tokens, text_column)
     ppl = {}
-    shown = show_progress and main
     if main:
         held_out, warnings = text.held_out()
         if shown:
