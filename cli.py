@@ -159,8 +159,10 @@ def convert(source, out, data, text_column, recipe, device, resume, overwrite, m
 @click.option("--device", help="cpu or cuda (default: cuda if available).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write all statistics to this JSON file.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write a heatmap PNG (layers x token position).")
-@click.option("--measure", "measure_kernels", is_flag=True,
-              help="Recommend kernel settings by timing the candidates on this GPU (CUDA only).")
+@click.option("--measure/--no-measure", "measure_kernels", default=None,
+              help="Recommend kernel settings by timing the candidates on this GPU (CUDA only), or by the cost "
+                   "model. Default: as convert (timed on a GPU where the layers are narrower than the cost model's "
+                   "shapes).")
 @click.option("--write-plan", is_flag=True,
               help="Give the checkpoint (a local converted one) the recommended settings in place of its own: "
                    "config.json's plan and the model card; the weights stay. With --measure: planned for this GPU.")

@@ -18,7 +18,7 @@ from .errors import ConfigError, DataError, OutputError
 from .export import converted_config, replace_plan
 from .load import check_device, demo_corpus_path, load_config, load_model, require_tokenizer
 from .measure import measure
-from .plan import plan_model
+from .plan import measured_by_default, plan_model
 from .tune import require_cuda
 
 
@@ -61,14 +61,15 @@ def analyze(
     batch_size: int = 8,
     device: str | None = None,
     json_path: str | Path | None = None,
-    measure_kernels: bool = False,
+    measure_kernels: bool | None = None,
     write_plan: bool = False,
 ) -> dict:
     """{"model", "data", "seq_len", "tokens", "perplexity", "converted", "layers": [statistics + "recommended"]};
     "recommended" is the layer's LayerPlan (in the JSON file its entry without stats, which the layer's own
     statistics hold), None for a model that is not converted (its gate is not ReLU). `text_column`: the column
     of the data's rows that holds the text (default "text"; without `data`, the one the recorded data was read
-    from). `measure_kernels`: recommend by timing the kernel settings on this GPU instead of by the cost model.
+    from). `measure_kernels`: recommend by timing the kernel settings on this GPU instead of by the cost model
+    (None: as convert, timed on a GPU where the cost model does not cover the layer shape).
     `write_plan`: give the checkpoint (a local converted one) the recommended plan (export.replace_plan), e.g.
     timed on the GPU that will serve it."""
     check_device(device)
@@ -91,6 +92,8 @@ def analyze(
     stats = measure(model, spec, text.eval_blocks, batch_size, label=f"measuring ({measured:,} tokens)")
     activation = getattr(model.config, spec.act_key)
     converted = activation == "relu"
+    if measure_kernels is None:
+        measure_kernels = measured_by_default(model.config.hidden_size, model.config.intermediate_size, device)
     plans = (plan_model(model, spec, stats, text.eval_blocks, measure_kernels=measure_kernels, device=device)
              if converted else [None] * len(stats["layers"]))
     for layer, plan in zip(stats["layers"], plans):
