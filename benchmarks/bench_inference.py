@@ -719,10 +719,13 @@ def main(argv=None):
         kind = "--robustness" if args.robustness else "grid"
         try:
             earlier, done = resumed(args.json, ROBUST_KEY if args.robustness else ROW_KEY)
-        except (json.JSONDecodeError, KeyError, TypeError) as error:
+        except (OSError, ValueError, KeyError, TypeError) as error:  # unreadable, not JSON, not such rows
             p.error(f"--resume: {args.json} is not a {kind} result ({error!r})")
         if args.robustness and earlier is not None and earlier.get("runtime") != runtime_name:
             p.error(f"--resume: {args.json} timed the runtime {earlier.get('runtime')!r}, not {runtime_name!r}")
+        measured_on = (earlier or {}).get("device")
+        if measured_on is not None and measured_on != torch.cuda.get_device_name():
+            p.error(f"--resume: {args.json} was measured on {measured_on}, not on this {torch.cuda.get_device_name()}")
     rows = earlier["rows"] if earlier is not None else []
     torch.manual_seed(0)
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
