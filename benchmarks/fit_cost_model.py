@@ -21,6 +21,7 @@ from scipy.optimize import least_squares
 from twell import cost_model as cost
 from twell.decode import DECODE_TILE, decode_tile_stride
 from twell.format import decode_rows
+from twell.layer_plan import LayerPlan
 
 
 def load_cases(paths):
@@ -33,7 +34,8 @@ def load_cases(paths):
                                   twell=path_us * 1e-6))
             elif "heavy_rows" in r:  # bench_inference.py --robustness: decode-sized cells the plan runs sparse
                 graph = "graph" if r["M"] == 1 else "step_graph"  # one token; a decode step of M sequences
-                sparse = any(lo <= r["M"] <= (hi or r["M"]) for lo, hi in r["plan"].get("sparse_tokens", []))
+                plan = LayerPlan.from_json(r["plan"])
+                sparse = plan.is_sparse and any(lo <= r["M"] <= (hi or r["M"]) for lo, hi in plan.sparse_tokens)
                 if r["heavy_rows"] == 0 and sparse and f"{graph}_twell_us" in r:
                     cases.append(dict(D=r["D"], I=r["I"], M=r["M"], a=r["active"], tile=r["plan"]["tile"],
                                       dense=r[f"{graph}_dense_us"] * 1e-6, twell=r[f"{graph}_twell_us"] * 1e-6))
