@@ -16,7 +16,6 @@ batch (0-based): the other process must stop after the same step.
 """
 import functools
 import os
-import signal
 import sys
 from pathlib import Path
 
@@ -28,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's
 from cli import main  # noqa: E402
 from sparsify import convert  # noqa: E402
 from sparsify.data import TrainingBatches  # noqa: E402
+
+from helpers import interrupt, on_read  # noqa: E402  (tests/, this script's folder)
 from sparsify.relufy import ReluGatedMLP  # noqa: E402
 
 init = AcceleratorState.__init__
@@ -60,26 +61,14 @@ def load_on_main_only(*args, weights=True, **kwargs):
     return load_model(*args, weights=weights, **kwargs)
 
 
-def interrupted(next_batch, at: int):
-    """TrainingBatches.__next__, sending SIGINT to the main process when it reads its `at`-th batch (the stream
-    itself unchanged: the state saves its position)."""
-    reads = []
-
-    @functools.wraps(next_batch)
-    def batch(self):
-        if len(reads) == at and PartialState().is_main_process:
-            os.kill(os.getpid(), signal.SIGINT)
-        reads.append(None)
-        return next_batch(self)
-
-    return batch
-
-
 AcceleratorState.__init__ = fsdp_on_cpu
 ReluGatedMLP.forward = forward_on_whole_weights
 convert.load_model = load_on_main_only
 if "SPARSIFY_TEST_INTERRUPT" in os.environ:
-    TrainingBatches.__next__ = interrupted(TrainingBatches.__next__, int(os.environ["SPARSIFY_TEST_INTERRUPT"]))
+    # Ctrl-C to the main process when it reads its batch at this index (the stream itself unchanged: the state
+    # saves its position)
+    TrainingBatches.__next__ = on_read(TrainingBatches.__next__, int(os.environ["SPARSIFY_TEST_INTERRUPT"]),
+                                       lambda: PartialState().is_main_process and interrupt())
 
 if __name__ == "__main__":
     main()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
+import signal
 from pathlib import Path
 
 import torch
@@ -74,3 +76,27 @@ def load_benchmark(relative_path: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+class Killed(BaseException):
+    """A kill: no handler of errors (Exception) sees it."""
+
+
+def interrupt() -> None:
+    """Ctrl-C, as the terminal sends it."""
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+def on_read(next_batch, at: int, action):
+    """TrainingBatches.__next__ through `next_batch`, calling `action()` first on the read that has `at` reads
+    before it (an action that raises fails that read)."""
+    reads = []
+
+    @functools.wraps(next_batch)
+    def read(self):
+        if len(reads) == at:
+            action()
+        reads.append(None)
+        return next_batch(self)
+
+    return read

@@ -6,7 +6,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import stat
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from cli import main
-from helpers import tiny_input_ids, tiny_model, tiny_tokenizer
+from helpers import Killed, interrupt, on_read, tiny_input_ids, tiny_model, tiny_tokenizer
 from sparsify import convert as convert_module
 from sparsify import data as data_module
 from sparsify import export
@@ -195,15 +194,9 @@ def test_two_processes_train_like_one_with_both_batches(files, tmp_path):
 
 def test_ctrl_c_then_resume(files, tmp_path, monkeypatch):
     out = tmp_path / "out"
-    real, reads = data_module.TrainingBatches.__next__, []
-
-    def interrupted(self):
-        reads.append(None)
-        if len(reads) == 3:  # Ctrl-C during step 3: it ends, then training stops
-            os.kill(os.getpid(), signal.SIGINT)
-        return real(self)
-
-    monkeypatch.setattr(data_module.TrainingBatches, "__next__", interrupted)
+    real = data_module.TrainingBatches.__next__
+    # Ctrl-C during step 3 (its read): it ends, then training stops
+    monkeypatch.setattr(data_module.TrainingBatches, "__next__", on_read(real, 2, interrupt))
     result = convert(files, "llama", out, "--steps", 5)
     assert_user_error(result, "interrupted at step 3 of 5")
     assert not out.exists() and (tmp_path / "out.resume" / "state.json").is_file()
@@ -221,21 +214,12 @@ def test_ctrl_c_then_resume(files, tmp_path, monkeypatch):
     assert not (tmp_path / "out.resume").exists()
 
 
-class Killed(BaseException):
-    """A kill: no handler of errors (Exception) sees it."""
-
-
 def failing_batches(n, error):
     """TrainingBatches.__next__, raising `error` when the (n+1)-th batch is read."""
-    real, reads = data_module.TrainingBatches.__next__, []
+    def fail():
+        raise error
 
-    def next_batch(self):
-        if len(reads) == n:
-            raise error
-        reads.append(None)
-        return real(self)
-
-    return next_batch
+    return on_read(data_module.TrainingBatches.__next__, n, fail)
 
 
 def test_a_killed_conversion_resumes_from_its_periodic_save(files, tmp_path, monkeypatch):

@@ -3,16 +3,14 @@ tracking, and Ctrl-C (or an error) -> resume giving the same weights as an unint
 import copy
 import dataclasses
 import json
-import os
 import re
-import signal
 import time
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import tiny_model
+from helpers import Killed, interrupt, on_read, tiny_model
 from sparsify.errors import ConfigError, DataError
 from sparsify import relufy as relufy_module
 from sparsify.relufy import relufy
@@ -39,7 +37,7 @@ def stop_after(n):
     def batches(start, rank, world):
         for i, b in enumerate(batches_from()(start, rank, world)):
             if i == n:
-                os.kill(os.getpid(), signal.SIGINT)
+                interrupt()
             yield b
 
     return batches
@@ -316,16 +314,9 @@ def test_resume_continues_the_text_from_its_saved_position(tmp_path, monkeypatch
     straight, _ = tiny_model("qwen2")
     interrupted = copy.deepcopy(straight)
     run(straight)
-    real, reads = TrainingBatches.__next__, []
-
-    def interrupting(self):  # Ctrl-C while step 3 reads its 2nd micro-batch
-        reads.append(self)
-        if len(reads) == 6:
-            os.kill(os.getpid(), signal.SIGINT)
-        return real(self)
-
     with monkeypatch.context() as patch, pytest.raises(TrainingInterrupted, match="interrupted at step 3 of 6"):
-        patch.setattr(TrainingBatches, "__next__", interrupting)
+        # Ctrl-C while step 3 reads its 2nd micro-batch
+        patch.setattr(TrainingBatches, "__next__", on_read(TrainingBatches.__next__, 5, interrupt))
         run(interrupted)
     read_before = list(tokenizer.texts)
     resumed, _ = tiny_model("qwen2", seed=1)
@@ -344,10 +335,6 @@ def failing_batches(n, error):
             yield b
 
     return batches
-
-
-class Killed(BaseException):
-    """A kill: no handler of errors (Exception) sees it."""
 
 
 def test_a_killed_run_resumes_from_its_last_periodic_save(tmp_path):
