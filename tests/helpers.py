@@ -100,3 +100,17 @@ def on_read(next_batch, at: int, action):
         return next_batch(self)
 
     return read
+
+
+class CountingTokenizer:
+    """The tiny tokenizer, recording the texts it tokenizes."""
+
+    def __init__(self):
+        self.tokenizer, self.texts = tiny_tokenizer(), []
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+    def __call__(self, texts, **kwargs):
+        self.texts += texts
+        return self.tokenizer(texts, **kwargs)

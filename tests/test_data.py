@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from helpers import tiny_tokenizer
+from helpers import CountingTokenizer, tiny_tokenizer
 from sparsify.data import Documents, TextData, blocks, resolve
 from sparsify.errors import DataError
 
@@ -145,20 +145,6 @@ def test_shuffled_batches_are_seeded_resumable_and_keep_held_out_blocks_out(tmp_
     assert torch.equal(next(rank1), again[3])
     other_seed = list(itertools.islice(data.train_batches(2, shuffle_buffer=16, seed=4), 8))
     assert not all(torch.equal(a, b) for a, b in zip(again, other_seed))
-
-
-class CountingTokenizer:
-    """The tiny tokenizer, recording the texts it tokenizes."""
-
-    def __init__(self):
-        self.tokenizer, self.texts = tiny_tokenizer(), []
-
-    def __getattr__(self, name):
-        return getattr(self.tokenizer, name)
-
-    def __call__(self, texts, **kwargs):
-        self.texts += texts
-        return self.tokenizer(texts, **kwargs)
 
 
 @pytest.mark.parametrize("reader", ["datasets", "without-datasets", "hub"])

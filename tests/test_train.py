@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import Killed, interrupt, on_read, tiny_model
+from helpers import CountingTokenizer, Killed, interrupt, on_read, tiny_model
 from sparsify.errors import ConfigError, DataError
 from sparsify import relufy as relufy_module
 from sparsify.relufy import relufy
@@ -294,7 +294,6 @@ def test_interrupt_then_resume_equals_uninterrupted(tmp_path, relative):
 def test_resume_continues_the_text_from_its_saved_position(tmp_path, monkeypatch):
     """TextData's batches: Ctrl-C, then --resume, ends with the uninterrupted run's weights, and the resumed run
     tokenizes none of the documents the interrupted one read (it continues from the saved position)."""
-    from test_data import CountingTokenizer
 
     from sparsify.data import TextData, TrainingBatches
 
