@@ -4,8 +4,9 @@
 - `eager_dense`: an eager call whose dense block takes less GPU time than EAGER_MIN_DENSE_S is bound by the
   kernels' launch time and runs dense. Decode steps replay graphs; captured and traced calls pay no host time.
 - `ActivityRouter`: longer eager calls count their heavy rows and a sample of the other rows' active units
-  (gated_mlp's four-element `overflow` counter, read without a synchronization); when the cost model predicts a
-  loss, the next PROBE_EVERY calls run dense, then the kernels measure again.
+  (gated_mlp's four-element `overflow` counter, copied to the host as the GPU gets there; the host waits for it
+  only after AHEAD more calls); when the cost model predicts a loss, the next PROBE_EVERY calls run dense, then
+  the kernels measure again.
 """
 from functools import lru_cache
 
@@ -42,6 +43,10 @@ class ActivityRouter:
     counter to pass as gated_mlp's `overflow`) or runs dense (it returns None)."""
 
     WINDOW = 2  # batched kernel calls counted together
+    # kernel calls issued while a window's count travels, after which the host waits for it: a host running
+    # far ahead of the GPU (long calls) would otherwise issue many calls on the kernels before a verdict of
+    # "dense" lands. The wait costs the GPU nothing while the calls queued behind the window keep it busy.
+    AHEAD = 2
     # dense calls before the kernels measure again: a stream that stays heavy pays for each measuring window
     # (WINDOW kernel calls, and those issued while the count travels) once in this many calls
     PROBE_EVERY = 256
@@ -50,6 +55,7 @@ class ActivityRouter:
         self.d, self.width, self.mean_active = d, width, mean_active
         self.counter, self.tokens, self.calls = None, 0, 0
         self.landing = None  # (tokens, calls) of a window whose count is on its way to self.host
+        self.ahead = 0  # kernel calls issued since self.landing was sent
         self.host = self.event = None  # made once: a pinned allocation can synchronize the device
         self.dense_left = 0
 
@@ -58,6 +64,8 @@ class ActivityRouter:
         if self.dense_left:
             self.dense_left -= 1
             return None
+        if self.landing is not None:
+            self.ahead += 1
         if self.counter is None:  # overflowing pairs, sampled rows' units, those rows, heavy rows
             self.counter = torch.zeros(4, dtype=torch.int64, device=x.device)
         self.tokens += tokens
@@ -82,9 +90,11 @@ class ActivityRouter:
         if self.landing is None:
             return
         if self.event is not None and not self.event.query():
-            return
+            if self.ahead < self.AHEAD:
+                return
+            self.event.synchronize()
         tokens, calls = self.landing
-        self.landing = None
+        self.landing, self.ahead = None, 0
         _, units, rows, heavy = self.host.tolist()
         if self.loses(heavy / tokens, tokens / calls, units / rows if rows else self.mean_active):
             self.dense_left = self.PROBE_EVERY

@@ -63,6 +63,32 @@ def test_router_routes_dense_when_every_row_is_more_active_than_planned():
     assert feed(router, 16384, 0, router.WINDOW + 1, active=100) == router.WINDOW  # 3.4x: dense after a window
 
 
+class PendingEvent:
+    """A window's copy that the GPU has not reached: `query` says so until the host waits for it."""
+
+    def __init__(self):
+        self.waits = 0
+
+    def query(self):
+        return self.waits > 0
+
+    def synchronize(self):
+        self.waits += 1
+
+
+def test_router_waits_for_a_heavy_verdict_after_ahead_calls():
+    """While a window's count travels, AHEAD more calls take the kernels; the next one waits for the count and
+    runs dense (a host far ahead of the GPU does not issue a stream of heavy calls on the kernels)."""
+    router = ActivityRouter(2048, 5632, 29.0)
+    x = torch.zeros(4096, 8)
+    for _ in range(router.WINDOW):  # every row heavy
+        router.overflow_counter(x, 4096)[3] += 4096
+        router.after_kernel_call()
+    router.event = PendingEvent()
+    assert feed(router, 4096, 4096, router.AHEAD) == router.AHEAD and router.event.waits == 0
+    assert feed(router, 4096, 4096, 1) == 0 and router.event.waits == 1
+
+
 @pytest.mark.gpu
 def test_gpu_router_reads_the_count_without_a_synchronization():
     """On CUDA the window's count comes back through a pinned copy read once its event has completed."""
