@@ -19,7 +19,8 @@ positive), so every (row, tile) overflows: the cost of the decode overflow fallb
   python benchmarks/bench_inference.py --heavy-block --json out.json  # the dense block of heavy rows alone
   python benchmarks/bench_inference.py --decode-first-token --json out.json  # one such token in a decode-size call
   python benchmarks/bench_inference.py --decode-paths --json out.json  # decode against batched path, 8-64 tokens
-  python benchmarks/bench_inference.py --decode-rules --json out.json  # two decode launch rules against the old ones
+  python benchmarks/bench_inference.py --decode-rules --json out.json  # decode launch rules against the old ones
+  python benchmarks/bench_inference.py --decode-rules heavy_tiles --json out.json  # only these rules
   python benchmarks/bench_inference.py --host-time --json out.json     # host time of one call, eager
   python benchmarks/bench_inference.py --sweep       # launch-config sweep at D=2048, I=5632
 """
@@ -601,15 +602,16 @@ def decode_paths():
     return rows
 
 
-def decode_rules():
-    """The two decode launch rules of kernels/gated_mlp.py against what they replace, in one process
-    (CUDA-graph replays over the layer copies, per layer; each checked against fp32):
-    - "tile_out": one token, the gate programs write the output's shares and a small kernel adds them
-      (tile_out_launch, here whatever TILE_OUT_MAX_D says), against packing TwELL for the out kernel; every
-      shape of SHAPES, 29 active units;
-    - "partial_rows": the overflowing tiles of a heavy first token (HEAVY_FIRST units) among 1-64 tokens,
-      their partial rows PART_BYTES a step with PART_STAGES in flight, against 128 bytes one step at a time
-      (D 2048 / I 5632)."""
+def decode_rules(rules=None):
+    """Decode launch rules of the kernels against what they replace, in one process (CUDA-graph replays over
+    the layer copies, per layer; each checked against fp32); `rules`: the names of DECODE_RULES to run (all)."""
+    return [row for name, rows in DECODE_RULES.items() if not rules or name in rules for row in rows()]
+
+
+def tile_out_rows():
+    """One token, the gate programs write the output's shares and a small kernel adds them (tile_out_launch,
+    here whatever TILE_OUT_MAX_D says), against packing TwELL for the out kernel; every shape of SHAPES, 29
+    active units."""
     rows = []
     for d, i in SHAPES:
         layers = [make_layer(d, i, HEAVY_K) for _ in range(LAYERS)]
@@ -623,21 +625,58 @@ def decode_rules():
         print_row(row)
         rows.append(row)
         del layers
+    return rows
+
+
+def rule_rows(rule, cells, rules, compression=16, heavy_units=HEAVY_FIRST):
+    """Rows of `rule` at D 2048 / I 5632, 29 active units: for each (tokens, heavy first token) of `cells`, the
+    block under each of `rules` (name -> launch_rules arguments) against dense."""
     d, i = 2048, 5632
     layers = [make_layer(d, i, HEAVY_K) for _ in range(LAYERS)]
-    for m in (1, 16, 64):
+    rows = []
+    for m, heavy in cells:
         x = make_x(m, d)
-        make_heavy(x, [0], HEAVY_FIRST, i)
+        if heavy:
+            make_heavy(x, [0], heavy_units, i)
         ref = reference(x, layers[0])
-        row = dict(rule="partial_rows", D=d, I=i, M=m, dense_us=per_layer_us(lambda lw: dense(x, lw), layers),
+        row = dict(rule=rule, D=d, I=i, M=m, compression=compression,
+                   dense_us=per_layer_us(lambda lw: dense(x, lw), layers),
                    first_token_units=int((x[:1].float() @ layers[0]["gate"].float().t() > 0).sum()))
-        for name, rule in (("new", (PART_BYTES, PART_STAGES)), ("old", (128, 1))):
-            with launch_rules(PART_BYTES=rule[0], PART_STAGES=rule[1]):
-                row[name + "_err"] = rel_err(sparse(x, layers[0], 128, 16), ref)
-                row[name + "_us"] = per_layer_us(lambda lw: sparse(x, lw, 128, 16), layers)
+        for name, rule_args in rules.items():
+            with launch_rules(**rule_args):
+                row[name + "_err"] = rel_err(sparse(x, layers[0], 128, compression), ref)
+                row[name + "_us"] = per_layer_us(lambda lw: sparse(x, lw, 128, compression), layers)
         print_row(row)
         rows.append(row)
     return rows
+
+
+def partial_rows_rows():
+    """The overflowing tiles of a heavy first token (HEAVY_FIRST units) among 1-64 tokens, their partial rows
+    PART_BYTES a step with PART_STAGES in flight, against 128 bytes one step at a time."""
+    return rule_rows("partial_rows", [(m, True) for m in (1, 16, 64)], {
+        "new": dict(PART_BYTES=PART_BYTES, PART_STAGES=PART_STAGES), "old": dict(PART_BYTES=128, PART_STAGES=1)})
+
+
+def heavy_tile_rows():
+    """A first token with half the units active among 1-64 tokens, and the same calls without it, under the
+    decode rules for busy tiles against the ones they replace: a tile of more than UP_COMPACT_COLS active
+    columns streams its up rows in one K loop (old: compacted, 16 columns a loop), above HELD_ROWS rows the
+    out programs take 128 output columns (old: 256), and at compression 2 a decode tile holds DECODE_SLOTS
+    units (old: 32, so that the heavy row's tiles fit and its out programs walk all its units)."""
+    decode_module = sys.modules["twell.decode"]
+    out_config = decode_module.decode_out_config
+
+    def wide_out(m, d, tiles):
+        return dict(CH=16, BD=256, num_warps=2) if m > decode_module.HELD_ROWS else out_config(m, d, tiles)
+
+    old = dict(UP_COMPACT_COLS=DECODE_TILE, decode_out_config=wide_out, decode_slots=slots)
+    cells = [(m, heavy) for m in (1, 8, 16, 64) for heavy in (False, True)]
+    return [row for compression in (16, 2) for row in rule_rows(
+        "heavy_tiles", cells, {"new": {}, "old": old}, compression, heavy_units=5632 // 2)]
+
+
+DECODE_RULES = {"tile_out": tile_out_rows, "partial_rows": partial_rows_rows, "heavy_tiles": heavy_tile_rows}
 
 
 def resumed(path, key):
@@ -688,8 +727,8 @@ def parser() -> argparse.ArgumentParser:
     mode.add_argument("--heavy-block", action="store_true", help="the dense block of heavy rows alone, 1-16384 rows")
     mode.add_argument("--decode-first-token", action="store_true",
                       help="one heavy first token in a decode-size call (1-64 tokens)")
-    mode.add_argument("--decode-rules", action="store_true",
-                      help="the one-token tile-out path and the partial-row steps against what they replace")
+    mode.add_argument("--decode-rules", nargs="*", choices=("tile_out", "partial_rows", "heavy_tiles"), default=None,
+                      help="decode launch rules against what they replace (these ones; none named: all)")
     p.add_argument("--runtime", default=None, metavar="CHECKPOINT",
                    help="--robustness: time the kernel and modeling files of this exported checkpoint")
     p.add_argument("--plan-active", type=int, default=None, metavar="K",
@@ -711,7 +750,7 @@ def main(argv=None):
     if args.resume and not args.json:
         p.error("--resume needs --json: the file whose rows to keep")
     other_modes = ("sweep", "decode_paths", "host_time", "heavy_block", "decode_first_token", "decode_rules")
-    if args.resume and any(getattr(args, name) for name in other_modes):
+    if args.resume and any(getattr(args, name) not in (None, False) for name in other_modes):
         p.error("--resume continues the block grid and --robustness only; the other modes' runs start afresh")
     runtime_name = args.runtime or "this tree"
     earlier, done = None, set()
@@ -746,8 +785,8 @@ def main(argv=None):
         result = dict(meta, k=HEAVY_K, tile=HEAVY_TILE, compression=16, rows=decode_first_token())
     elif args.decode_paths:
         result = dict(meta, rows=decode_paths())
-    elif args.decode_rules:
-        result = dict(meta, rows=decode_rules())
+    elif args.decode_rules is not None:
+        result = dict(meta, rows=decode_rules(args.decode_rules))
     else:
         result = dict(meta, rows=rows)
         block_grid(args, result, done)

@@ -24,7 +24,7 @@ try:
     except ImportError:  # older Triton: pointer loads only
         TensorDescriptor = None
 
-    from .decode import _partial_rows, _tile_out, _up_k_loop, _up_whole_rows
+    from .decode import _partial_rows, _tile_out, _up_columns, _up_whole_rows
     from .format import pack_store
 except ImportError:  # CPU-only machines run the reference path
     triton = None
@@ -86,6 +86,7 @@ def gate_launch(x2, w, up, tile, s, vals_dtype, cfg, h_fp32=False, partials=Fals
     cfg = dict(cfg)
     bm, bk, up_bk = cfg.pop("BM"), cfg.pop("BK"), cfg.pop("UP_BK", 0)
     up_stages, up_rows, rows_uc = cfg.pop("UP_STAGES", 1), cfg.pop("UP_ROWS", 0), cfg.pop("ROWS_UC", 1)
+    up_compact_cols = cfg.pop("UP_COMPACT_COLS", 0)
     if tile_out:  # whole down rows beside the up rows
         rows_uc = min(rows_uc, WHOLE_UP_ROWS // (2 * triton.next_power_of_2(d)))
     if triton.next_power_of_2(d) * rows_uc > WHOLE_UP_ROWS or rows_uc == 0:  # would not fit in registers
@@ -115,7 +116,7 @@ def gate_launch(x2, w, up, tile, s, vals_dtype, cfg, h_fp32=False, partials=Fals
         PART_DOT="ieee" if vals_dtype == torch.float32 else "tf32",
         UP_BK=min(up_bk, triton.next_power_of_2(d)), UC=16, TS=ts,
         PDL=pdl, USE_TMA=tma, UP_STAGES=up_stages, UP_ROWS=up_rows, ROWS_UC=rows_uc,
-        ROWS_BK=triton.next_power_of_2(d), TILE_OUT=tile_out), cfg, extra)
+        ROWS_BK=triton.next_power_of_2(d), TILE_OUT=tile_out, UP_COMPACT_COLS=up_compact_cols), cfg, extra)
 
 
 def out_launch(x2, width, tile, s, h_fp32, has_overflow, cfg, packed_h=False, tile_stride=None,
@@ -189,7 +190,8 @@ if triton is not None:
                           PART_BD: tl.constexpr, PART_DOT: tl.constexpr, PART_STAGES: tl.constexpr,
                           UP_BK: tl.constexpr, UC: tl.constexpr, TS: tl.constexpr, PDL: tl.constexpr,
                           USE_TMA: tl.constexpr, UP_STAGES: tl.constexpr, UP_ROWS: tl.constexpr,
-                          ROWS_UC: tl.constexpr, ROWS_BK: tl.constexpr, TILE_OUT: tl.constexpr):
+                          ROWS_UC: tl.constexpr, ROWS_BK: tl.constexpr, TILE_OUT: tl.constexpr,
+                          UP_COMPACT_COLS: tl.constexpr):
         if PDL:  # let the out kernel launch now; it waits for this grid before reading its results
             tl.extra.cuda.gdc_launch_dependents()
         pid = tl.program_id(0)
@@ -230,7 +232,7 @@ if triton is not None:
         if TILE_OUT:
             _tile_out(acc, rows, cols, local, x_rows, pid_n, n_n, M, N, K, x_ptr, up_ptr, down_ptr, cnt_ptr,
                       part_ptr, stride_xk, stride_un, stride_uk, TS, UC, UP_BK, UP_STAGES, DOT_PRECISION, H_FP32,
-                      ROWS_UC, ROWS_BK, PART_BD, PART_DOT, PART_STAGES)
+                      ROWS_UC, ROWS_BK, PART_BD, PART_DOT, PART_STAGES, BK, UP_COMPACT_COLS)
         else:
             vals = acc
             if FUSE_UP:
@@ -244,19 +246,9 @@ if triton is not None:
                 if whole_rows:
                     u = _up_whole_rows(u, col_on, n_on, local, pid_m * BM, pid_n * TS, x_ptr, up_ptr, M, K,
                                        stride_xm, stride_xk, stride_un, stride_uk, UP_ROWS, ROWS_UC, ROWS_BK)
-                elif UP_BK > 0:
-                    u = _up_k_loop(u, col_on, n_on, local, pid_n * TS, x_rows, up_ptr, K, stride_xk, stride_un,
-                                   stride_uk, UC, UP_BK, UP_STAGES, DOT_PRECISION)
                 elif n_on > 0:
-                    a_ptrs = x_rows + rk[None, :] * stride_xk
-                    u_ptrs = up_ptr + (cols % N)[None, :].to(tl.int64) * stride_un + rk[:, None] * stride_uk
-                    for k in range(0, tl.cdiv(K, BK)):
-                        kin = rk < K - k * BK
-                        a = tl.load(a_ptrs, mask=kin[None, :], other=0.0)
-                        b = tl.load(u_ptrs, mask=kin[:, None] & col_on[None, :], other=0.0)
-                        u = tl.dot(a, b, u, input_precision=DOT_PRECISION)
-                        a_ptrs += BK * stride_xk
-                        u_ptrs += BK * stride_uk
+                    u = _up_columns(u, col_on, n_on, local, cols, pid_n * TS, N, K, x_rows, up_ptr, stride_xk,
+                                    stride_un, stride_uk, UC, UP_BK, UP_STAGES, BK, UP_COMPACT_COLS, DOT_PRECISION)
                 g = tl.maximum(acc, 0.0)
                 if not H_FP32:  # g as the packed gate value would be; h rounds when stored
                     g = g.to(vals_ptr.dtype.element_ty).to(tl.float32)

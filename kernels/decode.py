@@ -16,6 +16,10 @@ except ImportError:  # CPU-only machines run the reference path
     triton = None
 
 DECODE_TILE = 64   # gate-matmul column tile in decode: I / 64 programs stream the gate matrix
+# Up to this many active columns a decode gate program reads their up rows compacted, UC at a time; a denser
+# tile (a heavy row's, such as a sequence's first token) streams the tile's up rows in one pipelined K loop
+# like the gate's, instead of a pipeline fill and drain for every UC columns
+UP_COMPACT_COLS = 16
 WHOLE_UP_ROWS = 16384  # elements of up rows a decode gate program loads at once (128 a thread of 4 warps)
 # TwELL slots of a row that a decode out program (up to HELD_ROWS rows) holds in registers, loaded beside the
 # row's counts: one round of dependent loads instead of two
@@ -40,12 +44,12 @@ def decode_gate_config(m: int, block_k: int) -> dict:
         # up rows of the active columns read 8 * block_k deep, 3 blocks in flight; up to 4 rows, tiles
         # with up to 8 active columns read whole rows instead, 4 at a time, where they fit (gate_launch)
         cfg = dict(BM=bm, BK=4 * block_k, GROUP_M=1, num_warps=4, num_stages=4, UP_BK=8 * block_k,
-                   UP_STAGES=3)
+                   UP_STAGES=3, UP_COMPACT_COLS=UP_COMPACT_COLS)
         return dict(cfg, UP_ROWS=triton.next_power_of_2(m), ROWS_UC=4) if m <= 4 else cfg
     if bm <= 32:  # up rows of the active columns compacted too, 4 * block_k deep, 4 blocks in flight: fewer
         # dependent loads than the masked K loop, which pays a memory latency for every K block
         return dict(BM=bm, BK=4 * block_k, GROUP_M=1, num_warps=4, num_stages=3, UP_BK=4 * block_k,
-                    UP_STAGES=4)
+                    UP_STAGES=4, UP_COMPACT_COLS=UP_COMPACT_COLS)
     return dict(BM=bm, BK=2 * block_k, GROUP_M=1, num_warps=4, num_stages=4)
 
 
@@ -53,10 +57,11 @@ def decode_out_config(m: int, d: int, tiles: int) -> dict:
     """Decode out launch configuration (batched.out_config): CH units a step, BD output columns a program.
     The row is split over output chunks of BD columns so that many SMs share its few units. Up to HELD_ROWS
     rows each chunk's program holds and walks its row's whole TwELL (`tiles` tiles), so BD is the narrowest
-    of 64-256 whose launch walks at most DECODE_WALK_BUDGET tiles; above, 256 columns and 16 units a step
-    with 2 warps instead of 32 with 4: more programs in flight."""
+    of 64-256 whose launch walks at most DECODE_WALK_BUDGET tiles; above, 128 columns and 16 units a step
+    with 2 warps instead of 32 with 4: more programs in flight, and a heavy row's sum of partial rows
+    spread over twice as many programs as at 256 columns."""
     if m > HELD_ROWS:
-        return dict(CH=16, BD=256, num_warps=2)
+        return dict(CH=16, BD=128, num_warps=2)
     bd = 64
     while bd < 256 and m * cdiv(d, bd) * tiles > DECODE_WALK_BUDGET:
         bd *= 2
@@ -144,6 +149,41 @@ if triton is not None:
             u += tl.dot(uc, sel.to(tl.float32), input_precision="ieee")  # back to tile columns, exact
         return u
 
+    @triton.jit
+    def _up_tile_loop(u, col_on, cols, N, K, x_rows, up_ptr, stride_xk, stride_un, stride_uk, BK: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr):
+        """u [BM, T] += x @ up^T over the whole tile, BK deep a step, up rows loaded for the active columns
+        (col_on) only: one pipelined stream like the gate's, for tiles with many active columns."""
+        rk = tl.arange(0, BK)
+        a_ptrs = x_rows + rk[None, :] * stride_xk
+        u_ptrs = up_ptr + (cols % N)[None, :].to(tl.int64) * stride_un + rk[:, None] * stride_uk
+        for k in range(0, tl.cdiv(K, BK)):
+            kin = rk < K - k * BK
+            a = tl.load(a_ptrs, mask=kin[None, :], other=0.0)
+            b = tl.load(u_ptrs, mask=kin[:, None] & col_on[None, :], other=0.0)
+            u = tl.dot(a, b, u, input_precision=DOT_PRECISION)
+            a_ptrs += BK * stride_xk
+            u_ptrs += BK * stride_uk
+        return u
+
+    @triton.jit
+    def _up_columns(u, col_on, n_on, local, cols, col0, N, K, x_rows, up_ptr, stride_xk, stride_un, stride_uk,
+                    UC: tl.constexpr, UP_BK: tl.constexpr, UP_STAGES: tl.constexpr, BK: tl.constexpr,
+                    UP_COMPACT_COLS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """u [BM, T] += x @ up^T at the tile's n_on active columns: with UP_BK, up to UP_COMPACT_COLS of them
+        compacted (_up_k_loop); a denser tile (a heavy row's), or any without UP_BK, in one stream over the
+        tile (_up_tile_loop)."""
+        if UP_BK > 0:
+            if n_on <= UP_COMPACT_COLS:
+                u = _up_k_loop(u, col_on, n_on, local, col0, x_rows, up_ptr, K, stride_xk, stride_un, stride_uk,
+                               UC, UP_BK, UP_STAGES, DOT_PRECISION)
+            else:
+                u = _up_tile_loop(u, col_on, cols, N, K, x_rows, up_ptr, stride_xk, stride_un, stride_uk, BK,
+                                  DOT_PRECISION)
+        else:
+            u = _up_tile_loop(u, col_on, cols, N, K, x_rows, up_ptr, stride_xk, stride_un, stride_uk, BK,
+                              DOT_PRECISION)
+        return u
 
     @triton.jit
     def _partial_rows(h, over, cols, part_rows, K, down_ptr, part_ptr, PART_BD: tl.constexpr,
@@ -163,7 +203,7 @@ if triton is not None:
                   stride_xk, stride_un, stride_uk, TS: tl.constexpr, UC: tl.constexpr, UP_BK: tl.constexpr,
                   UP_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr, H_FP32: tl.constexpr,
                   ROWS_UC: tl.constexpr, ROWS_BK: tl.constexpr, PART_BD: tl.constexpr, PART_DOT: tl.constexpr,
-                  PART_STAGES: tl.constexpr):
+                  PART_STAGES: tl.constexpr, BK: tl.constexpr, UP_COMPACT_COLS: tl.constexpr):
         """One-token decode, epilogue of the gate program: the tile's share of the token's output, h over the
         tile's units times their down rows, stored as an fp32 row of the [1, NT, D] buffer (zeros where no
         unit of the tile is active), and the tile's count of active units. Up to 2 * ROWS_UC active units
@@ -196,8 +236,9 @@ if triton is not None:
                 part += tl.sum(h[:, None] * dw.to(tl.float32), axis=0)
             tl.store(part_ptr + pid_n * K + kk, part, mask=kin)
         else:  # a dense tile (a sequence's first token): u in a K loop, then the down rows PART_BD at a time
-            u = _up_k_loop(tl.zeros(acc.shape, dtype=tl.float32), col_on, n_on, local, pid_n * TS, x_rows,
-                           up_ptr, K, stride_xk, stride_un, stride_uk, UC, UP_BK, UP_STAGES, DOT_PRECISION)
+            u = _up_columns(tl.zeros(acc.shape, dtype=tl.float32), col_on, n_on, local, cols, pid_n * TS, N, K,
+                            x_rows, up_ptr, stride_xk, stride_un, stride_uk, UC, UP_BK, UP_STAGES, BK,
+                            UP_COMPACT_COLS, DOT_PRECISION)
             h = g * u
             if not H_FP32:
                 h = h.to(x_ptr.dtype.element_ty)

@@ -51,6 +51,17 @@ def slots(tile: int, compression: int) -> int:
     return max(tile // compression, 1)
 
 
+# Most slots a (row, tile) of the decode path holds, whatever the compression: a busier tile (a heavy row's,
+# such as a sequence's first token) takes the gate programs' dense partial rows, spread over every tile,
+# instead of a serial walk of all its units by the row's out programs
+DECODE_SLOTS = 8
+
+
+def decode_slots(tile: int, compression: int) -> int:
+    """Slots per (row, tile) on the decode path: slots(tile, compression), at most DECODE_SLOTS."""
+    return min(slots(tile, compression), DECODE_SLOTS)
+
+
 DECODE_ROWS = 64  # at most this many tokens take the decode path (16 for large layers: decode_rows)
 LARGE_LAYER = 1 << 24  # D * I above which the decode path ends at 16 rows
 

@@ -11,7 +11,7 @@ import torch
 
 from .batched import gate_config, gate_launch, out_config, out_launch
 from .decode import DECODE_TILE, decode_tile_stride, tile_out_launch, tile_sum_launch
-from .format import cdiv, decode_rows, on_device, slots, use_triton
+from .format import cdiv, decode_rows, decode_slots, on_device, slots, use_triton
 from .launch import sm_count, use_pdl
 from .reference import forward_reference
 
@@ -34,7 +34,7 @@ class _Launches:
         tile = min(tile, DECODE_TILE) if self.decode else tile
         ts = decode_tile_stride(width, tile, m, sm_count(x2.device) if x2.is_cuda else None) if self.decode else tile
         pdl = self.decode and use_pdl(x2.device)
-        s = slots(tile, compression)
+        s = decode_slots(tile, compression) if self.decode else slots(tile, compression)
         h_fp32 = precision == "highest"
         self.vals_dtype = torch.float32 if h_fp32 else x2.dtype
         self.twell_shape = (m, cdiv(width, ts), s)

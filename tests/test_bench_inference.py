@@ -63,6 +63,7 @@ def test_resume_continues_a_robustness_run(bench, tmp_path, monkeypatch):
      "is not a grid result"),
     (["--robustness"], dict(runtime="/elsewhere/ckpt", rows=[]), "timed the runtime '/elsewhere/ckpt'"),
     (["--heavy-block"], dict(rows=[]), "continues the block grid and --robustness only"),
+    (["--decode-rules"], dict(rows=[]), "continues the block grid and --robustness only"),  # all rules: no names
 ])
 def test_resume_refuses_another_run(bench, tmp_path, capsys, args, result, message):
     path = write(tmp_path / "r.json", result)

@@ -14,7 +14,7 @@ import twell.gated_mlp  # noqa: F401  (the module, beside the function of the sa
 from twell import batched as batched_module
 from twell.batched import gate_config, gate_launch, out_config, out_launch
 from twell.decode import HELD_ROWS, TILE_OUT_MAX_D, decode_tile_stride, tile_out_launch, tile_sum_launch
-from twell.format import HEAVY_UNITS, UNIT_SAMPLE, empty_twell, slots, tma_ok
+from twell.format import DECODE_SLOTS, HEAVY_UNITS, UNIT_SAMPLE, decode_slots, empty_twell, slots, tma_ok
 from twell.heavy import HEAVY_FEW_ROWS
 from twell.launch import sm_count
 from twell.reference import forward_reference, tile_counts, tile_shares
@@ -259,7 +259,7 @@ def overflow_count(g, tile, compression):
     min(tile, 64), each holding a tile of decode_tile_stride units: narrower on a GPU above 16 rows)."""
     tile = min(tile, 64)
     ts = decode_tile_stride(g.shape[1], tile, g.shape[0], sm_count(g.device) if g.is_cuda else None)
-    return (tile_counts(g, ts) > slots(tile, compression)).sum().item()
+    return (tile_counts(g, ts) > decode_slots(tile, compression)).sum().item()
 
 
 # 20: the compacted up loop 4 blocks deep and the held TwELL; 40: the T-wide up loop, TwELL read after counts
@@ -278,6 +278,25 @@ def test_decode_dense_rows(m, dense_rows, dtype, precision):
     assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 3e-3)
     assert overflow.item() == expected
     assert torch.equal(twell.gated_mlp(x, gate, up, down, tile=128, precision=precision), out)  # cached plan
+
+
+@pytest.mark.parametrize("m", [3, 20, 40])
+def test_decode_heavy_row_overflows_at_any_compression(m):
+    """At compression 2 a 64-unit decode tile would hold 32 units: a row with half its units active would fit
+    and be walked unit by unit. Decode tiles hold at most DECODE_SLOTS units, so its tiles overflow into the
+    partial rows; the output matches the reference."""
+    torch.manual_seed(m)
+    x, gate, up, down = block(m, 37, 300, k=4)
+    x[1, 0] = 0.0  # row 1 without the bias: about half its units active, like a sequence's first token
+    ref = reference(x, gate, up, down)
+    g = x.float() @ gate.float().t()
+    expected = overflow_count(g, 128, 2)
+    assert decode_slots(64, 2) == DECODE_SLOTS < slots(64, 2) and expected >= 4
+    assert (tile_counts(g[1:2], 64) <= slots(64, 2)).any()  # tiles that 32 slots would have held
+    overflow = torch.zeros(1, dtype=torch.int64, device=DEV)
+    out = twell.gated_mlp(x, gate, up, down, tile=128, compression=2, overflow=overflow)
+    assert rel_err(out, ref) < 1e-5
+    assert overflow.item() == expected
 
 
 def tile_partials(h, down, over, ts):
@@ -372,8 +391,10 @@ def test_decode_whole_up_rows_match_the_k_loop(m):
     s = slots(tile, comp)
     cfg = gate_config(m, tile, 4, decode=True)
     k_loop = {k: v for k, v in cfg.items() if k not in ("UP_ROWS", "ROWS_UC")}
+    compact = dict(k_loop, UP_COMPACT_COLS=tile)  # the dense tile's up rows compacted too, not one stream
+    assert k_loop["UP_COMPACT_COLS"] < 64
     results = []
-    for c in (cfg, k_loop):
+    for c in (cfg, k_loop, compact):
         tw = empty_twell(m, i, tile, comp, x.dtype, x.device)
         tw.values.fill_(float("nan"))
         tw.indices.fill_(-1)
@@ -381,24 +402,24 @@ def test_decode_whole_up_rows_match_the_k_loop(m):
         launch = gate_launch(x, gate, up, tile, s, x.dtype, c, partials=True)
         launch(x, gate, up, down.t().contiguous(), *tw[:3], partials)
         results.append((launch_scalar(launch, "UP_ROWS"), tw, partials))
-    (rows_a, a, parts_a), (rows_b, b, parts_b) = results
+    (rows_a, a, parts_a), (rows_b, b, parts_b), (_, c, parts_c) = results
     assert (rows_a, rows_b) == (triton.next_power_of_2(m), 0)
-    assert torch.equal(a.counts, b.counts)
+    assert torch.equal(a.counts, b.counts) and torch.equal(a.counts, c.counts)
     assert a.counts.tolist() == [[6, 64, 3]] * m
     stored = torch.arange(s, device=DEV) < a.counts.clamp(max=s)[..., None]
     assert torch.equal(a.indices[stored], b.indices[stored])
     h = torch.relu(x @ gate.t()) * (x @ up.t())
-    for tw in (a, b):
+    for tw in (a, b, c):
         assert torch.allclose(tw.values[stored], h.gather(1, tw.indices.clamp(min=0).flatten(1).long())
                               .view_as(tw.values)[stored], rtol=1e-5, atol=1e-6)
     expected = tile_partials(h, down, a.counts > s, tile)
-    assert torch.equal(parts_a.isnan(), expected.isnan()) and torch.equal(parts_b.isnan(), expected.isnan())
+    assert all(torch.equal(parts.isnan(), expected.isnan()) for parts in (parts_a, parts_b, parts_c))
     written = ~expected.isnan()
     assert written.sum() == d * m  # the middle tile of each row
     # fp32 dot products summed in another order than torch's: rounding of the order of 1e-7 of the largest
     # terms (|g| is 40 here), so the absolute tolerance scales with them, not with each value
     scale = 1e-6 * (h.abs().max() * down.abs().max()).item() * 64
-    for partials in (parts_a, parts_b):
+    for partials in (parts_a, parts_b, parts_c):
         assert torch.allclose(partials[written], expected[written], rtol=1e-5, atol=scale)
 
 
