@@ -23,7 +23,8 @@ from math import exp, isqrt, log
 import torch
 
 from twell.cost_model import FITTED_MIN_HIDDEN, FITTED_MIN_INTERMEDIATE, GATHER, dense_time, twell_time
-from twell.format import decode_rows
+from twell.decode import DECODE_TILE
+from twell.format import DECODE_SLOTS, decode_rows
 from twell.layer_plan import ALL_TOKENS, LayerPlan, Mode
 
 from .errors import ConfigError
@@ -37,11 +38,15 @@ FITTED_TILE = 128  # the tile the cost model's main grids were measured at: ties
 LLAMA_RATIO = 2.75  # I / D of the paper's models, used when the caller gives no hidden size
 
 
-def overflow_at(tile_stats: dict, compression: int, batched: bool) -> float:
+def overflow_at(tile_stats: dict, tile: int, compression: int, batched: bool) -> float:
     """The share of (token, tile) pairs that overflow and are recomputed in a batched or a decode call
-    (statistics measured before the light-token split: all pairs)."""
-    light = batched and "overflow_frac_light" in tile_stats
-    return tile_stats["overflow_frac_light" if light else "overflow_frac"][str(compression)]
+    (statistics measured before the light-token split: all pairs). A decode tile holds at most DECODE_SLOTS
+    of its min(tile, DECODE_TILE) units, the density of a `tile` tile at compression max(compression,
+    min(tile, DECODE_TILE) // DECODE_SLOTS), whose share is the one read for decode."""
+    if batched:
+        light = "overflow_frac_light" in tile_stats
+        return tile_stats["overflow_frac_light" if light else "overflow_frac"][str(compression)]
+    return tile_stats["overflow_frac"][str(max(compression, min(tile, DECODE_TILE) // DECODE_SLOTS))]
 
 
 def predicted_speedup(mean_active: float, overflow_frac: float, tile: int, d: int, i: int,
@@ -104,7 +109,7 @@ def plan_layer(stats: dict, *, hidden_size: int | None = None, tokens: int = TOK
     heaviest = stats.get("max_active")
 
     def speedup_at(n: int, tile: int, compression: int) -> float:
-        overflow = overflow_at(stats["tiles"][str(tile)], compression, n > decode_rows(d, units))
+        overflow = overflow_at(stats["tiles"][str(tile)], tile, compression, n > decode_rows(d, units))
         return predicted_speedup(stats["mean_active"], overflow, tile, d, units, n, heaviest)
 
     def across_sizes(tile: int, compression: int) -> float:

@@ -55,6 +55,16 @@ def test_decode_only_overflow_moves_to_a_smaller_compression():
     assert layer.sparse_tokens[0][0] == 1  # the decode window stays
 
 
+def test_decode_overflow_priced_at_the_decode_slots():
+    """A decode tile holds at most DECODE_SLOTS units at any compression, so compressions 2 and 4 overflow in
+    decode as 8 does: no packing wins the tie for decode pairs it would not keep, and the narrowest stays."""
+    overflow = {t: {2: 0.0, 4: 0.0, 8: 0.05, 16: 0.05} for t in (64, 128, 256)}
+    layer_stats = stats(29, overflow)
+    for t in layer_stats["tiles"].values():
+        t["overflow_frac_light"] = {c: 0.0 for c in t["overflow_frac"]}
+    assert plan_layer(layer_stats, hidden_size=D).compression == 16
+
+
 def test_narrow_layers_leave_a_dense_window():
     # decode and long prefills on the kernels, a dense window between (D 896 / I 4864: latency-bound there,
     # measured 0.99-1.07x at 65-256 tokens, predicted 0.87-0.96x)
