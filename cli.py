@@ -39,12 +39,16 @@ def main():
 def _unset_values() -> dict[str, str]:
     """Per training setting, the value it takes when not given, as --help shows it: the default recipe's
     (pretrained; demo for `demo`), or TrainConfig's where the recipe has none."""
-    def shown(value) -> str:  # as the command line takes it: a tuple's values apart
+    unset = {setting.name: setting.metadata.get("unset") for setting in fields(TrainConfig)}
+
+    def shown(name, value) -> str:  # as the command line takes it: a tuple's values apart
+        if value is None and unset[name]:
+            return unset[name]
         return " ".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
     pretrained, demo = (vars(TrainConfig.from_dict(load_recipe(None, source))) for source in ("any", "demo"))
-    return {name: shown(value) if value == demo[name] else f"{shown(value)}; demo: {shown(demo[name])}"
-            for name, value in pretrained.items()}
+    return {name: shown(name, value) if value == demo[name]
+            else f"{shown(name, value)}; demo: {shown(name, demo[name])}" for name, value in pretrained.items()}
 
 
 class TrainOption(click.Option):

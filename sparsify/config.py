@@ -20,11 +20,13 @@ MAX_L1_RELATIVE = 100.0
 # A layer on the hybrid kernels goes back to dense only above this multiple of `hybrid_below`, so that a layer
 # whose activity hovers around the threshold does not flip at every check.
 HYBRID_EXIT = 1.25
+LAUNCHER_GRACE_S = 30  # accelerate launch and torchrun kill their processes this long after a Ctrl-C
 
 
 def _setting(default, help_text: str, **cli):
     """A TrainConfig field: its default, its help, and how the command line spells it where the field's name
-    and type do not say (`flag`: a boolean's "--on/--off" declaration; `metavar`)."""
+    and type do not say (`flag`: a boolean's "--on/--off" declaration; `metavar`; `unset`: what a default of
+    None stands for, as --help shows it)."""
     return field(default=default, metadata={"help": help_text, **cli})
 
 
@@ -44,8 +46,8 @@ class TrainConfig:
         "Move the gate activation linearly from the source's (SiLU) to ReLU over this many optimizer steps, or "
         "this share of them (20%), instead of swapping it at once (0). Layers train dense until the swap is "
         "complete."), metavar="STEPS|P%")
-    steps: int | None = _setting(None, "Optimizer steps; with --tokens, whichever ends first.")
-    tokens: int | None = _setting(None, "Training tokens; with --steps, whichever ends first.")
+    steps: int | None = _setting(None, "Optimizer steps; with --tokens, whichever ends first.", unset="no limit")
+    tokens: int | None = _setting(None, "Training tokens; with --steps, whichever ends first.", unset="no limit")
     seq_len: int = _setting(1024, "Tokens per training sequence (packed blocks).")
     batch_size: int = _setting(8, "Sequences per micro-batch and device.")
     grad_accum: int = _setting(1, "Micro-batches accumulated per optimizer step.")
@@ -67,7 +69,7 @@ class TrainConfig:
         "columns (re-chosen at every log step; 1: never). The default is the rate above which a dense column "
         "costs less than per-pair gathers."))
     dead_window_tokens: int | None = _setting(None, (
-        "A unit is dead when it has not fired in this many tokens (default: one optimizer step's tokens)."))
+        "A unit is dead when it has not fired in this many tokens."), unset="one optimizer step's tokens")
     shuffle_buffer: int = _setting(1024, (
         "Training blocks drawn at random from a buffer of this many (0: the data's own order)."))
     eval_tokens: int = _setting(65536, (
@@ -85,7 +87,7 @@ class TrainConfig:
     save_every: int = _setting(0, (
         "Also save the training state to OUT.resume/ every this many optimizer steps (0: only on Ctrl-C or "
         "SIGTERM), for runs that may be killed without time to save: a preempted job, or a large sharded state "
-        "under `accelerate launch`, which kills its processes 30 s after Ctrl-C."), metavar="STEPS")
+        f"under `accelerate launch`, which kills its processes {LAUNCHER_GRACE_S} s after Ctrl-C."), metavar="STEPS")
 
     @classmethod
     def from_dict(cls, values: dict) -> TrainConfig:

@@ -11,10 +11,9 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
-from .config import TrainConfig
+from .config import LAUNCHER_GRACE_S, TrainConfig
 from .errors import ConfigError
 
-LAUNCHER_GRACE_S = 30  # accelerate launch and torchrun kill their processes this long after a Ctrl-C
 # Settings a resumed run may change: they touch no saved state (log and save cadence). eval_tokens may not:
 # where the held-out blocks are the head of the training text, it moves where training starts.
 RESUME_FREE = ("log_every", "save_every", "save_every_minutes")

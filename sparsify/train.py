@@ -24,11 +24,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from transformers import get_cosine_schedule_with_warmup
 
 from . import relufy
-from .config import HYBRID_EXIT, TrainConfig
+from .config import HYBRID_EXIT, LAUNCHER_GRACE_S, TrainConfig
 from .errors import ConfigError, MissingDependencyError, SparsifyError
 from .families import spec_for
 from .report import console, timestamped
-from .resume import LAUNCHER_GRACE_S, check_resume, load_data_position, load_last_fired, save_state
+from .resume import check_resume, load_data_position, load_last_fired, save_state
 
 
 class TrainingInterrupted(SparsifyError):

@@ -94,6 +94,7 @@ def test_convert_help_shows_the_training_defaults_without_importing_torch():
     text = " ".join(done.stdout.split())
     assert "--seq-len INTEGER Tokens per training sequence (packed blocks). [default: (1024; demo: 256)]" in text
     assert "--betas <FLOAT FLOAT>... AdamW betas. [default: (0.9 0.95)]" in text
+    assert "[default: (one optimizer step's tokens)]" in text and "None" not in text  # a default of None, named
     assert text.count("[default: (") == len(dataclasses.fields(TrainConfig))
 
 
