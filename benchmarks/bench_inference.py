@@ -333,7 +333,7 @@ def runtime(folder=None):
     else:  # the files an export writes beside each other
         from sparsify import export
 
-        files = [export.MODELING_FILE, export.GENERATION_FILE, *export.runtime_files(export.kernel_dir())]
+        files = export.shipped_files(export.kernel_dir())
     for file in files:
         shutil.copy2(file, package / file.name)
     (package / "__init__.py").write_text("")

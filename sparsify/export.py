@@ -65,6 +65,12 @@ def runtime_files(kernels: Path) -> list[Path]:
     return sorted(found)
 
 
+def shipped_files(kernels: Path) -> list[Path]:
+    """The source files a checkpoint carries beside its weights: the modeling file (written with the family's
+    BASE_MODEL), generation.py and the runtime kernel files."""
+    return [MODELING_FILE, GENERATION_FILE, *runtime_files(kernels)]
+
+
 def modeling_source(spec: FamilySpec) -> str:
     """modeling_twell.py with BASE_MODEL set to the family's transformers CausalLM."""
     source, count = re.subn(

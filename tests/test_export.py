@@ -16,6 +16,7 @@ from sparsify import export
 from sparsify.remote.generation import cache_arguments
 from sparsify.errors import OutputError
 from sparsify.export import GENERATION_FILE, MODELING_FILE, check_output_dir, export_checkpoint
+from twell.reference import forward_reference
 from sparsify.families import FAMILIES, spec_for
 from sparsify.relufy import relufy
 from twell.layer_plan import ALL_TOKENS, LayerPlan, Mode
@@ -115,8 +116,9 @@ def test_sparse_tokens_window_picks_the_path_per_call(tmp_path, monkeypatch):
 
 
 def test_batched_calls_follow_the_activity_router(tmp_path, monkeypatch):
-    """Eager batched calls count their activity for the layer's ActivityRouter; once a window predicts a
-    loss, the layer runs dense for PROBE_EVERY calls with the same logits, then measures again."""
+    """Eager batched calls count their activity for the layer's ActivityRouter, which judges a window by its
+    heavy rows and sampled units as the reference counts them; once a window predicts a loss, the layer runs
+    dense for PROBE_EVERY calls with the same logits, then measures again."""
     model, tokenizer, spec = _relufied("llama")
     out = export_checkpoint(model, tokenizer, tmp_path / "ckpt-router", spec=spec, plan=PLAN, training=TRAINING)
     remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
@@ -128,13 +130,22 @@ def test_batched_calls_follow_the_activity_router(tmp_path, monkeypatch):
     monkeypatch.setattr(module.ActivityRouter, "PROBE_EVERY", 3)
     monkeypatch.setattr(module.ActivityRouter, "loses",
                         lambda self, *measured: verdicts.append(measured) or True)
-    ids = tiny_input_ids()
+    ids = tiny_input_ids(length=40)  # 80 tokens: past the decode rows, where the kernels count activity
+    mlp = remote.model.layers[0].mlp
+    inputs = []
+    mlp.register_forward_pre_hook(lambda _, args: inputs.append(args[0].detach().clone()))
     expected = _logits(model, ids)
     window = module.ActivityRouter.WINDOW
     for _ in range(window + 3 + 1):
         _close(_logits(remote, ids), expected)
     assert len(calls) == window + 1  # a window on the kernels, three dense calls, the kernels again
-    assert len(verdicts) == 1 and verdicts[0][1] == ids.numel()  # one window: (heavy share, tokens, activity)
+    counter = torch.zeros(4, dtype=torch.int64)
+    for x in inputs[:window]:
+        forward_reference(x, *mlp._gate_up_weights(), mlp.down_proj.weight, PLAN[0].tile, PLAN[0].compression, counter)
+    _, units, rows, heavy = counter.tolist()
+    assert rows > 0 and heavy > 0
+    # one window: (heavy share, tokens a call, the sampled rows' mean units)
+    assert verdicts == [pytest.approx((heavy / (window * ids.numel()), ids.numel(), units / rows))]
 
 
 def test_only_decode_steps_replay_graphs(tmp_path):
@@ -378,7 +389,7 @@ def test_shipped_files_cite_nothing_outside_the_checkpoint():
     neither) and hold no before/after timing (measured figures live in docs/performance.md)."""
     import re
 
-    shipped = [MODELING_FILE, GENERATION_FILE, *export.runtime_files(export.kernel_dir())]
+    shipped = export.shipped_files(export.kernel_dir())
     outside = re.compile(r"docs/|benchmarks/|results/|twell\.md|\d+(\.\d+)? ?-> ?\d+(\.\d+)? ?(us|ms)\b")
     cited = [f"{path.name}:{n}" for path in shipped for n, line in enumerate(path.read_text().splitlines(), 1)
              if outside.search(line)]
