@@ -114,7 +114,7 @@ text_column_option = click.option("--text-column", default="text", show_default=
 @click.option("--dry-run", is_flag=True, help="Print the resolved settings and the training state's size, and stop.")
 @click.option("--report-to", default="none", show_default=True, metavar="TRACKERS",
               help="Send the training log's figures at each log step to these accelerate trackers, separated by "
-                   "commas: tensorboard (into OUT.logs/; pip install tensorboard), wandb (pip install wandb), any "
+                   "commas: tensorboard (into OUT.logs/, a folder per run; pip install tensorboard), wandb (pip install wandb), any "
                    "other that accelerate supports, all (those installed) or none.")
 @click.option("-q", "--quiet", is_flag=True,
               help="No progress bars, log lines or settings: only warnings, errors and the final summary.")

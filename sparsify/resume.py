@@ -56,6 +56,12 @@ def save_state(accelerator: Accelerator, resume_dir, state: dict, last_fired: to
     accelerator.wait_for_everyone()
 
 
+def saved_run_name(resume_dir) -> str | None:
+    """The tracker run name saved with the state in `resume_dir` (None: no state, or one saved without it)."""
+    path = Path(resume_dir) / "state.json" if resume_dir is not None else None
+    return json.loads(path.read_text()).get("run_name") if path is not None and path.is_file() else None
+
+
 def load_last_fired(resume_dir, device) -> torch.Tensor | None:
     """The units' last-firing token counts saved with the state in `resume_dir`, on `device`."""
     fired = torch.load(Path(resume_dir) / "last_fired.pt")

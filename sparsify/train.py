@@ -28,7 +28,7 @@ from .config import HYBRID_EXIT, LAUNCHER_GRACE_S, TrainConfig
 from .errors import ConfigError, MissingDependencyError, SparsifyError
 from .families import spec_for
 from .report import console, timestamped
-from .resume import check_resume, load_data_position, load_last_fired, save_state
+from .resume import check_resume, load_data_position, load_last_fired, save_state, saved_run_name
 
 
 class TrainingInterrupted(SparsifyError):
@@ -249,6 +249,7 @@ class _RunState:
     l1_reference: float | None = None  # L1_0 of `l1_relative`: measured on the first micro-batch
     last_fired: torch.Tensor | None = None  # [layers, I]: the token count at each unit's last firing
     data_position: dict | None = None  # the batch stream's state_dict after `batches`, where it has one
+    run_name: str | None = None  # the trackers' folder under logging_dir, kept by a resumed run
     # False while the weights are ahead of this state (from a step's update to its count and units' firing)
     # and during a save: then there is nothing consistent to save
     settled: bool = True
@@ -297,9 +298,11 @@ def train(
     whose next-token distributions the model is fitted to (convert passes a copy of the source model); under
     FSDP it stays whole on each process, its weights broadcast from the main one (which alone may have read
     them). `report_to`: accelerate trackers (names, see `trackers`, or GeneralTracker objects) that get each log
-    entry's figures, those that write files into `logging_dir`.
+    entry's figures, those that write files into a folder of `logging_dir` per run (its start time; a resumed
+    run keeps its own).
     Returns the log (one entry per logged step) and the trained model."""
-    accelerator = _accelerator(config, device, teacher, report_to, logging_dir)
+    run_name = (saved_run_name(resume_dir) if resume else None) or _new_run_name(logging_dir)
+    accelerator = _accelerator(config, device, teacher, report_to, Path(logging_dir) / run_name if logging_dir else None)
     saved = check_resume(resume_dir, config, accelerator.num_processes, inputs) if resume else None  # before any work
     warning = slow_save_warning(sum(p.numel() for p in model.parameters()), accelerator.num_processes,
                                 config.save_every or config.save_every_minutes)
@@ -311,12 +314,15 @@ def train(
             evaluate(run.model)
         run.model.train()
     state = _RunState(time.perf_counter()) if saved is None else _RunState.resumed(accelerator, resume_dir, saved)
+    state.run_name = run_name
     stream = batches(state.batches, accelerator.process_index, run.world)
     if saved is not None and (position := load_data_position(resume_dir)) is not None:
         stream.load_state_dict(position)
-    # the settings as trackers store them (tensorboard's hparams take scalars: betas as text)
+    # the settings as trackers store them (tensorboard's hparams take scalars: betas as text); resumed, tensorboard
+    # drops the events an interrupted run wrote after its saved step
     accelerator.init_trackers("sparsify", config={k: str(v) if isinstance(v, tuple) else v
-                                                  for k, v in asdict(config).items()})
+                                                  for k, v in asdict(config).items()},
+                              init_kwargs={"tensorboard": {"purge_step": state.step + 1}} if saved else {})
     progress = _progress(show_progress and accelerator.is_main_process, run.total, state.step)
     try:
         with _tracked(mlps, config.hybrid_max_nnz):
@@ -327,6 +333,15 @@ def train(
         for tracker in accelerator.trackers:  # not end_training(): it ends the process group, which measuring needs
             tracker.finish()
     return _finish(run, state)
+
+
+def _new_run_name(logging_dir: str | Path | None) -> str:
+    """A fresh run's folder name under logging_dir: its start time (UTC), with a count where that is taken, so
+    that a second run into the same OUT does not append to the first one's curves."""
+    name = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    taken = {path.name for path in Path(logging_dir).iterdir()} if logging_dir and Path(logging_dir).is_dir() else set()
+    return next(candidate for candidate in (name, *(f"{name}-{n}" for n in range(2, len(taken) + 3)))
+                if candidate not in taken)
 
 
 def trackers(report_to: str) -> list[str]:
@@ -568,7 +583,8 @@ class _Saver:
         save_state(self.run.accelerator, self.resume_dir,
                    {"step": state.step, "batches": state.batches, "log": state.log,
                     "seconds": time.perf_counter() - state.started, "l1_reference": state.l1_reference,
-                    "processes": self.run.world, "inputs": self.inputs}, state.last_fired, self.run.config,
+                    "processes": self.run.world, "inputs": self.inputs, "run_name": state.run_name},
+                   state.last_fired, self.run.config,
                    state.data_position)
         self.saved_step, state.settled = state.step, True
         if progress:

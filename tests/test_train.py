@@ -291,6 +291,31 @@ def test_interrupt_then_resume_equals_uninterrupted(tmp_path, relative):
         torch.testing.assert_close(a, b, msg=name)
 
 
+def test_trackers_write_a_folder_per_run_that_a_resumed_run_keeps(tmp_path, monkeypatch):
+    """Under logging_dir each run's trackers get their own folder, named by its start time; an interrupted run
+    saves its name with the state and the resumed run writes on in it, while a fresh run never takes a folder
+    that exists."""
+    import sparsify.train as train_module
+
+    folders, real = [], train_module._accelerator
+    monkeypatch.setattr(train_module, "_accelerator", lambda *args: folders.append(args[-1]) or real(*args))
+    logs, cfg = tmp_path / "logs", config(steps=4)
+    model, _ = tiny_model("llama")
+    with pytest.raises(TrainingInterrupted):
+        train(model, relufy(model), stop_after(2), cfg, resume_dir=tmp_path / "r", device="cpu", show_progress=False,
+              logging_dir=logs)
+    assert folders[0].parent == logs and re.fullmatch(r"\d{8}-\d{6}", folders[0].name)
+    assert json.loads((tmp_path / "r" / "state.json").read_text())["run_name"] == folders[0].name
+    folders[0].mkdir(parents=True)  # as a tracker that writes files leaves it
+    resumed, _ = tiny_model("llama")
+    train(resumed, relufy(resumed), batches_from(), cfg, resume_dir=tmp_path / "r", resume=True, device="cpu",
+          show_progress=False, logging_dir=logs)
+    assert folders[1] == folders[0]
+    fresh, _ = tiny_model("llama")
+    train(fresh, relufy(fresh), batches_from(), cfg, device="cpu", show_progress=False, logging_dir=logs)
+    assert folders[2].parent == logs and folders[2] != folders[0]
+
+
 def test_resume_continues_the_text_from_its_saved_position(tmp_path, monkeypatch):
     """TextData's batches: Ctrl-C, then --resume, ends with the uninterrupted run's weights, and the resumed run
     tokenizes none of the documents the interrupted one read (it continues from the saved position)."""
