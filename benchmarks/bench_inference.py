@@ -389,6 +389,22 @@ def plan_of(mlp) -> dict:
     return {key: getattr(mlp, key) for key in ("mode", "tile", "compression", "sparse_tokens")}
 
 
+def call_path(mlp, x, captured: bool) -> str:
+    """The path the modeling file's layer `mlp` takes for x: "dense" (outside its plan's windows, a short
+    prefill, or an eager batched call short enough to be host-bound) or "kernels" (an eager batched call's
+    router may still turn it dense); None for a runtime without these rules. Cells whose two columns both
+    run dense compare the same math."""
+    tokens = x.numel() // x.shape[-1]
+    if not hasattr(mlp, "_use_kernel"):
+        return None
+    if not mlp._use_kernel(x, tokens):
+        return "dense"
+    eager_dense = sys.modules[type(mlp).__module__].eager_dense
+    if not captured and x.shape[-2] != 1 and x.is_cuda and eager_dense(tokens, mlp.d, mlp.width):
+        return "dense"
+    return "kernels"
+
+
 def paired_ms(first, second, rounds=3):
     """do_bench medians of two calls measured alternately, the median of each over the rounds (drift between
     the two measurements cancels)."""
@@ -433,8 +449,9 @@ def robustness(folder=None, plan_k=None, tokens=ROBUST_TOKENS, actives=ROBUST_AC
     replays over LAYERS layer copies, of the call as one sequence's prefill [1, M, D] ("graph") and as a
     decode step of M sequences [M, 1, D] ("step_graph"). The plan is made from each layer's
     own activity (or `plan_k` units, when the inputs are more or less active than the calibration); each
-    cell checks the output against fp32 in the same run. Yields the rows of the cells whose ROBUST_KEY is
-    not in `done` (a run cut short: its rows' keys)."""
+    cell checks the output against fp32 in the same run and names the layer's path for each timing
+    (`eager_path`, `graph_path`, `step_graph_path`: call_path). Yields the rows of the cells whose ROBUST_KEY
+    is not in `done` (a run cut short: its rows' keys)."""
     d, i = ROBUST_SHAPE
     modeling = runtime(folder)
     for k in actives:
@@ -455,6 +472,7 @@ def robustness(folder=None, plan_k=None, tokens=ROBUST_TOKENS, actives=ROBUST_AC
                 ref = reference(x[check], layers[0])
                 out = sparse_mlp(x[None])[0]
                 row = dict(D=d, I=i, M=m, k=k, plan_k=plan_k or k, heavy_rows=heavy, plan=plan,
+                           eager_path=call_path(sparse_mlp, x[None], captured=False),
                            active=(x[check].float() @ layers[0]["gate"].float().t() > 0).sum(1).float().mean().item(),
                            err_twell=rel_err(out[check], ref),
                            err_dense=rel_err(dense_mlp(x[None])[0][check], ref))
@@ -470,6 +488,7 @@ def robustness(folder=None, plan_k=None, tokens=ROBUST_TOKENS, actives=ROBUST_AC
                     row["cycle_speedup"] = row["cycle_dense_ms"] / row["cycle_twell_ms"]
                 if m <= 64:  # as one sequence's prefill, and as a decode step of m sequences
                     for name, shaped in (("graph", x[None]), ("step_graph", x[:, None]))[:1 if m == 1 else 2]:
+                        row[f"{name}_path"] = call_path(sparse_mlp, shaped, captured=True)
                         row[f"{name}_dense_us"] = per_layer_us(lambda pair: pair[1](shaped), mlps)
                         row[f"{name}_twell_us"] = per_layer_us(lambda pair: pair[0](shaped), mlps)
                         row[f"{name}_speedup"] = row[f"{name}_dense_us"] / row[f"{name}_twell_us"]

@@ -70,3 +70,19 @@ def test_resume_refuses_another_run(bench, tmp_path, capsys, args, result, messa
     with pytest.raises(SystemExit):
         bench.main([*args, "--json", path, "--resume"])
     assert message in capsys.readouterr().err
+
+
+def test_call_path_names_where_the_layer_runs_dense(bench):
+    """A robustness row names the path of each timing: dense outside the plan's token windows, the kernels
+    inside them (on CPU through the interpreter)."""
+    modeling = bench.runtime()
+    original = torch.nn.Module()
+    for name, shape in (("gate_proj", (96, 32)), ("up_proj", (96, 32)), ("down_proj", (32, 96))):
+        original.add_module(name, torch.nn.Linear(shape[1], shape[0], bias=False))
+    plan = bench.runtime_plan(modeling, {"mode": "sparse", "tile": 64, "compression": 8, "sparse_tokens": [[1, 64]]})
+    mlp = modeling.TwellGatedMLP(original, bench.LAYOUT, plan)
+    with torch.no_grad():
+        assert bench.call_path(mlp, torch.zeros(1, 8, 32), captured=False) == "kernels"
+        assert bench.call_path(mlp, torch.zeros(1, 100, 32), captured=False) == "dense"
+        assert bench.call_path(mlp, torch.zeros(65, 1, 32), captured=True) == "dense"
+    assert bench.call_path(torch.nn.Identity(), torch.zeros(1, 8, 32), captured=False) is None  # an older runtime
