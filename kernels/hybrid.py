@@ -235,9 +235,10 @@ if _HAS_TRITON:
 
     @triton.jit
     def _rows_dots(x_ptr, dout_ptr, w1_ptr, w2_ptr, w3_ptr, rows, rmask, cols, N, K, stride_x, stride_dout,
-                   stride_w3k, stride_w3n, TWO_W: tl.constexpr, WITH_DOUT: tl.constexpr, DOT: tl.constexpr,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        """x[rows] @ w1[cols]^T (and @ w2[cols]^T), and dout[rows] @ w3[:, cols] (w3 [K, N] by strides)."""
+                   stride_w3k, stride_w3n, BACKWARD: tl.constexpr, DOT: tl.constexpr, BM: tl.constexpr,
+                   BN: tl.constexpr, BK: tl.constexpr):
+        """x[rows] @ w1[cols]^T; backward also x[rows] @ w2[cols]^T and dout[rows] @ w3[:, cols] (w3 [K, N] by
+        strides)."""
         acc1 = tl.zeros((BM, BN), tl.float32)
         acc2 = tl.zeros((BM, BN), tl.float32)
         acc3 = tl.zeros((BM, BN), tl.float32)
@@ -250,10 +251,9 @@ if _HAS_TRITON:
             a = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=am, other=0.0)
             w = tl.load(w1_ptr + cols[None, :].to(tl.int64) * K + ks[:, None], mask=wm, other=0.0)
             acc1 = tl.dot(a, w, acc1, input_precision=DOT)
-            if TWO_W:
+            if BACKWARD:
                 w = tl.load(w2_ptr + cols[None, :].to(tl.int64) * K + ks[:, None], mask=wm, other=0.0)
                 acc2 = tl.dot(a, w, acc2, input_precision=DOT)
-            if WITH_DOUT:
                 a = tl.load(dout_ptr + rows[:, None] * stride_dout + ks[None, :], mask=am, other=0.0)
                 w = tl.load(w3_ptr + ks[:, None].to(tl.int64) * stride_w3k + cols[None, :] * stride_w3n,
                             mask=wm, other=0.0)
@@ -279,7 +279,7 @@ if _HAS_TRITON:
             offs = rows[:, None] * stride_o + cols[None, :]
             acc1, acc2, acc3 = _rows_dots(x_ptr, dout_ptr, w1_ptr, w2_ptr, w3_ptr, rows, rmask, cols, N, K,
                                           stride_x, stride_dout, stride_w3k, stride_w3n,
-                                          MODE == ROWS_BACKWARD, MODE == ROWS_BACKWARD, DOT, BM, BN, BK)
+                                          MODE == ROWS_BACKWARD, DOT, BM, BN, BK)
             if HOT:
                 on = (tl.load(cold_ptr + cols, mask=cols < N, other=0) != 0)[None, :]
             else:

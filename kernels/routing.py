@@ -54,8 +54,9 @@ class ActivityRouter:
     def __init__(self, d: int, width: int, mean_active: float):
         self.d, self.width, self.mean_active = d, width, mean_active
         self.counter, self.tokens, self.calls = None, 0, 0
-        self.landing = None  # (tokens, calls) of a window whose count is on its way to self.host
-        self.ahead = 0  # kernel calls issued since self.landing was sent
+        # (tokens, calls) of a window whose count is on its way to self.host; meanwhile self.calls counts the
+        # kernel calls issued since it was sent
+        self.landing = None
         self.host = self.event = None  # made once: a pinned allocation can synchronize the device
         self.dense_left = 0
 
@@ -64,8 +65,6 @@ class ActivityRouter:
         if self.dense_left:
             self.dense_left -= 1
             return None
-        if self.landing is not None:
-            self.ahead += 1
         if self.counter is None:  # overflowing pairs, sampled rows' units, those rows, heavy rows
             self.counter = torch.zeros(4, dtype=torch.int64, device=x.device)
         self.tokens += tokens
@@ -90,11 +89,11 @@ class ActivityRouter:
         if self.landing is None:
             return
         if self.event is not None and not self.event.query():
-            if self.ahead < self.AHEAD:
+            if self.calls < self.AHEAD:
                 return
             self.event.synchronize()
         tokens, calls = self.landing
-        self.landing, self.ahead = None, 0
+        self.landing = None
         _, units, rows, heavy = self.host.tolist()
         if self.loses(heavy / tokens, tokens / calls, units / rows if rows else self.mean_active):
             self.dense_left = self.PROBE_EVERY
