@@ -19,7 +19,6 @@ import numpy as np
 from scipy.optimize import least_squares
 
 from twell import cost_model as cost
-from twell.decode import DECODE_TILE, decode_tile_stride
 from twell.format import decode_rows
 from twell.layer_plan import LayerPlan
 
@@ -71,9 +70,7 @@ def main():
         return c["M"] * c["a"] * (4 * c["D"] * ((1 - h) / (q[0] * 1e12) + h / (q[1] * 1e12)) + q[2] * 1e-9) + q[3] * 1e-6
 
     def dec(q, c):
-        stride = decode_tile_stride(c["I"], min(c["tile"], DECODE_TILE), c["M"], cost.H100_SMS)
-        columns = stride * (1 - (1 - c["a"] / c["I"]) ** c["M"])  # a gate program's active columns
-        return (2 * c["D"] * c["I"] + 4 * c["D"] * c["M"] * c["a"]) / (q[0] * 1e12) + columns * q[1] * 1e-6 + q[2] * 1e-6
+        return cost.decode_time(c["a"], c["D"], c["I"], c["M"], c["tile"], (q[0] * 1e12, q[1] * 1e-6, q[2] * 1e-6))
 
     d = fit(dense, cases, "dense", [700, 500, 2.5, 10], [100, 0, 0.5, 0], [3000, 5000, 4, 60])
     kernels = {}

@@ -55,6 +55,16 @@ def heavy_time(d: int, i: int, rows: int) -> float:
     return _roofline(6 * rows * d * i, 6 * d * i, HEAVY, d) if rows else 0.0
 
 
+def decode_time(mean_active: float, d: int, i: int, tokens: int, tile: int = 128, rates: tuple = DECODE) -> float:
+    """Predicted seconds of a decode-path call (twell_time's decode part; `rates` as DECODE): the gate matrix and
+    the active units' up and down rows at the bandwidth, each gate program's active columns (the union of its
+    rows' units in its tile) as serial steps, and a latency."""
+    bandwidth, per_column, latency = rates
+    stride = decode_tile_stride(i, min(tile, DECODE_TILE), tokens, H100_SMS)
+    columns = stride * (1 - (1 - min(mean_active / i, 1.0)) ** tokens)
+    return (2 * d * i + 4 * d * tokens * mean_active) / bandwidth + columns * per_column + latency
+
+
 def twell_time(mean_active: float, d: int, i: int, tokens: int, max_active: float | None = None,
                tile: int = 128, heavy_rows: int | None = None) -> float:
     """Predicted seconds of `gated_mlp` at `mean_active` units per token (no overflow) with `tile`-wide
@@ -65,10 +75,7 @@ def twell_time(mean_active: float, d: int, i: int, tokens: int, max_active: floa
     the heaviest)."""
     pairs = tokens * mean_active
     if tokens <= decode_rows(d, i):  # decode spreads a row's units over the gate programs' tiles
-        bandwidth, per_column, latency = DECODE
-        stride = decode_tile_stride(i, min(tile, DECODE_TILE), tokens, H100_SMS)
-        columns = stride * (1 - (1 - min(mean_active / i, 1.0)) ** tokens)
-        return (2 * d * i + 4 * d * pairs) / bandwidth + columns * per_column + latency
+        return decode_time(mean_active, d, i, tokens, tile)
     l2, hbm, per_pair, latency = GATHER
     from_hbm = max(0.0, 1 - L2_BYTES / (4 * d * i))  # share of the row reads that miss L2
     gather = pairs * (4 * d * ((1 - from_hbm) / l2 + from_hbm / hbm) + per_pair) + latency
