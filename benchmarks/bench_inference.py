@@ -44,7 +44,7 @@ import twell.cost_model
 from twell.format import empty_twell, slots
 from twell.format import decode_rows
 from twell.batched import gate_config, gate_launch, out_launch
-from twell.decode import DECODE_TILE, PART_BYTES, PART_STAGES
+from twell.decode import DECODE_TILE, HELD_ROWS, PART_BYTES, PART_STAGES, decode_out_config
 from twell.heavy import HEAVY_FEW_ROWS, heavy_launches
 
 ROW_KEY = ("D", "I", "M", "k", "tile", "compression")  # what identifies a grid row (--resume)
@@ -389,20 +389,22 @@ def plan_of(mlp) -> dict:
     return {key: getattr(mlp, key) for key in ("mode", "tile", "compression", "sparse_tokens")}
 
 
-def call_path(mlp, x, captured: bool) -> str:
-    """The path the modeling file's layer `mlp` takes for x: "dense" (outside its plan's windows, a short
-    prefill, or an eager batched call short enough to be host-bound) or "kernels" (an eager batched call's
-    router may still turn it dense); None for a runtime without these rules. Cells whose two columns both
-    run dense compare the same math."""
-    tokens = x.numel() // x.shape[-1]
-    if not hasattr(mlp, "_use_kernel"):
+def call_path(modeling, mlp, x, captured: bool) -> str | None:
+    """The path the modeling file's layer `mlp` takes for x, seen by running it once: "kernels" where its forward
+    calls gated_mlp, else "dense"; `captured`: as inside a CUDA-graph capture. None for a runtime too old to
+    tell. Cells whose two columns both run dense compare the same math."""
+    if not hasattr(modeling, "eager"):
         return None
-    if not mlp._use_kernel(x, tokens):
-        return "dense"
-    eager_dense = sys.modules[type(mlp).__module__].eager_dense
-    if not captured and x.shape[-2] != 1 and x.is_cuda and eager_dense(tokens, mlp.d, mlp.width):
-        return "dense"
-    return "kernels"
+    calls, kernel, eager = [], modeling.gated_mlp, modeling.eager
+    modeling.gated_mlp = lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs)
+    if captured:
+        modeling.eager = lambda x: False
+    try:
+        with torch.no_grad():
+            mlp(x)
+    finally:
+        modeling.gated_mlp, modeling.eager = kernel, eager
+    return "kernels" if calls else "dense"
 
 
 def paired_ms(first, second, rounds=3):
@@ -472,7 +474,7 @@ def robustness(folder=None, plan_k=None, tokens=ROBUST_TOKENS, actives=ROBUST_AC
                 ref = reference(x[check], layers[0])
                 out = sparse_mlp(x[None])[0]
                 row = dict(D=d, I=i, M=m, k=k, plan_k=plan_k or k, heavy_rows=heavy, plan=plan,
-                           eager_path=call_path(sparse_mlp, x[None], captured=False),
+                           eager_path=call_path(modeling, sparse_mlp, x[None], captured=False),
                            active=(x[check].float() @ layers[0]["gate"].float().t() > 0).sum(1).float().mean().item(),
                            err_twell=rel_err(out[check], ref),
                            err_dense=rel_err(dense_mlp(x[None])[0][check], ref))
@@ -488,7 +490,7 @@ def robustness(folder=None, plan_k=None, tokens=ROBUST_TOKENS, actives=ROBUST_AC
                     row["cycle_speedup"] = row["cycle_dense_ms"] / row["cycle_twell_ms"]
                 if m <= 64:  # as one sequence's prefill, and as a decode step of m sequences
                     for name, shaped in (("graph", x[None]), ("step_graph", x[:, None]))[:1 if m == 1 else 2]:
-                        row[f"{name}_path"] = call_path(sparse_mlp, shaped, captured=True)
+                        row[f"{name}_path"] = call_path(modeling, sparse_mlp, shaped, captured=True)
                         row[f"{name}_dense_us"] = per_layer_us(lambda pair: pair[1](shaped), mlps)
                         row[f"{name}_twell_us"] = per_layer_us(lambda pair: pair[0](shaped), mlps)
                         row[f"{name}_speedup"] = row[f"{name}_dense_us"] / row[f"{name}_twell_us"]
@@ -508,13 +510,13 @@ def heavy_block():
         x = make_x(capacity, d)
         heavy = heavy_launches(x, i, False)
         down_t = w["down_p"].t()
+        # the block's buffers allocated once, outside the timed calls
+        h = torch.empty(capacity, i, dtype=x.dtype, device="cuda")
+        part = torch.empty(heavy.splits, HEAVY_FEW_ROWS, d, device="cuda")
         for n in (1, 4, 16, 17, 64, 256, 1024, 4096, 16384):
             posted = torch.randperm(capacity, device="cuda")[:n].sort().values
             workspace = torch.zeros(1 + capacity, dtype=torch.int32, device="cuda")
             workspace[0], workspace[1:1 + n] = n, posted.int()
-            # the block's buffers allocated once, outside the timed calls
-            h = torch.empty(capacity, i, dtype=x.dtype, device="cuda")
-            part = torch.empty(heavy.splits, HEAVY_FEW_ROWS, d, device="cuda")
             out = torch.full_like(x, float("nan"))
 
             def block():
@@ -648,15 +650,16 @@ def tile_out_rows():
 
 
 def rule_rows(rule, cells, rules, compression=16, heavy_units=HEAVY_FIRST):
-    """Rows of `rule` at D 2048 / I 5632, 29 active units: for each (tokens, heavy first token) of `cells`, the
-    block under each of `rules` (name -> launch_rules arguments) against dense."""
+    """Rows of `rule` at D 2048 / I 5632, 29 active units: for each (tokens, heavy first token of `heavy_units`
+    units, None: half of them) of `cells`, the block under each of `rules` (name -> launch_rules arguments)
+    against dense."""
     d, i = 2048, 5632
     layers = [make_layer(d, i, HEAVY_K) for _ in range(LAYERS)]
     rows = []
     for m, heavy in cells:
         x = make_x(m, d)
         if heavy:
-            make_heavy(x, [0], heavy_units, i)
+            make_heavy(x, [0], heavy_units or i // 2, i)
         ref = reference(x, layers[0])
         row = dict(rule=rule, D=d, I=i, M=m, compression=compression,
                    dense_us=per_layer_us(lambda lw: dense(x, lw), layers),
@@ -683,16 +686,13 @@ def heavy_tile_rows():
     columns streams its up rows in one K loop (old: compacted, 16 columns a loop), above HELD_ROWS rows the
     out programs take 128 output columns (old: 256), and at compression 2 a decode tile holds DECODE_SLOTS
     units (old: 32, so that the heavy row's tiles fit and its out programs walk all its units)."""
-    decode_module = sys.modules["twell.decode"]
-    out_config = decode_module.decode_out_config
-
     def wide_out(m, d, tiles):
-        return dict(CH=16, BD=256, num_warps=2) if m > decode_module.HELD_ROWS else out_config(m, d, tiles)
+        return dict(CH=16, BD=256, num_warps=2) if m > HELD_ROWS else decode_out_config(m, d, tiles)
 
     old = dict(UP_COMPACT_COLS=DECODE_TILE, decode_out_config=wide_out, decode_slots=slots)
     cells = [(m, heavy) for m in (1, 8, 16, 64) for heavy in (False, True)]
     return [row for compression in (16, 2) for row in rule_rows(
-        "heavy_tiles", cells, {"new": {}, "old": old}, compression, heavy_units=5632 // 2)]
+        "heavy_tiles", cells, {"new": {}, "old": old}, compression, heavy_units=None)]
 
 
 DECODE_RULES = {"tile_out": tile_out_rows, "partial_rows": partial_rows_rows, "heavy_tiles": heavy_tile_rows}
@@ -746,7 +746,7 @@ def parser() -> argparse.ArgumentParser:
     mode.add_argument("--heavy-block", action="store_true", help="the dense block of heavy rows alone, 1-16384 rows")
     mode.add_argument("--decode-first-token", action="store_true",
                       help="one heavy first token in a decode-size call (1-64 tokens)")
-    mode.add_argument("--decode-rules", nargs="*", choices=("tile_out", "partial_rows", "heavy_tiles"), default=None,
+    mode.add_argument("--decode-rules", nargs="*", choices=list(DECODE_RULES), default=None,
                       help="decode launch rules against what they replace (these ones; none named: all)")
     p.add_argument("--runtime", default=None, metavar="CHECKPOINT",
                    help="--robustness: time the kernel and modeling files of this exported checkpoint")

@@ -1,6 +1,7 @@
 """benchmarks/bench_inference.py on CPU: what --resume keeps of a run cut short and what it measures again
 (the measurements themselves need a GPU)."""
 import json
+import types
 from pathlib import Path
 
 import pytest
@@ -73,16 +74,18 @@ def test_resume_refuses_another_run(bench, tmp_path, capsys, args, result, messa
 
 
 def test_call_path_names_where_the_layer_runs_dense(bench):
-    """A robustness row names the path of each timing: dense outside the plan's token windows, the kernels
-    inside them (on CPU through the interpreter)."""
+    """A robustness row names the path of each timing, as the layer's forward takes it: dense outside the plan's
+    token windows, the kernels inside them (on CPU through the interpreter)."""
     modeling = bench.runtime()
     original = torch.nn.Module()
     for name, shape in (("gate_proj", (96, 32)), ("up_proj", (96, 32)), ("down_proj", (32, 96))):
         original.add_module(name, torch.nn.Linear(shape[1], shape[0], bias=False))
     plan = bench.runtime_plan(modeling, {"mode": "sparse", "tile": 64, "compression": 8, "sparse_tokens": [[1, 64]]})
     mlp = modeling.TwellGatedMLP(original, bench.LAYOUT, plan)
-    with torch.no_grad():
-        assert bench.call_path(mlp, torch.zeros(1, 8, 32), captured=False) == "kernels"
-        assert bench.call_path(mlp, torch.zeros(1, 100, 32), captured=False) == "dense"
-        assert bench.call_path(mlp, torch.zeros(65, 1, 32), captured=True) == "dense"
-    assert bench.call_path(torch.nn.Identity(), torch.zeros(1, 8, 32), captured=False) is None  # an older runtime
+    kernel, eager = modeling.gated_mlp, modeling.eager
+    assert bench.call_path(modeling, mlp, torch.randn(1, 8, 32), captured=False) == "kernels"
+    assert bench.call_path(modeling, mlp, torch.randn(1, 8, 32), captured=True) == "kernels"
+    assert bench.call_path(modeling, mlp, torch.randn(1, 100, 32), captured=False) == "dense"
+    assert bench.call_path(modeling, mlp, torch.randn(65, 1, 32), captured=True) == "dense"
+    assert modeling.gated_mlp is kernel and modeling.eager is eager  # restored
+    assert bench.call_path(types.SimpleNamespace(), mlp, torch.randn(1, 8, 32), captured=False) is None

@@ -40,11 +40,10 @@ def run(fn, tensors, dout, max_nnz, **kw):
 
 
 def check(tensors, max_nnz, tol=1e-5, **kw):
-    fn, ref = H.hybrid_gated_mlp, H.hybrid_gated_mlp_reference
     M, D = tensors[0].shape[0], tensors[-1].shape[0]
     dout = torch.randn(M, D, generator=torch.Generator().manual_seed(1)).to(tensors[0].device)
-    out, st, grads = run(fn, tensors, dout, max_nnz, **kw)
-    rout, rst, rgrads = run(ref, [t.double() for t in tensors], dout.double(), max_nnz, **kw)
+    out, st, grads = run(H.hybrid_gated_mlp, tensors, dout, max_nnz, **kw)
+    rout, rst, rgrads = run(H.hybrid_gated_mlp_reference, [t.double() for t in tensors], dout.double(), max_nnz, **kw)
     assert torch.isfinite(out).all()
     assert rel(out, rout) < tol
     assert rel(st.l1, rst.l1) < tol
@@ -165,10 +164,9 @@ def test_grad_accumulation_checkpoint_noncontiguous():
 def test_frozen_weights():
     """Only x needs a gradient (frozen weights): the backward builds the CSC it still needs."""
     tensors = problem(23, 30, 40, 6)
-    fn, ref = H.hybrid_gated_mlp, H.hybrid_gated_mlp_reference
     dout = torch.randn(23, 30)
     grads = []
-    for f, dtype in ((fn, torch.float32), (ref, torch.float64)):
+    for f, dtype in ((H.hybrid_gated_mlp, torch.float32), (H.hybrid_gated_mlp_reference, torch.float64)):
         x = tensors[0].detach().to(dtype).requires_grad_()
         out, st = f(x, *(w.to(dtype) for w in tensors[1:]), max_nnz=7)
         ((out * dout.to(dtype)).sum() + L1_COEFF * st.l1).backward()
@@ -193,13 +191,13 @@ def test_gpu_bf16_autocast(hot):
     """fp32 master weights under bf16 autocast: outputs and gradients as close to the fp64 reference
     as the dense bf16 block, fp32 gradients; backup rows included (and hot units as dense columns)."""
     tensors = problem(3000, 320, 1100, 20, device="cuda")
-    fn, ref = H.hybrid_gated_mlp, H.hybrid_gated_mlp_reference
     kw = dict(hot_units=torch.arange(0, 1100, 17, device="cuda")) if hot else {}  # 65 units, unit 2 not among them
     dout = torch.randn(3000, 320, device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        out, st, grads = run(fn, tensors, dout, 64, **kw)
-        dense_out, dst, dgrads = run(ref, tensors, dout, 64, **kw)  # dense bf16 block under autocast
-    rout, rst, rgrads = run(ref, [t.double() for t in tensors], dout.double(), 64, **kw)
+        out, st, grads = run(H.hybrid_gated_mlp, tensors, dout, 64, **kw)
+        # the dense bf16 block under autocast
+        dense_out, dst, dgrads = run(H.hybrid_gated_mlp_reference, tensors, dout, 64, **kw)
+    rout, rst, rgrads = run(H.hybrid_gated_mlp_reference, [t.double() for t in tensors], dout.double(), 64, **kw)
     # stats against the same bf16 gate matmul (fp64 flips units whose pre-activation rounds to ~0)
     assert out.dtype == torch.bfloat16 and int(st.backup_rows) == int(dst.backup_rows) >= 1
     assert torch.equal(st.fired, dst.fired) and abs(st.active.item() - dst.active.item()) < 1e-4
