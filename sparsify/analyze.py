@@ -18,7 +18,8 @@ from .errors import ConfigError, DataError, OutputError
 from .export import converted_config, replace_plan
 from .load import check_device, demo_corpus_path, load_config, load_model, require_tokenizer
 from .measure import measure
-from .plan import measured_by_default, plan_model
+from .plan import choose_measure, plan_model
+from .report import console
 from .tune import require_cuda
 
 
@@ -92,8 +93,7 @@ def analyze(
     stats = measure(model, spec, text.eval_blocks, batch_size, label=f"measuring ({measured:,} tokens)")
     activation = getattr(model.config, spec.act_key)
     converted = activation == "relu"
-    if measure_kernels is None:
-        measure_kernels = measured_by_default(model.config.hidden_size, model.config.intermediate_size, device)
+    measure_kernels = choose_measure(measure_kernels, model.config, device, converted and console.print)
     plans = (plan_model(model, spec, stats, text.eval_blocks, measure_kernels=measure_kernels, device=device)
              if converted else [None] * len(stats["layers"]))
     for layer, plan in zip(stats["layers"], plans):

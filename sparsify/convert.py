@@ -38,7 +38,7 @@ from .export import ARTIFACTS, check_output_dir, export_checkpoint
 from .load import (check_device, demo_corpus_path, load_config, load_model, parameter_count, require_tokenizer,
                    resolve_dtype)
 from .measure import measure, perplexity
-from .plan import measured_by_default, plan_model
+from .plan import choose_measure, plan_model
 from .tune import capture_mlp_inputs, require_cuda
 from .relufy import original_mlps, relufy
 from .report import console, plot_training
@@ -118,7 +118,8 @@ def convert(
     """Convert `source` into a sparse checkpoint at `out`; returns the summary (perplexities, per-layer
     statistics and plan, training log). `text_column`: the column of the data's rows that holds the text.
     `measure_kernels` plans each layer by timing the kernel settings on this GPU (sparsify.tune) instead of by
-    the cost model (None: where the cost model does not cover the layer shape, on a GPU). `show_progress` False prints only warnings (no settings, progress bars or log lines).
+    the cost model (None: where the cost model does not cover the layer shape, on a GPU). `show_progress` False
+    prints only warnings (no settings, progress bars or log lines).
     `report_to`: the accelerate trackers that get the training log's figures (train.trackers)."""
     check_device(device)
     launch = PartialState(cpu=on_cpu(device))
@@ -128,7 +129,7 @@ def convert(
     report_trackers, fsdp = trackers(report_to), fsdp_launch()[0]
     model, tokenizer, spec, base_model = _load_source(source, config, device, launch, show_progress)
     shown = show_progress and main
-    measure_kernels = _measure_kernels(measure_kernels, model.config, device, shown)
+    measure_kernels = choose_measure(measure_kernels, model.config, device, shown and console.print)
     text = TextData(data_spec, tokenizer, config.seq_len, config.eval_tokens, text_column)
     ppl = {}
     if main:
@@ -181,7 +182,7 @@ def convert(
 
 
 def _check_inputs(source: str, out, config: TrainConfig, data: str | None, text_column: str, device: str | None,
-                  resume: bool, overwrite: bool, max_shard_size: str, measure_kernels: bool,
+                  resume: bool, overwrite: bool, max_shard_size: str, measure_kernels: bool | None,
                   processes: int) -> tuple[Path, Path, str | Path, dict]:
     """Fails fast, before any weight is read, on what would stop the conversion later; returns OUT checked, the
     folder of its training state, the data to read and the inputs a resumed run must name again."""
@@ -205,19 +206,6 @@ def _check_inputs(source: str, out, config: TrainConfig, data: str | None, text_
         check_resume(resume_dir, config, processes, inputs)
     resolve_data(data_spec)  # missing / empty / unknown format
     return out, resume_dir, data_spec, inputs
-
-
-def _measure_kernels(asked: bool | None, model_config, device: str | None, shown: bool) -> bool:
-    """Whether to plan by timing the kernels: as asked, else where the cost model does not cover the layers."""
-    if asked is not None:
-        return asked
-    d, units = model_config.hidden_size, model_config.intermediate_size
-    if not measured_by_default(d, units, device):
-        return False
-    if shown:
-        console.print(f"planning by timing the kernels on this GPU: layers of D {d} / I {units} are narrower than "
-                      f"the cost model's shapes (--no-measure: plan them dense)")
-    return True
 
 
 def _load_source(source: str, config: TrainConfig, device: str | None, launch: PartialState, show_progress: bool):

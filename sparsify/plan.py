@@ -24,7 +24,7 @@ import torch
 
 from twell.cost_model import FITTED_MIN_HIDDEN, FITTED_MIN_INTERMEDIATE, GATHER, dense_time, twell_time
 from twell.decode import DECODE_TILE
-from twell.format import DECODE_SLOTS, decode_rows
+from twell.format import decode_rows, decode_slots
 from twell.layer_plan import ALL_TOKENS, LayerPlan, Mode
 
 from .errors import ConfigError
@@ -46,7 +46,8 @@ def overflow_at(tile_stats: dict, tile: int, compression: int, batched: bool) ->
     if batched:
         light = "overflow_frac_light" in tile_stats
         return tile_stats["overflow_frac_light" if light else "overflow_frac"][str(compression)]
-    return tile_stats["overflow_frac"][str(max(compression, min(tile, DECODE_TILE) // DECODE_SLOTS))]
+    decode_tile = min(tile, DECODE_TILE)
+    return tile_stats["overflow_frac"][str(decode_tile // decode_slots(decode_tile, compression))]
 
 
 def predicted_speedup(mean_active: float, overflow_frac: float, tile: int, d: int, i: int,
@@ -94,6 +95,20 @@ def measured_by_default(hidden_size: int, intermediate_size: int, device) -> boo
     cover the layer shape."""
     on_gpu = torch.device(device or "cuda").type == "cuda" and torch.cuda.is_available()
     return on_gpu and outside_cost_model(hidden_size, intermediate_size)
+
+
+def choose_measure(asked: bool | None, model_config, device: str | None, say=None) -> bool:
+    """Whether `convert` and `analyze` plan by timing the kernels: as asked, else measured_by_default, which
+    `say` (a print function, or None) is told."""
+    if asked is not None:
+        return asked
+    d, units = model_config.hidden_size, model_config.intermediate_size
+    if not measured_by_default(d, units, device):
+        return False
+    if say:
+        say(f"planning by timing the kernels on this GPU: layers of D {d} / I {units} are narrower than the cost "
+            f"model's shapes (--no-measure: plan them dense)")
+    return True
 
 
 def plan_layer(stats: dict, *, hidden_size: int | None = None, tokens: int = TOKENS,

@@ -338,10 +338,12 @@ def train(
 def _new_run_name(logging_dir: str | Path | None) -> str:
     """A fresh run's folder name under logging_dir: its start time (UTC), with a count where that is taken, so
     that a second run into the same OUT does not append to the first one's curves."""
-    name = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    taken = {path.name for path in Path(logging_dir).iterdir()} if logging_dir and Path(logging_dir).is_dir() else set()
-    return next(candidate for candidate in (name, *(f"{name}-{n}" for n in range(2, len(taken) + 3)))
-                if candidate not in taken)
+    name = candidate = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    count = 1
+    while logging_dir and (Path(logging_dir) / candidate).exists():
+        count += 1
+        candidate = f"{name}-{count}"
+    return candidate
 
 
 def trackers(report_to: str) -> list[str]:

@@ -3,7 +3,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from sparsify.plan import (TOKEN_GRID, describe, measured_by_default, plan_layer, plan_layers, predicted_speedup,
+from sparsify.plan import (TOKEN_GRID, choose_measure, describe, measured_by_default, plan_layer, plan_layers, predicted_speedup,
                            token_ranges)
 from twell.layer_plan import ALL_TOKENS, Mode
 
@@ -183,13 +183,11 @@ def test_convert_times_the_kernels_unasked_only_where_the_cost_model_does_not_re
     fitted shapes (the cost model would plan them dense), and never off a GPU."""
     import torch
 
-    from sparsify.convert import _measure_kernels
-
     narrow, wide = SimpleNamespace(hidden_size=1024, intermediate_size=2816), SimpleNamespace(hidden_size=D, intermediate_size=I)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert measured_by_default(1024, 2816, None) and measured_by_default(896, 4000, "cuda:1")
     assert not measured_by_default(D, I, None) and not measured_by_default(1024, 2816, "cpu")
-    assert _measure_kernels(None, narrow, None, False) and not _measure_kernels(None, wide, None, False)
-    assert not _measure_kernels(False, narrow, None, False) and _measure_kernels(True, wide, None, False)
+    assert choose_measure(None, narrow, None, False) and not choose_measure(None, wide, None, False)
+    assert not choose_measure(False, narrow, None, False) and choose_measure(True, wide, None, False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert not _measure_kernels(None, narrow, None, False)
+    assert not choose_measure(None, narrow, None, False)
