@@ -472,13 +472,14 @@ def robustness(folder=None, plan_k=None, tokens=ROBUST_TOKENS, actives=ROBUST_AC
             with torch.no_grad():
                 check = slice(0, min(m, 4096))
                 ref = reference(x[check], layers[0])
+                sparse_mlp.router = None  # each cell from a fresh router: none carries over another's verdict
                 out = sparse_mlp(x[None])[0]
                 row = dict(D=d, I=i, M=m, k=k, plan_k=plan_k or k, heavy_rows=heavy, plan=plan,
                            eager_path=call_path(modeling, sparse_mlp, x[None], captured=False),
                            active=(x[check].float() @ layers[0]["gate"].float().t() > 0).sum(1).float().mean().item(),
                            err_twell=rel_err(out[check], ref),
                            err_dense=rel_err(dense_mlp(x[None])[0][check], ref))
-                sparse_mlp.router = None  # each cell from a fresh router: none carries over another's verdict
+                sparse_mlp.router = None
                 row["eager_dense_ms"], row["eager_twell_ms"] = paired_ms(lambda: dense_mlp(x[None]),
                                                                          lambda: sparse_mlp(x[None]))
                 row["eager_speedup"] = row["eager_dense_ms"] / row["eager_twell_ms"]
@@ -650,18 +651,18 @@ def tile_out_rows():
 
 
 def rule_rows(rule, cells, rules, compression=16, heavy_units=HEAVY_FIRST):
-    """Rows of `rule` at D 2048 / I 5632, 29 active units: for each (tokens, heavy first token of `heavy_units`
-    units, None: half of them) of `cells`, the block under each of `rules` (name -> launch_rules arguments)
-    against dense."""
+    """Rows of `rule` at D 2048 / I 5632, 29 active units: for each (tokens, heavy rows) of `cells`, heavy rows
+    of `heavy_units` units (None: half of them) spread over the tokens from the first, the block under each
+    of `rules` (name -> launch_rules arguments) against dense."""
     d, i = 2048, 5632
     layers = [make_layer(d, i, HEAVY_K) for _ in range(LAYERS)]
     rows = []
     for m, heavy in cells:
         x = make_x(m, d)
         if heavy:
-            make_heavy(x, [0], heavy_units or i // 2, i)
+            make_heavy(x, torch.linspace(0, m - 1, heavy).round().long().tolist(), heavy_units or i // 2, i)
         ref = reference(x, layers[0])
-        row = dict(rule=rule, D=d, I=i, M=m, compression=compression,
+        row = dict(rule=rule, D=d, I=i, M=m, heavy_rows=heavy, compression=compression,
                    dense_us=per_layer_us(lambda lw: dense(x, lw), layers),
                    first_token_units=int((x[:1].float() @ layers[0]["gate"].float().t() > 0).sum()))
         for name, rule_args in rules.items():
@@ -674,10 +675,12 @@ def rule_rows(rule, cells, rules, compression=16, heavy_units=HEAVY_FIRST):
 
 
 def partial_rows_rows():
-    """The overflowing tiles of a heavy first token (HEAVY_FIRST units) among 1-64 tokens, their partial rows
-    PART_BYTES a step with PART_STAGES in flight, against 128 bytes one step at a time."""
-    return rule_rows("partial_rows", [(m, True) for m in (1, 16, 64)], {
-        "new": dict(PART_BYTES=PART_BYTES, PART_STAGES=PART_STAGES), "old": dict(PART_BYTES=128, PART_STAGES=1)})
+    """The overflowing tiles of heavy rows (HEAVY_FIRST units: a first token among 1-64 tokens, and every row
+    of 8 and 64), their partial rows PART_BYTES a step with PART_STAGES in flight, against two in flight
+    and against 128 bytes one step at a time."""
+    return rule_rows("partial_rows", [(1, 1), (16, 1), (64, 1), (8, 8), (64, 64)], {
+        "new": dict(PART_BYTES=PART_BYTES, PART_STAGES=PART_STAGES), "two_stages": dict(PART_STAGES=2),
+        "old": dict(PART_BYTES=128, PART_STAGES=1)})
 
 
 def heavy_tile_rows():
@@ -690,7 +693,7 @@ def heavy_tile_rows():
         return dict(CH=16, BD=256, num_warps=2) if m > HELD_ROWS else decode_out_config(m, d, tiles)
 
     old = dict(UP_COMPACT_COLS=DECODE_TILE, decode_out_config=wide_out, decode_slots=slots)
-    cells = [(m, heavy) for m in (1, 8, 16, 64) for heavy in (False, True)]
+    cells = [(m, heavy) for m in (1, 8, 16, 64) for heavy in (0, 1)]
     return [row for compression in (16, 2) for row in rule_rows(
         "heavy_tiles", cells, {"new": {}, "old": old}, compression, heavy_units=None)]
 

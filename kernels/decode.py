@@ -24,9 +24,10 @@ WHOLE_UP_ROWS = 16384  # elements of up rows a decode gate program loads at once
 # TwELL slots of a row that a decode out program (up to HELD_ROWS rows) holds in registers, loaded beside the
 # row's counts: one round of dependent loads instead of two
 HELD_SLOTS, HELD_ROWS = 4096, 32
-# Partial rows of overflowing decode tiles (a sequence's first token): 512 bytes of each down row a step, two
-# steps in flight, so that a dense row's stream of down rows takes few, overlapping steps
-PART_BYTES, PART_STAGES = 512, 2
+# Partial rows of overflowing decode tiles (a sequence's first token): 512 bytes of each down row a step, three
+# steps in flight, so that a dense row's stream of down rows takes few, overlapping steps (1024 bytes a step
+# do not fit in shared memory at three)
+PART_BYTES, PART_STAGES = 512, 3
 # One-token decode through tile_out_launch up to this D; above it the output's shares (4 * D bytes a tile)
 # and their sum cost more than the hand-over to the out kernel that they save
 TILE_OUT_MAX_D = 2048
