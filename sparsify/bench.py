@@ -38,8 +38,8 @@ PATHS = {
     "prefill_compiled": "decoder stack (no LM head), torch.compile(fullgraph=True, dynamic=False), batch x seq_len tokens",
     "generate_eager": "model.generate, greedy (dense: eager, dynamic cache; TwELL: the checkpoint's routed loop)",
     "generate_compiled": "model.generate, greedy, cache_implementation='static', compile_config=CompileConfig("
-                         "fullgraph=True, dynamic=False) (dense: the decode step compiled by transformers, inductor, "
-                         "reduce-overhead; TwELL: the checkpoint's routed loop with its compiled step)",
+                         "fullgraph=True, dynamic=False): transformers' loop on both loads, the decode step "
+                         "compiled by transformers (inductor, reduce-overhead)",
     "generate_graphed": "generate_graphed(compile=True) (generation.py, shipped with the checkpoint): greedy, "
                         "static cache, the step through torch.compile(fullgraph=True, dynamic=False) (inductor, "
                         "default mode) and captured as one CUDA graph, one replay a token",

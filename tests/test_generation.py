@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, CompileConfig
 
 from sparsify.export import export_checkpoint
 from sparsify.families import spec_for
@@ -363,6 +363,10 @@ def test_generate_takes_the_loop_where_the_call_fits_and_falls_back_elsewhere(tm
     # a static cache is where transformers compiles the step: the loop's compiled step serves it
     static = graphed_call(remote, ids, dict(max_new_tokens=5, cache_implementation="static"))
     assert static["compile"] and not graphed_call(remote, ids, dict(max_new_tokens=5))["compile"]
+    # unless the call configures that compile: transformers' generate honours its compile_config
+    configured = CompileConfig(fullgraph=False, mode="default")
+    assert graphed_call(remote, ids, dict(max_new_tokens=5, cache_implementation="static",
+                                          compile_config=configured)) is None
     remote.release_graphed()
     out = remote.generate(ids, max_new_tokens=12, eos_token_id=None, pad_token_id=0, cache_implementation="static",
                           disable_compile=True)

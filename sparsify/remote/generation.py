@@ -228,11 +228,11 @@ class LoopUnsupported(ValueError):
 
 
 # The generation settings the loop implements. A `generate` call that turns any other on (beam search,
-# penalties, returned scores, ...; a setting that is false, 0 or None is off) or passes other arguments (logits
-# processors, an assistant model, ...) goes to transformers' generate unchanged.
+# penalties, returned scores, a compile_config of its own, ...; a setting that is false, 0 or None is off) or
+# passes other arguments (logits processors, an assistant model, ...) goes to transformers' generate unchanged.
 LOOP_SETTINGS = {"max_new_tokens", "max_length", "min_new_tokens", "min_length", "do_sample", "temperature", "top_k", "top_p", "eos_token_id",
                  "pad_token_id", "bos_token_id", "use_cache", "graphed", "transformers_version", "_from_model_config",
-                 "cache_implementation", "compile_config", "disable_compile"}
+                 "cache_implementation", "disable_compile"}
 LOOP_ARGUMENTS = {"input_ids", "attention_mask", "streamer", "generation_config", "graphed"}
 
 
@@ -240,7 +240,8 @@ def graphed_call(model, inputs, kwargs: dict) -> dict | None:
     """generate_graphed's arguments for `model.generate(inputs, **kwargs)` where the loop computes what
     transformers' generate would (greedy, or sampling with temperature / top_k / top_p, left-padded prompts,
     max_new_tokens or max_length, min_new_tokens or min_length, eos and pad, a streamer; a static cache, which
-    transformers compiles, runs the loop's compiled step), else None. `graphed=False` (an argument, or the
+    transformers compiles, runs the loop's compiled step, unless the call configures that compile with a
+    compile_config, which transformers' generate then honours), else None. `graphed=False` (an argument, or the
     generation config's attribute) turns it off; so does a model whose cache the loop cannot run."""
     if model.__dict__.get("_loop_unsupported"):
         return None
