@@ -377,8 +377,15 @@ def test_generate_takes_the_loop_where_the_call_fits_and_falls_back_elsewhere(tm
     assert remote._decode_loop.loop is not None and torch.equal(sampled, fast)
     remote.to("cpu")  # nothing moves: the loop stays
     assert remote._decode_loop.loop is not None
-    remote.to(torch.float64)  # a move or cast frees the loop (its cache and graphs hold the old tensors)
-    assert remote._decode_loop.loop is None
+    freed = []  # a move or cast frees the loop (its cache and graphs hold the old tensors), before the move
+
+    def cast(tensor):
+        freed.append(remote._decode_loop.loop is None)
+        return tensor.to(torch.float64)
+
+    remote._apply(cast)  # what .to(torch.float64) runs
+    assert freed[0] is False and all(freed[1:])  # the smallest weight's trial cast, then every tensor's
+    assert remote._decode_loop.loop is None and remote.dtype == torch.float64
     remote.to(torch.float32)
     remote.generation_config.graphed = False  # the switch in the generation config
     remote.generate(ids, max_new_tokens=5, eos_token_id=None, pad_token_id=0)

@@ -159,10 +159,18 @@ class TwellForCausalLM(_import(BASE_MODEL)):
         release_graphed(self)
 
     def _apply(self, fn, *args, **kwargs):
+        # .to(), .cuda(), .half() that move the weights free the decode loop, whose cache and graphs belong to the
+        # old ones: before the move where the smallest weight shows it coming, so that they do not sit beside
+        # the new weights at the peak, and after any move in case it did not
+        held = self.__dict__.get("_decode_loop")
+        if held is not None and held.loop is not None:
+            smallest = min(self.parameters(), key=torch.Tensor.numel)
+            if fn(smallest) is not smallest:
+                release_graphed(self)
         before = [p.data_ptr() for p in self.parameters()]
         moved = super()._apply(fn, *args, **kwargs)
-        if [p.data_ptr() for p in self.parameters()] != before:  # .to(), .cuda(), .half() that moved weights:
-            release_graphed(self)  # the loop's cache and graphs belong to the old ones
+        if [p.data_ptr() for p in self.parameters()] != before:
+            release_graphed(self)
         return moved
 
     @classmethod
