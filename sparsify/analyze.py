@@ -14,9 +14,9 @@ from pathlib import Path
 from twell.layer_plan import LayerPlan
 
 from .data import TextData
-from .errors import ConfigError, DataError, OutputError
+from .errors import ConfigError, DataError, OutputError, SourceError
 from .export import converted_config, replace_plan
-from .load import check_device, demo_corpus_path, load_config, load_model, require_tokenizer
+from .load import check_device, demo_corpus_path, load_config, load_model, require_tokenizer, resolve_source
 from .measure import measure
 from .plan import choose_measure, plan_model
 from .report import console
@@ -79,10 +79,12 @@ def analyze(
         text_column = text_column or recorded_column
     if measure_kernels:
         require_cuda(device, "--measure")
+    folder = None
     if write_plan:  # a plan this version can replace, checked before anything is measured
         try:
-            converted_config(source)
-        except OutputError as error:
+            folder = resolve_source(source)  # "~" and "demo" as load_model reads them
+            converted_config(folder)
+        except (OutputError, SourceError) as error:
             raise ConfigError(f"--write-plan: {source} is not a local converted checkpoint ({error})") from None
     model, tokenizer, spec = load_model(source, device=device)
     require_tokenizer(tokenizer, source)
@@ -103,5 +105,5 @@ def analyze(
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=1, default=_entry_without_stats))
     if write_plan:
-        replace_plan(source, plans)
+        replace_plan(folder, plans)
     return result

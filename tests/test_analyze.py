@@ -131,7 +131,9 @@ def test_write_plan_replaces_a_checkpoints_plan_and_keeps_its_weights(tmp_path):
             export.replace_plan(out, [failing] * model.config.num_hidden_layers)
     assert renamed == ["README.md"] and "T64 C2" not in (out / "README.md").read_text()
     assert json.loads((out / "config.json").read_text())["twell"]["layers"][0]["mode"] == "sparse"
-    result = runner.invoke(main, ["analyze", str(out), *args])
+    with pytest.MonkeyPatch.context() as patch:  # the checkpoint named under ~, as a shell would leave it
+        patch.setenv("HOME", str(tmp_path))
+        result = runner.invoke(main, ["analyze", "~/ckpt", *args])
     assert result.exit_code == 0, result.output
     assert "wrote the recommended settings" in result.output
     layers = json.loads((out / "config.json").read_text())["twell"]["layers"]
