@@ -87,6 +87,14 @@ def interrupt() -> None:
     os.kill(os.getpid(), signal.SIGINT)
 
 
+def raising(error: BaseException):
+    """An action (see on_read) that raises `error`."""
+    def fail():
+        raise error
+
+    return fail
+
+
 def on_read(next_batch, at: int, action):
     """TrainingBatches.__next__ through `next_batch`, calling `action()` first on the read that has `at` reads
     before it (an action that raises fails that read)."""

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from cli import main
-from helpers import Killed, interrupt, on_read, tiny_input_ids, tiny_model, tiny_tokenizer
+from helpers import Killed, interrupt, on_read, raising, tiny_input_ids, tiny_model, tiny_tokenizer
 from sparsify import convert as convert_module
 from sparsify import data as data_module
 from sparsify import export
@@ -221,10 +221,7 @@ def test_ctrl_c_then_resume(files, tmp_path, monkeypatch):
 
 def failing_batches(n, error):
     """TrainingBatches.__next__, raising `error` when the (n+1)-th batch is read."""
-    def fail():
-        raise error
-
-    return on_read(data_module.TrainingBatches.__next__, n, fail)
+    return on_read(data_module.TrainingBatches.__next__, n, raising(error))
 
 
 def test_a_killed_conversion_resumes_from_its_periodic_save(files, tmp_path, monkeypatch):

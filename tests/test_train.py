@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import CountingTokenizer, Killed, interrupt, on_read, tiny_model
+from helpers import CountingTokenizer, Killed, interrupt, on_read, raising, tiny_model
 from sparsify.errors import ConfigError, DataError
 from sparsify import relufy as relufy_module
 from sparsify.relufy import relufy
@@ -31,13 +31,13 @@ def batches_from(seed=0):
     return batches
 
 
-def stop_after(n):
-    """batches_from(), with Ctrl-C (SIGINT to this process) while reading the (n+1)-th micro-batch: training
-    stops at the end of that micro-batch's step."""
+def acting_at(n, action):
+    """batches_from(), calling `action()` while reading the (n+1)-th micro-batch: `interrupt` (Ctrl-C, SIGINT to
+    this process: training stops at the end of that micro-batch's step) or `raising(error)` (the read fails)."""
     def batches(start, rank, world):
         for i, b in enumerate(batches_from()(start, rank, world)):
             if i == n:
-                interrupt()
+                action()
             yield b
 
     return batches
@@ -277,7 +277,7 @@ def test_interrupt_then_resume_equals_uninterrupted(tmp_path, relative):
     train(straight, relufy(straight), batches_from(), cfg, device="cpu", show_progress=False)
 
     with pytest.raises(TrainingInterrupted, match="interrupted at step 3 of 6"):  # the signal in step 3's 2nd micro-batch
-        train(interrupted, relufy(interrupted), stop_after(5), cfg, resume_dir=tmp_path / "r", device="cpu", show_progress=False)
+        train(interrupted, relufy(interrupted), acting_at(5, interrupt), cfg, resume_dir=tmp_path / "r", device="cpu", show_progress=False)
     assert json.loads((tmp_path / "r" / "state.json").read_text())["step"] == 3
     resumed, _ = tiny_model("qwen2", seed=1)  # fresh process: other weights, all restored from the state
     source = {name: p.detach().clone() for name, p in resumed.named_parameters()}
@@ -302,7 +302,7 @@ def test_trackers_write_a_folder_per_run_that_a_resumed_run_keeps(tmp_path, monk
     logs, cfg = tmp_path / "logs", config(steps=4)
     model, _ = tiny_model("llama")
     with pytest.raises(TrainingInterrupted):
-        train(model, relufy(model), stop_after(2), cfg, resume_dir=tmp_path / "r", device="cpu", show_progress=False,
+        train(model, relufy(model), acting_at(2, interrupt), cfg, resume_dir=tmp_path / "r", device="cpu", show_progress=False,
               logging_dir=logs)
     assert folders[0].parent == logs and re.fullmatch(r"\d{8}-\d{6}", folders[0].name)
     assert json.loads((tmp_path / "r" / "state.json").read_text())["run_name"] == folders[0].name
@@ -350,17 +350,6 @@ def test_resume_continues_the_text_from_its_saved_position(tmp_path, monkeypatch
         torch.testing.assert_close(a, b, msg=name)
 
 
-def failing_batches(n, error):
-    """batches_from(), raising `error` when the (n+1)-th micro-batch is read."""
-    def batches(start, rank, world):
-        for i, b in enumerate(batches_from()(start, rank, world)):
-            if i == n:
-                raise error
-            yield b
-
-    return batches
-
-
 def test_a_killed_run_resumes_from_its_last_periodic_save(tmp_path):
     """save_every: a run that dies without saving (here killed while reading step 4's batch) resumes from the
     state saved after step 2 and ends with the uninterrupted run's weights."""
@@ -369,7 +358,7 @@ def test_a_killed_run_resumes_from_its_last_periodic_save(tmp_path):
     killed = copy.deepcopy(straight)
     train(straight, relufy(straight), batches_from(), cfg, device="cpu", show_progress=False)
     with pytest.raises(Killed):
-        train(killed, relufy(killed), failing_batches(3, Killed()), cfg, resume_dir=tmp_path / "r", device="cpu",
+        train(killed, relufy(killed), acting_at(3, raising(Killed())), cfg, resume_dir=tmp_path / "r", device="cpu",
               show_progress=False)
     assert json.loads((tmp_path / "r" / "state.json").read_text())["step"] == 2
     assert not (tmp_path / "r.tmp").exists()
@@ -405,7 +394,7 @@ def test_an_error_saves_the_last_completed_step_and_resume_continues(tmp_path, c
 
     error = DataError("bad row") if where == "data" else torch.cuda.OutOfMemoryError("CUDA out of memory")
     mlps = relufy(failing)
-    batches = failing_batches(5, error) if where == "data" else batches_from()  # step 3's 2nd micro-batch
+    batches = acting_at(5, raising(error)) if where == "data" else batches_from()  # step 3's 2nd micro-batch
     if where == "forward":
         mlps[1].register_forward_pre_hook(failing_at_call(5, error))  # step 3's 1st micro-batch
     with pytest.raises(type(error)) as raised:
@@ -426,7 +415,7 @@ def test_an_error_before_a_completed_step_or_within_an_update_saves_nothing(tmp_
     # in the first step there is nothing to save; in the optimizer's update the weights may be half updated
     model, _ = tiny_model("llama")
     with pytest.raises(DataError):
-        train(model, relufy(model), failing_batches(0, DataError("bad row")), config(), resume_dir=tmp_path / "first",
+        train(model, relufy(model), acting_at(0, raising(DataError("bad row"))), config(), resume_dir=tmp_path / "first",
               device="cpu", show_progress=False)
     assert not (tmp_path / "first").exists()
     monkeypatch.setattr(torch.optim.AdamW, "step", failing_at_call(3, RuntimeError("in the update")))
@@ -455,7 +444,7 @@ def test_resume_needs_the_saved_settings_and_processes(tmp_path):
     model, _ = tiny_model("llama")
     inputs = {"source": "tiny-llama", "data": "corpus"}
     with pytest.raises(TrainingInterrupted):
-        train(model, relufy(model), stop_after(3), cfg, resume_dir=tmp_path / "r", device="cpu", show_progress=False,
+        train(model, relufy(model), acting_at(3, interrupt), cfg, resume_dir=tmp_path / "r", device="cpu", show_progress=False,
               inputs=inputs)
     state_path = tmp_path / "r" / "state.json"
     assert json.loads(state_path.read_text())["processes"] == 1
