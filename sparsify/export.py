@@ -115,9 +115,15 @@ def _write(folder: Path, model, tokenizer, spec, plan, training, artifacts, kern
         shutil.copy2(kernel_file, folder / kernel_file.name)
     for name, path in artifacts.items():
         shutil.copy2(path, folder / name)
-    card = model_card(family=spec.family, plan=plan, training=training,
-                      intermediate_size=config["intermediate_size"], artifacts=tuple(artifacts))
-    card.save(folder / "README.md")
+    _card(config, plan, tuple(artifacts)).save(folder / "README.md")
+
+
+def _card(config: dict, plan: list[LayerPlan], artifacts: tuple[str, ...]):
+    """The model card of a converted checkpoint: `config` (its config.json, twell section included) with `plan`,
+    naming the files `artifacts` beside it."""
+    section = config["twell"]
+    return model_card(family=section["family"], plan=plan, training=section["training"],
+                      intermediate_size=config["intermediate_size"], artifacts=artifacts)
 
 
 ARTIFACTS = ("training_log.json", "sparsity.png")  # files of a conversion that the card shows or names
@@ -152,9 +158,7 @@ def replace_plan(folder: str | Path, plan: list[LayerPlan]) -> Path:
     if len(plan) != len(section["layers"]):
         raise ValueError(f"the plan has {len(plan)} layers, the checkpoint {len(section['layers'])}")
     section["layers"] = [layer.to_json() for layer in plan]
-    card = model_card(family=section["family"], plan=plan, training=section["training"],
-                      intermediate_size=config["intermediate_size"],
-                      artifacts=tuple(name for name in ARTIFACTS if (folder / name).is_file()))
+    card = _card(config, plan, tuple(name for name in ARTIFACTS if (folder / name).is_file()))
     files = {"README.md": str(card), "config.json": _config_text(config)}  # renamed in this order
     staged = {name: folder / f".{name}.partial" for name in files}
     try:
