@@ -135,10 +135,11 @@ def plan_layer(stats: dict, *, hidden_size: int | None = None, tokens: int = TOK
                   for tile, t in stats["tiles"].items() for c in t["overflow_frac"]]
     if not candidates:  # I narrower than the smallest measured tile
         return LayerPlan(stats=summary)
-    # ties: the setting faster across call sizes, the main grids' tile, then the narrower packing (compressions
-    # cost the same without overflow)
-    speedup, tile, compression = max(candidates, key=lambda s: (s[0], across_sizes(s[1], s[2]),
-                                                               s[1] == FITTED_TILE, s[2]))
+    # among the fastest: the setting faster across call sizes, the main grids' tile, then the narrower packing
+    # (compressions cost the same without overflow)
+    best = max(s[0] for s in candidates)
+    speedup, tile, compression = max((s for s in candidates if s[0] == best),
+                                     key=lambda s: (across_sizes(s[1], s[2]), s[1] == FITTED_TILE, s[2]))
     t = stats["tiles"][str(tile)]
     summary.update(predicted_speedup=speedup, max_tile_active_p999=t["p999"],
                    overflow_frac=t["overflow_frac"][str(compression)])
