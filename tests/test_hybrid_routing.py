@@ -7,10 +7,10 @@ import copy
 import pytest
 import torch
 
-from helpers import tiny_model
+from helpers import interrupt, tiny_model
 from sparsify.relufy import relufy
 from sparsify.train import HYBRID_EXIT, TrainConfig, TrainingInterrupted, hybrid_kernels_run, hybrid_paths, hybrid_share, train
-from test_train import BATCH, SEQ, batches_from, stop_after
+from test_train import BATCH, SEQ, acting_at, batches_from
 
 
 def config(**kw):
@@ -143,7 +143,7 @@ def test_resume_continues_on_the_paths_chosen_before_the_interrupt(tmp_path):
     expected = train(straight, mlps, batches_from(), cfg, device="cpu", show_progress=False).log
     interrupted, mlps = sparse_layer0()
     with pytest.raises(TrainingInterrupted):
-        train(interrupted, mlps, stop_after(2), cfg, resume_dir=tmp_path / "r", device="cpu", show_progress=False)
+        train(interrupted, mlps, acting_at(2, interrupt), cfg, resume_dir=tmp_path / "r", device="cpu", show_progress=False)
     resumed, mlps = sparse_layer0(seed=1)  # every weight comes back from the saved state
     log = train(resumed, mlps, batches_from(), cfg, resume_dir=tmp_path / "r", resume=True, device="cpu", show_progress=False).log
     assert [[l["path"] for l in e["layers"]] for e in log] == [[l["path"] for l in e["layers"]] for e in expected]
