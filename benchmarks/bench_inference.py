@@ -474,6 +474,7 @@ def robustness(folder=None, plan_k=None, tokens=ROBUST_TOKENS, actives=ROBUST_AC
                 ref = reference(x[check], layers[0])
                 sparse_mlp.router = None  # each cell from a fresh router: none carries over another's verdict
                 out = sparse_mlp(x[None])[0]
+                sparse_mlp.router = None  # the path of a fresh router's first call, as the check's
                 row = dict(D=d, I=i, M=m, k=k, plan_k=plan_k or k, heavy_rows=heavy, plan=plan,
                            eager_path=call_path(modeling, sparse_mlp, x[None], captured=False),
                            active=(x[check].float() @ layers[0]["gate"].float().t() > 0).sum(1).float().mean().item(),

@@ -1,6 +1,7 @@
 """generate_graphed (sparsify/remote/generation.py) against transformers' generate: greedy tokens, end of
 sequence and padding, sampling filters, the kept loop, converted checkpoints, and the CUDA-graph replay."""
 import copy
+import sys
 
 import pytest
 import torch
@@ -328,7 +329,8 @@ def converted_checkpoint(tmp_path):
 def test_generate_takes_the_loop_where_the_call_fits_and_falls_back_elsewhere(tmp_path):
     """model.generate on a converted checkpoint: greedy and max_length calls run the graphed loop with
     transformers' tokens (a static cache with the loop's compiled step); beam search, a logits processor,
-    returned dicts, right padding, other caches and graphed=False go to transformers' generate unchanged."""
+    returned dicts, right padding, other caches, a compile the call configures and graphed=False go to
+    transformers' generate unchanged. Moving or casting the model frees the loop, before the weights move."""
     from transformers import LogitsProcessorList, TemperatureLogitsWarper
 
     remote, _, _ = converted_checkpoint(tmp_path)
@@ -363,10 +365,14 @@ def test_generate_takes_the_loop_where_the_call_fits_and_falls_back_elsewhere(tm
     # a static cache is where transformers compiles the step: the loop's compiled step serves it
     static = graphed_call(remote, ids, dict(max_new_tokens=5, cache_implementation="static"))
     assert static["compile"] and not graphed_call(remote, ids, dict(max_new_tokens=5))["compile"]
-    # unless the call configures that compile: transformers' generate honours its compile_config
+    # unless the call configures that compile: transformers' generate honours its compile_config (which
+    # configures nothing without a static cache, or with disable_compile)
     configured = CompileConfig(fullgraph=False, mode="default")
     assert graphed_call(remote, ids, dict(max_new_tokens=5, cache_implementation="static",
                                           compile_config=configured)) is None
+    assert not graphed_call(remote, ids, dict(max_new_tokens=5, compile_config=configured))["compile"]
+    assert not graphed_call(remote, ids, dict(max_new_tokens=5, cache_implementation="static", disable_compile=True,
+                                              compile_config=configured))["compile"]
     remote.release_graphed()
     out = remote.generate(ids, max_new_tokens=12, eos_token_id=None, pad_token_id=0, cache_implementation="static",
                           disable_compile=True)
@@ -377,15 +383,18 @@ def test_generate_takes_the_loop_where_the_call_fits_and_falls_back_elsewhere(tm
     assert remote._decode_loop.loop is not None and torch.equal(sampled, fast)
     remote.to("cpu")  # nothing moves: the loop stays
     assert remote._decode_loop.loop is not None
-    freed = []  # a move or cast frees the loop (its cache and graphs hold the old tensors), before the move
+    # a move or cast frees the loop (its cache and graphs hold the old tensors), before the weights move
+    modeling = sys.modules[type(remote).__module__]
+    release, freed_at = modeling.release_graphed, []
 
-    def cast(tensor):
-        freed.append(remote._decode_loop.loop is None)
-        return tensor.to(torch.float64)
+    def recorded(model):
+        freed_at.append(next(model.parameters()).dtype)
+        release(model)
 
-    remote._apply(cast)  # what .to(torch.float64) runs
-    assert freed[0] is False and all(freed[1:])  # the smallest weight's trial cast, then every tensor's
-    assert remote._decode_loop.loop is None and remote.dtype == torch.float64
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(modeling, "release_graphed", recorded)
+        remote.to(torch.float64)
+    assert freed_at[0] == torch.float32 and remote._decode_loop.loop is None and remote.dtype == torch.float64
     remote.to(torch.float32)
     remote.generation_config.graphed = False  # the switch in the generation config
     remote.generate(ids, max_new_tokens=5, eos_token_id=None, pad_token_id=0)

@@ -228,11 +228,12 @@ class LoopUnsupported(ValueError):
 
 
 # The generation settings the loop implements. A `generate` call that turns any other on (beam search,
-# penalties, returned scores, a compile_config of its own, ...; a setting that is false, 0 or None is off) or
-# passes other arguments (logits processors, an assistant model, ...) goes to transformers' generate unchanged.
+# penalties, returned scores, ...; a setting that is false, 0 or None is off) or passes other arguments (logits
+# processors, an assistant model, ...) goes to transformers' generate unchanged; so does one whose compile_config
+# configures a compile that transformers would run (graphed_call).
 LOOP_SETTINGS = {"max_new_tokens", "max_length", "min_new_tokens", "min_length", "do_sample", "temperature", "top_k", "top_p", "eos_token_id",
                  "pad_token_id", "bos_token_id", "use_cache", "graphed", "transformers_version", "_from_model_config",
-                 "cache_implementation", "disable_compile"}
+                 "cache_implementation", "compile_config", "disable_compile"}
 LOOP_ARGUMENTS = {"input_ids", "attention_mask", "streamer", "generation_config", "graphed"}
 
 
@@ -252,6 +253,9 @@ def graphed_call(model, inputs, kwargs: dict) -> dict | None:
     if not kwargs.get("graphed", getattr(config, "graphed", True)) or others:
         return None
     if config.cache_implementation not in (None, "static"):  # offloaded, quantized, sliding-window caches
+        return None
+    compiles = config.cache_implementation == "static" and not config.disable_compile
+    if compiles and config.compile_config is not None:  # a compile configured by the caller: transformers runs it
         return None
     ids = inputs if inputs is not None else kwargs.get("input_ids")
     if not (isinstance(ids, torch.Tensor) and ids.ndim == 2 and ids.shape[1] > 0 and not ids.is_floating_point()):
@@ -274,7 +278,7 @@ def graphed_call(model, inputs, kwargs: dict) -> dict | None:
                 eos_token_id=[] if config.eos_token_id is None else config.eos_token_id,
                 pad_token_id=config.pad_token_id, streamer=kwargs.get("streamer"),
                 # a static cache is where transformers compiles the decode step: the loop's compiled step
-                compile=config.cache_implementation == "static" and not config.disable_compile)
+                compile=compiles)
 
 
 def release_graphed(model) -> None:
