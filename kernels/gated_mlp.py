@@ -3,7 +3,10 @@ no host synchronization. A call takes one launch path by its token count: decode
 tokens (decode.py; one gated token: the tile-out path), batched above (batched.py, heavy rows through
 heavy.py). Calls of the same shapes, strides, dtypes and alignment reuse their launches (_LAUNCH_CACHE).
 CPU tensors without the Triton interpreter take reference.forward_reference. The down weight is read
-transposed: pass `prepare_down(down)` (made once at load time) to avoid a per-call transpose copy."""
+transposed: pass `prepare_down(down)` (made once at load time) to avoid a per-call transpose copy. A launch
+configuration beyond the GPU (Triton's OutOfResources: shared memory on a GPU with less than the H100's) makes
+calls of that shape run the dense block, with a warning, instead of failing."""
+import warnings
 from collections import OrderedDict
 from typing import Optional
 
@@ -14,6 +17,11 @@ from .decode import DECODE_TILE, decode_tile_stride, tile_out_launch, tile_sum_l
 from .format import cdiv, decode_rows, decode_slots, on_device, slots, use_triton
 from .launch import sm_count, use_pdl
 from .reference import forward_reference
+
+try:
+    from triton.runtime.errors import OutOfResources
+except ImportError:  # CPU-only machines run the reference path
+    OutOfResources = None
 
 PRECISIONS = ("default", "highest")
 
@@ -40,6 +48,7 @@ class _Launches:
         self.twell_shape = (m, cdiv(width, ts), s)
         # decode: overflowing (row, tile) pairs' partial output rows, written only there
         self.partials_shape = (m, cdiv(width, ts), d) if self.decode else None
+        self.unsupported = None  # why this GPU cannot run the launches (the calls then run dense), once seen
         self.gate = gate_launch(x2, gate, up if self.decode else None, tile, s, self.vals_dtype,
                                 gate_config(m, tile, x2.element_size(), self.decode), h_fp32,
                                 partials=self.decode, tile_stride=ts, pdl=pdl, tile_out=self.tile_out)
@@ -110,6 +119,18 @@ def _forward_triton(x, gate, up, down, tile, compression, precision, overflow):
             _LAUNCH_CACHE.popitem(last=False)
     else:
         _LAUNCH_CACHE.move_to_end(key)
+    if launches.unsupported is None:
+        try:
+            return _launch(launches, x, x2, gate, up, down_t, overflow)
+        except OutOfResources as error:  # a launch configuration beyond this GPU (shared memory, registers)
+            launches.unsupported = str(error)
+            name = torch.cuda.get_device_name(x.device) if x.is_cuda else x.device.type
+            warnings.warn(f"twell: {error} ({name}): calls of {x2.shape[0]} tokens at D {x2.shape[1]} / I "
+                          f"{gate.shape[0]} run the dense block on this device", stacklevel=3)
+    return ((torch.relu(x2 @ gate.t()) * (x2 @ up.t())) @ down_t).view(x.shape)
+
+
+def _launch(launches, x, x2, gate, up, down_t, overflow):
     device = x.device
     if launches.tile_out:
         counts = torch.empty(launches.twell_shape[:2], dtype=torch.int32, device=device)

@@ -370,6 +370,40 @@ def test_tile_out_decode_writes_every_tile_share(dtype, precision):
     assert rel_err(out, reference(x, gate, up, down)) < (1e-5 if h_fp32 else 3e-3)
 
 
+def test_a_launch_beyond_the_device_runs_the_dense_block(monkeypatch):
+    """A launch configuration the GPU cannot run (Triton's OutOfResources, e.g. shared memory on a smaller GPU)
+    makes calls of that shape run the dense block, with one warning: the reference's output, and no second
+    attempt at the launch."""
+    from triton.runtime.errors import OutOfResources
+
+    torch.manual_seed(0)
+    x, gate, up, down = block(5, 24, 80, k=8)
+    attempts = []
+
+    def beyond_the_device(*_):
+        attempts.append(1)
+        raise OutOfResources(233472, 232448, "shared memory")
+
+    real = gm._Launches.__init__
+
+    def launches(self, *args):
+        real(self, *args)
+        self.gate = beyond_the_device
+
+    monkeypatch.setattr(gm._Launches, "__init__", launches)
+    gm._LAUNCH_CACHE.clear()
+    try:
+        with pytest.warns(UserWarning, match="out of resource: shared memory.*run the dense block"):
+            out = twell.gated_mlp(x, gate, up, down, tile=32, compression=4)
+        assert rel_err(out, reference(x, gate, up, down)) < 1e-5
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            again = twell.gated_mlp(x, gate, up, down, tile=32, compression=4)
+        assert torch.equal(again, out) and len(attempts) == 1
+    finally:
+        gm._LAUNCH_CACHE.clear()
+
+
 def launch_scalar(launch, name):
     """A compile-time argument of a launch (its scalars follow the tensors, in signature order)."""
     names = launch.kernel.arg_names[len(launch.kernel.arg_names) - len(launch.scalars):]
