@@ -148,6 +148,7 @@ def convert(source, out, data, text_column, recipe, device, resume, overwrite, m
         console.print(f"trained {t['steps']} steps, {t['tokens']:,} tokens in {t['seconds']:.0f} s; wrote {out}")
         if "url" in summary:
             console.print(f"pushed to {summary['url']}")
+    _end_process_group()
 
 
 @main.command()
@@ -238,6 +239,14 @@ def bench(checkpoint, seq_len, prefill_batch, generate_batch, compiled_batch, no
     console.print(bench_table(result))
     if json_path:
         write_json(result, json_path)
+
+
+def _end_process_group() -> None:
+    """This process's end of a launched run's process group (none: nothing), before it exits: left to the
+    interpreter's teardown, gloo's worker threads can abort the process, which fails the whole launch."""
+    from accelerate import PartialState
+
+    PartialState().destroy_process_group()
 
 
 def _is_main() -> bool:
