@@ -249,7 +249,6 @@ class _RunState:
     l1_reference: float | None = None  # L1_0 of `l1_relative`: measured on the first micro-batch
     last_fired: torch.Tensor | None = None  # [layers, I]: the token count at each unit's last firing
     data_position: dict | None = None  # the batch stream's state_dict after `batches`, where it has one
-    run_name: str | None = None  # the trackers' folder under logging_dir, kept by a resumed run
     # False while the weights are ahead of this state (from a step's update to its count and units' firing)
     # and during a save: then there is nothing consistent to save
     settled: bool = True
@@ -314,7 +313,6 @@ def train(
             evaluate(run.model)
         run.model.train()
     state = _RunState(time.perf_counter()) if saved is None else _RunState.resumed(accelerator, resume_dir, saved)
-    state.run_name = run_name
     stream = batches(state.batches, accelerator.process_index, run.world)
     if saved is not None and (position := load_data_position(resume_dir)) is not None:
         stream.load_state_dict(position)
@@ -326,7 +324,7 @@ def train(
     progress = _progress(show_progress and accelerator.is_main_process, run.total, state.step)
     try:
         with _tracked(mlps, config.hybrid_max_nnz):
-            _loop(run, state, stream, _Saver(run, resume_dir, inputs, progress, state.step), progress)
+            _loop(run, state, stream, _Saver(run, resume_dir, inputs, run_name, progress, state.step), progress)
     finally:
         if progress and progress.live.is_started:
             progress.stop()
@@ -572,8 +570,9 @@ class _Saver:
     """Saves the training state to `resume_dir` (None: never): when the processes are asked to stop, every
     `save_every` steps, once `save_every_minutes` have passed since the last save, and on an error."""
 
-    def __init__(self, run: _Run, resume_dir, inputs: dict | None, progress, step: int):
+    def __init__(self, run: _Run, resume_dir, inputs: dict | None, run_name: str, progress, step: int):
         self.run, self.resume_dir, self.inputs, self.progress = run, resume_dir, inputs, progress
+        self.run_name = run_name  # the trackers' folder under logging_dir, which a resumed run keeps
         self.saved_step = step  # the step of the state in resume_dir, if any
         self.last_save = time.perf_counter()
 
@@ -585,7 +584,7 @@ class _Saver:
         save_state(self.run.accelerator, self.resume_dir,
                    {"step": state.step, "batches": state.batches, "log": state.log,
                     "seconds": time.perf_counter() - state.started, "l1_reference": state.l1_reference,
-                    "processes": self.run.world, "inputs": self.inputs, "run_name": state.run_name},
+                    "processes": self.run.world, "inputs": self.inputs, "run_name": self.run_name},
                    state.last_fired, self.run.config,
                    state.data_position)
         self.saved_step, state.settled = state.step, True

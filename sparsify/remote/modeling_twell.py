@@ -163,8 +163,9 @@ class TwellForCausalLM(_import(BASE_MODEL)):
         # old ones: before the move where the smallest weight shows it coming, so that they do not sit beside
         # the new weights at the peak, and after any move in case it did not
         held = self.__dict__.get("_decode_loop")
-        smallest = min(self.parameters(), key=torch.Tensor.numel, default=None)
-        if held is not None and held.loop is not None and smallest is not None:
+        holds_loop = held is not None and held.loop is not None
+        smallest = min(self.parameters(), key=torch.Tensor.numel) if holds_loop else None
+        if smallest is not None:
             with torch.no_grad():  # as nn.Module._apply calls fn
                 if fn(smallest) is not smallest:
                     release_graphed(self)
