@@ -38,8 +38,9 @@ PATHS = {
     "prefill_compiled": "decoder stack (no LM head), torch.compile(fullgraph=True, dynamic=False), batch x seq_len tokens",
     "generate_eager": "model.generate, greedy (dense: eager, dynamic cache; TwELL: the checkpoint's routed loop)",
     "generate_compiled": "model.generate, greedy, cache_implementation='static', compile_config=CompileConfig("
-                         "fullgraph=True, dynamic=False): transformers' loop on both loads, the decode step "
-                         "compiled by transformers (inductor, reduce-overhead)",
+                         "fullgraph=True, dynamic=False) (dense: the decode step compiled by transformers, inductor, "
+                         "reduce-overhead; TwELL: the checkpoint's routed loop, its step compiled as the "
+                         "CompileConfig says and captured by the loop)",
     "generate_graphed": "generate_graphed(compile=True) (generation.py, shipped with the checkpoint): greedy, "
                         "static cache, the step through torch.compile(fullgraph=True, dynamic=False) (inductor, "
                         "default mode) and captured as one CUDA graph, one replay a token",
@@ -254,15 +255,24 @@ def breakdown(fn, wall_s: float, model=None) -> dict:
     return {"wall_ms": 1e3 * wall_s, **split, "gpu_idle_ms": max(1e3 * wall_s - split["gpu_busy_ms"], 0.0)}
 
 
+# Timed seconds each function gets at least, in up to MAX_ROUNDS rounds: a host-bound call of a few ms varies
+# by tens of percent from call to call, which three calls do not settle
+MIN_TIMED_S = 0.5
+MAX_ROUNDS = 100
+
+
 def _median_seconds(fns: dict, warmup: int = 1, repeats: int = 3) -> tuple[dict, dict, dict]:
     """Median wall time of each fn() between CUDA events, all its timed calls' seconds, and each one's last
-    output. The functions take turns, so that a drift of the host's speed during the run (seen on shared GPU
-    hosts: the same eager `generate` 1.8x slower a minute later) falls on all of them alike."""
+    output: `repeats` rounds, more while a function has less than MIN_TIMED_S of timed calls. The functions take
+    turns, so that a drift of the host's speed during the run (seen on shared GPU hosts: the same eager
+    `generate` 1.8x slower a minute later) falls on all of them alike."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     times, outputs = {name: [] for name in fns}, {}
-    for _ in range(repeats):
+    rounds = 0
+    while rounds < repeats or rounds < MAX_ROUNDS and min(sum(t) for t in times.values()) < MIN_TIMED_S:
+        rounds += 1
         for name, fn in fns.items():
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()

@@ -5,9 +5,10 @@ import pytest
 import torch
 from rich.console import Console
 
-from sparsify.bench import (COMPONENTS, PATHS, RANGE, _range_of, bench_checkpoint, bench_table, busy_us, component_split,
-                            device_kernels, kernel_component, launch_ids, logits_agreement, mlp_layers,
-                            module_component, module_ranges, path_row, plan_summary, profile_split, write_json)
+from sparsify.bench import (COMPONENTS, MAX_ROUNDS, MIN_TIMED_S, PATHS, RANGE, _median_seconds, _range_of,
+                            bench_checkpoint, bench_table, busy_us, component_split, device_kernels, kernel_component,
+                            launch_ids, logits_agreement, mlp_layers, module_component, module_ranges, path_row,
+                            plan_summary, profile_split, write_json)
 from sparsify.errors import ConfigError, DataError
 from sparsify.families import spec_for
 from sparsify.plan import measure_plan, timed_layer_plan
@@ -66,6 +67,27 @@ def test_path_row():
     assert sampled["dense"]["samples_ms"] == [2000.0, 3100.0, 1900.0] and sampled["dense"]["ms"] == 2000.0
     assert sampled["paired_speedup"] == pytest.approx(1.25)  # rounds: 2.0/1.6, 3.1/1.5, 1.9/2.4
     assert "paired_speedup" not in row
+
+
+@pytest.mark.parametrize("call_ms, rounds", [(40.0, 13), (400.0, 3), (1.0, MAX_ROUNDS)])
+def test_calls_are_timed_for_at_least_min_timed_s(monkeypatch, call_ms, rounds):
+    """`repeats` rounds, more until each call has MIN_TIMED_S of timed calls (0.5 s: 13 calls of 40 ms), at
+    most MAX_ROUNDS."""
+    class Event:  # every call takes call_ms
+        def __init__(self, enable_timing):
+            pass
+
+        def record(self):
+            pass
+
+        def elapsed_time(self, end):
+            return call_ms
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    seconds, samples, outputs = _median_seconds({"dense": lambda: 1, "twell": lambda: 2}, repeats=3)
+    assert [len(samples["dense"]), len(samples["twell"])] == [rounds, rounds]
+    assert seconds == {"dense": call_ms / 1e3, "twell": call_ms / 1e3} and outputs == {"dense": 1, "twell": 2}
 
 
 def test_table_and_json(tmp_path):
@@ -315,8 +337,10 @@ def test_bench_checkpoint_on_gpu(tmp_path):
                               compiled_prefill_batches=(2,), decode_tokens=8, decode_context=32, repeats=1,
                               generate_repeats=3)
     rows = {row["path"]: row for row in result["rows"]}
-    assert [len(rows[p]["twell"]["samples_ms"]) for p in ("prefill", "generate_eager", "generate_compiled",
-                                                          "generate_graphed")] == [1, 3, 3, 3]
+    for path, least in (("prefill", 1), ("generate_eager", 3), ("generate_compiled", 3), ("generate_graphed", 3)):
+        samples = rows[path]["twell"]["samples_ms"]
+        assert len(samples) == len(rows[path]["dense"]["samples_ms"]) >= least
+        assert sum(samples) >= 1e3 * MIN_TIMED_S or len(samples) == MAX_ROUNDS
     assert set(rows) == {"prefill", "prefill_compiled", "generate_eager", "generate_compiled", "decode_step_graph",
                          "decode_step_compiled_graph", "generate_graphed"}
     assert result["component_time"] == "union"

@@ -10,8 +10,8 @@ from transformers import AutoModelForCausalLM, CompileConfig
 from sparsify.export import export_checkpoint
 from sparsify.families import spec_for
 from sparsify.relufy import relufy
-from sparsify.remote.generation import (CACHE_ROUND, CHECK_EVERY, Sampling, choose, generate_graphed, graphed_call,
-                                        padded_length)
+from sparsify.remote.generation import (CACHE_ROUND, CHECK_EVERY, Sampling, choose, compile_options, generate_graphed,
+                                        graphed_call, padded_length)
 from twell.layer_plan import ALL_TOKENS, LayerPlan, Mode
 
 from helpers import tiny_input_ids, tiny_model
@@ -247,10 +247,13 @@ def test_graph_replay_matches_generate_on_gpu(tmp_path, compile):
     for loaded in (model.cuda(), AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).cuda().eval()):
         expected = reference(loaded, ids, 40, eos_token_id=None, pad_token_id=0)
         assert torch.equal(generate_graphed(loaded, ids, 40, eos_token_id=[], compile=compile), expected)
-        if compile and hasattr(loaded, "release_graphed"):  # generate with a static cache: the compiled loop
-            static = loaded.generate(ids, max_new_tokens=40, eos_token_id=None, pad_token_id=0,
-                                     cache_implementation="static")
-            assert torch.equal(static, expected) and loaded._decode_loop.loop.forward is not loaded._decode_loop.loop.model
+        if compile and hasattr(loaded, "release_graphed"):  # generate with a static cache: the compiled loop,
+            # compiled as a compile_config says (transformers' default mode records CUDA graphs: left to the loop)
+            for config in (None, CompileConfig(fullgraph=True, dynamic=False)):
+                static = loaded.generate(ids, max_new_tokens=40, eos_token_id=None, pad_token_id=0,
+                                         cache_implementation="static", compile_config=config)
+                loop = loaded._decode_loop.loop
+                assert torch.equal(static, expected) and loop.forward is not loop.model and loop.graph is not None
         mask = torch.ones_like(ids)
         mask[0, :4] = 0  # a left-padded prompt: the same captured step, another mask
         padded = ids.masked_fill(mask == 0, 0)
@@ -329,7 +332,7 @@ def converted_checkpoint(tmp_path):
 def test_generate_takes_the_loop_where_the_call_fits_and_falls_back_elsewhere(tmp_path):
     """model.generate on a converted checkpoint: greedy and max_length calls run the graphed loop with
     transformers' tokens (a static cache with the loop's compiled step); beam search, a logits processor,
-    returned dicts, right padding, other caches, a compile the call configures and graphed=False go to
+    returned dicts, right padding, other caches and graphed=False go to
     transformers' generate unchanged. Moving or casting the model frees the loop, before the weights move."""
     from transformers import LogitsProcessorList, TemperatureLogitsWarper
 
@@ -365,11 +368,13 @@ def test_generate_takes_the_loop_where_the_call_fits_and_falls_back_elsewhere(tm
     # a static cache is where transformers compiles the step: the loop's compiled step serves it
     static = graphed_call(remote, ids, dict(max_new_tokens=5, cache_implementation="static"))
     assert static["compile"] and not graphed_call(remote, ids, dict(max_new_tokens=5))["compile"]
-    # unless the call configures that compile: transformers' generate honours its compile_config (which
-    # configures nothing without a static cache, or with disable_compile)
-    configured = CompileConfig(fullgraph=False, mode="default")
-    assert graphed_call(remote, ids, dict(max_new_tokens=5, cache_implementation="static",
-                                          compile_config=configured)) is None
+    # compiled as the call's compile_config says (which configures nothing without a static cache, or with
+    # disable_compile), its CUDA graphs left to the loop's capture
+    configured = CompileConfig(fullgraph=False, mode="max-autotune", dynamic=True)
+    compile = graphed_call(remote, ids, dict(max_new_tokens=5, cache_implementation="static",
+                                             compile_config=configured))["compile"]
+    assert compile_options(compile) == dict(fullgraph=False, dynamic=True, backend="inductor",
+                                            mode="max-autotune-no-cudagraphs", options=None)
     assert not graphed_call(remote, ids, dict(max_new_tokens=5, compile_config=configured))["compile"]
     assert not graphed_call(remote, ids, dict(max_new_tokens=5, cache_implementation="static", disable_compile=True,
                                               compile_config=configured))["compile"]

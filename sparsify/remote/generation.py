@@ -91,14 +91,15 @@ class DecodeLoop:
     greedy), `stop` the end-of-sequence ids (may be empty), `pad` what follows them."""
 
     def __init__(self, model, batch: int, max_len: int, device, sampling: Sampling | None, stop: tuple, pad: int,
-                 compile: bool):
+                 compile: bool | dict):
         from transformers import StaticCache
 
         # the model holds this loop (HeldLoop): a weak reference back lets `del model` free both at once (a
         # compiled forward holds the model, so that loop goes when the garbage collector finds the cycle)
         self.model, self.sampling, self.pad, self.max_len = weakref.proxy(model), sampling, pad, max_len
         self.cache = StaticCache(config=model.config, max_cache_len=max_len)
-        self.forward = torch.compile(model, fullgraph=True, dynamic=False) if compile else self.model
+        options = compile_options(compile)
+        self.forward = torch.compile(model, **options) if options is not None else self.model
         self.stop = torch.tensor(stop, dtype=torch.long, device=device)
         self.sequences = torch.full((batch, max_len), pad, dtype=torch.long, device=device)
         self.slots = torch.arange(max_len, device=device)
@@ -223,14 +224,33 @@ class DecodeLoop:
         return self.sequences[:, length - n:length + done].clone()
 
 
+# torch.compile modes that record CUDA graphs, and their twins without: the loop captures the whole step as one
+# graph itself, inside which a compiled region cannot record graphs of its own
+GRAPH_FREE_MODES = {"reduce-overhead": None, "max-autotune": "max-autotune-no-cudagraphs"}
+
+
+def compile_options(compile: bool | dict) -> dict | None:
+    """torch.compile's keyword arguments for the loop's step: None (eager) for False, one graph of static
+    shapes for True, else `compile` (fullgraph, dynamic, backend, mode, options: a CompileConfig's to_dict())
+    with its CUDA graphs left to the loop (GRAPH_FREE_MODES, and no "triton.cudagraphs" option)."""
+    if compile is True:
+        return dict(fullgraph=True, dynamic=False)
+    if not compile:
+        return None
+    options = dict(compile)
+    options["mode"] = GRAPH_FREE_MODES.get(options.get("mode"), options.get("mode"))
+    if options.get("options"):
+        options["options"] = {k: v for k, v in options["options"].items() if k != "triton.cudagraphs"}
+    return options
+
+
 class LoopUnsupported(ValueError):
     """The model's cache cannot run in a captured step (raised before any token is generated)."""
 
 
 # The generation settings the loop implements. A `generate` call that turns any other on (beam search,
 # penalties, returned scores, ...; a setting that is false, 0 or None is off) or passes other arguments (logits
-# processors, an assistant model, ...) goes to transformers' generate unchanged; so does one whose compile_config
-# configures a compile that transformers would run (graphed_call).
+# processors, an assistant model, ...) goes to transformers' generate unchanged (graphed_call).
 LOOP_SETTINGS = {"max_new_tokens", "max_length", "min_new_tokens", "min_length", "do_sample", "temperature", "top_k", "top_p", "eos_token_id",
                  "pad_token_id", "bos_token_id", "use_cache", "graphed", "transformers_version", "_from_model_config",
                  "cache_implementation", "compile_config", "disable_compile"}
@@ -241,9 +261,9 @@ def graphed_call(model, inputs, kwargs: dict) -> dict | None:
     """generate_graphed's arguments for `model.generate(inputs, **kwargs)` where the loop computes what
     transformers' generate would (greedy, or sampling with temperature / top_k / top_p, left-padded prompts,
     max_new_tokens or max_length, min_new_tokens or min_length, eos and pad, a streamer; a static cache, which
-    transformers compiles, runs the loop's compiled step, unless the call configures that compile with a
-    compile_config, which transformers' generate then honours), else None. `graphed=False` (an argument, or the
-    generation config's attribute) turns it off; so does a model whose cache the loop cannot run."""
+    transformers compiles, runs the loop's step compiled as the call's compile_config says), else None.
+    `graphed=False` (an argument, or the generation config's attribute) turns it off; so does a model whose
+    cache the loop cannot run."""
     if model.__dict__.get("_loop_unsupported"):
         return None
     config = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
@@ -255,8 +275,6 @@ def graphed_call(model, inputs, kwargs: dict) -> dict | None:
     if config.cache_implementation not in (None, "static"):  # offloaded, quantized, sliding-window caches
         return None
     compiles = config.cache_implementation == "static" and not config.disable_compile
-    if compiles and config.compile_config is not None:  # a compile configured by the caller: transformers runs it
-        return None
     ids = inputs if inputs is not None else kwargs.get("input_ids")
     if not (isinstance(ids, torch.Tensor) and ids.ndim == 2 and ids.shape[1] > 0 and not ids.is_floating_point()):
         return None
@@ -277,8 +295,9 @@ def graphed_call(model, inputs, kwargs: dict) -> dict | None:
                 top_p=1.0 if config.top_p is None else config.top_p,
                 eos_token_id=[] if config.eos_token_id is None else config.eos_token_id,
                 pad_token_id=config.pad_token_id, streamer=kwargs.get("streamer"),
-                # a static cache is where transformers compiles the decode step: the loop's compiled step
-                compile=compiles)
+                # a static cache is where transformers compiles the decode step: the loop's step, compiled as
+                # the call's compile_config says
+                compile=compiles and (config.compile_config.to_dict() if config.compile_config else True))
 
 
 def release_graphed(model) -> None:
@@ -293,7 +312,8 @@ def release_graphed(model) -> None:
 @torch.inference_mode()
 def generate_graphed(model, input_ids: torch.Tensor, max_new_tokens: int, *, min_new_tokens: int = 0,
                      attention_mask=None, do_sample: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                     eos_token_id=None, pad_token_id=None, compile: bool = False, streamer=None) -> torch.Tensor:
+                     eos_token_id=None, pad_token_id=None, compile: bool | dict = False,
+                     streamer=None) -> torch.Tensor:
     """`model`'s continuation of `input_ids` [batch, prompt] (prompts of different lengths padded on the
     left, with `attention_mask` 0 there), like `model.generate(input_ids, attention_mask=...,
     max_new_tokens=..., do_sample=...)` for greedy decoding and for sampling with temperature, top_k and
@@ -302,8 +322,9 @@ def generate_graphed(model, input_ids: torch.Tensor, max_new_tokens: int, *, min
     before min_new_tokens (an end-of-sequence token is not chosen before). eos_token_id (an id or a list; []
     for none) and pad_token_id default to the model's generation config. `streamer`
     (e.g. transformers' TextStreamer) gets the new tokens every CHECK_EVERY tokens. `compile`: the step's forward
-    through torch.compile (fullgraph, static shapes) before capture, fastest (the first call of a batch size
-    compiles it, which takes far longer than capturing). The first call of a batch size and of greedy or sampling
+    through torch.compile before capture, fastest (True: one graph, static shapes; a dict: torch.compile's
+    arguments, as a CompileConfig's to_dict(), see compile_options; the first call of a batch size compiles,
+    which takes far longer than capturing). The first call of a batch size and of greedy or sampling
     (with its top_k, and top_p < 1 or not) captures the step, and the first prompt of
     each padded length (padded_length) its prefill; later calls that fit the cache reuse them, whatever
     their prompt length, temperature and top_p."""
@@ -328,7 +349,8 @@ def generate_graphed(model, input_ids: torch.Tensor, max_new_tokens: int, *, min
     needed = n + max_new_tokens
     wanted = padded_length(n) + max_new_tokens  # room for the padded prefill too
     weights = tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))
-    key = (batch, str(input_ids.device), do_sample and (top_k, top_p < 1), stop, pad, compile, weights)
+    key = (batch, str(input_ids.device), do_sample and (top_k, top_p < 1), stop, pad, repr(compile_options(compile)),
+           weights)
     held = model.__dict__.setdefault("_decode_loop", HeldLoop())
     with held.lock:  # one loop (cache, graphs) a model: calls from several threads take turns
         if held.key != key or held.loop.max_len < needed:
