@@ -2,8 +2,10 @@
 pattern of its gate: rows with at most max_nnz active units go through ELL slots and row-gathering kernels, the
 others through a dense backup over a device-side row list, with no host synchronization; also the block's L1
 term and activity statistics. Training only: not copied into checkpoints. Design: docs/design.md, "Hybrid
-training kernels"; reference: hybrid_gated_mlp_reference.
+training kernels"; reference: hybrid_gated_mlp_reference. A launch configuration beyond the GPU (Triton's
+OutOfResources) makes blocks of that shape and dtype run the reference, forward and backward, with a warning.
 """
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -15,10 +17,13 @@ try:
     import triton.language as tl
     from triton.language import constexpr
 
+    from triton.runtime.errors import OutOfResources
+
     _HAS_TRITON = True
 except ImportError:  # CPU-only installs: the reference path below computes the same outputs and stats
     constexpr = int  # the modes below, which no kernel reads then
     _HAS_TRITON = False
+    OutOfResources = None
 
 # Modes (MODE) of _spmm_kernel, which sums over a row's slots with the gathered weight rows w1[j], w2[j], and
 # of _wgrad_kernel, which sums over a unit's entries with the gathered rows x[t]; a, b: values per entry
@@ -620,6 +625,15 @@ class _HybridGatedMLP(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, dout, dl1, *_):
+        try:
+            return _HybridGatedMLP.sparse_backward(ctx, dout, dl1)
+        except OutOfResources as error:
+            x2, gate, up, down = ctx.saved_tensors[:4]
+            _beyond_the_device(error, _block_key(x2, gate))
+            return (*_reference_grads(ctx, x2, gate, up, down, dout, dl1), None, None)
+
+    @staticmethod
+    def sparse_backward(ctx, dout, dl1):
         x2, gate, up, down, idx, nnz, g, u, *saved = ctx.saved_tensors
         backup, hot_state, csc = saved[:2], saved[2:2 + ctx.n_hot], saved[2 + ctx.n_hot:]
         E = ctx.E
@@ -665,6 +679,36 @@ class _HybridGatedMLP(torch.autograd.Function):
         return dx, (dgate if need_gate else None), (dup if need_up else None), ddown, None, None
 
 
+def _reference_grads(ctx, x2, gate, up, down, dout, dl1):
+    """The gradients of x and the weights (None where not needed) through the reference's dense math."""
+    needed = ctx.needs_input_grad[:4]
+    with torch.enable_grad(), torch.autocast(x2.device.type, enabled=False):
+        leaves = [t.detach().requires_grad_(need) for t, need in zip((x2, gate, up, down), needed)]
+        out, stats = hybrid_gated_mlp_reference(*leaves)
+        grads = iter(torch.autograd.grad((out, stats.l1), [t for t in leaves if t.requires_grad],
+                                         (dout.reshape(out.shape).to(out.dtype), dl1.to(stats.l1.dtype))))
+    return tuple(next(grads).reshape(ctx.x_shape if i == 0 else w.shape).to(ctx.dtypes[i]) if need else None
+                 for i, (need, w) in enumerate(zip(needed, (x2, gate, up, down))))
+
+
+# _block_key of the blocks whose launches the GPU cannot run (OutOfResources): they run the reference
+_BEYOND_THE_DEVICE = set()
+
+
+def _block_key(x, gate_weight):
+    """What the launches depend on: device, compute dtype, D and I."""
+    return x.device, _compute_dtype(x), x.shape[-1], gate_weight.shape[0]
+
+
+def _beyond_the_device(error, key):
+    if key not in _BEYOND_THE_DEVICE:
+        _BEYOND_THE_DEVICE.add(key)
+        device, dtype, d, width = key
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        warnings.warn(f"twell: {error} ({name}): hybrid training blocks of D {d} / I {width} in {dtype} run the "
+                      "dense reference on this device", stacklevel=4)
+
+
 def _backward_inputs(x2, down, idx, width, csc, dout, dl1):
     """What both backwards start from: dout as [M, D] in the compute dtype, the L1 term's gradient scale
     (dl1 / M), the transposed down weight, and the pattern's CSC (rebuilt when the forward did not save it)."""
@@ -681,12 +725,17 @@ def hybrid_gated_mlp(x, gate_weight, up_weight, down_weight, *, max_nnz=128, hot
     step) run as dense columns for every row, outside the ELL and the row budget max_nnz."""
     if hot_units is not None:
         _check_hot_units(hot_units, x, gate_weight.shape[0])
-    if not use_triton(x):
-        return hybrid_gated_mlp_reference(x, gate_weight, up_weight, down_weight, max_nnz=max_nnz,
-                                          hot_units=hot_units)
-    with on_device(x):  # the backward runs on the autograd engine's thread of x's device
-        out, l1, active, fired, backup = _HybridGatedMLP.apply(x, gate_weight, up_weight, down_weight,
-                                                               max_nnz, hot_units)
+    reference = lambda: hybrid_gated_mlp_reference(x, gate_weight, up_weight, down_weight,  # noqa: E731
+                                                   max_nnz=max_nnz, hot_units=hot_units)
+    if not use_triton(x) or _block_key(x, gate_weight) in _BEYOND_THE_DEVICE:
+        return reference()
+    try:
+        with on_device(x):  # the backward runs on the autograd engine's thread of x's device
+            out, l1, active, fired, backup = _HybridGatedMLP.apply(x, gate_weight, up_weight, down_weight,
+                                                                   max_nnz, hot_units)
+    except OutOfResources as error:
+        _beyond_the_device(error, _block_key(x, gate_weight))
+        return reference()
     return out, HybridStats(l1, active, fired, backup)
 
 

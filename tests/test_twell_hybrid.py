@@ -1,6 +1,8 @@
 """Hybrid TwELL training kernels against PyTorch autograd of the dense block (float64), with the L1 term
 in the loss. CPU: fp32 through the Triton interpreter, small shapes, not multiples of the tiles (the
 interpreter tiles are 16 wide in D, 4 slots, 32 units). GPU (-m gpu): bf16 under autocast."""
+import warnings
+
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -183,6 +185,36 @@ def test_without_triton_uses_reference(monkeypatch):
     assert rel(out, out2) < 1e-5 and all(rel(a, b) < 1e-5 for a, b in zip(grads, grads2))
     for a, b in zip(st, st2):
         assert a.dtype == b.dtype and torch.allclose(a.double(), b.double(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("launcher", ["_spmm", "_wgrad"], ids=["forward", "backward"])
+def test_a_launch_beyond_the_device_runs_the_reference(monkeypatch, launcher):
+    """A launch configuration the GPU cannot run (Triton's OutOfResources) in the forward or the backward: that
+    block's gradients (and outputs) come from the reference's dense math, with one warning, and later blocks of
+    the shape run the reference without trying the kernels again."""
+    from triton.runtime.errors import OutOfResources
+
+    attempts = []
+
+    def beyond_the_device(*args, **kwargs):
+        attempts.append(1)
+        raise OutOfResources(233472, 232448, "shared memory")
+
+    monkeypatch.setattr(H, launcher, beyond_the_device)
+    monkeypatch.setattr(H, "_BEYOND_THE_DEVICE", set())
+    tensors = problem(23, 30, 40, 6)
+    dout = torch.randn(23, 30, generator=torch.Generator().manual_seed(1))
+    expected = run(H.hybrid_gated_mlp_reference, [t.double() for t in tensors], dout.double(), 7)
+    with pytest.warns(UserWarning, match="out of resource: shared memory.*D 30 / I 40 .*dense reference"):
+        out, stats, grads = run(H.hybrid_gated_mlp, tensors, dout, 7)
+    for got in (out, stats.l1, *grads):
+        assert torch.isfinite(got).all()
+    assert rel(out, expected[0]) < 1e-5 and all(rel(g, r) < 1e-5 for g, r in zip(grads, expected[2]))
+    assert [g.dtype for g in grads] == [torch.float32] * 4 and int(stats.backup_rows) == int(expected[1].backup_rows)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = run(H.hybrid_gated_mlp, tensors, dout, 7)
+    assert len(attempts) == 1 and all(torch.equal(g, r) for g, r in zip(again[2], grads))
 
 
 @pytest.mark.gpu
