@@ -389,22 +389,22 @@ def plan_of(mlp) -> dict:
     return {key: getattr(mlp, key) for key in ("mode", "tile", "compression", "sparse_tokens")}
 
 
-def call_path(modeling, mlp, x, captured: bool) -> str | None:
-    """The path the modeling file's layer `mlp` takes for x, seen by running it once: "kernels" where its forward
-    calls gated_mlp, else "dense"; `captured`: as inside a CUDA-graph capture. None for a runtime too old to
-    tell. Cells whose two columns both run dense compare the same math."""
+@torch.no_grad()
+def call_path(modeling, mlp, x, captured: bool) -> tuple[str | None, torch.Tensor]:
+    """The path the modeling file's layer `mlp` takes for x ("kernels" where its forward calls gated_mlp, else
+    "dense"; None for a runtime too old to tell) and its output; `captured`: as inside a CUDA-graph capture.
+    Cells whose two columns both run dense compare the same math."""
     if not hasattr(modeling, "eager"):
-        return None
+        return None, mlp(x)
     calls, kernel, eager = [], modeling.gated_mlp, modeling.eager
     modeling.gated_mlp = lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs)
     if captured:
         modeling.eager = lambda x: False
     try:
-        with torch.no_grad():
-            mlp(x)
+        out = mlp(x)
     finally:
         modeling.gated_mlp, modeling.eager = kernel, eager
-    return "kernels" if calls else "dense"
+    return "kernels" if calls else "dense", out
 
 
 def paired_ms(first, second, rounds=3):
@@ -473,10 +473,9 @@ def robustness(folder=None, plan_k=None, tokens=ROBUST_TOKENS, actives=ROBUST_AC
                 check = slice(0, min(m, 4096))
                 ref = reference(x[check], layers[0])
                 sparse_mlp.router = None  # each cell from a fresh router: none carries over another's verdict
-                out = sparse_mlp(x[None])[0]
-                sparse_mlp.router = None  # the path of a fresh router's first call, as the check's
-                row = dict(D=d, I=i, M=m, k=k, plan_k=plan_k or k, heavy_rows=heavy, plan=plan,
-                           eager_path=call_path(modeling, sparse_mlp, x[None], captured=False),
+                eager_path, out = call_path(modeling, sparse_mlp, x[None], captured=False)
+                out = out[0]
+                row = dict(D=d, I=i, M=m, k=k, plan_k=plan_k or k, heavy_rows=heavy, plan=plan, eager_path=eager_path,
                            active=(x[check].float() @ layers[0]["gate"].float().t() > 0).sum(1).float().mean().item(),
                            err_twell=rel_err(out[check], ref),
                            err_dense=rel_err(dense_mlp(x[None])[0][check], ref))
@@ -492,7 +491,7 @@ def robustness(folder=None, plan_k=None, tokens=ROBUST_TOKENS, actives=ROBUST_AC
                     row["cycle_speedup"] = row["cycle_dense_ms"] / row["cycle_twell_ms"]
                 if m <= 64:  # as one sequence's prefill, and as a decode step of m sequences
                     for name, shaped in (("graph", x[None]), ("step_graph", x[:, None]))[:1 if m == 1 else 2]:
-                        row[f"{name}_path"] = call_path(modeling, sparse_mlp, shaped, captured=True)
+                        row[f"{name}_path"] = call_path(modeling, sparse_mlp, shaped, captured=True)[0]
                         row[f"{name}_dense_us"] = per_layer_us(lambda pair: pair[1](shaped), mlps)
                         row[f"{name}_twell_us"] = per_layer_us(lambda pair: pair[0](shaped), mlps)
                         row[f"{name}_speedup"] = row[f"{name}_dense_us"] / row[f"{name}_twell_us"]

@@ -83,9 +83,11 @@ def test_call_path_names_where_the_layer_runs_dense(bench):
     plan = bench.runtime_plan(modeling, {"mode": "sparse", "tile": 64, "compression": 8, "sparse_tokens": [[1, 64]]})
     mlp = modeling.TwellGatedMLP(original, bench.LAYOUT, plan)
     kernel, eager = modeling.gated_mlp, modeling.eager
-    assert bench.call_path(modeling, mlp, torch.randn(1, 8, 32), captured=False) == "kernels"
-    assert bench.call_path(modeling, mlp, torch.randn(1, 8, 32), captured=True) == "kernels"
-    assert bench.call_path(modeling, mlp, torch.randn(1, 100, 32), captured=False) == "dense"
-    assert bench.call_path(modeling, mlp, torch.randn(65, 1, 32), captured=True) == "dense"
+    for shape, captured, path in (((1, 8, 32), False, "kernels"), ((1, 8, 32), True, "kernels"),
+                                  ((1, 100, 32), False, "dense"), ((65, 1, 32), True, "dense")):
+        x = torch.randn(shape)
+        taken, out = bench.call_path(modeling, mlp, x, captured=captured)
+        assert taken == path and torch.allclose(out, mlp._dense(x), rtol=1e-4, atol=1e-5), (shape, captured)
     assert modeling.gated_mlp is kernel and modeling.eager is eager  # restored
-    assert bench.call_path(types.SimpleNamespace(), mlp, torch.randn(1, 8, 32), captured=False) is None
+    taken, out = bench.call_path(types.SimpleNamespace(), mlp, torch.randn(1, 8, 32), captured=False)
+    assert taken is None and out.shape == (1, 8, 32)
