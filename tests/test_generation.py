@@ -375,6 +375,10 @@ def test_generate_takes_the_loop_where_the_call_fits_and_falls_back_elsewhere(tm
                                              compile_config=configured))["compile"]
     assert compile_options(compile) == dict(fullgraph=False, dynamic=True, backend="inductor",
                                             mode="max-autotune-no-cudagraphs", options=None)
+    assert compile_options(dict(compile, mode="reduce-overhead", options={"triton.cudagraphs": True,
+                                                                          "max_autotune": True})) == dict(
+        compile, mode=None, options={"max_autotune": True})
+    assert compile_options(CompileConfig(backend="cudagraphs").to_dict()) is None
     assert not graphed_call(remote, ids, dict(max_new_tokens=5, compile_config=configured))["compile"]
     assert not graphed_call(remote, ids, dict(max_new_tokens=5, cache_implementation="static", disable_compile=True,
                                               compile_config=configured))["compile"]

@@ -232,10 +232,11 @@ GRAPH_FREE_MODES = {"reduce-overhead": None, "max-autotune": "max-autotune-no-cu
 def compile_options(compile: bool | dict) -> dict | None:
     """torch.compile's keyword arguments for the loop's step: None (eager) for False, one graph of static
     shapes for True, else `compile` (fullgraph, dynamic, backend, mode, options: a CompileConfig's to_dict())
-    with its CUDA graphs left to the loop (GRAPH_FREE_MODES, and no "triton.cudagraphs" option)."""
+    with its CUDA graphs left to the loop (GRAPH_FREE_MODES, and no "triton.cudagraphs" option; the
+    "cudagraphs" backend, which compiles nothing else, leaves the step eager)."""
     if compile is True:
         return dict(fullgraph=True, dynamic=False)
-    if not compile:
+    if not compile or compile.get("backend") == "cudagraphs":
         return None
     options = dict(compile)
     options["mode"] = GRAPH_FREE_MODES.get(options.get("mode"), options.get("mode"))
