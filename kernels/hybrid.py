@@ -3,7 +3,8 @@ pattern of its gate: rows with at most max_nnz active units go through ELL slots
 others through a dense backup over a device-side row list, with no host synchronization; also the block's L1
 term and activity statistics. Training only: not copied into checkpoints. Design: docs/design.md, "Hybrid
 training kernels"; reference: hybrid_gated_mlp_reference. A launch configuration beyond the GPU (Triton's
-OutOfResources) makes blocks of that shape and dtype run the reference, forward and backward, with a warning.
+OutOfResources) makes that pass (forward or backward) of blocks of that shape and dtype run the reference's
+math, with a warning.
 """
 import warnings
 from typing import NamedTuple
@@ -625,16 +626,19 @@ class _HybridGatedMLP(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, dout, dl1, *_):
-        try:
-            return _HybridGatedMLP.sparse_backward(ctx, dout, dl1)
-        except OutOfResources as error:
-            x2, gate, up, down = ctx.saved_tensors[:4]
-            _beyond_the_device(error, _block_key(x2, gate))
-            return (*_reference_grads(ctx, x2, gate, up, down, dout, dl1), None, None)
+        saved = ctx.saved_tensors  # unpacked once: activation checkpointing allows no second time
+        x2, gate, up, down = saved[:4]
+        key = _block_key(x2, gate)
+        if key not in _BEYOND_THE_DEVICE["backward"]:
+            try:
+                return _HybridGatedMLP.sparse_backward(ctx, saved, dout, dl1)
+            except OutOfResources as error:
+                _beyond_the_device(error, key, "backward", stacklevel=1)
+        return (*_reference_grads(ctx, x2, gate, up, down, dout, dl1), None, None)
 
     @staticmethod
-    def sparse_backward(ctx, dout, dl1):
-        x2, gate, up, down, idx, nnz, g, u, *saved = ctx.saved_tensors
+    def sparse_backward(ctx, saved, dout, dl1):
+        x2, gate, up, down, idx, nnz, g, u, *saved = saved
         backup, hot_state, csc = saved[:2], saved[2:2 + ctx.n_hot], saved[2 + ctx.n_hot:]
         E = ctx.E
         M, D = x2.shape
@@ -691,8 +695,10 @@ def _reference_grads(ctx, x2, gate, up, down, dout, dl1):
                  for i, (need, w) in enumerate(zip(needed, (x2, gate, up, down))))
 
 
-# _block_key of the blocks whose launches the GPU cannot run (OutOfResources): they run the reference
-_BEYOND_THE_DEVICE = set()
+# _block_key of the blocks whose forward or backward launches the GPU cannot run (OutOfResources): that pass
+# runs the reference's math. Kept apart: a failed backward leaves the forward on the kernels, so that
+# activation checkpointing recomputes a forward that saves what the original one saved.
+_BEYOND_THE_DEVICE = {"forward": set(), "backward": set()}
 
 
 def _block_key(x, gate_weight):
@@ -700,13 +706,12 @@ def _block_key(x, gate_weight):
     return x.device, _compute_dtype(x), x.shape[-1], gate_weight.shape[0]
 
 
-def _beyond_the_device(error, key):
-    if key not in _BEYOND_THE_DEVICE:
-        _BEYOND_THE_DEVICE.add(key)
-        device, dtype, d, width = key
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-        warnings.warn(f"twell: {error} ({name}): hybrid training blocks of D {d} / I {width} in {dtype} run the "
-                      "dense reference on this device", stacklevel=4)
+def _beyond_the_device(error, key, stage: str, stacklevel: int):
+    _BEYOND_THE_DEVICE[stage].add(key)
+    device, dtype, d, width = key
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    warnings.warn(f"twell: {error} ({name}): the {stage} of hybrid training blocks of D {d} / I {width} in {dtype} "
+                  "runs the dense reference on this device", stacklevel=stacklevel + 1)
 
 
 def _backward_inputs(x2, down, idx, width, csc, dout, dl1):
@@ -727,14 +732,14 @@ def hybrid_gated_mlp(x, gate_weight, up_weight, down_weight, *, max_nnz=128, hot
         _check_hot_units(hot_units, x, gate_weight.shape[0])
     reference = lambda: hybrid_gated_mlp_reference(x, gate_weight, up_weight, down_weight,  # noqa: E731
                                                    max_nnz=max_nnz, hot_units=hot_units)
-    if not use_triton(x) or _block_key(x, gate_weight) in _BEYOND_THE_DEVICE:
+    if not use_triton(x) or _block_key(x, gate_weight) in _BEYOND_THE_DEVICE["forward"]:
         return reference()
     try:
         with on_device(x):  # the backward runs on the autograd engine's thread of x's device
             out, l1, active, fired, backup = _HybridGatedMLP.apply(x, gate_weight, up_weight, down_weight,
                                                                    max_nnz, hot_units)
     except OutOfResources as error:
-        _beyond_the_device(error, _block_key(x, gate_weight))
+        _beyond_the_device(error, _block_key(x, gate_weight), "forward", stacklevel=2)
         return reference()
     return out, HybridStats(l1, active, fired, backup)
 

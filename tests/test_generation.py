@@ -10,8 +10,8 @@ from transformers import AutoModelForCausalLM, CompileConfig
 from sparsify.export import export_checkpoint
 from sparsify.families import spec_for
 from sparsify.relufy import relufy
-from sparsify.remote.generation import (CACHE_ROUND, CHECK_EVERY, Sampling, choose, compile_options, generate_graphed,
-                                        graphed_call, padded_length)
+from sparsify.remote.generation import (CACHE_ROUND, CHECK_EVERY, Sampling, _compile_key, choose, compile_options,
+                                        generate_graphed, graphed_call, padded_length)
 from twell.layer_plan import ALL_TOKENS, LayerPlan, Mode
 
 from helpers import tiny_input_ids, tiny_model
@@ -375,6 +375,15 @@ def test_generate_takes_the_loop_where_the_call_fits_and_falls_back_elsewhere(tm
                                              compile_config=configured))["compile"]
     assert compile_options(compile) == dict(fullgraph=False, dynamic=True, backend="inductor",
                                             mode="max-autotune-no-cudagraphs", options=None)
+    # what compile=True does, configured: the same compile (one loop serves both calls)
+    assert compile_options(CompileConfig(fullgraph=True, dynamic=False).to_dict()) == compile_options(True)
+
+    class Backend:  # a backend object: generate deep-copies it at every call, the loop's key stays
+        def __call__(self, graph, inputs):
+            return graph
+
+    backend = CompileConfig(backend=Backend()).to_dict()
+    assert _compile_key(backend) == _compile_key(copy.deepcopy(backend)) != _compile_key(True)
     assert compile_options(dict(compile, mode="reduce-overhead", options={"triton.cudagraphs": True,
                                                                           "max_autotune": True})) == dict(
         compile, mode=None, options={"max_autotune": True})

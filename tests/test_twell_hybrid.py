@@ -201,11 +201,11 @@ def test_a_launch_beyond_the_device_runs_the_reference(monkeypatch, launcher):
         raise OutOfResources(233472, 232448, "shared memory")
 
     monkeypatch.setattr(H, launcher, beyond_the_device)
-    monkeypatch.setattr(H, "_BEYOND_THE_DEVICE", set())
+    monkeypatch.setattr(H, "_BEYOND_THE_DEVICE", {"forward": set(), "backward": set()})
     tensors = problem(23, 30, 40, 6)
     dout = torch.randn(23, 30, generator=torch.Generator().manual_seed(1))
     expected = run(H.hybrid_gated_mlp_reference, [t.double() for t in tensors], dout.double(), 7)
-    with pytest.warns(UserWarning, match="out of resource: shared memory.*D 30 / I 40 .*dense reference"):
+    with pytest.warns(UserWarning, match="out of resource: shared memory.*D 30 / I 40 .*runs the dense reference"):
         out, stats, grads = run(H.hybrid_gated_mlp, tensors, dout, 7)
     for got in (out, stats.l1, *grads):
         assert torch.isfinite(got).all()
@@ -215,6 +215,40 @@ def test_a_launch_beyond_the_device_runs_the_reference(monkeypatch, launcher):
         warnings.simplefilter("error")
         again = run(H.hybrid_gated_mlp, tensors, dout, 7)
     assert len(attempts) == 1 and all(torch.equal(g, r) for g, r in zip(again[2], grads))
+
+
+def test_a_backward_beyond_the_device_under_activation_checkpointing(monkeypatch):
+    """Two checkpointed blocks of one shape whose backward launch fails: the recomputed forwards stay on the
+    kernels (they must save what the original forwards saved) and both blocks' gradients come from the
+    reference, the second block's without another attempt."""
+    from triton.runtime.errors import OutOfResources
+
+    attempts = []
+
+    def beyond_the_device(*args, **kwargs):
+        attempts.append(1)
+        raise OutOfResources(233472, 232448, "shared memory")
+
+    monkeypatch.setattr(H, "_wgrad", beyond_the_device)
+    monkeypatch.setattr(H, "_BEYOND_THE_DEVICE", {"forward": set(), "backward": set()})
+    tensors = problem(23, 30, 40, 6)
+    dout = torch.randn(23, 30, generator=torch.Generator().manual_seed(1))
+
+    def two_blocks(block, x, gate, up, down):
+        y, first = block(x, gate, up, down, max_nnz=7)
+        out, second = block(y, gate, up, down, max_nnz=7)
+        return out, first.l1 + second.l1
+
+    grads = []
+    for block, dtype, checkpointed in ((H.hybrid_gated_mlp, torch.float32, True),
+                                       (H.hybrid_gated_mlp_reference, torch.float64, False)):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in tensors]
+        with pytest.warns(UserWarning, match="the backward of hybrid") if checkpointed else warnings.catch_warnings():
+            out, l1 = (checkpoint(two_blocks, block, *leaves, use_reentrant=False) if checkpointed
+                       else two_blocks(block, *leaves))
+            ((out * dout.to(dtype)).sum() + L1_COEFF * l1).backward()
+        grads.append([t.grad for t in leaves])
+    assert len(attempts) == 1 and all(rel(g, r) < 1e-5 for g, r in zip(*grads))
 
 
 @pytest.mark.gpu

@@ -229,20 +229,36 @@ class DecodeLoop:
 GRAPH_FREE_MODES = {"reduce-overhead": None, "max-autotune": "max-autotune-no-cudagraphs"}
 
 
+# torch.compile's defaults of the arguments a CompileConfig sets
+COMPILE_DEFAULTS = dict(fullgraph=False, dynamic=None, backend="inductor", mode=None, options=None)
+
+
 def compile_options(compile: bool | dict) -> dict | None:
-    """torch.compile's keyword arguments for the loop's step: None (eager) for False, one graph of static
-    shapes for True, else `compile` (fullgraph, dynamic, backend, mode, options: a CompileConfig's to_dict())
-    with its CUDA graphs left to the loop (GRAPH_FREE_MODES, and no "triton.cudagraphs" option; the
-    "cudagraphs" backend, which compiles nothing else, leaves the step eager)."""
+    """torch.compile's keyword arguments for the loop's step, all of COMPILE_DEFAULTS' (so that equal compiles
+    compare equal): None (eager) for False, one graph of static shapes for True, else `compile` (a
+    CompileConfig's to_dict()) with its CUDA graphs left to the loop (GRAPH_FREE_MODES, and no
+    "triton.cudagraphs" option; the "cudagraphs" backend, which compiles nothing else, leaves the step eager)."""
     if compile is True:
-        return dict(fullgraph=True, dynamic=False)
+        return dict(COMPILE_DEFAULTS, fullgraph=True, dynamic=False)
     if not compile or compile.get("backend") == "cudagraphs":
         return None
-    options = dict(compile)
+    options = dict(COMPILE_DEFAULTS, **compile)
     options["mode"] = GRAPH_FREE_MODES.get(options.get("mode"), options.get("mode"))
     if options.get("options"):
         options["options"] = {k: v for k, v in options["options"].items() if k != "triton.cudagraphs"}
     return options
+
+
+def _compile_key(compile) -> str | None:
+    """compile_options as a loop's key: a backend object by its type (generate deep-copies the generation
+    config, so the object is a new one at every call), a function by its name."""
+    options = compile_options(compile)
+    if options is None:
+        return None
+    backend = options["backend"]
+    if not isinstance(backend, str):
+        backend = getattr(backend, "__qualname__", None) or type(backend).__qualname__
+    return repr(dict(options, backend=backend))
 
 
 class LoopUnsupported(ValueError):
@@ -350,8 +366,7 @@ def generate_graphed(model, input_ids: torch.Tensor, max_new_tokens: int, *, min
     needed = n + max_new_tokens
     wanted = padded_length(n) + max_new_tokens  # room for the padded prefill too
     weights = tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))
-    key = (batch, str(input_ids.device), do_sample and (top_k, top_p < 1), stop, pad, repr(compile_options(compile)),
-           weights)
+    key = (batch, str(input_ids.device), do_sample and (top_k, top_p < 1), stop, pad, _compile_key(compile), weights)
     held = model.__dict__.setdefault("_decode_loop", HeldLoop())
     with held.lock:  # one loop (cache, graphs) a model: calls from several threads take turns
         if held.key != key or held.loop.max_len < needed:
