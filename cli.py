@@ -214,7 +214,8 @@ def analyze(model, data, text_column, tokens, seq_len, batch_size, device, json_
 @click.option("--decode-tokens", type=int, default=64, show_default=True, help="New tokens per greedy generation.")
 @click.option("--decode-context", type=int, default=512, show_default=True,
               help="Tokens in the KV cache at the CUDA-graph decode step.")
-@click.option("--repeats", type=int, default=3, show_default=True, help="Timed calls per path and load at least (median); short calls repeat until 0.5 s of them.")
+@click.option("--repeats", type=int, default=3, show_default=True,
+              help="Timed calls per path and load at least (median); short calls repeat until 0.5 s of them.")
 @click.option("--generate-repeats", type=int, default=7, show_default=True,
               help="Timed calls per load of the generate paths (host-bound: their time varies more).")
 @click.option("--data", help="Text to feed the model (as for convert: its held-out blocks); without it random token "

@@ -730,18 +730,15 @@ def hybrid_gated_mlp(x, gate_weight, up_weight, down_weight, *, max_nnz=128, hot
     step) run as dense columns for every row, outside the ELL and the row budget max_nnz."""
     if hot_units is not None:
         _check_hot_units(hot_units, x, gate_weight.shape[0])
-    reference = lambda: hybrid_gated_mlp_reference(x, gate_weight, up_weight, down_weight,  # noqa: E731
-                                                   max_nnz=max_nnz, hot_units=hot_units)
-    if not use_triton(x) or _block_key(x, gate_weight) in _BEYOND_THE_DEVICE["forward"]:
-        return reference()
-    try:
-        with on_device(x):  # the backward runs on the autograd engine's thread of x's device
-            out, l1, active, fired, backup = _HybridGatedMLP.apply(x, gate_weight, up_weight, down_weight,
-                                                                   max_nnz, hot_units)
-    except OutOfResources as error:
-        _beyond_the_device(error, _block_key(x, gate_weight), "forward", stacklevel=2)
-        return reference()
-    return out, HybridStats(l1, active, fired, backup)
+    if use_triton(x) and (key := _block_key(x, gate_weight)) not in _BEYOND_THE_DEVICE["forward"]:
+        try:
+            with on_device(x):  # the backward runs on the autograd engine's thread of x's device
+                out, l1, active, fired, backup = _HybridGatedMLP.apply(x, gate_weight, up_weight, down_weight,
+                                                                       max_nnz, hot_units)
+            return out, HybridStats(l1, active, fired, backup)
+        except OutOfResources as error:
+            _beyond_the_device(error, key, "forward", stacklevel=2)
+    return hybrid_gated_mlp_reference(x, gate_weight, up_weight, down_weight, max_nnz=max_nnz, hot_units=hot_units)
 
 
 def _check_hot_units(hot, x, width):

@@ -227,8 +227,6 @@ class DecodeLoop:
 # torch.compile modes that record CUDA graphs, and their twins without: the loop captures the whole step as one
 # graph itself, inside which a compiled region cannot record graphs of its own
 GRAPH_FREE_MODES = {"reduce-overhead": None, "max-autotune": "max-autotune-no-cudagraphs"}
-
-
 # torch.compile's defaults of the arguments a CompileConfig sets
 COMPILE_DEFAULTS = dict(fullgraph=False, dynamic=None, backend="inductor", mode=None, options=None)
 
@@ -243,8 +241,8 @@ def compile_options(compile: bool | dict) -> dict | None:
     if not compile or compile.get("backend") == "cudagraphs":
         return None
     options = dict(COMPILE_DEFAULTS, **compile)
-    options["mode"] = GRAPH_FREE_MODES.get(options.get("mode"), options.get("mode"))
-    if options.get("options"):
+    options["mode"] = GRAPH_FREE_MODES.get(options["mode"], options["mode"])
+    if options["options"]:
         options["options"] = {k: v for k, v in options["options"].items() if k != "triton.cudagraphs"}
     return options
 
