@@ -24,6 +24,7 @@ except ImportError:  # CPU-only machines run the reference path
     OutOfResources = None
 
 PRECISIONS = ("default", "highest")
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the kernels compute in (x and weights alike)
 
 
 def prepare_down(down_weight: torch.Tensor) -> torch.Tensor:
@@ -65,11 +66,11 @@ _LAUNCH_CACHE = OrderedDict()  # recent launch sets by _launch_key, least recent
 
 
 def _launch_key(x2, gate, up, down_t, tile, compression, precision, overflow):
-    """Shapes, strides, dtypes, devices and pointer alignment: what the launches depend on."""
+    """Shapes, strides, dtypes, devices and each pointer's alignment: what the launches depend on (Triton
+    specializes a kernel on every pointer argument's 16-byte alignment)."""
     tensors = [t for t in (x2, gate, down_t, up, overflow) if t is not None]
     return (tile, compression, precision, overflow is not None,
-            all(t.data_ptr() % 16 == 0 for t in tensors),
-            *((t.shape, t.stride(), t.dtype, t.device) for t in tensors))
+            *((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0) for t in tensors))
 
 
 def check_args(x, gate, up, down, tile, compression, precision, overflow):
@@ -80,13 +81,22 @@ def check_args(x, gate, up, down, tile, compression, precision, overflow):
         raise ValueError(f"x, the weights and overflow must be on one device, got {sorted(devices)}")
     width, d = gate.shape
     if x.shape[-1] != d or down.shape != (d, width) or up.shape != gate.shape:
-        raise ValueError(f"shape mismatch: x {tuple(x.shape)}, weights [I, D] = {tuple(gate.shape)}, "
-                         f"down {tuple(down.shape)} (expected [D, I])")
+        raise ValueError(f"shape mismatch: x {tuple(x.shape)}, gate and up [I, D] = {tuple(gate.shape)} and "
+                         f"{tuple(up.shape)}, down {tuple(down.shape)} (expected [D, I])")
     if width > 65536:
         raise ValueError(f"I = {width} > 65536 is not supported")
     if overflow is not None and (overflow.numel() not in (1, 4) or overflow.dtype not in (torch.int32, torch.int64)):
         raise ValueError("overflow must be a one- or four-element int32 or int64 tensor")
+    if overflow is not None and not overflow.is_contiguous():  # the kernels add to its elements by offset
+        raise ValueError("overflow must be contiguous")
     slots(tile, compression)
+
+
+def check_kernel_dtypes(x, gate, up, down):
+    dtypes = {t.dtype for t in (x, gate, up, down)}
+    if len(dtypes) > 1 or not dtypes <= set(KERNEL_DTYPES):
+        raise ValueError(f"the kernels take x and the weights in one of {[str(t) for t in KERNEL_DTYPES]}, got x "
+                         f"{x.dtype}, gate {gate.dtype}, up {up.dtype}, down {down.dtype}")
 
 
 def forward(x, gate, up, down, tile, compression, precision, overflow=None):
@@ -112,6 +122,7 @@ def _forward_triton(x, gate, up, down, tile, compression, precision, overflow):
     launches = _LAUNCH_CACHE.get(key)
     if launches is None:
         check_args(x, gate, up, down, tile, compression, precision, overflow)
+        check_kernel_dtypes(x, gate, up, down)
         if x2.shape[0] == 0:
             return x.new_empty(x.shape)
         launches = _LAUNCH_CACHE[key] = _Launches(x2, gate, up, tile, compression, precision, overflow)
@@ -122,7 +133,7 @@ def _forward_triton(x, gate, up, down, tile, compression, precision, overflow):
     if launches.unsupported is None:
         try:
             return _launch(launches, x, x2, gate, up, down_t, overflow)
-        except OutOfResources as error:  # a launch configuration beyond this GPU (shared memory, registers)
+        except OutOfResources as error:  # a launch configuration beyond this GPU (shared memory, threads)
             launches.unsupported = str(error)
             name = torch.cuda.get_device_name(x.device) if x.is_cuda else x.device.type
             warnings.warn(f"twell: {error} ({name}): calls of {x2.shape[0]} tokens at D {x2.shape[1]} / I "

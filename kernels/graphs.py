@@ -5,10 +5,12 @@ same call costs a copy in, one graph launch and a copy out.
 stream, the tensor arguments' addresses, shapes, strides and dtypes, and the other arguments. A graph reads
 its tensor arguments at the addresses it was captured with, so a tensor that moves gets a new signature, and
 one changed in place is read as it is now. A signature is captured the second time it is seen; calls that a
-graph cannot serve run directly (`DecodeGraphs.graphable`). The graphs of a stream share a memory pool, and
-one lock makes copy in, replay and copy out a single step.
+graph cannot serve run directly (`DecodeGraphs.graphable`), and so do those of a signature whose capture
+failed. The graphs of a stream share a memory pool, and one lock makes copy in, replay and copy out a single
+step.
 """
 import threading
+import warnings
 from collections import OrderedDict
 
 import torch
@@ -21,6 +23,7 @@ _POOLS = {}
 _LOCK = threading.Lock()
 # plain tensors and parameters: other subclasses (fake, functional, distributed tensors) trace or dispatch
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_DIRECT = "direct"  # a signature whose capture failed: its calls run directly
 
 
 class _Graph:
@@ -42,8 +45,13 @@ class _Graph:
                 self.graph.capture_begin(pool=pool, capture_error_mode="thread_local")
                 try:
                     self.out = fn(self.x, *args, **kwargs)
-                finally:
-                    self.graph.capture_end()
+                except BaseException:
+                    try:
+                        self.graph.capture_end()
+                    except RuntimeError:  # the capture is void already; the error that voided it follows
+                        pass
+                    raise
+                self.graph.capture_end()
             current.wait_stream(side)
         if first is None:
             _POOLS[key][2] = self
@@ -96,10 +104,17 @@ class DecodeGraphs:
                 return fn(_static_copy(x), *args, **kwargs)
             graph = self._graphs[key]
             if graph is None:
-                graph = _Graph(fn, x, args, kwargs)
+                try:
+                    graph = _Graph(fn, x, args, kwargs)
+                except RuntimeError as error:  # the call ran directly the first time: it still can
+                    warnings.warn(f"twell: a decode call of shape {tuple(x.shape)} could not be captured as a CUDA "
+                                  f"graph, so calls like it run directly ({error})", stacklevel=3)
+                    graph = _DIRECT
                 self._remember(key, graph)
             else:
                 self._graphs.move_to_end(key)
+            if graph is _DIRECT:
+                return fn(x, *args, **kwargs)
             return graph(x)
 
     def _remember(self, key, graph):
@@ -109,8 +124,8 @@ class DecodeGraphs:
             self._graphs.popitem(last=False)
 
     def __len__(self):
-        """Graphs captured (once-seen signatures not counted)."""
-        return sum(g is not None for g in self._graphs.values())
+        """Graphs captured (once-seen signatures and failed captures not counted)."""
+        return sum(g is not None and g is not _DIRECT for g in self._graphs.values())
 
     def __deepcopy__(self, memo):  # a copied model captures its own graphs (of its own weights)
         return DecodeGraphs(self.rows, self.capacity)

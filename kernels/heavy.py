@@ -37,7 +37,7 @@ def heavy_launches(x2, width, h_fp32) -> "HeavyBlock":
     else:  # the interpreter: small blocks, several tiles and splits at test sizes
         h_tiles, down_tiles, h_few, down_few, ksplit = (16, 32, 32), (16, 32, 32), (16, 32), (16, 32), 2
         options = dict(num_warps=4, num_stages=1)
-    dot = "ieee" if h_fp32 else "tf32"
+    dot = "ieee" if h_fp32 or x2.dtype == torch.float32 else "tf32"  # as the gate kernel's: fp32 stays exact
     programs = HEAVY_PROGRAMS_PER_SM * sm_count(x2.device)
     most_tiles = max(cdiv(rows, h_tiles[0]) * cdiv(width, h_tiles[1]), cdiv(width, h_few[0]),
                      cdiv(rows, down_tiles[0]) * cdiv(d, down_tiles[1]), cdiv(d, down_few[0]) * ksplit)

@@ -45,7 +45,7 @@ class LayerPlan:
     mode: Mode = Mode.DENSE
     tile: int | None = None
     compression: int | None = None
-    sparse_tokens: tuple[tuple[int, int | None], ...] = ()
+    sparse_tokens: tuple[tuple[int, int | None], ...] = ALL_TOKENS  # as an entry without "sparse_tokens"
     stats: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -88,9 +88,12 @@ class LayerPlan:
 
 
 def layer_plans(twell: dict) -> list[LayerPlan]:
-    """The layer plans of a config.json "twell" section; ValueError for a format version this runtime cannot read."""
+    """The layer plans of a config.json "twell" section; ValueError for a format version this runtime cannot read
+    or a section without its "layers" list."""
     version = twell.get("format_version", 1)
     if version != FORMAT_VERSION:
         raise ValueError(f"config.twell: format_version {version!r}, but this runtime reads only version "
                          f"{FORMAT_VERSION} (a newer sparsify may have written it)")
+    if not isinstance(twell.get("layers"), list):
+        raise ValueError("config.twell: no \"layers\" list (one entry a decoder layer)")
     return [LayerPlan.from_json(entry) for entry in twell["layers"]]

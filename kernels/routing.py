@@ -39,8 +39,9 @@ def short_prefill(shape: torch.Size, d: int, width: int) -> bool:
 
 
 class ActivityRouter:
-    """Per layer: whether its next eager batched call takes the kernels (`overflow_counter` returns the
-    counter to pass as gated_mlp's `overflow`) or runs dense (it returns None)."""
+    """Per layer and device: whether its next eager batched call takes the kernels (`overflow_counter` returns
+    the counter to pass as gated_mlp's `overflow`) or runs dense (it returns None). A layer that moves to
+    another device starts a new one."""
 
     WINDOW = 2  # batched kernel calls counted together
     # kernel calls issued while a window's count travels, after which the host waits for it: a host running
@@ -51,8 +52,8 @@ class ActivityRouter:
     # (WINDOW kernel calls, and those issued while the count travels) once in this many calls
     PROBE_EVERY = 256
 
-    def __init__(self, d: int, width: int, mean_active: float):
-        self.d, self.width, self.mean_active = d, width, mean_active
+    def __init__(self, d: int, width: int, mean_active: float, device: torch.device):
+        self.d, self.width, self.mean_active, self.device = d, width, mean_active, device
         self.counter, self.tokens, self.calls = None, 0, 0
         # (tokens, calls) of a window whose count is on its way to self.host; meanwhile self.calls counts the
         # kernel calls issued since it was sent
@@ -79,9 +80,9 @@ class ActivityRouter:
             cuda = self.counter.is_cuda
             self.host = torch.empty(4, dtype=torch.int64, pin_memory=cuda)
             self.event = torch.cuda.Event() if cuda else None
-        self.host.copy_(self.counter, non_blocking=True)
+        self.host.copy_(self.counter, non_blocking=True)  # on the current stream of the counter's device
         if self.event is not None:
-            self.event.record()
+            self.event.record(torch.cuda.current_stream(self.device))
         self.landing = (self.tokens, self.calls)
         self.counter, self.tokens, self.calls = None, 0, 0
 

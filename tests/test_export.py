@@ -87,6 +87,27 @@ def test_export_reloads_both_ways_with_the_same_logits(family, tmp_path, monkeyp
     assert torch.equal(generated, plain.generate(ids[:1, :5], max_new_tokens=4, do_sample=False))
 
 
+def test_router_per_device_and_kernel_dtypes(tmp_path):
+    """A layer's ActivityRouter belongs to one device (its counter, the stream its event waits on): a call on
+    another device starts a new one. Inputs in a dtype the kernels do not take, or in another dtype than the
+    weights (autocast), run dense."""
+    model, tokenizer, spec = _relufied("llama")
+    out = export_checkpoint(model, tokenizer, tmp_path / "ckpt-router", spec=spec, plan=PLAN, training=TRAINING)
+    remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    mlp = remote.get_submodule(spec.layers)[0].mlp
+    x = torch.randn(1, 12, remote.config.hidden_size)
+    with torch.no_grad():
+        mlp(x)
+        router = mlp.router
+        assert router is not None and router.device == x.device
+        mlp(x)
+        assert mlp.router is router
+        router.device = torch.device("meta")  # as a layer that ran on another device holds it
+        mlp(x)
+        assert mlp.router is not router and mlp.router.device == x.device
+        assert mlp._use_kernel(x, 12) and not mlp._use_kernel(x.double(), 12) and not mlp._use_kernel(x.half(), 12)
+
+
 def test_sparse_tokens_window_picks_the_path_per_call(tmp_path, monkeypatch):
     """A layer planned sparse for decode sizes only: prefill runs dense, each one-token step on the kernels."""
     model, tokenizer, spec = _relufied("llama")

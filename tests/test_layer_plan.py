@@ -47,6 +47,8 @@ def test_json_round_trip():
     # a plan written before windows gets them written out: every token count
     assert layer_plans(VERSION_1)[1].to_json() == {**VERSION_1["layers"][1], "sparse_tokens": [[1, None]]}
     assert LayerPlan().to_json() == {"mode": "dense", "stats": {}}
+    # built in code without windows, a sparse plan runs at every token count, as an entry without them does
+    assert LayerPlan(Mode.SPARSE, 128, 8) == LayerPlan.from_json({"mode": "sparse", "tile": 128, "compression": 8})
     assert FORMAT_VERSION == 1
 
 
@@ -69,3 +71,5 @@ def test_entries_the_runtime_cannot_run_are_errors(entry, message):
 def test_a_newer_format_version_is_an_error():
     with pytest.raises(ValueError, match="format_version 2, but this runtime reads only version 1"):
         layer_plans(VERSION_1 | {"format_version": 2})
+    with pytest.raises(ValueError, match='no "layers" list'):
+        layer_plans({"format_version": 1})

@@ -576,6 +576,37 @@ def test_argument_validation():
         twell.gated_mlp(x, gate, up, down, tile=16, precision="fast")
     with pytest.raises(ValueError, match="one device"):
         twell.gated_mlp(x, gate, up.to("meta"), down, tile=16)
+    with pytest.raises(ValueError, match="contiguous"):  # the kernels add to its elements by offset
+        twell.gated_mlp(x, gate, up, down, tile=16, overflow=torch.zeros(4, 2, dtype=torch.int64, device=DEV)[:, 0])
+
+
+def test_kernels_take_one_dtype_of_three():
+    """Mixed or unsupported dtypes are a ValueError naming them, not a Triton compile error or fp64 inputs
+    run at fp32 accuracy."""
+    x, gate, up, down = block(3, 16, 32, k=5)
+    with pytest.raises(ValueError, match="x torch.float16, gate torch.float32"):
+        twell.gated_mlp(x.half(), gate, up, down, tile=16)
+    for m in (3, 70):  # decode and batched paths
+        x, gate, up, down = block(m, 16, 32, k=5, dtype=torch.float64)
+        with pytest.raises(ValueError, match="torch.float64"):
+            twell.gated_mlp(x, gate, up, down, tile=16)
+
+
+def test_launches_specialize_on_each_pointer_alignment():
+    """A call whose x is misaligned after one whose up alone was shares no launch with it: Triton specializes
+    on every pointer's 16-byte alignment (and TMA descriptors need aligned bases)."""
+    m, d, i = 70, 32, 64
+    x, gate, up, down = block(m, d, i, k=5)
+    store = torch.empty(i * d + 1, device=DEV)
+    misaligned_up = store[1:].view(i, d)
+    misaligned_up.copy_(up)
+    down_t = twell.prepare_down(down)
+    ref = reference(x, gate, up, down)
+    assert rel_err(twell.gated_mlp(x, gate, misaligned_up, down_t, tile=32), ref) < 1e-5
+    store_x = torch.empty(m * d + 1, device=DEV)
+    misaligned_x = store_x[1:].view(m, d)
+    misaligned_x.copy_(x)
+    assert rel_err(twell.gated_mlp(misaligned_x, gate, misaligned_up, down_t, tile=32), ref) < 1e-5
 
 
 @pytest.mark.gpu

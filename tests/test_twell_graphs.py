@@ -2,6 +2,8 @@
 GPU (-m gpu): replays bit-equal to direct calls, signatures, bypasses, overflow counted once per call."""
 import copy
 import pickle
+import sys
+import warnings
 
 import pytest
 import torch
@@ -19,6 +21,32 @@ def test_cpu_calls_run_directly():
     for _ in range(3):
         torch.testing.assert_close(graphs(fn, x, w), x @ w, rtol=0, atol=0)
     assert all(a is x for a in seen) and len(graphs) == 0
+
+
+def test_a_failed_capture_runs_its_signature_directly(monkeypatch):
+    """A signature whose capture raises warns once and then runs directly, without another capture."""
+    graphs_module = sys.modules["twell.graphs"]
+    attempts = []
+
+    def failing_capture(*args):
+        attempts.append(args)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphs_module, "_Graph", failing_capture)
+    monkeypatch.setattr(twell.DecodeGraphs, "graphable", lambda self, x, *args: True)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
+    graphs = twell.DecodeGraphs()
+    x, w = torch.randn(2, 8), torch.randn(8, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn = lambda a, b: a @ b  # noqa: E731  (one function: it is part of the signature)
+        results = [graphs(fn, x, w) for _ in range(4)]
+    assert len(attempts) == 1 and len(graphs) == 0
+    assert [str(w.message) for w in caught if "could not be captured" in str(w.message)] == [
+        "twell: a decode call of shape (2, 8) could not be captured as a CUDA graph, so calls like it run directly "
+        "(operation not permitted when stream is capturing)"]
+    for result in results:
+        torch.testing.assert_close(result, x @ w, rtol=0, atol=0)
 
 
 def test_copies_start_empty():

@@ -20,7 +20,7 @@ def test_eager_dense_where_the_dense_block_is_short():
 def test_loses_where_heavy_rows_or_busier_rows_outweigh_the_saving():
     """The cost model's verdict at D 2048 / I 5632, 29 active units: no heavy rows win at 4096 tokens, every
     row heavy loses, and the verdict flips once between."""
-    router = ActivityRouter(2048, 5632, 29.0)
+    router = ActivityRouter(2048, 5632, 29.0, torch.device("cpu"))
     shares = [n / 100 for n in range(101)]
     verdicts = [router.loses(share, 4096, 29.0) for share in shares]
     assert not verdicts[0] and verdicts[-1]
@@ -46,7 +46,7 @@ def feed(router, tokens, heavy_rows, calls, active=29):
 
 
 def test_router_routes_dense_after_a_heavy_window_then_measures_again():
-    router = ActivityRouter(2048, 5632, 29.0)
+    router = ActivityRouter(2048, 5632, 29.0, torch.device("cpu"))
     # light calls (1% of the rows heavy): the kernels throughout
     assert feed(router, 4096, 41, 3 * router.WINDOW) == 3 * router.WINDOW
     # every row heavy: one window measured on the kernels, read at the next call, then PROBE_EVERY dense
@@ -58,7 +58,7 @@ def test_router_routes_dense_after_a_heavy_window_then_measures_again():
 
 
 def test_router_routes_dense_when_every_row_is_more_active_than_planned():
-    router = ActivityRouter(2048, 5632, 29.0)
+    router = ActivityRouter(2048, 5632, 29.0, torch.device("cpu"))
     assert feed(router, 16384, 0, 3 * router.WINDOW, active=35) == 3 * router.WINDOW  # a little more: kernels
     assert feed(router, 16384, 0, router.WINDOW + 1, active=100) == router.WINDOW  # 3.4x: dense after a window
 
@@ -79,7 +79,7 @@ class PendingEvent:
 def test_router_waits_for_a_heavy_verdict_after_ahead_calls():
     """While a window's count travels, AHEAD more calls take the kernels; the next one waits for the count and
     runs dense (a host far ahead of the GPU does not issue a stream of heavy calls on the kernels)."""
-    router = ActivityRouter(2048, 5632, 29.0)
+    router = ActivityRouter(2048, 5632, 29.0, torch.device("cpu"))
     x = torch.zeros(4096, 8)
     for _ in range(router.WINDOW):  # every row heavy
         router.overflow_counter(x, 4096)[3] += 4096
@@ -92,7 +92,7 @@ def test_router_waits_for_a_heavy_verdict_after_ahead_calls():
 @pytest.mark.gpu
 def test_gpu_router_reads_the_count_without_a_synchronization():
     """On CUDA the window's count comes back through a pinned copy read once its event has completed."""
-    router = ActivityRouter(2048, 5632, 29.0)
+    router = ActivityRouter(2048, 5632, 29.0, torch.device("cpu"))
     x = torch.zeros(4096, 8, device="cuda")
     torch.cuda.set_sync_debug_mode("error")
     try:

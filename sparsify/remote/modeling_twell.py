@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .format import use_triton
-from .gated_mlp import gated_mlp, prepare_down
+from .gated_mlp import KERNEL_DTYPES, gated_mlp, prepare_down
 from .graphs import DecodeGraphs
 from .routing import ActivityRouter, eager, eager_dense, short_prefill
 from .generation import LoopUnsupported, generate_graphed, graphed_call, release_graphed
@@ -50,7 +50,7 @@ class TwellGatedMLP(nn.Module):
         # eager decode calls replay CUDA graphs of the kernels: the two launches cost more host time than
         # the dense block's cuBLAS calls, the graph far less (graphs.py)
         self.graphs = DecodeGraphs()
-        self.router = None  # ActivityRouter of eager batched calls, made at the first one
+        self.router = None  # ActivityRouter of eager batched calls, made at the first one on each device
         self.prepare_kernel_layout()  # models built from a config; from_pretrained again once loaded
 
     def _projections(self):
@@ -79,7 +79,10 @@ class TwellGatedMLP(nn.Module):
             if x.is_cuda:
                 warnings.warn("twell: Triton is not installed, so the MLPs run dense (pip install triton)", stacklevel=2)
             return False
-        return x.is_cuda or INTERPRET and x.dtype in (torch.float32, torch.float16)
+        # the kernels take x and the weights in one dtype (not under autocast, which leaves the weights as
+        # they are); the interpreter has no bf16 arithmetic
+        kernel_dtypes = KERNEL_DTYPES if x.is_cuda else (torch.float32, torch.float16) if INTERPRET else ()
+        return x.dtype in kernel_dtypes and x.dtype == getattr(self, self.down_name).weight.dtype
 
     def prepare_kernel_layout(self):
         """Stores the down weight transposed (same shape and values; its .t() contiguous) where the kernels
@@ -106,8 +109,8 @@ class TwellGatedMLP(nn.Module):
             return self.graphs(gated_mlp, x, gate, up, down, **kernel)
         if x.is_cuda and eager_dense(tokens, self.d, self.width):  # host-bound on a GPU: dense
             return self._dense(x)
-        if self.router is None:
-            self.router = ActivityRouter(self.d, self.width, self.plan.mean_active or 0.0)
+        if self.router is None or self.router.device != x.device:
+            self.router = ActivityRouter(self.d, self.width, self.plan.mean_active or 0.0, x.device)
         counter = self.router.overflow_counter(x, tokens)
         if counter is None:  # the layer's recent calls were so active that the kernels lose
             return self._dense(x)
