@@ -103,9 +103,13 @@ text_column_option = click.option("--text-column", default="text", show_default=
 @train_options
 @click.option("--device", help="cpu or cuda (default: cuda if available). Several GPUs: `accelerate launch -m cli convert ...`.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted conversion from OUT.resume/.")
-@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists and is not empty.")
+@click.option("--overwrite", is_flag=True,
+              help="Replace OUT if it exists and is not empty, and start over where OUT.resume/ holds an "
+                   "interrupted run.")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors shard.")
-@click.option("--push-to-hub", "push_to_hub", metavar="REPO_ID", help="Upload OUT to this Hub repository (created if needed).")
+@click.option("--push-to-hub", "push_to_hub", metavar="REPO_ID",
+              help="Upload OUT to this Hub repository (created if needed; files of an earlier upload that OUT "
+                   "lacks are deleted).")
 @click.option("--private", is_flag=True, help="With --push-to-hub: make a new repository private.")
 @click.option("--measure/--no-measure", "measure_kernels", default=None,
               help="Choose each layer's kernel setting by timing the candidates on this GPU (CUDA only), or by the "

@@ -103,6 +103,7 @@ def analyze(
     result = {"model": str(source), "family": spec.family, "data": str(data), "seq_len": seq_len,
               "converted": converted, "activation": activation, **stats}
     if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(result, indent=1, default=_entry_without_stats))
     if write_plan:
         replace_plan(folder, plans)

@@ -3,10 +3,10 @@ ModelCardData, then the per-layer sparsity table, the training settings and how 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 from huggingface_hub import ModelCard, ModelCardData
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from twell.layer_plan import LayerPlan
 
@@ -16,8 +16,15 @@ TAGS = ["sparsify", "twell", "relu", "activation-sparsity", "sparse"]
 
 
 def is_hub_id(name) -> bool:
-    """Whether `name` reads as a Hub repository id (owner/name) and is no local path."""
-    return isinstance(name, str) and bool(re.fullmatch(r"[\w.-]+/[\w.-]+", name)) and not Path(name).exists()
+    """Whether `name` reads as a Hub repository id (owner/name, as the Hub validates it: not ./x or ../x) and
+    is no local path."""
+    if not isinstance(name, str) or name.count("/") != 1 or Path(name).exists():
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
 
 
 def _percent(value) -> str:

@@ -17,6 +17,9 @@ from .errors import ConfigError
 # penalty's initial weight in nats: beyond 100 it is 30 times any language model's cross-entropy.
 MAX_L1 = 1.0
 MAX_L1_RELATIVE = 100.0
+# A relative weight below this barely sparsifies (recipes: 3.5): such a value is an absolute coefficient given
+# without --l1-absolute
+MIN_L1_RELATIVE = 0.01
 # A layer on the hybrid kernels goes back to dense only above this multiple of `hybrid_below`, so that a layer
 # whose activity hovers around the threshold does not flip at every check.
 HYBRID_EXIT = 1.25
@@ -34,7 +37,9 @@ def _setting(default, help_text: str, **cli):
 class TrainConfig:
     """Training settings; a recipe YAML holds any of these keys, command-line options override it."""
 
-    l1: float = _setting(2e-5, "L1 coefficient on the MLP hidden activations (paper: 2e-5).")
+    l1: float = _setting(2e-5, (
+        "L1 weight on the MLP hidden activations: with --l1-relative (the pretrained recipe, the default) the "
+        "penalty's initial weight in nats (recipe: 3.5); with --l1-absolute the coefficient (paper: 2e-5)."))
     l1_relative: bool = _setting(False, (
         "Read --l1 as the weight of L1 / L1_0, L1_0 the L1 term of the first micro-batch (mean over processes): "
         "the penalty's weight in nats at the start, the same for any width and activation scale; or as the "
@@ -131,6 +136,9 @@ class TrainConfig:
             if not (isinstance(self.l1, (int, float)) and 0 <= self.l1 <= MAX_L1_RELATIVE):
                 bad(f"l1 (relative) must be between 0 and {MAX_L1_RELATIVE} (the initial weight of the L1 term "
                     f"in nats), got {self.l1}")
+            if 0 < self.l1 < MIN_L1_RELATIVE:
+                bad(f"l1 (relative) {self.l1:g} is the L1 term's initial weight in nats, too small to sparsify "
+                    f"(recipes: 3.5); for an absolute coefficient such as the paper's 2e-5 add --l1-absolute")
         elif not (isinstance(self.l1, (int, float)) and 0 <= self.l1 <= MAX_L1):
             bad(f"l1 must be between 0 and {MAX_L1} (the paper uses 2e-5; or use l1_relative), got {self.l1}")
         if self.steps is None and self.tokens is None:

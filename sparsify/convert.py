@@ -197,6 +197,9 @@ def _check_inputs(source: str, out, config: TrainConfig, data: str | None, text_
     if measure_kernels:
         require_cuda(device, "--measure")
     resume_dir = resume_dir_for(out)
+    if not resume and not overwrite and (resume_dir / "state.json").is_file():
+        raise ConfigError(f"{resume_dir} holds the training state of an interrupted conversion to {out}: pass "
+                          f"--resume to continue it, or --overwrite to start over (its state is then replaced)")
     if data is None and source != "demo":
         raise DataError("--data is required (local .txt/.jsonl/.parquet files or folder, or a datasets name)")
     data_spec = data or demo_corpus_path()

@@ -183,15 +183,20 @@ class Documents:
                             row = json.loads(line)
                         except json.JSONDecodeError as e:
                             raise DataError(f"cannot read {path}: line {number}: {e}") from None
-                        yield _text(row, path, self.text_column)
+                        yield _text(row, f"{path}: line {number}", self.text_column)
         self.position = {"reader": "plain", "file": len(files)}
 
 
-def _text(row: dict, name: str, column: str) -> str:
+def _text(row, name: str, column: str) -> str:
+    if not isinstance(row, dict):
+        raise DataError(f"{name}: a row is {type(row).__name__}, not an object with a {column!r} column")
     if column not in row:
         raise DataError(f"{name}: a row has no {column!r} column (its columns: {', '.join(row)}); name the one "
                         f"that holds the text with --text-column")
-    return row[column]
+    text = row[column]
+    if not isinstance(text, str):
+        raise DataError(f"{name}: a row's {column!r} is {type(text).__name__} ({str(text)[:40]!r}), not text")
+    return text
 
 
 DOCUMENTS_A_CALL = 64  # documents tokenized together: fast tokenizers batch them in Rust

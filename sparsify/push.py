@@ -1,11 +1,11 @@
 """Upload a converted checkpoint folder to the Hugging Face Hub: the repo is created if needed and the
-whole folder goes up in one commit, so the Hub never shows a half-uploaded model."""
+whole folder goes up in one commit that also deletes the repo's other files (a shard of an earlier upload
+would be loaded beside the new ones), so the Hub never shows a half-uploaded or mixed model."""
 from __future__ import annotations
 
 from pathlib import Path
 
 from huggingface_hub import HfApi
-from huggingface_hub.errors import HfHubHTTPError
 
 from .errors import OutputError
 
@@ -18,8 +18,9 @@ def push_to_hub(out_dir: str | Path, repo_id: str, *, private: bool = False, tok
     api = HfApi(token=token)
     try:
         url = api.create_repo(repo_id, private=private, repo_type="model", exist_ok=True)
-        api.upload_folder(repo_id=repo_id, folder_path=folder, repo_type="model",
+        api.upload_folder(repo_id=repo_id, folder_path=folder, repo_type="model", delete_patterns="*",
                           commit_message=f"Upload {folder.name} converted by sparsify")
-    except (HfHubHTTPError, OSError, ValueError) as error:
-        raise OutputError(f"push to the Hub repo {repo_id!r} failed: {error}") from error
+    except Exception as error:  # HTTP, connection, authentication, local file errors alike: the folder stays
+        raise OutputError(f"push to the Hub repo {repo_id!r} failed ({type(error).__name__}: {error}); the "
+                          f"checkpoint in {folder} is complete: upload it with `hf upload {repo_id} {folder}`") from error
     return str(url)

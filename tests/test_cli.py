@@ -213,6 +213,9 @@ def test_ctrl_c_then_resume(files, tmp_path, monkeypatch):
     assert torch.load(tmp_path / "out.resume" / "data_position.pt")["documents"]  # where the text stream stands
 
     monkeypatch.setattr(data_module.TrainingBatches, "__next__", real)
+    # without --resume the saved state is not silently replaced
+    assert_user_error(convert(files, "llama", out, "--steps", 5), "holds the training state of an interrupted conversion")
+    assert (tmp_path / "out.resume" / "state.json").is_file()
     assert_user_error(convert(files, "llama", out, "--steps", 8, "--resume"), "other training settings (steps 5 -> 8)")
     other_data = run("convert", model_folder(files, "llama"), "-o", out, "--data", files / "corpus" / "train.jsonl",
                      "--recipe", files / "recipe.yaml", "--steps", 5, "--resume")

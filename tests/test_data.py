@@ -107,9 +107,25 @@ def test_text_column_names_the_column_of_rows(tmp_path, monkeypatch):
         if reader == "plain":
             (tmp_path / "b.parquet").unlink()
             monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
-        with pytest.raises(DataError, match=r"a\.jsonl: a row has no 'text' column \(its columns: id, body\); name the "
+        with pytest.raises(DataError, match=r"a\.jsonl(: line 1)?: a row has no 'text' column \(its columns: id, body\); name the "
                                             r"one that holds the text with --text-column"):
             TextData(tmp_path, tiny_tokenizer(), seq_len=16, eval_tokens=32)
+
+
+def test_rows_whose_text_is_not_text_name_their_file(tmp_path, monkeypatch):
+    """A null or numeric text, or a row that is no object, is a DataError naming the file (and, read without
+    `datasets`, the line), not a tokenizer's TypeError."""
+    for reader in ("datasets", "plain"):
+        if reader == "plain":
+            monkeypatch.setitem(sys.modules, "datasets", None)
+        for row, message in (('{"text": null}', "a row's 'text' is NoneType"), ('{"text": 12345}', "a row's 'text' is int"),
+                             ('[1, 2]', "a row is list")):
+            (tmp_path / "a.jsonl").write_text('{"text": "fine words here"}\n' + row + "\n")
+            line = r": line 2" if reader == "plain" else ""
+            if reader == "datasets" and row.startswith("["):  # datasets' JSON reader refuses it itself
+                message, line = "JSON parse error", ""
+            with pytest.raises(DataError, match=rf"a\.jsonl{line}: {message}"):
+                list(Documents(resolve(tmp_path / "a.jsonl").train, "text"))
 
 
 def test_without_datasets_package_jsonl_and_txt_read_the_same(tmp_path, monkeypatch):

@@ -15,6 +15,7 @@ from helpers import INTERMEDIATE, tiny_input_ids, tiny_model
 from sparsify import export
 from sparsify.remote.generation import cache_arguments
 from sparsify.errors import OutputError
+from sparsify.card import is_hub_id
 from sparsify.export import GENERATION_FILE, MODELING_FILE, check_output_dir, export_checkpoint
 from twell.reference import forward_reference
 from sparsify.families import FAMILIES, spec_for
@@ -308,8 +309,8 @@ def test_existing_output(tmp_path, monkeypatch):
         export_checkpoint(model, tokenizer, out, spec=spec, plan=PLAN, training=TRAINING)
     with pytest.raises(OutputError, match="not a folder"):
         check_output_dir(out / "stale.txt", overwrite=True)
-    with pytest.raises(OutputError, match="cannot write there"):
-        export_checkpoint(model, tokenizer, out / "stale.txt" / "sub", spec=spec, plan=PLAN, training=TRAINING)
+    with pytest.raises(OutputError, match=r"cannot be made, .*stale\.txt is a file"):  # before anything is written
+        export_checkpoint(model, tokenizer, out / "stale.txt" / "sub" / "deeper", spec=spec, plan=PLAN, training=TRAINING)
     with pytest.raises(OutputError, match="does not exist"):
         export_checkpoint(model, tokenizer, tmp_path / "new", spec=spec, plan=PLAN, training=TRAINING,
                           artifacts={"log.json": tmp_path / "missing.json"})
@@ -347,6 +348,18 @@ class FakeHfApi:
         self.calls.append(("upload_folder", kwargs))
         if kwargs["repo_id"].endswith("denied"):
             raise OSError("403 Forbidden")
+        if kwargs["repo_id"].endswith("offline"):
+            raise ConnectError("[Errno -2] Name or service not known")
+
+
+class ConnectError(Exception):
+    """As the Hub client's HTTP library raises it: no OSError, no HfHubHTTPError."""
+
+
+def test_hub_ids_are_what_the_hub_accepts():
+    """The card's base_model names a Hub repository only where the source reads as one, never a local path."""
+    assert is_hub_id("meta-llama/Llama-2-7b") and is_hub_id("Qwen/Qwen2.5-0.5B")
+    assert not any(map(is_hub_id, ["./llama", "../ckpt", "gpt2", "a/b/c", "x/.y", None]))
 
 
 def test_push_to_hub_creates_the_repo_and_uploads_once(tmp_path, monkeypatch):
@@ -360,8 +373,12 @@ def test_push_to_hub_creates_the_repo_and_uploads_once(tmp_path, monkeypatch):
     assert token == "tok" and repo == "me/sparse"
     assert create == {"private": True, "repo_type": "model", "exist_ok": True}
     assert upload["repo_id"] == "me/sparse" and Path(upload["folder_path"]) == tmp_path
+    assert upload["delete_patterns"] == "*"  # one commit: the folder replaces whatever an earlier push left
     with pytest.raises(OutputError, match="403"):
         push.push_to_hub(tmp_path, "me/denied")
+    with pytest.raises(OutputError, match=rf"ConnectError: \[Errno -2\] Name or service not known\); the checkpoint "
+                                          rf"in {tmp_path} is complete: upload it with `hf upload me/offline {tmp_path}`"):
+        push.push_to_hub(tmp_path, "me/offline")
     with pytest.raises(OutputError, match="no config.json"):
         push.push_to_hub(tmp_path / "missing", "me/sparse")
 

@@ -232,6 +232,7 @@ def test_steps_and_tokens_bound_training():
         (dict(l1=5.0), "l1 must be between"),
         (dict(l1=float("nan")), "l1 must be between"),
         (dict(l1=150.0, l1_relative=True), r"l1 \(relative\) must be between 0 and 100"),
+        (dict(l1=2e-5, l1_relative=True), r"l1 \(relative\) 2e-05 is the L1 term's initial weight in nats, too small.*add --l1-absolute"),
         (dict(steps=0), "steps must be a positive integer"),
         (dict(steps=None, tokens=None), "set the training length"),
         (dict(tokens=-5), "tokens must be a positive integer"),
