@@ -115,7 +115,10 @@ text_column_option = click.option("--text-column", default="text", show_default=
               help="Choose each layer's kernel setting by timing the candidates on this GPU (CUDA only), or by the "
                    "cost model. Default: timed on a GPU where the layers are narrower than the cost model's shapes "
                    "(hidden size 896, 4864 units), which it would plan dense.")
-@click.option("--dry-run", is_flag=True, help="Print the resolved settings and the training state's size, and stop.")
+@click.option("--dry-run", is_flag=True,
+              help="Check everything a run checks before reading weights (OUT, the data, the settings against the "
+                   "model's config, its tokenizer, the GPUs' memory), print the resolved settings, the training "
+                   "state's size and the held-out text, and stop.")
 @click.option("--report-to", default="none", show_default=True, metavar="TRACKERS",
               help="Send the training log's figures at each log step to these accelerate trackers, separated by "
                    "commas: tensorboard (into OUT.logs/, a folder per run; pip install tensorboard), wandb (pip install wandb), any "
@@ -126,8 +129,7 @@ text_column_option = click.option("--text-column", default="text", show_default=
 def convert(source, out, data, text_column, recipe, device, resume, overwrite, max_shard_size, push_to_hub, private,
             measure_kernels, dry_run, report_to, quiet, **options):
     """Convert SOURCE (a Hub id, a checkpoint folder, or `demo`) into a >99%-sparse ReLU checkpoint in OUT."""
-    from sparsify.convert import convert as run, run_summary
-    from sparsify.load import load_config, parameter_count
+    from sparsify.convert import convert as run
     from sparsify.report import console, layer_table, perplexity_table
 
     settings = load_recipe(recipe, source)
@@ -135,15 +137,13 @@ def convert(source, out, data, text_column, recipe, device, resume, overwrite, m
         options["hybrid_below"] = 0
     settings.update({k: v for k, v in options.items() if v is not None})
     config = TrainConfig.from_dict(settings)
-    if dry_run:
-        config.validate()
-        console.print(run_summary(parameter_count(load_config(source)[0]), config), soft_wrap=True)
-        return
     summary = run(
         source, out, config, data=data, text_column=text_column, device=device, resume=resume, overwrite=overwrite,
         max_shard_size=max_shard_size, push_to_hub=push_to_hub, private=private, measure_kernels=measure_kernels,
-        show_progress=not quiet, report_to=report_to,
+        show_progress=not quiet, report_to=report_to, dry_run=dry_run,
     )
+    if dry_run:
+        return
     if _is_main():
         t = summary["training"]
         console.print(perplexity_table(summary["perplexity"]))

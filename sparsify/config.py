@@ -128,7 +128,9 @@ class TrainConfig:
             bounds.append(math.ceil(self.tokens / self.tokens_per_step(world)))
         return min(bounds)
 
-    def validate(self, max_positions: int | None = None) -> None:
+    def validate(self, max_positions: int | None = None, world: int | None = None) -> None:
+        """ConfigError for impossible settings; with `max_positions`, a seq-len beyond the model's; with `world`
+        (processes), a ReLU swap that would not end within the run's steps."""
         def bad(message):
             raise ConfigError(message)
 
@@ -175,6 +177,15 @@ class TrainConfig:
             bad(f"seq-len must be at least 2, got {self.seq_len}")
         if max_positions is not None and self.seq_len > max_positions:
             bad(f"seq-len {self.seq_len} is beyond the model's maximum of {max_positions} positions")
+        if world is not None:
+            self.check_swap(world)
+
+    def check_swap(self, world: int) -> None:
+        """ConfigError unless the ReLU swap ends within the run's steps on `world` processes: the trained model
+        must be the ReLU model that the export describes."""
+        total = self.total_steps(world)
+        if self.schedule(total).swap_steps >= total:
+            raise ConfigError(f"swap-steps {self.swap_steps} must be below the {total} training steps")
 
     def schedule(self, total: int) -> TrainConfig:
         """This config with the step counts given as a share of the run ("20%") resolved for `total` steps."""

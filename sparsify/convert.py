@@ -35,8 +35,8 @@ from .config import TrainConfig
 from .data import TextData, resolve as resolve_data
 from .errors import ConfigError, DataError
 from .export import ARTIFACTS, check_output_dir, export_checkpoint
-from .load import (check_device, demo_corpus_path, load_config, load_model, parameter_count, require_tokenizer,
-                   resolve_dtype)
+from .load import (check_device, demo_corpus_path, load_config, load_model, load_tokenizer, parameter_count,
+                   require_tokenizer, resolve_dtype, resolve_source)
 from .measure import measure, perplexity
 from .plan import choose_measure, plan_model
 from .tune import capture_mlp_inputs, require_cuda
@@ -114,18 +114,24 @@ def convert(
     measure_kernels: bool | None = None,
     show_progress: bool = True,
     report_to: str = "none",
-) -> dict:
+    dry_run: bool = False,
+) -> dict | None:
     """Convert `source` into a sparse checkpoint at `out`; returns the summary (perplexities, per-layer
     statistics and plan, training log). `text_column`: the column of the data's rows that holds the text.
     `measure_kernels` plans each layer by timing the kernel settings on this GPU (sparsify.tune) instead of by
     the cost model (None: where the cost model does not cover the layer shape, on a GPU). `show_progress` False
     prints only warnings (no settings, progress bars or log lines).
-    `report_to`: the accelerate trackers that get the training log's figures (train.trackers)."""
+    `report_to`: the accelerate trackers that get the training log's figures (train.trackers).
+    `dry_run`: run every check that reads no weight, print the settings, the training state's size and the
+    held-out text, and stop (returns None)."""
     check_device(device)
     launch = PartialState(cpu=on_cpu(device))
     main, processes = launch.is_main_process, launch.num_processes
     out, resume_dir, data_spec, inputs = _check_inputs(source, out, config, data, text_column, device, resume, overwrite,
                                                        max_shard_size, measure_kernels, processes)
+    if dry_run:
+        _dry_run(source, config, device, data_spec, text_column, processes)
+        return None
     report_trackers, fsdp = trackers(report_to), fsdp_launch()[0]
     model, tokenizer, spec, base_model = _load_source(source, config, device, launch, show_progress)
     shown = show_progress and main
@@ -133,11 +139,7 @@ def convert(
     text = TextData(data_spec, tokenizer, config.seq_len, config.eval_tokens, text_column)
     ppl = {}
     if main:
-        held_out, warnings = text.held_out()
-        if shown:
-            console.print(held_out)
-        for warning in warnings:
-            console.print(f"[yellow]warning:[/] {warning}")
+        _report_held_out(text, shown)
     eval_tokens = sum(block.numel() for block in text.eval_blocks)
     labels = [f"{what} ({eval_tokens:,} held-out tokens)" if shown else None
               for what in ("perplexity of the source", "perplexity after the ReLU swap", "measuring the trained model")]
@@ -193,7 +195,7 @@ def _check_inputs(source: str, out, config: TrainConfig, data: str | None, text_
         convert_file_size_to_int(max_shard_size)
     except ValueError:
         raise ConfigError(f"--max-shard-size {max_shard_size!r}: use a number and a unit, e.g. 5GB or 500MB") from None
-    config.validate()
+    config.validate(world=processes)
     if measure_kernels:
         require_cuda(device, "--measure")
     resume_dir = resume_dir_for(out)
@@ -211,6 +213,29 @@ def _check_inputs(source: str, out, config: TrainConfig, data: str | None, text_
     return out, resume_dir, data_spec, inputs
 
 
+def _dry_run(source: str, config: TrainConfig, device: str | None, data_spec, text_column: str, processes: int) -> None:
+    """convert --dry-run after _check_inputs: the source's config (seq-len against its positions, the training
+    state against the GPUs) and tokenizer, the held-out text read as the run would, and what the run prints."""
+    fsdp = fsdp_launch()[0]
+    model_config = load_config(source)[0]
+    parameters = parameter_count(model_config)
+    config.validate(getattr(model_config, "max_position_embeddings", None))
+    console.print(run_summary(parameters, config, processes, fsdp), soft_wrap=True)
+    check_training_memory(parameters, device, processes, fsdp, teacher=config.distill > 0)
+    tokenizer = load_tokenizer(resolve_source(source))
+    require_tokenizer(tokenizer, source)
+    _report_held_out(TextData(data_spec, tokenizer, config.seq_len, config.eval_tokens, text_column), True)
+
+
+def _report_held_out(text: TextData, shown: bool) -> None:
+    """What is held out (where `shown`) and the warnings about it."""
+    held_out, warnings = text.held_out()
+    if shown:
+        console.print(held_out)
+    for warning in warnings:
+        console.print(f"[yellow]warning:[/] {warning}")
+
+
 def _load_source(source: str, config: TrainConfig, device: str | None, launch: PartialState, show_progress: bool):
     """(model, tokenizer, family spec) of `source` in fp32, after printing the run's settings and checking that
     its training state fits the GPUs (under FSDP: loaded into CPU memory, only by the main process where the
@@ -218,14 +243,15 @@ def _load_source(source: str, config: TrainConfig, device: str | None, launch: P
     folder may change while the conversion trains)."""
     fsdp, rank0_loading = fsdp_launch()
     main, processes = launch.is_main_process, launch.num_processes
-    parameters = parameter_count(load_config(source)[0])
+    model_config = load_config(source)[0]
+    parameters = parameter_count(model_config)
+    config.validate(getattr(model_config, "max_position_embeddings", None))  # before any weight is read
     if main and show_progress:
         console.print(run_summary(parameters, config, processes, fsdp), soft_wrap=True)
     check_training_memory(parameters, device, processes, fsdp, teacher=config.distill > 0)
     model, tokenizer, spec = load_model(source, dtype=torch.float32, device="cpu" if fsdp else device,
                                         weights=main or not rank0_loading)
     require_tokenizer(tokenizer, source)
-    config.validate(getattr(model.config, "max_position_embeddings", None))
     return model, tokenizer, spec, _base_model(source)
 
 

@@ -381,9 +381,8 @@ def _prepare(accelerator: Accelerator, model, mlps: list, config: TrainConfig, t
     """The model in training mode, prepared by accelerate (DDP or FSDP2) with AdamW and its cosine schedule, and
     the teacher on this process's device."""
     total = config.total_steps(accelerator.num_processes)
+    config.check_swap(accelerator.num_processes)
     schedule = config.schedule(total)
-    if schedule.swap_steps >= total:  # the trained model must be the ReLU model the export describes
-        raise ConfigError(f"swap-steps {config.swap_steps} must be below the {total} training steps")
     cpu = accelerator.device.type == "cpu"
     model.config.use_cache = False
     if config.grad_checkpointing:
@@ -597,7 +596,9 @@ class _Saver:
         config, total = self.run.config, self.run.total
         # the main process's clock decides, so that every process saves at the same step
         due = bool(config.save_every_minutes) and time.perf_counter() - self.last_save >= 60 * config.save_every_minutes
-        stopping, due = stop.agreed(due) if state.step < total else (False, False)
+        # a stop asked for in the last step stops too: a second Ctrl-C during the measuring and export that
+        # follow would lose the run, where --resume from this state goes straight to them
+        stopping, due = stop.agreed(due)
         if stopping:
             if self.resume_dir is None:
                 raise KeyboardInterrupt

@@ -146,7 +146,19 @@ def test_dry_run_prints_the_resolved_settings_and_stops(files, tmp_path, monkeyp
     text = " ".join(result.output.split())
     assert "lr=0.0003" in text and "swap_steps=20%" in text and "seq_len=32" in text  # command line over recipe
     assert re.search(r"parameters; 2 steps of 64 tokens \(128 tokens\) on 1 process\(es\); training state \d+ MiB", text)
+    assert re.search(r"held out: [\d,]+ tokens of", text)  # read as the run would
     assert not (tmp_path / "out").exists()
+
+
+def test_dry_run_fails_where_the_run_would(files, tmp_path, monkeypatch):
+    """Everything that would stop a run before its first step stops the dry run, no weight read."""
+    monkeypatch.setattr(convert_module, "load_model", None)
+    (tmp_path / "afile").write_text("")
+    for extra, message in ((["-o", tmp_path / "afile" / "out"], "afile is a file"),
+                           (["--swap-steps", 2], "swap-steps 2 must be below the 2 training steps"),
+                           (["--seq-len", 4096], "seq-len 4096 is beyond the model's maximum of"),
+                           (["--data", tmp_path / "nowhere.jsonl"], "nowhere.jsonl does not exist")):
+        assert_user_error(convert(files, "llama", tmp_path / "out", "--dry-run", *extra), message)
 
 
 @pytest.mark.parametrize("flag,expected", [([], None), (["--measure"], True), (["--no-measure"], False)])
@@ -224,6 +236,19 @@ def test_ctrl_c_then_resume(files, tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     log = json.loads((out / "training_log.json").read_text())["log"]
     assert [e["step"] for e in log] == [1, 2, 3, 4, 5]
+    assert not (tmp_path / "out.resume").exists()
+
+
+def test_ctrl_c_in_the_last_step_stops_and_resume_writes_the_checkpoint(files, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    real = data_module.TrainingBatches.__next__
+    monkeypatch.setattr(data_module.TrainingBatches, "__next__", on_read(real, 1, interrupt))  # step 2 of 2
+    assert_user_error(convert(files, "llama", out), "interrupted at step 2 of 2")
+    assert not out.exists() and (tmp_path / "out.resume" / "state.json").is_file()
+    monkeypatch.setattr(data_module.TrainingBatches, "__next__", real)
+    result = convert(files, "llama", out, "--resume")
+    assert result.exit_code == 0, result.output
+    assert [e["step"] for e in json.loads((out / "training_log.json").read_text())["log"]] == [1, 2]
     assert not (tmp_path / "out.resume").exists()
 
 
