@@ -129,10 +129,12 @@ def convert(
     main, processes = launch.is_main_process, launch.num_processes
     out, resume_dir, data_spec, inputs = _check_inputs(source, out, config, data, text_column, device, resume, overwrite,
                                                        max_shard_size, measure_kernels, processes)
+    report_trackers, fsdp = trackers(report_to), fsdp_launch()[0]
     if dry_run:
         _dry_run(source, config, device, data_spec, text_column, processes)
         return None
-    report_trackers, fsdp = trackers(report_to), fsdp_launch()[0]
+    if overwrite and not resume and main:  # starting over: an interrupted run's state must not outlive it
+        discard_saved_state(resume_dir)
     model, tokenizer, spec, base_model = _load_source(source, config, device, launch, show_progress)
     shown = show_progress and main
     measure_kernels = choose_measure(measure_kernels, model.config, device, shown and console.print)
@@ -201,7 +203,7 @@ def _check_inputs(source: str, out, config: TrainConfig, data: str | None, text_
     resume_dir = resume_dir_for(out)
     if not resume and not overwrite and (resume_dir / "state.json").is_file():
         raise ConfigError(f"{resume_dir} holds the training state of an interrupted conversion to {out}: pass "
-                          f"--resume to continue it, or --overwrite to start over (its state is then replaced)")
+                          f"--resume to continue it, or --overwrite to start over (deleting it)")
     if data is None and source != "demo":
         raise DataError("--data is required (local .txt/.jsonl/.parquet files or folder, or a datasets name)")
     data_spec = data or demo_corpus_path()

@@ -35,7 +35,7 @@ AUTO_MAP = {"AutoModelForCausalLM": "modeling_twell.TwellForCausalLM"}
 
 def check_output_dir(out_dir: str | Path, overwrite: bool) -> Path:
     """OUT as a Path; OutputError if it is a file, a non-empty folder and `overwrite` is False, or cannot be
-    made (checked before a conversion trains: the nearest existing folder above it must be writable)."""
+    written (checked before a conversion trains: the nearest existing folder above it must be writable)."""
     out = Path(out_dir).expanduser()
     if out.exists() and not out.is_dir():
         raise OutputError(f"{out}: exists and is not a folder")
@@ -45,9 +45,9 @@ def check_output_dir(out_dir: str | Path, overwrite: bool) -> Path:
     while not above.exists():
         above = above.parent
     if not above.is_dir():
-        raise OutputError(f"{out}: cannot be made, {above} is a file")
-    if not os.access(above, os.W_OK | os.X_OK):
-        raise OutputError(f"{out}: cannot be made, {above} is not writable")
+        raise OutputError(f"{out}: cannot be written, {above} is a file")
+    if not os.access(above, os.W_OK | os.X_OK):  # the checkpoint is staged beside OUT and renamed into place
+        raise OutputError(f"{out}: cannot be written, {above} is not writable")
     return out
 
 

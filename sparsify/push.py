@@ -21,6 +21,7 @@ def push_to_hub(out_dir: str | Path, repo_id: str, *, private: bool = False, tok
         api.upload_folder(repo_id=repo_id, folder_path=folder, repo_type="model", delete_patterns="*",
                           commit_message=f"Upload {folder.name} converted by sparsify")
     except Exception as error:  # HTTP, connection, authentication, local file errors alike: the folder stays
+        retry = f"hf upload {repo_id} {folder} --delete '*'" + (" --private" if private else "")
         raise OutputError(f"push to the Hub repo {repo_id!r} failed ({type(error).__name__}: {error}); the "
-                          f"checkpoint in {folder} is complete: upload it with `hf upload {repo_id} {folder}`") from error
+                          f"checkpoint in {folder} is complete: upload it with `{retry}`") from error
     return str(url)

@@ -99,7 +99,7 @@ def check_resume(resume_dir, config: TrainConfig, processes: int, inputs: dict |
         changed = differences(state.get(key), current)
         if changed:
             raise ConfigError(f"--resume: the state in {resume_dir} was saved {what} ({changed}); resume with the "
-                              "same, or start again without --resume")
+                              "same, or start over with --overwrite instead of --resume")
     saved_processes = state.get("processes", processes)
     if saved_processes != processes:
         raise ConfigError(f"--resume: the state in {resume_dir} was saved by {saved_processes} processes and this "

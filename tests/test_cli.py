@@ -155,6 +155,7 @@ def test_dry_run_fails_where_the_run_would(files, tmp_path, monkeypatch):
     monkeypatch.setattr(convert_module, "load_model", None)
     (tmp_path / "afile").write_text("")
     for extra, message in ((["-o", tmp_path / "afile" / "out"], "afile is a file"),
+                           (["--report-to", "nosuch"], "nosuch"),
                            (["--swap-steps", 2], "swap-steps 2 must be below the 2 training steps"),
                            (["--seq-len", 4096], "seq-len 4096 is beyond the model's maximum of"),
                            (["--data", tmp_path / "nowhere.jsonl"], "nowhere.jsonl does not exist")):

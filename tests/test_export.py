@@ -309,7 +309,7 @@ def test_existing_output(tmp_path, monkeypatch):
         export_checkpoint(model, tokenizer, out, spec=spec, plan=PLAN, training=TRAINING)
     with pytest.raises(OutputError, match="not a folder"):
         check_output_dir(out / "stale.txt", overwrite=True)
-    with pytest.raises(OutputError, match=r"cannot be made, .*stale\.txt is a file"):  # before anything is written
+    with pytest.raises(OutputError, match=r"cannot be written, .*stale\.txt is a file"):  # before anything is written
         export_checkpoint(model, tokenizer, out / "stale.txt" / "sub" / "deeper", spec=spec, plan=PLAN, training=TRAINING)
     with pytest.raises(OutputError, match="does not exist"):
         export_checkpoint(model, tokenizer, tmp_path / "new", spec=spec, plan=PLAN, training=TRAINING,
@@ -377,8 +377,9 @@ def test_push_to_hub_creates_the_repo_and_uploads_once(tmp_path, monkeypatch):
     with pytest.raises(OutputError, match="403"):
         push.push_to_hub(tmp_path, "me/denied")
     with pytest.raises(OutputError, match=rf"ConnectError: \[Errno -2\] Name or service not known\); the checkpoint "
-                                          rf"in {tmp_path} is complete: upload it with `hf upload me/offline {tmp_path}`"):
-        push.push_to_hub(tmp_path, "me/offline")
+                                          rf"in {tmp_path} is complete: upload it with `hf upload me/offline {tmp_path} "
+                                          r"--delete '\*' --private`"):
+        push.push_to_hub(tmp_path, "me/offline", private=True)
     with pytest.raises(OutputError, match="no config.json"):
         push.push_to_hub(tmp_path / "missing", "me/sparse")
 

@@ -92,8 +92,8 @@ def test_router_waits_for_a_heavy_verdict_after_ahead_calls():
 @pytest.mark.gpu
 def test_gpu_router_reads_the_count_without_a_synchronization():
     """On CUDA the window's count comes back through a pinned copy read once its event has completed."""
-    router = ActivityRouter(2048, 5632, 29.0, torch.device("cpu"))
     x = torch.zeros(4096, 8, device="cuda")
+    router = ActivityRouter(2048, 5632, 29.0, x.device)
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(router.WINDOW):
