@@ -187,6 +187,18 @@ class TrainConfig:
         if self.schedule(total).swap_steps >= total:
             raise ConfigError(f"swap-steps {self.swap_steps} must be below the {total} training steps")
 
+    def warnings(self, world: int) -> list[str]:
+        """Settings that run but defeat themselves on `world` processes: a warm-up that does not end within the
+        run (a short run with a recipe's warm-ups, say)."""
+        total = self.total_steps(world)
+        resolved = self.schedule(total)
+        found = []
+        for name, what in (("warmup_steps", "the learning rate"), ("l1_warmup_steps", "the L1 weight")):
+            if getattr(resolved, name) >= total:
+                found.append(f"{name.replace('_', '-')} {getattr(self, name)} is not below the run's {total} steps: "
+                             f"{what} never reaches its set value")
+        return found
+
     def schedule(self, total: int) -> TrainConfig:
         """This config with the step counts given as a share of the run ("20%") resolved for `total` steps."""
         return replace(self, **{name: steps_of(getattr(self, name), total) for name in SHARE_OF_STEPS})

@@ -130,6 +130,8 @@ def convert(
     out, resume_dir, data_spec, inputs = _check_inputs(source, out, config, data, text_column, device, resume, overwrite,
                                                        max_shard_size, measure_kernels, processes)
     report_trackers, fsdp = trackers(report_to), fsdp_launch()[0]
+    for warning in config.warnings(processes) if main else ():
+        console.print(f"[yellow]warning:[/] {warning}")
     if dry_run:
         _dry_run(source, config, device, data_spec, text_column, processes)
         return None

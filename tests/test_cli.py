@@ -147,7 +147,12 @@ def test_dry_run_prints_the_resolved_settings_and_stops(files, tmp_path, monkeyp
     assert "lr=0.0003" in text and "swap_steps=20%" in text and "seq_len=32" in text  # command line over recipe
     assert re.search(r"parameters; 2 steps of 64 tokens \(128 tokens\) on 1 process\(es\); training state \d+ MiB", text)
     assert re.search(r"held out: [\d,]+ tokens of", text)  # read as the run would
+    assert "never reaches its set value" not in text
     assert not (tmp_path / "out").exists()
+    text = " ".join(convert(files, "llama", tmp_path / "out", "--dry-run", "--l1-warmup-steps", 5, "--warmup-steps", 2)
+                    .output.split())
+    assert "l1-warmup-steps 5 is not below the run's 2 steps: the L1 weight never reaches its set value" in text
+    assert "warmup-steps 2 is not below the run's 2 steps: the learning rate never reaches its set value" in text
 
 
 def test_dry_run_fails_where_the_run_would(files, tmp_path, monkeypatch):
