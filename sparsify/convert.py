@@ -42,7 +42,7 @@ from .plan import choose_measure, plan_model
 from .tune import capture_mlp_inputs, require_cuda
 from .relufy import original_mlps, relufy
 from .report import console, plot_training
-from .resume import check_resume, discard_saved_state
+from .resume import check_resume, discard_saved_state, recover_killed_save
 from .train import (TrainResult, check_training_memory, fsdp_launch, gather_model, hybrid_share, on_cpu, train,
                     trackers, training_state_bytes)
 
@@ -127,6 +127,9 @@ def convert(
     check_device(device)
     launch = PartialState(cpu=on_cpu(device))
     main, processes = launch.is_main_process, launch.num_processes
+    if resume and main and recover_killed_save(resume_dir_for(out)):
+        console.print(f"the last save was whole but not yet in place: resuming from it ({resume_dir_for(out)})")
+    launch.wait_for_everyone()
     out, resume_dir, data_spec, inputs = _check_inputs(source, out, config, data, text_column, device, resume, overwrite,
                                                        max_shard_size, measure_kernels, processes)
     report_trackers, fsdp = trackers(report_to), fsdp_launch()[0]

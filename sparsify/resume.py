@@ -25,6 +25,18 @@ def _staging_dir(resume_dir) -> Path:
     return resume_dir.with_name(resume_dir.name + ".tmp")
 
 
+def recover_killed_save(resume_dir) -> bool:
+    """Where a save was killed after its staging folder was whole (state.json is written last) but before it
+    replaced `resume_dir` (removed, or partly removed), the staging folder becomes the saved state. Returns
+    whether it did. Main process only, before the others look at the state."""
+    staging = _staging_dir(resume_dir)
+    if not (staging / "state.json").is_file():
+        return False
+    shutil.rmtree(resume_dir, ignore_errors=True)
+    staging.rename(resume_dir)
+    return True
+
+
 def discard_saved_state(resume_dir) -> None:
     """Removes the saved training state and whatever a save killed midway left beside it."""
     for folder in (resume_dir, _staging_dir(resume_dir)):

@@ -349,6 +349,23 @@ def test_push_to_hub_uploads_the_finished_folder(files, tmp_path, monkeypatch):
     assert "pushed to https://huggingface.co/me/tiny-sparse" in result.output
 
 
+def test_a_save_killed_before_its_rename_resumes(files, tmp_path, monkeypatch):
+    """Killed after the staging folder was whole (state.json written last) but before it replaced the old state,
+    partly removed: --resume continues from the staging folder."""
+    out = tmp_path / "out"
+    real = data_module.TrainingBatches.__next__
+    monkeypatch.setattr(data_module.TrainingBatches, "__next__", on_read(real, 1, interrupt))
+    assert_user_error(convert(files, "llama", out, "--steps", 3), "interrupted at step 2 of 3")
+    (tmp_path / "out.resume").rename(tmp_path / "out.resume.tmp")
+    (tmp_path / "out.resume").mkdir()  # what a half-done removal of the old state leaves
+    monkeypatch.setattr(data_module.TrainingBatches, "__next__", real)
+    result = convert(files, "llama", out, "--steps", 3, "--resume")
+    assert result.exit_code == 0, result.output
+    assert "resuming from it" in result.output
+    assert [e["step"] for e in json.loads((out / "training_log.json").read_text())["log"]] == [1, 2, 3]
+    assert not (tmp_path / "out.resume").exists() and not (tmp_path / "out.resume.tmp").exists()
+
+
 def test_resume_without_state(files, tmp_path):
     assert_user_error(convert(files, "llama", tmp_path / "out", "--resume"), "no saved training state")
     (tmp_path / "out.resume.tmp").mkdir()  # a save killed midway
