@@ -4,7 +4,8 @@ the kernel setting the plan rule would choose for a converted (ReLU) model. Work
 the kernels compute ReLU) and on converted checkpoints, which load here as plain dense ReLU models.
 Without --data, the demo model and checkpoints converted from it use the demo corpus's held-out file;
 other models use the data they were converted on (read from the same column) where a file or folder of the
-name the checkpoint records (no local path) is in the current folder.
+name the checkpoint records (no local path) is in the current folder. On the data a checkpoint trained on,
+without a held-out file, it measures no further than the head that the training held out.
 """
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from pathlib import Path
 
 from twell.layer_plan import LayerPlan
 
-from .data import TextData
+from .card import public_name
+from .data import TextData, resolve as resolve_data
 from .errors import ConfigError, DataError, OutputError, SourceError
 from .export import converted_config, replace_plan
 from .load import check_device, demo_corpus_path, load_config, load_model, require_tokenizer, resolve_source
@@ -41,6 +43,17 @@ def default_data(source: str) -> tuple[str | Path, str]:
     converted_on = f" (it was converted on {recorded}, no file or folder here)" if recorded else ""
     raise DataError(f"--data is required for this model{converted_on}: local .txt/.jsonl/.parquet files or folder, "
                     "or a datasets name")
+
+
+def held_out_head(config, data, seq_len: int) -> int | None:
+    """The tokens a converted checkpoint (of `config`) held out at the head of `data`, in whole `seq_len`
+    blocks, where `data` is the text it trained on (by the name it records) and holds no held-out file: its
+    training read on from there. None elsewhere."""
+    training = (getattr(config, "twell", None) or {}).get("training", {})
+    head = training.get("eval_tokens")
+    if not head or training.get("data") != public_name(data) or resolve_data(data).eval is not None:
+        return None
+    return max(seq_len, head // seq_len * seq_len)
 
 
 def default_seq_len(config, source: str) -> int:
@@ -90,6 +103,11 @@ def analyze(
     require_tokenizer(tokenizer, source)
     seq_len = seq_len or default_seq_len(model.config, source)
     seq_len = min(seq_len, getattr(model.config, "max_position_embeddings", seq_len))
+    head = held_out_head(model.config, data, seq_len)
+    if head is not None and tokens > head:
+        console.print(f"[yellow]warning:[/] measuring {head:,} tokens, not {tokens:,}: the checkpoint trained on {data} "
+                      f"after the {head:,} it held out")
+        tokens = head
     text = TextData(data, tokenizer, seq_len, eval_tokens=tokens, text_column=text_column or "text")
     measured = sum(block.numel() for block in text.eval_blocks)
     stats = measure(model, spec, text.eval_blocks, batch_size, label=f"measuring ({measured:,} tokens)")

@@ -27,6 +27,13 @@ def is_hub_id(name) -> bool:
     return True
 
 
+def public_name(where: str | Path) -> str:
+    """A source or data argument as the checkpoint records it: a local path by its last component (the
+    checkpoint may be pushed, and a local path means nothing elsewhere), else as given (a Hub name)."""
+    path = Path(where).expanduser()
+    return path.resolve().name if path.exists() else str(where)
+
+
 def _percent(value) -> str:
     return "-" if value is None else f"{100 * value:.2f}"
 

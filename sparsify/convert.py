@@ -30,7 +30,7 @@ import torch
 from accelerate import PartialState
 from transformers.utils.hub import convert_file_size_to_int
 
-from .card import is_hub_id
+from .card import is_hub_id, public_name
 from .config import TrainConfig
 from .data import TextData, resolve as resolve_data
 from .errors import ConfigError, DataError
@@ -52,13 +52,6 @@ def _identity(where: str | Path) -> str:
     return str(Path(where).resolve()) if Path(where).exists() else str(where)
 
 
-def _public_name(where: str | Path) -> str:
-    """A source or data argument as the checkpoint records it: a local path by its last component (the
-    checkpoint may be pushed, and a local path means nothing elsewhere), else as given (a Hub name)."""
-    path = Path(where).expanduser()
-    return path.resolve().name if path.exists() else str(where)
-
-
 def _base_model(source: str) -> str:
     """The model `source` was converted from, as the checkpoint records it: a Hub id or "demo" as given; a local
     folder as the Hub id its config.json records in `_name_or_path` (written by save_pretrained before
@@ -67,7 +60,7 @@ def _base_model(source: str) -> str:
         return source
     config = json.loads((Path(source).expanduser() / "config.json").read_text())
     origin = config.get("_name_or_path")
-    return origin if is_hub_id(origin) else _public_name(source)
+    return origin if is_hub_id(origin) else public_name(source)
 
 
 def run_summary(parameters: int, config: TrainConfig, processes: int = 1, sharded: bool = False) -> str:
@@ -298,16 +291,17 @@ def _training_record(base_model: str, data: str | None, text_column: str, config
     paths: the checkpoint may be pushed."""
     return {
         "base_model": base_model,
-        "data": _public_name(data) if data else "demo corpus",
+        "data": public_name(data) if data else "demo corpus",
         "text_column": text_column,
         "tokens": result.tokens,
         "steps": result.steps,
         "seconds": round(result.seconds, 1),
-        "eval_tokens": eval_tokens,
         "perplexity": ppl,
-        **{k: v for k, v in asdict(config).items() if k not in ("steps", "tokens")},
+        **{k: v for k, v in asdict(config).items() if k not in ("steps", "tokens", "eval_tokens")},
+        "eval_tokens": eval_tokens,  # held out and measured on: the setting's count, or less where the text was short
         "max_steps": config.steps,
         "max_tokens": config.tokens,
+        "max_eval_tokens": config.eval_tokens,
     }
 
 

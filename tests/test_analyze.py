@@ -61,6 +61,13 @@ def test_analyze_converted_checkpoint_defaults_to_its_training_data(tmp_path, mo
     assert report["converted"] and "not converted" not in result.output
     # 64 wide, 160 units: narrower than the cost model's shapes, so dense (--measure would time it)
     assert [layer["recommended"]["mode"] for layer in report["layers"]] == ["dense", "dense"]
+    # more tokens than the conversion held out of this one file would measure text it trained on: capped
+    held_out = json.loads((tmp_path / "out" / "config.json").read_text())["twell"]["training"]["eval_tokens"]
+    result = runner.invoke(main, ["analyze", str(tmp_path / "out"), "--tokens", str(held_out + 1000), "--json",
+                                  str(tmp_path / "b.json")])
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "b.json").read_text())["tokens"] == held_out // 32 * 32
+    assert f"measuring {held_out // 32 * 32:,} tokens, not {held_out + 1000:,}" in " ".join(result.output.split())
 
 
 def test_default_data_for_demo_models(tmp_path):
