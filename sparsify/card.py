@@ -34,6 +34,17 @@ def public_name(where: str | Path) -> str:
     return path.resolve().name if path.exists() else str(where)
 
 
+def objective(training: dict) -> str:
+    """The training loss, as the `training` record's settings made it (relative or absolute L1, distillation)."""
+    l1 = training.get("l1")
+    coefficient = "l1" if l1 is None else f"{l1:g}"
+    penalty = (f"{coefficient} * L1 / L1_0, L1_0 the L1 term at the first step" if training.get("l1_relative")
+               else f"{coefficient} * L1")
+    weight = training.get("distill") or 0
+    fit = f"{1 - weight:g} * cross-entropy + {weight:g} * KL(source || trained)" if weight else "cross-entropy"
+    return f"loss = {fit} + {penalty}"
+
+
 def _percent(value) -> str:
     return "-" if value is None else f"{100 * value:.2f}"
 
@@ -73,7 +84,7 @@ def model_card(*, family: str, plan: list[LayerPlan], training: dict, intermedia
     body = f"""# {family} with ReLU-gated, activation-sparse MLPs (TwELL)
 
 Converted by sparsify from `{base}`: the MLP gate activation was replaced by ReLU
-and training continued with an L1 penalty on the MLP hidden activations (loss = cross-entropy + l1 * L1),
+and training continued with an L1 penalty on the MLP hidden activations ({objective(training)}),
 so that almost all hidden units are zero for any token. The MLPs then run on TwELL sparse Triton kernels.
 
 {overall}## Per-layer sparsity and kernel setting

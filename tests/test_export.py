@@ -15,7 +15,7 @@ from helpers import INTERMEDIATE, tiny_input_ids, tiny_model
 from sparsify import export
 from sparsify.remote.generation import cache_arguments
 from sparsify.errors import OutputError
-from sparsify.card import is_hub_id
+from sparsify.card import is_hub_id, objective
 from sparsify.export import GENERATION_FILE, MODELING_FILE, check_output_dir, export_checkpoint
 from twell.reference import forward_reference
 from sparsify.families import FAMILIES, spec_for
@@ -228,6 +228,9 @@ def test_checkpoint_layout(tmp_path):
     assert f"| 0 | 70.5 | {sparsity:.2f} | 1.25 | T64 C2 |" in card.text
     assert "| 1 | 80.0 | 50.00 | 0.00 | dense |" in card.text
     assert "![sparsity.png](sparsity.png)" in card.text and "Tokens used: 4096" in card.text
+    assert "(loss = cross-entropy + 2e-05 * L1)" in card.text  # the record's absolute L1, no distillation
+    assert objective({"l1": 3.5, "l1_relative": True, "distill": 0.5}) == (
+        "loss = 0.5 * cross-entropy + 0.5 * KL(source || trained) + 3.5 * L1 / L1_0, L1_0 the L1 term at the first step")
     assert 'model.generate(input_ids, max_new_tokens=64, cache_implementation="static")' in card.text
 
 
