@@ -21,7 +21,7 @@ from .export import converted_config, replace_plan
 from .load import check_device, demo_corpus_path, load_config, load_model, require_tokenizer, resolve_source
 from .measure import measure
 from .plan import choose_measure, plan_model
-from .report import console
+from .report import console, warn
 from .tune import require_cuda
 
 
@@ -105,8 +105,8 @@ def analyze(
     seq_len = min(seq_len, getattr(model.config, "max_position_embeddings", seq_len))
     head = held_out_head(model.config, data, seq_len)
     if head is not None and tokens > head:
-        console.print(f"[yellow]warning:[/] measuring {head:,} tokens, not {tokens:,}: the checkpoint trained on {data} "
-                      f"after the {head:,} it held out")
+        warn(f"measuring {head:,} tokens, not {tokens:,}: the checkpoint trained on {data} after the {head:,} it "
+             f"held out")
         tokens = head
     text = TextData(data, tokenizer, seq_len, eval_tokens=tokens, text_column=text_column or "text")
     measured = sum(block.numel() for block in text.eval_blocks)

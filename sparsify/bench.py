@@ -25,7 +25,7 @@ from .errors import ConfigError
 from .families import mlp_modules, spec_for
 from .data import TextData, resolve as resolve_data
 from .load import load_config, load_tokenizer, require_tokenizer, resolve_source
-from .report import console
+from .report import warn
 from .measure import gate_hooks
 from .plan import describe
 from .remote.generation import cache_arguments, generate_graphed
@@ -507,7 +507,7 @@ def bench_checkpoint(path: str | Path, *, seq_len: int = 2048, prefill_batches=(
     models = {"dense": AutoModelForCausalLM.from_pretrained(path, **load).to(device).eval(),
               "twell": AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, **load).to(device).eval()}
     if data is None:
-        console.print(f"[yellow]warning:[/] {RANDOM_IDS_WARNING}")
+        warn(RANDOM_IDS_WARNING)
         gen = torch.Generator().manual_seed(0)
 
         def ids(batch, length):

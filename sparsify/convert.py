@@ -41,7 +41,7 @@ from .measure import measure, perplexity
 from .plan import choose_measure, plan_model
 from .tune import capture_mlp_inputs, require_cuda
 from .relufy import original_mlps, relufy
-from .report import console, plot_training
+from .report import console, plot_training, warn
 from .resume import check_resume, discard_saved_state, recover_killed_save
 from .train import (TrainResult, check_training_memory, fsdp_launch, gather_model, hybrid_share, on_cpu, train,
                     trackers, training_state_bytes)
@@ -127,7 +127,7 @@ def convert(
                                                        max_shard_size, measure_kernels, processes)
     report_trackers, fsdp = trackers(report_to), fsdp_launch()[0]
     for warning in config.warnings(processes) if main else ():
-        console.print(f"[yellow]warning:[/] {warning}")
+        warn(warning)
     if dry_run:
         _dry_run(source, config, device, data_spec, text_column, processes)
         return None
@@ -233,7 +233,7 @@ def _report_held_out(text: TextData, shown: bool) -> None:
     if shown:
         console.print(held_out)
     for warning in warnings:
-        console.print(f"[yellow]warning:[/] {warning}")
+        warn(warning)
 
 
 def _load_source(source: str, config: TrainConfig, device: str | None, launch: PartialState, show_progress: bool):

@@ -16,6 +16,11 @@ from .plan import describe
 console = Console(stderr=True)
 
 
+def warn(message: str) -> None:
+    """A warning on the console: wrapped in a terminal, one whole line elsewhere (a log file, CI)."""
+    console.print(f"[yellow]warning:[/] {message}", soft_wrap=not console.is_terminal)
+
+
 LOGGED_SHARE = 0.1  # outside a terminal, a progress line is printed each time this share more of the items is done
 
 

@@ -27,7 +27,7 @@ from . import relufy
 from .config import HYBRID_EXIT, LAUNCHER_GRACE_S, TrainConfig
 from .errors import ConfigError, MissingDependencyError, SparsifyError
 from .families import spec_for
-from .report import console, timestamped
+from .report import console, timestamped, warn
 from .resume import check_resume, load_data_position, load_last_fired, save_state, saved_run_name
 
 
@@ -306,7 +306,7 @@ def train(
     warning = slow_save_warning(sum(p.numel() for p in model.parameters()), accelerator.num_processes,
                                 config.save_every or config.save_every_minutes)
     if warning and resume_dir is not None and accelerator.is_main_process:
-        console.print(f"[yellow]warning:[/] {warning}")
+        warn(warning)
     run = _prepare(accelerator, model, mlps, config, teacher)
     if evaluate is not None:
         with torch.no_grad():
