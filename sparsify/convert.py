@@ -189,8 +189,10 @@ def _check_inputs(source: str, out, config: TrainConfig, data: str | None, text_
     """Fails fast, before any weight is read, on what would stop the conversion later; returns OUT checked, the
     folder of its training state, the data to read and the inputs a resumed run must name again."""
     out = check_output_dir(out, overwrite)
-    if Path(source).exists() and (Path(source).resolve() == out.resolve() or out.resolve() in Path(source).resolve().parents):
-        raise ConfigError(f"-o {out}: the output would replace the source model {source}; write elsewhere")
+    for what, path in (("the source model", source), ("the data", data)):
+        if path is not None and Path(path).exists() and (
+                Path(path).resolve() == out.resolve() or out.resolve() in Path(path).resolve().parents):
+            raise ConfigError(f"-o {out}: the output would replace {what} {path}; write elsewhere")
     try:
         convert_file_size_to_int(max_shard_size)
     except ValueError:

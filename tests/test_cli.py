@@ -182,13 +182,18 @@ def test_measure_flag_reaches_convert_unset_by_default(files, tmp_path, monkeypa
     assert seen["measure_kernels"] is expected
 
 
-def test_convert_refuses_to_replace_its_source(files, tmp_path):
+def test_convert_refuses_to_replace_its_source_or_data(files, tmp_path):
     source = tmp_path / "model"
     shutil.copytree(model_folder(files, "llama"), source)
     for out in (source, tmp_path):
         assert_user_error(run("convert", source, "-o", out, "--data", files / "corpus", "--steps", 1, "--overwrite"),
                           "the output would replace the source model")
     assert (source / "config.json").is_file()
+    corpus = tmp_path / "work" / "corpus"  # --overwrite would delete the text it trains on
+    shutil.copytree(files / "corpus", corpus)
+    assert_user_error(run("convert", source, "-o", tmp_path / "work", "--data", corpus, "--steps", 1, "--overwrite"),
+                      "the output would replace the data")
+    assert any(corpus.iterdir())
 
 
 def test_device_and_out_of_memory_errors_are_one_line(files, tmp_path, monkeypatch):
