@@ -27,6 +27,19 @@ def is_hub_id(name) -> bool:
     return True
 
 
+def source_license(where: str) -> str | None:
+    """The license that the model card of `where` (a local checkpoint folder, or a Hub id) declares in its
+    metadata, which a checkpoint converted from it keeps; None where it has no card, declares none, or the card
+    cannot be read (no network)."""
+    try:
+        if Path(where).is_dir():
+            readme = Path(where) / "README.md"
+            return ModelCard.load(readme).data.license if readme.is_file() else None
+        return ModelCard.load(where).data.license
+    except Exception:  # unreachable Hub, unparsable metadata: the checkpoint records none rather than fail
+        return None
+
+
 def public_name(where: str | Path) -> str:
     """A source or data argument as the checkpoint records it: a local path by its last component (the
     checkpoint may be pushed, and a local path means nothing elsewhere), else as given (a Hub name)."""
@@ -67,6 +80,7 @@ def model_card(*, family: str, plan: list[LayerPlan], training: dict, intermedia
     base = training.get("base_model")
     hub_base = base if is_hub_id(base) else None
     data = ModelCardData(
+        license=training.get("license"),  # the base model's: its terms hold for the weights trained from it
         base_model=hub_base,
         base_model_relation="finetune" if hub_base else None,  # its weights, trained further
         library_name="transformers",

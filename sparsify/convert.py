@@ -30,7 +30,7 @@ import torch
 from accelerate import PartialState
 from transformers.utils.hub import convert_file_size_to_int
 
-from .card import is_hub_id, public_name
+from .card import is_hub_id, public_name, source_license
 from .config import TrainConfig
 from .data import TextData, resolve as resolve_data
 from .errors import ConfigError, DataError
@@ -133,7 +133,7 @@ def convert(
         return None
     if overwrite and not resume and main:  # starting over: an interrupted run's state must not outlive it
         discard_saved_state(resume_dir)
-    model, tokenizer, spec, base_model = _load_source(source, config, device, launch, show_progress)
+    model, tokenizer, spec, origin = _load_source(source, config, device, launch, show_progress)
     shown = show_progress and main
     measure_kernels = choose_measure(measure_kernels, model.config, device, shown and console.print)
     text = TextData(data_spec, tokenizer, config.seq_len, config.eval_tokens, text_column)
@@ -167,7 +167,7 @@ def convert(
             return {"perplexity": ppl, "layers": stats["layers"], "log": result.log}
     plan = plan_model(model, spec, stats, text.eval_blocks, measure_kernels=measure_kernels and main, device=device,
                       mlp_inputs=captured)
-    training = _training_record(base_model, data, text_column, config, result, stats["tokens"], ppl)
+    training = _training_record(origin, data, text_column, config, result, stats["tokens"], ppl)
     summary = {"perplexity": ppl, "layers": stats["layers"], "plan": plan, "training": training, "log": result.log,
                "hybrid_share": hybrid_share(result.log)}
     if not main:
@@ -241,8 +241,8 @@ def _report_held_out(text: TextData, shown: bool) -> None:
 def _load_source(source: str, config: TrainConfig, device: str | None, launch: PartialState, show_progress: bool):
     """(model, tokenizer, family spec) of `source` in fp32, after printing the run's settings and checking that
     its training state fits the GPUs (under FSDP: loaded into CPU memory, only by the main process where the
-    launch config loads on rank 0), and the base model the checkpoint will record (read now: the source
-    folder may change while the conversion trains)."""
+    launch config loads on rank 0), and the base model and its license as the checkpoint will record them
+    (read now: the source folder may change while the conversion trains)."""
     fsdp, rank0_loading = fsdp_launch()
     main, processes = launch.is_main_process, launch.num_processes
     model_config = load_config(source)[0]
@@ -254,7 +254,8 @@ def _load_source(source: str, config: TrainConfig, device: str | None, launch: P
     model, tokenizer, spec = load_model(source, dtype=torch.float32, device="cpu" if fsdp else device,
                                         weights=main or not rank0_loading)
     require_tokenizer(tokenizer, source)
-    return model, tokenizer, spec, _base_model(source)
+    origin = {"base_model": _base_model(source), "license": source_license(resolve_source(source))}
+    return model, tokenizer, spec, origin
 
 
 def _train(model, text: TextData, config: TrainConfig, source_perplexities: Callable, compute_dtype: torch.dtype, *,
@@ -287,12 +288,12 @@ def _train(model, text: TextData, config: TrainConfig, source_perplexities: Call
     return result, mlps
 
 
-def _training_record(base_model: str, data: str | None, text_column: str, config: TrainConfig, result: TrainResult,
+def _training_record(origin: dict, data: str | None, text_column: str, config: TrainConfig, result: TrainResult,
                      eval_tokens: int, ppl: dict) -> dict:
     """The checkpoint's record of the training (config.json's twell.training, training_log.json), without local
-    paths: the checkpoint may be pushed."""
+    paths: the checkpoint may be pushed. `origin`: the base model and its license (_load_source)."""
     return {
-        "base_model": base_model,
+        **origin,
         "data": public_name(data) if data else "demo corpus",
         "text_column": text_column,
         "tokens": result.tokens,

@@ -334,9 +334,23 @@ def test_a_local_source_is_named_without_local_paths(files, tmp_path, name_or_pa
     card = ModelCard.load(tmp_path / "out" / "README.md")
     assert card.data.base_model == base_model
     assert card.data.to_dict().get("base_model_relation") == ("finetune" if base_model else None)
+    assert card.data.license is None and training["license"] is None  # the source's card declares none
     for name in ("README.md", "config.json", "training_log.json"):
         text = (tmp_path / "out" / name).read_text()
         assert str(tmp_path) not in text and str(files) not in text and "/home/me" not in text, name
+
+
+def test_the_source_cards_license_carries_over(files, tmp_path):
+    """The license the source's model card declares is the converted checkpoint's (its weights are the
+    source's, trained further), in the card's metadata and the training record."""
+    source = tmp_path / "licensed"
+    shutil.copytree(model_folder(files, "llama"), source)
+    (source / "README.md").write_text("---\nlicense: apache-2.0\n---\n# a base model\n")
+    result = run("convert", source, "-o", tmp_path / "out", "--data", files / "corpus", "--recipe", files / "recipe.yaml",
+                 "--steps", 1)
+    assert result.exit_code == 0, result.output
+    assert ModelCard.load(tmp_path / "out" / "README.md").data.license == "apache-2.0"
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["twell"]["training"]["license"] == "apache-2.0"
 
 
 def test_push_to_hub_uploads_the_finished_folder(files, tmp_path, monkeypatch):
