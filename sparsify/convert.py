@@ -120,8 +120,8 @@ def convert(
     check_device(device)
     launch = PartialState(cpu=on_cpu(device))
     main, processes = launch.is_main_process, launch.num_processes
-    if resume and main and recover_killed_save(resume_dir_for(out)):
-        console.print(f"the last save was whole but not yet in place: resuming from it ({resume_dir_for(out)})")
+    if resume and main and recover_killed_save(saved := resume_dir_for(out)):
+        console.print(f"the last save was whole but not yet in place: resuming from it ({saved})")
     launch.wait_for_everyone()
     out, resume_dir, data_spec, inputs = _check_inputs(source, out, config, data, text_column, device, resume, overwrite,
                                                        max_shard_size, measure_kernels, processes)
@@ -129,7 +129,10 @@ def convert(
     for warning in config.warnings(processes) if main else ():
         warn(warning)
     if dry_run:
-        _dry_run(source, config, device, data_spec, text_column, processes)
+        _check_source(source, config, device, processes, fsdp, show=True)
+        tokenizer = load_tokenizer(resolve_source(source))
+        require_tokenizer(tokenizer, source)
+        _report_held_out(TextData(data_spec, tokenizer, config.seq_len, config.eval_tokens, text_column), True)
         return None
     if overwrite and not resume and main:  # starting over: an interrupted run's state must not outlive it
         discard_saved_state(resume_dir)
@@ -215,18 +218,16 @@ def _check_inputs(source: str, out, config: TrainConfig, data: str | None, text_
     return out, resume_dir, data_spec, inputs
 
 
-def _dry_run(source: str, config: TrainConfig, device: str | None, data_spec, text_column: str, processes: int) -> None:
-    """convert --dry-run after _check_inputs: the source's config (seq-len against its positions, the training
-    state against the GPUs) and tokenizer, the held-out text read as the run would, and what the run prints."""
-    fsdp = fsdp_launch()[0]
+def _check_source(source: str, config: TrainConfig, device: str | None, processes: int, fsdp: bool,
+                  show: bool) -> None:
+    """What the source's config decides before any weight is read: seq-len against its positions, the run's
+    settings and training state size (printed where `show`), and that state against the GPUs."""
     model_config = load_config(source)[0]
     parameters = parameter_count(model_config)
     config.validate(getattr(model_config, "max_position_embeddings", None))
-    console.print(run_summary(parameters, config, processes, fsdp), soft_wrap=True)
+    if show:
+        console.print(run_summary(parameters, config, processes, fsdp), soft_wrap=True)
     check_training_memory(parameters, device, processes, fsdp, teacher=config.distill > 0)
-    tokenizer = load_tokenizer(resolve_source(source))
-    require_tokenizer(tokenizer, source)
-    _report_held_out(TextData(data_spec, tokenizer, config.seq_len, config.eval_tokens, text_column), True)
 
 
 def _report_held_out(text: TextData, shown: bool) -> None:
@@ -244,13 +245,8 @@ def _load_source(source: str, config: TrainConfig, device: str | None, launch: P
     launch config loads on rank 0), and the base model and its license as the checkpoint will record them
     (read now: the source folder may change while the conversion trains)."""
     fsdp, rank0_loading = fsdp_launch()
-    main, processes = launch.is_main_process, launch.num_processes
-    model_config = load_config(source)[0]
-    parameters = parameter_count(model_config)
-    config.validate(getattr(model_config, "max_position_embeddings", None))  # before any weight is read
-    if main and show_progress:
-        console.print(run_summary(parameters, config, processes, fsdp), soft_wrap=True)
-    check_training_memory(parameters, device, processes, fsdp, teacher=config.distill > 0)
+    main = launch.is_main_process
+    _check_source(source, config, device, launch.num_processes, fsdp, show=main and show_progress)
     model, tokenizer, spec = load_model(source, dtype=torch.float32, device="cpu" if fsdp else device,
                                         weights=main or not rank0_loading)
     require_tokenizer(tokenizer, source)
