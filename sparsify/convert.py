@@ -6,8 +6,8 @@ of the source model's next-token distributions) -> measure on held-out text
 (perplexity after training) -> plan -> export (+ training log JSON and sparsity PNG) -> optional push.
 Weights are trained in fp32 (AdamW updates of ~lr are below bf16's resolution; bf16 autocast on GPU
 does the arithmetic) and exported in the dtype a plain load would use (bf16 on GPU, fp32 on CPU).
-Ctrl-C (and `save_every`, or an error in a single-process run) keeps the training state in `OUT.resume/`, a
-sibling that never looks like a checkpoint; `--resume` continues from it and a finished conversion deletes it.
+Ctrl-C (and `save_every`, or in a single-process run an error during or after training) keeps the training
+state in `OUT.resume/`, a sibling that never looks like a checkpoint; `--resume` continues from it and a finished conversion deletes it.
 The checkpoint, which may be pushed, records its source and data without local paths: a folder by its name (a
 source folder by the Hub id it was saved from, where its config.json has one).
 Under `accelerate launch` every process trains, the main one alone exports and reports. Under FSDP no
@@ -157,27 +157,35 @@ def convert(
     result, mlps = _train(model, text, config, source_perplexities, compute_dtype, fsdp=fsdp, resume_dir=resume_dir,
                           resume=resume, device=device, shown=shown, inputs=inputs, report_to=report_trackers,
                           logging_dir=logging_dir_for(out))
-    model = result.model
-    stats = measure(model, spec, text.eval_blocks, config.batch_size, sharded=result.sharded, label=labels[2])
-    ppl["after training"] = stats["perplexity"]
-    captured = None
-    if result.sharded:
-        if measure_kernels:  # every process runs the forwards; the main one times the layers on them
-            captured = capture_mlp_inputs(model, spec, text.eval_blocks, keep=main)
-        with console.status("gathering the trained weights into CPU memory") if shown else nullcontext():
-            model = gather_model(model, mlps)
-        if model is None:  # another process: the main one plans and exports
-            return {"perplexity": ppl, "layers": stats["layers"], "log": result.log}
-    plan = plan_model(model, spec, stats, text.eval_blocks, measure_kernels=measure_kernels and main, device=device,
-                      mlp_inputs=captured)
-    training = _training_record(origin, data, text_column, config, result, stats["tokens"], ppl)
-    summary = {"perplexity": ppl, "layers": stats["layers"], "plan": plan, "training": training, "log": result.log,
-               "hybrid_share": hybrid_share(result.log)}
-    if not main:
-        return summary
+    # A failure from here on keeps the trained weights (where it came while writing, in the export's dtype: what
+    # the checkpoint holds anyway); --resume goes straight to measuring them.
+    try:
+        model = result.model
+        stats = measure(model, spec, text.eval_blocks, config.batch_size, sharded=result.sharded, label=labels[2])
+        ppl["after training"] = stats["perplexity"]
+        captured = None
+        if result.sharded:
+            if measure_kernels:  # every process runs the forwards; the main one times the layers on them
+                captured = capture_mlp_inputs(model, spec, text.eval_blocks, keep=main)
+            with console.status("gathering the trained weights into CPU memory") if shown else nullcontext():
+                model = gather_model(model, mlps)
+            if model is None:  # another process: the main one plans and exports
+                return {"perplexity": ppl, "layers": stats["layers"], "log": result.log}
+        plan = plan_model(model, spec, stats, text.eval_blocks, measure_kernels=measure_kernels and main,
+                          device=device, mlp_inputs=captured)
+        training = _training_record(origin, data, text_column, config, result, stats["tokens"], ppl)
+        summary = {"perplexity": ppl, "layers": stats["layers"], "plan": plan, "training": training,
+                   "log": result.log, "hybrid_share": hybrid_share(result.log)}
+        if not main:
+            return summary
 
-    model.to(compute_dtype)  # as trained
-    _write(model, tokenizer, out, spec, plan, training, result.log, max_shard_size=max_shard_size, overwrite=overwrite)
+        model.to(compute_dtype)  # as trained
+        _write(model, tokenizer, out, spec, plan, training, result.log, max_shard_size=max_shard_size,
+               overwrite=overwrite)
+    except (Exception, KeyboardInterrupt):
+        if result.save is not None:
+            result.save()
+        raise
     discard_saved_state(resume_dir)
     if push_to_hub:
         from .push import push_to_hub as push

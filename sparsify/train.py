@@ -45,6 +45,9 @@ class TrainResult:
     # weights are sharded over the processes (gather_model makes a whole one).
     model: torch.nn.Module | None = None
     sharded: bool = False
+    # Saves the finished run's state for --resume (which then goes straight to measuring), where a later stage
+    # fails; single-process runs only (see _Saver.after_error), None otherwise.
+    save: Callable[[], None] | None = None
 
 
 TRAINING_BYTES = 16  # a parameter's fp32 weight and gradient and its two fp32 AdamW moments
@@ -322,15 +325,19 @@ def train(
                                                   for k, v in asdict(config).items()},
                               init_kwargs={"tensorboard": {"purge_step": state.step + 1}} if saved else {})
     progress = _progress(show_progress and accelerator.is_main_process, run.total, state.step)
+    saver = _Saver(run, resume_dir, inputs, run_name, progress, state.step)
     try:
         with _tracked(mlps, config.hybrid_max_nnz):
-            _loop(run, state, stream, _Saver(run, resume_dir, inputs, run_name, progress, state.step), progress)
+            _loop(run, state, stream, saver, progress)
     finally:
         if progress and progress.live.is_started:
             progress.stop()
         for tracker in accelerator.trackers:  # not end_training(): it ends the process group, which measuring needs
             tracker.finish()
-    return _finish(run, state)
+    result = _finish(run, state)
+    if run.world == 1 and resume_dir is not None:
+        result.save = lambda: saver.after_error(state)
+    return result
 
 
 def _new_run_name(logging_dir: str | Path | None) -> str:
@@ -611,9 +618,10 @@ class _Saver:
             self.last_save = time.perf_counter()
 
     def after_error(self, state: _RunState) -> None:
-        """An error (bad data, out of memory) saves the last completed step, in single-process runs only: the
-        save is collective, and the other processes wait in a collective of the step that the failed one never
-        reaches (or fail at other points), so they would never join it. There the last periodic save stands."""
+        """An error (bad data, out of memory; or in a stage after training, TrainResult.save) saves the last
+        completed step, in single-process runs only: the save is collective, and the other processes wait in a
+        collective of the step that the failed one never reaches (or fail at other points), so they would never
+        join it. There the last periodic save stands."""
         if self.run.world == 1 and self.resume_dir is not None and state.settled and state.step > self.saved_step:
             self.save(state)
             console.print(f"the training state of step {state.step} of {self.run.total} is saved in {self.resume_dir}: "

@@ -392,14 +392,38 @@ def test_resume_without_state(files, tmp_path):
     assert_user_error(convert(files, "llama", tmp_path / "out", "--resume"), "killed before it finished")
 
 
-def test_failure_while_writing_leaves_no_output(files, tmp_path, monkeypatch):
+def test_failure_while_writing_leaves_no_output_but_the_trained_state(files, tmp_path, monkeypatch):
+    real = export._write
+
     def fail(folder, *args):
         (folder / "config.json").write_text("{}")
         raise OSError("No space left on device")
 
     monkeypatch.setattr(export, "_write", fail)
-    assert_user_error(convert(files, "llama", tmp_path / "out"), "No space left on device")
-    assert list(tmp_path.iterdir()) == []
+    result = convert(files, "llama", tmp_path / "out")
+    assert_user_error(result, "No space left on device")
+    assert "the training state of step 2 of 2 is saved" in " ".join(result.output.split())
+    assert [p.name for p in tmp_path.iterdir()] == ["out.resume"]
+    monkeypatch.setattr(export, "_write", real)
+    result = convert(files, "llama", tmp_path / "out", "--resume")  # trains nothing: measures, plans and writes
+    assert result.exit_code == 0, result.output
+    assert [e["step"] for e in json.loads((tmp_path / "out" / "training_log.json").read_text())["log"]] == [1, 2]
+    assert convert(files, "llama", tmp_path / "again").exit_code == 0
+    written, again = (load_file(tmp_path / name / "model.safetensors") for name in ("out", "again"))
+    for name in again:
+        torch.testing.assert_close(written[name], again[name], rtol=0, atol=0, msg=name)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["again", "out"]
+
+
+def test_a_failure_while_measuring_keeps_the_trained_state(files, tmp_path, monkeypatch):
+    def out_of_memory(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(convert_module, "measure", out_of_memory)
+    result = convert(files, "llama", tmp_path / "out")
+    assert isinstance(result.exception, torch.cuda.OutOfMemoryError)
+    assert not (tmp_path / "out").exists()
+    assert json.loads((tmp_path / "out.resume" / "state.json").read_text())["step"] == 2
 
 
 def gpt2_folder(root):
