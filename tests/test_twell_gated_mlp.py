@@ -751,6 +751,22 @@ def test_gpu_heavy_rows_deterministic_and_capturable(m):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m", [8, 64, 512, 4096])
+def test_gpu_fp32_stays_fp32_with_heavy_rows(m):
+    """fp32 inputs at the default precision take fp32 products on every path, the decode tiles' partial rows
+    and the dense block of heavy rows included: within fp32's error of an fp64 block (TF32 is ~100x off)."""
+    x, gate, up, down = block(m, 2048, 5632, k=29)
+    x[m // 2, 0] = NormalDist().inv_cdf(1 - 2000 / 5632) / NormalDist().inv_cdf(1 - 29 / 5632)
+    x[-1, 0] = -30.0  # every unit active
+    x64, gate64, up64, down64 = (t.double() for t in (x, gate, up, down))
+    ref = (torch.relu(x64 @ gate64.t()) * (x64 @ up64.t())) @ down64.t()
+    out = twell.gated_mlp(x, gate, up, twell.prepare_down(down), precision="default")
+    assert rel_err(out, ref) < 1e-5
+    for row in (m // 2, m - 1):
+        assert rel_err(out[row], ref[row]) < 1e-5, row
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_gpu_tensors_on_a_gpu_that_is_not_current():
     """A model spread over GPUs (device_map) runs each layer on its GPU without making it current: the
