@@ -93,6 +93,13 @@ text_column_option = click.option("--text-column", default="text", show_default=
                                   help=TEXT_COLUMN_HELP + ".")
 
 
+def measure_option(what: str):
+    return click.option("--measure/--no-measure", "measure_kernels", default=None,
+                        help=f"{what} by timing the candidates on this GPU (CUDA only), or by the cost model. "
+                             "Default: timed on a GPU where the layers are narrower than the cost model's shapes "
+                             "(hidden size 896, 4864 units), which it would plan dense.")
+
+
 @main.command()
 @click.argument("source")
 @click.option("-o", "--out", required=True, type=click.Path(file_okay=False), help="Output checkpoint folder.")
@@ -111,10 +118,7 @@ text_column_option = click.option("--text-column", default="text", show_default=
               help="Upload OUT to this Hub repository (created if needed; files of an earlier upload that OUT "
                    "lacks are deleted).")
 @click.option("--private", is_flag=True, help="With --push-to-hub: make a new repository private.")
-@click.option("--measure/--no-measure", "measure_kernels", default=None,
-              help="Choose each layer's kernel setting by timing the candidates on this GPU (CUDA only), or by the "
-                   "cost model. Default: timed on a GPU where the layers are narrower than the cost model's shapes "
-                   "(hidden size 896, 4864 units), which it would plan dense.")
+@measure_option("Choose each layer's kernel setting")
 @click.option("--dry-run", is_flag=True,
               help="Check everything a run checks before reading weights (OUT, the data, the settings against the "
                    "model's config, its tokenizer, the GPUs' memory), print the resolved settings, the training "
@@ -168,10 +172,7 @@ def convert(source, out, data, text_column, recipe, device, resume, overwrite, m
 @click.option("--device", help="cpu or cuda (default: cuda if available).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write all statistics to this JSON file.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write a heatmap PNG (layers x token position).")
-@click.option("--measure/--no-measure", "measure_kernels", default=None,
-              help="Recommend kernel settings by timing the candidates on this GPU (CUDA only), or by the cost "
-                   "model. Default: as convert (timed on a GPU where the layers are narrower than the cost model's "
-                   "shapes).")
+@measure_option("Recommend kernel settings")
 @click.option("--write-plan", is_flag=True,
               help="Give the checkpoint (a local converted one) the recommended settings in place of its own: "
                    "config.json's plan and the model card; the weights stay. With --measure: planned for this GPU.")

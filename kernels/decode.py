@@ -72,7 +72,7 @@ def decode_out_config(m: int, d: int, tiles: int) -> dict:
 def decode_tile_stride(width: int, tile: int, m: int, sms: int | None) -> int:
     """Decode tile width (units a gate program streams) on a GPU of `sms` SMs (None: not a GPU, the tile).
     Above 16 rows: I / #SMs where that fits in the tile, one program per SM (I / 64 programs leave SMs
-    idle: 88 of 132 at I = 5632), which measured faster at 64 rows and slower at 1 and 8. At least half the
+    idle: 88 of 132 at I = 5632); at 1-16 rows the tile. At least half the
     tile, so that a narrow layer does not pay for mostly empty T-wide blocks."""
     if sms is None or m <= 16:
         return tile

@@ -70,7 +70,6 @@ if _HAS_TRITON:
             if HOT:  # hot units are dense columns, computed outside
                 pos = pos & (tl.load(cold_ptr + cols, mask=cols < I, other=0) != 0)[None, :]
             # prefix sum over the positive mask: each value's slot, sorted by unit, deterministic
-            # (a triangular-ones matmul on the tensor cores instead measured slower)
             incl = tl.cumsum(pos.to(tl.int32), 1)
             slot = count[:, None] + incl - 1
             keep = pos & (slot < E)

@@ -1,11 +1,11 @@
 """A decoder layer's kernel plan: the contract between the sparsify toolkit, which writes it into config.json's
 "twell" section, and the modeling file, which runs it.
 
-Format version 1 (every checkpoint written so far; a section without "format_version" reads as 1):
+Format version 1 (a section without "format_version" reads as 1):
     "twell": {"format_version": 1, ..., "layers": [entry, ...]}
     entry: {"mode": "sparse", "tile": 128, "compression": 8, "sparse_tokens": [[1, 64], [700, null]],
             "stats": {"mean_active": 27.1, ...}}  or  {"mode": "dense", "stats": {...}}
-A sparse entry without "sparse_tokens" (written before token windows existed) runs at every token count;
+A sparse entry without "sparse_tokens" runs at every token count;
 an entry without "mode" is dense.
 """
 from __future__ import annotations

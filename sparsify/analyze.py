@@ -18,15 +18,20 @@ from .card import public_name
 from .data import TextData, resolve as resolve_data
 from .errors import ConfigError, DataError, OutputError, SourceError
 from .export import converted_config, replace_plan
-from .load import check_device, demo_corpus_path, load_config, load_model, require_tokenizer, resolve_source
+from .load import (check_device, demo_corpus_path, load_config, load_model, require_cuda, require_tokenizer,
+                   resolve_source)
 from .measure import measure
 from .plan import choose_measure, plan_model
 from .report import console, warn
-from .tune import require_cuda
 
 
 def _entry_without_stats(plan: LayerPlan) -> dict:
     return {key: value for key, value in plan.to_json().items() if key != "stats"}
+
+
+def training_record(config) -> dict:
+    """A converted checkpoint's record of its training (config.json's twell.training; empty for another model)."""
+    return (getattr(config, "twell", None) or {}).get("training", {})
 
 
 def default_data(source: str) -> tuple[str | Path, str]:
@@ -34,7 +39,7 @@ def default_data(source: str) -> tuple[str | Path, str]:
     if source == "demo":
         return demo_corpus_path(), "text"
     config, _ = load_config(source)
-    training = (getattr(config, "twell", None) or {}).get("training", {})
+    training = training_record(config)
     if training.get("base_model") == "demo":
         return demo_corpus_path(), "text"
     recorded = training.get("data")
@@ -49,7 +54,7 @@ def held_out_head(config, data, seq_len: int) -> int | None:
     """The tokens a converted checkpoint (of `config`) held out at the head of `data`, in whole `seq_len`
     blocks, where `data` is the text it trained on (by the name it records) and holds no held-out file: its
     training read on from there. None elsewhere."""
-    training = (getattr(config, "twell", None) or {}).get("training", {})
+    training = training_record(config)
     head = training.get("eval_tokens")
     if not head or training.get("data") != public_name(data) or resolve_data(data).eval is not None:
         return None
@@ -61,7 +66,7 @@ def default_seq_len(config, source: str) -> int:
     converted checkpoint was trained at, else the one `convert` would use (its default recipe)."""
     from .config import load_recipe
 
-    trained = (getattr(config, "twell", None) or {}).get("training", {}).get("seq_len")
+    trained = training_record(config).get("seq_len")
     return trained or load_recipe(None, source).get("seq_len", 1024)
 
 

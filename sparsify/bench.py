@@ -24,12 +24,11 @@ from twell.layer_plan import layer_plans
 from .errors import ConfigError
 from .families import mlp_modules, spec_for
 from .data import TextData, resolve as resolve_data
-from .load import load_config, load_tokenizer, require_tokenizer, resolve_source
-from .report import warn
+from .load import load_config, load_tokenizer, require_cuda, require_tokenizer, resolve_source
+from .report import describe, warn
 from .measure import gate_hooks
-from .plan import describe
 from .remote.generation import cache_arguments, generate_graphed
-from .tune import relative_error, require_cuda
+from .tune import relative_error
 
 PROMPT_TOKENS = 16
 CHECK_BATCH, CHECK_NEW = 4, 32  # greedy agreement: prompts of PROMPT_TOKENS, CHECK_NEW new tokens
@@ -264,8 +263,8 @@ MAX_ROUNDS = 100
 def _median_seconds(fns: dict, warmup: int = 1, repeats: int = 3) -> tuple[dict, dict, dict]:
     """Median wall time of each fn() between CUDA events, all its timed calls' seconds, and each one's last
     output: `repeats` rounds, more while a function has less than MIN_TIMED_S of timed calls. The functions take
-    turns, so that a drift of the host's speed during the run (seen on shared GPU hosts: the same eager
-    `generate` 1.8x slower a minute later) falls on all of them alike."""
+    turns, so that a drift of the host's speed during the run (a shared GPU host's can change within a minute)
+    falls on all of them alike."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -423,8 +422,8 @@ def capture_step(model, context: torch.Tensor, compiled: bool = False):
     graph.replay()
     error = relative_error(replayed.float(), eager.float())
     if error > 1e-3:
-        print(f"WARNING: {model.__class__.__name__}: the CUDA-graph decode step at batch {batch} differs from the "
-              f"eager one (relative error {error:.1e})", flush=True)
+        warn(f"{model.__class__.__name__}: the CUDA-graph decode step at batch {batch} differs from the eager one "
+             f"(relative error {error:.1e})")
     return graph.replay, torch.inference_mode()(step), replayed.clone(), error
 
 

@@ -10,7 +10,7 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from twell.layer_plan import LayerPlan
 
-from .plan import describe
+from .report import describe
 
 TAGS = ["sparsify", "twell", "relu", "activation-sparsity", "sparse"]
 

@@ -36,10 +36,10 @@ from .data import TextData, resolve as resolve_data
 from .errors import ConfigError, DataError
 from .export import ARTIFACTS, check_output_dir, export_checkpoint
 from .load import (check_device, demo_corpus_path, load_config, load_model, load_tokenizer, parameter_count,
-                   require_tokenizer, resolve_dtype, resolve_source)
+                   require_cuda, require_tokenizer, resolve_dtype, resolve_source)
 from .measure import measure, perplexity
 from .plan import choose_measure, plan_model
-from .tune import capture_mlp_inputs, require_cuda
+from .tune import capture_mlp_inputs
 from .relufy import original_mlps, relufy
 from .report import console, plot_training, warn
 from .resume import check_resume, discard_saved_state, recover_killed_save

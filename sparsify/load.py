@@ -78,6 +78,14 @@ def _load_config(where: str, source):
     return config, spec_for(config)
 
 
+def require_cuda(device, what: str) -> torch.device:
+    """The CUDA device to run on; ConfigError naming `what` when there is none."""
+    device = torch.device(device or "cuda")
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise ConfigError(f"{what} needs a CUDA GPU (got device {device}, CUDA available: {torch.cuda.is_available()})")
+    return device
+
+
 def check_device(device: str | None) -> None:
     """ConfigError for a --device this machine cannot run on (a CUDA device without CUDA, or no such device)."""
     if device is None:

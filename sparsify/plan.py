@@ -25,11 +25,12 @@ import torch
 from twell.cost_model import FITTED_MIN_HIDDEN, FITTED_MIN_INTERMEDIATE, GATHER, dense_time, twell_time
 from twell.decode import DECODE_TILE
 from twell.format import decode_rows, decode_slots
-from twell.layer_plan import ALL_TOKENS, LayerPlan, Mode
+from twell.layer_plan import LayerPlan, Mode
 
 from .errors import ConfigError
 from .families import FamilySpec, down_weight, gate_weight, has_bias, mlp_modules, up_weight
-from .tune import CANDIDATES, TOKENS, activity, capture_mlp_inputs, require_cuda, time_layer, time_window
+from .load import require_cuda
+from .tune import CANDIDATES, TOKENS, activity, capture_mlp_inputs, time_layer, time_window
 
 # token counts the cost model judges a setting at: decode steps of a few sequences, both sides of the decode
 # path's ends (16 or 64 rows), then prefills
@@ -207,15 +208,3 @@ def plan_model(model, spec, stats: dict, blocks, *, measure_kernels: bool = Fals
     if measure_kernels:
         return measure_plan(model, spec, blocks, device=device, mlp_inputs=mlp_inputs)
     return plan_layers(stats["layers"], hidden_size=model.config.hidden_size)
-
-
-def describe(layer: LayerPlan | None) -> str:
-    """Short text of a layer's setting for tables: 'T256 C8', 'T128 C8 at 1-64, 700+', 'dense', or '-' for
-    none (a model that is not converted)."""
-    if layer is None:
-        return "-"
-    if not layer.is_sparse:
-        return "dense"
-    where = "" if layer.sparse_tokens == ALL_TOKENS else " at " + ", ".join(
-        f"{lo}+" if hi is None else f"{lo}-{hi}" for lo, hi in layer.sparse_tokens)
-    return f"T{layer.tile} C{layer.compression}{where}"

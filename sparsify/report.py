@@ -9,9 +9,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from twell.layer_plan import LayerPlan
-
-from .plan import describe
+from twell.layer_plan import ALL_TOKENS, LayerPlan
 
 console = Console(stderr=True)
 
@@ -19,6 +17,18 @@ console = Console(stderr=True)
 def warn(message: str) -> None:
     """A warning on the console: wrapped in a terminal, one whole line elsewhere (a log file, CI)."""
     console.print(f"[yellow]warning:[/] {message}", soft_wrap=not console.is_terminal)
+
+
+def describe(layer: LayerPlan | None) -> str:
+    """Short text of a layer's setting for tables: 'T256 C8', 'T128 C8 at 1-64, 700+', 'dense', or '-' for
+    none (a model that is not converted)."""
+    if layer is None:
+        return "-"
+    if not layer.is_sparse:
+        return "dense"
+    where = "" if layer.sparse_tokens == ALL_TOKENS else " at " + ", ".join(
+        f"{lo}+" if hi is None else f"{lo}-{hi}" for lo, hi in layer.sparse_tokens)
+    return f"T{layer.tile} C{layer.compression}{where}"
 
 
 LOGGED_SHARE = 0.1  # outside a terminal, a progress line is printed each time this share more of the items is done
@@ -51,9 +61,10 @@ def timestamped(text: str, seconds: float, done: int, total: int) -> str:
 
 def layer_table(layer_stats: list[dict], plan: list[LayerPlan | None], title: str,
                 hybrid_share: list[float] | None = None) -> Table:
-    """Per layer: active units per token (mean / median / p99 / max), sparsity, dead units, the
-    p99.9 of active units per (token, 256-wide tile) and the planned kernel setting (None: "-"); with `hybrid_share`
-    (convert), the share of training steps the layer spent on the hybrid kernels, if any did."""
+    """Per layer: active units per token (mean / median / p99 / max), sparsity, dead units, the p99.9 of active
+    units per (token, tile) at the planned tile (else the widest measured) and the planned kernel setting (None:
+    "-"); with `hybrid_share` (convert), the share of training steps the layer spent on the hybrid kernels, if any
+    did."""
     show_hybrid = any(hybrid_share or [])
     table = Table(title=f"{title}; active units per token of {layer_stats[0]['units']}")
     for column in ("layer", "mean", "median", "p99", "max", "sparsity %", "dead %", "tile p99.9", "setting"):

@@ -69,9 +69,9 @@ def save_state(accelerator: Accelerator, resume_dir, state: dict, last_fired: to
 
 
 def saved_run_name(resume_dir) -> str | None:
-    """The tracker run name saved with the state in `resume_dir` (None: no state, or one saved without it)."""
+    """The tracker run name saved with the state in `resume_dir` (None: no state)."""
     path = Path(resume_dir) / "state.json" if resume_dir is not None else None
-    return json.loads(path.read_text()).get("run_name") if path is not None and path.is_file() else None
+    return json.loads(path.read_text())["run_name"] if path is not None and path.is_file() else None
 
 
 def load_last_fired(resume_dir, device) -> torch.Tensor | None:
@@ -81,10 +81,9 @@ def load_last_fired(resume_dir, device) -> torch.Tensor | None:
 
 
 def load_data_position(resume_dir) -> dict | None:
-    """The data stream's position saved with the state in `resume_dir` (None: the stream had none, or the state
-    was saved without one, and the stream skips the consumed batches by reading them)."""
-    path = Path(resume_dir) / "data_position.pt"
-    return torch.load(path) if path.is_file() else None
+    """The data stream's position saved with the state in `resume_dir` (None: the stream had none, and skips the
+    consumed batches by reading them)."""
+    return torch.load(Path(resume_dir) / "data_position.pt")
 
 
 def check_resume(resume_dir, config: TrainConfig, processes: int, inputs: dict | None = None) -> dict:
@@ -112,7 +111,7 @@ def check_resume(resume_dir, config: TrainConfig, processes: int, inputs: dict |
         if changed:
             raise ConfigError(f"--resume: the state in {resume_dir} was saved {what} ({changed}); resume with the "
                               "same, or start over with --overwrite instead of --resume")
-    saved_processes = state.get("processes", processes)
+    saved_processes = state["processes"]
     if saved_processes != processes:
         raise ConfigError(f"--resume: the state in {resume_dir} was saved by {saved_processes} processes and this "
                           f"run has {processes}: launch {saved_processes}")

@@ -79,8 +79,8 @@ def check_training_memory(parameters: int, device: str | None, processes: int, s
                           f"and this GPU has {total / 2**30:.0f} GiB: {fix}")
 
 
-# A sharded training state above this size takes longer than that to write (6.5B parameters, 97 GiB: 87 s on
-# 2 H100s, benchmarks/results/fsdp_scale_check_save_h100x2.json)
+# A sharded training state above this size takes longer to write than a launcher waits after a Ctrl-C
+# (docs/performance.md, "Training under FSDP")
 SLOW_SAVE_GIB = 30
 
 
@@ -92,8 +92,7 @@ def slow_save_warning(parameters: int, processes: int, save_every: float) -> str
     if processes < 2 or save_every or gib <= SLOW_SAVE_GIB:
         return None
     return (f"the training state is {gib:.0f} GiB: after a Ctrl-C, `accelerate launch` and torchrun kill the "
-            f"processes within {LAUNCHER_GRACE_S} s, before a state this size is written (97 GiB took 87 s on "
-            "2 H100s), and the run could not be resumed; pass --save-every N or --save-every-minutes M to also "
+            f"processes within {LAUNCHER_GRACE_S} s, before a state this size is written, and the run could not be resumed; pass --save-every N or --save-every-minutes M to also "
             "save it periodically")
 
 
@@ -262,7 +261,7 @@ class _RunState:
         and RNG into the prepared objects."""
         accelerator.load_state(resume_dir)
         return cls(started=time.perf_counter() - saved["seconds"], step=saved["step"], batches=saved["batches"],
-                   log=saved["log"], l1_reference=saved.get("l1_reference"),
+                   log=saved["log"], l1_reference=saved["l1_reference"],
                    last_fired=load_last_fired(resume_dir, accelerator.device))
 
 
@@ -756,7 +755,7 @@ def _log_line(entry: dict, total: int, seconds: float) -> str:
 
 class _StopRequest:
     """SIGINT and SIGTERM during training, as a request to stop after the step in progress. The handlers only
-    note the signal; at each step's end the processes agree (a one-int all-reduce over a CPU process group,
+    note the signal; at each step's end the processes agree (a two-int all-reduce over a CPU process group,
     no GPU sync), so that all of them stop after the same step even when the signal reaches them at
     different points of it, or reaches only some of them. Further signals while the state is saved are
     noted and ignored."""

@@ -16,21 +16,13 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from .errors import ConfigError
 from .families import FamilySpec, mlp_modules
+from .measure import COMPRESSIONS, TILES
 
-CANDIDATES = tuple(itertools.product((64, 128, 256), (16, 8, 4, 2)))
+CANDIDATES = tuple(itertools.product(TILES, COMPRESSIONS[::-1]))  # the settings measure reports statistics for
 TOKENS = 16384  # a 16k-token prefill, the regime of the paper's benchmark: the count a setting is chosen at
 WINDOW = (1, 4, 16, 17, 64, 65, 128, 256, 512, 1024, 4096)  # token counts timed for the window (< TOKENS)
 GRAPH_TOKENS = 1024
-
-
-def require_cuda(device, what: str) -> torch.device:
-    """The CUDA device to run on; ConfigError naming `what` when there is none."""
-    device = torch.device(device or "cuda")
-    if device.type != "cuda" or not torch.cuda.is_available():
-        raise ConfigError(f"{what} needs a CUDA GPU (got device {device}, CUDA available: {torch.cuda.is_available()})")
-    return device
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -87,7 +79,7 @@ def time_layer(x, gate, up, down, candidates) -> dict:
                          "rel_err": dense_err}}
     down_t = twell.prepare_down(down)
     units = gate.shape[0]
-    for tile, compression in [(t, c) for t, c in candidates if t <= units]:  # as measure's tiles
+    for tile, compression in [(t, c) for t, c in candidates if t <= units]:
         overflow = torch.zeros(1, dtype=torch.int64, device=x.device)
         out = twell.gated_mlp(x, gate, up, down_t, tile=tile, compression=compression, overflow=overflow)
         err = relative_error(out, ref)

@@ -3,7 +3,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from sparsify.plan import (TOKEN_GRID, choose_measure, describe, measured_by_default, plan_layer, plan_layers,
+from sparsify.report import describe
+from sparsify.plan import (TOKEN_GRID, choose_measure, measured_by_default, plan_layer, plan_layers,
                            predicted_speedup, token_ranges)
 from twell.layer_plan import ALL_TOKENS, Mode
 
