@@ -19,7 +19,7 @@ positive), so every (row, tile) overflows: the cost of the decode overflow fallb
   python benchmarks/bench_inference.py --heavy-block --json out.json  # the dense block of heavy rows alone
   python benchmarks/bench_inference.py --decode-first-token --json out.json  # one such token in a decode-size call
   python benchmarks/bench_inference.py --decode-paths --json out.json  # decode against batched path, 8-64 tokens
-  python benchmarks/bench_inference.py --decode-rules --json out.json  # decode launch rules against the old ones
+  python benchmarks/bench_inference.py --decode-rules --json out.json  # decode launch rules against the ones they replace
   python benchmarks/bench_inference.py --decode-rules heavy_tiles --json out.json  # only these rules
   python benchmarks/bench_inference.py --host-time --json out.json     # host time of one call, eager
   python benchmarks/bench_inference.py --sweep       # launch-config sweep at D=2048, I=5632
@@ -131,8 +131,8 @@ def twell_out(x, packed, w, cfg, packed_h=False):
 
 def plan_launches(x, layers, tile=128, compression=8):
     """The gate launch and the out launch of twell.gated_mlp's plan for x, each a function of a layer copy,
-    launches and buffers made once (built at each call, the Hopper gate launch cost ~0.2 ms of host time,
-    which do_bench counted at 2048 tokens). The out launches start with the list pre-pass, which compacts
+    launches and buffers made once (built at each call, the Hopper gate launch's host time would count in
+    do_bench's times at small token counts). The out launches start with the list pre-pass, which compacts
     the TwELL in place: out calls repeated without a gate call between them do the same work on reshuffled
     lists (fine for timing; their outputs mean nothing)."""
     plan = sys.modules["twell.gated_mlp"]._Launches(x, layers[0]["gate"], layers[0]["up"], tile, compression,

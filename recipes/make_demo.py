@@ -5,12 +5,12 @@ install has: the standard library's own documentation, rendered by pydoc from th
 (module, class and function docstrings with signatures) plus the language reference topics that pydoc
 ships (pydoc_data.topics). Three stages, each writing into sparsify/demo/:
 
-    python recipes/make_demo.py corpus      # ~10 s: corpus/train.jsonl, corpus/valid.jsonl (by document, 95/5)
-    python recipes/make_demo.py tokenizer   # ~2 s: byte-level BPE, vocab 4096, saved into model/
-    python recipes/make_demo.py pretrain --device cuda   # model/ weights: 1200 steps (best kept), ~35 s on one H100
+    python recipes/make_demo.py corpus      # corpus/train.jsonl, corpus/valid.jsonl (by document, 95/5)
+    python recipes/make_demo.py tokenizer   # byte-level BPE, vocab 4096, saved into model/
+    python recipes/make_demo.py pretrain --device cuda   # model/ weights: 1200 steps (best kept)
     python recipes/make_demo.py all --device cuda        # the three in order
 
-Pretraining also runs on CPU, slowly: `pretrain --device cpu --minutes 60` (roughly 2-3 s a step on 2 cores).
+Pretraining also runs on CPU, slowly: `pretrain --device cpu --minutes 60`.
 The corpus depends on the Python version (corpus/README.md records it); seeds are fixed. Pretraining
 ends at --steps or after --minutes, whichever comes first (the cosine schedule follows whichever is
 nearer), and keeps the weights with the best validation loss.
