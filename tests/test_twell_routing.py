@@ -122,3 +122,54 @@ def test_short_prefills_run_dense_and_decode_steps_keep_the_kernels():
     assert not short_prefill(torch.Size([rows, 8]), *small)  # rows without sequences
     assert decode_rows(*large) < rows
     assert not short_prefill(torch.Size([1, decode_rows(*large) + 1, 8]), *large)
+
+
+def test_router_judges_a_window_without_sampled_rows_at_the_planned_activity(monkeypatch):
+    """Where every row of a window was heavy, no row was sampled for its units: the verdict takes the plan's
+    mean active units for the others."""
+    router = ActivityRouter(2048, 5632, 29.0, torch.device("cpu"))
+    verdicts = []
+    monkeypatch.setattr(ActivityRouter, "loses", lambda self, *measured: verdicts.append(measured) or False)
+    assert feed(router, 4096, 4096, router.WINDOW + 1) == router.WINDOW + 1
+    assert verdicts == [(1.0, 4096.0, 29.0)]
+
+
+@pytest.mark.gpu
+def test_gpu_modeling_file_runs_short_prefills_and_short_eager_calls_dense(tmp_path, monkeypatch):
+    """On a GPU the modeling file keeps the kernels off a captured prefill of a few tokens a sequence (heavy
+    first tokens, `short_prefill`) and off an eager call whose dense block is short (`eager_dense`); a captured
+    decode step and a captured call past the decode rows take them."""
+    from transformers import AutoModelForCausalLM
+
+    from sparsify.export import export_checkpoint
+    from test_export import PLAN, TRAINING, _relufied, _remote_module
+    from twell.format import decode_rows
+
+    model, tokenizer, spec = _relufied("llama")
+    out = export_checkpoint(model, tokenizer, tmp_path / "ckpt", spec=spec, plan=PLAN, training=TRAINING)
+    remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.bfloat16).cuda()
+    module, mlp = _remote_module(remote), remote.model.layers[0].mlp
+    kernel, calls = module.gated_mlp, []
+    monkeypatch.setattr(module, "gated_mlp",
+                        lambda x, *a, **k: calls.append(tuple(x.shape[:-1])) or kernel(x, *a, **k))
+    d = remote.config.hidden_size
+    rows = decode_rows(d, mlp.width)
+
+    def captured(shape):
+        x = torch.randn(*shape, d, device="cuda", dtype=torch.bfloat16)
+        mlp(x)  # warm-up outside the capture (Triton compiles, the graphs' pool)
+        graph = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(graph):
+            mlp(x)
+
+    with torch.no_grad():
+        captured((2, 5))
+        assert calls == []
+        captured((4, 1))
+        assert (4, 1) in calls
+        calls.clear()
+        captured((1, rows + 16))
+        assert (1, rows + 16) in calls
+        calls.clear()
+        mlp(torch.randn(1, rows + 16, d, device="cuda", dtype=torch.bfloat16))  # eager: host-bound, dense
+        assert calls == []
