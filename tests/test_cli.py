@@ -579,3 +579,36 @@ def test_report_to_names_a_tracker_that_is_unknown_or_not_installed(files, tmp_p
                       "error: --report-to tensorboard: the tensorboard package is not installed (pip install tensorboard)")
     assert_user_error(convert(files, "llama", tmp_path / "out", "--report-to", "none,tensorbord"),
                       "error: --report-to tensorbord: not a tracker; use none, or one or more of all, ")
+
+
+def test_an_unwritable_output_folder_stops_convert_before_any_weight_is_read(files, tmp_path, monkeypatch):
+    monkeypatch.setattr(convert_module, "load_model", None)  # no weight is read
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    if os.geteuid() == 0:  # root writes anywhere, and os.access says so: answer as for another user
+        real = os.access
+        monkeypatch.setattr(export.os, "access", lambda path, mode, **kw:
+                            False if Path(path) == locked and mode & os.W_OK else real(path, mode, **kw))
+    try:
+        assert_user_error(convert(files, "llama", locked / "out"), f"{locked} is not writable")
+        assert list(locked.iterdir()) == []
+    finally:
+        locked.chmod(0o755)
+
+
+def test_overwrite_discards_an_interrupted_runs_state_before_training(files, tmp_path, monkeypatch):
+    """--overwrite starts over: the saved state of an interrupted run goes, even where the new run then fails
+    before its first step (which saves nothing of its own), so that no --resume continues the old run."""
+    out = tmp_path / "out"
+    real = data_module.TrainingBatches.__next__
+    monkeypatch.setattr(data_module.TrainingBatches, "__next__", on_read(real, 2, interrupt))  # Ctrl-C in step 3
+    assert_user_error(convert(files, "llama", out, "--steps", 5), "interrupted at step 3 of 5")
+    assert json.loads((tmp_path / "out.resume" / "state.json").read_text())["step"] == 3
+    monkeypatch.setattr(data_module.TrainingBatches, "__next__", failing_batches(0, DataError("train.jsonl: bad row")))
+    result = convert(files, "llama", out, "--steps", 5, "--overwrite")  # fails on its first read
+    assert_user_error(result, "error: train.jsonl: bad row")
+    assert "is saved in" not in result.output  # no step completed: nothing of this run to keep
+    assert not (tmp_path / "out.resume").exists() and not (tmp_path / "out.resume.tmp").exists()
+    assert not out.exists()
+    assert_user_error(convert(files, "llama", out, "--steps", 5, "--resume"), "no saved training state")

@@ -241,3 +241,36 @@ def test_hub_dataset_name_config_and_split(monkeypatch):
     assert resolve("allenai/c4:en@validation").train == "allenai/c4:en@validation"
     assert list(Documents("allenai/c4:en@validation")) == ["hello"]
     assert calls == [(("allenai/c4", "en"), {"split": "validation", "streaming": True})]
+
+
+def _first_batch_within(data, seconds=30):
+    """The first training batch of `data` (batch size 1), read in a daemon thread: None where none came within
+    `seconds` (a stream that holds out every block reads epochs forever and never yields)."""
+    import threading
+
+    got = []
+    reader = threading.Thread(target=lambda: got.append(next(data.train_batches(batch_size=1))), daemon=True)
+    reader.start()
+    reader.join(seconds)
+    return got[0] if got else None
+
+
+@pytest.mark.parametrize("n_blocks, eval_tokens, held_out", [
+    (4, 64, 1),          # exactly n_eval = 4 blocks: not enough for both, a tenth (at least one) is held out
+    (5, 64, 4),          # n_eval + 1 blocks: the n_eval asked for, one left to train on
+    (25, 16 * 40, 2),    # 25 blocks where 40 are asked for: a tenth of them
+])
+def test_small_data_holds_out_a_tenth_and_keeps_blocks_to_train_on(tmp_path, n_blocks, eval_tokens, held_out):
+    tok = tiny_tokenizer()
+    # A .txt file is one document: 16 * n_blocks - 1 byte tokens and the EOS after them make exactly n_blocks
+    # blocks of 16.
+    text = "".join(chr(ord("a") + i % 26) for i in range(16 * n_blocks - 1))
+    (tmp_path / "a.txt").write_text(text)
+    all_blocks = list(blocks(iter([text]), tok, 16))
+    assert len(all_blocks) == n_blocks and all_blocks[-1][-1].item() == EOS
+    data = TextData(tmp_path / "a.txt", tok, seq_len=16, eval_tokens=eval_tokens)
+    batch = _first_batch_within(data)
+    assert batch is not None, "no training batch: every block is held out"
+    assert data.skip == held_out and len(data.eval_blocks) == held_out
+    assert all(torch.equal(a, b) for a, b in zip(data.eval_blocks, all_blocks[:held_out], strict=True))
+    assert batch.shape == (1, 16) and torch.equal(batch[0], all_blocks[held_out])  # training starts after them

@@ -3,6 +3,7 @@ import dataclasses
 import inspect
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -436,3 +437,77 @@ def test_shipped_files_cite_nothing_outside_the_checkpoint():
     cited = [f"{path.name}:{n}" for path in shipped for n, line in enumerate(path.read_text().splitlines(), 1)
              if outside.search(line)]
     assert not cited
+
+
+def test_a_failed_final_rename_puts_the_old_output_back(tmp_path, monkeypatch):
+    """--overwrite moves the old OUT aside (.OUT.old-*) only once the new one is complete; where the new one's
+    rename into place then fails, the old OUT goes back, whole, and nothing is left beside it."""
+    model, tokenizer, spec = _relufied("llama")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("previous")
+    (out / "sub").mkdir()
+    (out / "sub" / "deep.txt").write_text("nested")
+    real = Path.rename
+    renamed = []
+
+    def rename(self, target):
+        renamed.append((Path(self).name, Path(target)))
+        if Path(target) == out and Path(self).name.startswith(".out.partial-"):  # the new checkpoint into place
+            raise OSError(28, "No space left on device")
+        return real(self, target)
+
+    monkeypatch.setattr(Path, "rename", rename)
+    with pytest.raises(OutputError, match=r"writing .*out failed \(.*No space left on device\); nothing was written"):
+        export_checkpoint(model, tokenizer, out, spec=spec, plan=PLAN, training=TRAINING, overwrite=True)
+    moved_aside, into_place = renamed[:2]
+    assert moved_aside[0] == "out" and moved_aside[1].parent.name.startswith(".out.old-") and into_place[1] == out
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no .out.old-* nor .out.partial-* left
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == ["keep.txt", "sub", "sub/deep.txt"]
+    assert (out / "keep.txt").read_text() == "previous" and (out / "sub" / "deep.txt").read_text() == "nested"
+
+
+def test_an_unwritable_parent_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """OUT is staged beside itself and renamed into place: the nearest existing folder above it must be writable,
+    checked before a weight is written (or, by convert, read)."""
+    model, tokenizer, spec = _relufied("llama")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    if os.geteuid() == 0:  # root writes anywhere, and os.access says so: answer as for another user
+        real = os.access
+        monkeypatch.setattr(export.os, "access", lambda path, mode, **kw:
+                            False if Path(path) == locked and mode & os.W_OK else real(path, mode, **kw))
+    monkeypatch.setattr(type(model), "save_pretrained", lambda *a, **k: pytest.fail("wrote before checking"))
+    try:
+        for out in (locked / "out", locked / "not" / "yet" / "out"):  # the nearest existing folder above OUT
+            with pytest.raises(OutputError, match=rf"{out}: cannot be written, {locked} is not writable"):
+                export_checkpoint(model, tokenizer, out, spec=spec, plan=PLAN, training=TRAINING)
+            with pytest.raises(OutputError, match="is not writable"):
+                check_output_dir(out, overwrite=True)
+        assert list(locked.iterdir()) == []
+    finally:
+        locked.chmod(0o755)
+    assert check_output_dir(tmp_path / "out", overwrite=False) == tmp_path / "out"  # a writable parent: fine
+
+
+def test_an_old_output_that_cannot_be_put_back_is_named(tmp_path, monkeypatch):
+    """Where the new checkpoint's rename into place and the old OUT's return both fail, the error names the
+    hidden folder that holds the old OUT."""
+    model, tokenizer, spec = _relufied("llama")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("previous")
+    real = Path.rename
+
+    def rename(self, target):
+        if Path(target) == out:
+            raise OSError(28, "No space left on device")
+        return real(self, target)
+
+    monkeypatch.setattr(Path, "rename", rename)
+    with pytest.raises(OutputError, match=r"could not be put back: they are in (\S+\.out\.old-\S+/out) ") as error:
+        export_checkpoint(model, tokenizer, out, spec=spec, plan=PLAN, training=TRAINING, overwrite=True)
+    kept = Path(re.search(r"they are in (\S+) \(", str(error.value)).group(1))
+    assert (kept / "keep.txt").read_text() == "previous"
+    assert [p.name for p in tmp_path.iterdir()] == [kept.parent.name]  # the new checkpoint's staging is gone
