@@ -45,8 +45,8 @@ class TrainResult:
     # weights are sharded over the processes (gather_model makes a whole one).
     model: torch.nn.Module | None = None
     sharded: bool = False
-    # Saves the finished run's state for --resume (which then goes straight to measuring), where a later stage
-    # fails; single-process runs only (see _Saver.after_error), None otherwise.
+    # Where a later stage fails: saves the finished run's state for --resume (which then goes straight to
+    # measuring) in a single-process run, or says where a run of several processes saved it (_Saver.after_error)
     save: Callable[[], None] | None = None
 
 
@@ -334,8 +334,7 @@ def train(
         for tracker in accelerator.trackers:  # not end_training(): it ends the process group, which measuring needs
             tracker.finish()
     result = _finish(run, state)
-    if run.world == 1 and resume_dir is not None:
-        result.save = lambda: saver.after_error(state)
+    result.save = lambda: saver.after_error(state)
     return result
 
 
@@ -598,7 +597,8 @@ class _Saver:
 
     def after_step(self, state: _RunState, stop: _StopRequest) -> None:
         """At the end of each step (collective: every process calls it): saves and raises TrainingInterrupted
-        when a process was asked to stop, saves when a periodic save is due."""
+        when a process was asked to stop, saves when a periodic save is due, and with several processes saves
+        the last step where periodic saves are on (after_error cannot save for them)."""
         config, total = self.run.config, self.run.total
         # the main process's clock decides, so that every process saves at the same step
         due = bool(config.save_every_minutes) and time.perf_counter() - self.last_save >= 60 * config.save_every_minutes
@@ -612,7 +612,8 @@ class _Saver:
             raise TrainingInterrupted(f"interrupted at step {state.step} of {total}; the training state is in "
                                       f"{self.resume_dir}: run the same command with --resume to continue")
         periodic = due or config.save_every and state.step % config.save_every == 0
-        if periodic and state.step < total and self.resume_dir is not None:
+        last = state.step == total and self.run.world > 1 and bool(config.save_every or config.save_every_minutes)
+        if (periodic and state.step < total or last) and self.resume_dir is not None:
             self.save(state)
             self.last_save = time.perf_counter()
 
@@ -620,9 +621,13 @@ class _Saver:
         """An error (bad data, out of memory; or in a stage after training, TrainResult.save) saves the last
         completed step, in single-process runs only: the save is collective, and the other processes wait in a
         collective of the step that the failed one never reaches (or fail at other points), so they would never
-        join it. There the last periodic save stands."""
-        if self.run.world == 1 and self.resume_dir is not None and state.settled and state.step > self.saved_step:
+        join it. There the last periodic save stands (after training: the last step's, see after_step). Says
+        where the state of the last completed step is, if it is saved."""
+        if self.resume_dir is None or not state.settled:
+            return
+        if self.run.world == 1 and state.step > self.saved_step:
             self.save(state)
+        if 0 < state.step == self.saved_step and self.run.accelerator.is_main_process:
             console.print(f"the training state of step {state.step} of {self.run.total} is saved in {self.resume_dir}: "
                           "run the same command with --resume to continue from it", soft_wrap=True)  # a path whole
 

@@ -12,7 +12,8 @@ Checks ride along: every ReluGatedMLP forward asserts that the weights the hybri
 whole plain tensors (FSDP has unsharded its layer); only the main process reads the source weights (the
 config's fsdp_cpu_ram_efficient_loading: the others get theirs from it in accelerate's preparation); and
 SPARSIFY_TEST_INTERRUPT=N sends SIGINT (Ctrl-C) to the main process alone when it reads its N-th training
-batch (0-based): the other process must stop after the same step.
+batch (0-based): the other process must stop after the same step; SPARSIFY_TEST_FAIL_WRITE makes the
+main process's export fail after training.
 """
 import functools
 import os
@@ -56,6 +57,10 @@ def forward_on_whole_weights(self, x):
 load_model = convert.load_model
 
 
+def fail_to_write(*args, **kwargs):
+    raise OSError(28, "No space left on device")
+
+
 def load_on_main_only(*args, weights=True, **kwargs):
     assert weights == PartialState().is_main_process, "only the main process reads the source weights"
     return load_model(*args, weights=weights, **kwargs)
@@ -69,6 +74,9 @@ if "SPARSIFY_TEST_INTERRUPT" in os.environ:
     # saves its position)
     TrainingBatches.__next__ = on_read(TrainingBatches.__next__, int(os.environ["SPARSIFY_TEST_INTERRUPT"]),
                                        lambda: PartialState().is_main_process and interrupt())
+
+if "SPARSIFY_TEST_FAIL_WRITE" in os.environ:  # the main process's export fails after training
+    convert._write = fail_to_write
 
 if __name__ == "__main__":
     main()

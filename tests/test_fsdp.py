@@ -27,12 +27,13 @@ ROOT = Path(__file__).resolve().parents[1]
 STEPS = 3
 
 
-def launch_fsdp(files, out, *extra, interrupt_at=None, source=None):
+def launch_fsdp(files, out, *extra, interrupt_at=None, source=None, fail_write=False):
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", ROOT / "recipes" / "accelerate" / "fsdp.yaml",
                "--num_processes", 2, "--main_process_port", 0, ROOT / "tests" / "fsdp_on_cpu.py",
                "convert", source or model_folder(files, "llama"), "-o", out, "--data", files / "corpus",
                "--recipe", files / "recipe.yaml", "--steps", STEPS, "--batch-size", 2, *extra]
-    env = {**os.environ, **({"SPARSIFY_TEST_INTERRUPT": str(interrupt_at)} if interrupt_at is not None else {})}
+    env = {**os.environ, **({"SPARSIFY_TEST_INTERRUPT": str(interrupt_at)} if interrupt_at is not None else {}),
+           **({"SPARSIFY_TEST_FAIL_WRITE": "1"} if fail_write else {})}
     return subprocess.run([str(c) for c in command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -117,3 +118,20 @@ def test_fsdp_ctrl_c_then_resume_from_the_sharded_state(files, fsdp_out, tmp_pat
     assert [e["step"] for e in json.loads((out / "training_log.json").read_text())["log"]] == [1, 2, 3]
     assert_same_weights(weights(out), weights(fsdp_out))
     assert not resume.exists()
+
+
+def test_fsdp_saves_its_last_step_so_a_failure_after_training_resumes(files, fsdp_out, tmp_path):
+    """With several processes an error after training cannot save (the others have gone on or finished):
+    the last step was saved when training ended (periodic saves on, as by default), and --resume from it
+    trains nothing, then measures and writes the same checkpoint."""
+    out = tmp_path / "out"
+    done = launch_fsdp(files, out, fail_write=True)
+    output = " ".join((done.stdout + done.stderr).split())
+    assert done.returncode != 0 and "No space left on device" in output
+    assert f"the training state of step {STEPS} of {STEPS} is saved in {tmp_path / 'out.resume'}" in output
+    assert json.loads((tmp_path / "out.resume" / "state.json").read_text())["step"] == STEPS and not out.exists()
+    done = launch_fsdp(files, out, "--resume")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert [e["step"] for e in json.loads((out / "training_log.json").read_text())["log"]] == [1, 2, 3]
+    assert_same_weights(weights(out), weights(fsdp_out))
+    assert not (tmp_path / "out.resume").exists()
