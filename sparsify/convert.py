@@ -183,8 +183,10 @@ def convert(
         _write(model, tokenizer, out, spec, plan, training, result.log, max_shard_size=max_shard_size,
                overwrite=overwrite)
     except (Exception, KeyboardInterrupt):
-        if result.save is not None:
+        try:
             result.save()
+        except Exception as error:  # the first error is the one to report
+            warn(f"the trained state could not be saved either ({type(error).__name__}: {error})")
         raise
     discard_saved_state(resume_dir)
     if push_to_hub:

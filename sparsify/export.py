@@ -219,12 +219,12 @@ def export_checkpoint(model: nn.Module, tokenizer, out_dir: str | Path, *, spec:
             out.rename(old / out.name)
             try:
                 staging.rename(out)
-            except BaseException:
+            except BaseException as failed:
                 try:
                     (old / out.name).rename(out)
                 except OSError as error:  # the user's previous OUT must not be lost in a hidden folder
-                    raise OutputError(f"writing {out} failed, and its previous contents could not be put back: "
-                                      f"they are in {old / out.name} ({error})") from error
+                    raise OutputError(f"writing {out} failed ({failed}), and its previous contents could not be "
+                                      f"put back: they are in {old / out.name} ({error})") from error
                 old.rmdir()
                 raise
             shutil.rmtree(old)

@@ -17,6 +17,8 @@ from .errors import ConfigError
 # Settings a resumed run may change: they touch no saved state (log and save cadence). eval_tokens may not:
 # where the held-out blocks are the head of the training text, it moves where training starts.
 RESUME_FREE = ("log_every", "save_every", "save_every_minutes")
+# what every save writes into state.json (_Saver.save, and the settings)
+SAVED_KEYS = ("step", "batches", "log", "seconds", "l1_reference", "processes", "inputs", "run_name", "config")
 
 
 def _staging_dir(resume_dir) -> Path:
@@ -57,12 +59,18 @@ def save_state(accelerator: Accelerator, resume_dir, state: dict, last_fired: to
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(tmp)
-    accelerator.wait_for_everyone()
+    try:
+        accelerator.save_state(tmp)
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            torch.save(last_fired, tmp / "last_fired.pt")
+            torch.save(data_position, tmp / "data_position.pt")
+            (tmp / "state.json").write_text(json.dumps({**state, "config": asdict(config)}, indent=1))
+    except Exception:  # a disk that filled up: no partial save left behind (a whole one holds state.json)
+        if accelerator.is_main_process and not (tmp / "state.json").is_file():
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if accelerator.is_main_process:
-        torch.save(last_fired, tmp / "last_fired.pt")
-        torch.save(data_position, tmp / "data_position.pt")
-        (tmp / "state.json").write_text(json.dumps({**state, "config": asdict(config)}, indent=1))
         shutil.rmtree(resume_dir, ignore_errors=True)
         tmp.rename(resume_dir)
     accelerator.wait_for_everyone()
@@ -71,7 +79,7 @@ def save_state(accelerator: Accelerator, resume_dir, state: dict, last_fired: to
 def saved_run_name(resume_dir) -> str | None:
     """The tracker run name saved with the state in `resume_dir` (None: no state)."""
     path = Path(resume_dir) / "state.json" if resume_dir is not None else None
-    return json.loads(path.read_text())["run_name"] if path is not None and path.is_file() else None
+    return json.loads(path.read_text()).get("run_name") if path is not None and path.is_file() else None
 
 
 def load_last_fired(resume_dir, device) -> torch.Tensor | None:
@@ -99,6 +107,11 @@ def check_resume(resume_dir, config: TrainConfig, processes: int, inputs: dict |
             f"launcher kills its processes {LAUNCHER_GRACE_S} s after a Ctrl-C; see --save-every)"
             if staging is not None and staging.is_dir() else ""))
     state = json.loads(path.read_text())
+    missing = [key for key in SAVED_KEYS if key not in state] + [
+        name for name in ("last_fired.pt", "data_position.pt") if not (path.parent / name).is_file()]
+    if missing:
+        raise ConfigError(f"--resume: the state in {resume_dir} lacks {', '.join(missing)} (saved by another "
+                          "version of sparsify, or edited): start over with --overwrite instead of --resume")
 
     def differences(saved: dict | None, current: dict) -> str:
         current = json.loads(json.dumps(current))  # as state.json holds it (tuples as lists)

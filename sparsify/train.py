@@ -46,8 +46,8 @@ class TrainResult:
     model: torch.nn.Module | None = None
     sharded: bool = False
     # Where a later stage fails: saves the finished run's state for --resume (which then goes straight to
-    # measuring) in a single-process run, or says where a run of several processes saved it (_Saver.after_error)
-    save: Callable[[], None] | None = None
+    # measuring) where it can, and says where it is (_Saver.after_training_error)
+    save: Callable[[], None] = lambda: None
 
 
 TRAINING_BYTES = 16  # a parameter's fp32 weight and gradient and its two fp32 AdamW moments
@@ -334,7 +334,7 @@ def train(
         for tracker in accelerator.trackers:  # not end_training(): it ends the process group, which measuring needs
             tracker.finish()
     result = _finish(run, state)
-    result.save = lambda: saver.after_error(state)
+    result.save = lambda: saver.after_training_error(state, result.seconds)
     return result
 
 
@@ -579,6 +579,9 @@ class _Saver:
         self.run_name = run_name  # the trackers' folder under logging_dir, which a resumed run keeps
         self.saved_step = step  # the step of the state in resume_dir, if any
         self.last_save = time.perf_counter()
+        # An error after training can save in a single process; under FSDP its optimizer state is dropped by
+        # then (_finish), and with several processes no save can be collective: those save their last step.
+        self.saves_after_training = run.world == 1 and not run.accelerator.is_fsdp2
 
     def save(self, state: _RunState) -> None:
         progress = self.progress  # reported: a large sharded state is long to write
@@ -597,8 +600,8 @@ class _Saver:
 
     def after_step(self, state: _RunState, stop: _StopRequest) -> None:
         """At the end of each step (collective: every process calls it): saves and raises TrainingInterrupted
-        when a process was asked to stop, saves when a periodic save is due, and with several processes saves
-        the last step where periodic saves are on (after_error cannot save for them)."""
+        when a process was asked to stop, saves when a periodic save is due, and saves the last step where
+        periodic saves are on and an error after training could not save (saves_after_training)."""
         config, total = self.run.config, self.run.total
         # the main process's clock decides, so that every process saves at the same step
         due = bool(config.save_every_minutes) and time.perf_counter() - self.last_save >= 60 * config.save_every_minutes
@@ -612,7 +615,8 @@ class _Saver:
             raise TrainingInterrupted(f"interrupted at step {state.step} of {total}; the training state is in "
                                       f"{self.resume_dir}: run the same command with --resume to continue")
         periodic = due or config.save_every and state.step % config.save_every == 0
-        last = state.step == total and self.run.world > 1 and bool(config.save_every or config.save_every_minutes)
+        periodic_on = bool(config.save_every or config.save_every_minutes)
+        last = state.step == total and periodic_on and not self.saves_after_training
         if (periodic and state.step < total or last) and self.resume_dir is not None:
             self.save(state)
             self.last_save = time.perf_counter()
@@ -627,6 +631,26 @@ class _Saver:
             return
         if self.run.world == 1 and state.step > self.saved_step:
             self.save(state)
+        self._say_saved(state)
+
+    def after_training_error(self, state: _RunState, seconds: float) -> None:
+        """An error (or Ctrl-C) in a stage after training, `seconds` of it: saves the trained state where it
+        can (saves_after_training), recording the training's time, not the stages' after it, with SIGINT and
+        SIGTERM held off (a second Ctrl-C would cut the save short and lose the weights)."""
+        if self.resume_dir is None:
+            return
+        if self.saves_after_training and state.step > self.saved_step:
+            state.started = time.perf_counter() - seconds
+            main_thread = threading.current_thread() is threading.main_thread()
+            held = {sig: signal.signal(sig, signal.SIG_IGN) for sig in _StopRequest.SIGNALS} if main_thread else {}
+            try:
+                self.save(state)
+            finally:
+                for sig, handler in held.items():
+                    signal.signal(sig, handler)
+        self._say_saved(state)
+
+    def _say_saved(self, state: _RunState) -> None:
         if 0 < state.step == self.saved_step and self.run.accelerator.is_main_process:
             console.print(f"the training state of step {state.step} of {self.run.total} is saved in {self.resume_dir}: "
                           "run the same command with --resume to continue from it", soft_wrap=True)  # a path whole

@@ -8,9 +8,11 @@ import re
 import shutil
 import stat
 import subprocess
+import time
 import sys
 from pathlib import Path
 
+import accelerate
 import pytest
 import torch
 from click.testing import CliRunner
@@ -417,13 +419,34 @@ def test_failure_while_writing_leaves_no_output_but_the_trained_state(files, tmp
 
 def test_a_failure_while_measuring_keeps_the_trained_state(files, tmp_path, monkeypatch):
     def out_of_memory(*args, **kwargs):
+        time.sleep(2)
         raise torch.cuda.OutOfMemoryError("CUDA out of memory")
 
     monkeypatch.setattr(convert_module, "measure", out_of_memory)
     result = convert(files, "llama", tmp_path / "out")
     assert isinstance(result.exception, torch.cuda.OutOfMemoryError)
     assert not (tmp_path / "out").exists()
-    assert json.loads((tmp_path / "out.resume" / "state.json").read_text())["step"] == 2
+    state = json.loads((tmp_path / "out.resume" / "state.json").read_text())
+    assert state["step"] == 2
+    assert state["seconds"] - state["log"][-1]["seconds"] < 1.0  # the training's time, not the measuring's
+
+
+def test_a_save_that_fails_after_training_leaves_the_first_error_and_no_partial_state(files, tmp_path, monkeypatch):
+    def fail(folder, *args):
+        raise OSError(28, "No space left on device")
+
+    def half_a_save(self, folder):
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / "model.safetensors").write_bytes(b"partial")
+        raise OSError(28, "No space left on device (saving)")
+
+    monkeypatch.setattr(export, "_write", fail)
+    monkeypatch.setattr(accelerate.Accelerator, "save_state", half_a_save)
+    result = convert(files, "llama", tmp_path / "out")
+    assert_user_error(result, "No space left on device")
+    output = " ".join(result.output.split())
+    assert "the trained state could not be saved either (OSError: [Errno 28] No space left on device (saving))" in output
+    assert list(tmp_path.iterdir()) == []
 
 
 def gpt2_folder(root):

@@ -506,7 +506,8 @@ def test_an_old_output_that_cannot_be_put_back_is_named(tmp_path, monkeypatch):
         return real(self, target)
 
     monkeypatch.setattr(Path, "rename", rename)
-    with pytest.raises(OutputError, match=r"could not be put back: they are in (\S+\.out\.old-\S+/out) ") as error:
+    with pytest.raises(OutputError, match=r"failed \(.*No space left on device\), and its previous contents could not "
+                                          r"be put back: they are in (\S+\.out\.old-\S+/out) ") as error:
         export_checkpoint(model, tokenizer, out, spec=spec, plan=PLAN, training=TRAINING, overwrite=True)
     kept = Path(re.search(r"they are in (\S+) \(", str(error.value)).group(1))
     assert (kept / "keep.txt").read_text() == "previous"

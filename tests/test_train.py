@@ -465,6 +465,10 @@ def test_resume_needs_the_saved_settings_and_processes(tmp_path):
     state_path.write_text(json.dumps({**state, "processes": 2}))
     with pytest.raises(ConfigError, match="saved by 2 processes and this run has 1: launch 2"):
         resume()
+    state_path.write_text(json.dumps({k: v for k, v in state.items() if k != "l1_reference"}))
+    with pytest.raises(ConfigError, match=r"lacks l1_reference \(saved by another version of sparsify, or edited\): "
+                                          r"start over with --overwrite"):
+        resume()
     state_path.write_text(json.dumps(state))
     with pytest.raises(ConfigError, match=r"eval_tokens 65536 -> 128"):  # it moves where training starts
         resume(eval_tokens=128)
