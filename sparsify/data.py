@@ -159,7 +159,7 @@ class Documents:
         return streams
 
     def _without_datasets(self) -> Iterator[str]:
-        # Minimal reader for machines without `datasets` (the GPU image): plain text and JSON lines only.
+        # Minimal reader for environments without `datasets`: plain text and JSON lines only.
         self._check_reader("plain")
         if isinstance(self.source, str) or "parquet" in self.source:
             raise DataError("reading a Hub dataset or parquet files needs the `datasets` package: pip install datasets")
