@@ -6,6 +6,7 @@ CPU tensors without the Triton interpreter take reference.forward_reference. The
 transposed: pass `prepare_down(down)` (made once at load time) to avoid a per-call transpose copy. A launch
 configuration beyond the GPU (Triton's OutOfResources: shared memory on a GPU with less than the H100's) makes
 calls of that shape run the dense block, with a warning, instead of failing."""
+import hashlib
 import warnings
 from collections import OrderedDict
 from typing import Optional
@@ -164,15 +165,24 @@ def _launch(launches, x, x2, gate, up, down_t, overflow):
     return out.view(x.shape)
 
 
+# Each copy of these files (the installed package, each exported checkpoint's, possibly of other versions)
+# registers ops of its own, named after its module: a copy loaded again reuses them
+COPY = hashlib.sha1(__name__.encode()).hexdigest()[:10]
+
+
+def op_name(name: str) -> str:
+    """The name under torch.ops.twell of this copy's op `name` ("gated_mlp", "gated_mlp_overflow")."""
+    return f"{name}_{COPY}"
+
+
 def _custom_op(name, schema, mutates_args=()):
-    """The custom op twell::<name> around `forward` (inference only: no autograd), with its fake
-    implementation. An exported checkpoint may carry a second copy of these files: then the op registered
-    first is reused."""
+    """This copy's custom op twell::<op_name(name)> around `forward` (inference only: no autograd), with its
+    fake implementation."""
     try:
-        return getattr(torch.ops.twell, name).default
+        return getattr(torch.ops.twell, op_name(name)).default
     except (AttributeError, RuntimeError):
         pass
-    op = torch.library.custom_op(f"twell::{name}", forward, schema=schema, mutates_args=mutates_args)
+    op = torch.library.custom_op(f"twell::{op_name(name)}", forward, schema=schema, mutates_args=mutates_args)
     op.register_fake(lambda x, *args: x.new_empty(x.shape))
     return op
 

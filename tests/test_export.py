@@ -138,6 +138,55 @@ def test_sparse_tokens_window_picks_the_path_per_call(tmp_path, monkeypatch):
         AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
 
 
+class AdaptedLinear(torch.nn.Module):
+    """A projection wrapped as PEFT's LoRA layers are: the base as `base_layer` (its weight passed through as
+    `.weight`), plus a low-rank update."""
+
+    def __init__(self, base, rank=2):
+        super().__init__()
+        self.base_layer = base
+        self.lora_a = torch.nn.Linear(base.in_features, rank, bias=False)
+        self.lora_b = torch.nn.Linear(rank, base.out_features, bias=False)
+        torch.nn.init.normal_(self.lora_b.weight, std=0.5)
+
+    @property
+    def weight(self):
+        return self.base_layer.weight
+
+    @property
+    def bias(self):
+        return self.base_layer.bias
+
+    def forward(self, x):
+        return self.base_layer(x) + self.lora_b(self.lora_a(x))
+
+
+def test_wrapped_or_hooked_projections_run_their_own_forward(tmp_path, monkeypatch):
+    """A layer whose projections were wrapped after loading (LoRA adapters) or carry forward hooks runs its
+    projections' own forward, not the kernels on their base weights; the other layers keep the kernels."""
+    model, tokenizer, spec = _relufied("llama")
+    out = export_checkpoint(model, tokenizer, tmp_path / "ckpt-adapted", spec=spec, plan=[PLAN[0], PLAN[0]],
+                            training=TRAINING)
+    remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    calls = []
+    kernel = _remote_module(remote).gated_mlp
+    monkeypatch.setattr(_remote_module(remote), "gated_mlp",
+                        lambda x, *a, **k: calls.append(x.shape) or kernel(x, *a, **k))
+    torch.manual_seed(0)
+    for m in (remote, model):
+        mlp = m.model.layers[0].mlp
+        torch.manual_seed(0)
+        mlp.gate_proj = AdaptedLinear(mlp.gate_proj)
+    ids = tiny_input_ids()
+    _close(_logits(remote, ids), _logits(model, ids))
+    assert len(calls) == 1  # layer 1 on the kernels, layer 0 through its adapter
+    seen = []
+    remote.model.layers[1].mlp.up_proj.register_forward_hook(lambda *args: seen.append(1))
+    calls.clear()
+    _close(_logits(remote, ids), _logits(model, ids))
+    assert calls == [] and seen == [1]
+
+
 def test_batched_calls_follow_the_activity_router(tmp_path, monkeypatch):
     """Eager batched calls count their activity for the layer's ActivityRouter, which judges a window by its
     heavy rows and sampled units as the reference counts them; once a window predicts a loss, the layer runs
@@ -241,7 +290,7 @@ def test_modeling_file_needs_only_torch_and_transformers():
                 for alias in node.names}
     absolute |= {node.module.split(".")[0] for node in ast.walk(tree)
                  if isinstance(node, ast.ImportFrom) and node.level == 0}
-    assert absolute == {"importlib", "os", "torch", "warnings"}
+    assert absolute == {"importlib", "os", "torch", "transformers", "warnings"}
     relative = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 1}
     assert relative == {"format", "gated_mlp", "graphs", "routing", "generation", "layer_plan"}
     generation = ast.parse(GENERATION_FILE.read_text())  # shipped beside it: torch, transformers and the stdlib
@@ -391,7 +440,7 @@ def test_push_to_hub_creates_the_repo_and_uploads_once(tmp_path, monkeypatch):
 def test_compiled_decode_step_runs_the_kernel_in_one_graph(tmp_path):
     """The down weight is laid out for the kernels at load (the dense layer's left alone), so that a fresh
     model's one-token step over a static cache compiles with fullgraph=True (no graph break) around the
-    twell::gated_mlp op, with the uncompiled model's logits."""
+    checkpoint's own gated_mlp op (not the installed package's), with the uncompiled model's logits."""
     from transformers import StaticCache
 
     model, tokenizer, spec = _relufied("llama")
@@ -423,7 +472,9 @@ def test_compiled_decode_step_runs_the_kernel_in_one_graph(tmp_path):
         expected = step(remote)
     assert len(graphs) == 2  # prefill and decode shapes, one graph each
     decode_ops = [node.target for node in graphs[1].graph.nodes if node.op == "call_function"]
-    assert decode_ops.count(torch.ops.twell.gated_mlp.default) == 1  # layer 0 only
+    name = sys.modules[_remote_module(remote).gated_mlp.__module__].op_name("gated_mlp")
+    assert name != sys.modules["twell.gated_mlp"].op_name("gated_mlp")
+    assert decode_ops.count(getattr(torch.ops.twell, name).default) == 1  # layer 0 only
     _close(compiled, expected)
 
 

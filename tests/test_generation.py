@@ -419,6 +419,26 @@ def test_generate_takes_the_loop_where_the_call_fits_and_falls_back_elsewhere(tm
     assert remote._decode_loop.loop is None
 
 
+def test_unset_settings_take_transformers_defaults_and_the_model_pickles(tmp_path):
+    """A generate call that sets no length or top_k runs as transformers' generate would (its global defaults:
+    20 new tokens, top_k 50), through the loop; the loaded class is the module's own, so models pickle."""
+    import pickle
+
+    remote, _, out = converted_checkpoint(tmp_path)
+    ids = tiny_input_ids(2, 6)
+    call = graphed_call(remote, ids, dict(do_sample=True))
+    assert call["max_new_tokens"] == 20 and call["top_k"] == 50 and call["temperature"] == 1.0
+    assert graphed_call(remote, ids, dict(do_sample=True, top_k=0))["top_k"] == 0  # set: kept
+    fast = remote.generate(ids, eos_token_id=None, pad_token_id=0)
+    assert remote._decode_loop.loop is not None
+    assert torch.equal(fast, remote.generate(ids, eos_token_id=None, pad_token_id=0, graphed=False))
+    assert fast.shape == (2, 6 + 20)
+    again = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    assert type(again) is type(remote) is getattr(sys.modules[type(remote).__module__], "TwellForCausalLM")
+    copied = pickle.loads(pickle.dumps(remote))
+    assert torch.equal(copied(ids).logits, remote(ids).logits)
+
+
 def test_generate_streams_and_serves_the_text_generation_pipeline(tmp_path):
     from transformers import TextStreamer, pipeline
 

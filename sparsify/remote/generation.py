@@ -299,15 +299,26 @@ def graphed_call(model, inputs, kwargs: dict) -> dict | None:
             return None  # generate infers a mask from the pad tokens
     elif mask.shape != ids.shape or not mask[:, -1].all() or (mask[:, 1:] < mask[:, :-1]).any():
         return None  # not padded on the left
-    new = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - ids.shape[1]
+    # settings left unset (None) take transformers' global defaults, as its generate does (top_k 50, ...)
+    defaults = getattr(config, "_get_default_generation_params", dict)()
+
+    def setting(name, fallback):
+        value = getattr(config, name)
+        return defaults.get(name, fallback) if value is None else value
+
+    if config.max_new_tokens is not None:
+        new = config.max_new_tokens
+    elif config.max_length is not None:
+        new = config.max_length - ids.shape[1]
+    else:  # no length set: the default max_length's count of new tokens, within the model's positions
+        limit = getattr(model.config, "max_position_embeddings", None) or float("inf")
+        new = min(defaults.get("max_length", 20), limit - ids.shape[1])
     if new < 1:
         return None
-    least = max(config.min_new_tokens or 0, (config.min_length or 0) - ids.shape[1])
+    least = max(config.min_new_tokens or 0, setting("min_length", 0) - ids.shape[1])
     return dict(input_ids=ids, max_new_tokens=new, min_new_tokens=least, attention_mask=mask,
-                do_sample=bool(config.do_sample),
-                # unset (None) in transformers 5's generation config: no scaling, no nucleus filter
-                temperature=1.0 if config.temperature is None else config.temperature, top_k=config.top_k or 0,
-                top_p=1.0 if config.top_p is None else config.top_p,
+                do_sample=bool(setting("do_sample", False)), temperature=setting("temperature", 1.0),
+                top_k=setting("top_k", 0) or 0, top_p=setting("top_p", 1.0),
                 eos_token_id=[] if config.eos_token_id is None else config.eos_token_id,
                 pad_token_id=config.pad_token_id, streamer=kwargs.get("streamer"),
                 # a static cache is where transformers compiles the decode step: the loop's step, compiled as

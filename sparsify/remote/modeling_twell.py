@@ -4,8 +4,8 @@ layer's MLP for a `TwellGatedMLP` that keeps the projections under their own nam
 load unchanged. A layer planned sparse runs the TwELL kernels where its plan's token windows and routing.py
 say they win and they can run (CUDA; CPU fp32/fp16 under TRITON_INTERPRET=1); otherwise, and whenever
 gradients are needed, the same ReLU math runs densely. Eager decode steps replay CUDA graphs (graphs.py);
-traced calls use the custom op twell::gated_mlp. `generate` decodes through generation.py's graphed loop where
-the call fits it. Imports torch, transformers and the files beside it only.
+traced calls use this checkpoint's own custom op (gated_mlp.op_name). `generate` decodes through
+generation.py's graphed loop where the call fits it. Imports torch, transformers and the files beside it only.
 """
 import importlib
 import os
@@ -14,6 +14,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import GenerationMixin
 
 from .format import use_triton
 from .gated_mlp import KERNEL_DTYPES, gated_mlp, prepare_down
@@ -71,6 +72,8 @@ class TwellGatedMLP(nn.Module):
         refusals first: they are host time on every call of a dense-routed layer)."""
         if not self.kernel_ready or not self.in_window(tokens):
             return False
+        if any(type(p) is not nn.Linear or p._forward_hooks or p._forward_pre_hooks for p in self._projections()):
+            return False  # wrapped (adapters such as LoRA, quantized layers) or hooked: their own forward decides
         if x.is_cuda and short_prefill(x.shape, self.d, self.width):  # heavy first tokens (routing.py)
             return False
         if torch.is_grad_enabled() and (x.requires_grad or any(p.weight.requires_grad for p in self._projections())):
@@ -126,8 +129,9 @@ class TwellGatedMLP(nn.Module):
         return getattr(self, self.down_name)(F.relu(gate) * up)
 
 
-class TwellForCausalLM(_import(BASE_MODEL)):
-    """The base CausalLM with each decoder layer's MLP replaced by a TwellGatedMLP."""
+class TwellForCausalLM(_import(BASE_MODEL), GenerationMixin):
+    """The base CausalLM with each decoder layer's MLP replaced by a TwellGatedMLP. GenerationMixin among its
+    own bases: transformers otherwise wraps a remote class in a new one at each load, which cannot be pickled."""
 
     def __init__(self, config):
         super().__init__(config)
