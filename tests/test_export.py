@@ -162,8 +162,12 @@ class AdaptedLinear(torch.nn.Module):
 
 
 def test_wrapped_or_hooked_projections_run_their_own_forward(tmp_path, monkeypatch):
-    """A layer whose projections were wrapped after loading (LoRA adapters) or carry forward hooks runs its
-    projections' own forward, not the kernels on their base weights; the other layers keep the kernels."""
+    """A layer whose projections were wrapped after loading (LoRA adapters), carry forward hooks or are
+    offloaded (accelerate) runs its projections' own forward, not the kernels on their base weights; the other
+    layers keep the kernels."""
+    from accelerate import cpu_offload
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
     model, tokenizer, spec = _relufied("llama")
     out = export_checkpoint(model, tokenizer, tmp_path / "ckpt-adapted", spec=spec, plan=[PLAN[0], PLAN[0]],
                             training=TRAINING)
@@ -181,10 +185,21 @@ def test_wrapped_or_hooked_projections_run_their_own_forward(tmp_path, monkeypat
     _close(_logits(remote, ids), _logits(model, ids))
     assert len(calls) == 1  # layer 1 on the kernels, layer 0 through its adapter
     seen = []
-    remote.model.layers[1].mlp.up_proj.register_forward_hook(lambda *args: seen.append(1))
+    hook = remote.model.layers[1].mlp.up_proj.register_forward_hook(lambda *args: seen.append(1))
     calls.clear()
     _close(_logits(remote, ids), _logits(model, ids))
     assert calls == [] and seen == [1]
+    hook.remove()
+    # accelerate's device hooks (a model spread over devices) keep the kernels; its offload hooks bring the
+    # weights in inside the projection's own forward
+    add_hook_to_module(remote.model.layers[1].mlp.down_proj, AlignDevicesHook(execution_device="cpu"))
+    _close(_logits(remote, ids), _logits(model, ids))
+    assert len(calls) == 1
+    cpu_offload(remote.model.layers[1].mlp.up_proj, execution_device=torch.device("cpu"))
+    assert remote.model.layers[1].mlp.up_proj.weight.is_meta
+    calls.clear()
+    _close(_logits(remote, ids), _logits(model, ids))
+    assert calls == []
 
 
 def test_batched_calls_follow_the_activity_router(tmp_path, monkeypatch):

@@ -431,7 +431,8 @@ def test_unset_settings_take_transformers_defaults_and_the_model_pickles(tmp_pat
     assert graphed_call(remote, ids, dict(do_sample=True, top_k=0))["top_k"] == 0  # set: kept
     fast = remote.generate(ids, eos_token_id=None, pad_token_id=0)
     assert remote._decode_loop.loop is not None
-    assert torch.equal(fast, remote.generate(ids, eos_token_id=None, pad_token_id=0, graphed=False))
+    with pytest.warns(UserWarning, match="default `max_length`"):  # transformers' own default, as the loop's
+        assert torch.equal(fast, remote.generate(ids, eos_token_id=None, pad_token_id=0, graphed=False))
     assert fast.shape == (2, 6 + 20)
     again = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
     assert type(again) is type(remote) is getattr(sys.modules[type(remote).__module__], "TwellForCausalLM")

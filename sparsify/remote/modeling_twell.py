@@ -72,8 +72,9 @@ class TwellGatedMLP(nn.Module):
         refusals first: they are host time on every call of a dense-routed layer)."""
         if not self.kernel_ready or not self.in_window(tokens):
             return False
-        if any(type(p) is not nn.Linear or p._forward_hooks or p._forward_pre_hooks for p in self._projections()):
-            return False  # wrapped (adapters such as LoRA, quantized layers) or hooked: their own forward decides
+        if any(type(p) is not nn.Linear or p._forward_hooks or p._forward_pre_hooks or p.weight.is_meta
+               for p in self._projections()):
+            return False  # wrapped (LoRA adapters, quantized layers), hooked or offloaded: their own forward
         if x.is_cuda and short_prefill(x.shape, self.d, self.width):  # heavy first tokens (routing.py)
             return False
         if torch.is_grad_enabled() and (x.requires_grad or any(p.weight.requires_grad for p in self._projections())):
