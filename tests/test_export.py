@@ -161,6 +161,7 @@ class AdaptedLinear(torch.nn.Module):
         return self.base_layer(x) + self.lora_b(self.lora_a(x))
 
 
+@pytest.mark.interpreter  # the kernels on CPU tensors
 def test_wrapped_or_hooked_projections_run_their_own_forward(tmp_path, monkeypatch):
     """A layer whose projections were wrapped after loading (LoRA adapters), carry forward hooks or are
     offloaded (accelerate) runs its projections' own forward, not the kernels on their base weights; the other
@@ -452,6 +453,7 @@ def test_push_to_hub_creates_the_repo_and_uploads_once(tmp_path, monkeypatch):
         push.push_to_hub(tmp_path / "missing", "me/sparse")
 
 
+@pytest.mark.interpreter  # the kernels on CPU tensors
 def test_compiled_decode_step_runs_the_kernel_in_one_graph(tmp_path):
     """The down weight is laid out for the kernels at load (the dense layer's left alone), so that a fresh
     model's one-token step over a static cache compiles with fullgraph=True (no graph break) around the
