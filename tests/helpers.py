@@ -2,6 +2,7 @@
 built offline in well under a second; shared by the tests of all stages."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
@@ -76,6 +77,25 @@ def load_benchmark(relative_path: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@contextlib.contextmanager
+def unwritable_folder(where: Path, monkeypatch):
+    """A folder `where`/locked that cannot be written (mode 0o555; as root, which writes anywhere, through
+    sparsify.export's os.access answering as for another user), restored afterwards."""
+    from sparsify import export
+
+    locked = where / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    if os.geteuid() == 0:
+        real = os.access
+        monkeypatch.setattr(export.os, "access", lambda path, mode, **kw:
+                            False if Path(path) == locked and mode & os.W_OK else real(path, mode, **kw))
+    try:
+        yield locked
+    finally:
+        locked.chmod(0o755)
 
 
 class Killed(BaseException):

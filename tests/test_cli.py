@@ -21,7 +21,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from cli import main
-from helpers import Killed, interrupt, on_read, raising, tiny_input_ids, tiny_model, tiny_tokenizer
+from helpers import (Killed, interrupt, on_read, raising, tiny_input_ids, tiny_model, tiny_tokenizer,
+                     unwritable_folder)
 from sparsify import convert as convert_module
 from sparsify import data as data_module
 from sparsify import export
@@ -606,18 +607,9 @@ def test_report_to_names_a_tracker_that_is_unknown_or_not_installed(files, tmp_p
 
 def test_an_unwritable_output_folder_stops_convert_before_any_weight_is_read(files, tmp_path, monkeypatch):
     monkeypatch.setattr(convert_module, "load_model", None)  # no weight is read
-    locked = tmp_path / "locked"
-    locked.mkdir()
-    locked.chmod(0o555)
-    if os.geteuid() == 0:  # root writes anywhere, and os.access says so: answer as for another user
-        real = os.access
-        monkeypatch.setattr(export.os, "access", lambda path, mode, **kw:
-                            False if Path(path) == locked and mode & os.W_OK else real(path, mode, **kw))
-    try:
+    with unwritable_folder(tmp_path, monkeypatch) as locked:
         assert_user_error(convert(files, "llama", locked / "out"), f"{locked} is not writable")
         assert list(locked.iterdir()) == []
-    finally:
-        locked.chmod(0o755)
 
 
 def test_overwrite_discards_an_interrupted_runs_state_before_training(files, tmp_path, monkeypatch):

@@ -12,7 +12,7 @@ import torch
 from huggingface_hub import ModelCard
 from transformers import AutoModelForCausalLM
 
-from helpers import INTERMEDIATE, tiny_input_ids, tiny_model
+from helpers import INTERMEDIATE, tiny_input_ids, tiny_model, unwritable_folder
 from sparsify import export
 from sparsify.remote.generation import cache_arguments
 from sparsify.errors import OutputError
@@ -539,23 +539,14 @@ def test_an_unwritable_parent_is_refused_before_anything_is_written(tmp_path, mo
     """OUT is staged beside itself and renamed into place: the nearest existing folder above it must be writable,
     checked before a weight is written (or, by convert, read)."""
     model, tokenizer, spec = _relufied("llama")
-    locked = tmp_path / "locked"
-    locked.mkdir()
-    locked.chmod(0o555)
-    if os.geteuid() == 0:  # root writes anywhere, and os.access says so: answer as for another user
-        real = os.access
-        monkeypatch.setattr(export.os, "access", lambda path, mode, **kw:
-                            False if Path(path) == locked and mode & os.W_OK else real(path, mode, **kw))
     monkeypatch.setattr(type(model), "save_pretrained", lambda *a, **k: pytest.fail("wrote before checking"))
-    try:
+    with unwritable_folder(tmp_path, monkeypatch) as locked:
         for out in (locked / "out", locked / "not" / "yet" / "out"):  # the nearest existing folder above OUT
             with pytest.raises(OutputError, match=rf"{out}: cannot be written, {locked} is not writable"):
                 export_checkpoint(model, tokenizer, out, spec=spec, plan=PLAN, training=TRAINING)
             with pytest.raises(OutputError, match="is not writable"):
                 check_output_dir(out, overwrite=True)
         assert list(locked.iterdir()) == []
-    finally:
-        locked.chmod(0o755)
     assert check_output_dir(tmp_path / "out", overwrite=False) == tmp_path / "out"  # a writable parent: fine
 
 
