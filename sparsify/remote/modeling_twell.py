@@ -3,7 +3,8 @@ trust_remote_code=True)` builds the original CausalLM (BASE_MODEL, written at ex
 layer's MLP for a `TwellGatedMLP` that keeps the projections under their own names, so the standard weights
 load unchanged. A layer planned sparse runs the TwELL kernels where its plan's token windows and routing.py
 say they win and they can run (CUDA; CPU fp32/fp16 under TRITON_INTERPRET=1); otherwise, and whenever
-gradients are needed, the same ReLU math runs densely. Eager decode steps replay CUDA graphs (graphs.py);
+gradients are needed or the projections are wrapped (adapters), hooked or offloaded, the same ReLU math
+runs through the projections' own forward. Eager decode steps replay CUDA graphs (graphs.py);
 traced calls use this checkpoint's own custom op (gated_mlp.op_name). `generate` decodes through
 generation.py's graphed loop where the call fits it. Imports torch, transformers and the files beside it only.
 """
