@@ -41,7 +41,8 @@ class TwellGatedMLP(nn.Module):
         self.gate_up_name = layout.get("gate_up")
         self.names = (self.gate_up_name,) if self.gate_up_name else (layout["gate"], layout["up"])
         self.down_name = layout["down"]
-        for name in (*self.names, self.down_name):
+        self.projection_names = (*self.names, self.down_name)
+        for name in self.projection_names:
             self.add_module(name, getattr(original, name))
         self.plan = plan
         # the windows with an int bound, compared without branching on None at each call
@@ -56,7 +57,19 @@ class TwellGatedMLP(nn.Module):
         self.prepare_kernel_layout()  # models built from a config; from_pretrained again once loaded
 
     def _projections(self):
-        return [getattr(self, name) for name in (*self.names, self.down_name)]
+        return [getattr(self, name) for name in self.projection_names]
+
+    def _plain_projections(self) -> bool:
+        """Whether the projections are still plain nn.Linear layers whose weights the kernels may read in place
+        of their forward: not wrapped (LoRA adapters, quantized layers), hooked or offloaded (weights on the
+        meta device until accelerate's hook brings them in). At every call, so through the modules' dicts."""
+        modules = self._modules
+        for name in self.projection_names:
+            p = modules[name]
+            if (p.__class__ is not nn.Linear or p._forward_hooks or p._forward_pre_hooks
+                    or p._parameters["weight"].is_meta):
+                return False
+        return True
 
     def _gate_up_weights(self):
         if self.gate_up_name:
@@ -73,9 +86,8 @@ class TwellGatedMLP(nn.Module):
         refusals first: they are host time on every call of a dense-routed layer)."""
         if not self.kernel_ready or not self.in_window(tokens):
             return False
-        if any(type(p) is not nn.Linear or p._forward_hooks or p._forward_pre_hooks or p.weight.is_meta
-               for p in self._projections()):
-            return False  # wrapped (LoRA adapters, quantized layers), hooked or offloaded: their own forward
+        if not self._plain_projections():
+            return False
         if x.is_cuda and short_prefill(x.shape, self.d, self.width):  # heavy first tokens (routing.py)
             return False
         if torch.is_grad_enabled() and (x.requires_grad or any(p.weight.requires_grad for p in self._projections())):
