@@ -48,7 +48,7 @@ class TwellGatedMLP(nn.Module):
         # the windows with an int bound, compared without branching on None at each call
         self._windows = tuple((lo, hi if hi is not None else 2 ** 62) for lo, hi in plan.sparse_tokens)
         # whether the kernels may serve this layer at all (a bias is structural: fixed once built)
-        self.kernel_ready = plan.is_sparse and all(p.bias is None for p in self._projections())
+        self.kernel_ready = plan.is_sparse and all(getattr(self, name).bias is None for name in self.projection_names)
         self.width, self.d = self._gate_up_weights()[0].shape
         # eager decode calls replay CUDA graphs of the kernels: the two launches cost more host time than
         # the dense block's cuBLAS calls, the graph far less (graphs.py)
@@ -56,20 +56,21 @@ class TwellGatedMLP(nn.Module):
         self.router = None  # ActivityRouter of eager batched calls, made at the first one on each device
         self.prepare_kernel_layout()  # models built from a config; from_pretrained again once loaded
 
-    def _projections(self):
-        return [getattr(self, name) for name in self.projection_names]
-
-    def _plain_projections(self) -> bool:
-        """Whether the projections are still plain nn.Linear layers whose weights the kernels may read in place
-        of their forward: not wrapped (LoRA adapters, quantized layers), hooked or offloaded (weights on the
-        meta device until accelerate's hook brings them in). At every call, so through the modules' dicts."""
-        modules = self._modules
+    def _plain_weights(self):
+        """The projections' weights (down last) where the projections are still plain nn.Linear layers whose
+        weights the kernels may read in place of their forward: not wrapped (LoRA adapters, quantized layers),
+        hooked or offloaded (weights on the meta device until accelerate's hook brings them in); else None. At
+        every call, so through the modules' dicts."""
+        modules, weights = self._modules, []
         for name in self.projection_names:
             p = modules[name]
-            if (p.__class__ is not nn.Linear or p._forward_hooks or p._forward_pre_hooks
-                    or p._parameters["weight"].is_meta):
-                return False
-        return True
+            if p.__class__ is not nn.Linear or p._forward_hooks or p._forward_pre_hooks:
+                return None
+            weight = p._parameters["weight"]
+            if weight.is_meta:
+                return None
+            weights.append(weight)
+        return weights
 
     def _gate_up_weights(self):
         if self.gate_up_name:
@@ -86,11 +87,12 @@ class TwellGatedMLP(nn.Module):
         refusals first: they are host time on every call of a dense-routed layer)."""
         if not self.kernel_ready or not self.in_window(tokens):
             return False
-        if not self._plain_projections():
+        weights = self._plain_weights()
+        if weights is None:
             return False
         if x.is_cuda and short_prefill(x.shape, self.d, self.width):  # heavy first tokens (routing.py)
             return False
-        if torch.is_grad_enabled() and (x.requires_grad or any(p.weight.requires_grad for p in self._projections())):
+        if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
             return False
         if not use_triton(x):  # without Triton the kernels' fp32 reference would be slower than dense
             if x.is_cuda:
@@ -99,7 +101,7 @@ class TwellGatedMLP(nn.Module):
         # the kernels take x and the weights in one dtype (not under autocast, which leaves the weights as
         # they are); the interpreter has no bf16 arithmetic
         kernel_dtypes = KERNEL_DTYPES if x.is_cuda else (torch.float32, torch.float16) if INTERPRET else ()
-        return x.dtype in kernel_dtypes and x.dtype == getattr(self, self.down_name).weight.dtype
+        return x.dtype in kernel_dtypes and x.dtype == weights[-1].dtype
 
     def prepare_kernel_layout(self):
         """Stores the down weight transposed (same shape and values; its .t() contiguous) where the kernels
