@@ -7,7 +7,8 @@ of the source model's next-token distributions) -> measure on held-out text
 Weights are trained in fp32 (AdamW updates of ~lr are below bf16's resolution; bf16 autocast on GPU
 does the arithmetic) and exported in the dtype a plain load would use (bf16 on GPU, fp32 on CPU).
 Ctrl-C (and `save_every`, or in a single-process run an error during or after training; with several processes
-the end of training) keeps the training state in `OUT.resume/`, a sibling that never looks like a checkpoint; `--resume` continues from it and a finished conversion deletes it.
+the end of training) keeps the training state in `OUT.resume/`, a sibling that never looks like a checkpoint;
+`--resume` continues from it and a finished conversion deletes it.
 The checkpoint, which may be pushed, records its source and data without local paths: a folder by its name (a
 source folder by the Hub id it was saved from, where its config.json has one).
 Under `accelerate launch` every process trains, the main one alone exports and reports. Under FSDP no

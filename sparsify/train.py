@@ -92,7 +92,8 @@ def slow_save_warning(parameters: int, processes: int, save_every: float) -> str
     if processes < 2 or save_every or gib <= SLOW_SAVE_GIB:
         return None
     return (f"the training state is {gib:.0f} GiB: after a Ctrl-C, `accelerate launch` and torchrun kill the "
-            f"processes within {LAUNCHER_GRACE_S} s, before a state this size is written, and the run could not be resumed; pass --save-every N or --save-every-minutes M to also "
+            f"processes within {LAUNCHER_GRACE_S} s, before a state this size is written, and the run could not "
+            "be resumed; pass --save-every N or --save-every-minutes M to also "
             "save it periodically")
 
 
@@ -622,11 +623,10 @@ class _Saver:
             self.last_save = time.perf_counter()
 
     def after_error(self, state: _RunState) -> None:
-        """An error (bad data, out of memory; or in a stage after training, TrainResult.save) saves the last
-        completed step, in single-process runs only: the save is collective, and the other processes wait in a
-        collective of the step that the failed one never reaches (or fail at other points), so they would never
-        join it. There the last periodic save stands (after training: the last step's, see after_step). Says
-        where the state of the last completed step is, if it is saved."""
+        """An error in training (bad data, out of memory) saves the last completed step, in single-process runs
+        only: the save is collective, and the other processes wait in a collective of the step that the failed
+        one never reaches (or fail at other points), so they would never join it. There the last periodic save
+        stands. Says where the state of the last completed step is, if it is saved."""
         if self.resume_dir is None or not state.settled:
             return
         if self.run.world == 1 and state.step > self.saved_step:
@@ -641,13 +641,11 @@ class _Saver:
             return
         if self.saves_after_training and state.step > self.saved_step:
             state.started = time.perf_counter() - seconds
-            main_thread = threading.current_thread() is threading.main_thread()
-            held = {sig: signal.signal(sig, signal.SIG_IGN) for sig in _StopRequest.SIGNALS} if main_thread else {}
+            held = _StopRequest(1)  # notes the signals instead of acting on them
             try:
                 self.save(state)
             finally:
-                for sig, handler in held.items():
-                    signal.signal(sig, handler)
+                held.close()
         self._say_saved(state)
 
     def _say_saved(self, state: _RunState) -> None:
