@@ -73,7 +73,12 @@ def test_fsdp_trains_and_exports_like_one_process_with_both_batches(files, fsdp_
     two_config, one_config = (json.loads((o / "config.json").read_text())["twell"] for o in (fsdp_out, one))
     assert two_config["training"]["perplexity"] == pytest.approx(one_config["training"]["perplexity"], rel=1e-4)
     for two_layer, one_layer in zip(two_config["layers"], one_config["layers"], strict=True):
-        assert two_layer["stats"] == pytest.approx(one_layer["stats"], rel=1e-4)
+        # pytest.approx takes numbers only (pytest 9.2 rejects a mapping that holds a string)
+        numbers = {k for k, v in one_layer["stats"].items() if isinstance(v, (int, float))}
+        assert {k: two_layer["stats"][k] for k in numbers} == pytest.approx(
+            {k: one_layer["stats"][k] for k in numbers}, rel=1e-4)
+        assert {k: v for k, v in two_layer["stats"].items() if k not in numbers} == {
+            k: v for k, v in one_layer["stats"].items() if k not in numbers}
         assert {k: v for k, v in two_layer.items() if k != "stats"} == {k: v for k, v in one_layer.items() if k != "stats"}
 
 
