@@ -55,6 +55,9 @@ def objective(training: dict) -> str:
                else f"{coefficient} * L1")
     weight = training.get("distill") or 0
     fit = f"{1 - weight:g} * cross-entropy + {weight:g} * KL(source || trained)" if weight else "cross-entropy"
+    hidden = training.get("distill_hidden") or 0
+    if hidden:
+        fit += f" + {hidden:g} * hidden-state distance to the source"
     return f"loss = {fit} + {penalty}"
 
 

@@ -86,6 +86,11 @@ class TrainConfig:
         "Fit the source model's next-token distributions too: (1 - WEIGHT) * CE + WEIGHT * KL(source || "
         "trained) at every position, the source a frozen copy of the original model (one more forward a "
         "micro-batch; its weights whole in bf16 on each GPU, also under FSDP). 0: off."), metavar="WEIGHT")
+    distill_hidden: float = _setting(0.0, (
+        "Fit the source model's hidden states too: WEIGHT * the mean over decoder layers of ||h - h_source||^2 / "
+        "||h_source||^2 (each layer's output, summed over the positions), a signal at every layer that a short "
+        "conversion recovers from faster than from the output distributions alone; the source as for --distill. "
+        "0: off."), metavar="WEIGHT")
     save_every_minutes: float = _setting(30.0, (
         "Also save the training state to OUT.resume/ when this many minutes have passed since the start or the "
         "last save (0: off), so that a crash or a killed job loses at most that much."), metavar="MINUTES")
@@ -173,12 +178,19 @@ class TrainConfig:
             bad(f"save-every-minutes must be a number >= 0 (0: off), got {self.save_every_minutes}")
         if not 0 <= self.distill <= 1:
             bad(f"distill must be in [0, 1] (the share of the KL term; 0: off), got {self.distill}")
+        if not 0 <= self.distill_hidden < math.inf:
+            bad(f"distill-hidden must be a number >= 0 (0: off), got {self.distill_hidden}")
         if self.seq_len < 2:
             bad(f"seq-len must be at least 2, got {self.seq_len}")
         if max_positions is not None and self.seq_len > max_positions:
             bad(f"seq-len {self.seq_len} is beyond the model's maximum of {max_positions} positions")
         if world is not None:
             self.check_swap(world)
+
+    @property
+    def uses_teacher(self) -> bool:
+        """Whether training reads a frozen copy of the source model (distillation of outputs or hidden states)."""
+        return self.distill > 0 or self.distill_hidden > 0
 
     def check_swap(self, world: int) -> None:
         """ConfigError unless the ReLU swap ends within the run's steps on `world` processes: the trained model

@@ -67,14 +67,14 @@ def _base_model(source: str) -> str:
 def run_summary(parameters: int, config: TrainConfig, processes: int = 1, sharded: bool = False) -> str:
     """The resolved settings of a conversion of a model of `parameters` and what its training state will take:
     printed at the start and by `convert --dry-run`."""
-    state = training_state_bytes(parameters, processes, sharded, teacher=config.distill > 0)
+    state = training_state_bytes(parameters, processes, sharded, teacher=config.uses_teacher)
     steps = config.total_steps(processes)
     settings = "  ".join(f"{k}={v}" for k, v in asdict(config).items())
     return (f"settings: {settings}\n"
             f"{parameters / 1e6:,.1f}M parameters; {steps:,} steps of {config.tokens_per_step(processes):,} tokens "
             f"({steps * config.tokens_per_step(processes):,} tokens) on {processes} process(es); training state "
             + (f"{state / 2**30:.1f} GiB" if state >= 2**30 else f"{state / 2**20:.0f} MiB")
-            + f" a process (fp32 weights, gradients, AdamW{', bf16 teacher' if config.distill else ''}; activations "
+            + f" a process (fp32 weights, gradients, AdamW{', bf16 teacher' if config.uses_teacher else ''}; activations "
             "come on top)")
 
 
@@ -238,7 +238,7 @@ def _check_source(source: str, config: TrainConfig, device: str | None, processe
     config.validate(getattr(model_config, "max_position_embeddings", None))
     if show:
         console.print(run_summary(parameters, config, processes, fsdp), soft_wrap=True)
-    check_training_memory(parameters, device, processes, fsdp, teacher=config.distill > 0)
+    check_training_memory(parameters, device, processes, fsdp, teacher=config.uses_teacher)
 
 
 def _report_held_out(text: TextData, shown: bool) -> None:
@@ -274,7 +274,7 @@ def _train(model, text: TextData, config: TrainConfig, source_perplexities: Call
     what lowers it."""
     # the distillation teacher: the source model as loaded, frozen; under FSDP (loaded into CPU memory) whole
     # on every process, train broadcasting the main process's weights
-    teacher = copy.deepcopy(model).to(compute_dtype) if config.distill else None
+    teacher = copy.deepcopy(model).to(compute_dtype) if config.uses_teacher else None
     mlps = relufy(model)
     if not fsdp:
         source_perplexities(model)
@@ -290,7 +290,7 @@ def _train(model, text: TextData, config: TrainConfig, source_perplexities: Call
         raise ConfigError(
             f"out of GPU memory training {config.batch_size} x {config.seq_len} tokens a micro-batch: lower "
             f"--batch-size (raise --grad-accum to keep the step's tokens), add --grad-checkpointing"
-            + (", or --distill 0 (the teacher's copy)" if config.distill else "")
+            + (", or --distill 0 and --distill-hidden 0 (the teacher's copy)" if config.uses_teacher else "")
             + ("" if fsdp else ", or shard over GPUs with recipes/accelerate/fsdp.yaml")) from None
     return result, mlps
 

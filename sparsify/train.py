@@ -139,13 +139,20 @@ def _activation_checkpointing(model, on: bool):
         model.gradient_checkpointing_disable()
 
 
-def distillation_kl(logits: torch.Tensor, teacher: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+def distillation_kl(logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
     """KL(teacher || model) of the next-token distributions, summed over the vocabulary and averaged over
-    the positions of `ids`, in fp32; `logits` are the model's on `ids`."""
-    with torch.no_grad():
-        target = F.log_softmax(teacher(input_ids=ids).logits.float(), dim=-1).flatten(0, -2)
+    the positions, in fp32."""
+    target = F.log_softmax(teacher_logits.float(), dim=-1).flatten(0, -2)
     return F.kl_div(F.log_softmax(logits.float(), dim=-1).flatten(0, -2), target, log_target=True,
                     reduction="batchmean")
+
+
+def hidden_distance(hidden: tuple[torch.Tensor, ...], teacher_hidden: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The mean over decoder layers of ||h - h_teacher||^2 / ||h_teacher||^2, each layer's output summed over
+    the positions, in fp32 (the embeddings, hidden[0], are the teacher's own and left out)."""
+    distances = [(h.float() - t.float()).pow(2).sum() / t.float().pow(2).sum().clamp_min(1e-12)
+                 for h, t in zip(hidden[1:], teacher_hidden[1:], strict=True)]
+    return torch.stack(distances).mean()
 
 
 def l1_coeff(config: TrainConfig, step: int) -> float:
@@ -168,21 +175,33 @@ class LossTerms(NamedTuple):
 
     cross_entropy: torch.Tensor | float
     kl: torch.Tensor | float  # KL(teacher || model); 0 without distillation
+    hidden: torch.Tensor | float  # hidden_distance to the teacher's; 0 without distill_hidden
     l1: torch.Tensor | float  # the mean over layers of each MLP's L1
 
-    def loss(self, l1_weight: float, distill: float):
+    def loss(self, l1_weight: float, config: TrainConfig):
         """The loss training minimizes, the one expression for the backward and the log."""
-        return (1 - distill) * self.cross_entropy + distill * self.kl + l1_weight * self.l1
+        return ((1 - config.distill) * self.cross_entropy + config.distill * self.kl
+                + config.distill_hidden * self.hidden + l1_weight * self.l1)
 
 
-def loss_terms(model, mlps: list, ids: torch.Tensor, teacher: torch.nn.Module | None) -> tuple[LossTerms, torch.Tensor]:
-    """A micro-batch's loss terms from the model's forward on `ids` (the KL from the `teacher`'s, if given), and
-    the per-layer L1 [layers] that `l1` averages."""
-    output = model(input_ids=ids, labels=ids)
-    kl = distillation_kl(output.logits, teacher, ids) if teacher is not None else torch.zeros_like(output.loss)
+def loss_terms(model, mlps: list, ids: torch.Tensor, teacher: torch.nn.Module | None,
+               config: TrainConfig) -> tuple[LossTerms, torch.Tensor]:
+    """A micro-batch's loss terms from the model's forward on `ids` (the distillation terms that `config` weighs
+    from the `teacher`'s), and the per-layer L1 [layers] that `l1` averages."""
+    hidden = config.distill_hidden > 0
+    output = model(input_ids=ids, labels=ids, output_hidden_states=hidden)
+    zero = torch.zeros_like(output.loss)
+    kl = distance = zero
+    if teacher is not None:
+        with torch.no_grad():
+            reference = teacher(input_ids=ids, output_hidden_states=hidden)
+        if config.distill:
+            kl = distillation_kl(output.logits, reference.logits)
+        if hidden:
+            distance = hidden_distance(output.hidden_states, reference.hidden_states)
     layer_l1 = torch.stack([m.stats.l1.float() for m in mlps])
     # returns without `output`: its logits ([batch, seq_len, vocab]) need not live through the backward
-    return LossTerms(output.loss, kl, layer_l1.mean()), layer_l1
+    return LossTerms(output.loss, kl, distance, layer_l1.mean()), layer_l1
 
 
 @dataclass(frozen=True)
@@ -377,8 +396,8 @@ def _accelerator(config: TrainConfig, device: str | None, teacher: torch.nn.Modu
     accelerator = Accelerator(cpu=cpu, mixed_precision="no" if cpu else "bf16", log_with=list(report_to) or None,
                               project_dir=logging_dir)
     _check_fsdp(accelerator)
-    if config.distill and teacher is None:
-        raise ConfigError("distill needs the source model as the teacher")
+    if config.uses_teacher and teacher is None:
+        raise ConfigError("distill and distill-hidden need the source model as the teacher")
     set_seed(config.seed)
     return accelerator
 
@@ -409,13 +428,13 @@ def _prepare(accelerator: Accelerator, model, mlps: list, config: TrainConfig, t
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
-    if config.distill:
+    if config.uses_teacher:
         teacher = teacher.to(accelerator.device).eval().requires_grad_(False)
         if accelerator.is_fsdp2 and accelerator.num_processes > 1:  # whole on each process: those that read no
             for tensor in teacher.state_dict().values():  # weights get the main one's
                 torch.distributed.broadcast(tensor, src=0)
     return _Run(accelerator, model, mlps, optimizer, scheduler, config, schedule, total,
-                teacher if config.distill else None,
+                teacher if config.uses_teacher else None,
                 routes=config.hybrid_below > 0 and hybrid_kernels_run(accelerator.device))
 
 
@@ -455,14 +474,14 @@ def _step(run: _Run, state: _RunState, stream: Iterator[torch.Tensor], routing: 
         ids = next(stream).to(accelerator.device)
         sync = micro == config.grad_accum - 1
         with accelerator.no_sync(run.model) if not sync else nullcontext(), accelerator.autocast():
-            terms, layer_l1 = loss_terms(run.model, run.mlps, ids, run.teacher)
+            terms, layer_l1 = loss_terms(run.model, run.mlps, ids, run.teacher, config)
             if config.l1_relative and state.l1_reference is None:  # once per run: one host sync
                 state.l1_reference = max(accelerator.reduce(terms.l1.detach(), reduction="mean").item(), 1e-12)
             weight = coeff / state.l1_reference if config.l1_relative else coeff
             # ce, kl and l1 are means over this micro-batch's tokens; dividing them by grad_accum (and DDP
             # averaging over ranks) makes the step's gradient that of the mean over all tokens of the step,
             # for every term alike.
-            accelerator.backward(terms.loss(weight, config.distill) / config.grad_accum)
+            accelerator.backward(terms.loss(weight, config) / config.grad_accum)
         fired = torch.stack([m.stats.fired for m in run.mlps])
         step_fired = fired if step_fired is None else step_fired + fired
         window.add(terms, layer_l1, torch.stack([m.stats.active.float() for m in run.mlps]),
@@ -527,9 +546,10 @@ def _log_entry(run: _Run, state: _RunState, window: _Window, outcome: _StepOutco
         "tokens": tokens,
         "lr": run.scheduler.get_last_lr()[0],
         "l1_coeff": outcome.l1_weight,
-        "loss": terms.loss(outcome.l1_weight, config.distill),
+        "loss": terms.loss(outcome.l1_weight, config),
         "cross_entropy": terms.cross_entropy,
         **({"kl": terms.kl} if config.distill else {}),
+        **({"hidden": terms.hidden} if config.distill_hidden else {}),
         "l1": terms.l1,
         "mean_active": sum(layer_active) / layers,
         "dead_frac": sum(dead) / layers,
@@ -723,14 +743,13 @@ class _Window:
     def __init__(self, layers: int, device, started: float):
         self.started = started  # time.perf_counter() at the window's start
         self.count = self.tokens = 0
-        self.sums = torch.zeros(3 + 2 * layers, device=device)
+        self.sums = torch.zeros(len(LossTerms._fields) + 2 * layers, device=device)
         self.backup_rows = torch.zeros(layers, dtype=torch.int64, device=device)
 
     def add(self, terms: LossTerms, layer_l1, layer_active, backup_rows, tokens: int) -> None:
         self.count += 1
         self.tokens += tokens
-        self.sums += torch.cat([terms.cross_entropy.detach().float().view(1), terms.kl.detach().float().view(1),
-                                terms.l1.detach().view(1), layer_l1.detach(), layer_active])
+        self.sums += torch.cat([*(term.detach().float().view(1) for term in terms), layer_l1.detach(), layer_active])
         self.backup_rows += backup_rows
 
     def reduced(self, accelerator: Accelerator) -> tuple[LossTerms, list[float], list[float], list[int]]:
@@ -738,8 +757,8 @@ class _Window:
         the processes, and per layer the backup rows summed over them."""
         means = accelerator.reduce(self.sums / self.count, reduction="mean").tolist()
         backup_rows = accelerator.reduce(self.backup_rows, reduction="sum").tolist()
-        layers = len(backup_rows)
-        return LossTerms(*means[:3]), means[3 : 3 + layers], means[3 + layers :], backup_rows
+        layers, start = len(backup_rows), len(LossTerms._fields)
+        return LossTerms(*means[:start]), means[start : start + layers], means[start + layers :], backup_rows
 
 
 class _Progress(Progress):
@@ -768,6 +787,7 @@ def _progress_text(e: dict) -> str:
     return (
         f"{e['tokens']:,} tok  {e['tokens_per_s']:,.0f} tok/s  loss {e['loss']:.3f}  "
         f"ce {e['cross_entropy']:.3f}  " + (f"kl {e['kl']:.3f}  " if "kl" in e else "")
+        + (f"hidden {e['hidden']:.3f}  " if "hidden" in e else "")
         + f"L1 {e['l1']:.3g}  active {e['mean_active']:.1f}  dead {100 * e['dead_frac']:.1f}%"
         + (f"  hybrid {hybrid}/{len(e['layers'])}" if hybrid else "")
         + (f"  mem {e['max_memory_gib']:.1f} GiB" if "max_memory_gib" in e else "")

@@ -297,6 +297,8 @@ def test_checkpoint_layout(tmp_path):
     assert "(loss = cross-entropy + 2e-05 * L1)" in card.text  # the record's absolute L1, no distillation
     assert objective({"l1": 3.5, "l1_relative": True, "distill": 0.5}) == (
         "loss = 0.5 * cross-entropy + 0.5 * KL(source || trained) + 3.5 * L1 / L1_0, L1_0 the L1 term at the first step")
+    assert objective({"l1": 3.5, "l1_relative": True, "distill_hidden": 4}) == (
+        "loss = cross-entropy + 4 * hidden-state distance to the source + 3.5 * L1 / L1_0, L1_0 the L1 term at the first step")
     assert 'model.generate(input_ids, max_new_tokens=64, cache_implementation="static")' in card.text
 
 

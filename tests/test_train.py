@@ -136,6 +136,27 @@ def test_distillation_loss_matches_hand_computation():
     assert all(not p.requires_grad for p in teacher.parameters())  # frozen: the source stays as loaded
 
 
+def test_hidden_state_distillation_matches_hand_computation():
+    """With distill-hidden w the loss adds w * the mean over decoder layers of ||h - h_source||^2 /
+    ||h_source||^2 (each layer's output over all positions); without distill, the KL stays out of the loss."""
+    model, _ = tiny_model("llama")
+    teacher = copy.deepcopy(model)
+    ids = next(batches_from()(0, 0, 1))
+    student = copy.deepcopy(model)
+    relufy(student)
+    with torch.no_grad():
+        mine = student(input_ids=ids, output_hidden_states=True).hidden_states
+        source = teacher(input_ids=ids, output_hidden_states=True).hidden_states
+    assert len(mine) == model.config.num_hidden_layers + 1
+    distance = sum(((h.double() - t.double()).pow(2).sum() / t.double().pow(2).sum()).item()
+                   for h, t in zip(mine[1:], source[1:])) / model.config.num_hidden_layers
+    log = train(model, relufy(model), batches_from(), config(steps=1, distill_hidden=2.0), device="cpu",
+                show_progress=False, teacher=teacher).log
+    assert log[0]["hidden"] == pytest.approx(distance, rel=1e-3) and distance > 1e-6
+    assert "kl" not in log[0] and "hidden" in _progress_text(log[0])
+    assert log[0]["loss"] == pytest.approx(log[0]["cross_entropy"] + 2.0 * distance + 1e-3 * log[0]["l1"], rel=1e-5)
+
+
 def test_distillation_pulls_towards_the_source():
     """Trained at distill 1 with no L1, a model far from the teacher (another random initialization) moves
     towards its distributions (the KL falls), and its weights differ from a cross-entropy-only run on the
@@ -157,8 +178,9 @@ def test_distillation_pulls_towards_the_source():
 
 def test_distillation_needs_a_teacher():
     model, _ = tiny_model("llama")
-    with pytest.raises(ConfigError, match="distill needs the source model"):
-        train(model, relufy(model), batches_from(), config(distill=0.5), device="cpu", show_progress=False)
+    for settings in (dict(distill=0.5), dict(distill_hidden=1.0)):
+        with pytest.raises(ConfigError, match="distill and distill-hidden need the source model"):
+            train(model, relufy(model), batches_from(), config(**settings), device="cpu", show_progress=False)
 
 
 def test_dead_units_are_those_that_never_fire():
