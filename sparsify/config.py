@@ -52,11 +52,18 @@ class TrainConfig:
         "this share of them (20%), instead of swapping it at once (0). Layers train dense until the swap is "
         "complete."), metavar="STEPS|P%")
     steps: int | None = _setting(None, "Optimizer steps; with --tokens, whichever ends first.", unset="no limit")
-    tokens: int | None = _setting(None, "Training tokens; with --steps, whichever ends first.", unset="no limit")
+    tokens: int | None = _setting(None, (
+        "Training tokens; with --steps, whichever ends first. The pretrained recipe keeps held-out quality within "
+        "about 2% of the source on a quarter of the source's pretraining tokens, not on 5% (docs/quality.md)."),
+        unset="no limit")
     seq_len: int = _setting(1024, "Tokens per training sequence (packed blocks).")
     batch_size: int = _setting(8, "Sequences per micro-batch and device.")
     grad_accum: int = _setting(1, "Micro-batches accumulated per optimizer step.")
     lr: float = _setting(2e-5, "Peak learning rate (AdamW, cosine schedule).")
+    mlp_lr: float | None = _setting(None, (
+        "Peak learning rate of the MLP weights (gate, up and down projections) where it differs from --lr: the "
+        "MLPs sparsify at a high rate while the rest of the model stays near its trained minimum at a low one."),
+        unset="--lr")
     weight_decay: float = _setting(0.0, "AdamW weight decay.")
     betas: tuple[float, float] = _setting((0.9, 0.95), "AdamW betas.")
     warmup_steps: int = _setting(0, "Linear learning-rate warm-up steps before the cosine decay.")
@@ -164,6 +171,8 @@ class TrainConfig:
                 bad(f"{name.replace('_', '-')} must be an integer >= 0 or a share of the steps below 100%, got {value}")
         if not 0 < self.lr <= 1:
             bad(f"lr must be in (0, 1], got {self.lr}")
+        if self.mlp_lr is not None and not 0 < self.mlp_lr <= 1:
+            bad(f"mlp-lr must be in (0, 1], got {self.mlp_lr}")
         if not 0 < self.hybrid_hot_rate <= 1:
             bad(f"hybrid-hot-rate must be in (0, 1], got {self.hybrid_hot_rate}")
         if not 0 <= self.hybrid_below < math.inf:

@@ -415,8 +415,10 @@ def _prepare(accelerator: Accelerator, model, mlps: list, config: TrainConfig, t
     model.train()
     # fused on GPU: one kernel updates each tensor in place, where foreach's per-step temporaries (a copy of
     # the second moments and more) add about a weight-sized buffer to the peak.
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay,
-                                  fused=not cpu)
+    mlp_params = {id(p) for m in mlps for p in m.parameters()}
+    groups = [{"params": [p for p in model.parameters() if id(p) not in mlp_params], "lr": config.lr},
+              {"params": [p for p in model.parameters() if id(p) in mlp_params], "lr": config.mlp_lr or config.lr}]
+    optimizer = torch.optim.AdamW(groups, betas=config.betas, weight_decay=config.weight_decay, fused=not cpu)
     # The scheduler is not passed to prepare(): accelerate would step it once per process per step.
     scheduler = get_cosine_schedule_with_warmup(optimizer, config.warmup_steps, total)
     if accelerator.is_fsdp2 and not cpu:

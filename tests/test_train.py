@@ -157,6 +157,20 @@ def test_hidden_state_distillation_matches_hand_computation():
     assert log[0]["loss"] == pytest.approx(log[0]["cross_entropy"] + 2.0 * distance + 1e-3 * log[0]["l1"], rel=1e-5)
 
 
+def test_mlp_lr_moves_the_mlps_alone():
+    """--mlp-lr gives the MLPs' projections their own peak learning rate: with a vanishing --lr the rest of the
+    model stays as it was while the MLPs train; without it, every weight moves."""
+    for mlp_lr, rest_moves in ((1e-2, False), (None, True)):
+        model, _ = tiny_model("llama")
+        before = {name: p.detach().clone() for name, p in model.named_parameters()}
+        lr = 1e-2 if mlp_lr is None else 1e-12
+        train(model, relufy(model), batches_from(), config(steps=2, lr=lr, mlp_lr=mlp_lr), device="cpu",
+              show_progress=False)
+        moved = {name: not torch.allclose(p, before[name], rtol=0, atol=1e-9) for name, p in model.named_parameters()}
+        assert all(v for name, v in moved.items() if ".mlp." in name)
+        assert all(v == rest_moves for name, v in moved.items() if ".mlp." not in name), moved
+
+
 def test_distillation_pulls_towards_the_source():
     """Trained at distill 1 with no L1, a model far from the teacher (another random initialization) moves
     towards its distributions (the KL falls), and its weights differ from a cross-entropy-only run on the
@@ -271,6 +285,8 @@ def test_steps_and_tokens_bound_training():
         (dict(hybrid_hot_rate=0.0), r"hybrid-hot-rate must be in \(0, 1\]"),
         (dict(hybrid_max_nnz=0), "hybrid-max-nnz must be a positive integer"),
         (dict(distill=1.5), r"distill must be in \[0, 1\]"),
+        (dict(mlp_lr=0.0), r"mlp-lr must be in \(0, 1\]"),
+        (dict(distill_hidden=-1.0), r"distill-hidden must be a number >= 0"),
         (dict(distill=float("nan")), r"distill must be in \[0, 1\]"),
         (dict(betas=(1.5, 0.9)), r"betas must be two numbers in \[0, 1\)"),
         (dict(betas=(0.9, 0.95, 0.99)), "betas must be two numbers"),

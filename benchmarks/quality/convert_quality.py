@@ -144,8 +144,11 @@ def convert(args, base: Path, corpus: Path, recipe: dict, out: Path, settings: d
     run_recipe = out.with_name(out.name + ".recipe.yaml")
     run_recipe.write_text(json.dumps({**recipe, **settings}, indent=1))  # JSON is YAML
     command = [sys.executable, "-m", "cli", "convert", str(base), "-o", str(out), "--data", str(corpus),
-               "--recipe", str(run_recipe), "--tokens", str(tokens), "--seq-len", str(args.seq_len),
-               "--batch-size", str(args.convert_batch), "--overwrite"]
+               "--recipe", str(run_recipe), "--tokens", str(tokens), "--seq-len", str(args.seq_len), "--overwrite"]
+    if "batch_size" not in settings:  # a run's own batch size (more steps for the same tokens) over --convert-batch
+        command += ["--batch-size", str(args.convert_batch)]
+    if not args.measure:
+        command.append("--no-measure")
     if args.device:
         command += ["--device", args.device]
     print("$", shlex.join(command), flush=True)
@@ -188,8 +191,9 @@ def control(args, base: Path, corpus: Path, recipe: dict, tokens: int) -> dict:
     from sparsify.relufy import relufy
     from sparsify.train import TrainConfig, train
 
-    config = TrainConfig.from_dict({**recipe, "l1": 0.0, "distill": 0.0, "swap_steps": 0, "hybrid_below": 0.0,
-                                    "tokens": tokens, "seq_len": args.seq_len, "batch_size": args.convert_batch})
+    config = TrainConfig.from_dict({**recipe, "batch_size": args.convert_batch, **dict(args.control_overrides),
+                                    "l1": 0.0, "distill": 0.0, "distill_hidden": 0.0, "swap_steps": 0,
+                                    "hybrid_below": 0.0, "tokens": tokens, "seq_len": args.seq_len})
     model, tokenizer, _ = load_model(str(base), dtype=torch.float32, device=args.device)
     text = TextData(str(corpus), tokenizer, config.seq_len, config.eval_tokens)
     mlps = relufy(model)
@@ -329,9 +333,15 @@ def parser() -> argparse.ArgumentParser:
                          "e.g. l1=3.5 l1=3.5,swap_steps=150 (default: the grid of --l1 and --distill)")
     ap.add_argument("--control", action="store_true",
                     help="also train the source on the same tokens without swap, L1 or distillation")
+    ap.add_argument("--control-set", dest="control_overrides", type=_setting, nargs="+", default=[],
+                    metavar="KEY=VALUE", help="the control's settings over the recipe's, e.g. an lr that does not "
+                                              "degrade the source: --control-set lr=1e-4 batch_size=4")
     ap.add_argument("--jobs", type=int, default=1, help="conversions run at a time (each on the same GPU)")
     ap.add_argument("--convert-share", type=float, default=0.2, help="conversion tokens / pretraining tokens")
-    ap.add_argument("--convert-batch", type=int, default=16)
+    ap.add_argument("--convert-batch", type=int, default=16, help="sequences a step (a run's batch_size overrides it)")
+    ap.add_argument("--no-measure", dest="measure", action="store_false",
+                    help="plan the kernels from the cost model instead of timing layers on the GPU (the quality "
+                         "figures do not depend on the plan)")
     ap.add_argument("--set", dest="recipe_overrides", type=_setting, nargs="+", default=[], metavar="KEY=VALUE",
                     help="override recipe settings, e.g. --set lr=3e-4 l1_warmup_steps=50")
     ap.add_argument("--device", help="cpu or cuda (default: cuda when available)")
