@@ -14,7 +14,7 @@ from helpers import CountingTokenizer, Killed, interrupt, on_read, raising, tiny
 from sparsify.errors import ConfigError, DataError
 from sparsify import relufy as relufy_module
 from sparsify.relufy import relufy
-from sparsify.config import TrainConfig
+from sparsify.config import RunOptions, TrainConfig
 from sparsify.train import TrainingInterrupted, _progress_text, l1_coeff, slow_save_warning, source_share, train
 
 SEQ, BATCH = 16, 2
@@ -561,8 +561,8 @@ def test_training_memory_is_checked_before_loading(monkeypatch, tmp_path):
     monkeypatch.setattr(convert, "load_model", lambda *a, **k: pytest.fail("weights read before the memory check"))
     (tmp_path / "text.txt").write_text("some text " * 100)
     with pytest.raises(ConfigError, match="on each GPU"):
-        convert.convert(str(tmp_path / "src"), tmp_path / "out", config(steps=1), data=str(tmp_path / "text.txt"),
-                        device=None, show_progress=False)
+        convert.convert(str(tmp_path / "src"), config(steps=1),
+                        RunOptions(tmp_path / "out", data=str(tmp_path / "text.txt"), quiet=True))
 
 
 def test_a_state_too_large_to_save_after_ctrl_c_is_warned_about():
