@@ -100,6 +100,7 @@ class _Checked:
     resume_dir: Path
     data: str | Path  # the data to read: --data, or the demo corpus
     inputs: dict  # what the training state depends on besides its settings: a resumed run must name the same
+    saved: dict | None  # the state a resumed run continues (check_resume); None for a fresh run
     model_config: object  # the source's transformers config
     trackers: list[str]  # of --report-to (train.trackers)
     fsdp: bool  # launched with an FSDP config (train.fsdp_launch)
@@ -185,10 +186,9 @@ def _check_inputs(source: str, config: TrainConfig, options: RunOptions, process
     model_config = load_config(source)[0]
     config.validate(getattr(model_config, "max_position_embeddings", None), world=processes)
     inputs = {"source": _identity(source), "data": _identity(data), "text_column": options.text_column}
-    if options.resume:
-        check_resume(resume_dir, config, processes, inputs)
+    saved = check_resume(resume_dir, config, processes, inputs) if options.resume else None
     resolve_data(data)  # missing / empty / unknown format
-    return _Checked(out, resume_dir, data, inputs, model_config, trackers(options.report_to),
+    return _Checked(out, resume_dir, data, inputs, saved, model_config, trackers(options.report_to),
                     fsdp_launch()[0])
 
 
@@ -274,7 +274,7 @@ def _train(model, text: TextData, config: TrainConfig, options: RunOptions, chec
         result = train(
             model, mlps, lambda start, rank, world: text.train_batches(
                 config.batch_size, start, rank, world, shuffle_buffer=config.shuffle_buffer, seed=config.seed), config,
-            resume_dir=checked.resume_dir, resume=options.resume, device=options.device, show_progress=perplexities.shown,
+            resume_dir=checked.resume_dir, resume=checked.saved, device=options.device, show_progress=perplexities.shown,
             evaluate=(lambda prepared: perplexities.of_source(prepared, sharded=True)) if checked.fsdp else None,
             inputs=checked.inputs, teacher=teacher, report_to=checked.trackers, logging_dir=logging_dir_for(checked.out),
         )
