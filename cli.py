@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import functools
 import sys
-from dataclasses import Field, fields
+from dataclasses import MISSING, Field, fields
 from typing import get_args, get_origin, get_type_hints
 
 import click
 
-from sparsify.config import TrainConfig, load_recipe
+from sparsify.config import TEXT_COLUMN_HELP, RunOptions, TrainConfig, load_recipe, measure_help
 from sparsify.errors import SparsifyError
 
 
@@ -60,100 +60,86 @@ class TrainOption(click.Option):
         return super().get_help_record(ctx)
 
 
-def _train_option(setting: Field, hint):
-    """The option of a TrainConfig field of type `hint`: --NAME, or the field's `flag` ("--on/--off"), with its
-    help. Its value is None when not given, so that a recipe's value (or the default) stands."""
+def _option(setting: Field, hint, *, recipe: bool = False):
+    """The option of a TrainConfig or RunOptions field of type `hint`: its `flag` declarations (default
+    --NAME), its help and metavar. A training setting (`recipe`) is None when not given, so that a recipe's value
+    (or the default) stands, and its boolean is an --on/--off pair; a run option defaults to the field's default
+    (none: required) and its boolean False is a plain flag."""
     if get_origin(hint) is tuple:
         kind = get_args(hint)  # a fixed number of values: click's tuple type
     elif str in get_args(hint):
-        kind = str  # a count or a share ("20%"): TrainConfig.from_dict reads either
+        kind = str  # a count or a share ("20%"): TrainConfig.from_dict reads either; or a path
     else:
         kind = next(k for k in get_args(hint) or (hint,) if k is not type(None))  # int | None: int
-    declaration = setting.metadata.get("flag", "--" + setting.name.replace("_", "-"))
-    if kind is bool and "/" not in declaration:
-        declaration += "/--no-" + declaration[2:]
-    return click.option(declaration, setting.name, cls=TrainOption, default=None, type=None if kind is bool else kind,
-                        metavar=setting.metadata.get("metavar"), help=setting.metadata["help"])
+    declarations = setting.metadata.get("flag", "--" + setting.name.replace("_", "-")).split()
+    if recipe and kind is bool and "/" not in declarations[-1]:
+        declarations[-1] += "/--no-" + declarations[-1][2:]
+    if setting.metadata.get("folder"):
+        kind = click.Path(file_okay=False)
+    if recipe:
+        settings = dict(cls=TrainOption, default=None)
+    else:
+        required = setting.default is MISSING
+        settings = dict(default=None if required else setting.default, required=required,
+                        show_default=isinstance(setting.default, str),
+                        is_flag=True if kind is bool and setting.default is False else None)
+    return click.option(*declarations, setting.name, type=None if kind is bool else kind,
+                        metavar=setting.metadata.get("metavar"), help=setting.metadata["help"], **settings)
 
 
-_HINTS = get_type_hints(TrainConfig)
-TRAIN_OPTIONS = [_train_option(setting, _HINTS[setting.name]) for setting in fields(TrainConfig)] + [
+def _options(config_class, **kind) -> list:
+    hints = get_type_hints(config_class)
+    return [_option(setting, hints[setting.name], **kind) for setting in fields(config_class)]
+
+
+TRAIN_OPTIONS = _options(TrainConfig, recipe=True) + [
     click.option("--no-hybrid", is_flag=True, help="Train every layer on the dense path (same as --hybrid-below 0)."),
 ]
+RUN_OPTIONS = _options(RunOptions)
 
 
-def train_options(command):
-    for option in reversed(TRAIN_OPTIONS):
-        command = option(command)
-    return command
+def with_options(options: list):
+    def decorate(command):
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return decorate
 
 
-TEXT_COLUMN_HELP = "The column of .jsonl/.parquet rows and `datasets` rows that holds the text"
 text_column_option = click.option("--text-column", default="text", show_default=True, metavar="NAME",
                                   help=TEXT_COLUMN_HELP + ".")
 
 
 def measure_option(what: str):
-    return click.option("--measure/--no-measure", "measure_kernels", default=None,
-                        help=f"{what} by timing the candidates on this GPU (CUDA only), or by the cost model. "
-                             "Default: timed on a GPU where the layers are narrower than the cost model's shapes "
-                             "(hidden size 896, 4864 units), which it would plan dense.")
+    return click.option("--measure/--no-measure", "measure_kernels", default=None, help=measure_help(what))
 
 
 @main.command()
 @click.argument("source")
-@click.option("-o", "--out", required=True, type=click.Path(file_okay=False), help="Output checkpoint folder.")
-@click.option("--data", help="Training text: .txt/.jsonl/.parquet file(s) or folder, or a `datasets` name as "
-                             "NAME[:CONFIG][@SPLIT]. Default for demo: the demo corpus.")
-@text_column_option
+@with_options(RUN_OPTIONS)
 @click.option("--recipe", help="Training settings YAML (a path or a name in recipes/); options given here override it.")
-@train_options
-@click.option("--device", help="cpu or cuda (default: cuda if available). Several GPUs: `accelerate launch -m cli convert ...`.")
-@click.option("--resume", is_flag=True, help="Continue an interrupted conversion from OUT.resume/.")
-@click.option("--overwrite", is_flag=True,
-              help="Replace OUT if it exists and is not empty, and start over where OUT.resume/ holds an "
-                   "interrupted run.")
-@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors shard.")
-@click.option("--push-to-hub", "push_to_hub", metavar="REPO_ID",
-              help="Upload OUT to this Hub repository (created if needed; files of an earlier upload that OUT "
-                   "lacks are deleted).")
-@click.option("--private", is_flag=True, help="With --push-to-hub: make a new repository private.")
-@measure_option("Choose each layer's kernel setting")
-@click.option("--dry-run", is_flag=True,
-              help="Check everything a run checks before reading weights (OUT, the data, the settings against the "
-                   "model's config, its tokenizer, the GPUs' memory), print the resolved settings, the training "
-                   "state's size and the held-out text, and stop.")
-@click.option("--report-to", default="none", show_default=True, metavar="TRACKERS",
-              help="Send the training log's figures at each log step to these accelerate trackers, separated by "
-                   "commas: tensorboard (into OUT.logs/, a folder per run; pip install tensorboard), wandb (pip install wandb), any "
-                   "other that accelerate supports, all (those installed) or none.")
-@click.option("-q", "--quiet", is_flag=True,
-              help="No progress bars, log lines or settings: only warnings, errors and the final summary.")
+@with_options(TRAIN_OPTIONS)
 @user_errors
-def convert(source, out, data, text_column, recipe, device, resume, overwrite, max_shard_size, push_to_hub, private,
-            measure_kernels, dry_run, report_to, quiet, **options):
+def convert(source, recipe, **values):
     """Convert SOURCE (a Hub id, a checkpoint folder, or `demo`) into a >99%-sparse ReLU checkpoint in OUT."""
     from sparsify.convert import convert as run
     from sparsify.report import console, layer_table, perplexity_table
 
+    options = RunOptions(**{name: values.pop(name) for name in RunOptions.__dataclass_fields__})
     settings = load_recipe(recipe, source)
-    if options.pop("no_hybrid"):
-        options["hybrid_below"] = 0
-    settings.update({k: v for k, v in options.items() if v is not None})
-    config = TrainConfig.from_dict(settings)
-    summary = run(
-        source, out, config, data=data, text_column=text_column, device=device, resume=resume, overwrite=overwrite,
-        max_shard_size=max_shard_size, push_to_hub=push_to_hub, private=private, measure_kernels=measure_kernels,
-        show_progress=not quiet, report_to=report_to, dry_run=dry_run,
-    )
-    if dry_run:
+    if values.pop("no_hybrid"):
+        values["hybrid_below"] = 0
+    settings.update({k: v for k, v in values.items() if v is not None})
+    summary = run(source, TrainConfig.from_dict(settings), options)
+    if options.dry_run:
         return
     if _is_main():
         t = summary["training"]
         console.print(perplexity_table(summary["perplexity"]))
         console.print(layer_table(summary["layers"], summary["plan"], f"sparsity on {summary['layers'][0]['tokens']:,} held-out tokens",
                                   hybrid_share=summary["hybrid_share"]))
-        console.print(f"trained {t['steps']} steps, {t['tokens']:,} tokens in {t['seconds']:.0f} s; wrote {out}")
+        console.print(f"trained {t['steps']} steps, {t['tokens']:,} tokens in {t['seconds']:.0f} s; wrote {options.out}")
         if "url" in summary:
             console.print(f"pushed to {summary['url']}")
     _end_process_group()

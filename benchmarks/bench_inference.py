@@ -1,7 +1,6 @@
 """TwELL inference benchmark against the dense bf16 block, by the method of docs/performance.md.
 
-Synthetic sparsity: x ~ N(0, 1) with x[:, 0] = 1 (bias channel), gate ~ N(0, 1/D) with
-gate[:, 0] = -Phi^-1(1 - k/I), so each unit fires with probability k/I. Dense baseline: gate and up as
+Synthetic sparsity (synthetic_mlp.py): each unit fires with probability k/I. Dense baseline: gate and up as
 one concatenated bf16 cuBLAS matmul, relu(g) * u, down matmul. Each row also checks correctness
 (||out - ref|| / ||ref|| against the fp32 block on fresh inputs) in the same run.
 Large sizes: triton do_bench median (it flushes L2 before every call). Up to GRAPH_ROWS tokens: CUDA graph
@@ -27,13 +26,11 @@ positive), so every (row, tile) overflows: the cost of the decode overflow fallb
 import argparse
 import itertools
 import json
-import math
 import os
 import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from statistics import NormalDist
 
 import torch
 import triton
@@ -47,10 +44,11 @@ from twell.batched import gate_config, gate_launch, out_launch
 from twell.decode import DECODE_TILE, HELD_ROWS, PART_BYTES, PART_STAGES, decode_out_config
 from twell.heavy import HEAVY_FEW_ROWS, heavy_launches
 
+from inference_robustness import ROBUST_ACTIVE, ROBUST_KEY, ROBUST_TOKENS, robustness
+from synthetic_mlp import (HEAVY_K, HEAVY_TILE, LAYERS, dense, make_heavy, make_layer, make_x, per_layer_us, print_row,
+                           reference, rel_err, sparse)
+
 ROW_KEY = ("D", "I", "M", "k", "tile", "compression")  # what identifies a grid row (--resume)
-ROBUST_KEY = ("D", "I", "M", "k", "plan_k", "heavy_rows")  # what identifies a --robustness row (--resume)
-LAYERS = 8  # layer copies for graph-replay timing
-HEAVY_K, HEAVY_TILE = 29, 128  # --host-time, --decode-*: active units of the ordinary rows, tile
 HEAVY_FIRST = 2000  # --host-time, --decode-*: active units of a sequence's first token
 GRAPH_ROWS = 4096  # up to this many tokens: CUDA-graph replays (the launches are short enough for host time to show)
 GRIDS = {
@@ -79,34 +77,6 @@ def make_layers(d, i, k, skew, n):
         _layers.clear()
         _layers[key] = [make_layer(d, i, k, skew) for _ in range(n)]
     return _layers[key][:n]
-
-
-def make_layer(d, i, k, skew=0.0):
-    gate = torch.randn(i, d, device="cuda") / math.sqrt(d)
-    bias = -NormalDist().inv_cdf(1 - k / i) if k < i else 10.0  # k = I: every unit active
-    gate[:, 0] = bias + skew * torch.randn(i, device="cuda")
-    up = torch.randn(i, d, device="cuda") / math.sqrt(d)
-    down = torch.randn(d, i, device="cuda") / math.sqrt(k)
-    gate, up, down = gate.bfloat16(), up.bfloat16(), down.bfloat16()
-    return dict(gate=gate, up=up, down=down, down_p=twell.prepare_down(down),
-                gate_up=torch.cat([gate, up]).contiguous())
-
-
-def make_x(m, d):
-    x = torch.randn(m, d, device="cuda")
-    x[:, 0] = 1.0
-    return x.bfloat16()
-
-
-def dense(x, w):
-    i = w["gate"].shape[0]
-    gu = x @ w["gate_up"].t()
-    return (torch.relu(gu[:, :i]) * gu[:, i:]) @ w["down"].t()
-
-
-def sparse(x, w, tile, compression, precision="default"):
-    return twell.gated_mlp(x, w["gate"], w["up"], w["down_p"], tile=tile, compression=compression,
-                           precision=precision)
 
 
 def gate_pack(x, gate, tile, compression, cfg, up=None, down_t=None):
@@ -159,14 +129,6 @@ def plan_launches(x, layers, tile=128, compression=8):
     return gate, out
 
 
-def rel_err(out, ref):
-    return ((out.float() - ref).norm() / ref.norm()).item()
-
-
-def reference(x, w):
-    return twell.gated_mlp_reference(x.float(), w["gate"], w["up"], w["down"]).float()
-
-
 def time_fn(fn, graphs):
     if graphs:
         return do_bench_cudagraph(fn, rep=50, return_mode="median") / LAYERS
@@ -192,15 +154,6 @@ def launch_rules(**rules):
         for module, name, rule in saved:
             setattr(module, name, rule)
         cache.clear()
-
-
-def per_layer_us(fn, layers):
-    """Microseconds of fn(layer) per layer, over CUDA-graph replays of the layer copies."""
-    return do_bench_cudagraph(lambda: [fn(lw) for lw in layers], rep=50, return_mode="median") / LAYERS * 1e3
-
-
-def print_row(row):
-    print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
 
 
 def write_json(path, result):
@@ -310,194 +263,6 @@ def sweep():
                 rows.append(dict(kernel="down", M=m, **cfg, ms=t, err=rel_err(out, ref)))
                 print(rows[-1])
     return rows
-
-
-def make_heavy(x, rows, units, i, k=HEAVY_K):
-    """Sets the bias channel of x's `rows` so that each has about `units` active units (of i) under a
-    make_layer(.., i, k) gate: a unit fires where z > bias * x0 (z about N(0, 1))."""
-    x[rows, 0] = NormalDist().inv_cdf(1 - units / i) / NormalDist().inv_cdf(1 - k / i)
-
-
-def runtime(folder=None):
-    """The modeling file's module as a checkpoint loads it: the files an export writes (the modeling file,
-    generation.py and the inference kernel files) side by side in one package (or those of `folder`, an exported checkpoint's), imported under a fresh name."""
-    import importlib
-    import shutil
-    import tempfile
-
-    root = Path(tempfile.mkdtemp())
-    package = root / f"twell_runtime_{len(RUNTIMES)}"
-    package.mkdir()
-    if folder:
-        files = [file for file in Path(folder).glob("*.py") if file.name != "__init__.py"]
-    else:  # the files an export writes beside each other
-        from sparsify import export
-
-        files = export.shipped_files(export.kernel_dir())
-    for file in files:
-        shutil.copy2(file, package / file.name)
-    (package / "__init__.py").write_text("")
-    sys.path.insert(0, str(root))
-    RUNTIMES.append(root)
-    return importlib.import_module(f"{package.name}.modeling_twell")
-
-
-RUNTIMES = []
-LAYOUT = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
-ROBUST_TOKENS = (1, 8, 64, 512, 2048, 4096, 16384, 65536)
-ROBUST_HEAVY = (0, 1, 0.001, 0.01, 0.05, 0.25, 1.0)  # heavy rows: a count (0, 1) or a share of the tokens
-ROBUST_ACTIVE = (10, 29, 98, 300)
-ROBUST_SHAPE = (2048, 5632)  # D, I
-CALIBRATION = (8, 1024)  # sequences x tokens the plan is measured on, each sequence's first token heavy
-
-
-def planned_mlp(modeling, w, d, i, k, plan_k, heavy_units):
-    """The layer as a converted checkpoint runs it: TwellGatedMLP over w's weights with the plan that
-    sparsify.plan makes from this layer's statistics on calibration inputs of plan_k active units a token
-    and one heavy token (heavy_units) at each sequence's start; and the same weights planned dense."""
-    from sparsify.measure import LayerCounter
-    from sparsify.plan import plan_layer
-
-    def projections():  # each module its own copies (the kernels' load-time layout changes the down weight's)
-        original = torch.nn.Module()
-        for name, weight in (("gate_proj", w["gate"]), ("up_proj", w["up"]), ("down_proj", w["down"])):
-            linear = torch.nn.Linear(*weight.shape[::-1], bias=False, device="cuda", dtype=weight.dtype)
-            linear.weight.data = weight.clone()
-            original.add_module(name, linear)
-        return original
-
-    sequences, length = CALIBRATION
-    x = make_x(sequences * length, d)
-    make_heavy(x, slice(None), plan_k, i, k)
-    make_heavy(x, slice(None, None, length), heavy_units, i, k)
-    counter = LayerCounter()
-    counter((x @ w["gate"].t()).view(sequences, length, i))
-    entry = plan_layer(counter.result(sequences), hidden_size=d).to_json()
-    return (modeling.TwellGatedMLP(projections(), LAYOUT, runtime_plan(modeling, entry)),
-            modeling.TwellGatedMLP(projections(), LAYOUT, runtime_plan(modeling, {"mode": "dense"})))
-
-
-def runtime_plan(modeling, entry: dict):
-    """A config.json plan entry as `modeling`'s TwellGatedMLP takes it (runtimes before LayerPlan: the entry)."""
-    return modeling.LayerPlan.from_json(entry) if hasattr(modeling, "LayerPlan") else entry
-
-
-def plan_of(mlp) -> dict:
-    """The setting a TwellGatedMLP runs, as config.json writes it (runtimes before LayerPlan: its attributes)."""
-    if hasattr(mlp, "plan"):
-        return {key: value for key, value in mlp.plan.to_json().items() if key != "stats"}
-    return {key: getattr(mlp, key) for key in ("mode", "tile", "compression", "sparse_tokens")}
-
-
-@torch.no_grad()
-def call_path(modeling, mlp, x, captured: bool) -> tuple[str | None, torch.Tensor]:
-    """The path the modeling file's layer `mlp` takes for x ("kernels" where its forward calls gated_mlp, else
-    "dense"; None for a runtime too old to tell) and its output; `captured`: as inside a CUDA-graph capture.
-    Cells whose two columns both run dense compare the same math."""
-    if not hasattr(modeling, "eager"):
-        return None, mlp(x)
-    calls, kernel, eager = [], modeling.gated_mlp, modeling.eager
-    modeling.gated_mlp = lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs)
-    if captured:
-        modeling.eager = lambda x: False
-    try:
-        out = mlp(x)
-    finally:
-        modeling.gated_mlp, modeling.eager = kernel, eager
-    return "kernels" if calls else "dense", out
-
-
-def paired_ms(first, second, rounds=3):
-    """do_bench medians of two calls measured alternately, the median of each over the rounds (drift between
-    the two measurements cancels)."""
-    times = [[], []]
-    for _ in range(rounds):
-        for fn, samples in zip((first, second), times):
-            samples.append(do_bench(fn, return_mode="median"))
-    return tuple(sorted(samples)[rounds // 2] for samples in times)
-
-
-def mean_ms(fn, calls):
-    """Mean milliseconds of `calls` consecutive calls (CUDA events around them all)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / calls
-
-
-def heavy_count(m, heavy):
-    return min(m, heavy if isinstance(heavy, int) else max(1, round(heavy * m)))
-
-
-def robustness_cells(k, plan_k, tokens, done=()):
-    """The cells (M, heavy rows) of --robustness at k active units, in the order measured, less those whose
-    ROBUST_KEY is in `done`."""
-    d, i = ROBUST_SHAPE
-    cells = [(m, heavy) for m in tokens for heavy in dict.fromkeys(heavy_count(m, h) if h else 0 for h in ROBUST_HEAVY)]
-    return [(m, heavy) for m, heavy in cells if (d, i, m, k, plan_k or k, heavy) not in done]
-
-
-def robustness(folder=None, plan_k=None, tokens=ROBUST_TOKENS, actives=ROBUST_ACTIVE, done=()):
-    """The layer exactly as the modeling file runs it (its plan and token windows, TwellGatedMLP.forward)
-    against the same layer planned dense, in one process, on a grid: tokens x heavy rows (half the units
-    active, like a sequence's first token; at the start of the call and then evenly spread) x mean active
-    units, D 2048 / I 5632. Eager calls (do_bench medians, dense and TwELL alternately: host time counts
-    where it exceeds the GPU's; each cell starts the layer's ActivityRouter afresh, and batched cells also
-    time one whole cycle of it, its measuring windows included), and up to 64 tokens also CUDA-graph
-    replays over LAYERS layer copies, of the call as one sequence's prefill [1, M, D] ("graph") and as a
-    decode step of M sequences [M, 1, D] ("step_graph"). The plan is made from each layer's
-    own activity (or `plan_k` units, when the inputs are more or less active than the calibration); each
-    cell checks the output against fp32 in the same run and names the layer's path for each timing
-    (`eager_path`, `graph_path`, `step_graph_path`: call_path). Yields the rows of the cells whose ROBUST_KEY
-    is not in `done` (a run cut short: its rows' keys)."""
-    d, i = ROBUST_SHAPE
-    modeling = runtime(folder)
-    for k in actives:
-        cells = robustness_cells(k, plan_k, tokens, done)
-        if not cells:
-            continue
-        layers = [make_layer(d, i, k) for _ in range(LAYERS)]
-        mlps = [planned_mlp(modeling, w, d, i, k, plan_k or k, i // 2) for w in layers]
-        plan = plan_of(mlps[0][0])
-        for m, heavy in cells:
-            x = make_x(m, d)
-            at = torch.linspace(0, m - 1, heavy).round().long().tolist() if heavy else []
-            if heavy:
-                make_heavy(x, at, i // 2, i, k)
-            sparse_mlp, dense_mlp = mlps[0]
-            with torch.no_grad():
-                check = slice(0, min(m, 4096))
-                ref = reference(x[check], layers[0])
-                sparse_mlp.router = None  # each cell from a fresh router: none carries over another's verdict
-                eager_path, out = call_path(modeling, sparse_mlp, x[None], captured=False)
-                out = out[0]
-                row = dict(D=d, I=i, M=m, k=k, plan_k=plan_k or k, heavy_rows=heavy, plan=plan, eager_path=eager_path,
-                           active=(x[check].float() @ layers[0]["gate"].float().t() > 0).sum(1).float().mean().item(),
-                           err_twell=rel_err(out[check], ref),
-                           err_dense=rel_err(dense_mlp(x[None])[0][check], ref))
-                sparse_mlp.router = None
-                row["eager_dense_ms"], row["eager_twell_ms"] = paired_ms(lambda: dense_mlp(x[None]),
-                                                                         lambda: sparse_mlp(x[None]))
-                row["eager_speedup"] = row["eager_dense_ms"] / row["eager_twell_ms"]
-                if sparse_mlp.router is not None:  # batched: a whole cycle of its router, probes included
-                    calls = sparse_mlp.router.WINDOW + sparse_mlp.router.PROBE_EVERY
-                    sparse_mlp.router = None
-                    row["cycle_dense_ms"] = mean_ms(lambda: dense_mlp(x[None]), calls)
-                    row["cycle_twell_ms"] = mean_ms(lambda: sparse_mlp(x[None]), calls)
-                    row["cycle_speedup"] = row["cycle_dense_ms"] / row["cycle_twell_ms"]
-                if m <= 64:  # as one sequence's prefill, and as a decode step of m sequences
-                    for name, shaped in (("graph", x[None]), ("step_graph", x[:, None]))[:1 if m == 1 else 2]:
-                        row[f"{name}_path"] = call_path(modeling, sparse_mlp, shaped, captured=True)[0]
-                        row[f"{name}_dense_us"] = per_layer_us(lambda pair: pair[1](shaped), mlps)
-                        row[f"{name}_twell_us"] = per_layer_us(lambda pair: pair[0](shaped), mlps)
-                        row[f"{name}_speedup"] = row[f"{name}_dense_us"] / row[f"{name}_twell_us"]
-            print_row(row)
-            yield row
-        del layers, mlps
 
 
 def heavy_block():

@@ -18,6 +18,7 @@ import torch
 import triton
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
+from twell.layer_plan import ALL_TOKENS, LayerPlan, Mode, layer_plans
 
 
 def load_pair(path, dtype, force):
@@ -25,8 +26,8 @@ def load_pair(path, dtype, force):
     config = AutoConfig.from_pretrained(path, trust_remote_code=True)
     if force:
         tile, compression = force
-        for layer in config.twell["layers"]:
-            layer.update(mode="sparse", tile=tile, compression=compression, sparse_tokens=[[1, None]])
+        config.twell["layers"] = [LayerPlan(Mode.SPARSE, tile, compression, ALL_TOKENS, plan.stats).to_json()
+                                  for plan in layer_plans(config.twell)]
     remote = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, trust_remote_code=True)
     return plain, remote.cuda().eval()
 

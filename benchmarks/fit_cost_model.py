@@ -33,13 +33,13 @@ def load_cases(paths):
                                   twell=path_us * 1e-6))
             elif "heavy_rows" in r:  # bench_inference.py --robustness: decode-sized cells run on the kernels
                 graph = "graph" if r["M"] == 1 else "step_graph"  # one token; a decode step of M sequences
+                plan = LayerPlan.from_json(r["plan"])
                 if f"{graph}_path" in r:  # the path the timing took
                     sparse = r[f"{graph}_path"] == "kernels"
                 else:  # rows measured before the path fields: the plan's token windows
-                    plan = LayerPlan.from_json(r["plan"])
                     sparse = plan.is_sparse and any(lo <= r["M"] <= (hi or r["M"]) for lo, hi in plan.sparse_tokens)
                 if r["heavy_rows"] == 0 and sparse and f"{graph}_twell_us" in r:
-                    cases.append(dict(D=r["D"], I=r["I"], M=r["M"], a=r["active"], tile=r["plan"]["tile"],
+                    cases.append(dict(D=r["D"], I=r["I"], M=r["M"], a=r["active"], tile=plan.tile,
                                       dense=r[f"{graph}_dense_us"] * 1e-6, twell=r[f"{graph}_twell_us"] * 1e-6))
             elif r.get("overflow_tiles", 0) == 0:
                 cases.append(dict(D=r["D"], I=r["I"], M=r["M"], a=r["mean_active"], tile=r["tile"],

@@ -34,6 +34,7 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from twell.layer_plan import layer_plans  # noqa: E402
 
 from sparsify.bench import versions  # noqa: E402
 from sparsify.load import demo_corpus_path, demo_model_path  # noqa: E402
@@ -105,7 +106,7 @@ def load_check(checkpoint: Path, tokens: int) -> dict:
         generated[name] = model.generate(ids[:, :32], max_new_tokens=16, do_sample=False)[0, 32:]
         twell = getattr(model.config, "twell", None)
         result[name] = {"class": type(model).__name__, "load_s": round(loaded, 1),
-                        "sparse_layers": sum(l["mode"] == "sparse" for l in twell["layers"]) if remote and twell else None}
+                        "sparse_layers": sum(plan.is_sparse for plan in layer_plans(twell)) if remote and twell else None}
         del model
         torch.cuda.empty_cache()
     result["logit_diff_rel"] = ((logits["plain"] - logits["remote_code"]).abs().max()
@@ -188,7 +189,7 @@ def main() -> None:
     print(json.dumps({k: v for k, v in result.items() if k != "versions"}, indent=1), flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=1))
-    if fsdp.returncode or result["one_process"]["returncode"] == 0:
+    if returncode or result["one_process"]["returncode"] == 0:
         sys.exit(1)
 
 

@@ -31,7 +31,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the GPU machine has no network: 
 
 import torch  # noqa: E402
 
-from sparsify.config import load_recipe  # noqa: E402
+from sparsify.config import RunOptions, load_recipe  # noqa: E402
 from sparsify.convert import convert  # noqa: E402
 from sparsify.train import TrainConfig, hybrid_kernels_run, on_cpu  # noqa: E402
 
@@ -118,8 +118,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name, config in (("hybrid", hybrid_config), ("dense", dense_config)):
             print(f"{name} run: {config.steps} steps, hybrid_below {config.hybrid_below}", flush=True)
-            summary = convert(args.source, Path(tmp) / name, config, data=args.data, device=args.device,
-                              overwrite=True, show_progress=False, measure_kernels=False)  # training compared
+            # planned by the cost model, not timed: the training is what is compared
+            summary = convert(args.source, config, RunOptions(Path(tmp) / name, data=args.data, device=args.device,
+                                                              overwrite=True, quiet=True, measure_kernels=False))
             runs[name] = run_summary(summary)
 
     hybrid, dense = runs["hybrid"], runs["dense"]

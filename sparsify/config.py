@@ -1,10 +1,11 @@
-"""Training settings: `TrainConfig` (one field per setting, its help in the field's metadata: the CLI's
-training options are made from them) and the recipes, YAML files of any of its fields. Imports no torch, so
-that the command starts and shows its help at once."""
+"""A conversion's settings, as typed dataclasses whose fields the CLI's options are made from (one field per
+option, its help in the field's metadata): `TrainConfig`, the training settings, which the recipes (YAML files of
+any of its fields) also give; and `RunOptions`, how `sparsify convert` runs besides them (where it reads and
+writes, the device, what it reports). Imports no torch, so that the command starts and shows its help at once."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
 from importlib.resources import files
 from pathlib import Path
 
@@ -27,9 +28,10 @@ LAUNCHER_GRACE_S = 30  # accelerate launch and torchrun kill their processes thi
 
 
 def _setting(default, help_text: str, **cli):
-    """A TrainConfig field: its default, its help, and how the command line spells it where the field's name
-    and type do not say (`flag`: a boolean's "--on/--off" declaration; `metavar`; `unset`: what a default of
-    None stands for, as --help shows it)."""
+    """A field of TrainConfig or RunOptions: its default (MISSING: a required option), its help, and how the
+    command line spells it where the field's name and type do not say (`flag`: the option's declarations,
+    space-separated, as "-o --out" or a boolean's "--on/--off"; `metavar`; `unset`: what a default of None
+    stands for, as --help shows it; `folder`: the value names a folder)."""
     return field(default=default, metadata={"help": help_text, **cli})
 
 
@@ -223,6 +225,49 @@ class TrainConfig:
     def schedule(self, total: int) -> TrainConfig:
         """This config with the step counts given as a share of the run ("20%") resolved for `total` steps."""
         return replace(self, **{name: steps_of(getattr(self, name), total) for name in SHARE_OF_STEPS})
+
+
+TEXT_COLUMN_HELP = "The column of .jsonl/.parquet rows and `datasets` rows that holds the text"
+
+
+def measure_help(what: str) -> str:
+    """The help of --measure/--no-measure, for a command that does `what` with it."""
+    return (f"{what} by timing the candidates on this GPU (CUDA only), or by the cost model. Default: timed on a GPU "
+            "where the layers are narrower than the cost model's shapes (hidden size 896, 4864 units), which it "
+            "would plan dense.")
+
+
+@dataclass
+class RunOptions:
+    """How a conversion runs besides its training settings: `sparsify convert`'s other options, one field each."""
+
+    out: str | Path = _setting(MISSING, "Output checkpoint folder.", flag="-o --out", folder=True)
+    data: str | None = _setting(None, (
+        "Training text: .txt/.jsonl/.parquet file(s) or folder, or a `datasets` name as NAME[:CONFIG][@SPLIT]. "
+        "Default for demo: the demo corpus."))
+    text_column: str = _setting("text", TEXT_COLUMN_HELP + ".", metavar="NAME")
+    device: str | None = _setting(None, (
+        "cpu or cuda (default: cuda if available). Several GPUs: `accelerate launch -m cli convert ...`."))
+    resume: bool = _setting(False, "Continue an interrupted conversion from OUT.resume/.")
+    overwrite: bool = _setting(False, (
+        "Replace OUT if it exists and is not empty, and start over where OUT.resume/ holds an interrupted run."))
+    max_shard_size: str = _setting("5GB", "Largest safetensors shard.")
+    push_to_hub: str | None = _setting(None, (
+        "Upload OUT to this Hub repository (created if needed; files of an earlier upload that OUT lacks are "
+        "deleted)."), metavar="REPO_ID")
+    private: bool = _setting(False, "With --push-to-hub: make a new repository private.")
+    measure_kernels: bool | None = _setting(None, measure_help("Choose each layer's kernel setting"),
+                                            flag="--measure/--no-measure")
+    dry_run: bool = _setting(False, (
+        "Check everything a run checks before reading weights (OUT, the data, the settings against the model's "
+        "config, its tokenizer, the GPUs' memory), print the resolved settings, the training state's size and the "
+        "held-out text, and stop."))
+    report_to: str = _setting("none", (
+        "Send the training log's figures at each log step to these accelerate trackers, separated by commas: "
+        "tensorboard (into OUT.logs/, a folder per run; pip install tensorboard), wandb (pip install wandb), any "
+        "other that accelerate supports, all (those installed) or none."), metavar="TRACKERS")
+    quiet: bool = _setting(False, "No progress bars, log lines or settings: only warnings, errors and the final "
+                                  "summary.", flag="-q --quiet")
 
 
 # Schedule lengths that a recipe may give as a share of the training steps ("20%"), so that it fits any length.

@@ -23,16 +23,16 @@ import copy
 import json
 import tempfile
 from contextlib import nullcontext
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import NamedTuple
 
 import torch
 from accelerate import PartialState
 from transformers.utils.hub import convert_file_size_to_int
 
 from .card import is_hub_id, public_name, source_license
-from .config import TrainConfig
+from .config import RunOptions, TrainConfig
 from .data import TextData, resolve as resolve_data
 from .errors import ConfigError, DataError
 from .export import ARTIFACTS, check_output_dir, export_checkpoint
@@ -92,153 +92,122 @@ def logging_dir_for(out: str | Path) -> Path:
     return _beside(out, ".logs")
 
 
-def convert(
-    source: str,
-    out: str | Path,
-    config: TrainConfig,
-    *,
-    data: str | None = None,
-    text_column: str = "text",
-    device: str | None = None,
-    resume: bool = False,
-    overwrite: bool = False,
-    max_shard_size: str = "5GB",
-    push_to_hub: str | None = None,
-    private: bool = False,
-    measure_kernels: bool | None = None,
-    show_progress: bool = True,
-    report_to: str = "none",
-    dry_run: bool = False,
-) -> dict | None:
-    """Convert `source` into a sparse checkpoint at `out`; returns the summary (perplexities, per-layer
-    statistics and plan, training log). `text_column`: the column of the data's rows that holds the text.
-    `measure_kernels` plans each layer by timing the kernel settings on this GPU (sparsify.tune) instead of by
-    the cost model (None: where the cost model does not cover the layer shape, on a GPU). `show_progress` False
-    prints only warnings (no settings, progress bars or log lines).
-    `report_to`: the accelerate trackers that get the training log's figures (train.trackers).
-    `dry_run`: run every check that reads no weight, print the settings, the training state's size and the
-    held-out text, and stop (returns None)."""
-    check_device(device)
-    launch = PartialState(cpu=on_cpu(device))
-    main, processes = launch.is_main_process, launch.num_processes
-    if resume and main and recover_killed_save(saved := resume_dir_for(out)):
+@dataclass
+class _Checked:
+    """What the checks before any weight is read settle (_check_inputs)."""
+
+    out: Path
+    resume_dir: Path
+    data: str | Path  # the data to read: --data, or the demo corpus
+    inputs: dict  # what the training state depends on besides its settings: a resumed run must name the same
+    saved: dict | None  # the state a resumed run continues (check_resume); None for a fresh run
+    model_config: object  # the source's transformers config
+    trackers: list[str]  # of --report-to (train.trackers)
+    fsdp: bool  # launched with an FSDP config (train.fsdp_launch)
+
+
+class _Source(NamedTuple):
+    """The source as loaded for training (_load_source)."""
+
+    model: torch.nn.Module  # fp32
+    tokenizer: object
+    spec: object  # its family's FamilySpec
+    origin: dict  # the base model and its license, as the checkpoint records them
+
+
+def convert(source: str, config: TrainConfig, options: RunOptions) -> dict | None:
+    """Convert `source` into a sparse checkpoint at `options.out`; returns the summary (perplexities, per-layer
+    statistics and plan, training log), or None for a dry run (`options.dry_run`: every check that reads no
+    weight, the settings, the training state's size and the held-out text printed)."""
+    check_device(options.device)
+    launch = PartialState(cpu=on_cpu(options.device))
+    main = launch.is_main_process
+    if options.resume and main and recover_killed_save(saved := resume_dir_for(options.out)):
         console.print(f"the last save was whole but not yet in place: resuming from it ({saved})")
     launch.wait_for_everyone()
-    out, resume_dir, data_spec, inputs = _check_inputs(source, out, config, data, text_column, device, resume, overwrite,
-                                                       max_shard_size, measure_kernels, processes)
-    report_trackers, fsdp = trackers(report_to), fsdp_launch()[0]
-    for warning in config.warnings(processes) if main else ():
+    checked = _check_inputs(source, config, options, launch.num_processes)
+    for warning in config.warnings(launch.num_processes) if main else ():
         warn(warning)
-    if dry_run:
-        _check_source(source, config, device, processes, fsdp, show=True)
-        tokenizer = load_tokenizer(resolve_source(source))
-        require_tokenizer(tokenizer, source)
-        _report_held_out(TextData(data_spec, tokenizer, config.seq_len, config.eval_tokens, text_column), True)
+    if options.dry_run:
+        _dry_run(source, config, options, checked, launch.num_processes)
         return None
-    if overwrite and not resume and main:  # starting over: an interrupted run's state must not outlive it
-        discard_saved_state(resume_dir)
-    model, tokenizer, spec, origin = _load_source(source, config, device, launch, show_progress)
-    shown = show_progress and main
-    measure_kernels = choose_measure(measure_kernels, model.config, device, shown and console.print)
-    text = TextData(data_spec, tokenizer, config.seq_len, config.eval_tokens, text_column)
-    ppl = {}
+    if options.overwrite and not options.resume and main:  # starting over: an interrupted run's state must not outlive it
+        discard_saved_state(checked.resume_dir)
+    shown = not options.quiet and main
+    loaded = _load_source(source, config, options, checked, launch)
+    measure_kernels = choose_measure(options.measure_kernels, loaded.model.config, options.device,
+                                     shown and console.print)
+    text = TextData(checked.data, loaded.tokenizer, config.seq_len, config.eval_tokens, options.text_column)
     if main:
         _report_held_out(text, shown)
-    eval_tokens = sum(block.numel() for block in text.eval_blocks)
-    labels = [f"{what} ({eval_tokens:,} held-out tokens)" if shown else None
-              for what in ("perplexity of the source", "perplexity after the ReLU swap", "measuring the trained model")]
-
-    def source_perplexities(model, sharded=False):
-        with original_mlps(model):
-            ppl["original"] = perplexity(model, text.eval_blocks, config.batch_size, sharded, label=labels[0])
-        ppl["after swap"] = perplexity(model, text.eval_blocks, config.batch_size, sharded, label=labels[1])
-
-    # the dtype the training computes in (bf16 autocast on GPU): the teacher's and the export's
-    compute_dtype = resolve_dtype(None, torch.device("cpu" if on_cpu(device) else "cuda"))
-    result, mlps = _train(model, text, config, source_perplexities, compute_dtype, fsdp=fsdp, resume_dir=resume_dir,
-                          resume=resume, device=device, shown=shown, inputs=inputs, report_to=report_trackers,
-                          logging_dir=logging_dir_for(out))
+    perplexities = _Perplexities(text, config.batch_size, shown)
+    result, mlps = _train(loaded.model, text, config, options, checked, perplexities)
     # A failure from here on keeps the trained weights (where it came while writing, in the export's dtype: what
     # the checkpoint holds anyway); --resume goes straight to measuring them.
     try:
-        model = result.model
-        stats = measure(model, spec, text.eval_blocks, config.batch_size, sharded=result.sharded, label=labels[2])
-        ppl["after training"] = stats["perplexity"]
-        captured = None
-        if result.sharded:
-            if measure_kernels:  # every process runs the forwards; the main one times the layers on them
-                captured = capture_mlp_inputs(model, spec, text.eval_blocks, keep=main)
-            with console.status("gathering the trained weights into CPU memory") if shown else nullcontext():
-                model = gather_model(model, mlps)
-            if model is None:  # another process: the main one plans and exports
-                return {"perplexity": ppl, "layers": stats["layers"], "log": result.log}
-        plan = plan_model(model, spec, stats, text.eval_blocks, measure_kernels=measure_kernels and main,
-                          device=device, mlp_inputs=captured)
-        training = _training_record(origin, data, text_column, config, result, stats["tokens"], ppl)
-        summary = {"perplexity": ppl, "layers": stats["layers"], "plan": plan, "training": training,
-                   "log": result.log, "hybrid_share": hybrid_share(result.log)}
-        if not main:
-            return summary
-
-        model.to(compute_dtype)  # as trained
-        _write(model, tokenizer, out, spec, plan, training, result.log, max_shard_size=max_shard_size,
-               overwrite=overwrite)
+        summary = _measure_and_write(result, mlps, loaded, perplexities, config, options, checked, measure_kernels)
     except (Exception, KeyboardInterrupt):
         try:
             result.save()
         except Exception as error:  # the first error is the one to report
             warn(f"the trained state could not be saved either ({type(error).__name__}: {error})")
         raise
-    discard_saved_state(resume_dir)
-    if push_to_hub:
-        from .push import push_to_hub as push
+    if main:
+        discard_saved_state(checked.resume_dir)
+        if options.push_to_hub:
+            from .push import push_to_hub as push
 
-        summary["url"] = push(out, push_to_hub, private=private)
+            summary["url"] = push(checked.out, options.push_to_hub, private=options.private)
     return summary
 
 
-def _check_inputs(source: str, out, config: TrainConfig, data: str | None, text_column: str, device: str | None,
-                  resume: bool, overwrite: bool, max_shard_size: str, measure_kernels: bool | None,
-                  processes: int) -> tuple[Path, Path, str | Path, dict]:
-    """Fails fast, before any weight is read, on what would stop the conversion later; returns OUT checked, the
-    folder of its training state, the data to read and the inputs a resumed run must name again."""
-    out = check_output_dir(out, overwrite)
-    for what, path in (("the source model", source), ("the data", data)):
+def _check_inputs(source: str, config: TrainConfig, options: RunOptions, processes: int) -> _Checked:
+    """Fails fast, before any weight is read, on what would stop the conversion later: OUT, the data, the
+    settings against the source's config and `processes`, a resumed state against them, --report-to."""
+    out = check_output_dir(options.out, options.overwrite)
+    for what, path in (("the source model", source), ("the data", options.data)):
         if path is not None and Path(path).exists() and (
                 Path(path).resolve() == out.resolve() or out.resolve() in Path(path).resolve().parents):
             raise ConfigError(f"-o {out}: the output would replace {what} {path}; write elsewhere")
     try:
-        convert_file_size_to_int(max_shard_size)
+        convert_file_size_to_int(options.max_shard_size)
     except ValueError:
-        raise ConfigError(f"--max-shard-size {max_shard_size!r}: use a number and a unit, e.g. 5GB or 500MB") from None
-    config.validate(world=processes)
-    if measure_kernels:
-        require_cuda(device, "--measure")
+        raise ConfigError(f"--max-shard-size {options.max_shard_size!r}: use a number and a unit, e.g. 5GB or "
+                          "500MB") from None
+    if options.measure_kernels:
+        require_cuda(options.device, "--measure")
     resume_dir = resume_dir_for(out)
-    if not resume and not overwrite and (resume_dir / "state.json").is_file():
+    if not options.resume and not options.overwrite and (resume_dir / "state.json").is_file():
         raise ConfigError(f"{resume_dir} holds the training state of an interrupted conversion to {out}: pass "
                           f"--resume to continue it, or --overwrite to start over (deleting it)")
-    if data is None and source != "demo":
+    if options.data is None and source != "demo":
         raise DataError("--data is required (local .txt/.jsonl/.parquet files or folder, or a datasets name)")
-    data_spec = data or demo_corpus_path()
-    # what the training state depends on besides its settings: a resumed run must name the same
-    inputs = {"source": _identity(source), "data": _identity(data_spec), "text_column": text_column}
-    if resume:
-        check_resume(resume_dir, config, processes, inputs)
-    resolve_data(data_spec)  # missing / empty / unknown format
-    return out, resume_dir, data_spec, inputs
-
-
-def _check_source(source: str, config: TrainConfig, device: str | None, processes: int, fsdp: bool,
-                  show: bool) -> None:
-    """What the source's config decides before any weight is read: seq-len against its positions, the run's
-    settings and training state size (printed where `show`), and that state against the GPUs."""
+    data = options.data or demo_corpus_path()
     model_config = load_config(source)[0]
-    parameters = parameter_count(model_config)
-    config.validate(getattr(model_config, "max_position_embeddings", None))
+    config.validate(getattr(model_config, "max_position_embeddings", None), world=processes)
+    inputs = {"source": _identity(source), "data": _identity(data), "text_column": options.text_column}
+    saved = check_resume(resume_dir, config, processes, inputs) if options.resume else None
+    resolve_data(data)  # missing / empty / unknown format
+    return _Checked(out, resume_dir, data, inputs, saved, model_config, trackers(options.report_to),
+                    fsdp_launch()[0])
+
+
+def _check_source(config: TrainConfig, options: RunOptions, checked: _Checked, processes: int, show: bool) -> None:
+    """What the source's config decides before any weight is read: the run's settings and training state size
+    (printed where `show`), and that state against the GPUs."""
+    parameters = parameter_count(checked.model_config)
     if show:
-        console.print(run_summary(parameters, config, processes, fsdp), soft_wrap=True)
-    check_training_memory(parameters, device, processes, fsdp, teacher=config.uses_teacher)
+        console.print(run_summary(parameters, config, processes, checked.fsdp), soft_wrap=True)
+    check_training_memory(parameters, options.device, processes, checked.fsdp, teacher=config.uses_teacher)
+
+
+def _dry_run(source: str, config: TrainConfig, options: RunOptions, checked: _Checked, processes: int) -> None:
+    """The rest of the checks that read no weight (the training state against the GPUs, the tokenizer, the
+    held-out text), with the settings and the held-out text printed."""
+    _check_source(config, options, checked, processes, show=True)
+    tokenizer = load_tokenizer(resolve_source(source))
+    require_tokenizer(tokenizer, source)
+    _report_held_out(TextData(checked.data, tokenizer, config.seq_len, config.eval_tokens, options.text_column), True)
 
 
 def _report_held_out(text: TextData, shown: bool) -> None:
@@ -250,59 +219,111 @@ def _report_held_out(text: TextData, shown: bool) -> None:
         warn(warning)
 
 
-def _load_source(source: str, config: TrainConfig, device: str | None, launch: PartialState, show_progress: bool):
-    """(model, tokenizer, family spec) of `source` in fp32, after printing the run's settings and checking that
-    its training state fits the GPUs (under FSDP: loaded into CPU memory, only by the main process where the
-    launch config loads on rank 0), and the base model and its license as the checkpoint will record them
-    (read now: the source folder may change while the conversion trains)."""
-    fsdp, rank0_loading = fsdp_launch()
+def _load_source(source: str, config: TrainConfig, options: RunOptions, checked: _Checked,
+                 launch: PartialState) -> _Source:
+    """`source` in fp32, after printing the run's settings and checking that its training state fits the GPUs
+    (under FSDP: loaded into CPU memory, only by the main process where the launch config loads on rank 0), with
+    the base model and its license as the checkpoint will record them (read now: the source folder may change
+    while the conversion trains)."""
     main = launch.is_main_process
-    _check_source(source, config, device, launch.num_processes, fsdp, show=main and show_progress)
-    model, tokenizer, spec = load_model(source, dtype=torch.float32, device="cpu" if fsdp else device,
-                                        weights=main or not rank0_loading)
+    _check_source(config, options, checked, launch.num_processes, show=main and not options.quiet)
+    model, tokenizer, spec = load_model(source, dtype=torch.float32, device="cpu" if checked.fsdp else options.device,
+                                        weights=main or not fsdp_launch()[1])
     require_tokenizer(tokenizer, source)
     origin = {"base_model": _base_model(source), "license": source_license(resolve_source(source))}
-    return model, tokenizer, spec, origin
+    return _Source(model, tokenizer, spec, origin)
 
 
-def _train(model, text: TextData, config: TrainConfig, source_perplexities: Callable, compute_dtype: torch.dtype, *,
-           fsdp: bool, resume_dir: Path, resume: bool, device: str | None, shown: bool, inputs: dict,
-           report_to: list[str], logging_dir: Path):
+class _Perplexities:
+    """The held-out perplexities a conversion reports: of the source and after the ReLU swap (`of_source`), and
+    after training (measure's), with the progress labels of each pass where `shown`."""
+
+    def __init__(self, text: TextData, batch_size: int, shown: bool):
+        self.text, self.batch_size, self.shown, self.values = text, batch_size, shown, {}
+        eval_tokens = sum(block.numel() for block in text.eval_blocks)
+        self.labels = [f"{what} ({eval_tokens:,} held-out tokens)" if shown else None for what in (
+            "perplexity of the source", "perplexity after the ReLU swap", "measuring the trained model")]
+
+    def of_source(self, model, sharded: bool = False) -> None:
+        """The source's perplexity (its original MLPs) and after the swap, of a relufied `model`."""
+        with original_mlps(model):
+            self.values["original"] = perplexity(model, self.text.eval_blocks, self.batch_size, sharded,
+                                                 label=self.labels[0])
+        self.values["after swap"] = perplexity(model, self.text.eval_blocks, self.batch_size, sharded,
+                                               label=self.labels[1])
+
+
+def _compute_dtype(device: str | None) -> torch.dtype:
+    """The dtype the training computes in (bf16 autocast on GPU): the teacher's and the export's."""
+    return resolve_dtype(None, torch.device("cpu" if on_cpu(device) else "cuda"))
+
+
+def _train(model, text: TextData, config: TrainConfig, options: RunOptions, checked: _Checked,
+           perplexities: _Perplexities):
     """Relufies `model` and trains it on `text` (train.train's result, and the model's ReluGatedMLPs), the
     source's perplexities measured after the swap: here, or under FSDP on the sharded model before the first
-    step; the log's figures go to the trackers of `report_to`. Running out of GPU memory is a ConfigError naming
+    step; the log's figures go to the trackers of --report-to. Running out of GPU memory is a ConfigError naming
     what lowers it."""
     # the distillation teacher: the source model as loaded, frozen; under FSDP (loaded into CPU memory) whole
     # on every process, train broadcasting the main process's weights
-    teacher = copy.deepcopy(model).to(compute_dtype) if config.uses_teacher else None
+    teacher = copy.deepcopy(model).to(_compute_dtype(options.device)) if config.uses_teacher else None
     mlps = relufy(model)
-    if not fsdp:
-        source_perplexities(model)
+    if not checked.fsdp:
+        perplexities.of_source(model)
     try:
         result = train(
             model, mlps, lambda start, rank, world: text.train_batches(
                 config.batch_size, start, rank, world, shuffle_buffer=config.shuffle_buffer, seed=config.seed), config,
-            resume_dir=resume_dir, resume=resume, device=device, show_progress=shown,
-            evaluate=(lambda prepared: source_perplexities(prepared, sharded=True)) if fsdp else None, inputs=inputs,
-            teacher=teacher, report_to=report_to, logging_dir=logging_dir,
+            resume_dir=checked.resume_dir, resume=checked.saved, device=options.device, show_progress=perplexities.shown,
+            evaluate=(lambda prepared: perplexities.of_source(prepared, sharded=True)) if checked.fsdp else None,
+            inputs=checked.inputs, teacher=teacher, report_to=checked.trackers, logging_dir=logging_dir_for(checked.out),
         )
     except torch.cuda.OutOfMemoryError:
         raise ConfigError(
             f"out of GPU memory training {config.batch_size} x {config.seq_len} tokens a micro-batch: lower "
             f"--batch-size (raise --grad-accum to keep the step's tokens), add --grad-checkpointing"
             + (", or --distill 0 and --distill-hidden 0 (the teacher's copy)" if config.uses_teacher else "")
-            + ("" if fsdp else ", or shard over GPUs with recipes/accelerate/fsdp.yaml")) from None
+            + ("" if checked.fsdp else ", or shard over GPUs with recipes/accelerate/fsdp.yaml")) from None
     return result, mlps
 
 
-def _training_record(origin: dict, data: str | None, text_column: str, config: TrainConfig, result: TrainResult,
+def _measure_and_write(result: TrainResult, mlps: list, loaded: _Source, perplexities: _Perplexities,
+                       config: TrainConfig, options: RunOptions, checked: _Checked, measure_kernels: bool) -> dict:
+    """Measures the trained model on the held-out text, plans its layers and (main process) exports it to OUT;
+    returns the summary. Under FSDP the trained weights are gathered into the main process's CPU memory first
+    (with `measure_kernels`, the layers' inputs captured on the way, as every process runs the forwards)."""
+    model, spec, text, ppl = result.model, loaded.spec, perplexities.text, perplexities.values
+    main = PartialState().is_main_process
+    stats = measure(model, spec, text.eval_blocks, config.batch_size, sharded=result.sharded,
+                    label=perplexities.labels[2])
+    ppl["after training"] = stats["perplexity"]
+    captured = None
+    if result.sharded:
+        if measure_kernels:  # every process runs the forwards; the main one times the layers on them
+            captured = capture_mlp_inputs(model, spec, text.eval_blocks, keep=main)
+        with console.status("gathering the trained weights into CPU memory") if perplexities.shown else nullcontext():
+            model = gather_model(model, mlps)
+        if model is None:  # another process: the main one plans and exports
+            return {"perplexity": ppl, "layers": stats["layers"], "log": result.log}
+    plan = plan_model(model, spec, stats, text.eval_blocks, measure_kernels=measure_kernels and main,
+                      device=options.device, mlp_inputs=captured)
+    training = _training_record(loaded.origin, options, config, result, stats["tokens"], ppl)
+    summary = {"perplexity": ppl, "layers": stats["layers"], "plan": plan, "training": training,
+               "log": result.log, "hybrid_share": hybrid_share(result.log)}
+    if main:
+        model.to(_compute_dtype(options.device))  # as trained
+        _write(model, loaded.tokenizer, checked.out, spec, plan, training, result.log, options)
+    return summary
+
+
+def _training_record(origin: dict, options: RunOptions, config: TrainConfig, result: TrainResult,
                      eval_tokens: int, ppl: dict) -> dict:
     """The checkpoint's record of the training (config.json's twell.training, training_log.json), without local
     paths: the checkpoint may be pushed. `origin`: the base model and its license (_load_source)."""
     return {
         **origin,
-        "data": public_name(data) if data else "demo corpus",
-        "text_column": text_column,
+        "data": public_name(options.data) if options.data else "demo corpus",
+        "text_column": options.text_column,
         "tokens": result.tokens,
         "steps": result.steps,
         "seconds": round(result.seconds, 1),
@@ -315,14 +336,13 @@ def _training_record(origin: dict, data: str | None, text_column: str, config: T
     }
 
 
-def _write(model, tokenizer, out: Path, spec, plan, training: dict, log: list[dict], *, max_shard_size: str,
-           overwrite: bool) -> None:
-    """Exports the checkpoint to `out` with training_log.json and the sparsity plot of the `log`."""
+def _write(model, tokenizer, out: Path, spec, plan, training: dict, log: list[dict], options: RunOptions) -> None:
+    """Exports the checkpoint to OUT with training_log.json and the sparsity plot of the `log`."""
     with tempfile.TemporaryDirectory() as tmp:
         artifacts = {name: Path(tmp) / name for name in ARTIFACTS}
         artifacts["training_log.json"].write_text(json.dumps({"training": training, "log": log}, indent=1))
         plot_training(log, artifacts["sparsity.png"])
         export_checkpoint(
-            model, tokenizer, out, spec=spec, plan=plan, training=training, artifacts=artifacts,
-            max_shard_size=max_shard_size, overwrite=overwrite,
+            model, tokenizer, out, spec=spec, plan=plan, training=training,
+            artifacts=artifacts, max_shard_size=options.max_shard_size, overwrite=options.overwrite,
         )

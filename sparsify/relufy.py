@@ -12,7 +12,7 @@ units of |relu(gate(x)) * up(x)|, the paper's penalty for one layer), active (me
 gate pre-activation is > 0) and fired (tokens in which each unit fired), and `backup_rows`: the token rows
 that went to the hybrid kernels' dense backup (0 on the dense path). With `use_hybrid = True` the forward
 goes through `twell.hybrid_gated_mlp` (sparse Triton kernels on CUDA and under the interpreter, its dense
-reference elsewhere), which returns the same output and statistics. Training (sparsify/train.py) sets
+reference elsewhere), which returns the same output and statistics. Training (sparsify/train/routing.py) sets
 `use_hybrid` per layer from the measured activity, and `hot_units`: the units that fire in so many tokens
 that the hybrid path runs them as dense columns. `source_share` s > 0 (a progressive swap, set by training)
 makes the gate (1 - s) * relu + s * the source's activation; only s = 0, plain ReLU, runs on the kernels.
@@ -59,7 +59,7 @@ class ReluGatedMLP(nn.Module):
         self.source_share = 0.0  # weight of the source activation in the gate (progressive swap)
         # Kept outside the module tree (no extra state-dict keys) so that unrelufy can put it back.
         object.__setattr__(self, "_original", original)
-        self._original_act = original_act
+        self.original_act = original_act  # the source's activation: the progressive swap's, and what unrelufy restores
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate [I, D], up [I, D], down [D, I]); views into the fused weight for fused families."""
@@ -86,7 +86,7 @@ class ReluGatedMLP(nn.Module):
         gate, up = self.gate_up(x)
         act = F.relu(gate)
         if self.source_share:
-            act = torch.lerp(act, ACT2FN[self._original_act](gate), self.source_share)
+            act = torch.lerp(act, ACT2FN[self.original_act](gate), self.source_share)
         h = act * up
         if self.track:
             fired = (gate > 0).reshape(-1, gate.shape[-1])
@@ -126,7 +126,7 @@ def unrelufy(model: nn.Module) -> nn.Module:
             for name in spec.projections:
                 setattr(mlp._original, name, getattr(mlp, name))
             setattr(layer, spec.mlp, mlp._original)
-            setattr(model.config, spec.act_key, mlp._original_act)
+            setattr(model.config, spec.act_key, mlp.original_act)
     return model
 
 

@@ -7,6 +7,7 @@ import functools
 import importlib.util
 import os
 import signal
+import sys
 from pathlib import Path
 
 import torch
@@ -71,8 +72,11 @@ def tiny_input_ids(batch: int = 2, length: int = 12, seed: int = 0) -> torch.Ten
 
 
 def load_benchmark(relative_path: str):
-    """A script under benchmarks/ (no package) imported as a module, under its file name."""
+    """A script under benchmarks/ (no package) imported as a module, under its file name, with its folder on
+    sys.path as when it runs (its sibling modules import)."""
     path = Path(__file__).resolve().parents[1] / "benchmarks" / relative_path
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -5,10 +5,10 @@ import pytest
 import torch
 from rich.console import Console
 
-from sparsify.bench import (COMPONENTS, MAX_ROUNDS, MIN_TIMED_S, PATHS, RANGE, _median_seconds, _range_of,
-                            bench_checkpoint, bench_table, busy_us, component_split, device_kernels, kernel_component,
-                            launch_ids, logits_agreement, mlp_layers, module_component, module_ranges, path_row,
-                            plan_summary, profile_split, write_json)
+from sparsify.bench import (MAX_ROUNDS, MIN_TIMED_S, PATHS, _median_seconds, bench_checkpoint, bench_table,
+                            logits_agreement, path_row, plan_summary, write_json)
+from sparsify.profiling import (COMPONENTS, RANGE, _range_of, busy_us, component_split, device_kernels,
+                                kernel_component, launch_ids, mlp_layers, module_component, module_ranges, profile_split)
 from sparsify.errors import ConfigError, DataError
 from sparsify.families import spec_for
 from sparsify.plan import measure_plan, timed_layer_plan

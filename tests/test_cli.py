@@ -26,7 +26,7 @@ from helpers import (Killed, interrupt, on_read, raising, tiny_input_ids, tiny_m
 from sparsify import convert as convert_module
 from sparsify import data as data_module
 from sparsify import export
-from sparsify.config import TrainConfig
+from sparsify.config import RunOptions, TrainConfig
 from sparsify.errors import DataError
 from sparsify.families import FAMILIES
 
@@ -84,6 +84,19 @@ def test_every_training_setting_is_an_option_with_its_help():
         assert option.opts == ["--" + setting.name.replace("_", "-")], setting.name
     assert options["l1_relative"].secondary_opts == ["--l1-absolute"]
     assert options["grad_checkpointing"].secondary_opts == ["--no-grad-checkpointing"]
+
+
+def test_every_run_option_is_an_option_with_its_help():
+    """convert's other options are made from RunOptions' fields likewise, with the field's default."""
+    options = {option.name: option for option in main.commands["convert"].params}
+    for setting in dataclasses.fields(RunOptions):
+        option = options[setting.name]
+        assert option.help == setting.metadata["help"], setting.name
+        assert option.required == (setting.default is dataclasses.MISSING), setting.name
+        assert option.required or option.default == setting.default, setting.name
+    assert options["out"].opts == ["-o", "--out"] and options["quiet"].opts == ["-q", "--quiet"]
+    assert options["resume"].is_flag and not options["resume"].secondary_opts
+    assert options["measure_kernels"].opts == ["--measure"] and options["measure_kernels"].secondary_opts == ["--no-measure"]
 
 
 def test_convert_help_shows_the_training_defaults_without_importing_torch():
@@ -176,8 +189,8 @@ def test_measure_flag_reaches_convert_unset_by_default(files, tmp_path, monkeypa
     """Unset, convert decides (it times the kernels on a GPU where the cost model does not reach)."""
     seen = {}
 
-    def run(*args, **kwargs):
-        seen.update(kwargs)
+    def run(source, config, options):
+        seen.update(vars(options))
         raise SystemExit(0)
 
     monkeypatch.setattr(convert_module, "convert", run)

@@ -14,8 +14,9 @@ from helpers import CountingTokenizer, Killed, interrupt, on_read, raising, tiny
 from sparsify.errors import ConfigError, DataError
 from sparsify import relufy as relufy_module
 from sparsify.relufy import relufy
-from sparsify.config import TrainConfig
-from sparsify.train import TrainingInterrupted, _progress_text, l1_coeff, slow_save_warning, source_share, train
+from sparsify.config import RunOptions, TrainConfig
+from sparsify.train import TrainingInterrupted, l1_coeff, slow_save_warning, source_share, train
+from sparsify.train.log import progress_text
 
 SEQ, BATCH = 16, 2
 
@@ -132,7 +133,7 @@ def test_distillation_loss_matches_hand_computation():
                 teacher=teacher).log
     assert log[0]["kl"] == pytest.approx(kl, rel=1e-3) and kl > 1e-4  # the ReLU swap moves the distribution (fp32)
     assert log[0]["loss"] == pytest.approx(0.75 * log[0]["cross_entropy"] + 0.25 * kl + 1e-3 * log[0]["l1"], rel=1e-5)
-    assert "kl" in _progress_text(log[0])
+    assert "kl" in progress_text(log[0])
     assert all(not p.requires_grad for p in teacher.parameters())  # frozen: the source stays as loaded
 
 
@@ -153,7 +154,7 @@ def test_hidden_state_distillation_matches_hand_computation():
     log = train(model, relufy(model), batches_from(), config(steps=1, distill_hidden=2.0), device="cpu",
                 show_progress=False, teacher=teacher).log
     assert log[0]["hidden"] == pytest.approx(distance, rel=1e-3) and distance > 1e-6
-    assert "kl" not in log[0] and "hidden" in _progress_text(log[0])
+    assert "kl" not in log[0] and "hidden" in progress_text(log[0])
     assert log[0]["loss"] == pytest.approx(log[0]["cross_entropy"] + 2.0 * distance + 1e-3 * log[0]["l1"], rel=1e-5)
 
 
@@ -334,10 +335,10 @@ def test_trackers_write_a_folder_per_run_that_a_resumed_run_keeps(tmp_path, monk
     """Under logging_dir each run's trackers get their own folder, named by its start time; an interrupted run
     saves its name with the state and the resumed run writes on in it, while a fresh run never takes a folder
     that exists."""
-    import sparsify.train as train_module
+    from sparsify.train import loop
 
-    folders, real = [], train_module._accelerator
-    monkeypatch.setattr(train_module, "_accelerator", lambda *args: folders.append(args[-1]) or real(*args))
+    folders, real = [], loop._accelerator
+    monkeypatch.setattr(loop, "_accelerator", lambda *args: folders.append(args[-1]) or real(*args))
     logs, cfg = tmp_path / "logs", config(steps=4)
     model, _ = tiny_model("llama")
     with pytest.raises(TrainingInterrupted):
@@ -537,8 +538,8 @@ def test_fsdp_config_without_gpus_is_an_error_not_ddp(monkeypatch):
 def test_progress_line_shows_gpu_memory_when_logged():
     entry = {"tokens": 4096, "tokens_per_s": 1000.0, "loss": 2.0, "cross_entropy": 1.9, "l1": 5.0, "mean_active": 30.0,
              "dead_frac": 0.01, "layers": [{"path": "dense"}]}
-    assert "mem" not in _progress_text(entry)
-    assert _progress_text({**entry, "max_memory_gib": 12.34}).endswith("mem 12.3 GiB")
+    assert "mem" not in progress_text(entry)
+    assert progress_text({**entry, "max_memory_gib": 12.34}).endswith("mem 12.3 GiB")
 
 
 def test_log_lines_outside_a_terminal_are_whole_with_time_and_eta(capsys):
@@ -557,13 +558,14 @@ def test_training_memory_is_checked_before_loading(monkeypatch, tmp_path):
     naming FSDP; under FSDP the state is shared by the processes."""
     from types import SimpleNamespace
 
-    from sparsify import convert, train as train_module
+    from sparsify import convert
     from sparsify.load import parameter_count
+    from sparsify.train import memory
 
-    monkeypatch.setattr(train_module, "on_cpu", lambda device: False)
+    monkeypatch.setattr(memory, "on_cpu", lambda device: False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(total_memory=80 * 2**30))
-    check = train_module.check_training_memory
+    check = memory.check_training_memory
     with pytest.raises(ConfigError, match="needs 119 GiB on each GPU.*has 80 GiB: shard it.*fsdp.yaml"):
         check(8_000_000_000, None, 1, sharded=False)
     check(8_000_000_000, "cuda:1", 2, sharded=True)  # 60 GiB each
@@ -573,12 +575,12 @@ def test_training_memory_is_checked_before_loading(monkeypatch, tmp_path):
     assert parameter_count(model.config) == sum(p.numel() for p in model.parameters())  # tied: once
     model.save_pretrained(tmp_path / "src")
     tokenizer.save_pretrained(tmp_path / "src")
-    monkeypatch.setattr(train_module, "TRAINING_BYTES", 2**40)  # this tiny model then needs more than 80 GiB
+    monkeypatch.setattr(memory, "TRAINING_BYTES", 2**40)  # this tiny model then needs more than 80 GiB
     monkeypatch.setattr(convert, "load_model", lambda *a, **k: pytest.fail("weights read before the memory check"))
     (tmp_path / "text.txt").write_text("some text " * 100)
     with pytest.raises(ConfigError, match="on each GPU"):
-        convert.convert(str(tmp_path / "src"), tmp_path / "out", config(steps=1), data=str(tmp_path / "text.txt"),
-                        device=None, show_progress=False)
+        convert.convert(str(tmp_path / "src"), config(steps=1),
+                        RunOptions(tmp_path / "out", data=str(tmp_path / "text.txt"), quiet=True))
 
 
 def test_a_state_too_large_to_save_after_ctrl_c_is_warned_about():

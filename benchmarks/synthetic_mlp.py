@@ -1,0 +1,65 @@
+"""Synthetic MLP layers for the inference benchmarks (bench_inference.py, inference_robustness.py), by the method
+of docs/performance.md: x ~ N(0, 1) with x[:, 0] = 1 (bias channel), gate ~ N(0, 1/D) with
+gate[:, 0] = -Phi^-1(1 - k/I), so each unit fires with probability k/I; the dense bf16 block they are timed
+against, the fp32 reference they are checked against, and the timing helpers they share."""
+import math
+from statistics import NormalDist
+
+import torch
+from triton.testing import do_bench_cudagraph
+
+import twell
+
+LAYERS = 8  # layer copies for graph-replay timing
+HEAVY_K, HEAVY_TILE = 29, 128  # --host-time, --decode-*: active units of the ordinary rows, tile
+
+
+def make_layer(d, i, k, skew=0.0):
+    gate = torch.randn(i, d, device="cuda") / math.sqrt(d)
+    bias = -NormalDist().inv_cdf(1 - k / i) if k < i else 10.0  # k = I: every unit active
+    gate[:, 0] = bias + skew * torch.randn(i, device="cuda")
+    up = torch.randn(i, d, device="cuda") / math.sqrt(d)
+    down = torch.randn(d, i, device="cuda") / math.sqrt(k)
+    gate, up, down = gate.bfloat16(), up.bfloat16(), down.bfloat16()
+    return dict(gate=gate, up=up, down=down, down_p=twell.prepare_down(down),
+                gate_up=torch.cat([gate, up]).contiguous())
+
+
+def make_x(m, d):
+    x = torch.randn(m, d, device="cuda")
+    x[:, 0] = 1.0
+    return x.bfloat16()
+
+
+def dense(x, w):
+    i = w["gate"].shape[0]
+    gu = x @ w["gate_up"].t()
+    return (torch.relu(gu[:, :i]) * gu[:, i:]) @ w["down"].t()
+
+
+def sparse(x, w, tile, compression, precision="default"):
+    return twell.gated_mlp(x, w["gate"], w["up"], w["down_p"], tile=tile, compression=compression,
+                           precision=precision)
+
+
+def rel_err(out, ref):
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+def reference(x, w):
+    return twell.gated_mlp_reference(x.float(), w["gate"], w["up"], w["down"]).float()
+
+
+def per_layer_us(fn, layers):
+    """Microseconds of fn(layer) per layer, over CUDA-graph replays of the layer copies."""
+    return do_bench_cudagraph(lambda: [fn(lw) for lw in layers], rep=50, return_mode="median") / LAYERS * 1e3
+
+
+def print_row(row):
+    print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+
+
+def make_heavy(x, rows, units, i, k=HEAVY_K):
+    """Sets the bias channel of x's `rows` so that each has about `units` active units (of i) under a
+    make_layer(.., i, k) gate: a unit fires where z > bias * x0 (z about N(0, 1))."""
+    x[rows, 0] = NormalDist().inv_cdf(1 - units / i) / NormalDist().inv_cdf(1 - k / i)

@@ -1,0 +1,110 @@
+"""The training loss: its terms (LossTerms: cross-entropy, the distillation terms against the source model, the
+L1 penalty on the MLP hidden activations), each term's weight (term_weights), and the schedules of the L1
+coefficient and of the progressive ReLU swap. A new term is a LossTerms field, its weight in term_weights (a
+TrainConfig setting), its column in TERM_COLUMNS and its computation in loss_terms; the log, the log window,
+the trackers and the progress line follow from the fields."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from ..config import TrainConfig
+
+
+def distillation_kl(logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """KL(teacher || model) of the next-token distributions, summed over the vocabulary and averaged over
+    the positions, in fp32."""
+    target = F.log_softmax(teacher_logits.float(), dim=-1).flatten(0, -2)
+    return F.kl_div(F.log_softmax(logits.float(), dim=-1).flatten(0, -2), target, log_target=True,
+                    reduction="batchmean")
+
+
+def hidden_distance(hidden: tuple[torch.Tensor, ...], teacher_hidden: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The mean over decoder layers of ||h - h_teacher||^2 / ||h_teacher||^2, each layer's output summed over
+    the positions, in fp32 (the embeddings, hidden[0], are the teacher's own and left out)."""
+    distances = [(h.float() - t.float()).pow(2).sum() / t.float().pow(2).sum().clamp_min(1e-12)
+                 for h, t in zip(hidden[1:], teacher_hidden[1:], strict=True)]
+    return torch.stack(distances).mean()
+
+
+def l1_coeff(config: TrainConfig, step: int) -> float:
+    """Coefficient at optimizer step `step` (0-based): linear from l1/warm-up to l1, then constant (relative
+    to L1_0 with `l1_relative`); `config` with its step counts resolved (TrainConfig.schedule)."""
+    if config.l1_warmup_steps == 0:
+        return config.l1
+    return config.l1 * min(1.0, (step + 1) / config.l1_warmup_steps)
+
+
+def source_share(config: TrainConfig, step: int) -> float:
+    """Weight of the source activation in the gate at optimizer step `step` (0-based): 1 at the first step,
+    falling linearly to 0 (plain ReLU) at `swap_steps`; `config` resolved as for l1_coeff."""
+    return max(0.0, 1.0 - step / config.swap_steps) if config.swap_steps else 0.0
+
+
+class LossTerms(NamedTuple):
+    """The terms of the training loss, each a mean over tokens: a micro-batch's (tensors, for the backward) or a
+    log window's (floats, means over its micro-batches and the processes)."""
+
+    cross_entropy: torch.Tensor | float
+    kl: torch.Tensor | float  # KL(teacher || model); 0 without distillation
+    hidden: torch.Tensor | float  # hidden_distance to the teacher's; 0 without distill_hidden
+    l1: torch.Tensor | float  # the mean over layers of each MLP's L1
+
+    def loss(self, weights: LossTerms):
+        """The loss training minimizes, the one expression for the backward and the log: each term times its
+        weight (term_weights), summed in the fields' order."""
+        weighted = [weight * term for weight, term in zip(weights, self, strict=True)]
+        return sum(weighted[1:], weighted[0])
+
+
+def term_weights(config: TrainConfig, l1_weight: float) -> LossTerms:
+    """Each term's weight in the loss: the settings' (`config`), and the step's `l1_weight` (l1_coeff, relative to
+    L1_0 with `l1_relative`)."""
+    return LossTerms(cross_entropy=1 - config.distill, kl=config.distill, hidden=config.distill_hidden, l1=l1_weight)
+
+
+class TermColumn(NamedTuple):
+    """How the log shows a loss term."""
+
+    label: str  # in the progress line
+    spec: str  # the format of its value there
+    weighted_only: bool  # logged only where its weight is not 0 (a teacher's term is computed only then)
+
+
+TERM_COLUMNS = LossTerms(cross_entropy=TermColumn("ce", ".3f", False), kl=TermColumn("kl", ".3f", True),
+                         hidden=TermColumn("hidden", ".3f", True), l1=TermColumn("L1", ".3g", False))
+
+
+def logged_terms(terms: LossTerms, weights: LossTerms) -> dict:
+    """A log entry's loss terms by name (a log window's `terms`, the `weights` of its last step): all but those
+    logged only where weighted, at weight 0."""
+    return {name: term for name, term, weight, column in zip(LossTerms._fields, terms, weights, TERM_COLUMNS)
+            if weight or not column.weighted_only}
+
+
+def shown_terms(entry: dict) -> str:
+    """The loss terms of a log `entry` as the progress line shows them, each followed by two spaces."""
+    return "".join(f"{column.label} {entry[name]:{column.spec}}  "
+                   for name, column in zip(LossTerms._fields, TERM_COLUMNS) if name in entry)
+
+
+def loss_terms(model, mlps: list, ids: torch.Tensor, teacher: torch.nn.Module | None,
+               config: TrainConfig) -> tuple[LossTerms, torch.Tensor]:
+    """A micro-batch's loss terms from the model's forward on `ids` (the distillation terms that `config` weighs
+    from the `teacher`'s), and the per-layer L1 [layers] that `l1` averages."""
+    hidden = config.distill_hidden > 0
+    output = model(input_ids=ids, labels=ids, output_hidden_states=hidden)
+    zero = torch.zeros_like(output.loss)
+    kl = distance = zero
+    if teacher is not None:
+        with torch.no_grad():
+            reference = teacher(input_ids=ids, output_hidden_states=hidden)
+        if config.distill:
+            kl = distillation_kl(output.logits, reference.logits)
+        if hidden:
+            distance = hidden_distance(output.hidden_states, reference.hidden_states)
+    layer_l1 = torch.stack([m.stats.l1.float() for m in mlps])
+    # returns without `output`: its logits ([batch, seq_len, vocab]) need not live through the backward
+    return LossTerms(output.loss, kl, distance, layer_l1.mean()), layer_l1
