@@ -117,14 +117,18 @@ def test_training_reduces_l1_and_logs_layers():
     json.dumps(log)  # the log is plain JSON
 
 
+def _source_and_swap():
+    """A tiny model to train, its frozen source (a copy), its ReLU swap before any training and a batch."""
+    model, _ = tiny_model("llama")
+    student = copy.deepcopy(model)
+    relufy(student)
+    return model, copy.deepcopy(model), student, next(batches_from()(0, 0, 1))
+
+
 def test_distillation_loss_matches_hand_computation():
     """With distill d the loss is (1 - d) * CE + d * KL(source || model) + the L1 term; KL summed over the
     vocabulary and averaged over every position, the source a frozen copy of the original SiLU model."""
-    model, _ = tiny_model("llama")
-    teacher = copy.deepcopy(model)
-    ids = next(batches_from()(0, 0, 1))
-    student = copy.deepcopy(model)
-    relufy(student)
+    model, teacher, student, ids = _source_and_swap()
     with torch.no_grad():
         p = F.softmax(teacher(input_ids=ids).logits.double(), -1)
         q = F.softmax(student(input_ids=ids).logits.double(), -1)
@@ -140,11 +144,7 @@ def test_distillation_loss_matches_hand_computation():
 def test_hidden_state_distillation_matches_hand_computation():
     """With distill-hidden w the loss adds w * the mean over decoder layers of ||h - h_source||^2 /
     ||h_source||^2 (each layer's output over all positions); without distill, the KL stays out of the loss."""
-    model, _ = tiny_model("llama")
-    teacher = copy.deepcopy(model)
-    ids = next(batches_from()(0, 0, 1))
-    student = copy.deepcopy(model)
-    relufy(student)
+    model, teacher, student, ids = _source_and_swap()
     with torch.no_grad():
         mine = student(input_ids=ids, output_hidden_states=True).hidden_states
         source = teacher(input_ids=ids, output_hidden_states=True).hidden_states

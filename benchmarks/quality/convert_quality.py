@@ -52,7 +52,7 @@ EXTENSIONS = (".py", ".pyi", ".rst", ".md", ".txt")
 MIN_BYTES, MAX_BYTES = 500, 200_000
 PACKAGE_FOLDERS = ("site-packages", "dist-packages")
 TOY = dict(corpus_mb=0.4, tokenizer_mb=0.4, vocab=512, hidden=32, intermediate=88, layers=2, heads=2, seq_len=64,
-           pretrain_batch=8, pretrain_minutes=0.2, pretrain_steps=20, eval_every=10, convert_batch=4,
+           pretrain_batch=8, pretrain_minutes=10, pretrain_steps=20, eval_every=10, convert_batch=4,
            convert_share=0.25, valid_share=0.1, l1=[7.0], distill=[0.0, 0.5], device="cpu", control=True,
            recipe_overrides={"log_every": 2, "eval_tokens": 512, "warmup_steps": 2, "l1_warmup_steps": 2})
 
