@@ -144,7 +144,7 @@ def convert(source, out, data, text_column, recipe, device, resume, overwrite, m
     summary = run(
         source, out, config, data=data, text_column=text_column, device=device, resume=resume, overwrite=overwrite,
         max_shard_size=max_shard_size, push_to_hub=push_to_hub, private=private, measure_kernels=measure_kernels,
-        show_progress=not quiet, report_to=report_to, dry_run=dry_run,
+        show_progress=not quiet, report_to=report_to, dry_run=dry_run, fit_seq_len=options["seq_len"] is None,
     )
     if dry_run:
         return

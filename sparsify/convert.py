@@ -23,7 +23,7 @@ import copy
 import json
 import tempfile
 from contextlib import nullcontext
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable
 
@@ -109,6 +109,7 @@ def convert(
     show_progress: bool = True,
     report_to: str = "none",
     dry_run: bool = False,
+    fit_seq_len: bool = False,
 ) -> dict | None:
     """Convert `source` into a sparse checkpoint at `out`; returns the summary (perplexities, per-layer
     statistics and plan, training log). `text_column`: the column of the data's rows that holds the text.
@@ -117,15 +118,19 @@ def convert(
     prints only warnings (no settings, progress bars or log lines).
     `report_to`: the accelerate trackers that get the training log's figures (train.trackers).
     `dry_run`: run every check that reads no weight, print the settings, the training state's size and the
-    held-out text, and stop (returns None)."""
+    held-out text, and stop (returns None). `fit_seq_len`: the config's seq-len is no choice of the user's (a
+    recipe's or the default): lower it to the source's positions where it is beyond them, with a warning."""
     check_device(device)
     launch = PartialState(cpu=on_cpu(device))
     main, processes = launch.is_main_process, launch.num_processes
     if resume and main and recover_killed_save(saved := resume_dir_for(out)):
         console.print(f"the last save was whole but not yet in place: resuming from it ({saved})")
     launch.wait_for_everyone()
+    if fit_seq_len:
+        config = _fit_positions(source, config, main)
     out, resume_dir, data_spec, inputs = _check_inputs(source, out, config, data, text_column, device, resume, overwrite,
                                                        max_shard_size, measure_kernels, processes)
+    run_tokens = config.total_steps(processes) * config.tokens_per_step(processes)
     report_trackers, fsdp = trackers(report_to), fsdp_launch()[0]
     for warning in config.warnings(processes) if main else ():
         warn(warning)
@@ -133,7 +138,8 @@ def convert(
         _check_source(source, config, device, processes, fsdp, show=True)
         tokenizer = load_tokenizer(resolve_source(source))
         require_tokenizer(tokenizer, source)
-        _report_held_out(TextData(data_spec, tokenizer, config.seq_len, config.eval_tokens, text_column), True)
+        _report_held_out(TextData(data_spec, tokenizer, config.seq_len, config.eval_tokens, text_column), True,
+                         run_tokens)
         return None
     if overwrite and not resume and main:  # starting over: an interrupted run's state must not outlive it
         discard_saved_state(resume_dir)
@@ -143,7 +149,7 @@ def convert(
     text = TextData(data_spec, tokenizer, config.seq_len, config.eval_tokens, text_column)
     ppl = {}
     if main:
-        _report_held_out(text, shown)
+        _report_held_out(text, shown, run_tokens)
     eval_tokens = sum(block.numel() for block in text.eval_blocks)
     labels = [f"{what} ({eval_tokens:,} held-out tokens)" if shown else None
               for what in ("perplexity of the source", "perplexity after the ReLU swap", "measuring the trained model")]
@@ -229,6 +235,18 @@ def _check_inputs(source: str, out, config: TrainConfig, data: str | None, text_
     return out, resume_dir, data_spec, inputs
 
 
+def _fit_positions(source: str, config: TrainConfig, main: bool) -> TrainConfig:
+    """`config` with its seq-len lowered to the source's positions where it is beyond them, said once (by the main
+    process)."""
+    positions = getattr(load_config(source)[0], "max_position_embeddings", None)
+    if positions is None or config.seq_len <= positions:
+        return config
+    if main:
+        warn(f"seq-len {config.seq_len} (the recipe's) is beyond the {positions} positions of {source}: training at "
+             f"seq-len {positions} (--seq-len sets it)")
+    return replace(config, seq_len=positions)
+
+
 def _check_source(source: str, config: TrainConfig, device: str | None, processes: int, fsdp: bool,
                   show: bool) -> None:
     """What the source's config decides before any weight is read: seq-len against its positions, the run's
@@ -241,9 +259,9 @@ def _check_source(source: str, config: TrainConfig, device: str | None, processe
     check_training_memory(parameters, device, processes, fsdp, teacher=config.distill > 0)
 
 
-def _report_held_out(text: TextData, shown: bool) -> None:
-    """What is held out (where `shown`) and the warnings about it."""
-    held_out, warnings = text.held_out()
+def _report_held_out(text: TextData, shown: bool, run_tokens: int) -> None:
+    """What is held out (where `shown`) and the warnings about it and about the run's `run_tokens` on the rest."""
+    held_out, warnings = text.held_out(run_tokens)
     if shown:
         console.print(held_out)
     for warning in warnings:
