@@ -99,10 +99,10 @@ def test_convert_help_shows_the_training_defaults_without_importing_torch():
     assert "--betas <FLOAT FLOAT>... AdamW betas. [default: (0.9 0.95)]" in text
     assert "[default: (one optimizer step's tokens)]" in text and "None" not in text  # a default of None, named
     assert text.count("[default: (") == len(dataclasses.fields(TrainConfig))
-    # --measure's help and the README name the cost model's fitted shapes, which the CLI does not import
+    # --measure's help and the usage guide name the cost model's fitted shapes, which the CLI does not import
     from twell.cost_model import FITTED_MIN_HIDDEN, FITTED_MIN_INTERMEDIATE
     shapes = f"(hidden size {FITTED_MIN_HIDDEN}, {FITTED_MIN_INTERMEDIATE} units)"
-    assert shapes in text and shapes in " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
+    assert shapes in text and shapes in " ".join((Path(__file__).parents[1] / "docs/usage.md").read_text().split())
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
