@@ -284,15 +284,17 @@ class TextData:
         tokens = len(self.eval_blocks) * self.seq_len
         warnings = []
         if tokens < min(MIN_EVAL_TOKENS, self.eval_tokens):
-            warnings.append(f"only {tokens:,} held-out tokens (of --eval-tokens {self.eval_tokens:,}): the perplexities "
-                            f"and sparsity measured on them are noisy (give more text, or a folder with a valid* file)")
+            warnings.append(f"only {tokens:,} held-out tokens (of --eval-tokens {self.eval_tokens:,}): the "
+                            f"perplexities and sparsity measured on them are noisy (give more text, or a folder with "
+                            f"a valid* file)")
         if self.source.eval is not None:
             what = f"held out: {tokens:,} tokens of {self.source.description_of(self.source.eval)}"
         else:
             what = f"held out: the first {tokens:,} tokens of {self.source.description}; training starts after them"
         if isinstance(self.source.train, str):  # a Hub dataset: streamed, not counted
             return what, warnings
-        share_limit = 0 if self.source.eval is not None else round(len(self.eval_blocks) * (1 / HELD_OUT_SHARE_WARN - 1))
+        share_limit = (0 if self.source.eval is not None  # the head's share: where the head is held out
+                       else round(len(self.eval_blocks) * (1 / HELD_OUT_SHARE_WARN - 1)))
         run_blocks = -(-min(train_tokens or 0, PASSES_COUNTED) // self.seq_len)
         limit = max(share_limit, run_blocks)
         rest = sum(1 for _ in itertools.islice(self._blocks(self.source.train), self.skip + limit)) - self.skip
