@@ -131,7 +131,7 @@ def convert(source, recipe, **values):
     if values.pop("no_hybrid"):
         values["hybrid_below"] = 0
     settings.update({k: v for k, v in values.items() if v is not None})
-    summary = run(source, TrainConfig.from_dict(settings), options)
+    summary = run(source, TrainConfig.from_dict(settings), options, fit_seq_len=values["seq_len"] is None)
     if options.dry_run:
         return
     if _is_main():

@@ -15,7 +15,7 @@ from pathlib import Path
 from twell.layer_plan import LayerPlan
 
 from .card import public_name
-from .data import TextData, resolve as resolve_data
+from .data import MIN_EVAL_TOKENS, measured_blocks, resolve as resolve_data
 from .errors import ConfigError, DataError, OutputError, SourceError
 from .export import converted_config, replace_plan
 from .load import (check_device, demo_corpus_path, load_config, load_model, require_cuda, require_tokenizer,
@@ -113,17 +113,23 @@ def analyze(
         warn(f"measuring {head:,} tokens, not {tokens:,}: the checkpoint trained on {data} after the {head:,} it "
              f"held out")
         tokens = head
-    text = TextData(data, tokenizer, seq_len, eval_tokens=tokens, text_column=text_column or "text")
-    measured = sum(block.numel() for block in text.eval_blocks)
-    stats = measure(model, spec, text.eval_blocks, batch_size, label=f"measuring ({measured:,} tokens)")
+    blocks, text = measured_blocks(data, tokenizer, seq_len, tokens, text_column or "text")
+    measured = sum(block.numel() for block in blocks)
+    if measured < min(tokens, MIN_EVAL_TOKENS):  # fewer than asked, and few (the table's title gives the count)
+        read = text.description_of(text.eval if text.eval is not None else text.train)
+        warn(f"measuring {measured:,} tokens, all that {read} holds, not --tokens {tokens:,}: too few for steady "
+             "figures")
+    stats = measure(model, spec, blocks, batch_size, label=f"measuring ({measured:,} tokens)")
     activation = getattr(model.config, spec.act_key)
     converted = activation == "relu"
     measure_kernels = choose_measure(measure_kernels, model.config, device, converted and console.print)
-    plans = (plan_model(model, spec, stats, text.eval_blocks, measure_kernels=measure_kernels, device=device)
+    plans = (plan_model(model, spec, stats, blocks, measure_kernels=measure_kernels, device=device)
              if converted else [None] * len(stats["layers"]))
     for layer, plan in zip(stats["layers"], plans):
         layer["recommended"] = plan
-    result = {"model": str(source), "family": spec.family, "data": str(data), "seq_len": seq_len,
+    # named without local paths, as the checkpoint's own records: the JSON may be written into it (and pushed)
+    data_name = "demo corpus" if Path(data) == demo_corpus_path() else public_name(data)
+    result = {"model": public_name(source), "family": spec.family, "data": data_name, "seq_len": seq_len,
               "converted": converted, "activation": activation, **stats}
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)

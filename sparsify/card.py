@@ -2,10 +2,10 @@
 ModelCardData, then the per-layer sparsity table, the training settings and how to load the model."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from huggingface_hub import ModelCard, ModelCardData
+from huggingface_hub import ModelCard, ModelCardData, hf_hub_download
+from huggingface_hub.repocard import metadata_load
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from twell.layer_plan import LayerPlan
@@ -32,10 +32,8 @@ def source_license(where: str) -> str | None:
     metadata, which a checkpoint converted from it keeps; None where it has no card, declares none, or the card
     cannot be read (no network)."""
     try:
-        if Path(where).is_dir():
-            readme = Path(where) / "README.md"
-            return ModelCard.load(readme).data.license if readme.is_file() else None
-        return ModelCard.load(where).data.license
+        readme = Path(where) / "README.md" if Path(where).is_dir() else Path(hf_hub_download(where, "README.md"))
+        return (metadata_load(readme) or {}).get("license") if readme.is_file() else None  # a card may have none
     except Exception:  # unreachable Hub, unparsable metadata: the checkpoint records none rather than fail
         return None
 
@@ -63,6 +61,39 @@ def objective(training: dict) -> str:
 
 def _percent(value) -> str:
     return "-" if value is None else f"{100 * value:.2f}"
+
+
+def _text(value) -> str:
+    """A setting's value as the card's table shows it: 4 significant digits, thousands grouped, no quotes."""
+    if value is None:
+        return "-"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(map(_text, value))
+    if isinstance(value, dict):
+        return ", ".join(f"{key} {_text(item)}" for key, item in value.items())
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else str(value)
+
+
+# limits of the run, shown beside what it reached: key -> (the key of the limit, how the limit reads)
+LIMITS = {"steps": ("max_steps", "at most"), "tokens": ("max_tokens", "at most"),
+          "eval_tokens": ("max_eval_tokens", "of")}
+
+
+def training_table(training: dict) -> str:
+    """Markdown table of the `training` record: one row a setting, each value as text (_text), each limit beside
+    what was reached where they differ ("2,000 (of 4,096)") instead of a row of its own."""
+    limits = {limit for limit, _ in LIMITS.values()}
+    rows = ["| setting | value |", "|---|---|"]
+    for key, value in training.items():
+        if key in limits:
+            continue
+        limit, reads = LIMITS.get(key, (None, None))
+        bound = training.get(limit)
+        shown = _text(value) + (f" ({reads} {_text(bound)})" if bound is not None and bound != value else "")
+        rows.append(f"| {key} | {shown} |")
+    return "\n".join(rows)
 
 
 def layer_table(plan: list[LayerPlan], intermediate_size: int) -> str:
@@ -97,7 +128,6 @@ def model_card(*, family: str, plan: list[LayerPlan], training: dict, intermedia
         if means else ""
     )
     plots = "".join(f"![{name}]({name})\n\n" for name in artifacts if name.endswith(".png"))
-    settings = "\n".join(f"| {key} | {json.dumps(value)} |" for key, value in training.items())
     body = f"""# {family} with ReLU-gated, activation-sparse MLPs (TwELL)
 
 Converted by sparsify from `{base}`: the MLP gate activation was replaced by ReLU
@@ -113,11 +143,7 @@ tile width and compression factor chosen from the measured statistics.
 
 {plots}## Training
 
-| setting | value |
-|---|---|
-{settings}
-
-Tokens used: {training.get("tokens", "-")}.
+{training_table(training)}
 
 ## How to load
 

@@ -23,7 +23,7 @@ import copy
 import json
 import tempfile
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -115,16 +115,20 @@ class _Source(NamedTuple):
     origin: dict  # the base model and its license, as the checkpoint records them
 
 
-def convert(source: str, config: TrainConfig, options: RunOptions) -> dict | None:
+def convert(source: str, config: TrainConfig, options: RunOptions, fit_seq_len: bool = False) -> dict | None:
     """Convert `source` into a sparse checkpoint at `options.out`; returns the summary (perplexities, per-layer
     statistics and plan, training log), or None for a dry run (`options.dry_run`: every check that reads no
-    weight, the settings, the training state's size and the held-out text printed)."""
+    weight, the settings, the training state's size and the held-out text printed). `fit_seq_len`: the config's
+    seq-len is no choice of the user's (a recipe's or the default): lower it to the source's positions where it
+    is beyond them, with a warning."""
     check_device(options.device)
     launch = PartialState(cpu=on_cpu(options.device))
     main = launch.is_main_process
     if options.resume and main and recover_killed_save(saved := resume_dir_for(options.out)):
         console.print(f"the last save was whole but not yet in place: resuming from it ({saved})")
     launch.wait_for_everyone()
+    if fit_seq_len:
+        config = _fit_positions(source, config, main)
     checked = _check_inputs(source, config, options, launch.num_processes)
     for warning in config.warnings(launch.num_processes) if main else ():
         warn(warning)
@@ -139,7 +143,7 @@ def convert(source: str, config: TrainConfig, options: RunOptions) -> dict | Non
                                      shown and console.print)
     text = TextData(checked.data, loaded.tokenizer, config.seq_len, config.eval_tokens, options.text_column)
     if main:
-        _report_held_out(text, shown)
+        _report_held_out(text, shown, _run_tokens(config, launch.num_processes))
     perplexities = _Perplexities(text, config.batch_size, shown)
     result, mlps = _train(loaded.model, text, config, options, checked, perplexities)
     # A failure from here on keeps the trained weights (where it came while writing, in the export's dtype: what
@@ -207,12 +211,29 @@ def _dry_run(source: str, config: TrainConfig, options: RunOptions, checked: _Ch
     _check_source(config, options, checked, processes, show=True)
     tokenizer = load_tokenizer(resolve_source(source))
     require_tokenizer(tokenizer, source)
-    _report_held_out(TextData(checked.data, tokenizer, config.seq_len, config.eval_tokens, options.text_column), True)
+    _report_held_out(TextData(checked.data, tokenizer, config.seq_len, config.eval_tokens, options.text_column), True,
+                     _run_tokens(config, processes))
 
 
-def _report_held_out(text: TextData, shown: bool) -> None:
-    """What is held out (where `shown`) and the warnings about it."""
-    held_out, warnings = text.held_out()
+def _run_tokens(config: TrainConfig, processes: int) -> int:
+    return config.total_steps(processes) * config.tokens_per_step(processes)
+
+
+def _fit_positions(source: str, config: TrainConfig, main: bool) -> TrainConfig:
+    """`config` with its seq-len lowered to the source's positions where it is beyond them, said once (by the main
+    process)."""
+    positions = getattr(load_config(source)[0], "max_position_embeddings", None)
+    if positions is None or config.seq_len <= positions:
+        return config
+    if main:
+        warn(f"seq-len {config.seq_len} (the recipe's) is beyond the {positions} positions of {source}: training at "
+             f"seq-len {positions} (--seq-len sets it)")
+    return replace(config, seq_len=positions)
+
+
+def _report_held_out(text: TextData, shown: bool, run_tokens: int) -> None:
+    """What is held out (where `shown`) and the warnings about it and about the run's `run_tokens` on the rest."""
+    held_out, warnings = text.held_out(run_tokens)
     if shown:
         console.print(held_out)
     for warning in warnings:

@@ -30,6 +30,7 @@ FORMATS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parqu
 EVAL_PREFIXES = ("valid", "eval", "test")  # valid* covers validation*
 MIN_EVAL_TOKENS = 16384  # fewer held-out tokens measure perplexity and sparsity too noisily
 HELD_OUT_SHARE_WARN = 0.2  # warn when the head held out of the training text is at least this share of it
+PASSES_COUNTED = 2**22  # local training text is counted up to this many tokens to tell a run's passes over it
 
 
 @dataclass
@@ -233,6 +234,20 @@ def blocks(docs: Iterator[str], tokenizer, seq_len: int) -> Iterator[torch.Tenso
     return Packer(tokenizer, seq_len).blocks(docs)
 
 
+def measured_blocks(spec: str | Path, tokenizer, seq_len: int, tokens: int, text_column: str = "text"
+                    ) -> tuple[list[torch.Tensor], DataSource]:
+    """Blocks of up to `tokens` (whole blocks: rounded up) to measure a model on, and the source: a folder's
+    held-out files where it has them, else the head of the text (all of it where it holds fewer, as nothing is
+    trained on it). DataError where it holds less than one block."""
+    source = resolve(spec)
+    part = source.eval if source.eval is not None else source.train
+    found = list(itertools.islice(blocks(iter(Documents(part, text_column)), tokenizer, seq_len),
+                                  max(1, -(-tokens // seq_len))))
+    if not found:
+        raise DataError(f"data {source.description_of(part)} is shorter than one sequence of {seq_len} tokens")
+    return found, source
+
+
 class TextData:
     """Packed blocks of one data source (rows read from their `text_column`): `eval_blocks` (held out) and an
     endless training stream of batches that cycles over the data (epochs) and can start at a saved position."""
@@ -240,6 +255,7 @@ class TextData:
     def __init__(self, spec: str | Path, tokenizer, seq_len: int, eval_tokens: int, text_column: str = "text"):
         self.source = resolve(spec)
         self.tokenizer, self.seq_len, self.text_column = tokenizer, seq_len, text_column
+        self.eval_tokens = eval_tokens  # as asked for: the text may hold fewer
         n_eval = max(1, -(-eval_tokens // seq_len))
         if self.source.eval is not None:
             self.eval_blocks = list(itertools.islice(self._blocks(self.source.eval), n_eval))
@@ -260,24 +276,36 @@ class TextData:
             self.skip = n_eval if len(head) > n_eval else max(1, len(head) // 10)
             self.eval_blocks = head[: self.skip]
 
-    def held_out(self) -> tuple[str, list[str]]:
-        """What is held out, in words, and warnings: held-out text too small to measure on, or (held out from
-        the head of local training text) a large share of the data, counted up to HELD_OUT_SHARE_WARN."""
+    def held_out(self, train_tokens: int | None = None) -> tuple[str, list[str]]:
+        """What is held out, in words, and warnings: fewer held-out tokens than asked for (the text is short) and
+        too few to measure on; for local training text, counted as far as needed, a large held-out head (at least
+        HELD_OUT_SHARE_WARN of the data) and a run of `train_tokens` that passes over the text more than once
+        (counted up to PASSES_COUNTED tokens: beyond, tokenizing it would delay the start)."""
         tokens = len(self.eval_blocks) * self.seq_len
         warnings = []
-        if tokens < MIN_EVAL_TOKENS:
-            warnings.append(f"only {tokens:,} held-out tokens: the perplexities and sparsity measured on them are "
-                            f"noisy (set --eval-tokens, or give a folder with a valid* file)")
+        if tokens < min(MIN_EVAL_TOKENS, self.eval_tokens):
+            warnings.append(f"only {tokens:,} held-out tokens (of --eval-tokens {self.eval_tokens:,}): the "
+                            f"perplexities and sparsity measured on them are noisy (give more text, or a folder with "
+                            f"a valid* file)")
         if self.source.eval is not None:
-            return f"held out: {tokens:,} tokens of {self.source.description_of(self.source.eval)}", warnings
-        what = f"held out: the first {tokens:,} tokens of {self.source.description}; training starts after them"
-        if not isinstance(self.source.train, str):  # local: count the rest, as far as the share that warns
-            limit = round(len(self.eval_blocks) * (1 / HELD_OUT_SHARE_WARN - 1))
-            rest = sum(1 for _ in itertools.islice(self._blocks(self.source.train), self.skip + limit)) - self.skip
-            if rest < limit:
-                share = len(self.eval_blocks) / (len(self.eval_blocks) + rest)
-                warnings.append(f"the held-out text is {100 * share:.0f}% of the data, never trained on: lower "
-                                f"--eval-tokens or give a folder with a valid* file")
+            what = f"held out: {tokens:,} tokens of {self.source.description_of(self.source.eval)}"
+        else:
+            what = f"held out: the first {tokens:,} tokens of {self.source.description}; training starts after them"
+        if isinstance(self.source.train, str):  # a Hub dataset: streamed, not counted
+            return what, warnings
+        share_limit = (0 if self.source.eval is not None  # the head's share: where the head is held out
+                       else round(len(self.eval_blocks) * (1 / HELD_OUT_SHARE_WARN - 1)))
+        run_blocks = -(-min(train_tokens or 0, PASSES_COUNTED) // self.seq_len)
+        limit = max(share_limit, run_blocks)
+        rest = sum(1 for _ in itertools.islice(self._blocks(self.source.train), self.skip + limit)) - self.skip
+        if rest < share_limit:
+            share = len(self.eval_blocks) / (len(self.eval_blocks) + rest)
+            warnings.append(f"the held-out text is {100 * share:.0f}% of the data, never trained on: lower "
+                            f"--eval-tokens or give a folder with a valid* file")
+        if rest < run_blocks:  # the text ended before the run's tokens
+            warnings.append(f"the training text holds {rest * self.seq_len:,} tokens and the run trains on "
+                            f"{train_tokens:,}: {train_tokens / (rest * self.seq_len):,.1f} passes over it (lower "
+                            f"--tokens or --steps, or give more text)")
         return what, warnings
 
     def _blocks(self, source) -> Iterator[torch.Tensor]:

@@ -1,19 +1,25 @@
 """Load the model to convert: the embedded demo, a local checkpoint folder, or a Hub id.
 
 The architecture is checked from the config alone (family table) before any weight is read, so an
-unsupported or mistyped model fails in a second, not after a multi-gigabyte download. Every failure
-the user can fix becomes a SourceError/UnsupportedModelError naming the source and the problem.
+unsupported or mistyped model fails in a second, not after a multi-gigabyte download. A Hub id whose config is
+not cached is first asked for with a short timeout and no retries, so that a typo or a missing network fails in
+seconds, not after transformers' half minute of retries. Every failure the user can fix becomes a
+SourceError/UnsupportedModelError naming the source and the problem.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
+from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url, try_to_load_from_cache
+from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RemoteEntryNotFoundError, RepositoryNotFoundError
 from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from .errors import ConfigError, SourceError
 from .families import spec_for
+
+HUB_TIMEOUT_S = 5  # how long the Hub may take to answer whether a source's config.json exists
 
 DTYPES = {
     "fp32": torch.float32, "float32": torch.float32,
@@ -69,6 +75,8 @@ def load_config(source: str | Path):
 
 
 def _load_config(where: str, source):
+    if not Path(where).is_dir():
+        check_hub_source(where, source)
     try:
         config = AutoConfig.from_pretrained(where)
     except (OSError, ValueError, KeyError) as error:
@@ -76,6 +84,29 @@ def _load_config(where: str, source):
         what = "cannot read its config.json" if local else "not a local folder, and not loadable from the Hub"
         raise SourceError(f"{source}: {what} ({_first_line(error)})") from error
     return config, spec_for(config)
+
+
+def check_hub_source(repo_id: str, source) -> None:
+    """SourceError, within HUB_TIMEOUT_S, where the Hub model `repo_id` cannot be read: no such repository (a typo,
+    or a private one without a token), a gated one, no config.json, or no answer (no network). Asks nothing where
+    its config.json is in the local cache or offline mode is on: transformers then reads the cache at once."""
+    if constants.is_offline_mode() or isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+        return
+    try:
+        get_hf_file_metadata(hf_hub_url(repo_id, "config.json"), timeout=HUB_TIMEOUT_S)  # one request, no retries
+    except GatedRepoError:
+        raise SourceError(f"{source}: a gated model on the Hub: accept its terms on its page and log in "
+                          "(`hf auth login`)") from None
+    except RepositoryNotFoundError:
+        raise SourceError(f"{source}: no such model on the Hub (check the id; a private one needs `hf auth login`)"
+                          ) from None
+    except RemoteEntryNotFoundError:
+        raise SourceError(f"{source}: the Hub repository has no config.json, so it is no transformers model") from None
+    except HfHubHTTPError as error:
+        raise SourceError(f"{source}: the Hub did not give its config.json ({_first_line(error)})") from None
+    except Exception as error:  # no answer: the HTTP client's connection and timeout errors
+        raise SourceError(f"{source}: not a local folder, and the Hub did not answer within {HUB_TIMEOUT_S} s "
+                          f"({_first_line(error)}); offline, HF_HUB_OFFLINE=1 reads models cached before") from None
 
 
 def require_cuda(device, what: str) -> torch.device:

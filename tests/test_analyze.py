@@ -34,6 +34,24 @@ def test_analyze_json_plot_and_table(tmp_path):
     assert not report["converted"] and report["activation"] == "silu"
     assert "is not converted (gate activation silu)" in " ".join(result.output.split())
     assert (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
+    assert (report["model"], report["data"]) == ("m", "text.txt")  # no local path: the JSON may go into a checkpoint
+    assert str(tmp_path) not in (tmp_path / "a.json").read_text()
+
+
+def test_analyze_measures_all_of_a_short_text_and_says_so(tmp_path):
+    """Nothing trains on the text: a file shorter than --tokens is measured whole (3,584 tokens: 56 blocks of
+    64), not a held-out tenth of it, with a warning that the figures rest on few tokens."""
+    model, tokenizer = tiny_model("qwen2")
+    model.save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    (tmp_path / "text.txt").write_text("class A:\n    pass\n" * 200)
+    result = CliRunner().invoke(main, ["analyze", str(tmp_path / "m"), "--data", str(tmp_path / "text.txt"),
+                                       "--seq-len", "64", "--json", str(tmp_path / "a.json")])
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "a.json").read_text())["tokens"] == 3584
+    assert (f"warning: measuring 3,584 tokens, all that {tmp_path / 'text.txt'} holds, not --tokens 65,536: too few "
+            "for steady figures") in " ".join(result.output.split())
+    assert "gate activity on 3,584 tokens of text.txt" in " ".join(result.output.split())
 
 
 def test_analyze_converted_checkpoint_defaults_to_its_training_data(tmp_path, monkeypatch):

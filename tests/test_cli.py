@@ -112,10 +112,10 @@ def test_convert_help_shows_the_training_defaults_without_importing_torch():
     assert "--betas <FLOAT FLOAT>... AdamW betas. [default: (0.9 0.95)]" in text
     assert "[default: (one optimizer step's tokens)]" in text and "None" not in text  # a default of None, named
     assert text.count("[default: (") == len(dataclasses.fields(TrainConfig))
-    # --measure's help and the README name the cost model's fitted shapes, which the CLI does not import
+    # --measure's help and the usage guide name the cost model's fitted shapes, which the CLI does not import
     from twell.cost_model import FITTED_MIN_HIDDEN, FITTED_MIN_INTERMEDIATE
     shapes = f"(hidden size {FITTED_MIN_HIDDEN}, {FITTED_MIN_INTERMEDIATE} units)"
-    assert shapes in text and shapes in " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
+    assert shapes in text and shapes in " ".join((Path(__file__).parents[1] / "docs/usage.md").read_text().split())
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -147,7 +147,7 @@ def test_checkpoint_is_readable_and_held_out_text_is_named(files, tmp_path):
     result = convert(files, "llama", out, "--eval-tokens", 64)
     assert result.exit_code == 0, result.output
     assert f"held out: 64 tokens of {files / 'corpus' / 'valid.jsonl'}" in " ".join(result.output.split())
-    assert "only 64 held-out tokens" in " ".join(result.output.split())
+    assert "warning" not in result.output  # few held-out tokens, but the number given
     umask = os.umask(0)
     os.umask(umask)
     assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~umask  # not the staging folder's 0700
@@ -170,6 +170,23 @@ def test_dry_run_prints_the_resolved_settings_and_stops(files, tmp_path, monkeyp
     assert ("warning: l1-warmup-steps 5 is not below the run's 2 steps: the L1 weight never reaches its set value\n"
             in output)
     assert "warning: warmup-steps 2 is not below the run's 2 steps: the learning rate never reaches its set value\n" in output
+
+
+def test_defaults_fit_the_model_and_the_data(files, tmp_path, monkeypatch):
+    """A recipe's seq-len beyond the model's positions is lowered to them, said once (one given on the command line
+    stops, as above); a run longer than the text says how many passes it makes over it."""
+    monkeypatch.setattr(convert_module, "load_model", None)
+    (tmp_path / "long.yaml").write_text(RECIPE.replace("seq_len: 32", "seq_len: 512"))
+    result = run("convert", model_folder(files, "llama"), "-o", tmp_path / "out", "--data", files / "corpus",
+                 "--recipe", tmp_path / "long.yaml", "--steps", 2, "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert result.output.count("seq-len 512 (the recipe's) is beyond the 128 positions of") == 1
+    assert "seq_len=128" in result.output and "2 steps of 256 tokens" in result.output
+    result = convert(files, "llama", tmp_path / "out", "--dry-run", "--steps", 1000)  # 64,000 tokens
+    assert result.exit_code == 0, result.output
+    warning = re.search(r"warning: the training text holds ([\d,]+) tokens and the run trains on 64,000: "
+                        r"([\d.]+) passes over it", result.output)
+    assert warning and float(warning[2]) == pytest.approx(64_000 / int(warning[1].replace(",", "")), abs=0.05)
 
 
 def test_dry_run_fails_where_the_run_would(files, tmp_path, monkeypatch):
@@ -560,9 +577,9 @@ def test_output_outside_a_terminal_is_whole_timestamped_lines_and_quiet_keeps_wa
         assert [re.fullmatch(rf"{stamp}{what} \(256 held-out tokens\): (\d)/4 batches  eta \d+:\d\d:\d\d", line)[1]
                 for line in shown] == ["1", "2", "3", "4"], shown
     assert len([line for line in lines if re.match(rf"{stamp}step \d/2  .* eta \d+:\d\d:\d\d$", line)]) == 2
-    quiet = convert(files, "llama", tmp_path / "quiet", "--quiet")
+    quiet = convert(files, "llama", tmp_path / "quiet", "--quiet", "--eval-tokens", 100_000)
     assert quiet.exit_code == 0, quiet.output
-    assert "warning: only 256 held-out tokens" in quiet.output and "trained 2 steps" in quiet.output
+    assert "warning: only 512 held-out tokens" in quiet.output and "trained 2 steps" in quiet.output
     assert "perplexity on held-out text" in quiet.output
     for shown in ("settings:", "held out:", "batches", "step 1/2", "eta"):
         assert shown not in quiet.output

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from helpers import CountingTokenizer, tiny_tokenizer
+from sparsify import data as data_module
 from sparsify.data import Documents, TextData, blocks, resolve
 from sparsify.errors import DataError
 
@@ -204,7 +205,9 @@ def test_held_out_text_is_reported_with_its_share_and_size(tmp_path):
     what, warnings = TextData(str(tmp_path / "one.txt"), tok, 64, eval_tokens=64 * 40).held_out()
     assert "the first 2,560 tokens of" in what
     assert any("is 50% of the data, never trained on" in w for w in warnings)
-    assert any("only 2,560 held-out tokens" in w for w in warnings)
+    assert not any("only" in w for w in warnings)  # few, but as many as asked for: the user's choice
+    _, warnings = TextData(str(tmp_path / "one.txt"), tok, 64, eval_tokens=64 * 100).held_out()
+    assert "only 512 held-out tokens (of --eval-tokens 6,400)" in warnings[0]  # the text is short: a tenth held out
     _, warnings = TextData(str(tmp_path / "one.txt"), tok, 64, eval_tokens=64 * 10).held_out()
     assert not any("of the data" in w for w in warnings)  # 10 of 80 blocks: below the share that warns
     folder = tmp_path / "folder"
@@ -213,6 +216,17 @@ def test_held_out_text_is_reported_with_its_share_and_size(tmp_path):
     (folder / "valid.txt").write_text("abcdefgh" * 4096)
     what, warnings = TextData(str(folder), tok, 64, eval_tokens=32768).held_out()
     assert what == f"held out: 32,768 tokens of {folder / 'valid.txt'}" and warnings == []
+
+
+def test_a_run_longer_than_the_text_is_told_its_passes(tmp_path, monkeypatch):
+    (tmp_path / "one.txt").write_text("abcdefgh" * 640)  # 80 blocks of 64, the first 10 held out
+    data = TextData(str(tmp_path / "one.txt"), tiny_tokenizer(), 64, eval_tokens=64 * 10)
+    assert data.held_out(train_tokens=64 * 70)[1] == []  # one pass
+    _, warnings = data.held_out(train_tokens=64 * 700)
+    assert warnings == ["the training text holds 4,480 tokens and the run trains on 44,800: 10.0 passes over it "
+                        "(lower --tokens or --steps, or give more text)"]
+    monkeypatch.setattr(data_module, "PASSES_COUNTED", 64 * 20)  # counted no further: longer text is not told
+    assert data.held_out(train_tokens=64 * 700)[1] == []
 
 
 def test_a_mistyped_local_folder_is_no_hub_name(tmp_path, monkeypatch):

@@ -1,27 +1,71 @@
-"""The embedded demo: its model is a working next-token predictor on the held-out corpus, and
-`sparsify convert demo` runs end to end (a few steps) into a checkpoint that reloads both ways."""
+"""The embedded demo: its model is a working next-token predictor on the held-out corpus, `sparsify convert demo`
+runs end to end (a few steps) into a checkpoint that reloads both ways, the README's use of the result runs on it
+as written, and lm-eval (the `eval` extra) scores it through its `hf` model with trust_remote_code."""
 import json
+import re
+from pathlib import Path
 
+import pytest
 import torch
 from click.testing import CliRunner
 from transformers import AutoModelForCausalLM
 
 from cli import main
 
+ROOT = Path(__file__).resolve().parents[1]
 
-def test_convert_demo_for_a_few_steps(tmp_path):
-    out = tmp_path / "demo-sparse"
+
+@pytest.fixture(scope="module")
+def demo_sparse(tmp_path_factory):
+    """The demo converted for two steps into a folder named as the README names it."""
+    out = tmp_path_factory.mktemp("demo") / "demo-sparse"
     result = CliRunner().invoke(main, ["convert", "demo", "-o", str(out), "--steps", "2", "--batch-size", "4"])
     assert result.exit_code == 0, result.output
-    training = json.loads((out / "config.json").read_text())["twell"]["training"]
+    return out
+
+
+def test_convert_demo_for_a_few_steps(demo_sparse):
+    training = json.loads((demo_sparse / "config.json").read_text())["twell"]["training"]
     assert training["steps"] == 2 and training["l1"] == 0.08  # recipes/demo.yaml, --steps overriding it
     # The shipped model predicts the next token (a model trained on shifted labels reads in the thousands).
     assert training["perplexity"]["original"] < 30
     ids = torch.randint(3, 4096, (1, 24))
-    plain = AutoModelForCausalLM.from_pretrained(out).eval()
-    remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    plain = AutoModelForCausalLM.from_pretrained(demo_sparse).eval()
+    remote = AutoModelForCausalLM.from_pretrained(demo_sparse, trust_remote_code=True).eval()
     with torch.no_grad():
         torch.testing.assert_close(remote(ids).logits, plain(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_readme_use_of_the_result_runs_as_written(demo_sparse, monkeypatch, capsys):
+    """The README's "Use the result" code, as written, on the converted demo (here on the CPU)."""
+    section = (ROOT / "README.md").read_text().split("## Use the result")[1].split("\n## ")[0]
+    code = re.search(r"```python\n(.*?)```", section, re.S)[1]
+    monkeypatch.chdir(demo_sparse.parent)
+    exec(compile(code, "README.md", "exec"), {})
+    printed = capsys.readouterr().out
+    assert printed.startswith("def fibonacci(n):") and "\nimport os\n" in printed
+
+
+def test_lm_eval_runs_a_converted_checkpoint(demo_sparse, monkeypatch):
+    """What `lm_eval run --model hf --model_args pretrained=demo-sparse,trust_remote_code=True --include_path
+    tests/eval_task --tasks sparsify_demo_next_line` runs, on 16 of the local task's questions: the checkpoint's
+    own modeling file, scoring as the plain dense load of the same weights does."""
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.chdir(ROOT)  # the task's data path is relative to the repository, where the README runs it
+    tasks = TaskManager(include_path=str(ROOT / "tests" / "eval_task"))
+    scores = {}
+    for remote in (True, False):
+        model = HFLM(pretrained=str(demo_sparse), trust_remote_code=remote, batch_size=16, device="cpu")
+        assert (type(model.model).__name__ == "TwellForCausalLM") is remote
+        evaluated = simple_evaluate(model=model, tasks=["sparsify_demo_next_line"], limit=16, task_manager=tasks)
+        assert evaluated["n-samples"]["sparsify_demo_next_line"]["effective"] == 16
+        scores[remote] = evaluated["results"]["sparsify_demo_next_line"]
+    assert 0 <= scores[True]["acc,none"] <= 1
+    assert scores[True]["acc,none"] == scores[False]["acc,none"]  # the same logits both ways
+    assert scores[True]["acc_norm,none"] == scores[False]["acc_norm,none"]
 
 
 def test_demo_generates_the_same_text_at_every_call():

@@ -30,7 +30,9 @@ PLAN = [
     LayerPlan(stats={"mean_active": 80.0, "p99_active": 100, "dead_frac": 0.0}),
 ]
 TIED = ("gemma", "qwen3")  # released models of these families share the embedding with the LM head
-TRAINING = {"base_model": "someone/tiny-base", "tokens": 4096, "steps": 2, "l1": 2e-5}
+TRAINING = {"base_model": "someone/tiny-base", "tokens": 4096, "steps": 2, "l1": 2e-5, "betas": [0.9, 0.95],
+            "perplexity": {"original": 21.217893457, "after training": 20.651234}, "max_steps": 2,
+            "max_tokens": 100_000}
 # The inference runtime: what the modeling file imports from the kernel package, directly or through its files
 RUNTIME = {"batched.py", "cost_model.py", "decode.py", "format.py", "gate_hopper.py", "gated_mlp.py", "graphs.py",
            "heavy.py", "launch.py", "layer_plan.py", "reference.py", "routing.py"}
@@ -293,7 +295,13 @@ def test_checkpoint_layout(tmp_path):
     sparsity = 100 * (1 - 70.5 / INTERMEDIATE)
     assert f"| 0 | 70.5 | {sparsity:.2f} | 1.25 | T64 C2 |" in card.text
     assert "| 1 | 80.0 | 50.00 | 0.00 | dense |" in card.text
-    assert "![sparsity.png](sparsity.png)" in card.text and "Tokens used: 4096" in card.text
+    assert "![sparsity.png](sparsity.png)" in card.text
+    # readable: plain values, rounded, each limit beside what was reached where they differ
+    for row in ("| tokens | 4,096 (at most 100,000) |", "| steps | 2 |", "| l1 | 2e-05 |", "| betas | 0.9, 0.95 |",
+                "| perplexity | original 21.22, after training 20.65 |"):
+        assert row in card.text.splitlines()
+    table = card.text.split("## Training")[1].split("## How to load")[0]
+    assert "max_" not in table and '"' not in table
     assert "(loss = cross-entropy + 2e-05 * L1)" in card.text  # the record's absolute L1, no distillation
     assert objective({"l1": 3.5, "l1_relative": True, "distill": 0.5}) == (
         "loss = 0.5 * cross-entropy + 0.5 * KL(source || trained) + 3.5 * L1 / L1_0, L1_0 the L1 term at the first step")

@@ -1,11 +1,13 @@
 """generate_graphed (sparsify/remote/generation.py) against transformers' generate: greedy tokens, end of
 sequence and padding, sampling filters, the kept loop, converted checkpoints, and the CUDA-graph replay."""
 import copy
+import logging
 import sys
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, CompileConfig
+from transformers.utils import logging as transformers_logging
 
 from sparsify.export import export_checkpoint
 from sparsify.families import spec_for
@@ -457,6 +459,16 @@ def test_generate_streams_and_serves_the_text_generation_pipeline(tmp_path):
     assert remote._decode_loop.loop is not None
     assert Collect.text == tokenizer.decode(out[0, 6:])
     remote.release_graphed()
-    generator = pipeline("text-generation", model=path, tokenizer=tokenizer, trust_remote_code=True)
+    logged = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    pipelines = transformers_logging.get_logger("transformers.pipelines.base")
+    pipelines.addHandler(handler)
+    try:
+        generator = pipeline("text-generation", model=path, tokenizer=tokenizer, trust_remote_code=True)
+    finally:
+        pipelines.removeHandler(handler)
+    assert not [message for message in logged if "not supported" in message]  # the class is a known causal LM
     text = generator("def f(x):", max_new_tokens=10, do_sample=False)[0]["generated_text"]
     assert text.startswith("def f(x):") and generator.model._decode_loop.loop is not None
+    assert AutoModelForCausalLM.from_config(tiny_model("llama")[0].config).__class__.__name__ == "LlamaForCausalLM"

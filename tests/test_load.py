@@ -1,5 +1,9 @@
 import json
 import shutil
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import huggingface_hub.constants
 import pytest
@@ -138,6 +142,54 @@ def test_unknown_hub_id_offline(monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(SourceError, match="not loadable from the Hub"):
         load_model("nobody-here/no-such-model")
+
+
+class _NoSuchRepo(BaseHTTPRequestHandler):
+    """The Hub's answer to a request for a repository that does not exist (or is private)."""
+
+    def do_HEAD(self):
+        self.server.requests.append(self.path)
+        self.send_response(404)
+        self.send_header("X-Error-Code", "RepoNotFound")
+        self.end_headers()
+
+    do_GET = do_HEAD
+
+    def log_message(self, *args):
+        pass
+
+
+def _online_at(monkeypatch, endpoint: str) -> None:
+    """huggingface_hub online (the tests run offline), its endpoint at `endpoint` (as HF_ENDPOINT sets it at import)."""
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", endpoint)
+    monkeypatch.setattr(huggingface_hub.constants, "HUGGINGFACE_CO_URL_TEMPLATE",
+                        endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+
+
+def test_mistyped_hub_id_fails_at_once_with_one_request(monkeypatch):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _NoSuchRepo)
+    server.requests = []
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        _online_at(monkeypatch, f"http://127.0.0.1:{server.server_address[1]}")
+        with pytest.raises(SourceError, match="nobody-here/no-such-modle: no such model on the Hub"):
+            load_model("nobody-here/no-such-modle")
+    finally:
+        server.shutdown()
+    assert server.requests == ["/nobody-here/no-such-modle/resolve/main/config.json"]  # no retries
+
+
+def test_unreachable_hub_fails_within_seconds(monkeypatch):
+    """No network (here: a port nobody listens on): one refused connection, not half a minute of retries."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    _online_at(monkeypatch, f"http://127.0.0.1:{port}")
+    started = time.perf_counter()
+    with pytest.raises(SourceError, match="owner/model: not a local folder, and the Hub did not answer"):
+        load_config("owner/model")
+    assert time.perf_counter() - started < load.HUB_TIMEOUT_S
 
 
 def test_demo_source(monkeypatch, tmp_path):

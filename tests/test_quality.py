@@ -65,3 +65,14 @@ def test_runs_take_any_training_setting_and_run_side_by_side(tmp_path):
     assert [e["source_share"] for e in swap["log"][:2]] == pytest.approx([2 / 3, 0.0])  # steps 2 and 4
     assert "source_share" not in plain["log"][0] and plain["l1_relative"] == 3.5
     assert (work / "l1_7_swap_steps_3.log").read_text()  # with --jobs, each conversion's output in its log
+
+
+def test_plot_smooths_training_curves_and_keeps_the_trade_off_within_the_data():
+    quality = load_script()
+    noisy = [2.0 + (0.5 if i % 2 else -0.5) for i in range(40)]  # per-batch noise around 2
+    curve = quality.smoothed(noisy)  # trailing means over 4 entries
+    assert curve[0] == noisy[0] and all(abs(value - 2.0) < 1e-9 for value in curve[3::2])
+    assert max(curve[3:]) - min(curve[3:]) < 0.3 < max(noisy) - min(noisy)
+    assert quality.data_limits([99.1], top=100) == pytest.approx((98.85, 99.35))  # one point: around it
+    low, high = quality.data_limits([97.0, 99.9], top=100)
+    assert low == pytest.approx(96.71) and high == 100  # never past 100% sparsity

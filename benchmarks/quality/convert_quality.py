@@ -225,7 +225,27 @@ def run_label(run: dict, without: tuple = ()) -> str:
     return settings_text(settings, " ", without)
 
 
+SMOOTHING = 0.1  # training curves are means over a trailing window of this share of the run's log entries
+
+
+def smoothed(values: list[float], share: float = SMOOTHING) -> list[float]:
+    """Trailing means of `values` over a window of `share` of them (each point: the mean of the last ones up to
+    it), so that a training curve shows its trend rather than each logged batch's noise."""
+    window = max(1, round(share * len(values)))
+    return [sum(values[max(0, i + 1 - window):i + 1]) / (i + 1 - max(0, i + 1 - window)) for i in range(len(values))]
+
+
+def data_limits(values: list[float], top: float | None = None) -> tuple[float, float]:
+    """Axis limits around `values` (a tenth of their spread, at least 0.25, beyond each end), at most `top`."""
+    pad = max(0.25, 0.1 * (max(values) - min(values)))
+    high = max(values) + pad
+    return min(values) - pad, high if top is None else min(top, high)
+
+
 def plot(result: dict, path: Path) -> None:
+    """Three panels: training cross-entropy (smoothed) with the held-out points (the original at the start, each
+    converted model and the control at their end), active units per token (smoothed, the held-out measurement at
+    the end), and the held-out sparsity / cross-entropy trade-off, its axes around the runs' points."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -235,25 +255,31 @@ def plot(result: dict, path: Path) -> None:
     units = result["pretraining"]["config"]["intermediate_size"]
     fig, (ce, active, trade) = plt.subplots(1, 3, figsize=(16, 4.5))
     original = runs[0]["cross_entropy"]["original"]
-    for run in runs:
+    for index, run in enumerate(runs):
         tokens = [e["tokens"] / 1e6 for e in run["log"]]
-        label = run_label(run)
-        ce.plot(tokens, [e["cross_entropy"] for e in run["log"]], label=label)
-        active.plot(tokens, [e["mean_active"] for e in run["log"]], label=label)
+        line, = ce.plot(tokens, smoothed([e["cross_entropy"] for e in run["log"]]))  # runs named in the next panel
+        ce.plot(tokens[-1], run["cross_entropy"]["after training"], "o", color=line.get_color(),
+                label=None if index else "converted, held-out")
+        active.plot(tokens, smoothed([e["mean_active"] for e in run["log"]]), label=run_label(run),
+                    color=line.get_color())
+        active.plot(tokens[-1], run["mean_active"], "o", color=line.get_color())
     if result.get("control"):
         log = result["control"]["log"]
-        ce.plot([e["tokens"] / 1e6 for e in log], [e["cross_entropy"] for e in log], color="black", linewidth=1,
+        tokens = [e["tokens"] / 1e6 for e in log]
+        ce.plot(tokens, smoothed([e["cross_entropy"] for e in log]), color="black", linewidth=1,
                 label="control: continued SiLU")
-        ce.axhline(result["control"]["cross_entropy"]["after training"], color="black", linestyle="-.",
-                   linewidth=1, label="control (held-out)")
-    ce.axhline(original, color="black", linestyle="--", linewidth=1, label="original (held-out)")
+        ce.plot(tokens[-1], result["control"]["cross_entropy"]["after training"], "s", color="black",
+                label="control, held-out")
+    ce.plot(0, original, "D", color="black", label="original, held-out")
+    ce.axhline(original, color="black", linestyle="--", linewidth=1)
     ce.axhline(original * 1.03, color="gray", linestyle=":", linewidth=1, label="original + 3%")
-    ce.set(xlabel="conversion tokens (M)", ylabel="training cross-entropy (nats)", title="cross-entropy")
+    ce.set(xlabel="conversion tokens (M)", title="cross-entropy (nats)",
+           ylabel=f"lines: training, mean of the last {SMOOTHING:.0%} of the logs")
     active.axhline(0.01 * units, color="gray", linestyle=":", linewidth=1, label="99% sparse")
     active.set(xlabel="conversion tokens (M)", ylabel=f"mean active units per token (of {units})", yscale="log",
-               title="active units")
+               title="active units: training (lines), held-out (points)")
     for axis in (ce, active):
-        axis.legend(fontsize=8)
+        axis.legend(fontsize=7)
     curves = {}  # one curve per setting other than the L1 weight
     for r in runs:
         curves.setdefault(run_label(r, without=("l1",)) or "l1 only", []).append(r)
@@ -267,8 +293,9 @@ def plot(result: dict, path: Path) -> None:
                        xytext=(4, 4), textcoords="offset points")
     trade.axhline(3, color="gray", linestyle=":", linewidth=1)
     trade.axvline(99, color="gray", linestyle=":", linewidth=1)
-    trade.set(xlabel="held-out FFN sparsity (%)", ylabel="held-out CE vs original (%)",
-              title="trade-off")
+    trade.set(xlabel="held-out FFN sparsity (%)", ylabel="held-out CE vs original (%)", title="trade-off",
+              xlim=data_limits([100 * r["sparsity"] for r in runs], top=100),
+              ylim=data_limits([100 * r["ce_vs_original"] for r in runs]))
     fig.suptitle(f"{result['pretraining']['parameters'] / 1e6:.0f}M-parameter SiLU Llama -> sparse ReLU "
                  f"({result['device']})")
     fig.tight_layout()

@@ -207,3 +207,18 @@ class TwellForCausalLM(_import(BASE_MODEL), GenerationMixin):
             if isinstance(module, TwellGatedMLP):
                 module.prepare_kernel_layout()
         return loaded
+
+
+def _register_causal_lm() -> None:
+    """Lists TwellForCausalLM among transformers' causal LMs by class name, where the text-generation pipeline,
+    Trainer and `transformers serve` look a model up: else the pipeline logs a several-kilobyte "not supported for
+    text-generation" error for every checkpoint. Under a key that names no config type, so that no auto class
+    resolves through it."""
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:  # a transformers without the table: nothing looks the name up there
+        return
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault("twell", TwellForCausalLM.__name__)
+
+
+_register_causal_lm()
