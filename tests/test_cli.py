@@ -206,7 +206,7 @@ def test_measure_flag_reaches_convert_unset_by_default(files, tmp_path, monkeypa
     """Unset, convert decides (it times the kernels on a GPU where the cost model does not reach)."""
     seen = {}
 
-    def run(source, config, options):
+    def run(source, config, options, fit_seq_len=False):
         seen.update(vars(options))
         raise SystemExit(0)
 
