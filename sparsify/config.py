@@ -97,9 +97,9 @@ class TrainConfig:
         "micro-batch; its weights whole in bf16 on each GPU, also under FSDP). 0: off."), metavar="WEIGHT")
     distill_hidden: float = _setting(0.0, (
         "Fit the source model's hidden states too: WEIGHT * the mean over decoder layers of ||h - h_source||^2 / "
-        "||h_source||^2 (each layer's output, summed over the positions), a signal at every layer that a short "
-        "conversion recovers from faster than from the output distributions alone; the source as for --distill. "
-        "0: off."), metavar="WEIGHT")
+        "||h_source||^2 (each layer's output, summed over the positions): a signal at every layer, where --distill "
+        "fits the output distributions only (docs/quality.md measures both); the source as for --distill. 0: off."),
+        metavar="WEIGHT")
     save_every_minutes: float = _setting(30.0, (
         "Also save the training state to OUT.resume/ when this many minutes have passed since the start or the "
         "last save (0: off), so that a crash or a killed job loses at most that much."), metavar="MINUTES")

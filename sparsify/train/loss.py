@@ -22,8 +22,9 @@ def distillation_kl(logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch
 
 
 def hidden_distance(hidden: tuple[torch.Tensor, ...], teacher_hidden: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """The mean over decoder layers of ||h - h_teacher||^2 / ||h_teacher||^2, each layer's output summed over
-    the positions, in fp32 (the embeddings, hidden[0], are the teacher's own and left out)."""
+    """The mean over decoder layers of ||h - h_teacher||^2 / ||h_teacher||^2, each layer's output (the last one
+    after the final norm, as transformers returns it) summed over the positions, in fp32 (the embeddings,
+    hidden[0], are the teacher's own and left out)."""
     distances = [(h.float() - t.float()).pow(2).sum() / t.float().pow(2).sum().clamp_min(1e-12)
                  for h, t in zip(hidden[1:], teacher_hidden[1:], strict=True)]
     return torch.stack(distances).mean()
