@@ -113,10 +113,9 @@ def analyze(
         warn(f"measuring {head:,} tokens, not {tokens:,}: the checkpoint trained on {data} after the {head:,} it "
              f"held out")
         tokens = head
-    blocks, text = measured_blocks(data, tokenizer, seq_len, tokens, text_column or "text")
+    blocks, read = measured_blocks(data, tokenizer, seq_len, tokens, text_column or "text")
     measured = sum(block.numel() for block in blocks)
     if measured < min(tokens, MIN_EVAL_TOKENS):  # fewer than asked, and few (the table's title gives the count)
-        read = text.description_of(text.eval if text.eval is not None else text.train)
         warn(f"measuring {measured:,} tokens, all that {read} holds, not --tokens {tokens:,}: too few for steady "
              "figures")
     stats = measure(model, spec, blocks, batch_size, label=f"measuring ({measured:,} tokens)")

@@ -235,17 +235,18 @@ def blocks(docs: Iterator[str], tokenizer, seq_len: int) -> Iterator[torch.Tenso
 
 
 def measured_blocks(spec: str | Path, tokenizer, seq_len: int, tokens: int, text_column: str = "text"
-                    ) -> tuple[list[torch.Tensor], DataSource]:
-    """Blocks of up to `tokens` (whole blocks: rounded up) to measure a model on, and the source: a folder's
-    held-out files where it has them, else the head of the text (all of it where it holds fewer, as nothing is
-    trained on it). DataError where it holds less than one block."""
+                    ) -> tuple[list[torch.Tensor], str]:
+    """Blocks of up to `tokens` (whole blocks: rounded up) to measure a model on, and the files (or Hub name) they
+    were read from: a folder's held-out files where it has them, else the head of the text (all of it where it
+    holds fewer, as nothing is trained on it). DataError where it holds less than one block."""
     source = resolve(spec)
     part = source.eval if source.eval is not None else source.train
     found = list(itertools.islice(blocks(iter(Documents(part, text_column)), tokenizer, seq_len),
                                   max(1, -(-tokens // seq_len))))
+    read = source.description_of(part)
     if not found:
-        raise DataError(f"data {source.description_of(part)} is shorter than one sequence of {seq_len} tokens")
-    return found, source
+        raise DataError(f"data {read} is shorter than one sequence of {seq_len} tokens")
+    return found, read
 
 
 class TextData:

@@ -192,6 +192,18 @@ def test_unreachable_hub_fails_within_seconds(monkeypatch):
     assert time.perf_counter() - started < load.HUB_TIMEOUT_S
 
 
+@pytest.mark.parametrize("source", ["no such model!", "owner/x y", "a--b"])
+def test_id_the_hub_cannot_hold_fails_before_any_request(monkeypatch, source):
+    """Online (here at a port nobody listens on, which a request would report as no answer): the id is refused
+    as such, a SourceError naming it."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    _online_at(monkeypatch, f"http://127.0.0.1:{port}")
+    with pytest.raises(SourceError, match=f"{source}: not a local folder, and not a Hub model id"):
+        load_config(source)
+
+
 def test_demo_source(monkeypatch, tmp_path):
     if (demo_model_path() / "model.safetensors").is_file():
         config, spec = load_config("demo")
