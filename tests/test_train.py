@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 
 from helpers import CountingTokenizer, Killed, interrupt, on_read, raising, tiny_model
 from sparsify.errors import ConfigError, DataError
@@ -306,6 +307,20 @@ def test_from_dict_mends_yaml_values():
         TrainConfig.from_dict({"l2": 1})
     with pytest.raises(ConfigError, match="not a float"):
         TrainConfig.from_dict({"lr": "fast"})
+
+
+def test_from_dict_reads_settings_by_their_type_not_their_default():
+    """A setting whose default is None reads as its field's type: a recipe's `mlp_lr: 1e-4` (a string in YAML
+    1.1) is the float, and bad values name the type; YAML's true/false is no number."""
+    c = TrainConfig.from_dict(yaml.safe_load("mlp_lr: 1e-4\ndistill_hidden: 1e-1\ndead_window_tokens: 1e6\nsteps: 10"))
+    assert (c.mlp_lr, c.distill_hidden, c.dead_window_tokens) == (1e-4, 0.1, 1_000_000)
+    c.validate()
+    with pytest.raises(ConfigError, match="mlp_lr: 'fast' is not a float"):
+        TrainConfig.from_dict({"mlp_lr": "fast"})
+    with pytest.raises(ConfigError, match="distill_hidden: True is not a float"):
+        TrainConfig.from_dict({"distill_hidden": True})
+    with pytest.raises(ConfigError, match="steps: True is not an int"):
+        TrainConfig.from_dict({"steps": True})
 
 
 @pytest.mark.parametrize("relative", [False, True], ids=["absolute-l1", "relative-l1"])
