@@ -159,6 +159,19 @@ def test_hidden_state_distillation_matches_hand_computation():
     assert log[0]["loss"] == pytest.approx(log[0]["cross_entropy"] + 2.0 * distance + 1e-3 * log[0]["l1"], rel=1e-5)
 
 
+def test_hidden_state_distillation_runs_no_teacher_logits():
+    """distill-hidden alone reads the teacher's hidden states: its LM head (a vocabulary-wide output a token) does
+    not run; with distill it does."""
+    for settings, head_runs in ((dict(distill_hidden=1.0), False), (dict(distill=0.5, distill_hidden=1.0), True)):
+        model, _ = tiny_model("llama")
+        teacher = copy.deepcopy(model)
+        calls = []
+        teacher.get_output_embeddings().register_forward_hook(lambda *args: calls.append(1))
+        train(model, relufy(model), batches_from(), config(steps=1, **settings), device="cpu", show_progress=False,
+              teacher=teacher)
+        assert bool(calls) == head_runs
+
+
 def test_mlp_lr_moves_the_mlps_alone():
     """--mlp-lr gives the MLPs' projections their own peak learning rate: with a vanishing --lr the rest of the
     model stays as it was while the MLPs train; without it, every weight moves."""
