@@ -107,8 +107,7 @@ def with_options(options: list):
     return decorate
 
 
-text_column_option = click.option("--text-column", default="text", show_default=True, metavar="NAME",
-                                  help=TEXT_COLUMN_HELP + ".")
+text_column_option = _option(RunOptions.__dataclass_fields__["text_column"], str)  # convert's, for bench
 
 
 def measure_option(what: str):
