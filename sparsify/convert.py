@@ -98,13 +98,16 @@ class _Checked:
 
     config: TrainConfig  # the settings, seq-len fitted to the source's positions where asked (_fit_positions)
     out: Path
-    resume_dir: Path
     data: str | Path  # the data to read: --data, or the demo corpus
     inputs: dict  # what the training state depends on besides its settings: a resumed run must name the same
     saved: dict | None  # the state a resumed run continues (check_resume); None for a fresh run
     model_config: object  # the source's transformers config
     trackers: list[str]  # of --report-to (train.trackers)
     fsdp: bool  # launched with an FSDP config (train.fsdp_launch)
+
+    @property
+    def resume_dir(self) -> Path:
+        return resume_dir_for(self.out)
 
 
 class _Source(NamedTuple):
@@ -197,7 +200,7 @@ def _check_inputs(source: str, config: TrainConfig, options: RunOptions, process
     inputs = {"source": _identity(source), "data": _identity(data), "text_column": options.text_column}
     saved = check_resume(resume_dir, config, processes, inputs) if options.resume else None
     resolve_data(data)  # missing / empty / unknown format
-    return _Checked(config, out, resume_dir, data, inputs, saved, model_config, trackers(options.report_to),
+    return _Checked(config, out, data, inputs, saved, model_config, trackers(options.report_to),
                     fsdp_launch()[0])
 
 
