@@ -9,7 +9,7 @@ from typing import get_args, get_origin, get_type_hints
 
 import click
 
-from sparsify.config import TEXT_COLUMN_HELP, RunOptions, TrainConfig, load_recipe, measure_help
+from sparsify.config import TEXT_COLUMN_HELP, RunOptions, TrainConfig, load_recipe, measure_help, value_type
 from sparsify.errors import SparsifyError
 
 
@@ -70,7 +70,7 @@ def _option(setting: Field, hint, *, recipe: bool = False):
     elif str in get_args(hint):
         kind = str  # a count or a share ("20%"): TrainConfig.from_dict reads either; or a path
     else:
-        kind = next(k for k in get_args(hint) or (hint,) if k is not type(None))  # int | None: int
+        kind = value_type(hint)
     declarations = setting.metadata.get("flag", "--" + setting.name.replace("_", "-")).split()
     if recipe and kind is bool and "/" not in declarations[-1]:
         declarations[-1] += "/--no-" + declarations[-1][2:]
@@ -107,8 +107,7 @@ def with_options(options: list):
     return decorate
 
 
-text_column_option = click.option("--text-column", default="text", show_default=True, metavar="NAME",
-                                  help=TEXT_COLUMN_HELP + ".")
+text_column_option = _option(RunOptions.__dataclass_fields__["text_column"], str)  # convert's, for bench
 
 
 def measure_option(what: str):

@@ -8,6 +8,7 @@ import math
 from dataclasses import MISSING, dataclass, field, fields, replace
 from importlib.resources import files
 from pathlib import Path
+from typing import get_args, get_origin, get_type_hints
 
 import yaml
 
@@ -25,6 +26,14 @@ MIN_L1_RELATIVE = 0.01
 # whose activity hovers around the threshold does not flip at every check.
 HYBRID_EXIT = 1.25
 LAUNCHER_GRACE_S = 30  # accelerate launch and torchrun kill their processes this long after a Ctrl-C
+
+
+def value_type(hint) -> type:
+    """The type of a setting's values, from its field's type `hint`: tuple for tuple[...], else the hint's first
+    type other than None (int | None: int; int | str, a count or a share: int)."""
+    if get_origin(hint) is tuple:
+        return tuple
+    return next(kind for kind in get_args(hint) or (hint,) if kind is not type(None))
 
 
 def _setting(default, help_text: str, **cli):
@@ -55,8 +64,8 @@ class TrainConfig:
         "complete."), metavar="STEPS|P%")
     steps: int | None = _setting(None, "Optimizer steps; with --tokens, whichever ends first.", unset="no limit")
     tokens: int | None = _setting(None, (
-        "Training tokens; with --steps, whichever ends first. The pretrained recipe keeps held-out quality within "
-        "about 2% of the source on a quarter of the source's pretraining tokens, not on 5% (docs/quality.md)."),
+        "Training tokens; with --steps, whichever ends first. docs/quality.md gives the budget, as a share of the "
+        "source's pretraining tokens, on which the pretrained recipe keeps held-out quality."),
         unset="no limit")
     seq_len: int = _setting(1024, "Tokens per training sequence (packed blocks).")
     batch_size: int = _setting(8, "Sequences per micro-batch and device.")
@@ -112,24 +121,26 @@ class TrainConfig:
     def from_dict(cls, values: dict) -> TrainConfig:
         """From a recipe's or the command line's values, with YAML's quirks mended ("2e-5" reads as a
         string in YAML 1.1, "1e9" tokens as a float)."""
-        defaults = {f.name: f.default for f in fields(cls)}
-        unknown = set(values) - set(defaults)
+        hints = get_type_hints(cls)
+        unknown = set(values) - set(hints)
         if unknown:
-            raise ConfigError(f"unknown training settings: {', '.join(sorted(unknown))} (known: {', '.join(sorted(defaults))})")
+            raise ConfigError(f"unknown training settings: {', '.join(sorted(unknown))} (known: {', '.join(sorted(hints))})")
         config = {}
         for name, value in values.items():
-            kind = type(defaults[name]) if defaults[name] is not None else int
+            kind = value_type(hints[name])
             try:
+                if isinstance(value, bool) and kind is not bool:  # YAML's true/false is no number
+                    raise TypeError
                 if name in SHARE_OF_STEPS and _percent(str(value).strip()) is not None:
                     value = str(value).strip()
                 elif kind is float:
                     value = float(value)
-                elif kind is int and not isinstance(value, bool) and float(value) == int(float(value)):
+                elif kind is int and float(value) == int(float(value)):
                     value = int(float(value))
                 elif kind is tuple:
                     value = tuple(float(v) for v in value)
             except (TypeError, ValueError):
-                raise ConfigError(f"{name}: {value!r} is not a {kind.__name__}") from None
+                raise ConfigError(f"{name}: {value!r} is not {'an' if kind is int else 'a'} {kind.__name__}") from None
             config[name] = value
         return cls(**config)
 

@@ -72,7 +72,7 @@ def run_summary(parameters: int, config: TrainConfig, processes: int = 1, sharde
     settings = "  ".join(f"{k}={v}" for k, v in asdict(config).items())
     return (f"settings: {settings}\n"
             f"{parameters / 1e6:,.1f}M parameters; {steps:,} steps of {config.tokens_per_step(processes):,} tokens "
-            f"({steps * config.tokens_per_step(processes):,} tokens) on {processes} process(es); training state "
+            f"({_run_tokens(config, processes):,} tokens) on {processes} process(es); training state "
             + (f"{state / 2**30:.1f} GiB" if state >= 2**30 else f"{state / 2**20:.0f} MiB")
             + f" a process (fp32 weights, gradients, AdamW{', bf16 teacher' if config.uses_teacher else ''}; activations "
             "come on top)")
@@ -96,14 +96,18 @@ def logging_dir_for(out: str | Path) -> Path:
 class _Checked:
     """What the checks before any weight is read settle (_check_inputs)."""
 
+    config: TrainConfig  # the settings, seq-len fitted to the source's positions where asked (_fit_positions)
     out: Path
-    resume_dir: Path
     data: str | Path  # the data to read: --data, or the demo corpus
     inputs: dict  # what the training state depends on besides its settings: a resumed run must name the same
     saved: dict | None  # the state a resumed run continues (check_resume); None for a fresh run
     model_config: object  # the source's transformers config
     trackers: list[str]  # of --report-to (train.trackers)
     fsdp: bool  # launched with an FSDP config (train.fsdp_launch)
+
+    @property
+    def resume_dir(self) -> Path:
+        return resume_dir_for(self.out)
 
 
 class _Source(NamedTuple):
@@ -127,9 +131,8 @@ def convert(source: str, config: TrainConfig, options: RunOptions, fit_seq_len: 
     if options.resume and main and recover_killed_save(saved := resume_dir_for(options.out)):
         console.print(f"the last save was whole but not yet in place: resuming from it ({saved})")
     launch.wait_for_everyone()
-    if fit_seq_len:
-        config = _fit_positions(source, config, main)
-    checked = _check_inputs(source, config, options, launch.num_processes)
+    checked = _check_inputs(source, config, options, launch.num_processes, fit_seq_len)
+    config = checked.config
     for warning in config.warnings(launch.num_processes) if main else ():
         warn(warning)
     if options.dry_run:
@@ -165,9 +168,11 @@ def convert(source: str, config: TrainConfig, options: RunOptions, fit_seq_len: 
     return summary
 
 
-def _check_inputs(source: str, config: TrainConfig, options: RunOptions, processes: int) -> _Checked:
+def _check_inputs(source: str, config: TrainConfig, options: RunOptions, processes: int,
+                  fit_seq_len: bool) -> _Checked:
     """Fails fast, before any weight is read, on what would stop the conversion later: OUT, the data, the
-    settings against the source's config and `processes`, a resumed state against them, --report-to."""
+    settings against the source's config (its seq-len first fitted to the source's positions with
+    `fit_seq_len`) and `processes`, a resumed state against them, --report-to."""
     out = check_output_dir(options.out, options.overwrite)
     for what, path in (("the source model", source), ("the data", options.data)):
         if path is not None and Path(path).exists() and (
@@ -188,11 +193,14 @@ def _check_inputs(source: str, config: TrainConfig, options: RunOptions, process
         raise DataError("--data is required (local .txt/.jsonl/.parquet files or folder, or a datasets name)")
     data = options.data or demo_corpus_path()
     model_config = load_config(source)[0]
-    config.validate(getattr(model_config, "max_position_embeddings", None), world=processes)
+    positions = getattr(model_config, "max_position_embeddings", None)
+    if fit_seq_len:
+        config = _fit_positions(source, config, positions)
+    config.validate(positions, world=processes)
     inputs = {"source": _identity(source), "data": _identity(data), "text_column": options.text_column}
     saved = check_resume(resume_dir, config, processes, inputs) if options.resume else None
     resolve_data(data)  # missing / empty / unknown format
-    return _Checked(out, resume_dir, data, inputs, saved, model_config, trackers(options.report_to),
+    return _Checked(config, out, data, inputs, saved, model_config, trackers(options.report_to),
                     fsdp_launch()[0])
 
 
@@ -216,16 +224,16 @@ def _dry_run(source: str, config: TrainConfig, options: RunOptions, checked: _Ch
 
 
 def _run_tokens(config: TrainConfig, processes: int) -> int:
+    """The tokens the run trains on: its steps' on `processes` processes."""
     return config.total_steps(processes) * config.tokens_per_step(processes)
 
 
-def _fit_positions(source: str, config: TrainConfig, main: bool) -> TrainConfig:
-    """`config` with its seq-len lowered to the source's positions where it is beyond them, said once (by the main
-    process)."""
-    positions = getattr(load_config(source)[0], "max_position_embeddings", None)
+def _fit_positions(source: str, config: TrainConfig, positions: int | None) -> TrainConfig:
+    """`config` with its seq-len lowered to the source's `positions` where it is beyond them, said once (by the
+    main process)."""
     if positions is None or config.seq_len <= positions:
         return config
-    if main:
+    if PartialState().is_main_process:
         warn(f"seq-len {config.seq_len} (the recipe's) is beyond the {positions} positions of {source}: training at "
              f"seq-len {positions} (--seq-len sets it)")
     return replace(config, seq_len=positions)

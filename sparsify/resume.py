@@ -17,7 +17,7 @@ from .errors import ConfigError
 # Settings a resumed run may change: they touch no saved state (log and save cadence). eval_tokens may not:
 # where the held-out blocks are the head of the training text, it moves where training starts.
 RESUME_FREE = ("log_every", "save_every", "save_every_minutes")
-# what every save writes into state.json (_Saver.save, and the settings)
+# what every save writes into state.json (train.saving.Saver.save, and the settings)
 SAVED_KEYS = ("step", "batches", "log", "seconds", "l1_reference", "processes", "inputs", "run_name", "config")
 
 

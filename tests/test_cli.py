@@ -29,6 +29,7 @@ from sparsify import export
 from sparsify.config import RunOptions, TrainConfig
 from sparsify.errors import DataError
 from sparsify.families import FAMILIES
+from sparsify.load import load_config
 
 # Tiny runs: 32-token sequences, 256 held-out tokens; options on the command line override the recipe.
 RECIPE = "seq_len: 32\nbatch_size: 2\neval_tokens: 256\nlr: 1.0e-3\nl1: '1e-3'\nsteps: 50\nlog_every: 1\n"
@@ -187,6 +188,15 @@ def test_defaults_fit_the_model_and_the_data(files, tmp_path, monkeypatch):
     warning = re.search(r"warning: the training text holds ([\d,]+) tokens and the run trains on 64,000: "
                         r"([\d.]+) passes over it", result.output)
     assert warning and float(warning[2]) == pytest.approx(64_000 / int(warning[1].replace(",", "")), abs=0.05)
+
+
+def test_the_source_config_is_read_once(files, tmp_path, monkeypatch):
+    """Fitting the seq-len and checking the settings read the source's config once (a Hub source: one request)."""
+    reads = []
+    monkeypatch.setattr(convert_module, "load_config", lambda source: reads.append(source) or load_config(source))
+    result = convert(files, "llama", tmp_path / "out", "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert len(reads) == 1
 
 
 def test_dry_run_fails_where_the_run_would(files, tmp_path, monkeypatch):
@@ -501,6 +511,10 @@ def gpt2_folder(root):
         (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--l1", "-1e-5"], "l1 (relative) must be between"),
         (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--l1", "3", "--l1-absolute"], "l1 must be between"),
         (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--distill", "2"], "distill must be in [0, 1]"),
+        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--distill-hidden", "-1"], "distill-hidden must be a number >= 0"),
+        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--distill-hidden", "x"], "'x' is not a valid float"),
+        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--mlp-lr", "2"], "mlp-lr must be in (0, 1]"),
+        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--mlp-lr", "fast"], "'fast' is not a valid float"),
         (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "0"], "steps must be a positive integer"),
         (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--recipe", "{tmp}/lr.yaml"], "set the training length"),
         (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--seq-len", "4096"], "beyond the model's maximum of 128 positions"),

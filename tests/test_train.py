@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 
 from helpers import CountingTokenizer, Killed, interrupt, on_read, raising, tiny_model
 from sparsify.errors import ConfigError, DataError
@@ -156,6 +157,19 @@ def test_hidden_state_distillation_matches_hand_computation():
     assert log[0]["hidden"] == pytest.approx(distance, rel=1e-3) and distance > 1e-6
     assert "kl" not in log[0] and "hidden" in progress_text(log[0])
     assert log[0]["loss"] == pytest.approx(log[0]["cross_entropy"] + 2.0 * distance + 1e-3 * log[0]["l1"], rel=1e-5)
+
+
+def test_hidden_state_distillation_runs_no_teacher_logits():
+    """distill-hidden alone reads the teacher's hidden states: its LM head (a vocabulary-wide output a token) does
+    not run; with distill it does."""
+    for settings, head_runs in ((dict(distill_hidden=1.0), False), (dict(distill=0.5, distill_hidden=1.0), True)):
+        model, _ = tiny_model("llama")
+        teacher = copy.deepcopy(model)
+        calls = []
+        teacher.get_output_embeddings().register_forward_hook(lambda *args: calls.append(1))
+        train(model, relufy(model), batches_from(), config(steps=1, **settings), device="cpu", show_progress=False,
+              teacher=teacher)
+        assert bool(calls) == head_runs
 
 
 def test_mlp_lr_moves_the_mlps_alone():
@@ -306,6 +320,20 @@ def test_from_dict_mends_yaml_values():
         TrainConfig.from_dict({"l2": 1})
     with pytest.raises(ConfigError, match="not a float"):
         TrainConfig.from_dict({"lr": "fast"})
+
+
+def test_from_dict_reads_settings_by_their_type_not_their_default():
+    """A setting whose default is None reads as its field's type: a recipe's `mlp_lr: 1e-4` (a string in YAML
+    1.1) is the float, and bad values name the type; YAML's true/false is no number."""
+    c = TrainConfig.from_dict(yaml.safe_load("mlp_lr: 1e-4\ndistill_hidden: 1e-1\ndead_window_tokens: 1e6\nsteps: 10"))
+    assert (c.mlp_lr, c.distill_hidden, c.dead_window_tokens) == (1e-4, 0.1, 1_000_000)
+    c.validate()
+    with pytest.raises(ConfigError, match="mlp_lr: 'fast' is not a float"):
+        TrainConfig.from_dict({"mlp_lr": "fast"})
+    with pytest.raises(ConfigError, match="distill_hidden: True is not a float"):
+        TrainConfig.from_dict({"distill_hidden": True})
+    with pytest.raises(ConfigError, match="steps: True is not an int"):
+        TrainConfig.from_dict({"steps": True})
 
 
 @pytest.mark.parametrize("relative", [False, True], ids=["absolute-l1", "relative-l1"])

@@ -100,8 +100,9 @@ def loss_terms(model, mlps: list, ids: torch.Tensor, teacher: torch.nn.Module | 
     zero = torch.zeros_like(output.loss)
     kl = distance = zero
     if teacher is not None:
-        with torch.no_grad():
-            reference = teacher(input_ids=ids, output_hidden_states=hidden)
+        with torch.no_grad():  # the LM head's logits only for the KL, and no KV cache
+            reference = (teacher if config.distill else teacher.base_model)(input_ids=ids, output_hidden_states=hidden,
+                                                                            use_cache=False)
         if config.distill:
             kl = distillation_kl(output.logits, reference.logits)
         if hidden:
