@@ -64,8 +64,8 @@ class TrainConfig:
         "complete."), metavar="STEPS|P%")
     steps: int | None = _setting(None, "Optimizer steps; with --tokens, whichever ends first.", unset="no limit")
     tokens: int | None = _setting(None, (
-        "Training tokens; with --steps, whichever ends first. docs/quality.md gives the budget, as a share of the "
-        "source's pretraining tokens, on which the pretrained recipe keeps held-out quality."),
+        "Training tokens; with --steps, whichever ends first. The pretrained recipe keeps held-out quality on about "
+        "a quarter of the source's pretraining tokens, not on 5% (docs/quality.md)."),
         unset="no limit")
     seq_len: int = _setting(1024, "Tokens per training sequence (packed blocks).")
     batch_size: int = _setting(8, "Sequences per micro-batch and device.")

@@ -123,6 +123,16 @@ def _accelerator(config: TrainConfig, device: str | None, teacher: torch.nn.Modu
     return accelerator
 
 
+def _parameter_groups(model, mlps: list, config: TrainConfig) -> list[dict]:
+    """AdamW's parameter groups: one at `lr`, or with `mlp_lr` the MLPs' weights apart at theirs (one group
+    otherwise, so that a training state saved without mlp_lr keeps its optimizer's layout)."""
+    if config.mlp_lr is None:
+        return [{"params": list(model.parameters()), "lr": config.lr}]
+    mlp_params = {id(p) for m in mlps for p in m.parameters()}
+    return [{"params": [p for p in model.parameters() if id(p) not in mlp_params], "lr": config.lr},
+            {"params": [p for p in model.parameters() if id(p) in mlp_params], "lr": config.mlp_lr}]
+
+
 def _prepare(accelerator: Accelerator, model, mlps: list, config: TrainConfig, teacher) -> Run:
     """The model in training mode, prepared by accelerate (DDP or FSDP2) with AdamW and its cosine schedule, and
     the teacher on this process's device."""
@@ -136,10 +146,8 @@ def _prepare(accelerator: Accelerator, model, mlps: list, config: TrainConfig, t
     model.train()
     # fused on GPU: one kernel updates each tensor in place, where foreach's per-step temporaries (a copy of
     # the second moments and more) add about a weight-sized buffer to the peak.
-    mlp_params = {id(p) for m in mlps for p in m.parameters()}
-    groups = [{"params": [p for p in model.parameters() if id(p) not in mlp_params], "lr": config.lr},
-              {"params": [p for p in model.parameters() if id(p) in mlp_params], "lr": config.mlp_lr or config.lr}]
-    optimizer = torch.optim.AdamW(groups, betas=config.betas, weight_decay=config.weight_decay, fused=not cpu)
+    optimizer = torch.optim.AdamW(_parameter_groups(model, mlps, config), betas=config.betas,
+                                  weight_decay=config.weight_decay, fused=not cpu)
     # The scheduler is not passed to prepare(): accelerate would step it once per process per step.
     scheduler = get_cosine_schedule_with_warmup(optimizer, config.warmup_steps, total)
     if accelerator.is_fsdp2 and not cpu:
