@@ -4,7 +4,8 @@ transformers' apply_rotary_pos_emb computes q * cos + rotate_half(q) * sin and t
 elementwise kernels a layer (products, a negation, a concatenation, sums), each a launch of a few
 microseconds at decode size. One program here rotates every head of one token's q or k, each product and sum
 rounded to the input dtype as there, so the outputs are equal bit for bit. `rotary_reference` is that op
-order in PyTorch."""
+order in PyTorch. The launch turns off Triton's contraction of a product and a sum into one fused multiply-add,
+which would skip the product's rounding (the compiler sees through the casts between them)."""
 import torch
 
 from .format import on_device, use_triton
@@ -55,7 +56,7 @@ def rotary(q, k, cos, sin):
                 q, k, cos, sin, q_out, k_out, s, *q.stride()[:3], *k.stride()[:3], *q_out.stride()[:3],
                 *k_out.stride()[:3], *cos.stride()[:2], *sin.stride()[:2], hq, k.shape[1], d // 2,
                 HQ=triton.next_power_of_2(hq), HK=triton.next_power_of_2(k.shape[1]),
-                HALF=triton.next_power_of_2(d // 2), num_warps=4)
+                HALF=triton.next_power_of_2(d // 2), num_warps=4, enable_fp_fusion=False)
     return q_out, k_out
 
 
