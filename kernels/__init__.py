@@ -7,6 +7,9 @@ from .graphs import DecodeGraphs
 from .hybrid import HybridStats, hot_units, hybrid_gated_mlp
 from .layer_plan import LayerPlan, Mode, layer_plans
 from .reference import gated_mlp_reference
+from .rms_norm import rms_norm, rms_norm_reference
+from .rotary import rotary, rotary_reference
 
 __all__ = ["TwELL", "pack", "pack_reference", "unpack", "slots", "gated_mlp", "gated_mlp_reference", "prepare_down",
-           "DecodeGraphs", "HybridStats", "hot_units", "hybrid_gated_mlp", "LayerPlan", "Mode", "layer_plans"]
+           "DecodeGraphs", "HybridStats", "hot_units", "hybrid_gated_mlp", "LayerPlan", "Mode", "layer_plans", "rms_norm",
+           "rms_norm_reference", "rotary", "rotary_reference"]

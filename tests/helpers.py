@@ -71,6 +71,38 @@ def tiny_input_ids(batch: int = 2, length: int = 12, seed: int = 0) -> torch.Ten
     return torch.randint(0, 256, (batch, length), generator=generator)
 
 
+def poison(t: torch.Tensor, allocations: list) -> torch.Tensor:
+    """t filled with NaN (integers: 987654), its shape appended to `allocations`."""
+    allocations.append(tuple(t.shape))
+    return t.fill_(float("nan") if t.dtype.is_floating_point else 987654)
+
+
+class PoisonedTorch:
+    """torch as a kernel module sees it, except that torch.empty and torch.empty_like come back poisoned."""
+
+    def __init__(self, allocations: list):
+        self.allocations = allocations
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    def empty(self, *args, **kwargs):
+        return poison(torch.empty(*args, **kwargs), self.allocations)
+
+    def empty_like(self, *args, **kwargs):
+        return poison(torch.empty_like(*args, **kwargs), self.allocations)
+
+
+def poison_allocations(monkeypatch, *modules: str) -> list:
+    """Makes the buffers that the named kernel modules allocate start poisoned (PoisonedTorch), so that an
+    element a kernel leaves unwritten fails a test instead of holding whatever the allocator returned; returns
+    the list of the poisoned allocations' shapes."""
+    allocations = []
+    for name in modules:
+        monkeypatch.setattr(sys.modules[name], "torch", PoisonedTorch(allocations))
+    return allocations
+
+
 def load_benchmark(relative_path: str):
     """A script under benchmarks/ (no package) imported as a module, under its file name, with its folder on
     sys.path as when it runs (its sibling modules import)."""

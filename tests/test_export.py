@@ -35,7 +35,7 @@ TRAINING = {"base_model": "someone/tiny-base", "tokens": 4096, "steps": 2, "l1":
             "max_tokens": 100_000}
 # The inference runtime: what the modeling file imports from the kernel package, directly or through its files
 RUNTIME = {"batched.py", "cost_model.py", "decode.py", "format.py", "gate_hopper.py", "gated_mlp.py", "graphs.py",
-           "heavy.py", "launch.py", "layer_plan.py", "reference.py", "routing.py"}
+           "heavy.py", "launch.py", "layer_plan.py", "reference.py", "rms_norm.py", "rotary.py", "routing.py"}
 
 
 def _relufied(family, **overrides):
@@ -316,9 +316,10 @@ def test_modeling_file_needs_only_torch_and_transformers():
                 for alias in node.names}
     absolute |= {node.module.split(".")[0] for node in ast.walk(tree)
                  if isinstance(node, ast.ImportFrom) and node.level == 0}
-    assert absolute == {"importlib", "os", "torch", "transformers", "warnings"}
+    assert absolute == {"dataclasses", "functools", "importlib", "inspect", "os", "torch", "transformers", "types",
+                        "warnings"}
     relative = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 1}
-    assert relative == {"format", "gated_mlp", "graphs", "routing", "generation", "layer_plan"}
+    assert relative == {"format", "gated_mlp", "graphs", "routing", "generation", "layer_plan", "rms_norm", "rotary"}
     generation = ast.parse(GENERATION_FILE.read_text())  # shipped beside it: torch, transformers and the stdlib
     assert {alias.name for node in ast.walk(generation) if isinstance(node, ast.Import) for alias in node.names} \
         | {node.module.split(".")[0] for node in ast.walk(generation) if isinstance(node, ast.ImportFrom)} \
@@ -347,6 +348,87 @@ def test_remote_model_falls_back_to_dense_math(tmp_path, monkeypatch):
     monkeypatch.setattr(_remote_module(remote), "gated_mlp", lambda *a, **k: calls.append(k) or kernel(*a, **k))
     _logits(remote, ids)
     assert calls
+
+
+def _record_fused_kernels(remote, monkeypatch) -> list:
+    """Calls of the remote module's norm and rotary kernels: ("rms_norm",) or ("rotary",)."""
+    calls, module = [], _remote_module(remote)
+    norm, rotary = module.rms_norm, module.rotary
+    monkeypatch.setattr(module, "rms_norm", lambda *a, **k: calls.append(("rms_norm",)) or norm(*a, **k))
+    monkeypatch.setattr(module, "rotary", lambda *a: calls.append(("rotary",)) or rotary(*a))
+    return calls
+
+
+@pytest.mark.interpreter  # the kernels on CPU tensors
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_fused_decoder_runs_norms_and_rotary_on_the_kernels(family, tmp_path, monkeypatch):
+    """Eager inference runs every RMSNorm of the family's class (Qwen3's and Gemma 3's per-head norms too) and
+    each layer's rotary embedding on the kernels, with the plain load's logits; the modules keep their classes and weights. Where gradients are recorded, and for inputs in
+    a dtype the kernels do not take, transformers' modules run."""
+    model, tokenizer, spec = _relufied(family, tie_word_embeddings=family in TIED)
+    out = export_checkpoint(model, tokenizer, tmp_path / f"ckpt-{family}", spec=spec, plan=[LayerPlan()] * 2,
+                            training=TRAINING)
+    plain = AutoModelForCausalLM.from_pretrained(out)
+    remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    fusion = _remote_module(remote).DECODER_FUSIONS[family]
+    norms = [m for m in remote.modules() if type(m).__name__ == fusion.norm]
+    layers = remote.get_submodule(spec.layers)
+    assert len(norms) == len([m for m in plain.modules() if type(m).__name__ == fusion.norm]) > 2 * len(layers)
+    assert all("forward" in vars(m) for m in (*norms, *(layer.self_attn for layer in layers)))
+    calls = _record_fused_kernels(remote, monkeypatch)
+    ids = tiny_input_ids()
+    _close(_logits(remote, ids), _logits(plain, ids))
+    assert sorted(calls) == [("rms_norm",)] * len(norms) + [("rotary",)] * len(layers)
+    calls.clear()
+    logits = remote(ids).logits  # gradients recorded: transformers' modules, which have a backward
+    assert calls == [] and logits.requires_grad
+    _close(logits.detach(), _logits(plain, ids))
+    remote.double()
+    _close(_logits(remote, ids), _logits(plain.double(), ids))
+    assert calls == []
+
+
+def test_fused_decoder_checks_the_installed_transformers(tmp_path, monkeypatch):
+    """A norm class that does not compute its form, or an apply_rotary_pos_emb that is not the standard one
+    (another transformers release), keeps transformers' forward."""
+    from transformers.models.llama import modeling_llama
+
+    model, tokenizer, spec = _relufied("llama")
+    out = export_checkpoint(model, tokenizer, tmp_path / "ckpt-checks", spec=spec, plan=PLAN, training=TRAINING)
+    module = _remote_module(AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True))
+    assert module.norm_computes(modeling_llama.LlamaRMSNorm, "llama", "variance_epsilon")
+    assert not module.norm_computes(modeling_llama.LlamaRMSNorm, "gemma", "variance_epsilon")
+    assert not module.norm_computes(modeling_llama.LlamaRMSNorm, "llama", "eps")
+    assert module.rotary_computes(modeling_llama.apply_rotary_pos_emb)
+    assert not module.rotary_computes(lambda q, k, cos, sin: (q, k))
+    assert not module.rotary_computes(lambda q, k, cos, sin, position_ids: (q, k))  # another signature
+    monkeypatch.setitem(module.DECODER_FUSIONS, "llama", module.DecoderFusion("LlamaRMSNorm", "gemma"))
+    module.fuse_decoder(model, model.model.layers)
+    attention = [layer.self_attn for layer in model.model.layers]
+    assert all("forward" in vars(m) for m in attention)
+    assert not any("forward" in vars(m) for m in model.modules() if m not in attention)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma"])
+def test_gpu_fused_decoder_bf16_logits_and_captured_step(family, tmp_path):
+    """bf16 on a GPU: the remote load's logits (norms and rotary on the kernels, MLPs dense) within
+    bf16 rounding of the plain load's, both measured against the fp32 model; a decode step captured as a CUDA
+    graph gives the eager step's logits."""
+    from sparsify.bench import capture_step
+    from sparsify.tune import relative_error
+
+    model, tokenizer, spec = _relufied(family, tie_word_embeddings=family in TIED)
+    out = export_checkpoint(model, tokenizer, tmp_path / f"ckpt-{family}", spec=spec, plan=[LayerPlan()] * 2,
+                            training=TRAINING)
+    ids = tiny_input_ids(4, 40).cuda()
+    exact = _logits(model.cuda(), ids)
+    plain = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16).cuda()
+    remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.bfloat16).cuda()
+    rounding = relative_error(_logits(plain, ids).float(), exact)
+    assert relative_error(_logits(remote, ids).float(), exact) < 1.5 * rounding
+    assert relative_error(_logits(remote, ids), _logits(plain, ids)) < 2 * rounding
+    assert capture_step(remote, ids)[3] < 1e-3
 
 
 def _failing(error):

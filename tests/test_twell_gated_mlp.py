@@ -21,6 +21,8 @@ from twell.heavy import HEAVY_FEW_ROWS
 from twell.launch import sm_count
 from twell.reference import forward_reference, tile_counts, tile_shares
 
+from helpers import poison, poison_allocations
+
 gm = sys.modules["twell.gated_mlp"]
 gh = sys.modules["twell.gate_hopper"]
 
@@ -90,37 +92,17 @@ def bf16_row_bounds(dense, ref):
     return (1.25 * row_errs(dense, ref)).clamp(min=BF16_ROW_FLOOR)
 
 
-def _poison(t, allocations):
-    allocations.append(tuple(t.shape))
-    return t.fill_(float("nan") if t.dtype.is_floating_point else 987654)
-
-
-class _PoisonedTorch:
-    """torch as a kernel module sees it, except that torch.empty comes back NaN-filled (integers: 987654)."""
-
-    def __init__(self, allocations):
-        self.allocations = allocations
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    def empty(self, *args, **kwargs):
-        return _poison(torch.empty(*args, **kwargs), self.allocations)
-
-
 @pytest.fixture
 def poisoned_outputs(monkeypatch):
     """Every buffer that the block's kernels write starts as NaN (integers: 987654), so an element left
     unwritten fails instead of holding whatever the allocator returned: torch.empty as gated_mlp.py (TwELL,
     counts, partial rows), format.py (empty_twell: pack and the tests' own TwELL) and heavy.py (h, partial
     sums) call it, and Tensor.new_empty (the block's output). Yields the allocations poisoned (their shapes)."""
-    allocations = []
-    for name in ("twell.gated_mlp", "twell.format", "twell.heavy"):
-        monkeypatch.setattr(sys.modules[name], "torch", _PoisonedTorch(allocations))
+    allocations = poison_allocations(monkeypatch, "twell.gated_mlp", "twell.format", "twell.heavy")
     new_empty = torch.Tensor.new_empty
 
     def poisoned_new_empty(self, *args, **kwargs):
-        return _poison(new_empty(self, *args, **kwargs), allocations)
+        return poison(new_empty(self, *args, **kwargs), allocations)
 
     monkeypatch.setattr(torch.Tensor, "new_empty", poisoned_new_empty)
     yield allocations
