@@ -33,8 +33,9 @@ from .graphs import DecodeGraphs
 from .routing import ActivityRouter, eager, eager_dense, short_prefill
 from .generation import LoopUnsupported, generate_graphed, graphed_call, release_graphed
 from .layer_plan import LayerPlan, layer_plans
-from .rms_norm import rms_norm, rms_norm_fits, rms_norm_reference
-from .rotary import rotary, rotary_fits, rotary_reference
+from .reference import rms_norm_reference, rotary_reference
+from .rms_norm import rms_norm, rms_norm_fits
+from .rotary import rotary, rotary_fits
 
 BASE_MODEL = "transformers.models.llama.modeling_llama.LlamaForCausalLM"
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton reads it when the kernels are defined, too
