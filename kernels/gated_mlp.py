@@ -2,9 +2,8 @@
 no host synchronization. A call takes one launch path by its token count (paths.PATHS, each path's contract:
 one gated token takes the tile-out path, up to format.decode_rows tokens decode, more batched, its heavy rows
 through heavy.py). Calls of the same shapes, strides, dtypes and alignment reuse their launches
-(_LAUNCH_CACHE).
-CPU tensors without the Triton interpreter take reference.forward_reference. The down weight is read
-transposed: pass `prepare_down(down)` (made once at load time) to avoid a per-call transpose copy. A launch
+(LAUNCH_CACHE). CPU tensors without the Triton interpreter take reference.forward_reference. The down weight
+is read transposed: pass `prepare_down(down)` (made once at load time) to avoid a per-call transpose copy. A launch
 configuration beyond the GPU (Triton's OutOfResources: shared memory on a GPU with less than the H100's) makes
 calls of that shape run the dense block, with a warning, instead of failing."""
 import hashlib
@@ -33,7 +32,7 @@ def prepare_down(down_weight: torch.Tensor) -> torch.Tensor:
 
 
 LAUNCH_CACHE_SIZE = 256  # launch sets kept (layers of one shape share them; a new prompt length adds one)
-_LAUNCH_CACHE = OrderedDict()  # recent launch sets by _launch_key, least recently used first
+LAUNCH_CACHE = OrderedDict()  # recent launch sets by _launch_key, least recently used first
 
 
 def _launch_key(x2, gate, up, down_t, tile, compression, precision, overflow):
@@ -90,18 +89,18 @@ def _forward_triton(x, gate, up, down, tile, compression, precision, overflow):
     up = up.contiguous()
     gate = gate.contiguous()  # the overflow fallback reads contiguous rows; one copy serves both kernels
     key = _launch_key(x2, gate, up, down_t, tile, compression, precision, overflow)
-    launches = _LAUNCH_CACHE.get(key)
+    launches = LAUNCH_CACHE.get(key)
     if launches is None:
         check_args(x, gate, up, down, tile, compression, precision, overflow)
         check_kernel_dtypes(x, gate, up, down)
         if x2.shape[0] == 0:
             return x.new_empty(x.shape)
         path = launch_path(x2.shape[0], x2.shape[1], gate.shape[0])
-        launches = _LAUNCH_CACHE[key] = path.launches(x2, gate, up, tile, compression, precision, overflow)
-        if len(_LAUNCH_CACHE) > LAUNCH_CACHE_SIZE:
-            _LAUNCH_CACHE.popitem(last=False)
+        launches = LAUNCH_CACHE[key] = path.launches(x2, gate, up, tile, compression, precision, overflow)
+        if len(LAUNCH_CACHE) > LAUNCH_CACHE_SIZE:
+            LAUNCH_CACHE.popitem(last=False)
     else:
-        _LAUNCH_CACHE.move_to_end(key)
+        LAUNCH_CACHE.move_to_end(key)
     if launches.unsupported is None:
         try:
             return launches(x, x2, gate, up, down_t, overflow)

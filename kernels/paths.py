@@ -72,6 +72,8 @@ class PackedLaunches(Launches):
 
 
 class DecodeLaunches(PackedLaunches):
+    """Up to decode_rows tokens: PackedLaunches with decode.py's tiles, slots and configurations."""
+
     decode = True
 
 
@@ -116,11 +118,16 @@ def _one_token(d: int, width: int) -> int:
     return int(tile_out_launch(1, d, decode=True))
 
 
+def _decode_tokens(d: int, width: int) -> int:
+    """format.decode_rows, read at each call (a benchmark may replace the rule in this module)."""
+    return decode_rows(d, width)
+
+
 PATHS = (
     # every tile's share of the output (fp32, from h as the decode paths round it)
     LaunchPath("tile-out", _one_token, TileOutLaunches, tile_shares, decode_time),
     # the partial rows of the overflowing (row, tile) pairs
-    LaunchPath("decode", decode_rows, DecodeLaunches, tile_shares, decode_time),
+    LaunchPath("decode", _decode_tokens, DecodeLaunches, tile_shares, decode_time),
     # the four-element `overflow` counter's figures (overflowing pairs, the sampled rows' units, heavy rows)
     LaunchPath("batched", lambda d, width: None, PackedLaunches, forward_reference, batched_time),
 )

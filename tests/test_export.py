@@ -110,7 +110,7 @@ def test_router_per_device_and_kernel_dtypes(tmp_path):
         router.device = torch.device("meta")  # as a layer that ran on another device holds it
         mlp(x)
         assert mlp.router is not router and mlp.router.device == x.device
-        assert mlp._use_kernel(x, 12) and not mlp._use_kernel(x.double(), 12) and not mlp._use_kernel(x.half(), 12)
+        assert mlp.use_kernel(x, 12) and not mlp.use_kernel(x.double(), 12) and not mlp.use_kernel(x.half(), 12)
 
 
 def test_sparse_tokens_window_picks_the_path_per_call(tmp_path, monkeypatch):

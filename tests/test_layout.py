@@ -32,14 +32,16 @@ def project_modules(tree) -> set:
 
 
 def private_attributes(tree) -> list:
-    """`module._name` (or a longer chain) on a name imported from the project: (line, the expression)."""
+    """`module._name` (or a longer chain) on a name imported from the project or on a module looked up in
+    sys.modules: (line, the expression)."""
     imported, found = project_modules(tree), []
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and private(node.attr):
             root = node.value
             while isinstance(root, ast.Attribute):
                 root = root.value
-            if isinstance(root, ast.Name) and root.id in imported:
+            by_name = isinstance(root, ast.Subscript) and ast.unparse(root.value) == "sys.modules"
+            if isinstance(root, ast.Name) and root.id in imported or by_name:
                 found.append((node.lineno, ast.unparse(node)))
     return found
 
@@ -61,5 +63,7 @@ def test_short_files_short_functions_no_private_imports(path):
 
 def test_private_attributes_are_found():
     tree = ast.parse("import twell.hybrid as H\nfrom twell import cost_model\nimport torch\n"
-                     "H._pack(1)\ncost_model.GATE._x\ntorch._C.y\nH.__name__\nH.Stats._fields\n")
-    assert sorted(private_attributes(tree)) == [(4, "H._pack"), (5, "cost_model.GATE._x")]
+                     "H._pack(1)\ncost_model.GATE._x\ntorch._C.y\nH.__name__\nH.Stats._fields\n"
+                     "sys.modules['twell.gated_mlp']._CACHE\n")
+    assert sorted(private_attributes(tree)) == [(4, "H._pack"), (5, "cost_model.GATE._x"),
+                                                (9, "sys.modules['twell.gated_mlp']._CACHE")]

@@ -615,7 +615,7 @@ def test_a_launch_beyond_the_device_runs_the_dense_block(monkeypatch):
         self.gate = beyond_the_device
 
     monkeypatch.setattr(PackedLaunches, "__init__", launches)
-    gm._LAUNCH_CACHE.clear()
+    gm.LAUNCH_CACHE.clear()
     try:
         with pytest.warns(UserWarning, match="out of resource: shared memory.*run the dense block"):
             out = twell.gated_mlp(x, gate, up, down, tile=32, compression=4)
@@ -625,7 +625,7 @@ def test_a_launch_beyond_the_device_runs_the_dense_block(monkeypatch):
             again = twell.gated_mlp(x, gate, up, down, tile=32, compression=4)
         assert torch.equal(again, out) and len(attempts) == 1
     finally:
-        gm._LAUNCH_CACHE.clear()
+        gm.LAUNCH_CACHE.clear()
 
 
 def launch_scalar(launch, name):
@@ -985,7 +985,7 @@ def test_gpu_hopper_gate_kernel_that_does_not_compile_falls_back(monkeypatch):
     monkeypatch.setattr(gh, "gate_pack_kernel", Broken())
     monkeypatch.setattr(gh, "_failure", None)
     monkeypatch.setattr(gh, "TILES_PER_SM", 0)
-    monkeypatch.setattr(gm, "_LAUNCH_CACHE", type(gm._LAUNCH_CACHE)())
+    monkeypatch.setattr(gm, "LAUNCH_CACHE", type(gm.LAUNCH_CACHE)())
     x, gate, up, down = block(1000, 256, 768, k=29, dtype=torch.bfloat16)
     with pytest.warns(RuntimeWarning, match="does not compile"):
         assert gh.hopper_gate_launch(x, gate, 128, 16, torch.bfloat16) is None

@@ -95,7 +95,7 @@ class TwellGatedMLP(nn.Module):
         the static token count: under torch.compile a guard, not a graph break)."""
         return any(lo <= tokens <= hi for lo, hi in self._windows)
 
-    def _use_kernel(self, x, tokens: int):
+    def use_kernel(self, x, tokens: int):
         """Whether the plan and the call of `tokens` tokens let the kernels serve it (the cheap, common
         refusals first: they are host time on every call of a dense-routed layer)."""
         if not self.kernel_ready or not self.in_window(tokens):
@@ -129,7 +129,7 @@ class TwellGatedMLP(nn.Module):
 
     def forward(self, x):
         tokens = x.numel() // x.shape[-1]
-        if not self._use_kernel(x, tokens):
+        if not self.use_kernel(x, tokens):
             return self._dense(x)
         gate, up = self._gate_up_weights()
         down = getattr(self, self.down_name).weight
