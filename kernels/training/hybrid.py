@@ -108,7 +108,7 @@ class _HybridGatedMLP(torch.autograd.Function):
             # the backup rows' dense [rows, I] gradients (other rows of these buffers are never written)
             hot, cold, g_hot, u_hot = hot_state or (None,) * 4
             dgpb, dub, hb = rows_units(ROWS_BACKWARD, backup, x2, gate, w2=up, dout=dout2, down=down, c=c,
-                                        cold=cold)
+                                       cold=cold)
             if hot_state:  # the hot columns' gradients, dense for every row
                 dgp_hot, du_hot, h_hot = hot_grads(g_hot, u_hot, dout2 @ down[:, hot], c)
             dx = dgate = dup = ddown = None
