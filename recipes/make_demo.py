@@ -12,8 +12,8 @@ ships (pydoc_data.topics). Three stages, each writing into sparsify/demo/:
 
 Pretraining also runs on CPU, slowly: `pretrain --device cpu --minutes 60`.
 The corpus depends on the Python version (corpus/README.md records it); seeds are fixed. Pretraining
-ends at --steps or after --minutes, whichever comes first (the cosine schedule follows whichever is
-nearer), and keeps the weights with the best validation loss.
+reads the train split in epochs of shuffled windows, ends at --steps or after --minutes, whichever comes
+first (the cosine schedule follows whichever is nearer), and keeps the weights with the best validation loss.
 """
 import argparse, contextlib, hashlib, importlib, io, json, math, os, pkgutil, re, sys, sysconfig, time, warnings
 from pathlib import Path
@@ -227,7 +227,7 @@ def load_pretraining(path, settings: dict, model, opt, windows) -> dict:
     """The state that save_pretraining wrote to `path`, loaded into `model`, `opt` and `windows`; returns its `run`.
     A state of other settings is refused: resuming it would give neither run."""
     import torch
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = torch.load(path, map_location="cpu")
     if state["settings"] != settings:
         changed = sorted(k for k in settings.keys() | state["settings"].keys()
                          if settings.get(k) != state["settings"].get(k))
