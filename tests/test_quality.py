@@ -55,12 +55,13 @@ def test_toy_pipeline_end_to_end(tmp_path):
     assert len({c["cross_entropy"]["original"] for c in result["conversions"]}) == 1
     # one budget share: the names, stage files and report layout of a single share
     assert result["convert_shares"] == [0.25] and [c["share"] for c in result["conversions"]] == [0.25, 0.25]
+    assert [c["name"] for c in result["conversions"]] == ["l1_7", "l1_7_distill_0.5"] and control["name"] == "control"
     assert all((tmp_path / "work" / name).is_file() for name in ("convert_l1_7.json", "control.json", "metrics_base.json"))
     assert not report.with_name("quality_budget.png").exists()
     # every model measured on the same held-out blocks; converted checkpoints and the control load as plain models
     units = result["pretraining"]["config"]["intermediate_size"]
     original = result["original"]["metrics"]
-    assert "greedy" not in original and "generations" not in original
+    assert not {"greedy", "generations", "prompts"} & set(original)
     for entry in (original, control["metrics"], *(c["metrics"] for c in result["conversions"])):
         assert 0 <= entry["accuracy"] <= 1 and math.isfinite(entry["cross_entropy"]) and entry["tokens"] == original["tokens"]
         assert entry["by_kind"] and all(0 <= k["accuracy"] <= 1 and k["tokens"] > 0 for k in entry["by_kind"].values())
@@ -90,7 +91,10 @@ def test_budget_curve_runs_every_setting_and_the_control_at_every_share(tmp_path
     assert result["convert_shares"] == [0.25, 0.1]
     assert result["convert_tokens"] == [int(0.25 * pretrained), int(0.1 * pretrained)]
     assert [(c["share"], c["tokens"]) for c in result["conversions"]] == list(zip([0.25, 0.1], result["convert_tokens"]))
-    for name in ("l1_3.5_swap_steps_3_share0.25", "l1_3.5_swap_steps_3_share0.1"):
+    names = ["l1_3.5_swap_steps_3_share0.25", "l1_3.5_swap_steps_3_share0.1"]
+    assert [c["name"] for c in result["conversions"]] == names
+    assert [c["name"] for c in result["control"]] == ["control_share0.25", "control_share0.1"]
+    for name in names:
         assert (work / name / "config.json").is_file() and (work / f"convert_{name}.json").is_file()
         assert (work / f"{name}.log").read_text()  # with --jobs, each conversion's output in its log
     controls = result["control"]

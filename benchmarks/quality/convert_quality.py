@@ -176,14 +176,14 @@ def train_all(args, recipe: dict, tokens: dict[float, int]) -> tuple[list[dict],
 
     def conversion(setting: dict, share: float) -> dict:
         name = runs.run_name(setting, share if several else None)
-        c = {"share": share, **stage(args.work / f"convert_{name}.json", lambda: runs.convert(
+        c = {"name": name, "share": share, **stage(args.work / f"convert_{name}.json", lambda: runs.convert(
             args, base, corpus_dir, recipe, args.work / name, setting, tokens[share]))}
-        print(runs.summary_line(c, name), flush=True)
+        print(runs.summary_line(c), flush=True)
         return c
 
     def control(share: float) -> dict:
         out = args.work / runs.control_name(share if several else None)
-        return {"share": share, **stage(out.with_name(out.name + ".json"), lambda: runs.control(
+        return {"name": out.name, "share": share, **stage(out.with_name(out.name + ".json"), lambda: runs.control(
             args, base, corpus_dir, recipe, tokens[share], out), output=out if args.metrics else None)}
 
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
@@ -203,7 +203,6 @@ def measure_all(args, conversions: list[dict], controls: list[dict]) -> dict:
     """The metrics stage: adds "metrics" to every conversion and control; returns the original's."""
     from transformers import AutoTokenizer
 
-    several = len(args.convert_share) > 1
     tok = AutoTokenizer.from_pretrained(args.work / "base")
     blocks = metrics.heldout_blocks(tok, args.work / "corpus", args.seq_len, args.metrics_tokens)
     prompts = metrics.greedy_prompts(blocks)
@@ -213,23 +212,23 @@ def measure_all(args, conversions: list[dict], controls: list[dict]) -> dict:
             args.work / name, blocks, prompts, reference, args.convert_batch, args.device))
 
     original = measured("base", None)
-    for c in controls:
-        c["metrics"] = measured(runs.control_name(c["share"] if several else None), original["generations"])
-    for c in conversions:
-        c["metrics"] = measured(runs.run_name(c["settings"], c["share"] if several else None), original["generations"])
-    return {k: v for k, v in original.items() if k != "generations"}
+    if original["prompts"] != prompts.tolist():
+        raise SystemExit(f"{args.work}/metrics_base.json: the original was measured on other held-out prompts (another "
+                         f"--seq-len or --metrics-tokens?); remove {args.work}/metrics_*.json to measure every model again")
+    for c in (*controls, *conversions):
+        c["metrics"] = measured(c["name"], original["generations"])
+    return {k: v for k, v in original.items() if k not in ("prompts", "generations")}
 
 
 def print_summary(result: dict) -> None:
-    several = len(result["convert_shares"]) > 1
     if result.get("original"):
         print("original:", metrics.metrics_line(result["original"]["metrics"]))
     for c in plots.controls(result):
         ce = c["cross_entropy"]
-        print(f"{runs.control_name(c['share'] if several else None)}: held-out CE {ce['original']:.4f} -> "
+        print(f"{c['name']}: held-out CE {ce['original']:.4f} -> "
               f"{ce['after training']:.4f}" + (f"  {metrics.metrics_line(c['metrics'])}" if "metrics" in c else ""))
     for c in result["conversions"]:
-        print(runs.summary_line(c, runs.run_name(c["settings"], c["share"] if several else None)))
+        print(runs.summary_line(c))
         if "metrics" in c:
             print("    " + metrics.metrics_line(c["metrics"]))
 

@@ -25,6 +25,8 @@ def heldout_blocks(tok, corpus: Path, seq_len: int, tokens: int) -> dict:
         stream = make_demo.token_ids(tok, texts)[:tokens]
         if len(stream) >= seq_len:
             blocks[kind] = stream[: len(stream) // seq_len * seq_len].view(-1, seq_len)
+    if not blocks:
+        raise SystemExit(f"{corpus / 'valid.jsonl'}: no kind of held-out document fills a block of {seq_len} tokens")
     return blocks
 
 
@@ -88,8 +90,8 @@ def agreement(tokens, reference) -> dict:
 
 def measure(path: Path, blocks: dict, prompts, reference, batch: int, device: str) -> dict:
     """The metrics of the model in `path`: per kind and over all held-out blocks, and greedy agreement with
-    `reference` (the original's continuations; None: this is the original, whose continuations are returned under
-    "generations" instead)."""
+    `reference` (the original's continuations; None: this is the original, whose continuations and prompts are
+    returned under "generations" and "prompts" instead)."""
     import torch
 
     model = load(path, device)
@@ -101,7 +103,7 @@ def measure(path: Path, blocks: dict, prompts, reference, batch: int, device: st
               "accuracy": sum(k["accuracy"] * k["tokens"] for k in kinds.values()) / count, "tokens": count,
               "by_kind": kinds}
     if reference is None:
-        result["generations"] = generated.tolist()
+        result.update(prompts=prompts.tolist(), generations=generated.tolist())
     else:
         result["greedy"] = agreement(generated, torch.tensor(reference))
     return result

@@ -149,11 +149,11 @@ def control(args, base: Path, corpus: Path, recipe: dict, tokens: int, out: Path
             "log": [{k: e[k] for k in ("step", "tokens", "cross_entropy", "tokens_per_s")} for e in result.log]}
 
 
-def summary_line(run: dict, name: str) -> str:
+def summary_line(run: dict) -> str:
     """One line of a conversion's figures: sparsity, held-out CE through the stages, against the original and the
     control where there is one, when it first reached SPARSE sparsity, and the held-out metrics where measured."""
     ce = run["cross_entropy"]
-    line = (f"{name}: sparsity {100 * run['sparsity']:.2f}%  held-out CE {ce['original']:.4f} -> {ce['after swap']:.4f} "
+    line = (f"{run['name']}: sparsity {100 * run['sparsity']:.2f}%  held-out CE {ce['original']:.4f} -> {ce['after swap']:.4f} "
             f"(swap) -> {ce['after training']:.4f} ({100 * run['ce_vs_original']:+.2f}%"
             + (f", {100 * run['ce_vs_control']:+.2f}% vs control)" if "ce_vs_control" in run else ")"))
     if "first_sparse" in run:
