@@ -115,7 +115,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--control-set", dest="control_overrides", type=runs.parse_setting, nargs="+", default=[],
                     metavar="KEY=VALUE", help="the control's settings over the recipe's, e.g. an lr that does not "
                                               "degrade the source: --control-set lr=1e-4 batch_size=4")
-    ap.add_argument("--jobs", type=int, default=1, help="conversions run at a time (each on the same GPU)")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="runs at a time, all on the same GPU: the conversions, and with --control the controls "
+                         "(one after another) as one of them")
     ap.add_argument("--convert-share", type=float, nargs="+", default=[0.2], metavar="SHARE",
                     help=f"conversion tokens / pretraining tokens, at most {MAX_SHARE}; several (e.g. 0.25 0.1 0.05 "
                          "0.02): every run and the control at each, and the budget curve")
@@ -145,6 +147,8 @@ def arguments(argv=None) -> argparse.Namespace:
                  "tokens")
     if len(set(args.convert_share)) < len(args.convert_share):
         ap.error("--convert-share: each share once")
+    if args.pretrain_stop_after is not None and args.pretrain_stop_after < 1 or args.pretrain_save_every < 0:
+        ap.error("--pretrain-stop-after must be at least 1 and --pretrain-save-every at least 0")
     if args.metrics and args.seq_len < metrics.PROMPT_TOKENS + metrics.NEW_TOKENS:
         ap.error(f"--seq-len must be at least {metrics.PROMPT_TOKENS + metrics.NEW_TOKENS} for the greedy agreement "
                  "(prompts and continuations), or pass --no-metrics")
