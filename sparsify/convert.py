@@ -1,7 +1,7 @@
 """`sparsify convert`: the whole pipeline, one call per stage.
 
 check OUT (fail fast) -> load -> perplexity of the original -> relufy -> perplexity after the swap ->
-train (L1; each layer on the hybrid kernels or dense by its activity; with `distill`, fitted to a frozen copy
+calibrate (--calibrate-steps: each ReLU MLP fitted to the source's) -> train (L1; each layer on the hybrid kernels or dense by its activity; with `distill`, fitted to a frozen copy
 of the source model's next-token distributions) -> measure on held-out text
 (perplexity after training) -> plan -> export (+ training log JSON and sparsity PNG) -> optional push.
 Weights are trained in fp32 (AdamW updates of ~lr are below bf16's resolution; bf16 autocast on GPU

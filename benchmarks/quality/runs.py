@@ -153,8 +153,9 @@ def summary_line(run: dict) -> str:
     """One line of a conversion's figures: sparsity, held-out CE through the stages, against the original and the
     control where there is one, when it first reached SPARSE sparsity, and the held-out metrics where measured."""
     ce = run["cross_entropy"]
+    calibrated = f" -> {ce['after calibration']:.4f} (calibrated)" if "after calibration" in ce else ""
     line = (f"{run['name']}: sparsity {100 * run['sparsity']:.2f}%  held-out CE {ce['original']:.4f} -> {ce['after swap']:.4f} "
-            f"(swap) -> {ce['after training']:.4f} ({100 * run['ce_vs_original']:+.2f}%"
+            f"(swap){calibrated} -> {ce['after training']:.4f} ({100 * run['ce_vs_original']:+.2f}%"
             + (f", {100 * run['ce_vs_control']:+.2f}% vs control)" if "ce_vs_control" in run else ")"))
     if "first_sparse" in run:
         first = run["first_sparse"]
