@@ -12,8 +12,8 @@ ships (pydoc_data.topics). Three stages, each writing into sparsify/demo/:
 
 Pretraining also runs on CPU, slowly: `pretrain --device cpu --minutes 60`.
 The corpus depends on the Python version (corpus/README.md records it); seeds are fixed. Pretraining
-ends at --steps or after --minutes, whichever comes first (the cosine schedule follows whichever is
-nearer), and keeps the weights with the best validation loss.
+reads the train split in epochs of shuffled windows, ends at --steps or after --minutes, whichever comes
+first (the cosine schedule follows whichever is nearer), and keeps the weights with the best validation loss.
 """
 import argparse, contextlib, hashlib, importlib, io, json, math, os, pkgutil, re, sys, sysconfig, time, warnings
 from pathlib import Path
@@ -169,15 +169,96 @@ It is the input of `sparsify convert demo`, which swaps its SiLU gates for ReLU 
 """)
 
 
+class EpochWindows:
+    """The training stream read in epochs, as windows of `length` tokens: each epoch starts at a random offset below
+    `length` (so that windows do not always begin at the same tokens) and visits every whole window after it once, in
+    a random order. `state_dict` is where it stands, so that a resumed run reads the batches it would have read."""
+
+    def __init__(self, tokens, length: int, seed: int):
+        import torch
+        if len(tokens) < 2 * length:
+            raise ValueError(f"the training stream has {len(tokens)} tokens: fewer than two windows of {length}")
+        self.tokens, self.length = tokens, length
+        self.generator = torch.Generator().manual_seed(seed)
+        self.epoch, self.position, self.offset, self.order = 0, 0, 0, None
+
+    def batch(self, size: int):
+        """The next `size` windows, [size, length], starting another epoch where this one runs out."""
+        import torch
+        rows = []
+        while len(rows) < size:
+            if self.order is None or self.position == len(self.order):
+                self.epoch += self.order is not None
+                self.offset = int(torch.randint(self.length, (1,), generator=self.generator))
+                self.order = torch.randperm((len(self.tokens) - self.offset) // self.length, generator=self.generator)
+                self.position = 0
+            start = self.offset + self.length * int(self.order[self.position])
+            rows.append(self.tokens[start:start + self.length])
+            self.position += 1
+        return torch.stack(rows)
+
+    @property
+    def epochs(self) -> float:
+        """Epochs read so far: whole ones and the share of the current one."""
+        return 0.0 if self.order is None else self.epoch + self.position / len(self.order)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "offset": self.offset, "order": self.order,
+                "generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position, self.offset, self.order = (state[k] for k in ("epoch", "position", "offset", "order"))
+        self.generator.set_state(state["generator"])
+
+
+def save_pretraining(path, settings: dict, run: dict, model, opt, windows) -> None:
+    """The pretraining's state (`run`: step, seconds, best loss and weights, curve; the weights, the optimizer, the
+    data reader's position and the RNGs) written to `path` through a temporary file: a kill leaves the last one."""
+    import torch
+    state = {"settings": settings, "run": run, "model": model.state_dict(), "optimizer": opt.state_dict(),
+             "windows": windows.state_dict(), "rng": torch.get_rng_state(),
+             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+    tmp = Path(f"{path}.tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_pretraining(path, settings: dict, model, opt, windows) -> dict:
+    """The state that save_pretraining wrote to `path`, loaded into `model`, `opt` and `windows`; returns its `run`.
+    A state of other settings is refused: resuming it would give neither run."""
+    import torch
+    state = torch.load(path, map_location="cpu")
+    if state["settings"] != settings:
+        changed = sorted(k for k in settings.keys() | state["settings"].keys()
+                         if settings.get(k) != state["settings"].get(k))
+        raise SystemExit(f"{path}: a pretraining state made with other settings (differing in {', '.join(changed)}); "
+                         f"run with the same arguments to resume it, or remove it to start again")
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    windows.load_state_dict(state["windows"])
+    torch.set_rng_state(state["rng"])
+    if state["cuda_rng"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda_rng"])
+    print(f"resuming the pretraining at step {state['run']['step']} from {path}", flush=True)
+    return state["run"]
+
+
 def pretrain_llama(config, tok, train, valid, out, *, steps: int, minutes: float, batch: int, seq_len: int, lr: float,
-                   warmup: int, eval_every: int, device: str | None = None, seed: int = 0, weight_decay: float = 0.1):
-    """Pretrain a LlamaForCausalLM of `config` from scratch on random windows of the token stream `train`
-    (AdamW, warm-up then cosine to a tenth of `lr`, bf16 autocast on GPU, fp32 weights), until `steps` or
-    `minutes`, whichever comes first (the schedule follows the nearer); keeps the weights with the best loss
-    on `valid` (consecutive windows) and saves them, a generation config and the tokenizer to `out`.
-    Returns the figures: parameters, steps, tokens, seconds, best validation loss and the validation curve."""
+                   warmup: int, eval_every: int, device: str | None = None, seed: int = 0, weight_decay: float = 0.1,
+                   state_path=None, save_every: int = 0, stop_after: int | None = None):
+    """Pretrain a LlamaForCausalLM of `config` from scratch on the token stream `train` read in epochs of shuffled
+    windows (EpochWindows; AdamW, warm-up then cosine to a tenth of `lr`, bf16 autocast on GPU, fp32 weights), until
+    `steps` or `minutes`, whichever comes first (the schedule follows the nearer); keeps the weights with the best
+    loss on `valid` (consecutive windows) and saves them, a generation config and the tokenizer to `out`.
+    With `state_path`, the run's state is saved there every `save_every` steps (0: never) and a call with the same
+    arguments resumes from it, with the same result as a run without the interruption (on the CPU bit for bit, while
+    the steps bound the schedule: seconds add up over the calls); the file is removed once `out` is written.
+    `stop_after`: steps of this call after which it saves the state and returns None (time-limited machines).
+    Returns the figures: parameters, steps, tokens, epochs, seconds, best validation loss and the validation curve."""
     import torch
     from transformers import GenerationConfig, LlamaForCausalLM
+    if stop_after is not None and state_path is None:
+        raise ValueError("stop_after needs a state_path to save the state into")
     torch.manual_seed(seed)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.startswith("cuda")
@@ -188,7 +269,13 @@ def pretrain_llama(config, tok, train, valid, out, *, steps: int, minutes: float
     print(f"parameters: {parameters:,}")
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay,
                             fused=cuda or None)
-    gen = torch.Generator().manual_seed(seed)
+    windows = EpochWindows(train, seq_len, seed)
+    settings = {"config": {k: v for k, v in config.to_dict().items() if k != "transformers_version"}, "steps": steps,
+                "minutes": minutes, "batch": batch, "seq_len": seq_len, "lr": lr, "warmup": warmup, "seed": seed,
+                "eval_every": eval_every, "weight_decay": weight_decay, "tokens": [len(train), len(valid)]}
+    resume = state_path is not None and Path(state_path).is_file()
+    run = load_pretraining(state_path, settings, model, opt, windows) if resume else {
+        "step": 0, "seconds": 0.0, "best": float("inf"), "best_state": None, "curve": []}
     T = seq_len
     vx = valid[: len(valid) // T * T].view(-1, T)
 
@@ -204,44 +291,53 @@ def pretrain_llama(config, tok, train, valid, out, *, steps: int, minutes: float
         model.train()
         return tot / len(vx)
 
-    best, start, step, curve = float("inf"), time.time(), 0, []
+    start, first = time.time() - run["seconds"], run["step"]
     while True:
-        frac = max(step / steps, (time.time() - start) / (60 * minutes))
+        step, run["seconds"] = run["step"], time.time() - start
+        frac = max(step / steps, run["seconds"] / (60 * minutes))
         if step % eval_every == 0 or frac >= 1:
             loss = evaluate()
-            curve.append({"step": step, "tokens": step * batch * T, "seconds": round(time.time() - start, 1),
-                          "valid_loss": loss})
-            if loss < best:
-                best, state = loss, {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-            print(f"step {step}  {step * batch * T:,} tokens  {time.time() - start:.0f}s  valid loss {loss:.3f}  "
-                  f"ppl {math.exp(loss):.2f}", flush=True)
+            run["curve"].append({"step": step, "tokens": step * batch * T, "seconds": round(run["seconds"], 1),
+                                 "valid_loss": loss})
+            if loss < run["best"]:
+                run["best"], run["best_state"] = loss, {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+            print(f"step {step}  {step * batch * T:,} tokens  epoch {windows.epochs:.2f}  {run['seconds']:.0f}s  "
+                  f"valid loss {loss:.3f}  ppl {math.exp(loss):.2f}", flush=True)
         if frac >= 1:
             break
         rate = lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         for g in opt.param_groups:
             g["lr"] = rate
-        ix = torch.randint(len(train) - T - 1, (batch,), generator=gen)
-        x = torch.stack([train[i:i + T] for i in ix])
+        x = windows.batch(batch)
         with torch.autocast("cuda", torch.bfloat16, enabled=cuda):
             loss = model(x, labels=x).loss  # transformers shifts the labels itself
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        step += 1
-    seconds = time.time() - start
-    model.load_state_dict(state)
+        run["step"] += 1
+        pause = stop_after is not None and run["step"] - first >= stop_after
+        if state_path is not None and (pause or save_every and run["step"] % save_every == 0):
+            run["seconds"] = time.time() - start
+            save_pretraining(state_path, settings, run, model, opt, windows)
+        if pause:
+            print(f"pretraining paused at step {run['step']} of {steps}: its state is in {state_path}", flush=True)
+            return None
+    step, seconds, best = run["step"], run["seconds"], run["best"]
+    model.load_state_dict(run["best_state"])
     out = Path(out)
     model.to(torch.float32).save_pretrained(out)
     # greedy: the same text at every call (pass do_sample=True to generate for variety)
     GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                      max_new_tokens=100).save_pretrained(out)
     tok.save_pretrained(out)
+    if state_path is not None:
+        Path(state_path).unlink(missing_ok=True)
     summary = (f"best validation loss {best:.3f} (perplexity {math.exp(best):.2f}) after {step} steps of "
-               f"{batch} x {T} tokens, {seconds:.0f} s on {device}")
+               f"{batch} x {T} tokens ({windows.epochs:.2f} epochs), {seconds:.0f} s on {device}")
     print(summary, "; saved to", out)
-    return {"parameters": parameters, "steps": step, "tokens": step * batch * T, "seconds": round(seconds, 1),
-            "best_valid_loss": best, "curve": curve, "summary": summary}
+    return {"parameters": parameters, "steps": step, "tokens": step * batch * T, "epochs": round(windows.epochs, 4),
+            "seconds": round(seconds, 1), "best_valid_loss": best, "curve": run["curve"], "summary": summary}
 
 
 if __name__ == "__main__":

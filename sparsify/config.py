@@ -109,6 +109,16 @@ class TrainConfig:
         "||h_source||^2 (each layer's output, summed over the positions): a signal at every layer, where --distill "
         "fits the output distributions only (docs/quality.md measures both); the source as for --distill. 0: off."),
         metavar="WEIGHT")
+    calibrate_steps: int = _setting(0, (
+        "Before training, fit each layer's ReLU MLP alone to the source's MLP (their inputs and outputs on the first "
+        "--calibrate-tokens of the training text) by this many Adam steps, so that training starts near the source "
+        "instead of recovering from the swap. 0: off. The swap is then done when training starts: --swap-steps 0."),
+        metavar="STEPS")
+    calibrate_tokens: int = _setting(65536, (
+        "Tokens whose MLP inputs and outputs calibration fits: the first blocks of the training text, trained on "
+        "again."))
+    calibrate_lr: float | None = _setting(None, "Peak learning rate of calibration (Adam, cosine to 0).",
+                                          unset="--lr")
     save_every_minutes: float = _setting(30.0, (
         "Also save the training state to OUT.resume/ when this many minutes have passed since the start or the "
         "last save (0: off), so that a crash or a killed job loses at most that much."), metavar="MINUTES")
@@ -170,11 +180,12 @@ class TrainConfig:
             bad(f"l1 must be between 0 and {MAX_L1} (the paper uses 2e-5; or use l1_relative), got {self.l1}")
         if self.steps is None and self.tokens is None:
             bad("set the training length: --steps or --tokens (or a recipe that sets them)")
-        for name in ("steps", "tokens", "seq_len", "batch_size", "grad_accum", "log_every", "dead_window_tokens", "eval_tokens", "hybrid_max_nnz"):
+        for name in ("steps", "tokens", "seq_len", "batch_size", "grad_accum", "log_every", "dead_window_tokens", "eval_tokens", "hybrid_max_nnz",
+                     "calibrate_tokens"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 bad(f"{name.replace('_', '-')} must be a positive integer, got {value}")
-        for name in ("warmup_steps", "shuffle_buffer", "save_every"):
+        for name in ("warmup_steps", "shuffle_buffer", "save_every", "calibrate_steps"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 bad(f"{name.replace('_', '-')} must be an integer >= 0, got {getattr(self, name)}")
         for name in SHARE_OF_STEPS:
@@ -186,6 +197,11 @@ class TrainConfig:
             bad(f"lr must be in (0, 1], got {self.lr}")
         if self.mlp_lr is not None and not 0 < self.mlp_lr <= 1:
             bad(f"mlp-lr must be in (0, 1], got {self.mlp_lr}")
+        if self.calibrate_lr is not None and not 0 < self.calibrate_lr <= 1:
+            bad(f"calibrate-lr must be in (0, 1], got {self.calibrate_lr}")
+        if self.calibrate_steps and (_percent(self.swap_steps) if isinstance(self.swap_steps, str) else self.swap_steps):
+            bad(f"calibrate-steps fits the ReLU MLPs before training, so the swap is done when training starts: set "
+                f"--swap-steps 0 (it is {self.swap_steps})")
         if not 0 < self.hybrid_hot_rate <= 1:
             bad(f"hybrid-hot-rate must be in (0, 1], got {self.hybrid_hot_rate}")
         if not 0 <= self.hybrid_below < math.inf:
@@ -208,6 +224,8 @@ class TrainConfig:
             bad(f"seq-len {self.seq_len} is beyond the model's maximum of {max_positions} positions")
         if world is not None:
             self.check_swap(world)
+            if self.calibrate_steps and world > 1:
+                bad(f"calibrate-steps runs on one process, not {world}: calibrate in a single-process run")
 
     @property
     def uses_teacher(self) -> bool:

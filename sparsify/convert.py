@@ -1,7 +1,7 @@
 """`sparsify convert`: the whole pipeline, one call per stage.
 
 check OUT (fail fast) -> load -> perplexity of the original -> relufy -> perplexity after the swap ->
-train (L1; each layer on the hybrid kernels or dense by its activity; with `distill`, fitted to a frozen copy
+calibrate (--calibrate-steps: each ReLU MLP fitted to the source's) -> train (L1; each layer on the hybrid kernels or dense by its activity; with `distill`, fitted to a frozen copy
 of the source model's next-token distributions) -> measure on held-out text
 (perplexity after training) -> plan -> export (+ training log JSON and sparsity PNG) -> optional push.
 Weights are trained in fp32 (AdamW updates of ~lr are below bf16's resolution; bf16 autocast on GPU
@@ -31,6 +31,7 @@ import torch
 from accelerate import PartialState
 from transformers.utils.hub import convert_file_size_to_int
 
+from .calibrate import CalibrationResult, calibrate, calibration_blocks
 from .card import is_hub_id, public_name, source_license
 from .config import RunOptions, TrainConfig
 from .data import TextData, resolve as resolve_data
@@ -148,11 +149,12 @@ def convert(source: str, config: TrainConfig, options: RunOptions, fit_seq_len: 
     if main:
         _report_held_out(text, shown, _run_tokens(config, launch.num_processes))
     perplexities = _Perplexities(text, config.batch_size, shown)
-    result, mlps = _train(loaded.model, text, config, options, checked, perplexities)
+    result, mlps, calibration = _train(loaded.model, text, config, options, checked, perplexities)
     # A failure from here on keeps the trained weights (where it came while writing, in the export's dtype: what
     # the checkpoint holds anyway); --resume goes straight to measuring them.
     try:
-        summary = _measure_and_write(result, mlps, loaded, perplexities, config, options, checked, measure_kernels)
+        summary = _measure_and_write(result, mlps, calibration, loaded, perplexities, config, options, checked,
+                                     measure_kernels)
     except (Exception, KeyboardInterrupt):
         try:
             result.save()
@@ -271,7 +273,12 @@ class _Perplexities:
         self.text, self.batch_size, self.shown, self.values = text, batch_size, shown, {}
         eval_tokens = sum(block.numel() for block in text.eval_blocks)
         self.labels = [f"{what} ({eval_tokens:,} held-out tokens)" if shown else None for what in (
-            "perplexity of the source", "perplexity after the ReLU swap", "measuring the trained model")]
+            "perplexity of the source", "perplexity after the ReLU swap", "measuring the trained model",
+            "perplexity after calibration")]
+
+    def after_calibration(self, model) -> None:
+        self.values["after calibration"] = perplexity(model, self.text.eval_blocks, self.batch_size,
+                                                      label=self.labels[3])
 
     def of_source(self, model, sharded: bool = False) -> None:
         """The source's perplexity (its original MLPs) and after the swap, of a relufied `model`."""
@@ -289,16 +296,24 @@ def _compute_dtype(device: str | None) -> torch.dtype:
 
 def _train(model, text: TextData, config: TrainConfig, options: RunOptions, checked: _Checked,
            perplexities: _Perplexities):
-    """Relufies `model` and trains it on `text` (train.train's result, and the model's ReluGatedMLPs), the
-    source's perplexities measured after the swap: here, or under FSDP on the sharded model before the first
-    step; the log's figures go to the trackers of --report-to. Running out of GPU memory is a ConfigError naming
-    what lowers it."""
+    """Relufies `model`, calibrates its MLPs (--calibrate-steps, unless resuming: the saved state holds them) and
+    trains it on `text`; returns train.train's result, the model's ReluGatedMLPs and the CalibrationResult (None
+    without). The source's perplexities are measured after the swap: here, or under FSDP on the sharded model
+    before the first step; the log's figures go to the trackers of --report-to. Running out of GPU memory is a
+    ConfigError naming what lowers it."""
     # the distillation teacher: the source model as loaded, frozen; under FSDP (loaded into CPU memory) whole
     # on every process, train broadcasting the main process's weights
     teacher = copy.deepcopy(model).to(_compute_dtype(options.device)) if config.uses_teacher else None
     mlps = relufy(model)
     if not checked.fsdp:
         perplexities.of_source(model)
+    calibration = None
+    if config.calibrate_steps and checked.saved is None:
+        blocks = calibration_blocks(text.train_batches(config.batch_size, shuffle_buffer=config.shuffle_buffer,
+                                                       seed=config.seed), config.calibrate_tokens)
+        calibration = calibrate(model, mlps, blocks, config.calibrate_steps, config.calibrate_lr or config.lr,
+                                config.seed, perplexities.shown)
+        perplexities.after_calibration(model)
     try:
         result = train(
             model, mlps, lambda start, rank, world: text.train_batches(
@@ -313,11 +328,12 @@ def _train(model, text: TextData, config: TrainConfig, options: RunOptions, chec
             f"--batch-size (raise --grad-accum to keep the step's tokens), add --grad-checkpointing"
             + (", or --distill 0 and --distill-hidden 0 (the teacher's copy)" if config.uses_teacher else "")
             + ("" if checked.fsdp else ", or shard over GPUs with recipes/accelerate/fsdp.yaml")) from None
-    return result, mlps
+    return result, mlps, calibration
 
 
-def _measure_and_write(result: TrainResult, mlps: list, loaded: _Source, perplexities: _Perplexities,
-                       config: TrainConfig, options: RunOptions, checked: _Checked, measure_kernels: bool) -> dict:
+def _measure_and_write(result: TrainResult, mlps: list, calibration: CalibrationResult | None, loaded: _Source,
+                       perplexities: _Perplexities, config: TrainConfig, options: RunOptions, checked: _Checked,
+                       measure_kernels: bool) -> dict:
     """Measures the trained model on the held-out text, plans its layers and (main process) exports it to OUT;
     returns the summary. Under FSDP the trained weights are gathered into the main process's CPU memory first
     (with `measure_kernels`, the layers' inputs captured on the way, as every process runs the forwards)."""
@@ -337,6 +353,8 @@ def _measure_and_write(result: TrainResult, mlps: list, loaded: _Source, perplex
     plan = plan_model(model, spec, stats, text.eval_blocks, measure_kernels=measure_kernels and main,
                       device=options.device, mlp_inputs=captured)
     training = _training_record(loaded.origin, options, config, result, stats["tokens"], ppl)
+    if calibration is not None:
+        training["calibration"] = calibration.record()
     summary = {"perplexity": ppl, "layers": stats["layers"], "plan": plan, "training": training,
                "log": result.log, "hybrid_share": hybrid_share(result.log)}
     if main:

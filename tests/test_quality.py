@@ -1,12 +1,17 @@
 """The conversion-quality pipeline (benchmarks/quality/convert_quality.py) end to end at toy size on the CPU:
 corpus, tokenizer, pretraining, two conversions (without and with distillation) through the real CLI,
-the continued-training control, a progressive-swap run given by --runs, report and plot. Its figures at toy size mean nothing; the test keeps the script from rotting and checks
-what the report must hold."""
+the continued-training control, the held-out metrics, progressive-swap runs given by --runs at two budget shares,
+report and plots; and its stages on their own: the pretraining's resume, the metrics on two kinds of text. Its
+figures at toy size mean nothing; the tests keep the script from rotting and check what the report must hold."""
 import json
+import math
+from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
-from helpers import load_benchmark
+from helpers import load_benchmark, tiny_config, tiny_model, tiny_tokenizer
 
 
 def load_script():
@@ -15,8 +20,8 @@ def load_script():
 
 def test_held_out_split_is_disjoint_and_independent_of_order():
     quality = load_script()
-    keys = [key for key, _ in quality.source_files(packages=False)]
-    held = [quality.held_out(key, 0.1) for key in keys]
+    keys = [key for key, _ in quality.corpus.source_files(packages=False)]
+    held = [quality.corpus.held_out(key, 0.1) for key in keys]
     # the reading order sorts by one hash; the split uses another, so both splits appear early in the order
     assert 0.03 < sum(held) / len(held) < 0.2
     assert 0 < sum(held[:200]) < 200
@@ -48,6 +53,23 @@ def test_toy_pipeline_end_to_end(tmp_path):
                                                    / control["cross_entropy"]["after training"] - 1)
     # every conversion starts from the same pretrained model, measured on the same held-out blocks
     assert len({c["cross_entropy"]["original"] for c in result["conversions"]}) == 1
+    # one budget share: the names, stage files and report layout of a single share
+    assert result["convert_shares"] == [0.25] and [c["share"] for c in result["conversions"]] == [0.25, 0.25]
+    assert [c["name"] for c in result["conversions"]] == ["l1_7", "l1_7_distill_0.5"] and control["name"] == "control"
+    assert all((tmp_path / "work" / name).is_file() for name in ("convert_l1_7.json", "control.json", "metrics_base.json"))
+    assert not report.with_name("quality_budget.png").exists()
+    # every model measured on the same held-out blocks; converted checkpoints and the control load as plain models
+    units = result["pretraining"]["config"]["intermediate_size"]
+    original = result["original"]["metrics"]
+    assert not {"greedy", "generations", "prompts"} & set(original)
+    for entry in (original, control["metrics"], *(c["metrics"] for c in result["conversions"])):
+        assert 0 <= entry["accuracy"] <= 1 and math.isfinite(entry["cross_entropy"]) and entry["tokens"] == original["tokens"]
+        assert entry["by_kind"] and all(0 <= k["accuracy"] <= 1 and k["tokens"] > 0 for k in entry["by_kind"].values())
+    for c in (control, *result["conversions"]):
+        assert 0 <= c["metrics"]["greedy"]["agreement"] <= 1 and c["metrics"]["greedy"]["prompts"] > 0
+        assert 0 <= c["metrics"]["greedy"]["common_prefix"] <= c["metrics"]["greedy"]["new_tokens"]
+    for c in result["conversions"]:  # the toy does not reach 99% sparse
+        assert c["first_sparse"] == quality.runs.first_sparse(c["log"], units) is None
     # a finished stage is not redone: the second call reads the stage results back
     before = (tmp_path / "work/pretrain.json").stat().st_mtime_ns
     again = quality.main(["--toy", "--work", str(tmp_path / "work")])
@@ -55,24 +77,137 @@ def test_toy_pipeline_end_to_end(tmp_path):
     assert again["conversions"] == result["conversions"]
 
 
-def test_runs_take_any_training_setting_and_run_side_by_side(tmp_path):
+def test_budget_curve_runs_every_setting_and_the_control_at_every_share(tmp_path):
     quality = load_script()
-    work = tmp_path / "work"
-    result = quality.main(["--toy", "--work", str(work), "--runs", "l1=7,swap_steps=3", "l1=3.5,swap_steps=0",
-                            "--jobs", "2"])
-    swap, plain = result["conversions"]
-    assert swap["settings"] == {"l1": 7, "swap_steps": 3} and plain["settings"] == {"l1": 3.5, "swap_steps": 0}
-    assert [e["source_share"] for e in swap["log"][:2]] == pytest.approx([2 / 3, 0.0])  # steps 2 and 4
-    assert "source_share" not in plain["log"][0] and plain["l1_relative"] == 3.5
-    assert (work / "l1_7_swap_steps_3.log").read_text()  # with --jobs, each conversion's output in its log
+    work, report = tmp_path / "work", tmp_path / "budget.json"
+    result = quality.main(["--toy", "--work", str(work), "--json", str(report), "--runs", "l1=3.5,swap_steps=3",
+                           "--convert-share", "0.25", "0.1", "--jobs", "2", "--no-metrics"])
+    large, small = result["conversions"]
+    # a run's settings over the recipe's (swap 20%) and the toy's (L1 7)
+    assert large["settings"] == small["settings"] == {"l1": 3.5, "swap_steps": 3} and large["l1_relative"] == 3.5
+    assert [e["source_share"] for e in large["log"][:2]] == pytest.approx([2 / 3, 0.0])  # steps 2 and 4
+    # each share's run and control on their own tokens, in their own folders, stage files and logs
+    pretrained = result["pretraining"]["tokens"]
+    assert result["convert_shares"] == [0.25, 0.1]
+    assert result["convert_tokens"] == [int(0.25 * pretrained), int(0.1 * pretrained)]
+    assert [(c["share"], c["tokens"]) for c in result["conversions"]] == list(zip([0.25, 0.1], result["convert_tokens"]))
+    names = ["l1_3.5_swap_steps_3_share0.25", "l1_3.5_swap_steps_3_share0.1"]
+    assert [c["name"] for c in result["conversions"]] == names
+    assert [c["name"] for c in result["control"]] == ["control_share0.25", "control_share0.1"]
+    for name in names:
+        assert (work / name / "config.json").is_file() and (work / f"convert_{name}.json").is_file()
+        assert (work / f"{name}.log").read_text()  # with --jobs, each conversion's output in its log
+    controls = result["control"]
+    assert [(c["share"], c["tokens"]) for c in controls] == [(0.25, large["tokens"]), (0.1, small["tokens"])]
+    assert (work / "control_share0.25.json").is_file() and (work / "control_share0.1.json").is_file()
+    for c, control in zip(result["conversions"], controls):
+        assert c["ce_vs_control"] == pytest.approx(c["cross_entropy"]["after training"]
+                                                   / control["cross_entropy"]["after training"] - 1)
+        assert "metrics" not in c and "first_sparse" in c
+    assert result["original"] is None and not list(work.glob("metrics_*"))  # --no-metrics
+    assert report.with_name("budget_budget.png").stat().st_size > 10_000
+
+
+def test_first_sparse_is_the_first_log_entry_at_99_percent():
+    quality = load_script()
+    log = [{"step": 10, "tokens": 100, "mean_active": 5.0}, {"step": 20, "tokens": 200, "mean_active": 1.0},
+           {"step": 30, "tokens": 300, "mean_active": 0.5}]
+    assert quality.runs.first_sparse(log, 100) == {"step": 20, "tokens": 200}
+    assert quality.runs.first_sparse(log, 40) is None
+
+
+def test_metrics_split_by_kind_and_the_original_agrees_with_itself(tmp_path):
+    quality = load_script()
+    metrics = quality.metrics
+    for name, seed in (("base", 0), ("other", 1)):
+        model, tok = tiny_model("llama", seed=seed)
+        model.save_pretrained(tmp_path / name)
+    code, prose = Path(json.__file__).read_text(), (Path(__file__).parents[1] / "docs/quality.md").read_text()
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus/valid.jsonl").write_text("".join(json.dumps({"text": text[:3000], "kind": kind}) + "\n"
+                                                         for text, kind in ((code, "code"), (prose, "prose"))))
+    blocks = metrics.heldout_blocks(tok, tmp_path / "corpus", 64, 1024)
+    assert {kind: tuple(b.shape) for kind, b in blocks.items()} == {"code": (16, 64), "prose": (16, 64)}
+    prompts = metrics.greedy_prompts(blocks)  # fewer blocks than prompts: one from each
+    assert prompts.shape == (32, metrics.PROMPT_TOKENS)
+    original = metrics.measure(tmp_path / "base", blocks, prompts, None, 32, "cpu")
+    again = metrics.measure(tmp_path / "base", blocks, prompts, original["generations"], 32, "cpu")
+    other = metrics.measure(tmp_path / "other", blocks, prompts, original["generations"], 32, "cpu")
+    assert again["greedy"]["agreement"] == 1 and again["greedy"]["common_prefix"] == metrics.NEW_TOKENS
+    assert other["greedy"]["agreement"] < 1 and other["greedy"]["common_prefix"] < metrics.NEW_TOKENS
+    model.eval()  # the "other" model: its figures by a plain forward pass
+    with torch.no_grad():
+        for kind, b in blocks.items():
+            assert other["by_kind"][kind]["cross_entropy"] == pytest.approx(model(b, labels=b).loss.item(), rel=1e-5)
+            predicted = model(b).logits[:, :-1].argmax(-1)
+            assert other["by_kind"][kind]["accuracy"] == pytest.approx((predicted == b[:, 1:]).float().mean().item())
+            assert other["by_kind"][kind]["tokens"] == 16 * 63
+    assert other["cross_entropy"] == pytest.approx(sum(k["cross_entropy"] for k in other["by_kind"].values()) / 2)
+
+
+def test_a_corpus_without_document_kinds_fails_with_a_clear_message(tmp_path):
+    quality = load_script()
+    (tmp_path / "valid.jsonl").write_text(json.dumps({"text": "print(1)"}) + "\n")
+    with pytest.raises(SystemExit, match="records no document kind .* or pass --no-metrics"):
+        quality.corpus.read_documents(tmp_path / "valid.jsonl")
+
+
+def test_pretraining_reads_epochs_and_resumes_bit_for_bit(tmp_path, monkeypatch):
+    make_demo = load_script().pretrain.make_demo
+    config = tiny_config("llama", max_position_embeddings=16, tie_word_embeddings=True)
+    generator = torch.Generator().manual_seed(0)
+    train, valid = torch.randint(256, (16 * 20,), generator=generator), torch.randint(256, (64,), generator=generator)
+    run = dict(steps=12, minutes=60, batch=4, seq_len=16, lr=1e-3, warmup=2, eval_every=5, device="cpu", seed=0)
+    whole = make_demo.pretrain_llama(config, tiny_tokenizer(), train, valid, tmp_path / "whole", **run)
+    assert 2 < whole["epochs"] < 3  # 48 windows of the stream's 19 or 20 a epoch
+
+    save = make_demo.save_pretraining
+    def killed_after_the_save_at_step_8(path, settings, state, *rest):
+        save(path, settings, state, *rest)
+        if state["step"] == 8:
+            raise KeyboardInterrupt
+    monkeypatch.setattr(make_demo, "save_pretraining", killed_after_the_save_at_step_8)
+    state = tmp_path / "state.pt"
+    with pytest.raises(KeyboardInterrupt):
+        make_demo.pretrain_llama(config, tiny_tokenizer(), train, valid, tmp_path / "resumed", state_path=state,
+                                 save_every=4, **run)
+    monkeypatch.undo()
+    with pytest.raises(SystemExit, match="other settings \\(differing in lr\\)"):
+        make_demo.pretrain_llama(config, tiny_tokenizer(), train, valid, tmp_path / "resumed", state_path=state,
+                                 **{**run, "lr": 2e-3})
+    resumed = make_demo.pretrain_llama(config, tiny_tokenizer(), train, valid, tmp_path / "resumed", state_path=state,
+                                       save_every=4, **run)
+    assert not state.exists()
+    assert [e["valid_loss"] for e in resumed["curve"]] == [e["valid_loss"] for e in whole["curve"]]
+    assert (resumed["steps"], resumed["epochs"]) == (whole["steps"], whole["epochs"])
+    weights, again = load_file(tmp_path / "whole/model.safetensors"), load_file(tmp_path / "resumed/model.safetensors")
+    assert weights.keys() == again.keys() and all(torch.equal(weights[k], again[k]) for k in weights)
+
+
+def test_pipeline_pretraining_stops_and_resumes_to_the_same_base(tmp_path):
+    quality = load_script()
+    whole = quality.prepare(quality.arguments(["--toy", "--work", str(tmp_path / "whole")]))[1]
+    paused = quality.arguments(["--toy", "--work", str(tmp_path / "paused"), "--pretrain-stop-after", "7"])
+    with pytest.raises(quality.pretrain.PretrainingPaused):
+        quality.prepare(paused)
+    assert (tmp_path / "paused/pretrain_state.pt").is_file() and not (tmp_path / "paused/pretrain.json").exists()
+    with pytest.raises(SystemExit) as stopped:  # the command line: its exit status says to run it again
+        quality.main(["--toy", "--work", str(tmp_path / "paused"), "--pretrain-stop-after", "6"])
+    assert stopped.value.code == quality.pretrain.PAUSED
+    resumed = quality.prepare(quality.arguments(["--toy", "--work", str(tmp_path / "paused")]))[1]
+    assert [e["valid_loss"] for e in resumed["curve"]] == [e["valid_loss"] for e in whole["curve"]]
+    assert resumed["epochs"] == whole["epochs"] > 0 and resumed["steps"] == whole["steps"] == 20
+    assert not any((tmp_path / "paused" / name).exists() for name in ("pretrain_state.pt", "pretrain_tokens.pt"))
+    weights, again = (load_file(tmp_path / f"{run}/base/model.safetensors") for run in ("whole", "paused"))
+    assert all(torch.equal(weights[k], again[k]) for k in weights)
 
 
 def test_plot_smooths_training_curves_and_keeps_the_trade_off_within_the_data():
     quality = load_script()
     noisy = [2.0 + (0.5 if i % 2 else -0.5) for i in range(40)]  # per-batch noise around 2
-    curve = quality.smoothed(noisy)  # trailing means over 4 entries
+    curve = quality.plots.smoothed(noisy)  # trailing means over 4 entries
     assert curve[0] == noisy[0] and all(abs(value - 2.0) < 1e-9 for value in curve[3::2])
     assert max(curve[3:]) - min(curve[3:]) < 0.3 < max(noisy) - min(noisy)
-    assert quality.data_limits([99.1], top=100) == pytest.approx((98.85, 99.35))  # one point: around it
-    low, high = quality.data_limits([97.0, 99.9], top=100)
+    assert quality.plots.data_limits([99.1], top=100) == pytest.approx((98.85, 99.35))  # one point: around it
+    low, high = quality.plots.data_limits([97.0, 99.9], top=100)
     assert low == pytest.approx(96.71) and high == 100  # never past 100% sparsity

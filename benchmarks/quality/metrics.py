@@ -1,0 +1,119 @@
+"""Held-out measurements beyond the conversions' own cross-entropy, the same for every model of a run.
+
+Each model (the original, the control, every converted checkpoint) is loaded as the plain dense model its
+config.json describes, without remote code (a converted checkpoint keeps the standard weight layout: a dense
+ReLU Llama), in bf16 on a GPU, and measured on the same held-out blocks of each kind of document (code, prose):
+next-token cross-entropy and top-1 accuracy. Greedy agreement with the original: from the same held-out prompts
+each model continues greedily, and the share of its tokens equal to the original's at the same position and the
+mean length of the prefix they share are reported.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from corpus import read_documents
+from pretrain import make_demo
+
+PROMPTS, PROMPT_TOKENS, NEW_TOKENS = 64, 32, 32
+
+
+def heldout_blocks(tok, corpus: Path, seq_len: int, tokens: int) -> dict:
+    """{kind: [blocks, seq_len] token ids}: the held-out documents of each kind as one stream cut into blocks, at
+    most `tokens` of it; kinds with less than one block are left out."""
+    blocks = {}
+    for kind, texts in read_documents(corpus / "valid.jsonl").items():
+        stream = make_demo.token_ids(tok, texts)[:tokens]
+        if len(stream) >= seq_len:
+            blocks[kind] = stream[: len(stream) // seq_len * seq_len].view(-1, seq_len)
+    if not blocks:
+        raise SystemExit(f"{corpus / 'valid.jsonl'}: no kind of held-out document fills a block of {seq_len} tokens")
+    return blocks
+
+
+def greedy_prompts(blocks: dict):
+    """[PROMPTS, PROMPT_TOKENS]: the first tokens of held-out blocks evenly spaced over all kinds' (fewer where
+    there are fewer blocks)."""
+    import torch
+
+    starts = torch.cat([b[:, :PROMPT_TOKENS] for b in blocks.values()])
+    return starts[torch.linspace(0, len(starts) - 1, min(PROMPTS, len(starts))).round().long().unique()]
+
+
+def load(path: Path, device: str):
+    """The model of `path` as transformers' own class for its config (no remote code), bf16 on a GPU."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    if not type(model).__module__.startswith("transformers.models."):
+        raise SystemExit(f"{path}: loaded as {type(model).__module__}.{type(model).__name__}, not a transformers model")
+    return model
+
+
+def scores(model, blocks, batch: int, device: str) -> dict:
+    """{"cross_entropy", "accuracy", "tokens"} of next-token prediction over `blocks` (each block's own tokens)."""
+    import torch
+    import torch.nn.functional as F
+
+    total = correct = count = 0
+    for i in range(0, len(blocks), batch):
+        x = blocks[i:i + batch].to(device)
+        logits, targets = model(x).logits[:, :-1].float(), x[:, 1:]
+        total += F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum").item()
+        correct += (logits.argmax(-1) == targets).sum().item()
+        count += targets.numel()
+    return {"cross_entropy": total / count, "accuracy": correct / count, "tokens": count}
+
+
+def greedy(model, prompts, batch: int, device: str):
+    """[prompts, NEW_TOKENS]: each prompt's greedy continuation (the argmax at each step, no end of text), each step
+    a whole forward pass over the prompt and the tokens so far (no cache: short, and the same on any version)."""
+    import torch
+
+    out = []
+    for i in range(0, len(prompts), batch):
+        x = prompts[i:i + batch].to(device)
+        for _ in range(NEW_TOKENS):
+            x = torch.cat([x, model(x).logits[:, -1:].argmax(-1)], dim=1)
+        out.append(x[:, -NEW_TOKENS:].cpu())
+    return torch.cat(out)
+
+
+def agreement(tokens, reference) -> dict:
+    """Greedy agreement of `tokens` with `reference` ([prompts, NEW_TOKENS] each): the share of equal tokens at the
+    same position, and the mean length of the prefix they share."""
+    same = tokens == reference
+    return {"agreement": same.float().mean().item(), "common_prefix": same.int().cumprod(dim=1).sum(dim=1).float().mean().item(),
+            "prompts": len(tokens), "prompt_tokens": PROMPT_TOKENS, "new_tokens": NEW_TOKENS}
+
+
+def measure(path: Path, blocks: dict, prompts, reference, batch: int, device: str) -> dict:
+    """The metrics of the model in `path`: per kind and over all held-out blocks, and greedy agreement with
+    `reference` (the original's continuations; None: this is the original, whose continuations and prompts are
+    returned under "generations" and "prompts" instead)."""
+    import torch
+
+    model = load(path, device)
+    with torch.no_grad():
+        kinds = {kind: scores(model, b, batch, device) for kind, b in blocks.items()}
+        generated = greedy(model, prompts, batch, device)
+    count = sum(k["tokens"] for k in kinds.values())
+    result = {"cross_entropy": sum(k["cross_entropy"] * k["tokens"] for k in kinds.values()) / count,
+              "accuracy": sum(k["accuracy"] * k["tokens"] for k in kinds.values()) / count, "tokens": count,
+              "by_kind": kinds}
+    if reference is None:
+        result.update(prompts=prompts.tolist(), generations=generated.tolist())
+    else:
+        result["greedy"] = agreement(generated, torch.tensor(reference))
+    return result
+
+
+def metrics_line(metrics: dict) -> str:
+    kinds = "  ".join(f"{kind} CE {k['cross_entropy']:.4f} acc {100 * k['accuracy']:.2f}%"
+                      for kind, k in metrics["by_kind"].items())
+    line = f"held-out top-1 {100 * metrics['accuracy']:.2f}%  CE {metrics['cross_entropy']:.4f}  {kinds}"
+    if "greedy" in metrics:
+        line += (f"  greedy agreement {100 * metrics['greedy']['agreement']:.1f}%, common prefix "
+                 f"{metrics['greedy']['common_prefix']:.1f} of {NEW_TOKENS}")
+    return line

@@ -1,0 +1,132 @@
+"""The quality report's plots: the training curves and the sparsity / cross-entropy trade-off (`plot`), and with
+several budget shares the budget curve (`budget_plot`): each setting's held-out cross-entropy cost against the
+original at the end of its run, over the share of the pretraining tokens it was given, its sparsity written beside
+each point, the control's cost beside them.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from runs import SPARSE, run_label
+
+SMOOTHING = 0.1  # training curves are means over a trailing window of this share of the run's log entries
+
+
+def smoothed(values: list[float], share: float = SMOOTHING) -> list[float]:
+    """Trailing means of `values` over a window of `share` of them (each point: the mean of the last ones up to
+    it), so that a training curve shows its trend rather than each logged batch's noise."""
+    window = max(1, round(share * len(values)))
+    return [sum(values[max(0, i + 1 - window):i + 1]) / (i + 1 - max(0, i + 1 - window)) for i in range(len(values))]
+
+
+def data_limits(values: list[float], top: float | None = None) -> tuple[float, float]:
+    """Axis limits around `values` (a tenth of their spread, at least 0.25, beyond each end), at most `top`."""
+    pad = max(0.25, 0.1 * (max(values) - min(values)))
+    high = max(values) + pad
+    return min(values) - pad, high if top is None else min(top, high)
+
+
+def controls(result: dict) -> list[dict]:
+    """The report's control runs: none, the one (one budget share) or one a share (several)."""
+    control = result.get("control")
+    return [] if not control else control if isinstance(control, list) else [control]
+
+
+def pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot(result: dict, path: Path) -> None:
+    """Three panels: training cross-entropy (smoothed) with the held-out points (the original at the start, each
+    converted model and the control at their end), active units per token (smoothed, the held-out measurement at
+    the end), and the held-out sparsity / cross-entropy trade-off, its axes around the runs' points."""
+    plt = pyplot()
+    runs, shares = result["conversions"], len(result["convert_shares"]) > 1
+    units = result["pretraining"]["config"]["intermediate_size"]
+    fig, (ce, active, trade) = plt.subplots(1, 3, figsize=(16, 4.5))
+    original = runs[0]["cross_entropy"]["original"]
+    for index, run in enumerate(runs):
+        tokens = [e["tokens"] / 1e6 for e in run["log"]]
+        line, = ce.plot(tokens, smoothed([e["cross_entropy"] for e in run["log"]]))  # runs named in the next panel
+        ce.plot(tokens[-1], run["cross_entropy"]["after training"], "o", color=line.get_color(),
+                label=None if index else "converted, held-out")
+        active.plot(tokens, smoothed([e["mean_active"] for e in run["log"]]), label=run_label(run, share=shares),
+                    color=line.get_color())
+        active.plot(tokens[-1], run["mean_active"], "o", color=line.get_color())
+    for index, control in enumerate(controls(result)):
+        tokens = [e["tokens"] / 1e6 for e in control["log"]]
+        ce.plot(tokens, smoothed([e["cross_entropy"] for e in control["log"]]), color="black", linewidth=1,
+                label=None if index else "control: continued SiLU")
+        ce.plot(tokens[-1], control["cross_entropy"]["after training"], "s", color="black",
+                label=None if index else "control, held-out")
+    ce.plot(0, original, "D", color="black", label="original, held-out")
+    ce.axhline(original, color="black", linestyle="--", linewidth=1)
+    ce.axhline(original * 1.03, color="gray", linestyle=":", linewidth=1, label="original + 3%")
+    ce.set(xlabel="conversion tokens (M)", title="cross-entropy (nats)",
+           ylabel=f"lines: training, mean of the last {SMOOTHING:.0%} of the logs")
+    active.axhline((1 - SPARSE) * units, color="gray", linestyle=":", linewidth=1, label=f"{SPARSE:.0%} sparse")
+    active.set(xlabel="conversion tokens (M)", ylabel=f"mean active units per token (of {units})", yscale="log",
+               title="active units: training (lines), held-out (points)")
+    for axis in (ce, active):
+        axis.legend(fontsize=7)
+    curves = {}  # one curve per setting other than the L1 weight
+    for r in runs:
+        curves.setdefault(run_label(r, without=("l1",), share=shares) or "l1 only", []).append(r)
+    for label, curve in curves.items():
+        curve.sort(key=lambda r: r["sparsity"])
+        trade.plot([100 * r["sparsity"] for r in curve], [100 * r["ce_vs_original"] for r in curve], "o-",
+                   label=label)
+    trade.legend(fontsize=7)
+    for r in runs:
+        trade.annotate(f"l1 {r['l1_relative']:g}", (100 * r["sparsity"], 100 * r["ce_vs_original"]), fontsize=7,
+                       xytext=(4, 4), textcoords="offset points")
+    trade.axhline(3, color="gray", linestyle=":", linewidth=1)
+    trade.axvline(100 * SPARSE, color="gray", linestyle=":", linewidth=1)
+    trade.set(xlabel="held-out FFN sparsity (%)", ylabel="held-out CE vs original (%)", title="trade-off",
+              xlim=data_limits([100 * r["sparsity"] for r in runs], top=100),
+              ylim=data_limits([100 * r["ce_vs_original"] for r in runs]))
+    save(fig, result, path)
+
+
+def budget_plot(result: dict, path: Path) -> None:
+    """Held-out CE against the original at the end of each run over its budget share (log scale), one line per
+    setting, each point's sparsity beside it; the control's line in black."""
+    plt = pyplot()
+    fig, axis = plt.subplots(figsize=(7.5, 5))
+    curves = {}
+    for run in result["conversions"]:
+        curves.setdefault(run_label(run), []).append(run)
+    for label, curve in curves.items():
+        curve.sort(key=lambda r: r["share"])
+        axis.plot([r["share"] for r in curve], [100 * r["ce_vs_original"] for r in curve], "o-", label=label)
+        for r in curve:
+            axis.annotate(f"{100 * r['sparsity']:.1f}%", (r["share"], 100 * r["ce_vs_original"]), fontsize=7,
+                          xytext=(4, 4), textcoords="offset points")
+    runs = sorted(controls(result), key=lambda c: c["share"])
+    if runs:
+        axis.plot([c["share"] for c in runs], [100 * (c["cross_entropy"]["after training"]
+                                                     / c["cross_entropy"]["original"] - 1) for c in runs],
+                  "s-", color="black", linewidth=1, label="control: continued SiLU")
+    axis.axhline(0, color="black", linestyle="--", linewidth=1)
+    axis.axhline(3, color="gray", linestyle=":", linewidth=1, label="original + 3%")
+    shares = result["convert_shares"]
+    axis.set(xscale="log", xlabel="conversion tokens / pretraining tokens (below: conversion tokens)",
+             ylabel="held-out CE vs original (%)")
+    axis.set_title("cost at the end of each run; held-out FFN sparsity beside each point", fontsize=10)
+    axis.set_xticks(shares, [f"{s:g}\n{t / 1e6:.3g}M" for s, t in zip(shares, result["convert_tokens"])])
+    axis.minorticks_off()
+    axis.legend(fontsize=7)
+    save(fig, result, path)
+
+
+def save(fig, result: dict, path: Path) -> None:
+    fig.suptitle(f"{result['pretraining']['parameters'] / 1e6:.0f}M-parameter SiLU Llama -> sparse ReLU "
+                 f"({result['device']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)

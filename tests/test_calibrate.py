@@ -1,0 +1,87 @@
+"""Calibration (--calibrate-steps): each ReLU MLP fitted to the source's MLP on the source's own inputs, before
+training; the settings it refuses; through the command line, and skipped by a resumed run."""
+import json
+
+import pytest
+import torch
+
+from helpers import interrupt, on_read, tiny_input_ids, tiny_model
+from sparsify import convert as convert_module
+from sparsify import data as data_module
+from sparsify.calibrate import calibrate, calibration_blocks, source_rows
+from sparsify.config import TrainConfig
+from sparsify.errors import ConfigError
+from sparsify.relufy import relufy
+from test_cli import assert_user_error, convert, files  # noqa: F401  (files: the fixture)
+
+
+def test_source_rows_are_the_source_mlps_inputs_and_outputs():
+    model, _ = tiny_model("llama")
+    ids = tiny_input_ids(2, 16)
+    seen = {}
+    handle = model.model.layers[1].mlp.register_forward_hook(lambda m, a, o: seen.update(x=a[0], y=o))
+    with torch.no_grad():
+        model(ids)
+    handle.remove()
+    relufy(model)
+    x, y = source_rows(model, [ids], 1)
+    assert torch.equal(x, seen["x"].flatten(0, 1)) and torch.equal(y, seen["y"].flatten(0, 1))
+
+
+def test_calibration_fits_every_mlp_and_nothing_else():
+    model, _ = tiny_model("qwen3")
+    mlps = relufy(model)
+    before = {name: p.clone() for name, p in model.named_parameters()}
+    blocks = [tiny_input_ids(4, 32, seed=s) for s in range(2)]
+    result = calibrate(model, mlps, blocks, steps=40, lr=3e-3, shown=False)
+    assert result.tokens == 256 and len(result.layers) == len(mlps)
+    for fit in result.layers:
+        assert 0 < fit.after < 0.5 * fit.before, fit
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]) != (".mlp." in name), name  # MLP weights moved, the rest did not
+    assert [m.__class__.__name__ for m in relufy(model)] == ["ReluGatedMLP"] * len(mlps)  # still relufied
+
+
+def test_calibration_blocks_take_whole_batches_up_to_the_tokens():
+    batches = iter([torch.zeros(2, 8, dtype=torch.long)] * 10)
+    assert len(calibration_blocks(batches, 17)) == 2 and len(calibration_blocks(batches, 16)) == 1
+
+
+@pytest.mark.parametrize("settings,world,message", [
+    ({"swap_steps": "20%"}, None, "set --swap-steps 0 (it is 20%)"),
+    ({"swap_steps": 10}, None, "set --swap-steps 0 (it is 10)"),
+    ({"calibrate_steps": -1}, None, "calibrate-steps must be an integer >= 0"),
+    ({"calibrate_tokens": 0}, None, "calibrate-tokens must be a positive integer"),
+    ({"calibrate_lr": 2.0}, None, "calibrate-lr must be in (0, 1]"),
+    ({}, 2, "calibrate-steps runs on one process, not 2"),
+])
+def test_impossible_calibration_settings(settings, world, message):
+    config = TrainConfig.from_dict({"steps": 100, "calibrate_steps": 10, **settings})
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        config.validate(world=world)
+
+
+def test_convert_calibrates_and_records_it(files, tmp_path):
+    out = tmp_path / "out"
+    result = convert(files, "llama", out, "--calibrate-steps", 20, "--calibrate-tokens", 64, "--calibrate-lr", 3e-3)
+    assert result.exit_code == 0, result.output
+    training = json.loads((out / "training_log.json").read_text())["training"]
+    calibration = training["calibration"]
+    assert calibration["tokens"] == 64 and calibration["steps"] == 20 and calibration["lr"] == 3e-3
+    assert len(calibration["layers"]) == 2 and all(l["after"] < l["before"] for l in calibration["layers"])
+    ppl = training["perplexity"]
+    assert list(ppl) == ["original", "after swap", "after calibration", "after training"]
+    assert "after calibration" in result.output and "calibrated layer 2/2" in result.output
+
+
+def test_a_resumed_conversion_does_not_calibrate_again(files, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    real = data_module.TrainingBatches.__next__
+    monkeypatch.setattr(data_module.TrainingBatches, "__next__", on_read(real, 3, interrupt))
+    extra = ("--steps", 4, "--calibrate-steps", 5, "--calibrate-tokens", 64)
+    assert_user_error(convert(files, "llama", out, *extra), "interrupted at step")
+    monkeypatch.setattr(data_module.TrainingBatches, "__next__", real)
+    monkeypatch.setattr(convert_module, "calibrate", lambda *a, **k: pytest.fail("calibrated on resume"))
+    result = convert(files, "llama", out, *extra, "--resume")
+    assert result.exit_code == 0, result.output
+    assert "calibration" not in json.loads((out / "training_log.json").read_text())["training"]
