@@ -42,7 +42,9 @@ from twell.format import empty_twell, slots
 from twell.format import decode_rows
 from twell.batched import gate_config, gate_launch, out_launch
 from twell.decode import DECODE_TILE, HELD_ROWS, PART_BYTES, PART_STAGES, decode_out_config
+from twell.gated_mlp import LAUNCH_CACHE
 from twell.heavy import HEAVY_FEW_ROWS, heavy_launches
+from twell.paths import launch_path
 
 from inference_robustness import ROBUST_ACTIVE, ROBUST_KEY, ROBUST_TOKENS, robustness
 from synthetic_mlp import (HEAVY_K, HEAVY_TILE, LAYERS, dense, make_heavy, make_layer, make_x, per_layer_us, print_row,
@@ -105,8 +107,8 @@ def plan_launches(x, layers, tile=128, compression=8):
     do_bench's times at small token counts). The out launches start with the list pre-pass, which compacts
     the TwELL in place: out calls repeated without a gate call between them do the same work on reshuffled
     lists (fine for timing; their outputs mean nothing)."""
-    plan = sys.modules["twell.gated_mlp"]._Launches(x, layers[0]["gate"], layers[0]["up"], tile, compression,
-                                                    "default", None)
+    path = launch_path(x.shape[0], x.shape[1], layers[0]["gate"].shape[0])
+    plan = path.launches(x, layers[0]["gate"], layers[0]["up"], tile, compression, "default", None)
     bufs = {}
     for lw in layers:
         tw = (torch.empty(plan.twell_shape, dtype=plan.vals_dtype, device=x.device),
@@ -140,20 +142,18 @@ def launch_rules(**rules):
     """The kernel launch paths' module-level launch rules (gate_config, out_config, decode_rows, HELD_ROWS, ...)
     replaced inside the block, in every launch-path module that holds them, the cached launches dropped on the
     way in and out."""
-    # the modules; twell.gated_mlp is also the function
-    modules = [sys.modules[f"twell.{name}"] for name in ("gated_mlp", "batched", "decode", "heavy")]
+    modules = [sys.modules[f"twell.{name}"] for name in ("paths", "batched", "decode", "heavy")]
     saved = [(module, name, getattr(module, name)) for module in modules for name in rules if hasattr(module, name)]
     assert {name for _, name, _ in saved} == set(rules), "no launch path holds these rules"
     for module, name, _ in saved:
         setattr(module, name, rules[name])
-    cache = modules[0]._LAUNCH_CACHE
-    cache.clear()
+    LAUNCH_CACHE.clear()
     try:
         yield
     finally:
         for module, name, rule in saved:
             setattr(module, name, rule)
-        cache.clear()
+        LAUNCH_CACHE.clear()
 
 
 def write_json(path, result):

@@ -26,7 +26,9 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from twell import hybrid as H
+from twell.training import ell, hybrid_gated_mlp
+from twell.training import hot_units as busiest_units
+from twell.training.blocks import GPU_BLOCKS
 
 L1_COEFF = 2e-5
 
@@ -92,7 +94,7 @@ def graphed(step, grads):
 
 
 def bench_case(name, M, D, I, k, uneven_mean, E, hot=False):
-    """One block case; with `hot`, units that fire in more than twell.hybrid.HOT_RATE of the tokens (from
+    """One block case; with `hot`, units that fire in more than twell.training.HOT_RATE of the tokens (from
     a first forward's counts, as a training loop would take them from an earlier step) run as dense
     columns."""
     x32, gate32, up32, down32, dout32 = make_inputs(M, D, I, k, uneven_mean)
@@ -103,18 +105,18 @@ def bench_case(name, M, D, I, k, uneven_mean, E, hot=False):
     dout = dout32.to(bf)
     coef = torch.tensor(L1_COEFF, device="cuda")
     with torch.no_grad():
-        hot_units = H.hot_units(H.hybrid_gated_mlp(x, gate, up, down, max_nnz=E)[1].fired, M) if hot else None
+        hot_units = busiest_units(hybrid_gated_mlp(x, gate, up, down, max_nnz=E)[1].fired, M) if hot else None
 
     def dense_step(x=x, gate_up=gate_up, down=down):
         out, l1 = dense_block(x, gate_up, down, I)
         torch.autograd.backward([out, l1], [dout, coef])
 
     def hybrid_step(x=x, gate=gate, up=up, down=down):
-        out, st = H.hybrid_gated_mlp(x, gate, up, down, max_nnz=E, hot_units=hot_units)
+        out, st = hybrid_gated_mlp(x, gate, up, down, max_nnz=E, hot_units=hot_units)
         torch.autograd.backward([out, st.l1], [dout, coef])
 
     def hybrid_fwd():
-        return H.hybrid_gated_mlp(x, gate, up, down, max_nnz=E, hot_units=hot_units)
+        return hybrid_gated_mlp(x, gate, up, down, max_nnz=E, hot_units=hot_units)
 
     # correctness against fp32 (tf32 off), same inputs
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -125,7 +127,7 @@ def bench_case(name, M, D, I, k, uneven_mean, E, hot=False):
     del leaves32
     errs = {}
     for label, fn in (("dense_bf16", lambda: dense_block(x, gate_up, down, I)),
-                      ("hybrid", lambda: H.hybrid_gated_mlp(x, gate, up, down, max_nnz=E, hot_units=hot_units))):
+                      ("hybrid", lambda: hybrid_gated_mlp(x, gate, up, down, max_nnz=E, hot_units=hot_units))):
         for t in (x, gate, up, down, gate_up):
             t.grad = None
         out, l1 = fn()
@@ -178,40 +180,40 @@ def breakdown(M, D, I, k, uneven_mean, E):
     x, gate, up, down, dout = (t.to(bf) for t in make_inputs(M, D, I, k, uneven_mean))
     bench = lambda fn: do_bench(fn, warmup=25, rep=100, return_mode="median")  # noqa: E731
     pre = x @ gate.t()
-    idx, g, nnz, _, _ = H._pack(pre, E)
+    idx, g, nnz, _, _ = ell.pack_ell(pre, E)
     u = torch.empty(M, E, device="cuda")
     downT = down.t().contiguous()
     c = torch.full((1,), 1e-3, device="cuda")
-    H._sddmm(x, up, idx, nnz, g, u, backward=False)
-    dgp, du = H._sddmm(dout, downT, idx, nnz, g, u, backward=True, c=c)
-    csc = H._csc(idx, I, H.GPU_BLOCKS["SEG"])
+    ell.sddmm(x, up, idx, nnz, g, u, backward=False)
+    dgp, du = ell.sddmm(dout, downT, idx, nnz, g, u, backward=True, c=c)
+    csc = ell.build_csc(idx, I, GPU_BLOCKS["SEG"])
     variants = {}
 
     def variant(name, fn, **blocks):
-        saved = dict(H.GPU_BLOCKS)
-        H.GPU_BLOCKS.update(blocks)
+        saved = dict(GPU_BLOCKS)
+        GPU_BLOCKS.update(blocks)
         variants[name] = bench(fn)
-        H.GPU_BLOCKS.update(saved)
+        GPU_BLOCKS.update(saved)
 
     for bn, seg in ((4, 256), (8, 512)):
-        csc_v = H._csc(idx, I, seg)
-        variant(f"wgrad_gate_up_N{bn}_SEG{seg}", lambda: H._wgrad(csc_v, E, dgp, du, x, mode=H.A_AND_B),
+        csc_v = ell.build_csc(idx, I, seg)
+        variant(f"wgrad_gate_up_N{bn}_SEG{seg}", lambda: ell.wgrad(csc_v, E, dgp, du, x, mode=ell.A_AND_B),
                 BLOCK_N=bn, SEG=seg)
     o1, o2 = torch.empty_like(dgp), torch.empty_like(du)
     return dict(
         **variants,
         gate_matmul=bench(lambda: x @ gate.t()),
-        pack=bench(lambda: H._pack(pre, E)),
+        pack=bench(lambda: ell.pack_ell(pre, E)),
         transpose_down_torch=bench(lambda: down.t().contiguous()),
-        transpose_down=bench(lambda: H._transpose(down, bf)),
-        sddmm_fwd=bench(lambda: H._sddmm(x, up, idx, nnz, g, u, backward=False)),
-        spmm_fwd=bench(lambda: H._spmm(idx, nnz, g, downT, u, dtype=bf)),
-        sddmm_bwd=bench(lambda: H._sddmm(dout, downT, idx, nnz, g, u, backward=True, c=c)),
-        spmm_bwd_dx=bench(lambda: H._spmm(idx, nnz, dgp, gate, du, up, dtype=bf)),
-        csc_sort=bench(lambda: H._csc(idx, I, H.GPU_BLOCKS["SEG"])),
-        wgrad_gate_up=bench(lambda: H._wgrad(csc, E, dgp, du, x, mode=H.A_AND_B)),
-        wgrad_down=bench(lambda: H._wgrad(csc, E, g, u, dout, mode=H.A_TIMES_B)),
-        wgrad_down_fused_dh=bench(lambda: H._wgrad(csc, E, g, u, dout, mode=H.DH_GATED, w=downT, c=c, o1=o1, o2=o2)),
+        transpose_down=bench(lambda: ell.transpose(down, bf)),
+        sddmm_fwd=bench(lambda: ell.sddmm(x, up, idx, nnz, g, u, backward=False)),
+        spmm_fwd=bench(lambda: ell.spmm(idx, nnz, g, downT, u, dtype=bf)),
+        sddmm_bwd=bench(lambda: ell.sddmm(dout, downT, idx, nnz, g, u, backward=True, c=c)),
+        spmm_bwd_dx=bench(lambda: ell.spmm(idx, nnz, dgp, gate, du, up, dtype=bf)),
+        csc_sort=bench(lambda: ell.build_csc(idx, I, GPU_BLOCKS["SEG"])),
+        wgrad_gate_up=bench(lambda: ell.wgrad(csc, E, dgp, du, x, mode=ell.A_AND_B)),
+        wgrad_down=bench(lambda: ell.wgrad(csc, E, g, u, dout, mode=ell.A_TIMES_B)),
+        wgrad_down_fused_dh=bench(lambda: ell.wgrad(csc, E, g, u, dout, mode=ell.DH_GATED, w=downT, c=c, o1=o1, o2=o2)),
     )
 
 
@@ -229,7 +231,7 @@ def bias_channel_llama(cfg, k, mode, records):
     def forward(self, x):
         x = torch.cat([torch.ones_like(x[..., :1]), x[..., 1:]], -1)  # the bias channel
         if mode == "hybrid":
-            out, st = H.hybrid_gated_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+            out, st = hybrid_gated_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
             records.append((st.l1, st.active))
             return out
         h = torch.relu(F.linear(x, self.gate_proj.weight)) * F.linear(x, self.up_proj.weight)
@@ -317,7 +319,7 @@ def profile(M, D, I, k, E, steps=10):
     def step():
         for t in (x, gate, up, down):
             t.grad = None
-        out, st = H.hybrid_gated_mlp(x, gate, up, down, max_nnz=E)
+        out, st = hybrid_gated_mlp(x, gate, up, down, max_nnz=E)
         torch.autograd.backward([out, st.l1], [dout, coef])
 
     for _ in range(3):

@@ -63,10 +63,10 @@ def main():
     batched = [c for c in cases if c["M"] > decode_rows(c["D"], c["I"]) and "gate" in c and not np.isnan(c["gate"])]
 
     def dense(q, c):
-        return cost._roofline(6 * c["M"] * c["D"] * c["I"], 6 * c["D"] * c["I"], (q[0] * 1e12, q[1], q[2] * 1e12, q[3] * 1e-6), c["D"])
+        return cost.roofline(6 * c["M"] * c["D"] * c["I"], 6 * c["D"] * c["I"], (q[0] * 1e12, q[1], q[2] * 1e12, q[3] * 1e-6), c["D"])
 
     def gate(q, c):
-        return cost._roofline(2 * c["M"] * c["D"] * c["I"], 2 * c["D"] * c["I"], (q[0] * 1e12, q[1], q[2] * 1e12, q[3] * 1e-6), c["D"])
+        return cost.roofline(2 * c["M"] * c["D"] * c["I"], 2 * c["D"] * c["I"], (q[0] * 1e12, q[1], q[2] * 1e12, q[3] * 1e-6), c["D"])
 
     def out(q, c):
         h = max(0.0, 1 - cost.L2_BYTES / (4 * c["D"] * c["I"]))

@@ -1,5 +1,5 @@
 """GPU check of `sparsify convert`'s per-layer routing to the hybrid training kernels: the same short
-conversion twice from the same seed, once with the routing on (a layer trains on twell.hybrid while its
+conversion twice from the same seed, once with the routing on (a layer trains on twell.training while its
 mean active units per token are below --hybrid-below) and once dense only (hybrid_below = 0), on CUDA
 with bf16 autocast (what convert uses on a GPU). Both runs go through sparsify.convert.convert, so they
 load, relufy, train, measure and export exactly as the command does (the checkpoints go to a temporary

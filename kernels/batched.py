@@ -24,8 +24,7 @@ try:
     except ImportError:  # older Triton: pointer loads only
         TensorDescriptor = None
 
-    from .decode import _partial_rows, _tile_out, _up_columns, _up_whole_rows
-    from .format import pack_store
+    from .epilogues import pack_store, partial_rows, tile_out, up_columns, up_whole_rows
 except ImportError:  # CPU-only machines run the reference path
     triton = None
 
@@ -230,9 +229,9 @@ if triton is not None:
             a_ptrs += BK * stride_xk
             b_ptrs += BK * stride_wk
         if TILE_OUT:
-            _tile_out(acc, rows, cols, local, x_rows, pid_n, n_n, M, N, K, x_ptr, up_ptr, down_ptr, cnt_ptr,
-                      part_ptr, stride_xk, stride_un, stride_uk, TS, UC, UP_BK, UP_STAGES, DOT_PRECISION, H_FP32,
-                      ROWS_UC, ROWS_BK, PART_BD, PART_DOT, PART_STAGES, BK, UP_COMPACT_COLS)
+            tile_out(acc, rows, cols, local, x_rows, pid_n, n_n, M, N, K, x_ptr, up_ptr, down_ptr, cnt_ptr,
+                     part_ptr, stride_xk, stride_un, stride_uk, TS, UC, UP_BK, UP_STAGES, DOT_PRECISION, H_FP32,
+                     ROWS_UC, ROWS_BK, PART_BD, PART_DOT, PART_STAGES, BK, UP_COMPACT_COLS)
         else:
             vals = acc
             if FUSE_UP:
@@ -244,11 +243,11 @@ if triton is not None:
                 if UP_ROWS > 0:  # up to two rounds; the K loop below takes denser tiles in fewer latencies
                     whole_rows = n_on <= 2 * ROWS_UC
                 if whole_rows:
-                    u = _up_whole_rows(u, col_on, n_on, local, pid_m * BM, pid_n * TS, x_ptr, up_ptr, M, K,
-                                       stride_xm, stride_xk, stride_un, stride_uk, UP_ROWS, ROWS_UC, ROWS_BK)
+                    u = up_whole_rows(u, col_on, n_on, local, pid_m * BM, pid_n * TS, x_ptr, up_ptr, M, K,
+                                      stride_xm, stride_xk, stride_un, stride_uk, UP_ROWS, ROWS_UC, ROWS_BK)
                 elif n_on > 0:
-                    u = _up_columns(u, col_on, n_on, local, cols, pid_n * TS, N, K, x_rows, up_ptr, stride_xk,
-                                    stride_un, stride_uk, UC, UP_BK, UP_STAGES, BK, UP_COMPACT_COLS, DOT_PRECISION)
+                    u = up_columns(u, col_on, n_on, local, cols, pid_n * TS, N, K, x_rows, up_ptr, stride_xk,
+                                   stride_un, stride_uk, UC, UP_BK, UP_STAGES, BK, UP_COMPACT_COLS, DOT_PRECISION)
                 g = tl.maximum(acc, 0.0)
                 if not H_FP32:  # g as the packed gate value would be; h rounds when stored
                     g = g.to(vals_ptr.dtype.element_ty).to(tl.float32)
@@ -263,8 +262,8 @@ if triton is not None:
                     h = h.to(vals_ptr.dtype.element_ty)  # fp32 with H_FP32
                     if not H_FP32:  # in the weights' precision, like dense
                         h = h.to(down_ptr.dtype.element_ty)
-                    _partial_rows(h, over, cols, (rows.to(tl.int64) * n_n + pid_n) * K, K, down_ptr, part_ptr,
-                                  PART_BD, PART_DOT, PART_STAGES)
+                    partial_rows(h, over, cols, (rows.to(tl.int64) * n_n + pid_n) * K, K, down_ptr, part_ptr,
+                                 PART_BD, PART_DOT, PART_STAGES)
 
     @triton.jit
     def _accumulate_units(acc, x, j, g, active, d, dmask, do, omask, up_ptr, down_ptr, D,

@@ -32,7 +32,8 @@ L2_BYTES = 50e6
 ROW_WALK = (9.8e-7, 6.0e-10)
 
 
-def _roofline(flops: float, nbytes: float, rates: tuple, d: int) -> float:
+def roofline(flops: float, nbytes: float, rates: tuple, d: int) -> float:
+    """Seconds of a launch at `rates` (peak flop/s, D_half, bytes/s, latency s, as DENSE)."""
     peak, d_half, bandwidth, latency = rates
     return ((flops * (d + d_half) / (peak * d)) ** 4 + (nbytes / bandwidth) ** 4) ** 0.25 + latency
 
@@ -47,12 +48,12 @@ def gate_kernel(tile: int, tokens: int, i: int):
 
 def dense_time(d: int, i: int, tokens: int) -> float:
     """Predicted seconds of the dense bf16 block (gate and up as one matmul, ReLU product, down)."""
-    return _roofline(6 * tokens * d * i, 6 * d * i, DENSE, d)
+    return roofline(6 * tokens * d * i, 6 * d * i, DENSE, d)
 
 
 def heavy_time(d: int, i: int, rows: int) -> float:
     """Predicted seconds of the dense block of `rows` heavy rows (heavy.heavy_launches); none: nothing."""
-    return _roofline(6 * rows * d * i, 6 * d * i, HEAVY, d) if rows else 0.0
+    return roofline(6 * rows * d * i, 6 * d * i, HEAVY, d) if rows else 0.0
 
 
 def decode_time(mean_active: float, d: int, i: int, tokens: int, tile: int = 128, rates: tuple = DECODE) -> float:
@@ -65,17 +66,14 @@ def decode_time(mean_active: float, d: int, i: int, tokens: int, tile: int = 128
     return (2 * d * i + 4 * d * tokens * mean_active) / bandwidth + columns * per_column + latency
 
 
-def twell_time(mean_active: float, d: int, i: int, tokens: int, max_active: float | None = None,
-               tile: int = 128, heavy_rows: int | None = None) -> float:
-    """Predicted seconds of `gated_mlp` at `mean_active` units per token (no overflow) with `tile`-wide
-    tiles (batched: the gate kernel's rates depend on it; decode: tiles of at most DECODE_TILE units);
-    `max_active`, the heaviest token's count: up to HEAVY_UNITS its serial walk bounds the batched out
-    kernel from below (a smooth maximum with the throughput term: the row runs beside the others); above,
-    the row goes to the dense block of heavy rows, whose time is added for `heavy_rows` rows (default: one,
-    the heaviest)."""
+def batched_time(mean_active: float, d: int, i: int, tokens: int, max_active: float | None = None,
+                 tile: int = 128, heavy_rows: int | None = None) -> float:
+    """Predicted seconds of a batched-path call (twell_time's batched part): the gate kernel at `tile`'s
+    rates, the out kernel's gather of the active units' up and down rows (from L2 and HBM); `max_active`, the
+    heaviest token's count: up to HEAVY_UNITS its serial walk bounds the out kernel from below (a smooth
+    maximum with the gather term: the row runs beside the others); above, the row goes to the dense block of
+    heavy rows, whose time is added for `heavy_rows` rows (default: one, the heaviest)."""
     pairs = tokens * mean_active
-    if tokens <= decode_rows(d, i):  # decode spreads a row's units over the gate programs' tiles
-        return decode_time(mean_active, d, i, tokens, tile)
     l2, hbm, per_pair, latency = GATHER
     from_hbm = max(0.0, 1 - L2_BYTES / (4 * d * i))  # share of the row reads that miss L2
     gather = pairs * (4 * d * ((1 - from_hbm) / l2 + from_hbm / hbm) + per_pair) + latency
@@ -86,5 +84,16 @@ def twell_time(mean_active: float, d: int, i: int, tokens: int, max_active: floa
     # walk beyond that counts
     excess = max(0.0, min(heaviest, HEAVY_UNITS) - 2 * mean_active)
     walk = excess / out_units_per_step(tokens) * (ROW_WALK[0] + ROW_WALK[1] * d)
-    gate = _roofline(2 * tokens * d * i, 2 * d * i, GATE[gate_kernel(tile, tokens, i)], d)
+    gate = roofline(2 * tokens * d * i, 2 * d * i, GATE[gate_kernel(tile, tokens, i)], d)
     return gate + (gather ** 4 + walk ** 4) ** 0.25 + heavy_time(d, i, heavy_rows)
+
+
+def twell_time(mean_active: float, d: int, i: int, tokens: int, max_active: float | None = None,
+               tile: int = 128, heavy_rows: int | None = None) -> float:
+    """Predicted seconds of `gated_mlp` at `mean_active` units per token (no overflow) with `tile`-wide
+    tiles: the term of the launch path that takes `tokens` tokens (paths.PATHS), decode_time up to
+    decode_rows (tiles of at most DECODE_TILE units), batched_time above (`max_active` and `heavy_rows` as
+    there)."""
+    if tokens <= decode_rows(d, i):  # decode spreads a row's units over the gate programs' tiles
+        return decode_time(mean_active, d, i, tokens, tile)
+    return batched_time(mean_active, d, i, tokens, max_active, tile, heavy_rows)

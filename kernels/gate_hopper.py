@@ -2,7 +2,7 @@
 packing epilogue hidden behind the tensor cores' work. Each persistent program splits into warp groups: a
 producer warp streams x and gate-weight blocks through TMA into a ring of STAGES shared buffers, and two
 consumer warp groups take alternate output tiles, their main loops strictly alternating, so that one packs
-its tile (format.pack_store's loop, on the MMA accumulator) while the other's MMAs run. Gluon is experimental
+its tile (epilogues.pack_store's loop, on the MMA accumulator) while the other's MMAs run. Gluon is experimental
 and has no interpreter: where it is missing, or off an sm_90 GPU, the Triton kernel runs (the one CI tests).
 """
 import os
@@ -117,7 +117,7 @@ if gluon is not None:
 
     @gluon.jit
     def _pack(acc, off_m, pid_n, M, N, NT, vals_ptr, idx_ptr, cnt_ptr, S: gl.constexpr):
-        """format.pack_store for 16-bit values, on the MMA accumulator's layout: each row's positives in
+        """epilogues.pack_store for 16-bit values, on the MMA accumulator's layout: each row's positives in
         column order, one key min (column << 16 | value bits) a slot, up to the block's fullest row."""
         layout: gl.constexpr = acc.type.layout
         BLOCK_M: gl.constexpr = acc.shape[0]
@@ -176,7 +176,7 @@ if gluon is not None:
     @gluon.jit
     def gate_pack_kernel(x_ptr, w_ptr, up_ptr, down_ptr, vals_ptr, idx_ptr, cnt_ptr, part_ptr, x_desc, w_desc,
                          M, N, K, S: gl.constexpr, RING: gl.constexpr, GROUP: gl.constexpr):
-        """relu(x @ w^T) packed into TwELL (values, indices, counts), with batched._gate_pack_kernel's signature:
+        """relu(x @ w^T) packed into TwELL (values, indices, counts), with batched.py's gate kernel's signature:
         x_ptr, w_ptr, up_ptr, down_ptr and part_ptr are unused (x and w are read through the descriptors)."""
         dtype: gl.constexpr = x_desc.dtype
         a_bufs = gl.allocate_shared_memory(dtype, [RING] + x_desc.block_type.shape, x_desc.layout)

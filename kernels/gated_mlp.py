@@ -1,9 +1,9 @@
 """The TwELL op for a ReLU-gated MLP, inference only: gated_mlp(x, gate, up, down) = down(relu(gate(x)) * up(x)),
-no host synchronization. A call takes one launch path by its token count: decode up to format.decode_rows
-tokens (decode.py; one gated token: the tile-out path), batched above (batched.py, heavy rows through
-heavy.py). Calls of the same shapes, strides, dtypes and alignment reuse their launches (_LAUNCH_CACHE).
-CPU tensors without the Triton interpreter take reference.forward_reference. The down weight is read
-transposed: pass `prepare_down(down)` (made once at load time) to avoid a per-call transpose copy. A launch
+no host synchronization. A call takes one launch path by its token count (paths.PATHS, each path's contract:
+one gated token takes the tile-out path, up to format.decode_rows tokens decode, more batched, its heavy rows
+through heavy.py). Calls of the same shapes, strides, dtypes and alignment reuse their launches
+(LAUNCH_CACHE). CPU tensors without the Triton interpreter take reference.forward_reference. The down weight
+is read transposed: pass `prepare_down(down)` (made once at load time) to avoid a per-call transpose copy. A launch
 configuration beyond the GPU (Triton's OutOfResources: shared memory on a GPU with less than the H100's) makes
 calls of that shape run the dense block, with a warning, instead of failing."""
 import hashlib
@@ -13,10 +13,8 @@ from typing import Optional
 
 import torch
 
-from .batched import gate_config, gate_launch, out_config, out_launch
-from .decode import DECODE_TILE, decode_tile_stride, tile_out_launch, tile_sum_launch
-from .format import cdiv, decode_rows, decode_slots, on_device, slots, use_triton
-from .launch import sm_count, use_pdl
+from .format import on_device, slots, use_triton
+from .paths import launch_path
 from .reference import forward_reference
 
 try:
@@ -33,37 +31,8 @@ def prepare_down(down_weight: torch.Tensor) -> torch.Tensor:
     return down_weight.t().contiguous().t()
 
 
-class _Launches:
-    """Everything a call derives from its launch-cache key: the path, buffer shapes and both launches."""
-
-    def __init__(self, x2, gate, up, tile, compression, precision, overflow):
-        m, d = x2.shape
-        width = gate.shape[0]
-        self.decode = m <= decode_rows(d, width)
-        self.tile_out = tile_out_launch(m, d, self.decode)
-        tile = min(tile, DECODE_TILE) if self.decode else tile
-        ts = decode_tile_stride(width, tile, m, sm_count(x2.device) if x2.is_cuda else None) if self.decode else tile
-        pdl = self.decode and use_pdl(x2.device)
-        s = decode_slots(tile, compression) if self.decode else slots(tile, compression)
-        h_fp32 = precision == "highest"
-        self.vals_dtype = torch.float32 if h_fp32 else x2.dtype
-        self.twell_shape = (m, cdiv(width, ts), s)
-        # decode: overflowing (row, tile) pairs' partial output rows, written only there
-        self.partials_shape = (m, cdiv(width, ts), d) if self.decode else None
-        self.unsupported = None  # why this GPU cannot run the launches (the calls then run dense), once seen
-        self.gate = gate_launch(x2, gate, up if self.decode else None, tile, s, self.vals_dtype,
-                                gate_config(m, tile, x2.element_size(), self.decode), h_fp32,
-                                partials=self.decode, tile_stride=ts, pdl=pdl, tile_out=self.tile_out)
-        if self.tile_out:
-            self.out = tile_sum_launch(m, d, cdiv(width, ts), s, overflow is not None, pdl)
-            return
-        self.out = out_launch(x2, width, tile, s, h_fp32, overflow is not None,
-                              out_config(m, d, self.decode, cdiv(width, ts)), packed_h=self.decode,
-                              tile_stride=ts, pdl=pdl, count_units=overflow is not None and overflow.numel() == 4)
-
-
 LAUNCH_CACHE_SIZE = 256  # launch sets kept (layers of one shape share them; a new prompt length adds one)
-_LAUNCH_CACHE = OrderedDict()  # recent launch sets by _launch_key, least recently used first
+LAUNCH_CACHE = OrderedDict()  # recent launch sets by _launch_key, least recently used first
 
 
 def _launch_key(x2, gate, up, down_t, tile, compression, precision, overflow):
@@ -120,49 +89,27 @@ def _forward_triton(x, gate, up, down, tile, compression, precision, overflow):
     up = up.contiguous()
     gate = gate.contiguous()  # the overflow fallback reads contiguous rows; one copy serves both kernels
     key = _launch_key(x2, gate, up, down_t, tile, compression, precision, overflow)
-    launches = _LAUNCH_CACHE.get(key)
+    launches = LAUNCH_CACHE.get(key)
     if launches is None:
         check_args(x, gate, up, down, tile, compression, precision, overflow)
         check_kernel_dtypes(x, gate, up, down)
         if x2.shape[0] == 0:
             return x.new_empty(x.shape)
-        launches = _LAUNCH_CACHE[key] = _Launches(x2, gate, up, tile, compression, precision, overflow)
-        if len(_LAUNCH_CACHE) > LAUNCH_CACHE_SIZE:
-            _LAUNCH_CACHE.popitem(last=False)
+        path = launch_path(x2.shape[0], x2.shape[1], gate.shape[0])
+        launches = LAUNCH_CACHE[key] = path.launches(x2, gate, up, tile, compression, precision, overflow)
+        if len(LAUNCH_CACHE) > LAUNCH_CACHE_SIZE:
+            LAUNCH_CACHE.popitem(last=False)
     else:
-        _LAUNCH_CACHE.move_to_end(key)
+        LAUNCH_CACHE.move_to_end(key)
     if launches.unsupported is None:
         try:
-            return _launch(launches, x, x2, gate, up, down_t, overflow)
+            return launches(x, x2, gate, up, down_t, overflow)
         except OutOfResources as error:  # a launch configuration beyond this GPU (shared memory, threads)
             launches.unsupported = str(error)
             name = torch.cuda.get_device_name(x.device) if x.is_cuda else x.device.type
             warnings.warn(f"twell: {error} ({name}): calls of {x2.shape[0]} tokens at D {x2.shape[1]} / I "
                           f"{gate.shape[0]} run the dense block on this device", stacklevel=3)
     return ((torch.relu(x2 @ gate.t()) * (x2 @ up.t())) @ down_t).view(x.shape)
-
-
-def _launch(launches, x, x2, gate, up, down_t, overflow):
-    device = x.device
-    if launches.tile_out:
-        counts = torch.empty(launches.twell_shape[:2], dtype=torch.int32, device=device)
-        partials = torch.empty(launches.partials_shape, dtype=torch.float32, device=device)
-        out = x.new_empty(x2.shape)
-        # nothing packed: counts stand in for the values and indices
-        launches.gate(x2, gate, up, down_t, counts, counts, counts, partials)
-        launches.out(partials, counts, out, overflow if overflow is not None else counts)
-        return out.view(x.shape)
-    tw = (torch.empty(launches.twell_shape, dtype=launches.vals_dtype, device=device),
-          torch.empty(launches.twell_shape, dtype=torch.int32, device=device),
-          torch.empty(launches.twell_shape[:2], dtype=torch.int32, device=device))
-    # decode: partial rows of overflowing (row, tile) pairs, written only there (so never initialized)
-    partials = tw[0] if launches.partials_shape is None else torch.empty(
-        launches.partials_shape, dtype=torch.float32, device=device)
-    out = x.new_empty(x2.shape)
-    launches.gate(x2, gate, up, down_t, *tw, partials)
-    launches.out(x2, *tw, partials, gate, up, down_t, out,
-                 overflow if overflow is not None else tw[2])
-    return out.view(x.shape)
 
 
 # Each copy of these files (the installed package, each exported checkpoint's, possibly of other versions)

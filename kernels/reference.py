@@ -1,10 +1,12 @@
-"""Plain PyTorch references of what the kernels compute: the block, which every path's output matches (heavy
-rows included); each tile's share of a row's output, which a decode gate program writes for an overflowing
-(row, tile) and the one-token tile-out path for every tile; and `forward_reference`, the path of CPU tensors
-without Triton, which adds to `overflow` what the batched path's kernels add."""
+"""Plain PyTorch references of what the runtime's kernels compute (the training kernels' are in
+training/reference.py): the block, which every launch path's output matches (heavy rows included); each tile's
+share of a row's output, which a decode gate program writes for an overflowing (row, tile) and the one-token
+tile-out path for every tile; `forward_reference`, the path of CPU tensors without Triton, which adds to
+`overflow` what the batched path's kernels add; `pack_reference` (pack.py); `rms_norm_reference` and
+`rotary_reference`, transformers' modules op for op (rms_norm.py, rotary.py)."""
 import torch
 
-from .format import HEAVY_UNITS, UNIT_SAMPLE, cdiv, decode_rows, slots
+from .format import HEAVY_UNITS, UNIT_SAMPLE, TwELL, cdiv, decode_rows, slots
 
 
 def gated_mlp_reference(x, gate_weight, up_weight, down_weight):
@@ -46,3 +48,38 @@ def forward_reference(x, gate, up, down, tile, compression, overflow):
             sampled = (torch.arange(x2.shape[0]) % UNIT_SAMPLE == 0) & ~heavy
             overflow[1:] += torch.stack([units[sampled].sum(), sampled.sum(), heavy.sum()]).to(overflow.dtype)
     return ((g * (xf @ up.float().t())) @ down.float().t()).to(x.dtype).view(x.shape)
+
+
+def pack_reference(g: torch.Tensor, tile: int = 128, compression: int = 8) -> TwELL:
+    """Plain PyTorch packing; slots beyond a tile's count are zero (values) and 0 (indices)."""
+    m, width = g.shape
+    s, nt = slots(tile, compression), cdiv(width, tile)
+    gp = torch.nn.functional.pad(g, (0, nt * tile - width)).view(m, nt, tile)
+    pos = gp > 0
+    slot = pos.to(torch.int64).cumsum(-1) - 1
+    keep = pos & (slot < s)
+    cols = torch.arange(nt * tile, device=g.device).view(1, nt, tile).expand(m, nt, tile)
+    # scatter the kept entries; everything else goes to a spare slot s that is cut off afterwards
+    dst = torch.where(keep, slot, torch.full_like(slot, s))
+    values = torch.zeros(m, nt, s + 1, dtype=g.dtype, device=g.device).scatter_(2, dst, gp * keep)
+    indices = torch.zeros(m, nt, s + 1, dtype=torch.int64, device=g.device).scatter_(2, dst, cols * keep)
+    return TwELL(values[..., :s].contiguous(), indices[..., :s].to(torch.int32).contiguous(),
+                 pos.sum(-1).to(torch.int32), tile, width)
+
+
+def rms_norm_reference(x, weight, eps: float, form: str = "llama"):
+    """transformers' RMSNorm of `form`, op for op."""
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype) if form == "llama" else (xf * (1.0 + weight.float())).type_as(x)
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotary_reference(q, k, cos, sin):
+    """transformers' apply_rotary_pos_emb(q, k, cos, sin) (unsqueeze_dim 1), op for op."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)

@@ -4,10 +4,11 @@ the input dtype.
 transformers' module runs the norm as about seven kernels (casts, square, mean, rsqrt, two products): at decode
 size each is a launch of a few microseconds, in a prefill a pass over the activations. One program here normalizes ROWS rows held in registers. The two forms follow their
 modules' op order (FORMS), so that the outputs differ from transformers' only where the fp32 sum of squares
-adds in another order. `rms_norm_reference` is that op order in PyTorch."""
+adds in another order. reference.rms_norm_reference is that op order in PyTorch."""
 import torch
 
 from .format import cdiv, on_device, use_triton
+from .reference import rms_norm_reference
 
 try:
     import triton
@@ -22,13 +23,6 @@ FORMS = {
 }
 MAX_WIDTH = 1 << 16  # widest row the kernel holds in registers
 ROW_ELEMENTS = 2048  # a program takes rows until it holds this many elements
-
-
-def rms_norm_reference(x, weight, eps: float, form: str = "llama"):
-    """transformers' RMSNorm of `form`, op for op."""
-    xf = x.to(torch.float32)
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype) if form == "llama" else (xf * (1.0 + weight.float())).type_as(x)
 
 
 def rms_norm_fits(x, weight, form: str = "llama") -> bool:

@@ -3,29 +3,19 @@
 transformers' apply_rotary_pos_emb computes q * cos + rotate_half(q) * sin and the same for k: about ten
 elementwise kernels a layer (products, a negation, a concatenation, sums), each a launch of a few
 microseconds at decode size. One program here rotates every head of one token's q or k, each product and sum
-rounded to the input dtype as there, so the outputs are equal bit for bit. `rotary_reference` is that op
-order in PyTorch. The launch turns off Triton's contraction of a product and a sum into one fused multiply-add,
+rounded to the input dtype as there, so the outputs are equal bit for bit. reference.rotary_reference is that
+op order in PyTorch. The launch turns off Triton's contraction of a product and a sum into one fused multiply-add,
 which would skip the product's rounding (the compiler sees through the casts between them)."""
 import torch
 
 from .format import on_device, use_triton
+from .reference import rotary_reference
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # CPU-only machines run the reference
     triton = None
-
-
-def rotate_half(x):
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def rotary_reference(q, k, cos, sin):
-    """transformers' apply_rotary_pos_emb(q, k, cos, sin) (unsqueeze_dim 1), op for op."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
 
 
 def rotary_fits(q, k, cos, sin) -> bool:

@@ -9,7 +9,6 @@ complete.
 """
 from __future__ import annotations
 
-import ast
 import copy
 import importlib.util
 import json
@@ -61,16 +60,9 @@ def kernel_dir() -> Path:
 
 
 def runtime_files(kernels: Path) -> list[Path]:
-    """The kernel files that the modeling file and generation.py import, directly or through each other's relative
-    imports: the inference runtime, without the training kernels or anything else of the package."""
-    found, pending = set(), [MODELING_FILE, GENERATION_FILE]
-    while pending:
-        for node in ast.walk(ast.parse(pending.pop().read_text())):
-            path = kernels / f"{node.module}.py" if isinstance(node, ast.ImportFrom) and node.level == 1 else None
-            if path is not None and path.is_file() and path not in found:
-                found.add(path)
-                pending.append(path)
-    return sorted(found)
+    """The inference runtime: every file at the top of the kernel package but its __init__.py (the training
+    kernels live in its training/ sub-package)."""
+    return sorted(path for path in kernels.glob("*.py") if path.name != "__init__.py")
 
 
 def shipped_files(kernels: Path) -> list[Path]:

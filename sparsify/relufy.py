@@ -30,7 +30,7 @@ from transformers.activations import ACT2FN
 from .families import FamilySpec, down_weight, gate_weight, has_bias, mlp_modules, spec_for, up_weight
 
 try:
-    from twell.hybrid import hot_units, hybrid_gated_mlp
+    from twell.training import hot_units, hybrid_gated_mlp
 except ImportError:  # kernels not installed (or no triton): dense path only
     hybrid_gated_mlp = hot_units = None
 

@@ -33,9 +33,10 @@ TIED = ("gemma", "qwen3")  # released models of these families share the embeddi
 TRAINING = {"base_model": "someone/tiny-base", "tokens": 4096, "steps": 2, "l1": 2e-5, "betas": [0.9, 0.95],
             "perplexity": {"original": 21.217893457, "after training": 20.651234}, "max_steps": 2,
             "max_tokens": 100_000}
-# The inference runtime: what the modeling file imports from the kernel package, directly or through its files
-RUNTIME = {"batched.py", "cost_model.py", "decode.py", "format.py", "gate_hopper.py", "gated_mlp.py", "graphs.py",
-           "heavy.py", "launch.py", "layer_plan.py", "reference.py", "rms_norm.py", "rotary.py", "routing.py"}
+# The inference runtime: the files at the top of the kernel package (export.runtime_files)
+RUNTIME = {"batched.py", "cost_model.py", "decode.py", "epilogues.py", "format.py", "gate_hopper.py", "gated_mlp.py",
+           "graphs.py", "heavy.py", "launch.py", "layer_plan.py", "pack.py", "paths.py", "reference.py", "rms_norm.py",
+           "rotary.py", "routing.py"}
 
 
 def _relufied(family, **overrides):
@@ -109,7 +110,7 @@ def test_router_per_device_and_kernel_dtypes(tmp_path):
         router.device = torch.device("meta")  # as a layer that ran on another device holds it
         mlp(x)
         assert mlp.router is not router and mlp.router.device == x.device
-        assert mlp._use_kernel(x, 12) and not mlp._use_kernel(x.double(), 12) and not mlp._use_kernel(x.half(), 12)
+        assert mlp.use_kernel(x, 12) and not mlp.use_kernel(x.double(), 12) and not mlp.use_kernel(x.half(), 12)
 
 
 def test_sparse_tokens_window_picks_the_path_per_call(tmp_path, monkeypatch):
@@ -319,7 +320,8 @@ def test_modeling_file_needs_only_torch_and_transformers():
     assert absolute == {"dataclasses", "functools", "importlib", "inspect", "os", "torch", "transformers", "types",
                         "warnings"}
     relative = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 1}
-    assert relative == {"format", "gated_mlp", "graphs", "routing", "generation", "layer_plan", "rms_norm", "rotary"}
+    assert relative == {"format", "gated_mlp", "graphs", "routing", "generation", "layer_plan", "reference", "rms_norm",
+                        "rotary"}
     generation = ast.parse(GENERATION_FILE.read_text())  # shipped beside it: torch, transformers and the stdlib
     assert {alias.name for node in ast.walk(generation) if isinstance(node, ast.Import) for alias in node.names} \
         | {node.module.split(".")[0] for node in ast.walk(generation) if isinstance(node, ast.ImportFrom)} \

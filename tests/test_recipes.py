@@ -25,7 +25,8 @@ def test_pyproject_ships_every_recipe():
     assert setuptools["package-dir"]["sparsify.recipes"] == "recipes" and "sparsify.recipes" in setuptools["packages"]
     assert setuptools["package-data"]["sparsify.recipes"] == ["*.yaml", "accelerate/*.yaml"]
     assert sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml")) == recipe_names()  # not accelerate/
-    # every subpackage of sparsify (a folder with __init__.py) installs with it
-    subpackages = {"sparsify." + ".".join(p.parent.relative_to(ROOT / "sparsify").parts)
-                   for p in (ROOT / "sparsify").glob("*/**/__init__.py")}
-    assert subpackages and subpackages <= set(setuptools["packages"])
+    # every subpackage of sparsify and of twell (kernels/; a folder with __init__.py) installs with it
+    subpackages = {f"{package}." + ".".join(p.parent.relative_to(ROOT / folder).parts)
+                   for package, folder in (("sparsify", "sparsify"), ("twell", "kernels"))
+                   for p in (ROOT / folder).glob("*/**/__init__.py")}
+    assert "twell.training" in subpackages and subpackages <= set(setuptools["packages"])

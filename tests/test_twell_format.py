@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import twell
-from twell.format import pack_reference, slots
+from twell.format import slots
+from twell.reference import pack_reference
 
 
 def activation(m, width, density):

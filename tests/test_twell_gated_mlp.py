@@ -14,11 +14,12 @@ import twell
 import twell.gated_mlp  # noqa: F401  (the module, beside the function of the same name)
 from twell import batched as batched_module
 from twell.batched import gate_config, gate_launch, out_config, out_launch
+from twell.cost_model import twell_time
 from twell.decode import HELD_ROWS, TILE_OUT_MAX_D, decode_tile_stride, tile_out_launch, tile_sum_launch
-from twell.format import (DECODE_SLOTS, HEAVY_UNITS, TILES, UNIT_SAMPLE, decode_rows, decode_slots, empty_twell,
-                          slots, tma_ok)
+from twell.format import DECODE_SLOTS, HEAVY_UNITS, TILES, UNIT_SAMPLE, decode_slots, empty_twell, slots, tma_ok
 from twell.heavy import HEAVY_FEW_ROWS
 from twell.launch import sm_count
+from twell.paths import PATHS, PackedLaunches, launch_path
 from twell.reference import forward_reference, tile_counts, tile_shares
 
 from helpers import poison, poison_allocations
@@ -95,10 +96,10 @@ def bf16_row_bounds(dense, ref):
 @pytest.fixture
 def poisoned_outputs(monkeypatch):
     """Every buffer that the block's kernels write starts as NaN (integers: 987654), so an element left
-    unwritten fails instead of holding whatever the allocator returned: torch.empty as gated_mlp.py (TwELL,
+    unwritten fails instead of holding whatever the allocator returned: torch.empty as paths.py (TwELL,
     counts, partial rows), format.py (empty_twell: pack and the tests' own TwELL) and heavy.py (h, partial
     sums) call it, and Tensor.new_empty (the block's output). Yields the allocations poisoned (their shapes)."""
-    allocations = poison_allocations(monkeypatch, "twell.gated_mlp", "twell.format", "twell.heavy")
+    allocations = poison_allocations(monkeypatch, "twell.paths", "twell.format", "twell.heavy")
     new_empty = torch.Tensor.new_empty
 
     def poisoned_new_empty(self, *args, **kwargs):
@@ -408,9 +409,26 @@ def test_decode_heavy_row_overflows_at_any_compression(m, poisoned_outputs):
     assert overflow.item() == expected
 
 
-# Launch paths by token count, and the token counts each draws from: one token (tile-out); decode with 16-row
+# Launch paths (paths.PATHS) and the token counts each draws from: one token (tile-out); decode with 16-row
 # gate blocks and the compacted up pass; decode above 16 rows; batched
 RANDOM_PATHS = {"tile-out": (1, 1), "decode 3-16": (3, 16), "decode 17-64": (17, 64), "batched": (65, 160)}
+
+
+@pytest.mark.parametrize("d,i", [(1536, 8960), (2048, 11008), (4096, 14336)])  # decode to 64, to 16; no tile-out
+def test_every_launch_path_states_its_contract(d, i):
+    """Each entry of paths.PATHS: random shapes drawn for it here, the token counts of its range take it (the
+    first path whose max_tokens holds them), its reference lives in reference.py, and the cost model predicts
+    its calls by its cost term."""
+    assert {name.split()[0] for name in RANDOM_PATHS} == {path.name for path in PATHS}
+    first = 1
+    for path in PATHS:
+        most = path.max_tokens(d, i)
+        tokens = range(first, (most if most is not None else first + 300) + 1)
+        assert all(launch_path(m, d, i) is path for m in tokens)
+        assert path.reference.__module__ == "twell.reference"
+        assert all(twell_time(27.5, d, i, m, tile=64) == path.cost(27.5, d, i, m, tile=64) for m in tokens)
+        first = max(first, tokens.stop)
+    assert first > 300 and PATHS[-1].max_tokens(d, i) is None  # the last path takes every count above
 
 
 def random_case(path, draw):
@@ -462,7 +480,7 @@ def test_random_shapes(path, draw, poisoned_outputs):
     torch.manual_seed(draw)
     batched = path == "batched"
     t = tile if batched else min(tile, 64)
-    assert (m > decode_rows(d, i)) == batched and d % 16 and i % t
+    assert launch_path(m, d, i).name == path.split()[0] and d % 16 and i % t
     ts = t if batched else decode_tile_stride(i, t, m, sm_count(torch.device(DEV)) if DEV == "cuda" else None)
     x, gate, up, down = (v.to(dtype) for v in random_rows_block(m, d, i, ts, s, k))
     counts = tile_counts(x.float() @ gate.float().t(), ts)
@@ -590,14 +608,14 @@ def test_a_launch_beyond_the_device_runs_the_dense_block(monkeypatch):
         attempts.append(1)
         raise OutOfResources(233472, 232448, "shared memory")
 
-    real = gm._Launches.__init__
+    real = PackedLaunches.__init__  # the decode path's too
 
     def launches(self, *args):
         real(self, *args)
         self.gate = beyond_the_device
 
-    monkeypatch.setattr(gm._Launches, "__init__", launches)
-    gm._LAUNCH_CACHE.clear()
+    monkeypatch.setattr(PackedLaunches, "__init__", launches)
+    gm.LAUNCH_CACHE.clear()
     try:
         with pytest.warns(UserWarning, match="out of resource: shared memory.*run the dense block"):
             out = twell.gated_mlp(x, gate, up, down, tile=32, compression=4)
@@ -607,7 +625,7 @@ def test_a_launch_beyond_the_device_runs_the_dense_block(monkeypatch):
             again = twell.gated_mlp(x, gate, up, down, tile=32, compression=4)
         assert torch.equal(again, out) and len(attempts) == 1
     finally:
-        gm._LAUNCH_CACHE.clear()
+        gm.LAUNCH_CACHE.clear()
 
 
 def launch_scalar(launch, name):
@@ -967,7 +985,7 @@ def test_gpu_hopper_gate_kernel_that_does_not_compile_falls_back(monkeypatch):
     monkeypatch.setattr(gh, "gate_pack_kernel", Broken())
     monkeypatch.setattr(gh, "_failure", None)
     monkeypatch.setattr(gh, "TILES_PER_SM", 0)
-    monkeypatch.setattr(gm, "_LAUNCH_CACHE", type(gm._LAUNCH_CACHE)())
+    monkeypatch.setattr(gm, "LAUNCH_CACHE", type(gm.LAUNCH_CACHE)())
     x, gate, up, down = block(1000, 256, 768, k=29, dtype=torch.bfloat16)
     with pytest.warns(RuntimeWarning, match="does not compile"):
         assert gh.hopper_gate_launch(x, gate, 128, 16, torch.bfloat16) is None

@@ -7,7 +7,10 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from twell import hybrid as H
+from twell.training import hybrid as H
+from twell.training.reference import hybrid_gated_mlp_reference
+
+from helpers import poison_allocations
 
 L1_COEFF = 0.37  # large, so that a wrong L1 gradient shows in every weight's gradient
 
@@ -45,7 +48,7 @@ def check(tensors, max_nnz, tol=1e-5, **kw):
     M, D = tensors[0].shape[0], tensors[-1].shape[0]
     dout = torch.randn(M, D, generator=torch.Generator().manual_seed(1)).to(tensors[0].device)
     out, st, grads = run(H.hybrid_gated_mlp, tensors, dout, max_nnz, **kw)
-    rout, rst, rgrads = run(H.hybrid_gated_mlp_reference, [t.double() for t in tensors], dout.double(), max_nnz, **kw)
+    rout, rst, rgrads = run(hybrid_gated_mlp_reference, [t.double() for t in tensors], dout.double(), max_nnz, **kw)
     assert torch.isfinite(out).all()
     assert rel(out, rout) < tol
     assert rel(st.l1, rst.l1) < tol
@@ -105,13 +108,10 @@ def test_hot_units_rule():
 def test_nan_poisoned_buffers(monkeypatch):
     """Every buffer the kernels write starts as NaN (floats) or garbage (ints): all of it must be
     written or never read."""
-    def poisoned(*shape, dtype=torch.float32, device=None):
-        t = torch.empty(*shape, dtype=dtype, device=device)
-        return t.fill_(float("nan") if dtype.is_floating_point else 987654)
-
-    monkeypatch.setattr(H, "_empty", poisoned)
+    allocations = poison_allocations(monkeypatch, "twell.training.ell", "twell.training.backup", "twell.training.hybrid")
     check(problem(29, 35, 60, 7), max_nnz=10)
     check(problem(29, 35, 60, 7), max_nnz=10, hot_units=torch.tensor([2, 40]))
+    assert (29, 10) in allocations  # the ELL's [M, E] buffers were poisoned
 
 
 def saved_activation_bytes(fn, tensors, max_nnz):
@@ -136,7 +136,7 @@ def test_saves_sparse_state_only():
     block's (which saves several [M, I] tensors)."""
     tensors = problem(40, 24, 300, 4, special_rows=False)
     hybrid, st = saved_activation_bytes(H.hybrid_gated_mlp, tensors, 32)
-    dense, _ = saved_activation_bytes(H.hybrid_gated_mlp_reference, tensors, 32)
+    dense, _ = saved_activation_bytes(hybrid_gated_mlp_reference, tensors, 32)
     assert int(st.backup_rows) == 0 and dense >= 4 * 40 * 300 * 4
     assert 0 < hybrid <= dense / 4
 
@@ -158,7 +158,7 @@ def test_grad_accumulation_checkpoint_noncontiguous():
     checkpoint(loss_fn, x_big, use_reentrant=False).backward()
     for p, g in zip((x_big, gate_p, up_p, down_p), first):
         assert rel(p.grad, 2 * g) < 1e-6
-    _, _, ref = run(H.hybrid_gated_mlp_reference, [t.double() for t in (x, gate, up, down)],
+    _, _, ref = run(hybrid_gated_mlp_reference, [t.double() for t in (x, gate, up, down)],
                     dout.double(), 9)
     assert rel(first[0][:, ::2], ref[0]) < 1e-5 and rel(first[1].t(), ref[1]) < 1e-5
 
@@ -168,7 +168,7 @@ def test_frozen_weights():
     tensors = problem(23, 30, 40, 6)
     dout = torch.randn(23, 30)
     grads = []
-    for f, dtype in ((H.hybrid_gated_mlp, torch.float32), (H.hybrid_gated_mlp_reference, torch.float64)):
+    for f, dtype in ((H.hybrid_gated_mlp, torch.float32), (hybrid_gated_mlp_reference, torch.float64)):
         x = tensors[0].detach().to(dtype).requires_grad_()
         out, st = f(x, *(w.to(dtype) for w in tensors[1:]), max_nnz=7)
         ((out * dout.to(dtype)).sum() + L1_COEFF * st.l1).backward()
@@ -187,7 +187,7 @@ def test_without_triton_uses_reference(monkeypatch):
         assert a.dtype == b.dtype and torch.allclose(a.double(), b.double(), rtol=1e-5)
 
 
-@pytest.mark.parametrize("launcher", ["_spmm", "_wgrad"], ids=["forward", "backward"])
+@pytest.mark.parametrize("launcher", ["spmm", "wgrad"], ids=["forward", "backward"])
 def test_a_launch_beyond_the_device_runs_the_reference(monkeypatch, launcher):
     """A launch configuration the GPU cannot run (Triton's OutOfResources) in the forward or the backward: that
     block's gradients (and outputs) come from the reference's dense math, with one warning, and later blocks of
@@ -204,7 +204,7 @@ def test_a_launch_beyond_the_device_runs_the_reference(monkeypatch, launcher):
     monkeypatch.setattr(H, "_BEYOND_THE_DEVICE", {"forward": set(), "backward": set()})
     tensors = problem(23, 30, 40, 6)
     dout = torch.randn(23, 30, generator=torch.Generator().manual_seed(1))
-    expected = run(H.hybrid_gated_mlp_reference, [t.double() for t in tensors], dout.double(), 7)
+    expected = run(hybrid_gated_mlp_reference, [t.double() for t in tensors], dout.double(), 7)
     with pytest.warns(UserWarning, match="out of resource: shared memory.*D 30 / I 40 .*runs the dense reference"):
         out, stats, grads = run(H.hybrid_gated_mlp, tensors, dout, 7)
     for got in (out, stats.l1, *grads):
@@ -229,7 +229,7 @@ def test_a_backward_beyond_the_device_under_activation_checkpointing(monkeypatch
         attempts.append(1)
         raise OutOfResources(233472, 232448, "shared memory")
 
-    monkeypatch.setattr(H, "_wgrad", beyond_the_device)
+    monkeypatch.setattr(H, "wgrad", beyond_the_device)
     monkeypatch.setattr(H, "_BEYOND_THE_DEVICE", {"forward": set(), "backward": set()})
     tensors = problem(23, 30, 40, 6)
     dout = torch.randn(23, 30, generator=torch.Generator().manual_seed(1))
@@ -241,7 +241,7 @@ def test_a_backward_beyond_the_device_under_activation_checkpointing(monkeypatch
 
     grads = []
     for block, dtype, checkpointed in ((H.hybrid_gated_mlp, torch.float32, True),
-                                       (H.hybrid_gated_mlp_reference, torch.float64, False)):
+                                       (hybrid_gated_mlp_reference, torch.float64, False)):
         leaves = [t.detach().to(dtype).requires_grad_() for t in tensors]
         with pytest.warns(UserWarning, match="the backward of hybrid") if checkpointed else warnings.catch_warnings():
             out, l1 = (checkpoint(two_blocks, block, *leaves, use_reentrant=False) if checkpointed
@@ -262,8 +262,8 @@ def test_gpu_bf16_autocast(hot):
     with torch.autocast("cuda", dtype=torch.bfloat16):
         out, st, grads = run(H.hybrid_gated_mlp, tensors, dout, 64, **kw)
         # the dense bf16 block under autocast
-        dense_out, dst, dgrads = run(H.hybrid_gated_mlp_reference, tensors, dout, 64, **kw)
-    rout, rst, rgrads = run(H.hybrid_gated_mlp_reference, [t.double() for t in tensors], dout.double(), 64, **kw)
+        dense_out, dst, dgrads = run(hybrid_gated_mlp_reference, tensors, dout, 64, **kw)
+    rout, rst, rgrads = run(hybrid_gated_mlp_reference, [t.double() for t in tensors], dout.double(), 64, **kw)
     # stats against the same bf16 gate matmul (fp64 flips units whose pre-activation rounds to ~0)
     assert out.dtype == torch.bfloat16 and int(st.backup_rows) == int(dst.backup_rows) >= 1
     assert torch.equal(st.fired, dst.fired) and abs(st.active.item() - dst.active.item()) < 1e-4
@@ -280,7 +280,7 @@ def test_gpu_fp32_matches_and_deterministic():
     torch.backends.cuda.matmul.allow_tf32 = False
     out, st, grads = run(H.hybrid_gated_mlp, tensors, dout, 32)
     out2, _, grads2 = run(H.hybrid_gated_mlp, tensors, dout, 32)
-    rout, _, rgrads = run(H.hybrid_gated_mlp_reference, [t.double() for t in tensors], dout.double(), 32)
+    rout, _, rgrads = run(hybrid_gated_mlp_reference, [t.double() for t in tensors], dout.double(), 32)
     assert rel(out, rout) < 1e-5 and all(rel(g, rg) < 1e-5 for g, rg in zip(grads, rgrads))
     assert torch.equal(out, out2) and all(torch.equal(a, b) for a, b in zip(grads, grads2))
 

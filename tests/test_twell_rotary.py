@@ -5,7 +5,8 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import twell.rotary  # noqa: F401  (the module, beside the function of the same name)
-from twell.rotary import rotary, rotary_fits, rotary_reference
+from twell.reference import rotary_reference
+from twell.rotary import rotary, rotary_fits
 
 from helpers import poison_allocations
 

@@ -33,8 +33,9 @@ from .graphs import DecodeGraphs
 from .routing import ActivityRouter, eager, eager_dense, short_prefill
 from .generation import LoopUnsupported, generate_graphed, graphed_call, release_graphed
 from .layer_plan import LayerPlan, layer_plans
-from .rms_norm import rms_norm, rms_norm_fits, rms_norm_reference
-from .rotary import rotary, rotary_fits, rotary_reference
+from .reference import rms_norm_reference, rotary_reference
+from .rms_norm import rms_norm, rms_norm_fits
+from .rotary import rotary, rotary_fits
 
 BASE_MODEL = "transformers.models.llama.modeling_llama.LlamaForCausalLM"
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton reads it when the kernels are defined, too
@@ -94,7 +95,7 @@ class TwellGatedMLP(nn.Module):
         the static token count: under torch.compile a guard, not a graph break)."""
         return any(lo <= tokens <= hi for lo, hi in self._windows)
 
-    def _use_kernel(self, x, tokens: int):
+    def use_kernel(self, x, tokens: int):
         """Whether the plan and the call of `tokens` tokens let the kernels serve it (the cheap, common
         refusals first: they are host time on every call of a dense-routed layer)."""
         if not self.kernel_ready or not self.in_window(tokens):
@@ -128,7 +129,7 @@ class TwellGatedMLP(nn.Module):
 
     def forward(self, x):
         tokens = x.numel() // x.shape[-1]
-        if not self._use_kernel(x, tokens):
+        if not self.use_kernel(x, tokens):
             return self._dense(x)
         gate, up = self._gate_up_weights()
         down = getattr(self, self.down_name).weight

@@ -16,7 +16,7 @@ from .state import Run
 
 
 def hybrid_kernels_run(device: torch.device) -> bool:
-    """Whether twell.hybrid runs its kernels (not its dense reference) for tensors on `device`: CUDA with
+    """Whether twell.training runs its kernels (not its dense reference) for tensors on `device`: CUDA with
     triton, or CPU under the Triton interpreter (tests)."""
     return (relufy.hybrid_gated_mlp is not None and importlib.util.find_spec("triton") is not None
             and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"))
