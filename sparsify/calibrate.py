@@ -94,8 +94,14 @@ def source_rows(model: nn.Module, blocks: list[torch.Tensor], layer: int) -> tup
     return torch.cat(inputs), torch.cat(outputs)
 
 
-def relative_error(mlp: nn.Module, x: torch.Tensor, y: torch.Tensor, chunk: int = 16384) -> float:
-    """||mlp(x) - y||^2 / ||y||^2 over all rows, in chunks."""
+def squared_error_ratio(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """||out - target||^2 / ||target||^2 in fp32: the loss calibration minimizes."""
+    target = target.float()
+    return (out.float() - target).square().sum() / target.square().sum().clamp_min(1e-30)
+
+
+def fit_error(mlp: nn.Module, x: torch.Tensor, y: torch.Tensor, chunk: int = 16384) -> float:
+    """squared_error_ratio of mlp(x) against y over all rows, in chunks."""
     with torch.no_grad(), compute(x.device):
         err = sum(float((mlp(xc).float() - yc.float()).square().sum()) for xc, yc in zip(x.split(chunk), y.split(chunk)))
         return err / max(float(y.float().square().sum()), 1e-30)
@@ -105,7 +111,7 @@ def fit_layer(mlp: ReluGatedMLP, x: torch.Tensor, y: torch.Tensor, steps: int, l
               generator: torch.Generator) -> LayerFit:
     """Fits `mlp`'s parameters to y = source_mlp(x) by `steps` Adam steps (lr cosine from `lr` to 0), each on
     ROWS_PER_STEP rows drawn at random."""
-    before = relative_error(mlp, x, y)
+    before = fit_error(mlp, x, y)
     params = [p for p in mlp.parameters() if p.requires_grad]
     optimizer = torch.optim.Adam(params, lr=lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / steps)))
@@ -113,15 +119,14 @@ def fit_layer(mlp: ReluGatedMLP, x: torch.Tensor, y: torch.Tensor, steps: int, l
         rows = torch.randint(len(x), (min(ROWS_PER_STEP, len(x)),), generator=generator).to(x.device)
         with compute(x.device):
             out = mlp(x[rows])
-        target = y[rows].float()
-        loss = (out.float() - target).square().sum() / target.square().sum().clamp_min(1e-30)
+        loss = squared_error_ratio(out, y[rows])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
         schedule.step()
     for p in params:
         p.grad = None
-    return LayerFit(before, relative_error(mlp, x, y))
+    return LayerFit(before, fit_error(mlp, x, y))
 
 
 def calibrate(model: nn.Module, mlps: list[ReluGatedMLP], blocks: list[torch.Tensor], steps: int, lr: float,
