@@ -211,3 +211,35 @@ def test_plot_smooths_training_curves_and_keeps_the_trade_off_within_the_data():
     assert quality.plots.data_limits([99.1], top=100) == pytest.approx((98.85, 99.35))  # one point: around it
     low, high = quality.plots.data_limits([97.0, 99.9], top=100)
     assert low == pytest.approx(96.71) and high == 100  # never past 100% sparsity
+
+
+def fake_report(parameters: int, pretraining_tokens: int, points: list[tuple[int, float, float]], layers: int = 8) -> dict:
+    """A quality report holding only what compare.py reads: conversions of one setting at (tokens, cost, sparsity)."""
+    return {"pretraining": {"parameters": parameters, "tokens": pretraining_tokens,
+                            "config": {"num_hidden_layers": layers}},
+            "conversions": [{"settings": {"l1": 3.5}, "tokens": t, "ce_vs_original": cost, "sparsity": sparsity}
+                            for t, cost, sparsity in points]}
+
+
+def test_compare_puts_bases_on_tokens_and_on_their_share(tmp_path, capsys):
+    compare = load_benchmark("quality/compare.py")
+    short = fake_report(100_000_000, 40_000_000, [(10_000_000, 0.02, 0.992), (2_000_000, 0.14, 0.983)])
+    long = fake_report(100_000_000, 120_000_000, [(10_000_000, 0.01, 0.991)], layers=16)
+    paths = [tmp_path / "short.json", tmp_path / "long.json"]
+    for path, result in zip(paths, (short, long)):
+        path.write_text(json.dumps(result))
+    figure = tmp_path / "compare.png"
+    compare.main([*map(str, paths), "--out", str(figure)])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "setting: l1 3.5"
+    # each base's points by tokens, with the share of its own pretraining
+    assert lines[2:5] == ["100M, 8 layers, 0.40 tokens/param (short.json) | 2.00M | 0.05 | 98.30% | +14.00%",
+                          "100M, 8 layers, 0.40 tokens/param (short.json) | 10.00M | 0.25 | 99.20% | +2.00%",
+                          "100M, 16 layers, 1.20 tokens/param (long.json) | 10.00M | 0.0833 | 99.10% | +1.00%"]
+    assert figure.stat().st_size > 10_000
+    long["conversions"][0]["settings"] = {"l1": 7}
+    paths[1].write_text(json.dumps(long))
+    with pytest.raises(SystemExit, match="choose the conversion setting"):
+        compare.main([*map(str, paths), "--out", str(figure)])
+    with pytest.raises(SystemExit, match=r"--setting 'l1 3.5': not among the conversions of long.json"):
+        compare.main([*map(str, paths), "--out", str(figure), "--setting", "l1 3.5"])
