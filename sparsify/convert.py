@@ -102,7 +102,7 @@ class _Checked:
     data: str | Path  # the data to read: --data, or the demo corpus
     inputs: dict  # what the training state depends on besides its settings: a resumed run must name the same
     saved: dict | None  # the state a resumed run continues (check_resume); None for a fresh run
-    model_config: object  # the source's transformers config
+    model_config: object  # the source's transformers config, which load_model then loads with (the Hub asked once)
     trackers: list[str]  # of --report-to (train.trackers)
     fsdp: bool  # launched with an FSDP config (train.fsdp_launch)
 
@@ -259,7 +259,7 @@ def _load_source(source: str, config: TrainConfig, options: RunOptions, checked:
     main = launch.is_main_process
     _check_source(config, options, checked, launch.num_processes, show=main and not options.quiet)
     model, tokenizer, spec = load_model(source, dtype=torch.float32, device="cpu" if checked.fsdp else options.device,
-                                        weights=main or not fsdp_launch()[1])
+                                        weights=main or not fsdp_launch()[1], config=checked.model_config)
     require_tokenizer(tokenizer, source)
     origin = {"base_model": _base_model(source), "license": source_license(resolve_source(source))}
     return _Source(model, tokenizer, spec, origin)
