@@ -105,6 +105,7 @@ class _Checked:
     model_config: object  # the source's transformers config, which load_model then loads with (the Hub asked once)
     trackers: list[str]  # of --report-to (train.trackers)
     fsdp: bool  # launched with an FSDP config (train.fsdp_launch)
+    rank0_loading: bool  # under FSDP, only the main process reads the weights (train.fsdp_launch)
 
     @property
     def resume_dir(self) -> Path:
@@ -202,8 +203,7 @@ def _check_inputs(source: str, config: TrainConfig, options: RunOptions, process
     inputs = {"source": _identity(source), "data": _identity(data), "text_column": options.text_column}
     saved = check_resume(resume_dir, config, processes, inputs) if options.resume else None
     resolve_data(data)  # missing / empty / unknown format
-    return _Checked(config, out, data, inputs, saved, model_config, trackers(options.report_to),
-                    fsdp_launch()[0])
+    return _Checked(config, out, data, inputs, saved, model_config, trackers(options.report_to), *fsdp_launch())
 
 
 def _check_source(config: TrainConfig, options: RunOptions, checked: _Checked, processes: int, show: bool) -> None:
@@ -259,7 +259,7 @@ def _load_source(source: str, config: TrainConfig, options: RunOptions, checked:
     main = launch.is_main_process
     _check_source(config, options, checked, launch.num_processes, show=main and not options.quiet)
     model, tokenizer, spec = load_model(source, dtype=torch.float32, device="cpu" if checked.fsdp else options.device,
-                                        weights=main or not fsdp_launch()[1], config=checked.model_config)
+                                        weights=main or not checked.rank0_loading, config=checked.model_config)
     require_tokenizer(tokenizer, source)
     origin = {"base_model": _base_model(source), "license": source_license(resolve_source(source))}
     return _Source(model, tokenizer, spec, origin)

@@ -223,6 +223,19 @@ def test_a_hub_source_is_asked_for_once(files, tmp_path, monkeypatch):
     assert asked == ["check", "config", "weights", "tokenizer"]
 
 
+def test_the_launch_is_read_once(files, tmp_path, monkeypatch):
+    """The FSDP launch settings are read once, by the checks, also where a process that is not the main one loads
+    the source (and asks whether it must read the weights)."""
+    reads = []
+    monkeypatch.setattr(convert_module, "fsdp_launch", lambda: reads.append(None) or (False, False))
+    source, options = str(model_folder(files, "llama")), RunOptions(tmp_path / "out", data=str(files / "corpus"),
+                                                                    device="cpu", quiet=True)
+    checked = convert_module._check_inputs(source, TrainConfig(steps=2, seq_len=32), options, 2, False)
+    not_main = dataclasses.make_dataclass("Launch", [("is_main_process", bool), ("num_processes", int)])(False, 2)
+    convert_module._load_source(source, checked.config, options, checked, not_main)
+    assert len(reads) == 1
+
+
 def test_dry_run_fails_where_the_run_would(files, tmp_path, monkeypatch):
     """Everything that would stop a run before its first step stops the dry run, no weight read."""
     monkeypatch.setattr(convert_module, "load_model", None)
