@@ -35,7 +35,7 @@ TRAINING = {"base_model": "someone/tiny-base", "tokens": 4096, "steps": 2, "l1":
             "max_tokens": 100_000}
 # The inference runtime: the files at the top of the kernel package (export.runtime_files)
 RUNTIME = {"batched.py", "cost_model.py", "decode.py", "epilogues.py", "format.py", "gate_hopper.py", "gated_mlp.py",
-           "graphs.py", "heavy.py", "launch.py", "layer_plan.py", "pack.py", "paths.py", "reference.py", "rms_norm.py",
+           "graphs.py", "heavy.py", "launch.py", "layer_plan.py", "paths.py", "reference.py", "rms_norm.py",
            "rotary.py", "routing.py"}
 
 
@@ -587,6 +587,20 @@ def test_compiled_decode_step_runs_the_kernel_in_one_graph(tmp_path):
     assert name != sys.modules["twell.gated_mlp"].op_name("gated_mlp")
     assert decode_ops.count(getattr(torch.ops.twell, name).default) == 1  # layer 0 only
     _close(compiled, expected)
+
+
+def test_the_runtime_is_what_the_modeling_file_runs():
+    """Every file a checkpoint carries is imported by the modeling file or generation.py, directly or through
+    another (flat beside them: relative imports of one level), and imports only files it carries."""
+    shipped = {path.stem: path for path in export.shipped_files(export.kernel_dir())}
+    reached, reading = set(), ["modeling_twell", "generation"]
+    while reading:
+        name = reading.pop()
+        if name not in reached:
+            reached.add(name)
+            reading += [node.module or alias.name for node in ast.walk(ast.parse(shipped[name].read_text()))
+                        if isinstance(node, ast.ImportFrom) and node.level == 1 for alias in node.names]
+    assert reached == set(shipped)
 
 
 def test_shipped_files_cite_nothing_outside_the_checkpoint():
