@@ -353,11 +353,19 @@ def test_remote_model_falls_back_to_dense_math(tmp_path, monkeypatch):
 
 
 def _record_fused_kernels(remote, monkeypatch) -> list:
-    """Calls of the remote module's norm and rotary kernels: ("rms_norm",) or ("rotary",)."""
+    """Calls of the remote module's norm and rotary kernels, ("rms_norm",) or ("rotary",), and of their argument
+    checks wherever they run (the modeling file or the kernel's file), ("rms_norm_fits",) or ("rotary_fits",)."""
     calls, module = [], _remote_module(remote)
-    norm, rotary = module.rms_norm, module.rotary
-    monkeypatch.setattr(module, "rms_norm", lambda *a, **k: calls.append(("rms_norm",)) or norm(*a, **k))
-    monkeypatch.setattr(module, "rotary", lambda *a: calls.append(("rotary",)) or rotary(*a))
+
+    def recorded(label, function):
+        return lambda *a, **k: calls.append((label,)) or function(*a, **k)
+
+    for name, label in (("rms_norm_fitted", "rms_norm"), ("rotary_fitted", "rotary")):
+        monkeypatch.setattr(module, name, recorded(label, getattr(module, name)))
+    for name in ("rms_norm_fits", "rotary_fits"):
+        check = getattr(module, name)
+        for owner in (module, sys.modules[check.__module__]):
+            monkeypatch.setattr(owner, name, recorded(name, check))
     return calls
 
 
@@ -380,7 +388,8 @@ def test_fused_decoder_runs_norms_and_rotary_on_the_kernels(family, tmp_path, mo
     calls = _record_fused_kernels(remote, monkeypatch)
     ids = tiny_input_ids()
     _close(_logits(remote, ids), _logits(plain, ids))
-    assert sorted(calls) == [("rms_norm",)] * len(norms) + [("rotary",)] * len(layers)
+    kernels = [("rms_norm",), ("rms_norm_fits",)] * len(norms) + [("rotary",), ("rotary_fits",)] * len(layers)
+    assert sorted(calls) == sorted(kernels)  # every norm and rotary on the kernel, its arguments checked once
     calls.clear()
     logits = remote(ids).logits  # gradients recorded: transformers' modules, which have a backward
     assert calls == [] and logits.requires_grad
