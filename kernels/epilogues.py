@@ -1,8 +1,8 @@
 """The gate kernel's epilogues, as @triton.jit functions that more than one kernel or launch path calls:
-`pack_store` packs a tile's positives into TwELL (the batched and decode gate kernels, and pack.py's kernel);
-the decode paths' gate programs compute u = x . up at their tile's active columns only (`up_whole_rows`,
-`up_columns`), write an overflowing (row, tile)'s share of the row's output as an fp32 partial row
-(`partial_rows`), and on the one-token tile-out path write every tile's share (`tile_out`).
+`pack_store` packs a tile's positives into TwELL (the batched and decode gate kernels); the decode paths' gate
+programs compute u = x . up at their tile's active columns only (`up_whole_rows`, `up_columns`), write an
+overflowing (row, tile)'s share of the row's output as an fp32 partial row (`partial_rows`), and on the one-token
+tile-out path write every tile's share (`tile_out`).
 References: reference.pack_reference, reference.tile_shares."""
 
 try:

@@ -1,6 +1,6 @@
-"""TwELL packed layout of a ReLU activation (its packing: pack.py; its reference: reference.pack_reference), and
-the launch rules that the kernels, their reference and the cost model (cost_model.py) share (decode_rows,
-HEAVY_UNITS, UNIT_SAMPLE, ...).
+"""TwELL packed layout of a ReLU activation (packed by the gate kernels' epilogue, epilogues.pack_store; its
+reference: reference.pack_reference), and the launch rules that the kernels, their reference and the cost model
+(cost_model.py) share (decode_rows, HEAVY_UNITS, UNIT_SAMPLE, ...).
 
 A dense activation g [M, I] is cut along I into tiles of T columns (T = the gate matmul's column tile,
 so each matmul program packs its own output tile in its epilogue). Each (row, tile) keeps its positives
@@ -14,7 +14,7 @@ of the authors' packed uint32 words (no bit unpacking in the consumer, any I, fp
 NT = ceil(I / T). Only the first min(count, S) slots of a tile are written; the rest are undefined and
 never read. An overflowing tile keeps its first S positives here and is marked by its count: the compute
 kernels handle such tiles densely (never drop data: recomputed, or at decode size read from the partial
-output rows the gate kernel wrote), and `pack` users can see it in `counts`.
+output rows the gate kernel wrote), and a TwELL's readers see it in `counts`.
 Slot s of a row holds its s-th positive column (found by a row-wise min after slot s-1): deterministic
 and sorted.
 """

@@ -2,8 +2,8 @@
 training/reference.py): the block, which every launch path's output matches (heavy rows included); each tile's
 share of a row's output, which a decode gate program writes for an overflowing (row, tile) and the one-token
 tile-out path for every tile; `forward_reference`, the path of CPU tensors without Triton, which adds to
-`overflow` what the batched path's kernels add; `pack_reference` (pack.py); `rms_norm_reference` and
-`rotary_reference`, transformers' modules op for op (rms_norm.py, rotary.py)."""
+`overflow` what the batched path's kernels add; `pack_reference` (the TwELL the gate kernels pack);
+`rms_norm_reference` and `rotary_reference`, transformers' modules op for op (rms_norm.py, rotary.py)."""
 import torch
 
 from .format import HEAVY_UNITS, UNIT_SAMPLE, TwELL, cdiv, decode_rows, slots

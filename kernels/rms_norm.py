@@ -40,6 +40,12 @@ def rms_norm(x, weight, eps: float, *, form: str = "llama"):
     if not rms_norm_fits(x, weight, form):
         raise ValueError(f"rms_norm: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}, "
                          f"form {form!r} (forms {tuple(FORMS)}; rows of at most {MAX_WIDTH} with a unit last stride)")
+    return rms_norm_fitted(x, weight, eps, form)
+
+
+def rms_norm_fitted(x, weight, eps: float, form: str = "llama"):
+    """`rms_norm` of arguments that rms_norm_fits has accepted, not checked again: for a caller that checks them
+    itself to choose between the kernel and another path."""
     n = x.shape[-1]
     if not use_triton(x):
         return rms_norm_reference(x, weight, eps, form)

@@ -35,6 +35,12 @@ def rotary(q, k, cos, sin):
     if not rotary_fits(q, k, cos, sin):
         raise ValueError(f"rotary: q {tuple(q.shape)}, k {tuple(k.shape)}, cos / sin {tuple(cos.shape)} "
                          "(q [B, Hq, S, D], k [B, Hk, S, D], cos and sin [B or 1, S, D], one dtype)")
+    return rotary_fitted(q, k, cos, sin)
+
+
+def rotary_fitted(q, k, cos, sin):
+    """`rotary` of arguments that rotary_fits has accepted, not checked again: for a caller that checks them itself
+    to choose between the kernel and another path."""
     if not use_triton(q):
         return rotary_reference(q, k, cos, sin)
     b, hq, s, d = q.shape

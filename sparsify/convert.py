@@ -31,7 +31,7 @@ import torch
 from accelerate import PartialState
 from transformers.utils.hub import convert_file_size_to_int
 
-from .calibrate import CalibrationResult, calibrate, calibration_blocks
+from .calibrate import calibrate, calibration_blocks
 from .card import is_hub_id, public_name, source_license
 from .config import RunOptions, TrainConfig
 from .data import TextData, resolve as resolve_data
@@ -102,9 +102,10 @@ class _Checked:
     data: str | Path  # the data to read: --data, or the demo corpus
     inputs: dict  # what the training state depends on besides its settings: a resumed run must name the same
     saved: dict | None  # the state a resumed run continues (check_resume); None for a fresh run
-    model_config: object  # the source's transformers config
+    model_config: object  # the source's transformers config, which load_model then loads with (the Hub asked once)
     trackers: list[str]  # of --report-to (train.trackers)
     fsdp: bool  # launched with an FSDP config (train.fsdp_launch)
+    rank0_loading: bool  # under FSDP, only the main process reads the weights (train.fsdp_launch)
 
     @property
     def resume_dir(self) -> Path:
@@ -202,8 +203,7 @@ def _check_inputs(source: str, config: TrainConfig, options: RunOptions, process
     inputs = {"source": _identity(source), "data": _identity(data), "text_column": options.text_column}
     saved = check_resume(resume_dir, config, processes, inputs) if options.resume else None
     resolve_data(data)  # missing / empty / unknown format
-    return _Checked(config, out, data, inputs, saved, model_config, trackers(options.report_to),
-                    fsdp_launch()[0])
+    return _Checked(config, out, data, inputs, saved, model_config, trackers(options.report_to), *fsdp_launch())
 
 
 def _check_source(config: TrainConfig, options: RunOptions, checked: _Checked, processes: int, show: bool) -> None:
@@ -259,7 +259,7 @@ def _load_source(source: str, config: TrainConfig, options: RunOptions, checked:
     main = launch.is_main_process
     _check_source(config, options, checked, launch.num_processes, show=main and not options.quiet)
     model, tokenizer, spec = load_model(source, dtype=torch.float32, device="cpu" if checked.fsdp else options.device,
-                                        weights=main or not fsdp_launch()[1])
+                                        weights=main or not checked.rank0_loading, config=checked.model_config)
     require_tokenizer(tokenizer, source)
     origin = {"base_model": _base_model(source), "license": source_license(resolve_source(source))}
     return _Source(model, tokenizer, spec, origin)
@@ -296,31 +296,39 @@ def _compute_dtype(device: str | None) -> torch.dtype:
 
 def _train(model, text: TextData, config: TrainConfig, options: RunOptions, checked: _Checked,
            perplexities: _Perplexities):
-    """Relufies `model`, calibrates its MLPs (--calibrate-steps, unless resuming: the saved state holds them) and
-    trains it on `text`; returns train.train's result, the model's ReluGatedMLPs and the CalibrationResult (None
-    without). The source's perplexities are measured after the swap: here, or under FSDP on the sharded model
-    before the first step; the log's figures go to the trackers of --report-to. Running out of GPU memory is a
-    ConfigError naming what lowers it."""
+    """Relufies `model`, calibrates its MLPs (--calibrate-steps, unless resuming: the saved state holds them, with
+    the calibration's record and the perplexity after it) and trains it on `text`; returns train.train's result,
+    the model's ReluGatedMLPs and the calibration's record (CalibrationResult.record; None without). The source's
+    perplexities are measured after the swap: here, or under FSDP on the sharded model before the first step; the
+    log's figures go to the trackers of --report-to. Running out of GPU memory is a ConfigError naming what lowers
+    it."""
     # the distillation teacher: the source model as loaded, frozen; under FSDP (loaded into CPU memory) whole
     # on every process, train broadcasting the main process's weights
     teacher = copy.deepcopy(model).to(_compute_dtype(options.device)) if config.uses_teacher else None
     mlps = relufy(model)
     if not checked.fsdp:
         perplexities.of_source(model)
-    calibration = None
-    if config.calibrate_steps and checked.saved is None:
+    if checked.saved is not None:
+        before_training = checked.saved["before_training"]
+        perplexities.values.update(before_training["perplexity"])
+    elif config.calibrate_steps:
         blocks = calibration_blocks(text.train_batches(config.batch_size, shuffle_buffer=config.shuffle_buffer,
                                                        seed=config.seed), config.calibrate_tokens)
         calibration = calibrate(model, mlps, blocks, config.calibrate_steps, config.calibrate_lr or config.lr,
                                 config.seed, perplexities.shown)
         perplexities.after_calibration(model)
+        before_training = {"calibration": calibration.record(),
+                           "perplexity": {"after calibration": perplexities.values["after calibration"]}}
+    else:
+        before_training = {"calibration": None, "perplexity": {}}
     try:
         result = train(
             model, mlps, lambda start, rank, world: text.train_batches(
                 config.batch_size, start, rank, world, shuffle_buffer=config.shuffle_buffer, seed=config.seed), config,
             resume_dir=checked.resume_dir, resume=checked.saved, device=options.device, show_progress=perplexities.shown,
             evaluate=(lambda prepared: perplexities.of_source(prepared, sharded=True)) if checked.fsdp else None,
-            inputs=checked.inputs, teacher=teacher, report_to=checked.trackers, logging_dir=logging_dir_for(checked.out),
+            inputs=checked.inputs, before_training=before_training, teacher=teacher, report_to=checked.trackers,
+            logging_dir=logging_dir_for(checked.out),
         )
     except torch.cuda.OutOfMemoryError:
         raise ConfigError(
@@ -328,10 +336,10 @@ def _train(model, text: TextData, config: TrainConfig, options: RunOptions, chec
             f"--batch-size (raise --grad-accum to keep the step's tokens), add --grad-checkpointing"
             + (", or --distill 0 and --distill-hidden 0 (the teacher's copy)" if config.uses_teacher else "")
             + ("" if checked.fsdp else ", or shard over GPUs with recipes/accelerate/fsdp.yaml")) from None
-    return result, mlps, calibration
+    return result, mlps, before_training["calibration"]
 
 
-def _measure_and_write(result: TrainResult, mlps: list, calibration: CalibrationResult | None, loaded: _Source,
+def _measure_and_write(result: TrainResult, mlps: list, calibration: dict | None, loaded: _Source,
                        perplexities: _Perplexities, config: TrainConfig, options: RunOptions, checked: _Checked,
                        measure_kernels: bool) -> dict:
     """Measures the trained model on the held-out text, plans its layers and (main process) exports it to OUT;
@@ -354,7 +362,7 @@ def _measure_and_write(result: TrainResult, mlps: list, calibration: Calibration
                       device=options.device, mlp_inputs=captured)
     training = _training_record(loaded.origin, options, config, result, stats["tokens"], ppl)
     if calibration is not None:
-        training["calibration"] = calibration.record()
+        training["calibration"] = calibration
     summary = {"perplexity": ppl, "layers": stats["layers"], "plan": plan, "training": training,
                "log": result.log, "hybrid_share": hybrid_share(result.log)}
     if main:

@@ -31,6 +31,7 @@ EVAL_PREFIXES = ("valid", "eval", "test")  # valid* covers validation*
 MIN_EVAL_TOKENS = 16384  # fewer held-out tokens measure perplexity and sparsity too noisily
 HELD_OUT_SHARE_WARN = 0.2  # warn when the head held out of the training text is at least this share of it
 PASSES_COUNTED = 2**22  # local training text is counted up to this many tokens to tell a run's passes over it
+TOKENS_SAMPLED = 2**16  # beyond this many tokens, the text's length is read and its tokens estimated (count_blocks)
 
 
 @dataclass
@@ -279,9 +280,10 @@ class TextData:
 
     def held_out(self, train_tokens: int | None = None) -> tuple[str, list[str]]:
         """What is held out, in words, and warnings: fewer held-out tokens than asked for (the text is short) and
-        too few to measure on; for local training text, counted as far as needed, a large held-out head (at least
-        HELD_OUT_SHARE_WARN of the data) and a run of `train_tokens` that passes over the text more than once
-        (counted up to PASSES_COUNTED tokens: beyond, tokenizing it would delay the start)."""
+        too few to measure on; for local training text, counted as far as needed (count_blocks: beyond
+        TOKENS_SAMPLED tokens, an estimate, said as such), a large held-out head (at least HELD_OUT_SHARE_WARN of the
+        data) and a run of `train_tokens` that passes over the text more than once (counted up to PASSES_COUNTED
+        tokens)."""
         tokens = len(self.eval_blocks) * self.seq_len
         warnings = []
         if tokens < min(MIN_EVAL_TOKENS, self.eval_tokens):
@@ -298,16 +300,43 @@ class TextData:
                        else round(len(self.eval_blocks) * (1 / HELD_OUT_SHARE_WARN - 1)))
         run_blocks = -(-min(train_tokens or 0, PASSES_COUNTED) // self.seq_len)
         limit = max(share_limit, run_blocks)
-        rest = sum(1 for _ in itertools.islice(self._blocks(self.source.train), self.skip + limit)) - self.skip
+        counted, estimated = self.count_blocks(self.skip + limit)
+        rest = counted - self.skip
+        about = "about " if estimated else ""
         if rest < share_limit:
             share = len(self.eval_blocks) / (len(self.eval_blocks) + rest)
-            warnings.append(f"the held-out text is {100 * share:.0f}% of the data, never trained on: lower "
+            warnings.append(f"the held-out text is {about}{100 * share:.0f}% of the data, never trained on: lower "
                             f"--eval-tokens or give a folder with a valid* file")
         if rest < run_blocks:  # the text ended before the run's tokens
-            warnings.append(f"the training text holds {rest * self.seq_len:,} tokens and the run trains on "
-                            f"{train_tokens:,}: {train_tokens / (rest * self.seq_len):,.1f} passes over it (lower "
-                            f"--tokens or --steps, or give more text)")
+            how = " (estimated from its length at the tokens per character of its start)" if estimated else ""
+            warnings.append(f"the training text holds {about}{rest * self.seq_len:,} tokens{how} and the run trains on "
+                            f"{train_tokens:,}: {about}{train_tokens / (rest * self.seq_len):,.1f} passes over it "
+                            f"(lower --tokens or --steps, or give more text)")
         return what, warnings
+
+    def count_blocks(self, limit: int) -> tuple[int, bool]:
+        """(blocks, estimated): the training text's blocks, counted as far as `limit`. Its first TOKENS_SAMPLED
+        tokens (and at least the held-out head and a block, so that an estimate leaves a block to train on) are
+        tokenized and counted; beyond, the rest of the text is only read (tokenizing it would delay the start), its
+        characters counted at the tokens per character of the part tokenized (estimated: True)."""
+        characters = 0
+
+        def counted(docs: Iterator[str]) -> Iterator[str]:
+            nonlocal characters
+            for doc in docs:
+                characters += len(doc)
+                yield doc
+
+        docs, packer = iter(Documents(self.source.train, self.text_column)), Packer(self.tokenizer, self.seq_len)
+        sampled = min(limit, max(self.skip + 1, TOKENS_SAMPLED // self.seq_len))
+        blocks = sum(1 for _ in itertools.islice(packer.blocks(counted(docs)), sampled))
+        if blocks < sampled or blocks >= limit:  # the whole text, or as far as asked
+            return blocks, False
+        tokens_per_character = (blocks * self.seq_len + len(packer.pending)) / max(characters, 1)
+        for _ in counted(docs):
+            if characters * tokens_per_character >= limit * self.seq_len:
+                break
+        return min(limit, int(characters * tokens_per_character) // self.seq_len), True
 
     def _blocks(self, source) -> Iterator[torch.Tensor]:
         return blocks(iter(Documents(source, self.text_column)), self.tokenizer, self.seq_len)

@@ -140,14 +140,15 @@ def check_device(device: str | None) -> None:
 
 
 def load_model(source: str | Path, *, dtype: torch.dtype | str | None = None, device: str | torch.device | None = None,
-               weights: bool = True):
+               weights: bool = True, config=None):
     """(model, tokenizer or None, spec) for "demo", a checkpoint folder or a Hub id; the model in eval mode
     on `device` (default: CUDA if available). The tokenizer is None when the source has none that loads.
     weights=False builds the model from the config with its parameters uninitialized in CPU memory
     (torch.empty: no pages are used until written) and reads no weight file: for the processes of an FSDP
-    run that receive their shards from the main process."""
+    run that receive their shards from the main process. `config`: the source's, where the caller has read it
+    (load_config), which is then not asked for again."""
     where = resolve_source(source)
-    config, spec = _load_config(where, source)
+    config, spec = _load_config(where, source) if config is None else (config, spec_for(config))
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if not weights:
         return _unloaded_model(config, resolve_dtype(dtype, torch.device("cpu"))), load_tokenizer(where), spec

@@ -1,5 +1,5 @@
 """Calibration (--calibrate-steps): each ReLU MLP fitted to the source's MLP on the source's own inputs, before
-training; the settings it refuses; through the command line, and skipped by a resumed run."""
+training; the settings it refuses; through the command line, and skipped by a resumed run, which reports the saved record."""
 import json
 
 import pytest
@@ -74,14 +74,27 @@ def test_convert_calibrates_and_records_it(files, tmp_path):
     assert "after calibration" in result.output and "calibrated layer 2/2" in result.output
 
 
-def test_a_resumed_conversion_does_not_calibrate_again(files, tmp_path, monkeypatch):
+def test_a_resumed_conversion_reports_the_calibration_without_calibrating_again(files, tmp_path, monkeypatch):
     out = tmp_path / "out"
     real = data_module.TrainingBatches.__next__
     monkeypatch.setattr(data_module.TrainingBatches, "__next__", on_read(real, 3, interrupt))
+    calibrated, after = [], []  # the interrupted run's calibration and perplexity after it
+    monkeypatch.setattr(convert_module, "calibrate", lambda *a, **k: calibrated.append(calibrate(*a, **k)) or calibrated[-1])
+    measure_after = convert_module._Perplexities.after_calibration
+
+    def keep_after(self, model):
+        measure_after(self, model)
+        after.append(self.values["after calibration"])
+
+    monkeypatch.setattr(convert_module._Perplexities, "after_calibration", keep_after)
     extra = ("--steps", 4, "--calibrate-steps", 5, "--calibrate-tokens", 64)
     assert_user_error(convert(files, "llama", out, *extra), "interrupted at step")
+    assert len(calibrated) == 1 and len(after) == 1
     monkeypatch.setattr(data_module.TrainingBatches, "__next__", real)
     monkeypatch.setattr(convert_module, "calibrate", lambda *a, **k: pytest.fail("calibrated on resume"))
     result = convert(files, "llama", out, *extra, "--resume")
     assert result.exit_code == 0, result.output
-    assert "calibration" not in json.loads((out / "training_log.json").read_text())["training"]
+    training = json.loads((out / "training_log.json").read_text())["training"]
+    assert training["calibration"] == calibrated[0].record()
+    assert training["perplexity"]["after calibration"] == after[0]
+    assert list(training["perplexity"]) == ["original", "after swap", "after calibration", "after training"]

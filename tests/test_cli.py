@@ -26,6 +26,7 @@ from helpers import (Killed, interrupt, on_read, raising, tiny_input_ids, tiny_m
 from sparsify import convert as convert_module
 from sparsify import data as data_module
 from sparsify import export
+from sparsify import load as load_module
 from sparsify.config import RunOptions, TrainConfig
 from sparsify.errors import DataError
 from sparsify.families import FAMILIES
@@ -196,6 +197,42 @@ def test_the_source_config_is_read_once(files, tmp_path, monkeypatch):
     monkeypatch.setattr(convert_module, "load_config", lambda source: reads.append(source) or load_config(source))
     result = convert(files, "llama", tmp_path / "out", "--dry-run")
     assert result.exit_code == 0, result.output
+    assert len(reads) == 1
+
+
+def test_a_hub_source_is_asked_for_once(files, tmp_path, monkeypatch):
+    """A conversion of a Hub id asks the Hub for its config once: the checks' is the one loaded with the weights.
+    (The Hub here: the tiny model's folder behind an id, each thing asked of it noted.)"""
+    folder, repo_id, asked = model_folder(files, "llama"), "someone/tiny-llama", []
+
+    def served(read, what):
+        def from_pretrained(where, *args, **kwargs):
+            if where == repo_id:
+                asked.append(what)
+                where = folder
+            return read(where, *args, **kwargs)
+        return from_pretrained
+
+    monkeypatch.setattr(load_module, "check_hub_source", lambda where, source: asked.append("check"))
+    for what, auto in (("config", load_module.AutoConfig), ("weights", load_module.AutoModelForCausalLM),
+                       ("tokenizer", load_module.AutoTokenizer)):
+        monkeypatch.setattr(auto, "from_pretrained", served(auto.from_pretrained, what))
+    result = run("convert", repo_id, "-o", tmp_path / "out", "--data", files / "corpus", "--recipe",
+                 files / "recipe.yaml", "--steps", 2)
+    assert result.exit_code == 0, result.output
+    assert asked == ["check", "config", "weights", "tokenizer"]
+
+
+def test_the_launch_is_read_once(files, tmp_path, monkeypatch):
+    """The FSDP launch settings are read once, by the checks, also where a process that is not the main one loads
+    the source (and asks whether it must read the weights)."""
+    reads = []
+    monkeypatch.setattr(convert_module, "fsdp_launch", lambda: reads.append(None) or (False, False))
+    source, options = str(model_folder(files, "llama")), RunOptions(tmp_path / "out", data=str(files / "corpus"),
+                                                                    device="cpu", quiet=True)
+    checked = convert_module._check_inputs(source, TrainConfig(steps=2, seq_len=32), options, 2, False)
+    not_main = dataclasses.make_dataclass("Launch", [("is_main_process", bool), ("num_processes", int)])(False, 2)
+    convert_module._load_source(source, checked.config, options, checked, not_main)
     assert len(reads) == 1
 
 

@@ -3,6 +3,7 @@ without reading the consumed documents again), and every bad-data error."""
 import itertools
 import json
 import random
+import re
 import sys
 
 import pytest
@@ -227,6 +228,25 @@ def test_a_run_longer_than_the_text_is_told_its_passes(tmp_path, monkeypatch):
                         "(lower --tokens or --steps, or give more text)"]
     monkeypatch.setattr(data_module, "PASSES_COUNTED", 64 * 20)  # counted no further: longer text is not told
     assert data.held_out(train_tokens=64 * 700)[1] == []
+
+
+def test_the_passes_over_long_text_are_estimated_from_its_length(tmp_path, monkeypatch):
+    """Beyond TOKENS_SAMPLED tokens the text is read, not tokenized: its tokens are estimated from its length at the
+    tokens per character of its start, and the warning says it is an estimate."""
+    monkeypatch.setattr(data_module, "TOKENS_SAMPLED", 64 * 8)
+    rng = random.Random(0)
+    texts = ["".join(rng.choice("abcdefgh ") for _ in range(rng.randrange(50, 150))) for _ in range(1000)]
+    tokenizer = CountingTokenizer()
+    data = TextData(str(write_jsonl(tmp_path / "one.jsonl", texts)), tokenizer, 64, eval_tokens=64 * 10)
+    tokenizer.texts.clear()
+    _, warnings = data.held_out(train_tokens=64 * 10_000)
+    assert len(tokenizer.texts) == data_module.DOCUMENTS_A_CALL  # the sample's documents: one call
+    told = re.fullmatch(r"the training text holds about ([\d,]+) tokens \(estimated from its length at the tokens per "
+                        r"character of its start\) and the run trains on 640,000: about ([\d.]+) passes over it "
+                        r"\(lower --tokens or --steps, or give more text\)", warnings[0])
+    exact = (sum(len(text) + 1 for text in texts) // 64 - data.skip) * 64  # the byte tokenizer: a token a character
+    assert told and int(told[1].replace(",", "")) == pytest.approx(exact, rel=0.05)
+    assert float(told[2]) == pytest.approx(640_000 / exact, rel=0.05)
 
 
 def test_a_mistyped_local_folder_is_no_hub_name(tmp_path, monkeypatch):

@@ -35,7 +35,7 @@ TRAINING = {"base_model": "someone/tiny-base", "tokens": 4096, "steps": 2, "l1":
             "max_tokens": 100_000}
 # The inference runtime: the files at the top of the kernel package (export.runtime_files)
 RUNTIME = {"batched.py", "cost_model.py", "decode.py", "epilogues.py", "format.py", "gate_hopper.py", "gated_mlp.py",
-           "graphs.py", "heavy.py", "launch.py", "layer_plan.py", "pack.py", "paths.py", "reference.py", "rms_norm.py",
+           "graphs.py", "heavy.py", "launch.py", "layer_plan.py", "paths.py", "reference.py", "rms_norm.py",
            "rotary.py", "routing.py"}
 
 
@@ -353,11 +353,19 @@ def test_remote_model_falls_back_to_dense_math(tmp_path, monkeypatch):
 
 
 def _record_fused_kernels(remote, monkeypatch) -> list:
-    """Calls of the remote module's norm and rotary kernels: ("rms_norm",) or ("rotary",)."""
+    """Calls of the remote module's norm and rotary kernels, ("rms_norm",) or ("rotary",), and of their argument
+    checks wherever they run (the modeling file or the kernel's file), ("rms_norm_fits",) or ("rotary_fits",)."""
     calls, module = [], _remote_module(remote)
-    norm, rotary = module.rms_norm, module.rotary
-    monkeypatch.setattr(module, "rms_norm", lambda *a, **k: calls.append(("rms_norm",)) or norm(*a, **k))
-    monkeypatch.setattr(module, "rotary", lambda *a: calls.append(("rotary",)) or rotary(*a))
+
+    def recorded(label, function):
+        return lambda *a, **k: calls.append((label,)) or function(*a, **k)
+
+    for name, label in (("rms_norm_fitted", "rms_norm"), ("rotary_fitted", "rotary")):
+        monkeypatch.setattr(module, name, recorded(label, getattr(module, name)))
+    for name in ("rms_norm_fits", "rotary_fits"):
+        check = getattr(module, name)
+        for owner in (module, sys.modules[check.__module__]):
+            monkeypatch.setattr(owner, name, recorded(name, check))
     return calls
 
 
@@ -380,7 +388,8 @@ def test_fused_decoder_runs_norms_and_rotary_on_the_kernels(family, tmp_path, mo
     calls = _record_fused_kernels(remote, monkeypatch)
     ids = tiny_input_ids()
     _close(_logits(remote, ids), _logits(plain, ids))
-    assert sorted(calls) == [("rms_norm",)] * len(norms) + [("rotary",)] * len(layers)
+    kernels = [("rms_norm",), ("rms_norm_fits",)] * len(norms) + [("rotary",), ("rotary_fits",)] * len(layers)
+    assert sorted(calls) == sorted(kernels)  # every norm and rotary on the kernel, its arguments checked once
     calls.clear()
     logits = remote(ids).logits  # gradients recorded: transformers' modules, which have a backward
     assert calls == [] and logits.requires_grad
@@ -587,6 +596,20 @@ def test_compiled_decode_step_runs_the_kernel_in_one_graph(tmp_path):
     assert name != sys.modules["twell.gated_mlp"].op_name("gated_mlp")
     assert decode_ops.count(getattr(torch.ops.twell, name).default) == 1  # layer 0 only
     _close(compiled, expected)
+
+
+def test_the_runtime_is_what_the_modeling_file_runs():
+    """Every file a checkpoint carries is imported by the modeling file or generation.py, directly or through
+    another (flat beside them: relative imports of one level), and imports only files it carries."""
+    shipped = {path.stem: path for path in export.shipped_files(export.kernel_dir())}
+    reached, reading = set(), ["modeling_twell", "generation"]
+    while reading:
+        name = reading.pop()
+        if name not in reached:
+            reached.add(name)
+            reading += [node.module or alias.name for node in ast.walk(ast.parse(shipped[name].read_text()))
+                        if isinstance(node, ast.ImportFrom) and node.level == 1 for alias in node.names]
+    assert reached == set(shipped)
 
 
 def test_shipped_files_cite_nothing_outside_the_checkpoint():

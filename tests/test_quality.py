@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import load_benchmark, tiny_config, tiny_model, tiny_tokenizer
+from helpers import load_benchmark, tiny_config, tiny_input_ids, tiny_model, tiny_tokenizer
 
 
 def load_script():
@@ -143,6 +143,26 @@ def test_metrics_split_by_kind_and_the_original_agrees_with_itself(tmp_path):
             assert other["by_kind"][kind]["accuracy"] == pytest.approx((predicted == b[:, 1:]).float().mean().item())
             assert other["by_kind"][kind]["tokens"] == 16 * 63
     assert other["cross_entropy"] == pytest.approx(sum(k["cross_entropy"] for k in other["by_kind"].values()) / 2)
+
+
+def test_greedy_decodes_with_the_cache_what_whole_forward_passes_give():
+    """Each step after the prompt's feeds the model one token (the KV cache holds the rest), and the continuations
+    are the argmax of a whole forward pass over the prompt and the tokens so far, the end-of-text token included."""
+    metrics = load_script().metrics
+    model, _ = tiny_model("llama", seed=1)
+    model.eval()
+    prompts = tiny_input_ids(12, metrics.PROMPT_TOKENS)
+    fed = []
+    hook = model.register_forward_pre_hook(
+        lambda module, args, kwargs: fed.append((args[0] if args else kwargs["input_ids"]).shape[1]), with_kwargs=True)
+    with torch.no_grad():
+        cached = metrics.greedy(model, prompts, 8, "cpu")
+        hook.remove()
+        x = prompts
+        for _ in range(metrics.NEW_TOKENS):
+            x = torch.cat([x, model(x).logits[:, -1:].argmax(-1)], dim=1)
+    assert fed == [metrics.PROMPT_TOKENS, *[1] * (metrics.NEW_TOKENS - 1)] * 2  # two batches
+    assert torch.equal(cached, x[:, metrics.PROMPT_TOKENS:]) and (cached == model.config.eos_token_id).any()
 
 
 def test_a_corpus_without_document_kinds_fails_with_a_clear_message(tmp_path):

@@ -67,16 +67,16 @@ def scores(model, blocks, batch: int, device: str) -> dict:
 
 
 def greedy(model, prompts, batch: int, device: str):
-    """[prompts, NEW_TOKENS]: each prompt's greedy continuation (the argmax at each step, no end of text), each step
-    a whole forward pass over the prompt and the tokens so far (no cache: short, and the same on any version)."""
+    """[prompts, NEW_TOKENS]: each prompt's greedy continuation (the argmax at each step, no end of text: the
+    model's end-of-text token is a token like any other), decoded with the model's KV cache."""
     import torch
 
     out = []
     for i in range(0, len(prompts), batch):
         x = prompts[i:i + batch].to(device)
-        for _ in range(NEW_TOKENS):
-            x = torch.cat([x, model(x).logits[:, -1:].argmax(-1)], dim=1)
-        out.append(x[:, -NEW_TOKENS:].cpu())
+        generated = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=NEW_TOKENS,
+                                   eos_token_id=None, use_cache=True)
+        out.append(generated[:, x.shape[1]:].cpu())
     return torch.cat(out)
 
 

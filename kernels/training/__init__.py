@@ -1,7 +1,8 @@
 """The hybrid TwELL training kernels (hybrid.py; ell.py and backup.py hold the kernels, reference.py their
-reference). Training only: a converted checkpoint carries the runtime at the package's top level, never this
-folder."""
+reference), and `pack` (pack.py: the TwELL of a dense activation, which no runtime path runs). Not run by a
+converted model: a checkpoint carries the runtime at the package's top level, never this folder."""
 from .hybrid import HOT_RATE, hot_units, hybrid_gated_mlp
+from .pack import pack
 from .reference import HybridStats, hybrid_gated_mlp_reference
 
-__all__ = ["HOT_RATE", "HybridStats", "hot_units", "hybrid_gated_mlp", "hybrid_gated_mlp_reference"]
+__all__ = ["HOT_RATE", "HybridStats", "hot_units", "hybrid_gated_mlp", "hybrid_gated_mlp_reference", "pack"]

@@ -34,8 +34,8 @@ from .routing import ActivityRouter, eager, eager_dense, short_prefill
 from .generation import LoopUnsupported, generate_graphed, graphed_call, release_graphed
 from .layer_plan import LayerPlan, layer_plans
 from .reference import rms_norm_reference, rotary_reference
-from .rms_norm import rms_norm, rms_norm_fits
-from .rotary import rotary, rotary_fits
+from .rms_norm import rms_norm_fits, rms_norm_fitted
+from .rotary import rotary_fits, rotary_fitted
 
 BASE_MODEL = "transformers.models.llama.modeling_llama.LlamaForCausalLM"
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton reads it when the kernels are defined, too
@@ -198,14 +198,14 @@ def norm_forward(norm, form: str, eps: str, hidden_states):
     """A decoder RMSNorm's forward (installed on the module): the kernel where it serves the call, else the
     module's own."""
     if fused(hidden_states, norm.weight) and rms_norm_fits(hidden_states, norm.weight, form):
-        return rms_norm(hidden_states, norm.weight, getattr(norm, eps), form=form)
+        return rms_norm_fitted(hidden_states, norm.weight, getattr(norm, eps), form)
     return type(norm).forward(norm, hidden_states)
 
 
 def fused_rotary(apply_rotary, q, k, cos, sin, *args, **kwargs):
     """A family's apply_rotary_pos_emb (`apply_rotary`) on the kernel where it serves the call."""
     if not args and not kwargs and fused(q, k) and rotary_fits(q, k, cos, sin):
-        return rotary(q, k, cos, sin)
+        return rotary_fitted(q, k, cos, sin)
     return apply_rotary(q, k, cos, sin, *args, **kwargs)
 
 

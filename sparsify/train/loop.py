@@ -53,6 +53,7 @@ def train(
     show_progress: bool = True,
     evaluate: Callable[[torch.nn.Module], None] | None = None,
     inputs: dict | None = None,
+    before_training: dict | None = None,
     teacher: torch.nn.Module | None = None,
     report_to: list = (),
     logging_dir: str | Path | None = None,
@@ -65,7 +66,9 @@ def train(
     loads. `resume`: continue from the state in `resume_dir`, True to check it against this run here
     (check_resume), or the state that check_resume returned (convert checks it before reading any weight).
     `inputs` (JSON values; convert: the source model and the data) is saved with an interrupted
-    state, and a resumed run must give the same (check_resume). `teacher` (needed with `config.distill`): a
+    state, and a resumed run must give the same (check_resume). `before_training` (JSON values; convert: the
+    calibration's record) is saved with the state too, for a resumed run, which does not do that work again, to
+    report (the state check_resume returns holds it). `teacher` (needed with `config.distill`): a
     frozen model over the same vocabulary, moved to this process's device and run under the same autocast,
     whose next-token distributions the model is fitted to (convert passes a copy of the source model); under
     FSDP it stays whole on each process, its weights broadcast from the main one (which alone may have read
@@ -95,7 +98,7 @@ def train(
                                                   for k, v in asdict(config).items()},
                               init_kwargs={"tensorboard": {"purge_step": state.step + 1}} if saved else {})
     progress = progress_bar(show_progress and accelerator.is_main_process, run.total, state.step)
-    saver = Saver(run, resume_dir, inputs, run_name, progress, state.step)
+    saver = Saver(run, resume_dir, inputs, before_training, run_name, progress, state.step)
     try:
         with tracked(mlps, config.hybrid_max_nnz):
             _loop(run, state, stream, saver, progress)

@@ -18,8 +18,10 @@ class Saver:
     """Saves the training state to `resume_dir` (None: never): when the processes are asked to stop, every
     `save_every` steps, once `save_every_minutes` have passed since the last save, and on an error."""
 
-    def __init__(self, run: Run, resume_dir, inputs: dict | None, run_name: str, progress, step: int):
+    def __init__(self, run: Run, resume_dir, inputs: dict | None, before_training: dict | None, run_name: str,
+                 progress, step: int):
         self.run, self.resume_dir, self.inputs, self.progress = run, resume_dir, inputs, progress
+        self.before_training = before_training
         self.run_name = run_name  # the trackers' folder under logging_dir, which a resumed run keeps
         self.saved_step = step  # the step of the state in resume_dir, if any
         self.last_save = time.perf_counter()
@@ -35,7 +37,8 @@ class Saver:
         save_state(self.run.accelerator, self.resume_dir,
                    {"step": state.step, "batches": state.batches, "log": state.log,
                     "seconds": time.perf_counter() - state.started, "l1_reference": state.l1_reference,
-                    "processes": self.run.world, "inputs": self.inputs, "run_name": self.run_name},
+                    "processes": self.run.world, "inputs": self.inputs, "before_training": self.before_training,
+                    "run_name": self.run_name},
                    state.last_fired, self.run.config,
                    state.data_position)
         self.saved_step, state.settled = state.step, True

@@ -1,16 +1,17 @@
-"""`pack`: the TwELL (format.py) of a dense activation, by a Triton kernel whose programs each pack one
-[16 rows, T] tile with the gate kernel's packing epilogue (epilogues.pack_store). Reference:
-reference.pack_reference, which CPU tensors without the Triton interpreter take."""
+"""`pack`: the TwELL (the runtime's format.py) of a dense activation, by a Triton kernel whose programs each pack
+one [16 rows, T] tile with the gate kernel's packing epilogue (the runtime's epilogues.pack_store). No runtime path
+runs it (the gate kernels pack in their epilogue), so no checkpoint carries it: the tests pack with it. Reference:
+the runtime's reference.pack_reference, which CPU tensors without the Triton interpreter take."""
 import torch
 
-from .format import TwELL, empty_twell, on_device, use_triton
-from .reference import pack_reference
+from ..format import TwELL, empty_twell, on_device, use_triton
+from ..reference import pack_reference
 
 try:
     import triton
     import triton.language as tl
 
-    from .epilogues import pack_store
+    from ..epilogues import pack_store
 except ImportError:  # CPU-only machines run the reference path
     triton = None
 
