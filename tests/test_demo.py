@@ -17,9 +17,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def demo_sparse(tmp_path_factory):
-    """The demo converted for two steps into a folder named as the README names it."""
+    """The demo converted for two steps into a folder named as the README names it, its held-out figures on the
+    first 8,192 tokens of the held-out text."""
     out = tmp_path_factory.mktemp("demo") / "demo-sparse"
-    result = CliRunner().invoke(main, ["convert", "demo", "-o", str(out), "--steps", "2", "--batch-size", "4"])
+    result = CliRunner().invoke(main, ["convert", "demo", "-o", str(out), "--steps", "2", "--batch-size", "4",
+                                       "--eval-tokens", "8192"])
     assert result.exit_code == 0, result.output
     return out
 
@@ -48,24 +50,32 @@ def test_readme_use_of_the_result_runs_as_written(demo_sparse, monkeypatch, caps
 
 def test_lm_eval_runs_a_converted_checkpoint(demo_sparse, monkeypatch):
     """What `lm_eval run --model hf --model_args pretrained=demo-sparse,trust_remote_code=True --include_path
-    tests/eval_task --tasks sparsify_demo_next_line` runs, on 16 of the local task's questions: the checkpoint's
-    own modeling file, scoring as the plain dense load of the same weights does."""
+    tests/eval_task --tasks sparsify_demo_next_line` runs, on the local task's first question (four choices of
+    other lengths, in one padded batch; on the CPU the checkpoint's norms and rotary run through the Triton
+    interpreter, a program a token): the checkpoint's own modeling file, scoring every choice as the plain dense
+    load of the same weights does."""
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
     monkeypatch.chdir(ROOT)  # the task's data path is relative to the repository, where the README runs it
-    tasks = TaskManager(include_path=str(ROOT / "tests" / "eval_task"))
-    scores = {}
+    # the local task alone: not the index of lm-eval's own thousands of task files, which its command reads too
+    tasks = TaskManager(include_path=str(ROOT / "tests" / "eval_task"), include_defaults=False)
+    task = "sparsify_demo_next_line"
+    scores, choices = {}, {}
     for remote in (True, False):
         model = HFLM(pretrained=str(demo_sparse), trust_remote_code=remote, batch_size=16, device="cpu")
         assert (type(model.model).__name__ == "TwellForCausalLM") is remote
-        evaluated = simple_evaluate(model=model, tasks=["sparsify_demo_next_line"], limit=16, task_manager=tasks)
-        assert evaluated["n-samples"]["sparsify_demo_next_line"]["effective"] == 16
-        scores[remote] = evaluated["results"]["sparsify_demo_next_line"]
+        evaluated = simple_evaluate(model=model, tasks=[task], limit=1, task_manager=tasks)
+        assert evaluated["n-samples"][task]["effective"] == 1
+        scores[remote] = evaluated["results"][task]
+        [sample] = evaluated["samples"][task]
+        choices[remote] = [likelihood for likelihood, _ in sample["filtered_resps"]]
     assert 0 <= scores[True]["acc,none"] <= 1
     assert scores[True]["acc,none"] == scores[False]["acc,none"]  # the same logits both ways
     assert scores[True]["acc_norm,none"] == scores[False]["acc_norm,none"]
+    # each choice's log-likelihood, as the dense load gives it (fp32 sums in another order)
+    assert len(choices[True]) == 4 and choices[True] == pytest.approx(choices[False], rel=1e-5)
 
 
 def test_demo_generates_the_same_text_at_every_call():

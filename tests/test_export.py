@@ -221,14 +221,15 @@ def test_batched_calls_follow_the_activity_router(tmp_path, monkeypatch):
     monkeypatch.setattr(module.ActivityRouter, "PROBE_EVERY", 3)
     monkeypatch.setattr(module.ActivityRouter, "loses",
                         lambda self, *measured: verdicts.append(measured) or True)
-    ids = tiny_input_ids(length=40)  # 80 tokens: past the decode rows, where the kernels count activity
+    ids = tiny_input_ids(1, 65)  # past the 64 decode rows, where the kernels count activity; rows 0 and 64 sampled
+    short = tiny_input_ids(2, 5)  # the calls after the window, each routed by the window's verdict
     mlp = remote.model.layers[0].mlp
     inputs = []
     mlp.register_forward_pre_hook(lambda _, args: inputs.append(args[0].detach().clone()))
-    expected = _logits(model, ids)
     window = module.ActivityRouter.WINDOW
-    for _ in range(window + 3 + 1):
-        _close(_logits(remote, ids), expected)
+    for call in range(window + 3 + 1):
+        x = ids if call < window else short
+        _close(_logits(remote, x), _logits(model, x))
     assert len(calls) == window + 1  # a window on the kernels, three dense calls, the kernels again
     counter = torch.zeros(4, dtype=torch.int64)
     for x in inputs[:window]:

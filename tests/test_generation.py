@@ -320,25 +320,28 @@ def test_the_loop_goes_with_the_model():
         gc.enable()
 
 
-def converted_checkpoint(tmp_path):
-    """A converted checkpoint planned dense: the routing of generate, not the kernels (tested above), is
-    what these tests check, and the kernels under the interpreter make every step slow."""
+def converted_checkpoint(tmp_path, monkeypatch):
+    """A converted checkpoint planned dense, its norms and rotary on transformers' modules too (its modeling file
+    answering as where Triton is missing): the routing of generate, not the kernels (the test above and
+    test_export.py's), is what these tests check, and the kernels under the interpreter make every step slow."""
     model, tokenizer = tiny_model("llama")
     relufy(model)
     dense = [LayerPlan()] * model.config.num_hidden_layers
     out = export_checkpoint(model, tokenizer, tmp_path / "ckpt", spec=spec_for(model.config), plan=dense,
                             training=TRAINING)
-    return AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval(), tokenizer, out
+    remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    monkeypatch.setattr(sys.modules[type(remote).__module__], "use_triton", lambda x: False)
+    return remote, tokenizer, out
 
 
-def test_generate_takes_the_loop_where_the_call_fits_and_falls_back_elsewhere(tmp_path):
+def test_generate_takes_the_loop_where_the_call_fits_and_falls_back_elsewhere(tmp_path, monkeypatch):
     """model.generate on a converted checkpoint: greedy and max_length calls run the graphed loop with
     transformers' tokens (a static cache with the loop's compiled step); beam search, a logits processor,
     returned dicts, right padding, other caches and graphed=False go to
     transformers' generate unchanged. Moving or casting the model frees the loop, before the weights move."""
     from transformers import LogitsProcessorList, TemperatureLogitsWarper
 
-    remote, _, _ = converted_checkpoint(tmp_path)
+    remote, _, _ = converted_checkpoint(tmp_path, monkeypatch)
     ids = tiny_input_ids(2, 6)
     plain = lambda **kw: remote.generate(ids, graphed=False, **{"eos_token_id": None, "pad_token_id": 0, **kw})  # noqa: E731
     fast = remote.generate(ids, max_new_tokens=12, eos_token_id=None, pad_token_id=0)
@@ -421,12 +424,12 @@ def test_generate_takes_the_loop_where_the_call_fits_and_falls_back_elsewhere(tm
     assert remote._decode_loop.loop is None
 
 
-def test_unset_settings_take_transformers_defaults_and_the_model_pickles(tmp_path):
+def test_unset_settings_take_transformers_defaults_and_the_model_pickles(tmp_path, monkeypatch):
     """A generate call that sets no length or top_k runs as transformers' generate would (its global defaults:
     20 new tokens, top_k 50), through the loop; the loaded class is the module's own, so models pickle."""
     import pickle
 
-    remote, _, out = converted_checkpoint(tmp_path)
+    remote, _, out = converted_checkpoint(tmp_path, monkeypatch)
     ids = tiny_input_ids(2, 6)
     call = graphed_call(remote, ids, dict(do_sample=True))
     assert call["max_new_tokens"] == 20 and call["top_k"] == 50 and call["temperature"] == 1.0
@@ -442,10 +445,10 @@ def test_unset_settings_take_transformers_defaults_and_the_model_pickles(tmp_pat
     assert torch.equal(copied(ids).logits, remote(ids).logits)
 
 
-def test_generate_streams_and_serves_the_text_generation_pipeline(tmp_path):
+def test_generate_streams_and_serves_the_text_generation_pipeline(tmp_path, monkeypatch):
     from transformers import TextStreamer, pipeline
 
-    remote, tokenizer, path = converted_checkpoint(tmp_path)
+    remote, tokenizer, path = converted_checkpoint(tmp_path, monkeypatch)
     ids = tiny_input_ids(1, 6)
 
     class Collect(TextStreamer):

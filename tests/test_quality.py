@@ -5,6 +5,7 @@ report and plots; and its stages on their own: the pretraining's resume, the met
 figures at toy size mean nothing; the tests keep the script from rotting and check what the report must hold."""
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,24 @@ def load_script():
     return load_benchmark("quality/convert_quality.py")
 
 
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """A --toy work folder after its first two stages (corpus, tokenizer and pretrained base), made once by
+    prepare(), which main() runs first: each test that goes on from there works on its own copy (prepared_work)."""
+    quality = load_script()
+    work = tmp_path_factory.mktemp("quality") / "work"
+    quality.prepare(quality.arguments(["--toy", "--work", str(work)]))
+    return work
+
+
+def prepared_work(prepared, tmp_path, monkeypatch) -> Path:
+    """A copy of the prepared folder (file times kept); the conversions it goes on to run in their own processes
+    train as the documented --toy command does on a CPU, without the Triton interpreter that conftest turns on
+    (there a sparse enough layer would train on the hybrid kernels, which test_hybrid_routing.py checks)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    return Path(shutil.copytree(prepared, tmp_path / "work"))
+
+
 def test_held_out_split_is_disjoint_and_independent_of_order():
     quality = load_script()
     keys = [key for key, _ in quality.corpus.source_files(packages=False)]
@@ -27,10 +46,11 @@ def test_held_out_split_is_disjoint_and_independent_of_order():
     assert 0 < sum(held[:200]) < 200
 
 
-def test_toy_pipeline_end_to_end(tmp_path):
+def test_toy_pipeline_end_to_end(prepared, tmp_path, monkeypatch):
     quality = load_script()
     report = tmp_path / "quality.json"
-    result = quality.main(["--toy", "--work", str(tmp_path / "work"), "--json", str(report)])
+    work = prepared_work(prepared, tmp_path, monkeypatch)
+    result = quality.main(["--toy", "--work", str(work), "--json", str(report)])
 
     corpus = tmp_path / "work/corpus"
     train = {json.loads(line)["text"] for line in open(corpus / "train.jsonl")}
@@ -77,9 +97,9 @@ def test_toy_pipeline_end_to_end(tmp_path):
     assert again["conversions"] == result["conversions"]
 
 
-def test_budget_curve_runs_every_setting_and_the_control_at_every_share(tmp_path):
+def test_budget_curve_runs_every_setting_and_the_control_at_every_share(prepared, tmp_path, monkeypatch):
     quality = load_script()
-    work, report = tmp_path / "work", tmp_path / "budget.json"
+    work, report = prepared_work(prepared, tmp_path, monkeypatch), tmp_path / "budget.json"
     result = quality.main(["--toy", "--work", str(work), "--json", str(report), "--runs", "l1=3.5,swap_steps=3",
                            "--convert-share", "0.25", "0.1", "--jobs", "2", "--no-metrics"])
     large, small = result["conversions"]
@@ -204,9 +224,9 @@ def test_pretraining_reads_epochs_and_resumes_bit_for_bit(tmp_path, monkeypatch)
     assert weights.keys() == again.keys() and all(torch.equal(weights[k], again[k]) for k in weights)
 
 
-def test_pipeline_pretraining_stops_and_resumes_to_the_same_base(tmp_path):
+def test_pipeline_pretraining_stops_and_resumes_to_the_same_base(prepared, tmp_path):
     quality = load_script()
-    whole = quality.prepare(quality.arguments(["--toy", "--work", str(tmp_path / "whole")]))[1]
+    whole = json.loads((prepared / "pretrain.json").read_text())  # the pretraining in one go
     paused = quality.arguments(["--toy", "--work", str(tmp_path / "paused"), "--pretrain-stop-after", "7"])
     with pytest.raises(quality.pretrain.PretrainingPaused):
         quality.prepare(paused)
@@ -218,7 +238,7 @@ def test_pipeline_pretraining_stops_and_resumes_to_the_same_base(tmp_path):
     assert [e["valid_loss"] for e in resumed["curve"]] == [e["valid_loss"] for e in whole["curve"]]
     assert resumed["epochs"] == whole["epochs"] > 0 and resumed["steps"] == whole["steps"] == 20
     assert not any((tmp_path / "paused" / name).exists() for name in ("pretrain_state.pt", "pretrain_tokens.pt"))
-    weights, again = (load_file(tmp_path / f"{run}/base/model.safetensors") for run in ("whole", "paused"))
+    weights, again = (load_file(work / "base/model.safetensors") for work in (prepared, tmp_path / "paused"))
     assert all(torch.equal(weights[k], again[k]) for k in weights)
 
 
