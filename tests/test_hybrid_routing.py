@@ -83,7 +83,7 @@ def test_busy_units_of_hybrid_layers_run_as_dense_columns():
     mlps = relufy(model)
     with torch.no_grad():  # layer 0: at most 20 active units of 160, each in far more than 1.3% of tokens
         mlps[0].gate_proj.weight[20:] = 0
-    log = train(model, mlps, batches_from(), config(steps=3, l1=0.0, hybrid_below=50, hybrid_max_nnz=4),
+    log = train(model, mlps, batches_from(), config(steps=2, l1=0.0, hybrid_below=50, hybrid_max_nnz=4),
                 device="cpu", show_progress=False).log
     hot = [[l["hot_units"] for l in e["layers"]] for e in log]
     backup = [[l["backup_rows"] for l in e["layers"]] for e in log]
@@ -103,11 +103,11 @@ def test_training_on_the_hybrid_kernels_matches_dense(hot_rate):
     hybrid = copy.deepcopy(dense)
     runs = []
     for model, below in ((dense, 0), (hybrid, 1e9)):  # 1e9: every layer hybrid from step 2 on
-        runs.append(train(model, relufy(model), batches_from(), config(hybrid_below=below, hybrid_max_nnz=16,
-                                                                       hybrid_hot_rate=hot_rate),
+        runs.append(train(model, relufy(model), batches_from(), config(steps=3, hybrid_below=below,
+                                                                       hybrid_max_nnz=16, hybrid_hot_rate=hot_rate),
                           device="cpu", show_progress=False).log)
     dense_log, hybrid_log = runs
-    assert [[l["path"] for l in e["layers"]] for e in hybrid_log] == [["dense"] * 2] + [["hybrid"] * 2] * 3
+    assert [[l["path"] for l in e["layers"]] for e in hybrid_log] == [["dense"] * 2] + [["hybrid"] * 2] * 2
     backup = [l["backup_rows"] for e in hybrid_log[1:] for l in e["layers"]]
     hot = [l["hot_units"] for e in hybrid_log[1:] for l in e["layers"]]
     if hot_rate == 1.0:
@@ -138,15 +138,15 @@ def test_resume_continues_on_the_paths_chosen_before_the_interrupt(tmp_path):
             mlps[0].gate_proj.weight[20:] = 0
         return model, mlps
 
-    cfg = config(steps=4, hybrid_below=50, hybrid_max_nnz=4)
+    cfg = config(steps=3, hybrid_below=50, hybrid_max_nnz=4)
     straight, mlps = sparse_layer0()
     expected = train(straight, mlps, batches_from(), cfg, device="cpu", show_progress=False).log
     interrupted, mlps = sparse_layer0()
-    with pytest.raises(TrainingInterrupted):
-        train(interrupted, mlps, acting_at(2, interrupt), cfg, resume_dir=tmp_path / "r", device="cpu", show_progress=False)
+    with pytest.raises(TrainingInterrupted, match="interrupted at step 2 of 3"):  # its step 2 on the hybrid path
+        train(interrupted, mlps, acting_at(1, interrupt), cfg, resume_dir=tmp_path / "r", device="cpu", show_progress=False)
     resumed, mlps = sparse_layer0(seed=1)  # every weight comes back from the saved state
     log = train(resumed, mlps, batches_from(), cfg, resume_dir=tmp_path / "r", resume=True, device="cpu", show_progress=False).log
     assert [[l["path"] for l in e["layers"]] for e in log] == [[l["path"] for l in e["layers"]] for e in expected]
-    assert [e["layers"][0]["path"] for e in log] == ["dense", "hybrid", "hybrid", "hybrid"]
+    assert [e["layers"][0]["path"] for e in log] == ["dense", "hybrid", "hybrid"]
     for (name, a), b in zip(straight.named_parameters(), resumed.parameters()):
         torch.testing.assert_close(b, a, msg=name)
