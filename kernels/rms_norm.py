@@ -3,9 +3,8 @@ the input dtype.
 
 transformers' module runs the norm as about seven kernels (casts, square, mean, rsqrt, two products): at decode
 size each is a launch, in a prefill a pass over the activations. One program here normalizes ROWS rows held in
-registers. The two forms follow their
-modules' op order (FORMS), so that the outputs differ from transformers' only where the fp32 sum of squares
-adds in another order. reference.rms_norm_reference is that op order in PyTorch."""
+registers. The two forms follow their modules' op order (FORMS), so that the outputs differ from transformers'
+only where the fp32 sum of squares adds in another order. reference.rms_norm_reference is that op order in PyTorch."""
 import torch
 
 from .format import cdiv, on_device, use_triton

@@ -1,11 +1,11 @@
 """Rotary position embedding of the query and key heads in one launch, inference only.
 
 transformers' apply_rotary_pos_emb computes q * cos + rotate_half(q) * sin and the same for k: about ten
-elementwise kernels a layer (products, a negation, a concatenation, sums), each a launch at decode size.
-One program here rotates every head of one token's q or k, each product and sum
-rounded to the input dtype as there, so the outputs are equal bit for bit. reference.rotary_reference is that
-op order in PyTorch. The launch turns off Triton's contraction of a product and a sum into one fused multiply-add,
-which would skip the product's rounding (the compiler sees through the casts between them)."""
+elementwise kernels a layer (products, a negation, a concatenation, sums), each a launch at decode size. One
+program here rotates every head of one token's q or k, each product and sum rounded to the input dtype as there,
+so the outputs are equal bit for bit. reference.rotary_reference is that op order in PyTorch. The launch turns off
+Triton's contraction of a product and a sum into one fused multiply-add, which would skip the product's rounding
+(the compiler sees through the casts between them)."""
 import torch
 
 from .format import on_device, use_triton
