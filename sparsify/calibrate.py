@@ -7,6 +7,12 @@ training text up to that layer's MLP, keeps the MLP's input and output rows, and
 gate, up and down projections) to those outputs with Adam on the relative squared error. Every layer's inputs are
 the source's, so the fits are independent, and only one layer's rows are held at a time. The weights keep their
 names and shapes: the checkpoint's layout does not change.
+
+With a target sparsity (--calibrate-sparsity) the fit also sparsifies: the layer's L1 (the training's penalty,
+relative to its value at the fit's start) joins the loss with a weight that rises while more units fire than the
+target allows and falls while fewer do, a multiplier adjusted each step as in constrained optimization. A layer can
+take many such steps on its own rows without moving the rest of the model, which a short conversion's training
+steps cannot.
 """
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ from dataclasses import asdict, dataclass
 from typing import Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .families import mlp_modules, spec_for
@@ -24,12 +31,18 @@ from .relufy import ReluGatedMLP, original_mlps
 from .report import console
 
 ROWS_PER_STEP = 4096  # token rows a step: enough that a step's error is close to the whole set's
+# The L1 weight's adjustment: each step it is multiplied by exp(RATE * log(active / target)), the log clamped to
+# [-1, 1], so that it moves by at most e^RATE a step and settles where the layer meets its target.
+L1_WEIGHT_START = 1e-2
+L1_WEIGHT_RATE = 0.05
 
 
 @dataclass
 class LayerFit:
     before: float  # relative squared error of the ReLU MLP against the source's on the captured rows
     after: float
+    active: float  # mean units a row whose gate fires, after the fit
+    l1_swap: float  # the ReLU MLP's L1 a row before the fit (the swapped model's)
 
 
 @dataclass
@@ -37,12 +50,20 @@ class CalibrationResult:
     tokens: int
     steps: int
     lr: float
+    sparsity: float  # the target share of units that do not fire (0: a dense fit)
     seconds: float
     layers: list[LayerFit]
 
+    @property
+    def l1_reference(self) -> float:
+        """The swapped model's L1 term (the mean over layers of each MLP's L1 a token) before calibration: the
+        reference of a relative L1 coefficient, so that it means the same pressure with or without calibration."""
+        return sum(fit.l1_swap for fit in self.layers) / len(self.layers)
+
     def record(self) -> dict:
         """The training record's entry (config.json's twell.training and training_log.json)."""
-        return {"tokens": self.tokens, "steps": self.steps, "lr": self.lr, "seconds": round(self.seconds, 1),
+        return {"tokens": self.tokens, "steps": self.steps, "lr": self.lr, "sparsity": self.sparsity,
+                "seconds": round(self.seconds, 1), "l1_reference": self.l1_reference,
                 "layers": [{k: round(v, 5) for k, v in asdict(fit).items()} for fit in self.layers]}
 
 
@@ -100,49 +121,76 @@ def squared_error_ratio(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor
     return (out.float() - target).square().sum() / target.square().sum().clamp_min(1e-30)
 
 
-def fit_error(mlp: nn.Module, x: torch.Tensor, y: torch.Tensor, chunk: int = 16384) -> float:
-    """squared_error_ratio of mlp(x) against y over all rows, in chunks."""
+def fit_figures(mlp: ReluGatedMLP, x: torch.Tensor, y: torch.Tensor, chunk: int = 16384) -> tuple[float, float, float]:
+    """Over all rows, in chunks: squared_error_ratio of mlp(x) against y, the mean units a row whose gate fires,
+    and the mean L1 of a row (the sum over units of |relu(gate) * up|, the training's penalty)."""
+    err = active = l1 = 0.0
     with torch.no_grad(), compute(x.device):
-        err = sum(float((mlp(xc).float() - yc.float()).square().sum()) for xc, yc in zip(x.split(chunk), y.split(chunk)))
-        return err / max(float(y.float().square().sum()), 1e-30)
+        for xc, yc in zip(x.split(chunk), y.split(chunk)):
+            gate, up = mlp.gate_up(xc)
+            h = F.relu(gate) * up
+            active += float((gate > 0).sum())
+            l1 += float(h.abs().sum(dtype=torch.float32))
+            err += float((getattr(mlp, mlp.spec.down)(h).float() - yc.float()).square().sum())
+    return err / max(float(y.float().square().sum()), 1e-30), active / len(x), l1 / len(x)
 
 
 def fit_layer(mlp: ReluGatedMLP, x: torch.Tensor, y: torch.Tensor, steps: int, lr: float,
-              generator: torch.Generator) -> LayerFit:
+              generator: torch.Generator, sparsity: float = 0.0) -> LayerFit:
     """Fits `mlp`'s parameters to y = source_mlp(x) by `steps` Adam steps (lr cosine from `lr` to 0), each on
-    ROWS_PER_STEP rows drawn at random."""
-    before = fit_error(mlp, x, y)
+    ROWS_PER_STEP rows drawn at random; with `sparsity` > 0 under an L1 penalty whose weight steers the share of
+    units that do not fire towards it (module docstring)."""
+    before, _, l1_swap = fit_figures(mlp, x, y)
     params = [p for p in mlp.parameters() if p.requires_grad]
     optimizer = torch.optim.Adam(params, lr=lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / steps)))
-    for _ in range(steps):
-        rows = torch.randint(len(x), (min(ROWS_PER_STEP, len(x)),), generator=generator).to(x.device)
-        with compute(x.device):
-            out = mlp(x[rows])
-        loss = squared_error_ratio(out, y[rows])
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-    for p in params:
-        p.grad = None
-    return LayerFit(before, fit_error(mlp, x, y))
+    target = (1 - sparsity) * mlp.weights()[0].shape[0]  # firing units a row allowed
+    weight, reference = L1_WEIGHT_START, None
+    tracked, mlp.track = mlp.track, sparsity > 0
+    try:
+        for _ in range(steps):
+            rows = torch.randint(len(x), (min(ROWS_PER_STEP, len(x)),), generator=generator).to(x.device)
+            with compute(x.device):
+                out = mlp(x[rows])
+            loss = squared_error_ratio(out, y[rows])
+            if sparsity:
+                l1, active = mlp.stats.l1, float(mlp.stats.active)
+                reference = reference or max(float(l1.detach()), 1e-12)
+                loss = loss + weight * l1 / reference
+                weight *= math.exp(L1_WEIGHT_RATE * max(-1.0, min(1.0, math.log(max(active, 1e-3) / target))))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+    finally:
+        mlp.track, mlp.stats = tracked, None
+        for p in params:
+            p.grad = None
+    after, active, _ = fit_figures(mlp, x, y)
+    return LayerFit(before, after, active, l1_swap)
 
 
 def calibrate(model: nn.Module, mlps: list[ReluGatedMLP], blocks: list[torch.Tensor], steps: int, lr: float,
-              seed: int = 0, shown: bool = True) -> CalibrationResult:
+              seed: int = 0, shown: bool = True, sparsity: float = 0.0) -> CalibrationResult:
     """Fits each of `mlps` (the relufied `model`'s, in layer order) to the source's MLP on `blocks`, one layer at
-    a time; the other parameters are left as they are."""
+    a time, towards `sparsity` (0: a dense fit); the other parameters are left as they are. The result lists the
+    layers in order."""
     started = time.perf_counter()
     generator = torch.Generator().manual_seed(seed)
-    fits = []
-    for layer, mlp in enumerate(mlps):
+    fits = {}
+    # Last layer first: the source's MLPs share their projections with the ReLU MLPs, so a layer's source inputs
+    # are the source's only while the layers below it are not fitted yet.
+    for layer in reversed(range(len(mlps))):
+        mlp = mlps[layer]
         x, y = source_rows(model, blocks, layer)
-        with console.status(f"calibrating layer {layer + 1}/{len(mlps)}") if shown else nullcontext():
-            fits.append(fit_layer(mlp, x, y, steps, lr, generator))
+        with console.status(f"calibrating layer {layer + 1} of {len(mlps)}") if shown else nullcontext():
+            fits[layer] = fit = fit_layer(mlp, x, y, steps, lr, generator, sparsity)
         del x, y
         if shown:
-            console.print(f"calibrated layer {layer + 1}/{len(mlps)}: relative error of its MLP "
-                          f"{fits[-1].before:.4f} -> {fits[-1].after:.4f}")
+            units = mlp.weights()[0].shape[0]
+            console.print(f"calibrated layer {layer + 1} of {len(mlps)}: relative error of its MLP "
+                          f"{fit.before:.4f} -> {fit.after:.4f}, {fit.active:.1f} of {units} units "
+                          f"active ({1 - fit.active / units:.2%} sparse)")
     tokens = sum(block.numel() for block in blocks)
-    return CalibrationResult(tokens, steps, lr, time.perf_counter() - started, fits)
+    return CalibrationResult(tokens, steps, lr, sparsity, time.perf_counter() - started,
+                             [fits[layer] for layer in range(len(mlps))])

@@ -120,6 +120,10 @@ class TrainConfig:
         "again."))
     calibrate_lr: float | None = _setting(None, "Peak learning rate of calibration (Adam, cosine to 0).",
                                           unset="--lr")
+    calibrate_sparsity: float = _setting(0.0, (
+        "Calibration's target share of each layer's units that do not fire for a token (such as 0.99): the fit "
+        "adds the L1 penalty with a weight steered to reach it, so that training starts sparse. 0: a dense fit."),
+        metavar="SHARE")
     save_every_minutes: float = _setting(30.0, (
         "Also save the training state to OUT.resume/ when this many minutes have passed since the start or the "
         "last save (0: off), so that a crash or a killed job loses at most that much."), metavar="MINUTES")
@@ -200,6 +204,10 @@ class TrainConfig:
             bad(f"mlp-lr must be in (0, 1], got {self.mlp_lr}")
         if self.calibrate_lr is not None and not 0 < self.calibrate_lr <= 1:
             bad(f"calibrate-lr must be in (0, 1], got {self.calibrate_lr}")
+        if not 0 <= self.calibrate_sparsity < 1:
+            bad(f"calibrate-sparsity must be in [0, 1) (a share of units, such as 0.99), got {self.calibrate_sparsity}")
+        if self.calibrate_sparsity and not self.calibrate_steps:
+            bad("calibrate-sparsity sets the calibration's target: set --calibrate-steps too")
         if self.calibrate_steps and (_percent(self.swap_steps) if isinstance(self.swap_steps, str) else self.swap_steps):
             bad(f"calibrate-steps fits the ReLU MLPs before training, so the swap is done when training starts: set "
                 f"--swap-steps 0 (it is {self.swap_steps})")

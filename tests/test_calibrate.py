@@ -1,11 +1,13 @@
 """Calibration (--calibrate-steps): each ReLU MLP fitted to the source's MLP on the source's own inputs, before
 training; the settings it refuses; through the command line, and skipped by a resumed run, which reports the saved record."""
 import json
+import re
 
 import pytest
 import torch
 
 from helpers import interrupt, on_read, tiny_input_ids, tiny_model
+from sparsify import calibrate as calibrate_module
 from sparsify import convert as convert_module
 from sparsify import data as data_module
 from sparsify.calibrate import calibrate, calibration_blocks, source_rows
@@ -42,6 +44,40 @@ def test_calibration_fits_every_mlp_and_nothing_else():
     assert [m.__class__.__name__ for m in relufy(model)] == ["ReluGatedMLP"] * len(mlps)  # still relufied
 
 
+def test_every_layer_is_fitted_on_the_untouched_sources_rows(monkeypatch):
+    model, _ = tiny_model("llama", num_hidden_layers=3)
+    blocks = [tiny_input_ids(4, 32)]
+    mlps = relufy(model)
+    source = [source_rows(model, blocks, layer) for layer in range(3)]  # before any fit
+    fitted = {}
+    fit_layer = calibrate_module.fit_layer
+
+    def keep_rows(mlp, x, y, *args):
+        fitted[mlps.index(mlp)] = (x, y)
+        return fit_layer(mlp, x, y, *args)
+
+    monkeypatch.setattr(calibrate_module, "fit_layer", keep_rows)
+    calibrate(model, mlps, blocks, steps=20, lr=3e-2, shown=False)
+    for layer, (x, y) in enumerate(source):
+        assert torch.equal(fitted[layer][0], x) and torch.equal(fitted[layer][1], y), layer
+
+
+def test_sparse_calibration_reaches_its_target_where_the_dense_fit_does_not():
+    model, _ = tiny_model("llama")
+    blocks = [tiny_input_ids(4, 32, seed=s) for s in range(2)]
+    dense = calibrate(model, relufy(model), blocks, steps=300, lr=3e-3, shown=False)
+    model, _ = tiny_model("llama")
+    sparse = calibrate(model, relufy(model), blocks, steps=300, lr=3e-3, shown=False, sparsity=0.9)
+    units = model.config.intermediate_size
+    assert sparse.record()["sparsity"] == 0.9 and dense.record()["sparsity"] == 0.0
+    for fit_dense, fit_sparse in zip(dense.layers, sparse.layers):
+        assert fit_dense.active > 0.3 * units, fit_dense  # a dense fit leaves about half the units firing
+        assert 0.05 * units < fit_sparse.active <= 0.12 * units, fit_sparse  # the target: 10% firing, give or take
+        assert fit_sparse.after < fit_sparse.before, fit_sparse  # and it still fits the source
+        assert fit_sparse.l1_swap == pytest.approx(fit_dense.l1_swap)  # the same swapped model's L1 before
+    assert sparse.l1_reference == pytest.approx(sum(fit.l1_swap for fit in sparse.layers) / len(sparse.layers))
+
+
 def test_calibration_blocks_take_whole_batches_up_to_the_tokens():
     batches = iter([torch.zeros(2, 8, dtype=torch.long)] * 10)
     assert len(calibration_blocks(batches, 17)) == 2 and len(calibration_blocks(batches, 16)) == 1
@@ -53,11 +89,13 @@ def test_calibration_blocks_take_whole_batches_up_to_the_tokens():
     ({"calibrate_steps": -1}, None, "calibrate-steps must be an integer >= 0"),
     ({"calibrate_tokens": 0}, None, "calibrate-tokens must be a positive integer"),
     ({"calibrate_lr": 2.0}, None, "calibrate-lr must be in (0, 1]"),
+    ({"calibrate_sparsity": 1.0}, None, "calibrate-sparsity must be in [0, 1)"),
+    ({"calibrate_sparsity": 0.99, "calibrate_steps": 0}, None, "set --calibrate-steps too"),
     ({}, 2, "calibrate-steps runs on one process, not 2"),
 ])
 def test_impossible_calibration_settings(settings, world, message):
     config = TrainConfig.from_dict({"steps": 100, "calibrate_steps": 10, **settings})
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         config.validate(world=world)
 
 
@@ -66,15 +104,18 @@ def test_convert_calibrates_and_records_it(files, tmp_path):
     # --no-hybrid: the calibrated layers are sparse enough for the hybrid kernels, which would train through the
     # interpreter here (test_hybrid_routing.py checks them; the calibration is what this test is about)
     result = convert(files, "llama", out, "--calibrate-steps", 20, "--calibrate-tokens", 64, "--calibrate-lr", 3e-3,
-                     "--no-hybrid")
+                     "--no-hybrid", "--l1-relative", "--l1", 3.5)
     assert result.exit_code == 0, result.output
     training = json.loads((out / "training_log.json").read_text())["training"]
     calibration = training["calibration"]
     assert calibration["tokens"] == 64 and calibration["steps"] == 20 and calibration["lr"] == 3e-3
     assert len(calibration["layers"]) == 2 and all(l["after"] < l["before"] for l in calibration["layers"])
+    # the relative L1's reference is the swapped model's L1, measured by calibration before it changed the MLPs
+    log = json.loads((out / "training_log.json").read_text())["log"]
+    assert log[0]["l1_reference"] == calibration["l1_reference"] > 0
     ppl = training["perplexity"]
     assert list(ppl) == ["original", "after swap", "after calibration", "after training"]
-    assert "after calibration" in result.output and "calibrated layer 2/2" in result.output
+    assert "after calibration" in result.output and "calibrated layer 2 of 2" in result.output
 
 
 def test_a_resumed_conversion_reports_the_calibration_without_calibrating_again(files, tmp_path, monkeypatch):

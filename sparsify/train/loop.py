@@ -54,6 +54,7 @@ def train(
     evaluate: Callable[[torch.nn.Module], None] | None = None,
     inputs: dict | None = None,
     before_training: dict | None = None,
+    l1_reference: float | None = None,
     teacher: torch.nn.Module | None = None,
     report_to: list = (),
     logging_dir: str | Path | None = None,
@@ -88,7 +89,8 @@ def train(
         with torch.no_grad():
             evaluate(run.model)
         run.model.train()
-    state = RunState(time.perf_counter()) if saved is None else RunState.resumed(accelerator, resume_dir, saved)
+    state = RunState(time.perf_counter(), l1_reference=l1_reference) if saved is None else \
+        RunState.resumed(accelerator, resume_dir, saved)
     stream = batches(state.batches, accelerator.process_index, run.world)
     if saved is not None and (position := load_data_position(resume_dir)) is not None:
         stream.load_state_dict(position)

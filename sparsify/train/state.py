@@ -61,7 +61,7 @@ class RunState:
     step: int = 0
     batches: int = 0  # read over all processes
     log: list[dict] = field(default_factory=list)
-    l1_reference: float | None = None  # L1_0 of `l1_relative`: measured on the first micro-batch
+    l1_reference: float | None = None  # L1_0 of `l1_relative`: given to train, else measured on the first micro-batch
     last_fired: torch.Tensor | None = None  # [layers, I]: the token count at each unit's last firing
     data_position: dict | None = None  # the batch stream's state_dict after `batches`, where it has one
     # False while the weights are ahead of this state (from a step's update to its count and units' firing)
