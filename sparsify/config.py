@@ -65,8 +65,8 @@ class TrainConfig:
     steps: int | None = _setting(None, "Optimizer steps; with --tokens, whichever ends first.", unset="no limit")
     tokens: int | None = _setting(None, (
         "Training tokens; with --steps, whichever ends first. The pretrained recipe keeps held-out quality on a "
-        "quarter of the source's pretraining tokens (+2% cross-entropy), not on a tenth (+10%) or 5% (+14%): "
-        "docs/quality.md."),
+        "quarter of the source's pretraining tokens (+2% cross-entropy), not on a tenth (+10%) or 5% (+14%), a "
+        "share of pretraining rather than a token count: docs/quality.md."),
         unset="no limit")
     seq_len: int = _setting(1024, "Tokens per training sequence (packed blocks).")
     batch_size: int = _setting(8, "Sequences per micro-batch and device.")

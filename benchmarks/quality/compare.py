@@ -74,6 +74,10 @@ def compare_plot(results: dict[str, dict], setting: str, path: Path) -> None:
         axis.axhline(0, color="black", linestyle="--", linewidth=1)
         axis.axhline(3, color="gray", linestyle=":", linewidth=1)
         axis.set(xscale="log", xlabel=xlabel)
+    # the shares measured as the ticks: matplotlib's log minor ticks run into each other within one decade
+    shares = sorted({p["share"] for result in results.values() for p in curve(result, setting)})
+    axes[1].set_xticks(shares, [f"{100 * s:.3g}%" for s in shares], fontsize=7)
+    axes[1].minorticks_off()
     axes[0].set_ylabel("held-out CE vs original (%)")
     axes[0].legend(fontsize=7, title=f"{setting}; filled: >= {100 * SPARSE:g}% sparse", title_fontsize=7)
     fig.suptitle("Conversion cost by budget, per base (end of each run; FFN sparsity beside each point)")
