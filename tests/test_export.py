@@ -36,7 +36,7 @@ TRAINING = {"base_model": "someone/tiny-base", "tokens": 4096, "steps": 2, "l1":
 # The inference runtime: the files at the top of the kernel package (export.runtime_files)
 RUNTIME = {"batched.py", "cost_model.py", "decode.py", "epilogues.py", "format.py", "gate_hopper.py", "gated_mlp.py",
            "graphs.py", "heavy.py", "launch.py", "layer_plan.py", "paths.py", "reference.py", "rms_norm.py",
-           "rotary.py", "routing.py"}
+           "rotary.py", "routing.py", "small_linear.py"}
 
 
 def _relufied(family, **overrides):
