@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from huggingface_hub import ModelCard
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, DynamicCache
 
 from helpers import INTERMEDIATE, tiny_input_ids, tiny_model, unwritable_folder
 from sparsify import export
@@ -322,7 +322,7 @@ def test_modeling_file_needs_only_torch_and_transformers():
                         "warnings"}
     relative = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 1}
     assert relative == {"format", "gated_mlp", "graphs", "routing", "generation", "layer_plan", "reference", "rms_norm",
-                        "rotary"}
+                        "rotary", "small_linear"}
     generation = ast.parse(GENERATION_FILE.read_text())  # shipped beside it: torch, transformers and the stdlib
     assert {alias.name for node in ast.walk(generation) if isinstance(node, ast.Import) for alias in node.names} \
         | {node.module.split(".")[0] for node in ast.walk(generation) if isinstance(node, ast.ImportFrom)} \
@@ -354,14 +354,16 @@ def test_remote_model_falls_back_to_dense_math(tmp_path, monkeypatch):
 
 
 def _record_fused_kernels(remote, monkeypatch) -> list:
-    """Calls of the remote module's norm and rotary kernels, ("rms_norm",) or ("rotary",), and of their argument
-    checks wherever they run (the modeling file or the kernel's file), ("rms_norm_fits",) or ("rotary_fits",)."""
+    """Calls of the remote module's decoder kernels, ("rms_norm",), ("rotary",), ("small_linear",) or
+    ("small_linear_grouped",), and of the norm's and rotary's argument checks wherever they run (the modeling file
+    or the kernel's file), ("rms_norm_fits",) or ("rotary_fits",)."""
     calls, module = [], _remote_module(remote)
 
     def recorded(label, function):
         return lambda *a, **k: calls.append((label,)) or function(*a, **k)
 
-    for name, label in (("rms_norm_fitted", "rms_norm"), ("rotary_fitted", "rotary")):
+    for name, label in (("rms_norm_fitted", "rms_norm"), ("rotary_fitted", "rotary"),
+                        ("small_linear", "small_linear"), ("small_linear_grouped", "small_linear_grouped")):
         monkeypatch.setattr(module, name, recorded(label, getattr(module, name)))
     for name in ("rms_norm_fits", "rotary_fits"):
         check = getattr(module, name)
@@ -370,12 +372,19 @@ def _record_fused_kernels(remote, monkeypatch) -> list:
     return calls
 
 
+def _projection_launches(fusion) -> list:
+    """A decode-size forward's launches of small_linear in one layer: one a group of DecoderFusion.projections."""
+    return [("small_linear_grouped",) if len(group) > 1 else ("small_linear",) for group in fusion.projections]
+
+
 @pytest.mark.interpreter  # the kernels on CPU tensors
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_fused_decoder_runs_norms_and_rotary_on_the_kernels(family, tmp_path, monkeypatch):
+def test_fused_decoder_runs_norms_rotary_and_projections_on_the_kernels(family, tmp_path, monkeypatch):
     """Eager inference runs every RMSNorm of the family's class (Qwen3's and Gemma 3's per-head norms too) and
-    each layer's rotary embedding on the kernels, with the plain load's logits; the modules keep their classes and weights. Where gradients are recorded, and for inputs in
-    a dtype the kernels do not take, transformers' modules run."""
+    each layer's rotary embedding on the kernels, and at decode size (up to small_linear.MAX_ROWS tokens) the
+    attention's projections too (q, k and v in one launch; Qwen2's biases), with the plain load's logits, in a
+    whole forward and in cached decode steps; the modules keep their classes and weights. Where gradients are
+    recorded, and for inputs in a dtype the kernels do not take, transformers' modules run."""
     model, tokenizer, spec = _relufied(family, tie_word_embeddings=family in TIED)
     out = export_checkpoint(model, tokenizer, tmp_path / f"ckpt-{family}", spec=spec, plan=[LayerPlan()] * 2,
                             training=TRAINING)
@@ -384,25 +393,80 @@ def test_fused_decoder_runs_norms_and_rotary_on_the_kernels(family, tmp_path, mo
     fusion = _remote_module(remote).DECODER_FUSIONS[family]
     norms = [m for m in remote.modules() if type(m).__name__ == fusion.norm]
     layers = remote.get_submodule(spec.layers)
+    projections = [getattr(layer.self_attn, name) for layer in layers for group in fusion.projections for name in group]
     assert len(norms) == len([m for m in plain.modules() if type(m).__name__ == fusion.norm]) > 2 * len(layers)
-    assert all("forward" in vars(m) for m in (*norms, *(layer.self_attn for layer in layers)))
+    assert all("forward" in vars(m) for m in (*norms, *(layer.self_attn for layer in layers), *projections))
+    assert all(type(p) is torch.nn.Linear for p in projections)
     calls = _record_fused_kernels(remote, monkeypatch)
-    ids = tiny_input_ids()
+    ids = tiny_input_ids()  # 24 tokens: above small_linear's bound
     _close(_logits(remote, ids), _logits(plain, ids))
     kernels = [("rms_norm",), ("rms_norm_fits",)] * len(norms) + [("rotary",), ("rotary_fits",)] * len(layers)
     assert sorted(calls) == sorted(kernels)  # every norm and rotary on the kernel, its arguments checked once
     calls.clear()
-    logits = remote(ids).logits  # gradients recorded: transformers' modules, which have a backward
+    short = ids[:, :8]  # 16 tokens
+    _close(_logits(remote, short), _logits(plain, short))
+    assert sorted(calls) == sorted(kernels + _projection_launches(fusion) * len(layers))
+    calls.clear()
+    with torch.no_grad():  # a prefill of 12 tokens, then a step of one token a sequence over the cache
+        steps = []
+        for m in (remote, plain):
+            cache = DynamicCache(config=m.config)
+            m(ids[:, :6], **cache_arguments(m, cache, torch.arange(6)), use_cache=True)
+            steps.append(m(ids[:, 6:7], **cache_arguments(m, cache, torch.tensor([6])), use_cache=True).logits)
+        _close(*steps)
+    assert calls.count(("small_linear_grouped",)) + calls.count(("small_linear",)) == \
+        2 * len(_projection_launches(fusion)) * len(layers)
+    calls.clear()
+    logits = remote(short).logits  # gradients recorded: transformers' modules, which have a backward
     assert calls == [] and logits.requires_grad
-    _close(logits.detach(), _logits(plain, ids))
+    _close(logits.detach(), _logits(plain, short))
     remote.double()
-    _close(_logits(remote, ids), _logits(plain.double(), ids))
+    _close(_logits(remote, short), _logits(plain.double(), short))
     assert calls == []
+
+
+@pytest.mark.interpreter
+def test_attention_projections_share_one_launch_and_can_be_turned_off(tmp_path, monkeypatch):
+    """q_proj's call launches q, k and v, whose outputs k_proj's and v_proj's calls on the same input take once
+    each; any other call launches its own. fuse_projections(False) leaves the projections their own forward,
+    fuse_projections() puts the kernel back, with the same logits."""
+    model, tokenizer, spec = _relufied("qwen2")  # q, k and v with biases
+    out = export_checkpoint(model, tokenizer, tmp_path / "ckpt-projections", spec=spec, plan=PLAN, training=TRAINING)
+    remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    attention = remote.model.layers[0].self_attn
+    calls = _record_fused_kernels(remote, monkeypatch)
+    x, other = torch.randn(2, 3, 64), torch.randn(2, 3, 64)
+    with torch.no_grad():
+        def check(name, x):
+            projection = getattr(attention, name)
+            _close(projection(x), torch.nn.functional.linear(x, projection.weight, projection.bias))
+
+        for name in ("q_proj", "k_proj", "v_proj"):
+            check(name, x)
+        assert calls == [("small_linear_grouped",)]
+        check("k_proj", x)  # taken already
+        check("k_proj", other)
+        check("q_proj", other)
+        check("v_proj", x)  # kept for `other` now, not for x
+        assert calls == [("small_linear_grouped",), ("small_linear",), ("small_linear",), ("small_linear_grouped",),
+                         ("small_linear",)]
+        ids = tiny_input_ids(length=4)
+        fused_logits = remote(ids).logits
+        calls.clear()
+        remote.fuse_projections(False)
+        assert not any("forward" in vars(getattr(attention, name)) for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
+        _close(remote(ids).logits, fused_logits)
+        assert ("small_linear",) not in calls and ("small_linear_grouped",) not in calls and ("rotary",) in calls
+        remote.fuse_projections()
+        calls.clear()
+        _close(remote(ids).logits, fused_logits)
+        assert calls.count(("small_linear_grouped",)) == calls.count(("small_linear",)) == 2
 
 
 def test_fused_decoder_checks_the_installed_transformers(tmp_path, monkeypatch):
     """A norm class that does not compute its form, or an apply_rotary_pos_emb that is not the standard one
-    (another transformers release), keeps transformers' forward."""
+    (another transformers release), keeps transformers' forward; the projections, plain nn.Linear layers, take
+    the kernel in any release."""
     from transformers.models.llama import modeling_llama
 
     model, tokenizer, spec = _relufied("llama")
@@ -417,16 +481,17 @@ def test_fused_decoder_checks_the_installed_transformers(tmp_path, monkeypatch):
     monkeypatch.setitem(module.DECODER_FUSIONS, "llama", module.DecoderFusion("LlamaRMSNorm", "gemma"))
     module.fuse_decoder(model, model.model.layers)
     attention = [layer.self_attn for layer in model.model.layers]
-    assert all("forward" in vars(m) for m in attention)
-    assert not any("forward" in vars(m) for m in model.modules() if m not in attention)
+    projections = [p for a in attention for p in (a.q_proj, a.k_proj, a.v_proj, a.o_proj)]
+    assert all("forward" in vars(m) for m in attention + projections)  # nn.Linear: nothing to check
+    assert not any("forward" in vars(m) for m in model.modules() if m not in attention + projections)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma"])
 def test_gpu_fused_decoder_bf16_logits_and_captured_step(family, tmp_path):
     """bf16 on a GPU: the remote load's logits (norms and rotary on the kernels, MLPs dense) within
-    bf16 rounding of the plain load's, both measured against the fp32 model; a decode step captured as a CUDA
-    graph gives the eager step's logits."""
+    bf16 rounding of the plain load's, both measured against the fp32 model; so are a decode step's (the
+    attention projections on small_linear too), captured as a CUDA graph, which gives the eager step's logits."""
     from sparsify.bench import capture_step
     from sparsify.tune import relative_error
 
@@ -440,7 +505,10 @@ def test_gpu_fused_decoder_bf16_logits_and_captured_step(family, tmp_path):
     rounding = relative_error(_logits(plain, ids).float(), exact)
     assert relative_error(_logits(remote, ids).float(), exact) < 1.5 * rounding
     assert relative_error(_logits(remote, ids), _logits(plain, ids)) < 2 * rounding
-    assert capture_step(remote, ids)[3] < 1e-3
+    exact_step = capture_step(model, ids)[2].float()
+    step_rounding = relative_error(capture_step(plain, ids)[2].float(), exact_step)
+    _, _, step, graph_error = capture_step(remote, ids)
+    assert relative_error(step.float(), exact_step) < 1.5 * step_rounding and graph_error < 1e-3
 
 
 def _failing(error):
