@@ -2,14 +2,14 @@
 in the same run.
 
 A row: M tokens (1, 8, 16) through a weight [N, K] (LINEAR_SHAPES), or an attention's q, k and v in one
-small_linear_grouped launch against three F.linear calls and three small_linear calls (GROUPED_SHAPES). Each op
-is timed as CUDA-graph replays over copies of the weights, called in turn, enough copies to hold COPY_BYTES so
-that they do not stay in L2 (as the layers of a decode step do not): microseconds a call and the weight bytes
-read a second. The check: each op's relative error against the fp32 product of the same bf16 inputs;
-small_linear passes where it is within 1.5x (+1e-4) of F.linear's (both round an fp32 sum to bf16). --sweep
-also times the launch settings of twell/small_linear.py (block rows, bytes a step, pipeline stages, warps)
-around the defaults, at M = 1 and 16, for an attention's projections (SWEEP_SHAPES). Exits with status 1 if a
-check fails.
+small_linear_grouped launch against three F.linear calls and three small_linear calls (GROUPED_SHAPES). Each op is
+timed as CUDA-graph replays over copies of the weights, called in turn, enough copies to hold COPY_BYTES so that
+they do not stay in L2 (as the layers of a decode step do not): microseconds a call and the weight bytes read a
+second; and launched eagerly one call after another (`eager_*_us`: the host's launch time included, as in a decode
+step that is not captured). The check: each op's relative error against the fp32 product of the same bf16 inputs;
+small_linear passes where it is within 1.5x (+1e-4) of F.linear's (both round an fp32 sum to bf16). --sweep also
+times the launch settings of twell/small_linear.py (block rows, bytes a step, pipeline stages, warps) around the
+defaults, at M = 1 and 16, for an attention's projections (SWEEP_SHAPES). Exits with status 1 if a check fails.
 
   python benchmarks/small_linear_bench.py --json small_linear_h200.json
   python benchmarks/small_linear_bench.py --sweep --json small_linear_sweep_h200.json
@@ -18,6 +18,7 @@ import argparse
 import itertools
 import math
 import sys
+import time
 from contextlib import contextmanager
 
 import torch
@@ -34,6 +35,7 @@ LINEAR_SHAPES = ((2048, 2048), (256, 2048), (8960, 1536), (1536, 8960))  # (N, K
 # (rows of q, k and v, K, bias): the 1.5B-shape Llama of model_bench.py; Qwen2-1.5B's grouped-query attention
 GROUPED_SHAPES = (((2048, 2048, 2048), 2048, False), ((1536, 256, 256), 1536, True))
 COPY_BYTES = 256 << 20  # weight bytes a timed graph walks: several times any GPU's L2
+EAGER_CALLS = 200  # eager calls timed a row
 SWEEP = dict(BN=(16, 32), STEP_BYTES=(4096, 8192, 16384), STAGES=(3, 4, 5), WARPS=(4, 8))
 SWEEP_ROWS = (1, 16)
 SWEEP_SHAPES = (((2048,), 2048, False), *GROUPED_SHAPES)  # an attention's o, and its q, k and v
@@ -62,26 +64,40 @@ def per_call_us(op, copies):
     return 1e3 * do_bench_cudagraph(walk, rep=50, return_mode="median") / len(copies)
 
 
+def eager_us(op, copies, calls=EAGER_CALLS):
+    """Wall microseconds of op(weights, biases) a call, launched eagerly one after another over the copies: the
+    host's launch time included, as in a decode step that is not captured."""
+    op(*copies[0])
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for i in range(calls):
+        op(*copies[i % len(copies)])
+    torch.cuda.synchronize()
+    return 1e6 * (time.perf_counter() - start) / calls
+
+
 def row(m, rows, k, bias, copies) -> dict:
-    """One timed and checked row: small_linear (grouped where `rows` holds several weights) against F.linear."""
+    """One timed and checked row: small_linear (each weight alone, and grouped where `rows` holds several)
+    against F.linear; `speedup` and `eager_speedup` are for the launch the modeling file makes (the grouped one
+    where there is one)."""
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    ops = {"torch": lambda ws, bs: [F.linear(x, w, b) for w, b in zip(ws, bs)],
+           "small_linear": lambda ws, bs: [small_linear(x, w, b) for w, b in zip(ws, bs)]}
+    if len(rows) > 1:
+        ops["small_linear_grouped"] = lambda ws, bs: small_linear_grouped(x, ws, bs)
+    ours = list(ops)[-1]
     weights, biases = copies[0]
     exact = [x.float() @ w.float().t() + (0 if b is None else b.float()) for w, b in zip(weights, biases)]
-    torch_outs = [F.linear(x, w, b) for w, b in zip(weights, biases)]
-    ours = small_linear_grouped(x, weights, biases) if len(rows) > 1 else [small_linear(x, weights[0], biases[0])]
-    err_torch = max(relative_error(out, e) for out, e in zip(torch_outs, exact))
-    err_ours = max(relative_error(out, e) for out, e in zip(ours, exact))
-    times = {"torch_us": per_call_us(lambda ws, bs: [F.linear(x, w, b) for w, b in zip(ws, bs)], copies)}
-    if len(rows) > 1:
-        times["small_linear_grouped_us"] = per_call_us(lambda ws, bs: small_linear_grouped(x, ws, bs), copies)
-        times["small_linear_us"] = per_call_us(lambda ws, bs: [small_linear(x, w, b) for w, b in zip(ws, bs)], copies)
-        fastest = times["small_linear_grouped_us"]
-    else:
-        times["small_linear_us"] = fastest = per_call_us(lambda ws, bs: small_linear(x, ws[0], bs[0]), copies)
+    errors = {name: max(relative_error(out, e) for out, e in zip(ops[name](weights, biases), exact))
+              for name in ("torch", ours)}
+    times = {f"{name}_us": per_call_us(op, copies) for name, op in ops.items()}
+    eager = {f"eager_{name}_us": eager_us(ops[name], copies) for name in ("torch", ours)}
     weight_bytes = 2 * k * sum(rows)
-    return dict(M=m, N=list(rows), K=k, bias=bias, **times, speedup=times["torch_us"] / fastest,
-                torch_TBps=weight_bytes / times["torch_us"] / 1e6, small_linear_TBps=weight_bytes / fastest / 1e6,
-                err_torch=err_torch, err_small_linear=err_ours, ok=err_ours < 1.5 * err_torch + 1e-4)
+    return dict(M=m, N=list(rows), K=k, bias=bias, **times, **eager, speedup=times["torch_us"] / times[f"{ours}_us"],
+                eager_speedup=eager["eager_torch_us"] / eager[f"eager_{ours}_us"],
+                torch_TBps=weight_bytes / times["torch_us"] / 1e6,
+                small_linear_TBps=weight_bytes / times[f"{ours}_us"] / 1e6, err_torch=errors["torch"],
+                err_small_linear=errors[ours], ok=errors[ours] < 1.5 * errors["torch"] + 1e-4)
 
 
 @contextmanager
