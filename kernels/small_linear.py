@@ -31,13 +31,13 @@ MAX_ROWS = 16  # rows of x a call takes: tl.dot's smallest tile, which every pro
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what tl.dot takes with an fp32 accumulator
 MAX_GROUP = 3  # weights one launch takes (an attention's q, k and v)
 BLOCK_N = 16  # weight rows a program streams: tl.dot's narrowest tile, so that N rows make N / 16 programs
-# Where the grid still has two programs an SM, a program takes twice the rows: each program reads the x tile
-# once a step for its rows, so wider blocks halve that traffic at M = 16
+# Where the grid still has two programs an SM, a program takes twice the rows: every program reads all of x's
+# rows (from L2) beside its weight rows, as many bytes as those at M = 16; wider blocks halve that traffic
 WIDE_BLOCK_N, WIDE_PROGRAMS_PER_SM = 32, 2
 # Weight bytes a program loads a step (BK = STEP_BYTES / (BN * element size)) and the pipeline's buffers
 # (Triton's num_stages: STAGES - 1 steps load while one is multiplied): 24 KB of weight in flight a program,
-# so that one program an SM has about the memory's bandwidth-latency product in flight, in at most 48 KB of
-# shared memory with its x tiles (two programs an SM where the grid has them; every GPU Triton targets)
+# so that one program an SM has about the memory's bandwidth-latency product in flight; with its x tiles at
+# most 48 KB of shared memory, which any GPU Triton targets holds (a Hopper SM several such programs)
 STEP_BYTES, STAGES, WARPS = 8192, 4, 4
 
 
