@@ -43,8 +43,9 @@ PATHS = {
     "generate_graphed": "generate_graphed(compile=True) (generation.py, shipped with the checkpoint): greedy, "
                         "static cache, the step through torch.compile(fullgraph=True, dynamic=False) (inductor, "
                         "default mode) and captured as one CUDA graph, one replay a token",
-    "decode_step_graph": "one decode step over a static cache, captured as one CUDA graph and replayed (also the "
-                         "TwELL load with its attention projections on torch's linear: twell_torch_projections)",
+    "decode_step_graph": "one decode step over a static cache, captured as one CUDA graph and replayed (also run "
+                         "directly: eager_step_ms; and the TwELL load with its attention projections on torch's "
+                         "linear: twell_torch_projections)",
     "decode_step_compiled_graph": "one decode step over a static cache through torch.compile(fullgraph=True, "
                                   "dynamic=False) (inductor, default mode), captured as one CUDA graph and replayed",
 }
@@ -282,8 +283,9 @@ def torch_projections(model):
 def graph_step_row(models, context, compiled: bool = False) -> dict:
     """decode_step_graph (or, `compiled`, decode_step_compiled_graph): the replay's median time, and the
     breakdown of the step run directly (compiled: by kernel name, as module ranges cannot reach inside).
-    Uncompiled, also the TwELL load with its attention projections on their own forward (TORCH_PROJECTIONS;
-    `small_linear_speedup`: its time over the TwELL load's) where its modeling file has the switch."""
+    Uncompiled, also each load's step run directly (`eager_step_ms`: the host's launches included), and the
+    TwELL load with its attention projections on their own forward (TORCH_PROJECTIONS; `small_linear_speedup`
+    and `small_linear_eager_speedup`: its times over the TwELL load's) where its modeling file has the switch."""
     from triton.testing import do_bench
 
     steps = {name: capture_step(model, context, compiled) for name, model in models.items()}
@@ -293,13 +295,16 @@ def graph_step_row(models, context, compiled: bool = False) -> dict:
         with torch_projections(twell):
             steps[TORCH_PROJECTIONS] = capture_step(twell, context)
     seconds = {name: do_bench(replay, return_mode="median") / 1e3 for name, (replay, *_) in steps.items()}
-    split = {}
+    split, eager_ms = {}, {}
     for name, (_, step, *_) in steps.items():
         with torch_projections(twell) if name == TORCH_PROJECTIONS else contextlib.nullcontext():
             split[name] = breakdown(step, seconds[name], None if compiled else models.get(name, twell))
-    extra = {}
+            if not compiled:  # the step uncaptured: the host's launches included
+                eager_ms[name] = do_bench(step, return_mode="median")
+    extra = {"eager_step_ms": eager_ms} if eager_ms else {}
     if switch:
         extra.update(small_linear_speedup=seconds[TORCH_PROJECTIONS] / seconds["twell"],
+                     small_linear_eager_speedup=eager_ms[TORCH_PROJECTIONS] / eager_ms["twell"],
                      torch_projections_rel_err=relative_error(steps["twell"][2], steps[TORCH_PROJECTIONS][2]))
     batch = context.shape[0]
     return path_row("decode_step_compiled_graph" if compiled else "decode_step_graph", batch, batch, seconds,
@@ -448,8 +453,8 @@ def bench_table(result: dict):
         if "loop_speedup" in row:
             check += f"; vs dense loop {row['loop_speedup']:.2f}x"
         if "small_linear_speedup" in row:
-            check += (f"; projections on small_linear {row['small_linear_speedup']:.2f}x (rel. err "
-                      f"{row['torch_projections_rel_err']:.1e})")
+            check += (f"; projections on small_linear {row['small_linear_speedup']:.2f}x, uncaptured "
+                      f"{row['small_linear_eager_speedup']:.2f}x (rel. err {row['torch_projections_rel_err']:.1e})")
         if "compile_s" in row:
             check += f"; compile {row['compile_s']['dense']:.0f}/{row['compile_s']['twell']:.0f} s"
         batch = f"{row['batch']}x{row['length']}" if "length" in row else str(row["batch"])  # prefill shapes
