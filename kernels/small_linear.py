@@ -66,6 +66,12 @@ def small_linear(x, weight, bias=None):
     return small_linear_grouped(x, [weight], None if bias is None else [bias])[0]
 
 
+def small_linear_fitted(x, weight, bias=None):
+    """`small_linear` of arguments that small_linear_fits has accepted, not checked again: for a caller that checks
+    them itself to choose between the kernel and another path."""
+    return small_linear_grouped_fitted(x, [weight], [bias])[0]
+
+
 def small_linear_grouped(x, weights, biases=None):
     """[small_linear(x, w, b) for each weight w and bias b] in one launch (small_linear_grouped_fits says what it
     takes)."""
@@ -76,6 +82,12 @@ def small_linear_grouped(x, weights, biases=None):
         raise ValueError(f"small_linear: x {tuple(x.shape)} {x.dtype}, {', '.join(described)} (x [..., K] of at most "
                          f"{MAX_ROWS} rows with a unit last stride; 1 to {MAX_GROUP} contiguous weights [N, K], each "
                          f"with a bias [N] or none; one dtype of {[str(t) for t in DTYPES]}, one device)")
+    return small_linear_grouped_fitted(x, weights, biases)
+
+
+def small_linear_grouped_fitted(x, weights, biases):
+    """`small_linear_grouped` of arguments that small_linear_grouped_fits has accepted (`biases` a list, of Nones
+    where there is none), not checked again: for a caller that checks them itself."""
     if not use_triton(x):
         return [small_linear_reference(x, w, b) for w, b in zip(weights, biases)]
     k = x.shape[-1]

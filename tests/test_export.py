@@ -355,17 +355,18 @@ def test_remote_model_falls_back_to_dense_math(tmp_path, monkeypatch):
 
 def _record_fused_kernels(remote, monkeypatch) -> list:
     """Calls of the remote module's decoder kernels, ("rms_norm",), ("rotary",), ("small_linear",) or
-    ("small_linear_grouped",), and of the norm's and rotary's argument checks wherever they run (the modeling file
-    or the kernel's file), ("rms_norm_fits",) or ("rotary_fits",)."""
+    ("small_linear_grouped",), and of their argument checks wherever they run (the modeling file or the kernel's
+    file), ("rms_norm_fits",), ("rotary_fits",) or ("small_linear_fits",) (one a weight: small_linear_grouped_fits
+    runs it for each)."""
     calls, module = [], _remote_module(remote)
 
     def recorded(label, function):
         return lambda *a, **k: calls.append((label,)) or function(*a, **k)
 
     for name, label in (("rms_norm_fitted", "rms_norm"), ("rotary_fitted", "rotary"),
-                        ("small_linear", "small_linear"), ("small_linear_grouped", "small_linear_grouped")):
+                        ("small_linear_fitted", "small_linear"), ("small_linear_grouped_fitted", "small_linear_grouped")):
         monkeypatch.setattr(module, name, recorded(label, getattr(module, name)))
-    for name in ("rms_norm_fits", "rotary_fits"):
+    for name in ("rms_norm_fits", "rotary_fits", "small_linear_fits"):
         check = getattr(module, name)
         for owner in (module, sys.modules[check.__module__]):
             monkeypatch.setattr(owner, name, recorded(name, check))
@@ -401,11 +402,13 @@ def test_fused_decoder_runs_norms_rotary_and_projections_on_the_kernels(family, 
     ids = tiny_input_ids()  # 24 tokens: above small_linear's bound
     _close(_logits(remote, ids), _logits(plain, ids))
     kernels = [("rms_norm",), ("rms_norm_fits",)] * len(norms) + [("rotary",), ("rotary_fits",)] * len(layers)
-    assert sorted(calls) == sorted(kernels)  # every norm and rotary on the kernel, its arguments checked once
+    prefill = [call for call in calls if call != ("small_linear_fits",)]  # the projections' checks decline 24 tokens
+    assert sorted(prefill) == sorted(kernels)  # every norm and rotary on the kernel, its arguments checked once
     calls.clear()
     short = ids[:, :8]  # 16 tokens
     _close(_logits(remote, short), _logits(plain, short))
-    assert sorted(calls) == sorted(kernels + _projection_launches(fusion) * len(layers))
+    checks = [("small_linear_fits",)] * len(projections)  # each projection's arguments checked once
+    assert sorted(calls) == sorted(kernels + _projection_launches(fusion) * len(layers) + checks)
     calls.clear()
     with torch.no_grad():  # a prefill of 12 tokens, then a step of one token a sequence over the cache
         steps = []
@@ -428,8 +431,8 @@ def test_fused_decoder_runs_norms_rotary_and_projections_on_the_kernels(family, 
 @pytest.mark.interpreter
 def test_attention_projections_share_one_launch_and_can_be_turned_off(tmp_path, monkeypatch):
     """q_proj's call launches q, k and v, whose outputs k_proj's and v_proj's calls on the same input take once
-    each; any other call launches its own. fuse_projections(False) leaves the projections their own forward,
-    fuse_projections() puts the kernel back, with the same logits."""
+    each, unchecked (the group's launch checked the three); any other call launches its own. fuse_projections(False)
+    leaves the projections their own forward, fuse_projections() puts the kernel back, with the same logits."""
     model, tokenizer, spec = _relufied("qwen2")  # q, k and v with biases
     out = export_checkpoint(model, tokenizer, tmp_path / "ckpt-projections", spec=spec, plan=PLAN, training=TRAINING)
     remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
@@ -443,13 +446,13 @@ def test_attention_projections_share_one_launch_and_can_be_turned_off(tmp_path, 
 
         for name in ("q_proj", "k_proj", "v_proj"):
             check(name, x)
-        assert calls == [("small_linear_grouped",)]
+        assert calls == [("small_linear_fits",)] * 3 + [("small_linear_grouped",)]
         check("k_proj", x)  # taken already
         check("k_proj", other)
         check("q_proj", other)
         check("v_proj", x)  # kept for `other` now, not for x
-        assert calls == [("small_linear_grouped",), ("small_linear",), ("small_linear",), ("small_linear_grouped",),
-                         ("small_linear",)]
+        assert [call for call in calls if call != ("small_linear_fits",)] == [
+            ("small_linear_grouped",), ("small_linear",), ("small_linear",), ("small_linear_grouped",), ("small_linear",)]
         ids = tiny_input_ids(length=4)
         fused_logits = remote(ids).logits
         calls.clear()

@@ -37,7 +37,7 @@ from .layer_plan import LayerPlan, layer_plans
 from .reference import rms_norm_reference, rotary_reference
 from .rms_norm import rms_norm_fits, rms_norm_fitted
 from .rotary import rotary_fits, rotary_fitted
-from .small_linear import small_linear, small_linear_fits, small_linear_grouped, small_linear_grouped_fits
+from .small_linear import small_linear_fits, small_linear_fitted, small_linear_grouped_fits, small_linear_grouped_fitted
 
 BASE_MODEL = "transformers.models.llama.modeling_llama.LlamaForCausalLM"
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton reads it when the kernels are defined, too
@@ -219,14 +219,16 @@ class ProjectionGroup:
     """nn.Linear projections of one attention that take the same input (its q, k and v). A call of the first on
     a tensor x launches small_linear_grouped for all and keeps the others' outputs, which their calls on that same
     tensor take, once each (transformers' attention forwards project their hidden states by q, k and v in turn);
-    any other call launches its own."""
+    any other call launches its own. Each call's arguments are checked once: the group's by the first's call,
+    which covers the calls that take a kept output."""
 
     def __init__(self, linears):
         self.linears = tuple(linears)
         self.kept = None  # (x, {index: output}) of the last grouped launch, until each output is taken
 
     def __call__(self, linear, x):
-        """linear(x) on the kernel (small_linear_fits takes it)."""
+        """linear(x) where fused() serves the call: a kept output, the group's launch, its own launch where
+        small_linear_fits takes it, else the module's own forward."""
         index = self.linears.index(linear)
         kept = self.kept  # read once: a launch on another thread replaces it whole
         if kept is not None and kept[0] is x and index in kept[1]:
@@ -237,16 +239,18 @@ class ProjectionGroup:
         weights, biases = [p.weight for p in self.linears], [p.bias for p in self.linears]
         grouped = index == 0 and len(weights) > 1
         if grouped and fused(x, *weights, *biases) and small_linear_grouped_fits(x, weights, biases):
-            outputs = small_linear_grouped(x, weights, biases)
+            outputs = small_linear_grouped_fitted(x, weights, biases)
             self.kept = (x, dict(enumerate(outputs[1:], 1)))
             return outputs[0]
-        return small_linear(x, linear.weight, linear.bias)
+        if small_linear_fits(x, linear.weight, linear.bias):
+            return small_linear_fitted(x, linear.weight, linear.bias)
+        return type(linear).forward(linear, x)
 
 
 def projection_forward(group, linear, x):
     """An attention projection's forward (installed on the nn.Linear): small_linear where it serves the call (at
     most its MAX_ROWS tokens), through the projection's group; else the module's own."""
-    if fused(x, linear.weight, linear.bias) and small_linear_fits(x, linear.weight, linear.bias):
+    if fused(x, linear.weight, linear.bias):
         return group(linear, x)
     return type(linear).forward(linear, x)
 
