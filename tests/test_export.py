@@ -466,6 +466,50 @@ def test_attention_projections_share_one_launch_and_can_be_turned_off(tmp_path, 
         assert calls.count(("small_linear_grouped",)) == calls.count(("small_linear",)) == 2
 
 
+class _CudaInput:
+    """What ProjectionGroup.launches reads of a projection's input, as a CUDA tensor of `rows` tokens has it."""
+
+    is_cuda, dtype, device = True, torch.bfloat16, torch.device("cuda")
+
+    def __init__(self, rows):
+        self.shape = torch.Size((rows, 1, 64))
+
+    def stride(self):
+        return (64, 64, 1)
+
+
+def test_projections_launch_on_a_gpu_only_under_capture(tmp_path, monkeypatch):
+    """On a GPU, small_linear serves the projections' captured calls; an uncaptured call runs the module's own
+    forward (the Triton launcher's host time would lose to cuBLAS's) but for the first of each signature (the
+    warm-up before a capture), which loads the kernel that the capture launches. On CPU (the interpreter) every
+    call launches. A group that does not launch leaves every projection its own forward."""
+    model, tokenizer, spec = _relufied("qwen2")  # q, k and v with biases
+    out = export_checkpoint(model, tokenizer, tmp_path / "ckpt-captured", spec=spec, plan=PLAN, training=TRAINING)
+    remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    attention = remote.model.layers[0].self_attn
+    group = attention.q_proj.forward.args[0]
+    capturing = False
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+    one, eight = _CudaInput(1), _CudaInput(8)
+    assert [group.launches(0, one) for _ in range(3)] == [True, False, False]
+    assert [group.launches(0, eight) for _ in range(2)] == [True, False]  # another signature: loaded once too
+    assert group.launches(1, one) and not group.launches(1, one)  # k_proj's own launch: another kernel
+    capturing = True
+    assert all(group.launches(index, x) for index in (0, 1) for x in (one, eight) for _ in range(2))
+    capturing = False
+    assert not group.launches(0, one)
+    assert all(group.launches(0, torch.randn(1, 1, 64)) for _ in range(2))  # CPU tensors: the interpreter
+
+    calls = _record_fused_kernels(remote, monkeypatch)
+    monkeypatch.setattr(group, "launches", lambda index, x: False)
+    x = torch.randn(2, 1, 64)
+    with torch.no_grad():
+        for name in ("q_proj", "k_proj", "v_proj"):
+            projection = getattr(attention, name)
+            _close(projection(x), torch.nn.functional.linear(x, projection.weight, projection.bias))
+    assert ("small_linear",) not in calls and ("small_linear_grouped",) not in calls and group.kept is None
+
+
 def test_fused_decoder_checks_the_installed_transformers(tmp_path, monkeypatch):
     """A norm class that does not compute its form, or an apply_rotary_pos_emb that is not the standard one
     (another transformers release), keeps transformers' forward; the projections, plain nn.Linear layers, take
@@ -512,6 +556,27 @@ def test_gpu_fused_decoder_bf16_logits_and_captured_step(family, tmp_path):
     step_rounding = relative_error(capture_step(plain, ids)[2].float(), exact_step)
     _, _, step, graph_error = capture_step(remote, ids)
     assert relative_error(step.float(), exact_step) < 1.5 * step_rounding and graph_error < 1e-3
+
+
+@pytest.mark.gpu
+def test_gpu_projections_launch_in_the_capture_and_its_warm_up(tmp_path, monkeypatch):
+    """A captured decode step (bench.capture_step: warm-up steps on a side stream, then the capture) launches
+    small_linear in its first warm-up step, which loads the kernel, and in the capture, which then succeeds and
+    replays as the eager step runs; the step run directly afterwards runs the projections' own forward."""
+    from sparsify.bench import capture_step
+
+    model, tokenizer, spec = _relufied("qwen2")
+    out = export_checkpoint(model, tokenizer, tmp_path / "ckpt-capture", spec=spec, plan=[LayerPlan()] * 2,
+                            training=TRAINING)
+    remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.bfloat16).cuda()
+    launches = _projection_launches(_remote_module(remote).DECODER_FUSIONS["qwen2"]) * 2  # one step's
+    calls = _record_fused_kernels(remote, monkeypatch)
+    _, step, _, graph_error = capture_step(remote, tiny_input_ids(4, 40).cuda())
+    projection_calls = [call for call in calls if call in launches]
+    assert sorted(projection_calls) == sorted(launches * 2) and graph_error < 1e-3  # the first warm-up, the capture
+    calls.clear()
+    step()
+    assert not any(call in launches for call in calls) and ("small_linear_fits",) in calls  # checked, not launched
 
 
 def _failing(error):
