@@ -537,8 +537,9 @@ def test_fused_decoder_checks_the_installed_transformers(tmp_path, monkeypatch):
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma"])
 def test_gpu_fused_decoder_bf16_logits_and_captured_step(family, tmp_path):
     """bf16 on a GPU: the remote load's logits (norms and rotary on the kernels, MLPs dense) within
-    bf16 rounding of the plain load's, both measured against the fp32 model; so are a decode step's (the
-    attention projections on small_linear too), captured as a CUDA graph, which gives the eager step's logits."""
+    bf16 rounding of the plain load's, both measured against the fp32 model; so are a decode step's captured as
+    a CUDA graph (the attention projections on small_linear too), which gives the logits of the step run directly
+    (its projections on their own forward)."""
     from sparsify.bench import capture_step
     from sparsify.tune import relative_error
 
