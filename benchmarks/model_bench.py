@@ -12,11 +12,14 @@ measured by `sparsify bench` and reported next to the target: the figures go wit
 
 The model is exported as a converted checkpoint (export_checkpoint, plan from plan_layers on `measure`
 statistics) and benchmarked with `sparsify.bench.bench_checkpoint` (prefill, eager and compiled generate,
-CUDA-graph decode step, each with its breakdown); JSON per target under --out, with the command line and
-the seconds each stage took.
+CUDA-graph decode step, each with its breakdown; the uncompiled decode step's replay also for the TwELL load with
+its attention projections on torch's linear instead of small_linear: `small_linear_speedup`); JSON per target under
+--out, with the command line and the seconds each stage took.
 
   python benchmarks/model_bench.py --active 29 --layers 28 --out results/model     # the paper's 1.5B shape
   python benchmarks/model_bench.py --quick --out /tmp/smoke                        # 4 layers, fewer rows
+  python benchmarks/model_bench.py --active 29 --layers 28 --prefill-batch 1x64 --generate-batch 1 8 \
+      --compiled-batch --compiled-prefill-batch --out results/model                # one short prefill, the decode rows
 """
 from __future__ import annotations
 

@@ -3,7 +3,8 @@ training/reference.py): the block, which every launch path's output matches (hea
 share of a row's output, which a decode gate program writes for an overflowing (row, tile) and the one-token
 tile-out path for every tile; `forward_reference`, the path of CPU tensors without Triton, which adds to
 `overflow` what the batched path's kernels add; `pack_reference` (the TwELL the gate kernels pack);
-`rms_norm_reference` and `rotary_reference`, transformers' modules op for op (rms_norm.py, rotary.py)."""
+`rms_norm_reference` and `rotary_reference`, transformers' modules op for op (rms_norm.py, rotary.py);
+`small_linear_reference` (small_linear.py)."""
 import torch
 
 from .format import HEAVY_UNITS, UNIT_SAMPLE, TwELL, cdiv, decode_rows, slots
@@ -83,3 +84,9 @@ def rotary_reference(q, k, cos, sin):
     """transformers' apply_rotary_pos_emb(q, k, cos, sin) (unsqueeze_dim 1), op for op."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+
+
+def small_linear_reference(x, weight, bias=None):
+    """x @ weight.T (+ bias) in fp32, cast to x's dtype."""
+    out = x.float() @ weight.float().t()
+    return (out if bias is None else out + bias.float()).to(x.dtype)

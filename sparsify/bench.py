@@ -10,6 +10,7 @@ each path and the breakdown are measured.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import platform
 import statistics
@@ -42,7 +43,9 @@ PATHS = {
     "generate_graphed": "generate_graphed(compile=True) (generation.py, shipped with the checkpoint): greedy, "
                         "static cache, the step through torch.compile(fullgraph=True, dynamic=False) (inductor, "
                         "default mode) and captured as one CUDA graph, one replay a token",
-    "decode_step_graph": "one decode step over a static cache, captured as one CUDA graph and replayed",
+    "decode_step_graph": "one decode step over a static cache, captured as one CUDA graph and replayed (also run "
+                         "directly: eager_step_ms; and the TwELL load with its attention projections on torch's "
+                         "linear: twell_torch_projections)",
     "decode_step_compiled_graph": "one decode step over a static cache through torch.compile(fullgraph=True, "
                                   "dynamic=False) (inductor, default mode), captured as one CUDA graph and replayed",
 }
@@ -262,20 +265,51 @@ def capture_step(model, context: torch.Tensor, compiled: bool = False):
     return graph.replay, torch.inference_mode()(step), replayed.clone(), error
 
 
+# The TwELL load with its attention projections on their own forward (TwellForCausalLM.fuse_projections), beside
+# the two loads in the uncompiled decode-step rows: what the projections' small_linear kernel gives to the replayed
+# step, in one run (the step run directly takes their own forward either way: ProjectionGroup.launches)
+TORCH_PROJECTIONS = "twell_torch_projections"
+
+
+@contextlib.contextmanager
+def torch_projections(model):
+    """`model` (a TwELL load) with its attention projections on their own forward inside the block."""
+    model.fuse_projections(False)
+    try:
+        yield
+    finally:
+        model.fuse_projections()
+
+
 def graph_step_row(models, context, compiled: bool = False) -> dict:
     """decode_step_graph (or, `compiled`, decode_step_compiled_graph): the replay's median time, and the
-    breakdown of the step run directly (compiled: by kernel name, as module ranges cannot reach inside)."""
+    breakdown of the step run directly (compiled: by kernel name, as module ranges cannot reach inside).
+    Uncompiled, also each load's step run directly (`eager_step_ms`: the host's launches included), and the
+    replay of the TwELL load with its attention projections on their own forward (TORCH_PROJECTIONS;
+    `small_linear_speedup`: its time over the TwELL load's) where its modeling file has the switch."""
     from triton.testing import do_bench
 
     steps = {name: capture_step(model, context, compiled) for name, model in models.items()}
     seconds = {name: do_bench(replay, return_mode="median") / 1e3 for name, (replay, *_) in steps.items()}
-    split = {name: breakdown(step, seconds[name], None if compiled else models[name])
-             for name, (_, step, *_) in steps.items()}
+    split, eager_ms = {}, {}
+    for name, (_, step, *_) in steps.items():
+        split[name] = breakdown(step, seconds[name], None if compiled else models[name])
+        if not compiled:  # the step uncaptured: the host's launches included
+            eager_ms[name] = do_bench(step, return_mode="median")
+    extra = {"eager_step_ms": eager_ms} if eager_ms else {}
+    twell = models["twell"]
+    # last: switching back gives the projections new groups, whose first uncaptured call launches small_linear
+    if not compiled and hasattr(twell, "fuse_projections"):
+        with torch_projections(twell):
+            steps[TORCH_PROJECTIONS] = capture_step(twell, context)
+        seconds[TORCH_PROJECTIONS] = do_bench(steps[TORCH_PROJECTIONS][0], return_mode="median") / 1e3
+        extra.update(small_linear_speedup=seconds[TORCH_PROJECTIONS] / seconds["twell"],
+                     torch_projections_rel_err=relative_error(steps["twell"][2], steps[TORCH_PROJECTIONS][2]))
     batch = context.shape[0]
     return path_row("decode_step_compiled_graph" if compiled else "decode_step_graph", batch, batch, seconds,
                     breakdown=split, context=context.shape[1],
                     logits_rel_err=relative_error(steps["twell"][2], steps["dense"][2]),
-                    graph_vs_eager_rel_err={name: step[3] for name, step in steps.items()})
+                    graph_vs_eager_rel_err={name: step[3] for name, step in steps.items()}, **extra)
 
 
 @torch.inference_mode()
@@ -417,6 +451,9 @@ def bench_table(result: dict):
             check += "; as generate " + "/".join(f"{100 * m:.0f}%" for m in row["matches_generate"].values())
         if "loop_speedup" in row:
             check += f"; vs dense loop {row['loop_speedup']:.2f}x"
+        if "small_linear_speedup" in row:
+            check += (f"; projections on small_linear {row['small_linear_speedup']:.2f}x "
+                      f"(rel. err {row['torch_projections_rel_err']:.1e})")
         if "compile_s" in row:
             check += f"; compile {row['compile_s']['dense']:.0f}/{row['compile_s']['twell']:.0f} s"
         batch = f"{row['batch']}x{row['length']}" if "length" in row else str(row["batch"])  # prefill shapes

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from huggingface_hub import ModelCard
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, DynamicCache
 
 from helpers import INTERMEDIATE, tiny_input_ids, tiny_model, unwritable_folder
 from sparsify import export
@@ -36,7 +36,7 @@ TRAINING = {"base_model": "someone/tiny-base", "tokens": 4096, "steps": 2, "l1":
 # The inference runtime: the files at the top of the kernel package (export.runtime_files)
 RUNTIME = {"batched.py", "cost_model.py", "decode.py", "epilogues.py", "format.py", "gate_hopper.py", "gated_mlp.py",
            "graphs.py", "heavy.py", "launch.py", "layer_plan.py", "paths.py", "reference.py", "rms_norm.py",
-           "rotary.py", "routing.py"}
+           "rotary.py", "routing.py", "small_linear.py"}
 
 
 def _relufied(family, **overrides):
@@ -322,7 +322,7 @@ def test_modeling_file_needs_only_torch_and_transformers():
                         "warnings"}
     relative = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 1}
     assert relative == {"format", "gated_mlp", "graphs", "routing", "generation", "layer_plan", "reference", "rms_norm",
-                        "rotary"}
+                        "rotary", "small_linear"}
     generation = ast.parse(GENERATION_FILE.read_text())  # shipped beside it: torch, transformers and the stdlib
     assert {alias.name for node in ast.walk(generation) if isinstance(node, ast.Import) for alias in node.names} \
         | {node.module.split(".")[0] for node in ast.walk(generation) if isinstance(node, ast.ImportFrom)} \
@@ -354,28 +354,38 @@ def test_remote_model_falls_back_to_dense_math(tmp_path, monkeypatch):
 
 
 def _record_fused_kernels(remote, monkeypatch) -> list:
-    """Calls of the remote module's norm and rotary kernels, ("rms_norm",) or ("rotary",), and of their argument
-    checks wherever they run (the modeling file or the kernel's file), ("rms_norm_fits",) or ("rotary_fits",)."""
+    """Calls of the remote module's decoder kernels, ("rms_norm",), ("rotary",), ("small_linear",) or
+    ("small_linear_grouped",), and of their argument checks wherever they run (the modeling file or the kernel's
+    file), ("rms_norm_fits",), ("rotary_fits",) or ("small_linear_fits",) (one a weight: small_linear_grouped_fits
+    runs it for each)."""
     calls, module = [], _remote_module(remote)
 
     def recorded(label, function):
         return lambda *a, **k: calls.append((label,)) or function(*a, **k)
 
-    for name, label in (("rms_norm_fitted", "rms_norm"), ("rotary_fitted", "rotary")):
+    for name, label in (("rms_norm_fitted", "rms_norm"), ("rotary_fitted", "rotary"),
+                        ("small_linear_fitted", "small_linear"), ("small_linear_grouped_fitted", "small_linear_grouped")):
         monkeypatch.setattr(module, name, recorded(label, getattr(module, name)))
-    for name in ("rms_norm_fits", "rotary_fits"):
+    for name in ("rms_norm_fits", "rotary_fits", "small_linear_fits"):
         check = getattr(module, name)
         for owner in (module, sys.modules[check.__module__]):
             monkeypatch.setattr(owner, name, recorded(name, check))
     return calls
 
 
+def _projection_launches(fusion) -> list:
+    """A decode-size forward's launches of small_linear in one layer: one a group of DecoderFusion.projections."""
+    return [("small_linear_grouped",) if len(group) > 1 else ("small_linear",) for group in fusion.projections]
+
+
 @pytest.mark.interpreter  # the kernels on CPU tensors
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_fused_decoder_runs_norms_and_rotary_on_the_kernels(family, tmp_path, monkeypatch):
+def test_fused_decoder_runs_norms_rotary_and_projections_on_the_kernels(family, tmp_path, monkeypatch):
     """Eager inference runs every RMSNorm of the family's class (Qwen3's and Gemma 3's per-head norms too) and
-    each layer's rotary embedding on the kernels, with the plain load's logits; the modules keep their classes and weights. Where gradients are recorded, and for inputs in
-    a dtype the kernels do not take, transformers' modules run."""
+    each layer's rotary embedding on the kernels, and at decode size (up to small_linear.MAX_ROWS tokens) the
+    attention's projections too (q, k and v in one launch; Qwen2's biases), with the plain load's logits, in a
+    whole forward and in cached decode steps; the modules keep their classes and weights. Where gradients are
+    recorded, and for inputs in a dtype the kernels do not take, transformers' modules run."""
     model, tokenizer, spec = _relufied(family, tie_word_embeddings=family in TIED)
     out = export_checkpoint(model, tokenizer, tmp_path / f"ckpt-{family}", spec=spec, plan=[LayerPlan()] * 2,
                             training=TRAINING)
@@ -384,25 +394,126 @@ def test_fused_decoder_runs_norms_and_rotary_on_the_kernels(family, tmp_path, mo
     fusion = _remote_module(remote).DECODER_FUSIONS[family]
     norms = [m for m in remote.modules() if type(m).__name__ == fusion.norm]
     layers = remote.get_submodule(spec.layers)
+    projections = [getattr(layer.self_attn, name) for layer in layers for group in fusion.projections for name in group]
     assert len(norms) == len([m for m in plain.modules() if type(m).__name__ == fusion.norm]) > 2 * len(layers)
-    assert all("forward" in vars(m) for m in (*norms, *(layer.self_attn for layer in layers)))
+    assert all("forward" in vars(m) for m in (*norms, *(layer.self_attn for layer in layers), *projections))
+    assert all(type(p) is torch.nn.Linear for p in projections)
     calls = _record_fused_kernels(remote, monkeypatch)
-    ids = tiny_input_ids()
+    ids = tiny_input_ids()  # 24 tokens: above small_linear's bound
     _close(_logits(remote, ids), _logits(plain, ids))
     kernels = [("rms_norm",), ("rms_norm_fits",)] * len(norms) + [("rotary",), ("rotary_fits",)] * len(layers)
-    assert sorted(calls) == sorted(kernels)  # every norm and rotary on the kernel, its arguments checked once
+    prefill = [call for call in calls if call != ("small_linear_fits",)]  # the projections' checks decline 24 tokens
+    assert sorted(prefill) == sorted(kernels)  # every norm and rotary on the kernel, its arguments checked once
     calls.clear()
-    logits = remote(ids).logits  # gradients recorded: transformers' modules, which have a backward
+    short = ids[:, :8]  # 16 tokens
+    _close(_logits(remote, short), _logits(plain, short))
+    checks = [("small_linear_fits",)] * len(projections)  # each projection's arguments checked once
+    assert sorted(calls) == sorted(kernels + _projection_launches(fusion) * len(layers) + checks)
+    calls.clear()
+    with torch.no_grad():  # a prefill of 12 tokens, then a step of one token a sequence over the cache
+        steps = []
+        for m in (remote, plain):
+            cache = DynamicCache(config=m.config)
+            m(ids[:, :6], **cache_arguments(m, cache, torch.arange(6)), use_cache=True)
+            steps.append(m(ids[:, 6:7], **cache_arguments(m, cache, torch.tensor([6])), use_cache=True).logits)
+        _close(*steps)
+    assert calls.count(("small_linear_grouped",)) + calls.count(("small_linear",)) == \
+        2 * len(_projection_launches(fusion)) * len(layers)
+    calls.clear()
+    logits = remote(short).logits  # gradients recorded: transformers' modules, which have a backward
     assert calls == [] and logits.requires_grad
-    _close(logits.detach(), _logits(plain, ids))
+    _close(logits.detach(), _logits(plain, short))
     remote.double()
-    _close(_logits(remote, ids), _logits(plain.double(), ids))
+    _close(_logits(remote, short), _logits(plain.double(), short))
     assert calls == []
+
+
+@pytest.mark.interpreter
+def test_attention_projections_share_one_launch_and_can_be_turned_off(tmp_path, monkeypatch):
+    """q_proj's call launches q, k and v, whose outputs k_proj's and v_proj's calls on the same input take once
+    each, unchecked (the group's launch checked the three); any other call launches its own. fuse_projections(False)
+    leaves the projections their own forward, fuse_projections() puts the kernel back, with the same logits."""
+    model, tokenizer, spec = _relufied("qwen2")  # q, k and v with biases
+    out = export_checkpoint(model, tokenizer, tmp_path / "ckpt-projections", spec=spec, plan=PLAN, training=TRAINING)
+    remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    attention = remote.model.layers[0].self_attn
+    calls = _record_fused_kernels(remote, monkeypatch)
+    x, other = torch.randn(2, 3, 64), torch.randn(2, 3, 64)
+    with torch.no_grad():
+        def check(name, x):
+            projection = getattr(attention, name)
+            _close(projection(x), torch.nn.functional.linear(x, projection.weight, projection.bias))
+
+        for name in ("q_proj", "k_proj", "v_proj"):
+            check(name, x)
+        assert calls == [("small_linear_fits",)] * 3 + [("small_linear_grouped",)]
+        check("k_proj", x)  # taken already
+        check("k_proj", other)
+        check("q_proj", other)
+        check("v_proj", x)  # kept for `other` now, not for x
+        assert [call for call in calls if call != ("small_linear_fits",)] == [
+            ("small_linear_grouped",), ("small_linear",), ("small_linear",), ("small_linear_grouped",), ("small_linear",)]
+        ids = tiny_input_ids(length=4)
+        fused_logits = remote(ids).logits
+        calls.clear()
+        remote.fuse_projections(False)
+        assert not any("forward" in vars(getattr(attention, name)) for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
+        _close(remote(ids).logits, fused_logits)
+        assert ("small_linear",) not in calls and ("small_linear_grouped",) not in calls and ("rotary",) in calls
+        remote.fuse_projections()
+        calls.clear()
+        _close(remote(ids).logits, fused_logits)
+        assert calls.count(("small_linear_grouped",)) == calls.count(("small_linear",)) == 2
+
+
+class _CudaInput:
+    """What ProjectionGroup.launches reads of a projection's input, as a CUDA tensor of `rows` tokens has it."""
+
+    is_cuda, dtype, device = True, torch.bfloat16, torch.device("cuda")
+
+    def __init__(self, rows):
+        self.shape = torch.Size((rows, 1, 64))
+
+    def stride(self):
+        return (64, 64, 1)
+
+
+def test_projections_launch_on_a_gpu_only_under_capture(tmp_path, monkeypatch):
+    """On a GPU, small_linear serves the projections' captured calls; an uncaptured call runs the module's own
+    forward (the Triton launcher's host time would lose to cuBLAS's) but for the first of each signature (the
+    warm-up before a capture), which loads the kernel that the capture launches. On CPU (the interpreter) every
+    call launches. A group that does not launch leaves every projection its own forward."""
+    model, tokenizer, spec = _relufied("qwen2")  # q, k and v with biases
+    out = export_checkpoint(model, tokenizer, tmp_path / "ckpt-captured", spec=spec, plan=PLAN, training=TRAINING)
+    remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    attention = remote.model.layers[0].self_attn
+    group = attention.q_proj.forward.args[0]
+    capturing = False
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+    one, eight = _CudaInput(1), _CudaInput(8)
+    assert [group.launches(0, one) for _ in range(3)] == [True, False, False]
+    assert [group.launches(0, eight) for _ in range(2)] == [True, False]  # another signature: loaded once too
+    assert group.launches(1, one) and not group.launches(1, one)  # k_proj's own launch: another kernel
+    capturing = True
+    assert all(group.launches(index, x) for index in (0, 1) for x in (one, eight) for _ in range(2))
+    capturing = False
+    assert not group.launches(0, one)
+    assert all(group.launches(0, torch.randn(1, 1, 64)) for _ in range(2))  # CPU tensors: the interpreter
+
+    calls = _record_fused_kernels(remote, monkeypatch)
+    monkeypatch.setattr(group, "launches", lambda index, x: False)
+    x = torch.randn(2, 1, 64)
+    with torch.no_grad():
+        for name in ("q_proj", "k_proj", "v_proj"):
+            projection = getattr(attention, name)
+            _close(projection(x), torch.nn.functional.linear(x, projection.weight, projection.bias))
+    assert ("small_linear",) not in calls and ("small_linear_grouped",) not in calls and group.kept is None
 
 
 def test_fused_decoder_checks_the_installed_transformers(tmp_path, monkeypatch):
     """A norm class that does not compute its form, or an apply_rotary_pos_emb that is not the standard one
-    (another transformers release), keeps transformers' forward."""
+    (another transformers release), keeps transformers' forward; the projections, plain nn.Linear layers, take
+    the kernel in any release."""
     from transformers.models.llama import modeling_llama
 
     model, tokenizer, spec = _relufied("llama")
@@ -417,16 +528,18 @@ def test_fused_decoder_checks_the_installed_transformers(tmp_path, monkeypatch):
     monkeypatch.setitem(module.DECODER_FUSIONS, "llama", module.DecoderFusion("LlamaRMSNorm", "gemma"))
     module.fuse_decoder(model, model.model.layers)
     attention = [layer.self_attn for layer in model.model.layers]
-    assert all("forward" in vars(m) for m in attention)
-    assert not any("forward" in vars(m) for m in model.modules() if m not in attention)
+    projections = [p for a in attention for p in (a.q_proj, a.k_proj, a.v_proj, a.o_proj)]
+    assert all("forward" in vars(m) for m in attention + projections)  # nn.Linear: nothing to check
+    assert not any("forward" in vars(m) for m in model.modules() if m not in attention + projections)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma"])
 def test_gpu_fused_decoder_bf16_logits_and_captured_step(family, tmp_path):
     """bf16 on a GPU: the remote load's logits (norms and rotary on the kernels, MLPs dense) within
-    bf16 rounding of the plain load's, both measured against the fp32 model; a decode step captured as a CUDA
-    graph gives the eager step's logits."""
+    bf16 rounding of the plain load's, both measured against the fp32 model; so are a decode step's captured as
+    a CUDA graph (the attention projections on small_linear too), which gives the logits of the step run directly
+    (its projections on their own forward)."""
     from sparsify.bench import capture_step
     from sparsify.tune import relative_error
 
@@ -440,7 +553,31 @@ def test_gpu_fused_decoder_bf16_logits_and_captured_step(family, tmp_path):
     rounding = relative_error(_logits(plain, ids).float(), exact)
     assert relative_error(_logits(remote, ids).float(), exact) < 1.5 * rounding
     assert relative_error(_logits(remote, ids), _logits(plain, ids)) < 2 * rounding
-    assert capture_step(remote, ids)[3] < 1e-3
+    exact_step = capture_step(model, ids)[2].float()
+    step_rounding = relative_error(capture_step(plain, ids)[2].float(), exact_step)
+    _, _, step, graph_error = capture_step(remote, ids)
+    assert relative_error(step.float(), exact_step) < 1.5 * step_rounding and graph_error < 1e-3
+
+
+@pytest.mark.gpu
+def test_gpu_projections_launch_in_the_capture_and_its_warm_up(tmp_path, monkeypatch):
+    """A captured decode step (bench.capture_step: warm-up steps on a side stream, then the capture) launches
+    small_linear in its first warm-up step, which loads the kernel, and in the capture, which then succeeds and
+    replays as the eager step runs; the step run directly afterwards runs the projections' own forward."""
+    from sparsify.bench import capture_step
+
+    model, tokenizer, spec = _relufied("qwen2")
+    out = export_checkpoint(model, tokenizer, tmp_path / "ckpt-capture", spec=spec, plan=[LayerPlan()] * 2,
+                            training=TRAINING)
+    remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.bfloat16).cuda()
+    launches = _projection_launches(_remote_module(remote).DECODER_FUSIONS["qwen2"]) * 2  # one step's
+    calls = _record_fused_kernels(remote, monkeypatch)
+    _, step, _, graph_error = capture_step(remote, tiny_input_ids(4, 40).cuda())
+    projection_calls = [call for call in calls if call in launches]
+    assert sorted(projection_calls) == sorted(launches * 2) and graph_error < 1e-3  # the first warm-up, the capture
+    calls.clear()
+    step()
+    assert not any(call in launches for call in calls) and ("small_linear_fits",) in calls  # checked, not launched
 
 
 def _failing(error):

@@ -9,7 +9,8 @@ traced calls use this checkpoint's own custom op (gated_mlp.op_name). `generate`
 generation.py's graphed loop where the call fits it.
 The decoder's elementwise work runs fused where the family is in DECODER_FUSIONS (fuse_decoder): its RMSNorm
 modules on rms_norm.py's kernel and the attention's rotary embedding on rotary.py's, each installed as the
-module's own `forward`, which runs
+module's own `forward`; so do the attention's projections at decode size on small_linear.py's (q, k and v in
+one launch), under CUDA-graph capture (ProjectionGroup.launches). An installed forward runs
 transformers' forward instead where gradients are recorded, under torch.compile (which fuses that code
 itself), on CPU without the Triton interpreter, or for inputs the kernels do not take. The modules, their
 classes and the weights stay transformers'. Imports torch, transformers and the files beside it only.
@@ -36,6 +37,7 @@ from .layer_plan import LayerPlan, layer_plans
 from .reference import rms_norm_reference, rotary_reference
 from .rms_norm import rms_norm_fits, rms_norm_fitted
 from .rotary import rotary_fits, rotary_fitted
+from .small_linear import small_linear_fits, small_linear_fitted, small_linear_grouped_fits, small_linear_grouped_fitted
 
 BASE_MODEL = "transformers.models.llama.modeling_llama.LlamaForCausalLM"
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton reads it when the kernels are defined, too
@@ -165,6 +167,9 @@ class DecoderFusion:
     norm: str  # the family's RMSNorm class (by name): every instance in the model, Qwen3's q / k norms too
     form: str  # what it computes (rms_norm.FORMS)
     eps: str = "variance_epsilon"  # its attribute holding epsilon
+    # the attention's nn.Linear projections (attribute names), in groups that project the same input: a group's
+    # decode-size calls make one small_linear launch
+    projections: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("o_proj",))
 
 
 # Per family (config.model_type). A class that no longer computes its form (another transformers release) keeps
@@ -175,7 +180,7 @@ DECODER_FUSIONS = {
     "mistral": DecoderFusion("MistralRMSNorm", "llama"),
     "qwen2": DecoderFusion("Qwen2RMSNorm", "llama"),
     "qwen3": DecoderFusion("Qwen3RMSNorm", "llama"),
-    "phi3": DecoderFusion("Phi3RMSNorm", "llama"),
+    "phi3": DecoderFusion("Phi3RMSNorm", "llama", projections=(("qkv_proj",), ("o_proj",))),
     "gemma": DecoderFusion("GemmaRMSNorm", "gemma", eps="eps"),
     "gemma2": DecoderFusion("Gemma2RMSNorm", "gemma", eps="eps"),
     "gemma3_text": DecoderFusion("Gemma3RMSNorm", "gemma", eps="eps"),
@@ -183,12 +188,13 @@ DECODER_FUSIONS = {
 
 
 def fused(x, *tensors) -> bool:
-    """Whether the norm and rotary kernels serve a call on x (and `tensors`): eager or captured (traced code runs
-    transformers' modules, which the compiler fuses itself), plain tensors, no gradient to record, Triton there
-    (CUDA; CPU under the interpreter), a dtype they take (the interpreter has no bf16 arithmetic)."""
+    """Whether the decoder's kernels serve a call on x (and `tensors`, None among them ignored): eager or captured
+    (traced code runs transformers' modules, which the compiler fuses itself), plain tensors, no gradient to
+    record, Triton there (CUDA; CPU under the interpreter), a dtype they take (the interpreter has no bf16
+    arithmetic)."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or type(x) is not torch.Tensor:
         return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, *tensors)):
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *tensors)):
         return False
     kernel_dtypes = KERNEL_DTYPES if x.is_cuda else (torch.float32, torch.float16) if INTERPRET else ()
     return x.dtype in kernel_dtypes and use_triton(x)
@@ -207,6 +213,81 @@ def fused_rotary(apply_rotary, q, k, cos, sin, *args, **kwargs):
     if not args and not kwargs and fused(q, k) and rotary_fits(q, k, cos, sin):
         return rotary_fitted(q, k, cos, sin)
     return apply_rotary(q, k, cos, sin, *args, **kwargs)
+
+
+class ProjectionGroup:
+    """nn.Linear projections of one attention that take the same input (its q, k and v). A call of the first on
+    a tensor x launches small_linear_grouped for all and keeps the others' outputs, which their calls on that same
+    tensor take, once each (transformers' attention forwards project their hidden states by q, k and v in turn);
+    any other call launches its own. Each call's arguments are checked once: the group's by the first's call,
+    which covers the calls that take a kept output. On a GPU the launches serve calls captured into a CUDA graph
+    (`launches` says why)."""
+
+    def __init__(self, linears):
+        self.linears = tuple(linears)
+        self.kept = None  # (x, {index: output}) of the last grouped launch, until each output is taken
+        self.loaded = set()  # signatures of the uncaptured calls that launched (`launches`)
+
+    def __call__(self, linear, x):
+        """linear(x) where fused() serves the call: a kept output, the group's launch, its own launch where
+        small_linear_fits takes it and `launches` says so, else the module's own forward."""
+        index = self.linears.index(linear)
+        kept = self.kept  # read once: a launch on another thread replaces it whole
+        if kept is not None and kept[0] is x and index in kept[1]:
+            output = kept[1].pop(index)
+            if not kept[1]:
+                self.kept = None
+            return output
+        weights, biases = [p.weight for p in self.linears], [p.bias for p in self.linears]
+        grouped = index == 0 and len(weights) > 1
+        if grouped and fused(x, *weights, *biases) and small_linear_grouped_fits(x, weights, biases):
+            if not self.launches(index, x):
+                return type(linear).forward(linear, x)
+            outputs = small_linear_grouped_fitted(x, weights, biases)
+            self.kept = (x, dict(enumerate(outputs[1:], 1)))
+            return outputs[0]
+        if small_linear_fits(x, linear.weight, linear.bias) and self.launches(index, x):
+            return small_linear_fitted(x, linear.weight, linear.bias)
+        return type(linear).forward(linear, x)
+
+    def launches(self, index, x) -> bool:
+        """Whether the call of projection `index` on x (which small_linear takes) launches it: always on CPU (the
+        interpreter, the tests' setup, has no host launch time to weigh) and under CUDA-graph capture; an
+        uncaptured CUDA call only as the first of its signature. The kernel's GPU time beats cuBLAS's at decode
+        shapes, but its Triton launcher takes several times cuBLAS's host time a call, which an uncaptured decode
+        step waits for; a graph's replay launches it without the host. CUDA cannot load a module during a
+        capture, so the first uncaptured call of each signature (the warm-up before a capture) launches it: that
+        compiles and loads the kernel which the capture then launches."""
+        if not x.is_cuda or not eager(x):
+            return True
+        signature = (index, x.shape, x.stride(), x.dtype, x.device)
+        if signature in self.loaded:
+            return False
+        self.loaded.add(signature)
+        return True
+
+
+def projection_forward(group, linear, x):
+    """An attention projection's forward (installed on the nn.Linear): small_linear where it serves the call (at
+    most its MAX_ROWS tokens; on a GPU, captured), through the projection's group; else the module's own."""
+    if fused(x, linear.weight, linear.bias):
+        return group(linear, x)
+    return type(linear).forward(linear, x)
+
+
+def fuse_attention_projections(attention, groups, enabled: bool = True) -> None:
+    """Installs projection_forward on `attention`'s projections named in `groups` (DecoderFusion.projections),
+    a ProjectionGroup for each group of plain nn.Linear layers; enabled=False takes it off again."""
+    for names in groups:
+        linears = [getattr(attention, name, None) for name in names]
+        if not all(type(linear) is nn.Linear for linear in linears):
+            continue
+        group = ProjectionGroup(linears)
+        for linear in linears:
+            if enabled:
+                linear.forward = functools.partial(projection_forward, group, linear)
+            elif getattr(vars(linear).get("forward"), "func", None) is projection_forward:
+                del linear.forward
 
 
 _ROTARY_FORWARDS = {}  # attention class -> its forward reading apply_rotary_pos_emb as fused_rotary
@@ -269,7 +350,7 @@ def rotary_computes(apply_rotary) -> bool:
 
 def fuse_decoder(model, layers) -> None:
     """Installs the fused forwards of the family's DECODER_FUSIONS entry on the model's norms and its decoder
-    layers' attention (rotary)."""
+    layers' attention (rotary) and attention projections."""
     fusion = DECODER_FUSIONS.get(model.config.model_type)
     if fusion is None:
         return
@@ -282,6 +363,7 @@ def fuse_decoder(model, layers) -> None:
         apply_rotary = forward.__globals__.get("apply_rotary_pos_emb")
         if apply_rotary is not None and rotary_computes(apply_rotary):
             layer.self_attn.forward = functools.partial(attention_forward, layer.self_attn)
+        fuse_attention_projections(layer.self_attn, fusion.projections)
 
 
 class TwellForCausalLM(_import(BASE_MODEL), GenerationMixin):
@@ -298,6 +380,16 @@ class TwellForCausalLM(_import(BASE_MODEL), GenerationMixin):
         for layer, plan in zip(layers, plans):
             setattr(layer, layout["mlp"], TwellGatedMLP(getattr(layer, layout["mlp"]), layout, plan))
         fuse_decoder(self, layers)
+
+    def fuse_projections(self, enabled: bool = True) -> None:
+        """Runs the attention projections' captured decode-size calls on small_linear (as loaded) or,
+        enabled=False, on their own forward (to time the two in one process); frees the graphed decode loop,
+        which captured one."""
+        fusion = DECODER_FUSIONS.get(self.config.model_type)
+        if fusion is not None:
+            release_graphed(self)
+            for layer in self.get_submodule(self.config.twell["mlp"]["layers"]):
+                fuse_attention_projections(layer.self_attn, fusion.projections, enabled)
 
     def generate_graphed(self, input_ids, max_new_tokens, **options):
         """Greedy or sampled continuation with one CUDA-graph replay a token, no Python loop on the host
