@@ -264,6 +264,8 @@ def fake_report(parameters: int, pretraining_tokens: int, points: list[tuple[int
 def test_compare_puts_bases_on_tokens_and_on_their_share(tmp_path, capsys):
     compare = load_benchmark("quality/compare.py")
     short = fake_report(100_000_000, 40_000_000, [(10_000_000, 0.02, 0.992), (2_000_000, 0.14, 0.983)])
+    short["conversions"].append({"settings": {"l1": 3.5}, "epochs": 2, "tokens": 4_000_000,
+                                 "distinct_tokens": 2_000_000, "ce_vs_original": 0.1, "sparsity": 0.99})
     long = fake_report(100_000_000, 120_000_000, [(10_000_000, 0.01, 0.991)], layers=16)
     paths = [tmp_path / "short.json", tmp_path / "long.json"]
     for path, result in zip(paths, (short, long)):
@@ -277,6 +279,10 @@ def test_compare_puts_bases_on_tokens_and_on_their_share(tmp_path, capsys):
                           "100M, 8 layers, 0.40 tokens/param (short.json) | 10.00M | 0.25 | 99.20% | +2.00%",
                           "100M, 16 layers, 1.20 tokens/param (long.json) | 10.00M | 0.0833 | 99.10% | +1.00%"]
     assert figure.stat().st_size > 10_000
+    # two passes over 2M tokens: a setting of its own, at the distinct tokens its user lacks
+    compare.main([str(paths[0]), "--out", str(figure), "--setting", "l1 3.5 epochs 2"])
+    assert capsys.readouterr().out.splitlines()[2] == ("100M, 8 layers, 0.40 tokens/param (short.json) | 2.00M | 0.05 | "
+                                                       "99.00% | +10.00%")
     long["conversions"][0]["settings"] = {"l1": 7}
     paths[1].write_text(json.dumps(long))
     with pytest.raises(SystemExit, match="choose the conversion setting"):
