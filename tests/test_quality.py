@@ -1,11 +1,13 @@
 """The conversion-quality pipeline (benchmarks/quality/convert_quality.py) end to end at toy size on the CPU:
 corpus, tokenizer, pretraining, two conversions (without and with distillation) through the real CLI,
 the continued-training control, the held-out metrics, progressive-swap runs given by --runs at two budget shares,
-report and plots; and its stages on their own: the pretraining's resume, the metrics on two kinds of text. Its
+runs of one and two passes over the head of the train split (--convert-epochs), report and plots; and its stages on their own: the pretraining's resume, the metrics on two kinds of text. Its
 figures at toy size mean nothing; the tests keep the script from rotting and check what the report must hold."""
+import itertools
 import json
 import math
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -126,6 +128,72 @@ def test_budget_curve_runs_every_setting_and_the_control_at_every_share(prepared
         assert "metrics" not in c and "first_sparse" in c
     assert result["original"] is None and not list(work.glob("metrics_*"))  # --no-metrics
     assert report.with_name("budget_budget.png").stat().st_size > 10_000
+
+
+def test_epochs_pass_over_the_head_of_the_train_split_several_times(prepared, tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    from sparsify.data import Documents, TextData, blocks, resolve
+
+    quality = load_script()
+    work, report = prepared_work(prepared, tmp_path, monkeypatch), tmp_path / "epochs.json"
+    result = quality.main(["--toy", "--work", str(work), "--json", str(report), "--runs", "l1=3.5", "--jobs", "2",
+                           "--convert-epochs", "1", "2", "--set", "shuffle_buffer=8", "--no-metrics"])
+    # the head: the train split's first documents, the last cut, packed into the blocks of its first tokens
+    subset, asked = result["convert_subsets"], result["convert_tokens"]
+    assert [(s["share"], s["folder"], s["tokens_asked"]) for s in subset] == [(0.25, "corpus_share0.25", asked)]
+    head, corpus = work / "corpus_share0.25", work / "corpus"
+    rows, kept = ([json.loads(line) for line in open(folder / "train.jsonl")] for folder in (corpus, head))
+    assert len(kept) == subset[0]["documents"] and kept[:-1] == rows[:len(kept) - 1]
+    last = rows[len(kept) - 1]
+    assert kept[-1]["kind"] == last["kind"] and last["text"].startswith(kept[-1]["text"]) and kept[-1] != last
+    assert (head / "valid.jsonl").read_bytes() == (corpus / "valid.jsonl").read_bytes()
+    tok, seq_len = AutoTokenizer.from_pretrained(work / "base"), 64
+
+    def packed(folder: Path, count: int | None = None) -> list[tuple]:
+        return [tuple(b.tolist()) for b in itertools.islice(
+            blocks(iter(Documents(resolve(folder).train)), tok, seq_len), count)]
+
+    pass_blocks = packed(head)
+    distinct = subset[0]["distinct_tokens"]
+    assert distinct == subset[0]["blocks"] * seq_len == len(pass_blocks) * seq_len and asked <= distinct < asked + seq_len
+    assert pass_blocks == packed(corpus, len(pass_blocks))  # the blocks the one-pass run reads first
+
+    once, twice = result["conversions"]
+    assert [c["name"] for c in result["conversions"]] == ["l1_3.5", "l1_3.5_epochs2"]
+    assert (once["epochs"], once["distinct_tokens"]) == (1, once["tokens"]) and twice["epochs"] == 2
+    assert twice["distinct_tokens"] == distinct == once["tokens"]
+    assert (twice["tokens"], twice["steps"]) == (2 * once["tokens"], 2 * once["steps"])
+    # the convert's own count: the text it trained on holds the head's tokens, passed over twice
+    log = " ".join((work / "l1_3.5_epochs2.log").read_text().split())
+    assert f"the training text holds {distinct:,} tokens and the run trains on {2 * distinct:,}: 2.0 passes" in log
+    assert "passes over it" not in (work / "l1_3.5.log").read_text()
+    # the batches those steps draw: every block of the head, twice give or take one (the shuffle buffer runs on
+    # through the passes), and nothing else
+    stream = TextData(head, tok, seq_len, 512).train_batches(4, shuffle_buffer=8, seed=0)
+    drawn = Counter(tuple(b.tolist()) for _ in range(twice["steps"]) for b in next(stream))
+    assert drawn.keys() == set(pass_blocks) and sum(drawn.values()) == 2 * len(pass_blocks) and max(drawn.values()) <= 3
+    # the control at each number of passes, on its conversions' text and tokens; all measured on the same held-out
+    controls = result["control"]
+    assert [(c["name"], c["epochs"], c["tokens"], c["distinct_tokens"]) for c in controls] == [
+        ("control", 1, once["tokens"], once["tokens"]), ("control_epochs2", 2, twice["tokens"], distinct)]
+    for c, control in zip(result["conversions"], controls):
+        assert c["ce_vs_control"] == pytest.approx(c["cross_entropy"]["after training"]
+                                                   / control["cross_entropy"]["after training"] - 1)
+    assert len({round(c["cross_entropy"]["original"], 6) for c in (*controls, once, twice)}) == 1
+    assert result["convert_epochs"] == [1, 2] and report.with_name("epochs_budget.png").stat().st_size > 10_000
+    assert all((work / f"{name}.json").is_file() for name in ("corpus_share0.25", "convert_l1_3.5_epochs2",
+                                                              "control_epochs2"))
+
+
+@pytest.mark.parametrize("epochs", [["0"], ["1.5"], ["two"], ["2", "2"]])
+def test_convert_epochs_must_be_whole_numbers_of_passes_once_each(epochs, capsys):
+    quality = load_script()
+    with pytest.raises(SystemExit):
+        quality.arguments(["--toy", "--work", "unused", "--convert-epochs", *epochs])
+    error = capsys.readouterr().err
+    assert ("each number of passes once" if epochs == ["2", "2"] else
+            f"passes over the text must be a whole number, at least 1: got '{epochs[0]}'") in error
 
 
 def test_first_sparse_is_the_first_log_entry_at_99_percent():
@@ -264,6 +332,8 @@ def fake_report(parameters: int, pretraining_tokens: int, points: list[tuple[int
 def test_compare_puts_bases_on_tokens_and_on_their_share(tmp_path, capsys):
     compare = load_benchmark("quality/compare.py")
     short = fake_report(100_000_000, 40_000_000, [(10_000_000, 0.02, 0.992), (2_000_000, 0.14, 0.983)])
+    short["conversions"].append({"settings": {"l1": 3.5}, "epochs": 2, "tokens": 4_000_000,
+                                 "distinct_tokens": 2_000_000, "ce_vs_original": 0.1, "sparsity": 0.99})
     long = fake_report(100_000_000, 120_000_000, [(10_000_000, 0.01, 0.991)], layers=16)
     paths = [tmp_path / "short.json", tmp_path / "long.json"]
     for path, result in zip(paths, (short, long)):
@@ -277,6 +347,10 @@ def test_compare_puts_bases_on_tokens_and_on_their_share(tmp_path, capsys):
                           "100M, 8 layers, 0.40 tokens/param (short.json) | 10.00M | 0.25 | 99.20% | +2.00%",
                           "100M, 16 layers, 1.20 tokens/param (long.json) | 10.00M | 0.0833 | 99.10% | +1.00%"]
     assert figure.stat().st_size > 10_000
+    # two passes over 2M tokens: a setting of its own, at the distinct tokens its user lacks
+    compare.main([str(paths[0]), "--out", str(figure), "--setting", "l1 3.5 epochs 2"])
+    assert capsys.readouterr().out.splitlines()[2] == ("100M, 8 layers, 0.40 tokens/param (short.json) | 2.00M | 0.05 | "
+                                                       "99.00% | +10.00%")
     long["conversions"][0]["settings"] = {"l1": 7}
     paths[1].write_text(json.dumps(long))
     with pytest.raises(SystemExit, match="choose the conversion setting"):

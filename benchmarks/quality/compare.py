@@ -4,6 +4,8 @@ the conversion tokens (left) and over the share of that base's pretraining token
 with its size, depth and pretraining tokens a parameter; each point is filled where the run ended at least 99%
 sparse and hollow where it did not. Whether a conversion needs a share of the base's pretraining or a count of
 tokens shows as which panel's curves fall on each other. The same figures are printed as a table.
+A run of several passes over its text (--convert-epochs) is a setting of its own ('l1 3.5 epochs 2'), and its
+conversion tokens are its distinct tokens, the budget its user lacks (it trained on that many times as many).
 
     python benchmarks/quality/compare.py benchmarks/results/quality_budget_d1024_h200.json BASE3X.json \\
         --out benchmarks/results/quality_budget_bases.png
@@ -26,12 +28,13 @@ def base_label(result: dict) -> str:
 
 
 def curve(result: dict, setting: str) -> list[dict]:
-    """The report's conversions with run_label `setting`, by tokens: tokens, share of pretraining, CE cost (%),
-    sparsity."""
+    """The report's conversions with run_label `setting`, by tokens: distinct tokens (those trained on in reports
+    without them), share of pretraining, CE cost (%), sparsity."""
     pretraining_tokens = result["pretraining"]["tokens"]
-    points = [{"tokens": c["tokens"], "share": c["tokens"] / pretraining_tokens,
+    distinct = [c.get("distinct_tokens", c["tokens"]) for c in result["conversions"]]
+    points = [{"tokens": tokens, "share": tokens / pretraining_tokens,
                "cost": 100 * c["ce_vs_original"], "sparsity": c["sparsity"]}
-              for c in result["conversions"] if run_label(c) == setting]
+              for c, tokens in zip(result["conversions"], distinct) if run_label(c) == setting]
     return sorted(points, key=lambda p: p["tokens"])
 
 
@@ -50,7 +53,8 @@ def common_setting(results: dict[str, dict], setting: str | None) -> str:
 
 
 def table(results: dict[str, dict], setting: str) -> str:
-    lines = [f"setting: {setting}", "base | conversion tokens | share of pretraining | FFN sparsity | CE vs original"]
+    lines = [f"setting: {setting}",
+             "base | conversion tokens (distinct) | share of pretraining | FFN sparsity | CE vs original"]
     for name, result in results.items():
         for p in curve(result, setting):
             lines.append(f"{base_label(result)} ({name}) | {p['tokens'] / 1e6:.2f}M | {p['share']:.3g} | "
@@ -70,7 +74,8 @@ def compare_plot(results: dict[str, dict], setting: str, path: Path) -> None:
                           fillstyle="full" if p["sparsity"] >= SPARSE else "none")
                 axis.annotate(f"{100 * p['sparsity']:.1f}%", (p[x], p["cost"]), fontsize=7, xytext=(4, 4),
                               textcoords="offset points")
-    for axis, xlabel in zip(axes, ("conversion tokens", "conversion tokens / the base's pretraining tokens")):
+    for axis, xlabel in zip(axes, ("distinct conversion tokens",
+                                   "distinct conversion tokens / the base's pretraining tokens")):
         axis.axhline(0, color="black", linestyle="--", linewidth=1)
         axis.axhline(3, color="gray", linestyle=":", linewidth=1)
         axis.set(xscale="log", xlabel=xlabel)
@@ -89,8 +94,9 @@ def compare_plot(results: dict[str, dict], setting: str, path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("reports", type=Path, nargs="+", help="convert_quality.py JSON reports, one per base")
-    ap.add_argument("--setting", help="the conversion setting to compare, as the reports label it (e.g. 'l1 3.5'); "
-                                      "needed where the reports share several")
+    ap.add_argument("--setting", help="the conversion setting to compare, as the reports label it (e.g. 'l1 3.5', or "
+                                      "'l1 3.5 epochs 2' for its runs of 2 passes over their text, placed at their "
+                                      "distinct tokens); needed where the reports share several")
     ap.add_argument("--out", type=Path, required=True, help="the figure (PNG)")
     args = ap.parse_args(argv)
     results = {path.name: json.loads(path.read_text()) for path in args.reports}

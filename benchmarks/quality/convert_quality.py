@@ -20,25 +20,34 @@ again after an interruption goes on where it stopped):
    in a subprocess (--jobs at a time); on a GPU its layers move to the hybrid TwELL kernels as they become sparse.
    The CLI measures the held-out perplexity of the original, of the ReLU swap and of the converted model on the
    same held-out blocks, and per-layer sparsity and dead units; from its training log, the step and tokens at
-   which it first reached 99% sparsity;
-4. control (--control): at each share, the source model trained by the same trainer on the same batches with the
-   same recipe (--control-set over it), but no swap, no L1 and no distillation, so that the cost of sparsity is
-   told apart from the gain of the extra tokens; the trained model is kept for the next stage;
+   which it first reached 99% sparsity. At each --convert-epochs N above 1 (the few distinct tokens of a published
+   model's user, read for more steps) a run reads only the head of the train split that holds the share's tokens
+   (corpus.make_subset: its first documents, the last cut, so that it packs into the blocks a one-pass run reads
+   first; written once per share to corpus_shareS) N times: --tokens N x those. Each pass packs the same blocks;
+   the shuffle buffer and its random order run on through the passes, so that each pass comes in another order
+   and a buffer's worth of blocks at each pass's end mixes with the next one's;
+4. control (--control): at each share and number of passes, the source model trained by the same trainer on the
+   same batches with the same recipe (--control-set over it), but no swap, no L1 and no distillation, so that the
+   cost of sparsity is told apart from the gain of the extra tokens; the trained model is kept for the next stage;
 5. metrics (metrics.py; --no-metrics skips it): the original, each control and each converted checkpoint loaded as
    plain dense models (no remote code), bf16 on a GPU, on the same held-out blocks: next-token cross-entropy and
    top-1 accuracy, per kind of document and over both, and greedy agreement with the original (64 held-out
    prompts of 32 tokens, 32 greedy tokens each: the share of tokens equal to the original's at the same position
    and the mean common prefix);
 6. report (plots.py): one JSON (device, versions, corpus, pretraining, the original's metrics, the controls, every
-   conversion with its log; with several shares `convert_tokens` and `control` are lists in the order of
-   --convert-share and run names end in _shareS) and PNG plots beside it: cross-entropy and active units against
-   training tokens, the sparsity / cross-entropy trade-off, and with several shares the budget curve
-   (JSON_budget.png: held-out CE against the original over the share, sparsity beside each point).
+   conversion with its log, share, `epochs` and `distinct_tokens`; with several shares `convert_tokens` is a list
+   in the order of --convert-share and run names end in _shareS, with several passes they end in _epochsN; with
+   several shares or --convert-epochs `control` is a list) and PNG plots beside it: cross-entropy and active units
+   against training tokens, the sparsity / cross-entropy trade-off, and with several shares or --convert-epochs the
+   budget curve (JSON_budget.png: held-out CE against the original over the share, a line per setting and number
+   of passes, sparsity beside each point; with several --convert-epochs a second panel over the passes).
 
     python benchmarks/quality/convert_quality.py --work runs/quality --json benchmarks/results/quality_h100.json \\
         --control --runs l1=3.5 l1=3.5,swap_steps=150 --jobs 2
     python benchmarks/quality/convert_quality.py --work runs/budget --json budget.json --convert-share 0.25 0.1 0.05 \\
         --control --control-set lr=5e-5 --runs l1=3.5 --jobs 4     # the budget curve
+    python benchmarks/quality/convert_quality.py --work runs/budget --json epochs.json --convert-share 0.05 \\
+        --convert-epochs 1 2 4 --control --control-set lr=5e-5 --runs l1=3.5 --jobs 6     # few tokens, several passes
     python benchmarks/quality/convert_quality.py --toy --work /tmp/q   # CPU, tiny, stdlib only (tests)
 """
 from __future__ import annotations
@@ -73,6 +82,17 @@ def stage(path: Path, make, output: Path | None = None):
     tmp = path.with_name(path.name + ".tmp")  # renamed into place: a killed run leaves no half-written stage
     tmp.write_text(json.dumps(value, indent=1))
     tmp.rename(path)
+    return value
+
+
+def passes(text: str) -> int:
+    """A --convert-epochs value: a whole number of passes, at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"passes over the text must be a whole number, at least 1: got {text!r}")
     return value
 
 
@@ -121,6 +141,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--convert-share", type=float, nargs="+", default=[0.2], metavar="SHARE",
                     help=f"conversion tokens / pretraining tokens, at most {MAX_SHARE}; several (e.g. 0.25 0.1 0.05 "
                          "0.02): every run and the control at each, and the budget curve")
+    ap.add_argument("--convert-epochs", type=passes, nargs="+", default=[1], metavar="N",
+                    help="passes over the conversion's text: at N above 1 every run and the control read only the "
+                         "first SHARE x pretraining tokens of the train split (its first documents, the last cut; "
+                         "written once a share to WORK/corpus_shareS), N times; several (e.g. 1 2 4): each at every "
+                         "share")
     ap.add_argument("--convert-batch", type=int, default=16, help="sequences a step (a run's batch_size overrides it)")
     ap.add_argument("--no-measure", dest="measure", action="store_false",
                     help="plan the kernels from the cost model instead of timing layers on the GPU (the quality "
@@ -147,6 +172,8 @@ def arguments(argv=None) -> argparse.Namespace:
                  "tokens")
     if len(set(args.convert_share)) < len(args.convert_share):
         ap.error("--convert-share: each share once")
+    if len(set(args.convert_epochs)) < len(args.convert_epochs):
+        ap.error("--convert-epochs: each number of passes once")
     if args.pretrain_stop_after is not None and args.pretrain_stop_after < 1 or args.pretrain_save_every < 0:
         ap.error("--pretrain-stop-after must be at least 1 and --pretrain-save-every at least 0")
     if args.metrics and args.seq_len < metrics.PROMPT_TOKENS + metrics.NEW_TOKENS:
@@ -171,33 +198,75 @@ def prepare(args) -> tuple[dict, dict]:
     return made, stage(args.work / "pretrain.json", lambda: pretrain.pretrain_base(args, args.work, corpus_dir))
 
 
-def train_all(args, recipe: dict, tokens: dict[float, int]) -> tuple[list[dict], list[dict]]:
-    """Every conversion at every share, and the control at every share with --control; each entry with its share.
-    The controls train one after another in this process, the conversions in their own (--jobs at a time)."""
+def make_subsets(args, recipe: dict, tokens: dict[float, int]) -> dict[float, dict]:
+    """Where --convert-epochs asks for more than one pass: each share's head of the train split (corpus.make_subset,
+    WORK/corpus_shareS, a stage of its own), its figures and "folder"."""
+    if max(args.convert_epochs) == 1:
+        return {}
+    from transformers import AutoTokenizer
+
+    from sparsify.config import TrainConfig
+
+    tok = AutoTokenizer.from_pretrained(args.work / "base")
+    shuffled = recipe.get("shuffle_buffer", TrainConfig.shuffle_buffer)
+    made = {}
+    for share, count in tokens.items():
+        folder = args.work / f"corpus_share{share:g}"
+        made[share] = {"share": share, "folder": folder.name, **stage(folder.with_name(folder.name + ".json"), (
+            lambda: corpus.make_subset(args.work / "corpus", folder, tok, args.seq_len, count)), output=folder)}
+        print(f"{folder.name}: {made[share]['documents']} documents, {made[share]['distinct_tokens']:,} tokens a pass "
+              f"({made[share]['blocks']} blocks)", flush=True)
+        if shuffled >= made[share]["blocks"]:
+            print(f"note: the shuffle buffer ({shuffled} blocks) holds a pass or more: the passes mix (--set "
+                  "shuffle_buffer=N below the blocks a pass keeps them apart)", flush=True)
+    return made
+
+
+def train_all(args, recipe: dict, tokens: dict[float, int], subsets: dict[float, dict]
+              ) -> tuple[list[dict], list[dict]]:
+    """Every conversion at every share and number of passes, and the control at each with --control; each entry
+    with its share, epochs and distinct tokens. At one pass a run reads the corpus's train split from its start
+    for the share's tokens; at N passes the share's head of it (`subsets`, from make_subsets()) N times. The controls
+    train one after another in this process, the conversions in their own (--jobs at a time)."""
     several = len(tokens) > 1
     settings = args.runs or [{"l1": l1, "distill": distill} for l1 in args.l1 for distill in args.distill]
-    base, corpus_dir = args.work / "base", args.work / "corpus"
+    base = args.work / "base"
+    budgets = [(share, epochs) for share in tokens for epochs in args.convert_epochs]
 
-    def conversion(setting: dict, share: float) -> dict:
-        name = runs.run_name(setting, share if several else None)
-        c = {"name": name, "share": share, **stage(args.work / f"convert_{name}.json", lambda: runs.convert(
-            args, base, corpus_dir, recipe, args.work / name, setting, tokens[share]))}
+    def data(share: float, epochs: int) -> tuple[Path, int, int | None]:
+        """A run's train text, its tokens, and at several passes the distinct tokens they pass over."""
+        if epochs == 1:
+            return args.work / "corpus", tokens[share], None
+        distinct = subsets[share]["distinct_tokens"]
+        return args.work / subsets[share]["folder"], epochs * distinct, distinct
+
+    def entry(name: str, share: float, epochs: int, distinct: int | None, made: dict) -> dict:
+        # one pass: every token trained on is read once
+        return {"name": name, "share": share, "epochs": epochs,
+                "distinct_tokens": made["tokens"] if distinct is None else distinct, **made}
+
+    def conversion(setting: dict, share: float, epochs: int) -> dict:
+        name = runs.run_name(setting, share if several else None, epochs)
+        text, count, distinct = data(share, epochs)
+        c = entry(name, share, epochs, distinct, stage(args.work / f"convert_{name}.json", lambda: runs.convert(
+            args, base, text, recipe, args.work / name, setting, count)))
         print(runs.summary_line(c), flush=True)
         return c
 
-    def control(share: float) -> dict:
-        out = args.work / runs.control_name(share if several else None)
-        return {"name": out.name, "share": share, **stage(out.with_name(out.name + ".json"), lambda: runs.control(
-            args, base, corpus_dir, recipe, tokens[share], out), output=out if args.metrics else None)}
+    def control(share: float, epochs: int) -> dict:
+        out = args.work / runs.control_name(share if several else None, epochs)
+        text, count, distinct = data(share, epochs)
+        return entry(out.name, share, epochs, distinct, stage(out.with_name(out.name + ".json"), lambda: runs.control(
+            args, base, text, recipe, count, out), output=out if args.metrics else None))
 
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
-        continued = pool.submit(lambda: [control(share) for share in tokens]) if args.control else None
-        pending = [pool.submit(conversion, setting, share) for share in tokens for setting in settings]
+        continued = pool.submit(lambda: [control(*b) for b in budgets]) if args.control else None
+        pending = [pool.submit(conversion, setting, *b) for b in budgets for setting in settings]
         controls = continued.result() if continued else []
         conversions = [job.result() for job in pending]
     for c in conversions:
         for reference in controls:
-            if reference["share"] == c["share"]:
+            if (reference["share"], reference["epochs"]) == (c["share"], c["epochs"]):
                 c["ce_vs_control"] = (c["cross_entropy"]["after training"]
                                       / reference["cross_entropy"]["after training"] - 1)
     return conversions, controls
@@ -251,25 +320,27 @@ def main(argv=None) -> dict:
         raise SystemExit(pretrain.PAUSED)
     tokens = {share: int(share * pretraining["tokens"]) for share in args.convert_share}
     recipe = {**load_recipe(args.recipe, "base"), **dict(args.recipe_overrides)}
-    conversions, controls = train_all(args, recipe, tokens)
+    subsets = make_subsets(args, recipe, tokens)
+    conversions, controls = train_all(args, recipe, tokens, subsets)
     for c in conversions:
         c["first_sparse"] = runs.first_sparse(c["log"], pretraining["config"]["intermediate_size"])
     original = measure_all(args, conversions, controls) if args.metrics else None
-    several = len(tokens) > 1
+    several, budgets = len(tokens) > 1, len(tokens) * len(args.convert_epochs) > 1
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     result = {"command": shlex.join([Path(sys.argv[0]).name if argv is None else "convert_quality.py",
                                      *(sys.argv[1:] if argv is None else argv)]),
               "device": device, "versions": versions(), "seconds": round(time.time() - started, 1),
               "corpus": made, "pretraining": pretraining, "convert_shares": args.convert_share,
-              "convert_tokens": list(tokens.values()) if several else tokens[args.convert_share[0]], "recipe": recipe,
+              "convert_tokens": list(tokens.values()) if several else tokens[args.convert_share[0]],
+              "convert_epochs": args.convert_epochs, "convert_subsets": list(subsets.values()), "recipe": recipe,
               "original": original and {"model": "base", "metrics": original},
-              "control": controls if several else (controls[0] if controls else None), "conversions": conversions}
+              "control": controls if budgets else (controls[0] if controls else None), "conversions": conversions}
     print_summary(result)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1) + "\n")
         plots.plot(result, args.json.with_suffix(".png"))
-        if several:
+        if budgets:
             plots.budget_plot(result, args.json.with_name(args.json.stem + "_budget.png"))
     return result
 

@@ -3,7 +3,8 @@
 Files are read in the order of a hash of their path (below their root, so that the order does not depend on where
 Python is installed) and split by a second, independent hash into train and held-out, one JSON line a file:
 {"text", "kind"}, the kind "code" (.py, .pyi) or "prose" (.rst, .md, .txt), so that held-out figures can be
-told apart by domain.
+told apart by domain. A conversion of several passes (--convert-epochs) reads a head of the train split
+(`make_subset`): its first documents up to a number of tokens, the last cut, beside the same held-out file.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import hashlib
 import json
 import os
 import platform
+import shutil
 import sysconfig
 from pathlib import Path
 
@@ -71,6 +73,53 @@ def make_corpus(out: Path, megabytes: float, valid_share: float, packages: bool 
     return {"source": f"Python {platform.python_version()} standard library{' and site-packages' * packages}: "
                       f"{', '.join(KINDS)} files of {MIN_BYTES}-{MAX_BYTES} bytes, distinct texts, in the order "
                       f"of a hash of their path", "files": counts, "bytes": sizes, "kinds": kinds}
+
+
+def make_subset(corpus: Path, out: Path, tokenizer, seq_len: int, tokens: int) -> dict:
+    """OUT: the head of CORPUS's train split that sparsify's reader (EOS after each document, blocks of seq_len,
+    the tail short of a block dropped) packs into the blocks of the split's first `tokens` tokens (rounded up to a
+    block), and a copy of the held-out split; written to a temporary folder renamed into place. Its documents are
+    the split's first ones, the last cut after the tokens it adds to the head and half a block more (the margin keeps
+    the retokenized end of its text out of the head's blocks; kept whole where the cut would change its tokens
+    before that). Returns its documents and bytes and, counted by that reader, its blocks and their tokens
+    (`distinct_tokens`: what each pass over it trains on)."""
+    from sparsify.data import Documents, Packer, blocks, resolve
+
+    wanted = -(-tokens // seq_len) * seq_len
+    eos = len(Packer(tokenizer, seq_len).sep)
+
+    def encoded(text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        ids = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+        return ids["input_ids"], ids["offset_mapping"]
+
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    read, documents, size = 0, 0, 0
+    with open(corpus / "train.jsonl") as source, open(tmp / "train.jsonl", "w") as head:
+        for line in source:
+            row = json.loads(line)
+            ids, offsets = encoded(row["text"])
+            needed, kept = wanted - read, wanted - read + seq_len // 2
+            if kept < len(ids):  # the document that completes the head, and more: cut
+                cut = row["text"][:offsets[kept - 1][1]]
+                cut_ids = encoded(cut)[0]
+                if cut_ids[:needed] == ids[:needed]:
+                    row["text"], ids = cut, cut_ids
+            head.write(json.dumps(row) + "\n")
+            read, documents, size = read + len(ids) + eos, documents + 1, size + len(row["text"].encode())
+            if read >= wanted:
+                break
+    if read < wanted:
+        shutil.rmtree(tmp)
+        raise SystemExit(f"{corpus / 'train.jsonl'} holds {read:,} tokens, fewer than the {tokens:,} a pass over a "
+                         f"head of it should hold: lower --convert-share or raise --corpus-mb")
+    shutil.copyfile(corpus / "valid.jsonl", tmp / "valid.jsonl")
+    packed = sum(1 for _ in blocks(iter(Documents(resolve(tmp).train)), tokenizer, seq_len))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return {"tokens_asked": tokens, "documents": documents, "bytes": size, "blocks": packed,
+            "distinct_tokens": packed * seq_len}
 
 
 def read_texts(path: Path) -> list[str]:

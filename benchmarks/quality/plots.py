@@ -1,10 +1,12 @@
 """The quality report's plots: the training curves and the sparsity / cross-entropy trade-off (`plot`), and with
-several budget shares the budget curve (`budget_plot`): each setting's held-out cross-entropy cost against the
-original at the end of its run, over the share of the pretraining tokens it was given, its sparsity written beside
-each point, the control's cost beside them.
+several budget shares or numbers of passes the budget curve (`budget_plot`): each setting's held-out cross-entropy
+cost against the original at the end of its run, over the share of the pretraining tokens it was given (a line per
+number of passes over them, and with several a panel over the passes), its sparsity written beside each point, the
+control's cost beside them.
 """
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 from runs import SPARSE, run_label
@@ -93,34 +95,59 @@ def plot(result: dict, path: Path) -> None:
     save(fig, result, path)
 
 
-def budget_plot(result: dict, path: Path) -> None:
-    """Held-out CE against the original at the end of each run over its budget share (log scale), one line per
-    setting, each point's sparsity beside it; the control's line in black."""
-    plt = pyplot()
-    fig, axis = plt.subplots(figsize=(7.5, 5))
-    curves = {}
+CONTROL_STYLES = ("-", "--", ":", "-.")  # the controls' black lines, one style each
+
+
+def cost_lines(axis, result: dict, x: str, label, control_label) -> None:
+    """Held-out CE against the original at the end of each run over run[x] on `axis`: the conversions a line per
+    label(run), each point's sparsity beside it, the controls a black line per control_label(run)."""
+    lines = {}
     for run in result["conversions"]:
-        curves.setdefault(run_label(run), []).append(run)
-    for label, curve in curves.items():
-        curve.sort(key=lambda r: r["share"])
-        axis.plot([r["share"] for r in curve], [100 * r["ce_vs_original"] for r in curve], "o-", label=label)
-        for r in curve:
-            axis.annotate(f"{100 * r['sparsity']:.1f}%", (r["share"], 100 * r["ce_vs_original"]), fontsize=7,
+        lines.setdefault(label(run), []).append(run)
+    for name, line in lines.items():
+        line.sort(key=lambda r: r[x])
+        axis.plot([r[x] for r in line], [100 * r["ce_vs_original"] for r in line], "o-", label=name)
+        for r in line:
+            axis.annotate(f"{100 * r['sparsity']:.1f}%", (r[x], 100 * r["ce_vs_original"]), fontsize=7,
                           xytext=(4, 4), textcoords="offset points")
-    runs = sorted(controls(result), key=lambda c: c["share"])
-    if runs:
-        axis.plot([c["share"] for c in runs], [100 * (c["cross_entropy"]["after training"]
-                                                     / c["cross_entropy"]["original"] - 1) for c in runs],
-                  "s-", color="black", linewidth=1, label="control: continued SiLU")
+    lines = {}
+    for run in controls(result):
+        lines.setdefault(control_label(run), []).append(run)
+    for style, (name, line) in zip(itertools.cycle(CONTROL_STYLES), lines.items()):
+        line.sort(key=lambda c: c[x])
+        axis.plot([c[x] for c in line], [100 * (c["cross_entropy"]["after training"] / c["cross_entropy"]["original"]
+                                                - 1) for c in line],
+                  "s", linestyle=style, color="black", linewidth=1, label=name)
     axis.axhline(0, color="black", linestyle="--", linewidth=1)
     axis.axhline(3, color="gray", linestyle=":", linewidth=1, label="original + 3%")
-    shares = result["convert_shares"]
-    axis.set(xscale="log", xlabel="conversion tokens / pretraining tokens (below: conversion tokens)",
-             ylabel="held-out CE vs original (%)")
-    axis.set_title("cost at the end of each run; held-out FFN sparsity beside each point", fontsize=10)
-    axis.set_xticks(shares, [f"{s:g}\n{t / 1e6:.3g}M" for s, t in zip(shares, result["convert_tokens"])])
-    axis.minorticks_off()
     axis.legend(fontsize=7)
+
+
+def budget_plot(result: dict, path: Path) -> None:
+    """Held-out CE against the original at the end of each run over its budget share (log scale), one line per
+    setting and number of passes over its text, each point's sparsity beside it; the control's line in black. With
+    several numbers of passes (--convert-epochs), a second panel over them, one line per setting and share."""
+    plt = pyplot()
+    epochs = result.get("convert_epochs", [1])
+    fig, axes = plt.subplots(1, 1 + (len(epochs) > 1), figsize=(7.5 + 6.5 * (len(epochs) > 1), 5), squeeze=False)
+    by_share = axes[0][0]
+    cost_lines(by_share, result, "share", run_label, lambda c: "control: continued SiLU" + (
+        f", epochs {c['epochs']}" if c.get("epochs", 1) > 1 else ""))
+    shares, tokens = result["convert_shares"], result["convert_tokens"]
+    by_share.set(xscale="log", xlabel="distinct conversion tokens / pretraining tokens (below: their count)",
+                 ylabel="held-out CE vs original (%)")
+    by_share.set_title("cost at the end of each run; held-out FFN sparsity beside each point", fontsize=10)
+    by_share.set_xticks(shares, [f"{s:g}\n{t / 1e6:.3g}M" for s, t in
+                                 zip(shares, tokens if isinstance(tokens, list) else [tokens])])
+    by_share.minorticks_off()
+    if len(epochs) > 1:
+        by_epochs = axes[0][1]
+        cost_lines(by_epochs, result, "epochs", lambda r: run_label(r, share=True, epochs=False),
+                   lambda c: f"control: continued SiLU, share {c['share']:g}")
+        by_epochs.set(xscale="log", xlabel="passes over the share's tokens", ylabel="held-out CE vs original (%)")
+        by_epochs.set_title("the same runs over their passes (tokens trained on: passes x share)", fontsize=10)
+        by_epochs.set_xticks(epochs, [str(n) for n in epochs])
+        by_epochs.minorticks_off()
     save(fig, result, path)
 
 

@@ -4,7 +4,8 @@ A conversion goes through the real command line (`python -m cli convert BASE -o 
 several run side by side), and its figures are read back from the checkpoint it wrote. The control trains the
 source with sparsify's own trainer in this process, on the conversions' batches with their recipe but no swap, no
 L1 and no distillation, and saves the trained model beside them so that it is measured as they are. With several
-budget shares every run's name carries its share, so that the runs of one setting do not share a folder.
+budget shares every run's name carries its share, and a run of several passes over its text (--convert-epochs) its
+number of passes, so that the runs of one setting do not share a folder.
 """
 from __future__ import annotations
 
@@ -30,18 +31,26 @@ def settings_text(settings: dict, sep: str, without: tuple = ()) -> str:
                     if k not in without and not (k == "distill" and not v))
 
 
-def run_name(settings: dict, share: float | None = None) -> str:
-    """The run's name (its folder, its stage JSON): its settings, and its budget share where several are run."""
-    return settings_text(settings, "_") + ("" if share is None else f"_share{share:g}")
+def budget(share: float | None, epochs: int) -> list[tuple[str, float]]:
+    """The budget part of a run's name and label: its share where several are run, its passes over its text
+    (--convert-epochs) where more than one."""
+    return [("share", share)] * (share is not None) + [("epochs", epochs)] * (epochs > 1)
 
 
-def control_name(share: float | None = None) -> str:
-    return "control" + ("" if share is None else f"_share{share:g}")
+def run_name(settings: dict, share: float | None = None, epochs: int = 1) -> str:
+    """The run's name (its folder, its stage JSON): its settings and budget."""
+    return settings_text(settings, "_") + "".join(f"_{k}{v:g}" for k, v in budget(share, epochs))
 
 
-def run_label(run: dict, without: tuple = (), share: bool = False) -> str:
+def control_name(share: float | None = None, epochs: int = 1) -> str:
+    return "control" + "".join(f"_{k}{v:g}" for k, v in budget(share, epochs))
+
+
+def run_label(run: dict, without: tuple = (), share: bool = False, epochs: bool = True) -> str:
+    """A conversion's settings in words, its share where `share`, its passes (more than one) where `epochs`."""
     settings = run.get("settings") or {"l1": run["l1_relative"], "distill": run.get("distill", 0.0)}
-    return settings_text(settings, " ", without) + (f" share {run['share']:g}" if share else "")
+    return " ".join([settings_text(settings, " ", without), *(
+        f"{k} {v:g}" for k, v in budget(run["share"] if share else None, run.get("epochs", 1) if epochs else 1))]).strip()
 
 
 def parse_setting(text: str) -> tuple[str, object]:
@@ -151,10 +160,14 @@ def control(args, base: Path, corpus: Path, recipe: dict, tokens: int, out: Path
 
 def summary_line(run: dict) -> str:
     """One line of a conversion's figures: sparsity, held-out CE through the stages, against the original and the
-    control where there is one, when it first reached SPARSE sparsity, and the held-out metrics where measured."""
+    control where there is one, when it first reached SPARSE sparsity, and for several passes over its text the
+    tokens trained on and the distinct ones."""
     ce = run["cross_entropy"]
     calibrated = f" -> {ce['after calibration']:.4f} (calibrated)" if "after calibration" in ce else ""
-    line = (f"{run['name']}: sparsity {100 * run['sparsity']:.2f}%  held-out CE {ce['original']:.4f} -> {ce['after swap']:.4f} "
+    passes = (f" ({run['tokens']:,} tokens trained on, {run['distinct_tokens']:,} distinct)"
+              if run.get("epochs", 1) > 1 else "")
+    line = (f"{run['name']}{passes}:"
+            f" sparsity {100 * run['sparsity']:.2f}%  held-out CE {ce['original']:.4f} -> {ce['after swap']:.4f} "
             f"(swap){calibrated} -> {ce['after training']:.4f} ({100 * run['ce_vs_original']:+.2f}%"
             + (f", {100 * run['ce_vs_control']:+.2f}% vs control)" if "ce_vs_control" in run else ")"))
     if "first_sparse" in run:
