@@ -28,12 +28,13 @@ from torch import nn
 
 from .families import mlp_modules, spec_for
 from .relufy import ReluGatedMLP, original_mlps
-from .train.loss import steered
 from .report import console
 
 ROWS_PER_STEP = 4096  # token rows a step: enough that a step's error is close to the whole set's
+# The L1 weight's adjustment: each step it is multiplied by exp(RATE * log(active / target)), the log clamped to
+# [-1, 1], so that it moves by at most e^RATE a step and settles where the layer meets its target.
 L1_WEIGHT_START = 1e-2
-L1_WEIGHT_RATE = 0.05  # the L1 weight moves by at most e^RATE a step (steered)
+L1_WEIGHT_RATE = 0.05
 
 
 @dataclass
@@ -156,7 +157,7 @@ def fit_layer(mlp: ReluGatedMLP, x: torch.Tensor, y: torch.Tensor, steps: int, l
                 l1, active = mlp.stats.l1, float(mlp.stats.active)
                 reference = reference or max(float(l1.detach()), 1e-12)
                 loss = loss + weight * l1 / reference
-                weight = steered(weight, active, target, L1_WEIGHT_RATE)
+                weight *= math.exp(L1_WEIGHT_RATE * max(-1.0, min(1.0, math.log(max(active, 1e-3) / target))))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()

@@ -58,11 +58,6 @@ class TrainConfig:
     l1_warmup_steps: int | str = _setting(0, (
         "Raise the L1 coefficient linearly from 0 over this many optimizer steps, or this share of them (50%)."),
         metavar="STEPS|P%")
-    sparsity_target: float = _setting(0.0, (
-        "Once the L1 warm-up is over, steer each layer's share of the L1 term towards this share of silent units "
-        "(such as 0.99): at each log step a layer firing more units than the target allows gets a larger weight, "
-        "one firing fewer a smaller one, so no layer is pushed far past the others (the sparsest layers are where "
-        "units die). 0: one weight for all layers."), metavar="SHARE")
     swap_steps: int | str = _setting(0, (
         "Move the gate activation linearly from the source's (SiLU) to ReLU over this many optimizer steps, or "
         "this share of them (20%), instead of swapping it at once (0). Layers train dense until the swap is "
@@ -209,8 +204,6 @@ class TrainConfig:
             bad(f"mlp-lr must be in (0, 1], got {self.mlp_lr}")
         if self.calibrate_lr is not None and not 0 < self.calibrate_lr <= 1:
             bad(f"calibrate-lr must be in (0, 1], got {self.calibrate_lr}")
-        if not 0 <= self.sparsity_target < 1:
-            bad(f"sparsity-target must be in [0, 1) (a share of units, such as 0.99), got {self.sparsity_target}")
         if not 0 <= self.calibrate_sparsity < 1:
             bad(f"calibrate-sparsity must be in [0, 1) (a share of units, such as 0.99), got {self.calibrate_sparsity}")
         if self.calibrate_sparsity and not self.calibrate_steps:

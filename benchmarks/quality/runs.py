@@ -115,8 +115,6 @@ def convert(args, base: Path, corpus: Path, recipe: dict, out: Path, settings: d
         "plan": [layer["mode"] for layer in config["twell"]["layers"]],
         "l1_reference": log["log"][0].get("l1_reference"),
         "calibration": training.get("calibration"),  # each layer's fit, with --calibrate-steps
-        # --sparsity-target: each layer's factor on its L1 at the end
-        "l1_layer_scale": [layer.get("l1_scale", 1.0) for layer in log["log"][-1]["layers"]],
         "log": [{k: e[k] for k in ("step", "tokens", "cross_entropy", "kl", "l1", "mean_active", "dead_frac",
                                    "source_share", "tokens_per_s") if k in e}
                 | {"hybrid_layers": sum(l["path"] == "hybrid" for l in e["layers"])} for e in log["log"]],

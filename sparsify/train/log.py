@@ -32,10 +32,9 @@ def log_entry(run: Run, state: RunState, window: Window, outcome: StepOutcome, n
         "mean_active": sum(layer_active) / layers,
         "dead_frac": sum(dead) / layers,
         "layers": [
-            {"active": a, "l1": v, "l1_scale": k, "dead_frac": d, "units": state.last_fired.shape[1],
+            {"active": a, "l1": v, "dead_frac": d, "units": state.last_fired.shape[1],
              "path": "hybrid" if m.runs_hybrid else "dense", "backup_rows": b}
-            for a, v, k, d, m, b in zip(layer_active, layer_l1, state.l1_layer_scale or [1.0] * len(run.mlps), dead,
-                                        run.mlps, backup_rows)
+            for a, v, d, m, b in zip(layer_active, layer_l1, dead, run.mlps, backup_rows)
         ],
         **_peak_memory(accelerator),
     }

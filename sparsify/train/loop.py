@@ -19,14 +19,12 @@ from ..report import warn
 from ..resume import check_resume, load_data_position, saved_run_name
 from .fsdp import check_fsdp
 from .log import Window, log_entry, log_line, progress_bar, progress_text
-from .loss import l1_coeff, loss_terms, source_share, steered, term_weights
+from .loss import l1_coeff, loss_terms, source_share, term_weights
 from .memory import on_cpu, slow_save_warning
 from .routing import Routing, apply_routing, hybrid_kernels_run, hybrid_paths, route, tracked
 from .saving import Saver, StopRequest
 from .state import Run, RunState, StepOutcome, TrainResult
 from .trackers import new_run_name, tracker_values
-
-LAYER_SCALE_RATE = 0.2  # --sparsity-target: a layer's L1 scale moves by at most e^0.2 a log step
 
 
 def _activation_checkpointing(model, on: bool):
@@ -207,14 +205,12 @@ def _step(run: Run, state: RunState, stream: Iterator[torch.Tensor], routing: Ro
     coeff = l1_coeff(run.schedule, state.step)
     share = source_share(run.schedule, state.step) if run.schedule.swap_steps else None
     apply_routing(run.mlps, routing, share)
-    layer_scale = None if state.l1_layer_scale is None else \
-        torch.tensor(state.l1_layer_scale, device=accelerator.device)
     step_fired = None
     for micro in range(config.grad_accum):
         ids = next(stream).to(accelerator.device)
         sync = micro == config.grad_accum - 1
         with accelerator.no_sync(run.model) if not sync else nullcontext(), accelerator.autocast():
-            terms, layer_l1 = loss_terms(run.model, run.mlps, ids, run.teacher, config, layer_scale)
+            terms, layer_l1 = loss_terms(run.model, run.mlps, ids, run.teacher, config)
             if config.l1_relative and state.l1_reference is None:  # once per run: one host sync
                 state.l1_reference = max(accelerator.reduce(terms.l1.detach(), reduction="mean").item(), 1e-12)
             weight = coeff / state.l1_reference if config.l1_relative else coeff
@@ -252,8 +248,6 @@ def _log_and_route(run: Run, state: RunState, window: Window, outcome: StepOutco
     step: chosen from them where layers may move to the hybrid kernels, else `routing` unchanged."""
     entry = log_entry(run, state, window, outcome, now)
     state.log.append(entry)
-    if run.config.sparsity_target and state.step >= run.schedule.l1_warmup_steps:
-        state.l1_layer_scale = steer_layers(entry, state.l1_layer_scale, run.config.sparsity_target)
     if run.routes:  # the same reduced figures on every rank: all ranks choose the same paths
         routing = route(run, entry, outcome.fired)
     run.accelerator.log(tracker_values(entry), step=entry["step"])  # with the layers' hot units the route added
@@ -262,14 +256,6 @@ def _log_and_route(run: Run, state: RunState, window: Window, outcome: StepOutco
         if not progress.console.is_terminal:  # logs to a file: one whole line per log step
             progress.console.print(log_line(entry, run.total, time.perf_counter() - state.started), soft_wrap=True)
     return routing
-
-
-def steer_layers(entry: dict, scale: list[float] | None, target: float) -> list[float]:
-    """Each layer's L1 scale after a log `entry` (its layers' active units, the same reduced figures on every
-    rank), steered towards `target` silent units (loss.steered)."""
-    scale = scale or [1.0] * len(entry["layers"])
-    return [steered(k, layer["active"], (1 - target) * layer["units"], LAYER_SCALE_RATE)
-            for k, layer in zip(scale, entry["layers"])]
 
 
 def _finish(run: Run, state: RunState) -> TrainResult:

@@ -5,7 +5,6 @@ TrainConfig setting), its column in TERM_COLUMNS and its computation in loss_ter
 the trackers and the progress line follow from the fields."""
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
@@ -39,13 +38,6 @@ def l1_coeff(config: TrainConfig, step: int) -> float:
     return config.l1 * min(1.0, (step + 1) / config.l1_warmup_steps)
 
 
-def steered(weight: float, active: float, target: float, rate: float) -> float:
-    """An L1 weight moved towards where a layer fires `target` units a token: multiplied by exp(rate * log(active /
-    target)), the log clamped to [-1, 1] so that one move is at most e^rate (a multiplier adjusted as in
-    constrained optimization; calibration and --sparsity-target use it)."""
-    return weight * math.exp(rate * max(-1.0, min(1.0, math.log(max(active, 1e-3) / target))))
-
-
 def source_share(config: TrainConfig, step: int) -> float:
     """Weight of the source activation in the gate at optimizer step `step` (0-based): 1 at the first step,
     falling linearly to 0 (plain ReLU) at `swap_steps`; `config` resolved as for l1_coeff."""
@@ -59,7 +51,7 @@ class LossTerms(NamedTuple):
     cross_entropy: torch.Tensor | float
     kl: torch.Tensor | float  # KL(teacher || model); 0 without distillation
     hidden: torch.Tensor | float  # hidden_distance to the teacher's; 0 without distill_hidden
-    l1: torch.Tensor | float  # the mean over layers of each MLP's L1 (times its layer's scale, --sparsity-target)
+    l1: torch.Tensor | float  # the mean over layers of each MLP's L1
 
     def loss(self, weights: LossTerms):
         """The loss training minimizes, the one expression for the backward and the log: each term times its
@@ -100,10 +92,9 @@ def shown_terms(entry: dict) -> str:
 
 
 def loss_terms(model, mlps: list, ids: torch.Tensor, teacher: torch.nn.Module | None,
-               config: TrainConfig, layer_scale: torch.Tensor | None = None) -> tuple[LossTerms, torch.Tensor]:
+               config: TrainConfig) -> tuple[LossTerms, torch.Tensor]:
     """A micro-batch's loss terms from the model's forward on `ids` (the distillation terms that `config` weighs
-    from the `teacher`'s), and the per-layer L1 [layers] that `l1` averages, each times its `layer_scale` where
-    given."""
+    from the `teacher`'s), and the per-layer L1 [layers] that `l1` averages."""
     hidden = config.distill_hidden > 0
     output = model(input_ids=ids, labels=ids, output_hidden_states=hidden)
     zero = torch.zeros_like(output.loss)
@@ -118,5 +109,4 @@ def loss_terms(model, mlps: list, ids: torch.Tensor, teacher: torch.nn.Module | 
             distance = hidden_distance(output.hidden_states, reference.hidden_states)
     layer_l1 = torch.stack([m.stats.l1.float() for m in mlps])
     # returns without `output`: its logits ([batch, seq_len, vocab]) need not live through the backward
-    l1 = layer_l1.mean() if layer_scale is None else (layer_l1 * layer_scale).mean()
-    return LossTerms(output.loss, kl, distance, l1), layer_l1
+    return LossTerms(output.loss, kl, distance, layer_l1.mean()), layer_l1

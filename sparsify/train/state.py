@@ -63,7 +63,6 @@ class RunState:
     log: list[dict] = field(default_factory=list)
     l1_reference: float | None = None  # L1_0 of `l1_relative`: given to train, else measured on the first micro-batch
     last_fired: torch.Tensor | None = None  # [layers, I]: the token count at each unit's last firing
-    l1_layer_scale: list[float] | None = None  # each layer's factor on its L1 (--sparsity-target), 1 without
     data_position: dict | None = None  # the batch stream's state_dict after `batches`, where it has one
     # False while the weights are ahead of this state (from a step's update to its count and units' firing)
     # and during a save: then there is nothing consistent to save
@@ -75,7 +74,7 @@ class RunState:
         and RNG into the prepared objects."""
         accelerator.load_state(resume_dir)
         return cls(started=time.perf_counter() - saved["seconds"], step=saved["step"], batches=saved["batches"],
-                   log=saved["log"], l1_reference=saved["l1_reference"], l1_layer_scale=saved.get("l1_layer_scale"),
+                   log=saved["log"], l1_reference=saved["l1_reference"],
                    last_fired=load_last_fired(resume_dir, accelerator.device))
 
 
