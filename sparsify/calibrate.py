@@ -9,7 +9,7 @@ the source's, so the fits are independent, and only one layer's rows are held at
 names and shapes: the checkpoint's layout does not change.
 
 With a target sparsity (--calibrate-sparsity) the fit also sparsifies: the layer's L1 (the training's penalty,
-relative to its value at the fit's start) joins the loss with a weight that rises while more units fire than the
+relative to its value before the fit) joins the loss with a weight that rises while more units fire than the
 target allows and falls while fewer do, a multiplier adjusted each step as in constrained optimization. A layer can
 take many such steps on its own rows without moving the rest of the model, which a short conversion's training
 steps cannot.
@@ -145,7 +145,7 @@ def fit_layer(mlp: ReluGatedMLP, x: torch.Tensor, y: torch.Tensor, steps: int, l
     optimizer = torch.optim.Adam(params, lr=lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / steps)))
     target = (1 - sparsity) * mlp.weights()[0].shape[0]  # firing units a row allowed
-    weight, reference = L1_WEIGHT_START, None
+    weight = L1_WEIGHT_START
     tracked, mlp.track = mlp.track, sparsity > 0
     try:
         for _ in range(steps):
@@ -154,10 +154,9 @@ def fit_layer(mlp: ReluGatedMLP, x: torch.Tensor, y: torch.Tensor, steps: int, l
                 out = mlp(x[rows])
             loss = squared_error_ratio(out, y[rows])
             if sparsity:
-                l1, active = mlp.stats.l1, float(mlp.stats.active)
-                reference = reference or max(float(l1.detach()), 1e-12)
-                loss = loss + weight * l1 / reference
-                weight *= math.exp(L1_WEIGHT_RATE * max(-1.0, min(1.0, math.log(max(active, 1e-3) / target))))
+                loss = loss + weight * mlp.stats.l1 / max(l1_swap, 1e-12)
+                ratio = max(float(mlp.stats.active), 1e-3) / target
+                weight *= math.exp(L1_WEIGHT_RATE * max(-1.0, min(1.0, math.log(ratio))))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
