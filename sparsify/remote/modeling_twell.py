@@ -37,6 +37,7 @@ from .layer_plan import LayerPlan, layer_plans
 from .reference import rms_norm_reference, rotary_reference
 from .rms_norm import rms_norm_fits, rms_norm_fitted
 from .rotary import rotary_fits, rotary_fitted
+from .small_linear import MAX_ROWS as SMALL_LINEAR_ROWS
 from .small_linear import small_linear_fits, small_linear_fitted, small_linear_grouped_fits, small_linear_grouped_fitted
 
 BASE_MODEL = "transformers.models.llama.modeling_llama.LlamaForCausalLM"
@@ -269,8 +270,9 @@ class ProjectionGroup:
 
 def projection_forward(group, linear, x):
     """An attention projection's forward (installed on the nn.Linear): small_linear where it serves the call (at
-    most its MAX_ROWS tokens; on a GPU, captured), through the projection's group; else the module's own."""
-    if fused(x, linear.weight, linear.bias):
+    most its MAX_ROWS tokens; on a GPU, captured), through the projection's group; else the module's own. The row
+    count goes first: it turns a prefill's calls away before any other check."""
+    if x.numel() <= SMALL_LINEAR_ROWS * x.shape[-1] and fused(x, linear.weight, linear.bias):
         return group(linear, x)
     return type(linear).forward(linear, x)
 
