@@ -267,7 +267,7 @@ def capture_step(model, context: torch.Tensor, compiled: bool = False):
 
 # The TwELL load with its attention projections on their own forward (TwellForCausalLM.fuse_projections), beside
 # the two loads in the uncompiled decode-step rows: what the projections' small_linear kernel gives to the replayed
-# step, in one run (the step run directly takes their own forward either way: ProjectionGroup.launches)
+# step, in one run (the step run directly takes their own forward either way: ProjectionGroup.signature)
 TORCH_PROJECTIONS = "twell_torch_projections"
 
 

@@ -467,7 +467,7 @@ def test_attention_projections_share_one_launch_and_can_be_turned_off(tmp_path, 
 
 
 class _CudaInput:
-    """What ProjectionGroup.launches reads of a projection's input, as a CUDA tensor of `rows` tokens has it."""
+    """What ProjectionGroup.signature reads of a projection's input, as a CUDA tensor of `rows` tokens has it."""
 
     is_cuda, dtype, device = True, torch.bfloat16, torch.device("cuda")
 
@@ -480,28 +480,34 @@ class _CudaInput:
 
 def test_projections_launch_on_a_gpu_only_under_capture(tmp_path, monkeypatch):
     """On a GPU, small_linear serves the projections' captured calls; an uncaptured call runs the module's own
-    forward (the Triton launcher's host time would lose to cuBLAS's) but for the first of each signature (the
-    warm-up before a capture), which loads the kernel that the capture launches. On CPU (the interpreter) every
-    call launches. A group that does not launch leaves every projection its own forward."""
+    forward (the Triton launcher's host time would lose to cuBLAS's) but for the first of each signature that the
+    kernel serves (the warm-up before a capture), which loads the kernel that the capture launches. On CPU (the
+    interpreter) every call launches. A group that does not launch leaves every projection its own forward."""
     model, tokenizer, spec = _relufied("qwen2")  # q, k and v with biases
     out = export_checkpoint(model, tokenizer, tmp_path / "ckpt-captured", spec=spec, plan=PLAN, training=TRAINING)
     remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
     attention = remote.model.layers[0].self_attn
-    group = attention.q_proj.forward.args[0]
-    capturing = False
+    q, k = attention.q_proj, attention.k_proj
+    group = q.forward.args[0]
+    capturing, serves = False, True
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+    monkeypatch.setattr(torch.nn.Linear, "forward", lambda linear, x: "own")
+    monkeypatch.setattr(group, "launch", lambda index, linear, x: "kernel" if serves else None)
     one, eight = _CudaInput(1), _CudaInput(8)
-    assert [group.launches(0, one) for _ in range(3)] == [True, False, False]
-    assert [group.launches(0, eight) for _ in range(2)] == [True, False]  # another signature: loaded once too
-    assert group.launches(1, one) and not group.launches(1, one)  # k_proj's own launch: another kernel
+    assert [group(q, one) for _ in range(3)] == ["kernel", "own", "own"]
+    assert [group(q, eight) for _ in range(2)] == ["kernel", "own"]  # another signature: loaded once too
+    assert [group(k, one) for _ in range(2)] == ["kernel", "own"]  # k_proj's own launch: another kernel
     capturing = True
-    assert all(group.launches(index, x) for index in (0, 1) for x in (one, eight) for _ in range(2))
-    capturing = False
-    assert not group.launches(0, one)
-    assert all(group.launches(0, torch.randn(1, 1, 64)) for _ in range(2))  # CPU tensors: the interpreter
+    assert all(group(p, x) == "kernel" for p in (q, k) for x in (one, eight) for _ in range(2))
+    capturing, serves = False, False  # a call the kernel declines (gradients recorded) does not load it
+    assert [group(attention.v_proj, one) for _ in range(2)] == ["own", "own"]
+    serves = True
+    assert group(attention.v_proj, one) == "kernel" and group(q, one) == "own"
+    assert all(group(q, torch.randn(1, 1, 64)) == "kernel" for _ in range(2))  # CPU tensors: the interpreter
+    monkeypatch.undo()
 
     calls = _record_fused_kernels(remote, monkeypatch)
-    monkeypatch.setattr(group, "launches", lambda index, x: False)
+    monkeypatch.setattr(group, "launch", lambda index, linear, x: None)
     x = torch.randn(2, 1, 64)
     with torch.no_grad():
         for name in ("q_proj", "k_proj", "v_proj"):

@@ -10,7 +10,7 @@ generation.py's graphed loop where the call fits it.
 The decoder's elementwise work runs fused where the family is in DECODER_FUSIONS (fuse_decoder): its RMSNorm
 modules on rms_norm.py's kernel and the attention's rotary embedding on rotary.py's, each installed as the
 module's own `forward`; so do the attention's projections at decode size on small_linear.py's (q, k and v in
-one launch), under CUDA-graph capture (ProjectionGroup.launches). An installed forward runs
+one launch), under CUDA-graph capture (ProjectionGroup.signature). An installed forward runs
 transformers' forward instead where gradients are recorded, under torch.compile (which fuses that code
 itself), on CPU without the Triton interpreter, or for inputs the kernels do not take. The modules, their
 classes and the weights stay transformers'. Imports torch, transformers and the files beside it only.
@@ -222,16 +222,16 @@ class ProjectionGroup:
     tensor take, once each (transformers' attention forwards project their hidden states by q, k and v in turn);
     any other call launches its own. Each call's arguments are checked once: the group's by the first's call,
     which covers the calls that take a kept output. On a GPU the launches serve calls captured into a CUDA graph
-    (`launches` says why)."""
+    (`signature` says why)."""
 
     def __init__(self, linears):
         self.linears = tuple(linears)
         self.kept = None  # (x, {index: output}) of the last grouped launch, until each output is taken
-        self.loaded = set()  # signatures of the uncaptured calls that launched (`launches`)
+        self.loaded = set()  # signatures of the uncaptured CUDA calls that launched (`signature`)
 
     def __call__(self, linear, x):
-        """linear(x) where fused() serves the call: a kept output, the group's launch, its own launch where
-        small_linear_fits takes it and `launches` says so, else the module's own forward."""
+        """linear(x): a kept output, else the kernel where its signature is not loaded and `launch` serves it, else
+        the module's own forward. The cheap checks go first: they turn a warm uncaptured call away."""
         index = self.linears.index(linear)
         kept = self.kept  # read once: a launch on another thread replaces it whole
         if kept is not None and kept[0] is x and index in kept[1]:
@@ -239,40 +239,49 @@ class ProjectionGroup:
             if not kept[1]:
                 self.kept = None
             return output
+        signature = self.signature(index, x)
+        if signature in self.loaded:
+            return type(linear).forward(linear, x)
+        output = self.launch(index, linear, x)
+        if output is None:
+            return type(linear).forward(linear, x)
+        if signature is not None:
+            self.loaded.add(signature)
+        return output
+
+    def launch(self, index, linear, x):
+        """The group's launch (for the first projection) or the projection's own where fused() serves the call
+        and small_linear takes its arguments; None where it does not."""
         weights, biases = [p.weight for p in self.linears], [p.bias for p in self.linears]
-        grouped = index == 0 and len(weights) > 1
-        if grouped and fused(x, *weights, *biases) and small_linear_grouped_fits(x, weights, biases):
-            if not self.launches(index, x):
-                return type(linear).forward(linear, x)
+        if not fused(x, *weights, *biases):
+            return None
+        if index == 0 and len(weights) > 1 and small_linear_grouped_fits(x, weights, biases):
             outputs = small_linear_grouped_fitted(x, weights, biases)
             self.kept = (x, dict(enumerate(outputs[1:], 1)))
             return outputs[0]
-        if small_linear_fits(x, linear.weight, linear.bias) and self.launches(index, x):
+        if small_linear_fits(x, linear.weight, linear.bias):
             return small_linear_fitted(x, linear.weight, linear.bias)
-        return type(linear).forward(linear, x)
+        return None
 
-    def launches(self, index, x) -> bool:
-        """Whether the call of projection `index` on x (which small_linear takes) launches it: always on CPU (the
-        interpreter, the tests' setup, has no host launch time to weigh) and under CUDA-graph capture; an
-        uncaptured CUDA call only as the first of its signature. The kernel's GPU time beats cuBLAS's at decode
-        shapes, but its Triton launcher takes several times cuBLAS's host time a call, which an uncaptured decode
-        step waits for; a graph's replay launches it without the host. CUDA cannot load a module during a
-        capture, so the first uncaptured call of each signature (the warm-up before a capture) launches it: that
-        compiles and loads the kernel which the capture then launches."""
+    @staticmethod
+    def signature(index, x):
+        """What marks an uncaptured CUDA call of projection `index` on x as loaded once it launched; None for the
+        calls that always launch: on CPU (the interpreter, the tests' setup, has no host launch time to weigh) and
+        under CUDA-graph capture. The kernel's GPU time beats cuBLAS's at decode shapes, but its Triton launcher
+        takes several times cuBLAS's host time a call, which an uncaptured decode step waits for; a graph's replay
+        launches it without the host. CUDA cannot load a module during a capture, so the first uncaptured call of
+        each signature that the kernel serves (the warm-up before a capture) launches it: that compiles and loads
+        the kernel which the capture then launches."""
         if not x.is_cuda or not eager(x):
-            return True
-        signature = (index, x.shape, x.stride(), x.dtype, x.device)
-        if signature in self.loaded:
-            return False
-        self.loaded.add(signature)
-        return True
+            return None
+        return index, x.shape, x.stride(), x.dtype, x.device
 
 
 def projection_forward(group, linear, x):
     """An attention projection's forward (installed on the nn.Linear): small_linear where it serves the call (at
     most its MAX_ROWS tokens; on a GPU, captured), through the projection's group; else the module's own. The row
     count goes first: it turns a prefill's calls away before any other check."""
-    if x.numel() <= SMALL_LINEAR_ROWS * x.shape[-1] and fused(x, linear.weight, linear.bias):
+    if x.numel() <= SMALL_LINEAR_ROWS * x.shape[-1]:
         return group(linear, x)
     return type(linear).forward(linear, x)
 
