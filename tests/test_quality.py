@@ -322,6 +322,30 @@ def test_plot_smooths_training_curves_and_keeps_the_trade_off_within_the_data():
     assert low == pytest.approx(96.71) and high == 100  # never past 100% sparsity
 
 
+def test_plots_state_the_settings_every_run_shares_once_and_draw_one_share_over_its_passes(monkeypatch):
+    """Legends name what sets the runs apart, the title what they share; a report of one share over several
+    passes plots the passes alone (a share panel would hold one column of points)."""
+    quality = load_script()
+    calibrated = {"l1": 7, "calibrate_steps": 1500, "lr": 2e-4}
+    runs = [dict(settings=settings, share=0.05, epochs=epochs, ce_vs_original=cost, sparsity=0.99)
+            for settings in (calibrated, {**calibrated, "l1": 3.5}) for epochs, cost in ((1, 0.1), (2, 0.08))]
+    assert quality.runs.shared_settings(runs) == {"calibrate_steps": 1500, "lr": 2e-4}
+    assert quality.runs.shared_settings(runs[:1]) == {}
+    report = {"conversions": runs, "convert_shares": [0.05], "convert_tokens": [2_457_600], "convert_epochs": [1, 2],
+              "control": [dict(share=0.05, epochs=epochs, cross_entropy={"original": 2.0, "after training": 2.0})
+                          for epochs in (1, 2)],
+              "pretraining": {"parameters": 120e6}, "device": "cpu"}
+    saved = []
+    monkeypatch.setattr(quality.plots, "save", lambda fig, result, path, common=(): saved.append((fig, common)))
+    quality.plots.budget_plot(report, Path("unused.png"))
+    (fig, common), = saved
+    assert len(fig.axes) == 1 and fig.axes[0].get_xlabel().startswith("passes")
+    assert common == ("calibrate_steps", "lr")
+    labels = [text.get_text() for text in fig.axes[0].get_legend().get_texts()]
+    assert labels[:2] == ["l1 7 share 0.05", "l1 3.5 share 0.05"]
+    quality.plots.pyplot().close(fig)
+
+
 def fake_report(parameters: int, pretraining_tokens: int, points: list[tuple[int, float, float]], layers: int = 8) -> dict:
     """A quality report holding only what compare.py reads: conversions of one setting at (tokens, cost, sparsity)."""
     return {"pretraining": {"parameters": parameters, "tokens": pretraining_tokens,

@@ -7,11 +7,13 @@ control's cost beside them.
 from __future__ import annotations
 
 import itertools
+import textwrap
 from pathlib import Path
 
-from runs import SPARSE, run_label
+from runs import SPARSE, run_label, settings_text, shared_settings
 
 SMOOTHING = 0.1  # training curves are means over a trailing window of this share of the run's log entries
+LEGEND_WIDTH = 64  # characters a legend line holds before it wraps
 
 
 def smoothed(values: list[float], share: float = SMOOTHING) -> list[float]:
@@ -34,6 +36,19 @@ def controls(result: dict) -> list[dict]:
     return [] if not control else control if isinstance(control, list) else [control]
 
 
+def legend_below(axis) -> None:
+    """The axis's legend under it, its labels wrapped, so that long run settings do not cover the data."""
+    handles, labels = axis.get_legend_handles_labels()
+    legend = axis.legend(handles, [textwrap.fill(label, LEGEND_WIDTH) for label in labels], fontsize=7,
+                         loc="upper center", bbox_to_anchor=(0.5, -0.13), frameon=False)
+    legend.set_in_layout(False)  # tight_layout keeps the axes' size; the saved figure grows to hold it (save)
+
+
+def label_sparsity(axis, x: float, y: float, sparsity: float) -> None:
+    """A point's held-out FFN sparsity written beside it."""
+    axis.annotate(f"{100 * sparsity:.1f}%", (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points")
+
+
 def pyplot():
     import matplotlib
 
@@ -49,6 +64,7 @@ def plot(result: dict, path: Path) -> None:
     the end), and the held-out sparsity / cross-entropy trade-off, its axes around the runs' points."""
     plt = pyplot()
     runs, shares = result["conversions"], len(result["convert_shares"]) > 1
+    common = tuple(shared_settings(runs))  # stated once, in the title
     units = result["pretraining"]["config"]["intermediate_size"]
     fig, (ce, active, trade) = plt.subplots(1, 3, figsize=(16, 4.5))
     original = runs[0]["cross_entropy"]["original"]
@@ -57,7 +73,7 @@ def plot(result: dict, path: Path) -> None:
         line, = ce.plot(tokens, smoothed([e["cross_entropy"] for e in run["log"]]))  # runs named in the next panel
         ce.plot(tokens[-1], run["cross_entropy"]["after training"], "o", color=line.get_color(),
                 label=None if index else "converted, held-out")
-        active.plot(tokens, smoothed([e["mean_active"] for e in run["log"]]), label=run_label(run, share=shares),
+        active.plot(tokens, smoothed([e["mean_active"] for e in run["log"]]), label=run_label(run, common, share=shares),
                     color=line.get_color())
         active.plot(tokens[-1], run["mean_active"], "o", color=line.get_color())
     for index, control in enumerate(controls(result)):
@@ -74,16 +90,16 @@ def plot(result: dict, path: Path) -> None:
     active.axhline((1 - SPARSE) * units, color="gray", linestyle=":", linewidth=1, label=f"{SPARSE:.0%} sparse")
     active.set(xlabel="conversion tokens (M)", ylabel=f"mean active units per token (of {units})", yscale="log",
                title="active units: training (lines), held-out (points)")
-    for axis in (ce, active):
-        axis.legend(fontsize=7)
+    ce.legend(fontsize=7)
+    legend_below(active)
     curves = {}  # one curve per setting other than the L1 weight
     for r in runs:
-        curves.setdefault(run_label(r, without=("l1",), share=shares) or "l1 only", []).append(r)
+        curves.setdefault(run_label(r, ("l1", *common), share=shares) or "l1 only", []).append(r)
     for label, curve in curves.items():
         curve.sort(key=lambda r: r["sparsity"])
         trade.plot([100 * r["sparsity"] for r in curve], [100 * r["ce_vs_original"] for r in curve], "o-",
                    label=label)
-    trade.legend(fontsize=7)
+    legend_below(trade)
     for r in runs:
         trade.annotate(f"l1 {r['l1_relative']:g}", (100 * r["sparsity"], 100 * r["ce_vs_original"]), fontsize=7,
                        xytext=(4, 4), textcoords="offset points")
@@ -92,7 +108,7 @@ def plot(result: dict, path: Path) -> None:
     trade.set(xlabel="held-out FFN sparsity (%)", ylabel="held-out CE vs original (%)", title="trade-off",
               xlim=data_limits([100 * r["sparsity"] for r in runs], top=100),
               ylim=data_limits([100 * r["ce_vs_original"] for r in runs]))
-    save(fig, result, path)
+    save(fig, result, path, common)
 
 
 CONTROL_STYLES = ("-", "--", ":", "-.")  # the controls' black lines, one style each
@@ -108,8 +124,7 @@ def cost_lines(axis, result: dict, x: str, label, control_label) -> None:
         line.sort(key=lambda r: r[x])
         axis.plot([r[x] for r in line], [100 * r["ce_vs_original"] for r in line], "o-", label=name)
         for r in line:
-            axis.annotate(f"{100 * r['sparsity']:.1f}%", (r[x], 100 * r["ce_vs_original"]), fontsize=7,
-                          xytext=(4, 4), textcoords="offset points")
+            label_sparsity(axis, r[x], 100 * r["ce_vs_original"], r["sparsity"])
     lines = {}
     for run in controls(result):
         lines.setdefault(control_label(run), []).append(run)
@@ -120,40 +135,49 @@ def cost_lines(axis, result: dict, x: str, label, control_label) -> None:
                   "s", linestyle=style, color="black", linewidth=1, label=name)
     axis.axhline(0, color="black", linestyle="--", linewidth=1)
     axis.axhline(3, color="gray", linestyle=":", linewidth=1, label="original + 3%")
-    axis.legend(fontsize=7)
+    legend_below(axis)
 
 
 def budget_plot(result: dict, path: Path) -> None:
     """Held-out CE against the original at the end of each run over its budget share (log scale), one line per
     setting and number of passes over its text, each point's sparsity beside it; the control's line in black. With
-    several numbers of passes (--convert-epochs), a second panel over them, one line per setting and share."""
+    several numbers of passes (--convert-epochs), a panel over them, one line per setting and share (alone where
+    the report has one share)."""
     plt = pyplot()
     epochs = result.get("convert_epochs", [1])
-    fig, axes = plt.subplots(1, 1 + (len(epochs) > 1), figsize=(7.5 + 6.5 * (len(epochs) > 1), 5), squeeze=False)
-    by_share = axes[0][0]
-    cost_lines(by_share, result, "share", run_label, lambda c: "control: continued SiLU" + (
-        f", epochs {c['epochs']}" if c.get("epochs", 1) > 1 else ""))
     shares, tokens = result["convert_shares"], result["convert_tokens"]
-    by_share.set(xscale="log", xlabel="distinct conversion tokens / pretraining tokens (below: their count)",
-                 ylabel="held-out CE vs original (%)")
-    by_share.set_title("cost at the end of each run; held-out FFN sparsity beside each point", fontsize=10)
-    by_share.set_xticks(shares, [f"{s:g}\n{t / 1e6:.3g}M" for s, t in
-                                 zip(shares, tokens if isinstance(tokens, list) else [tokens])])
-    by_share.minorticks_off()
-    if len(epochs) > 1:
-        by_epochs = axes[0][1]
-        cost_lines(by_epochs, result, "epochs", lambda r: run_label(r, share=True, epochs=False),
-                   lambda c: f"control: continued SiLU, share {c['share']:g}")
-        by_epochs.set(xscale="log", xlabel="passes over the share's tokens", ylabel="held-out CE vs original (%)")
-        by_epochs.set_title("the same runs over their passes (tokens trained on: passes x share)", fontsize=10)
-        by_epochs.set_xticks(epochs, [str(n) for n in epochs])
-        by_epochs.minorticks_off()
-    save(fig, result, path)
+    panels = ["share"] * (len(shares) > 1 or len(epochs) == 1) + ["epochs"] * (len(epochs) > 1)
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5), squeeze=False)
+    common = tuple(shared_settings(result["conversions"]))
+    for axis, panel in zip(axes[0], panels):
+        if panel == "share":
+            cost_lines(axis, result, "share", lambda r: run_label(r, common), lambda c: "control: continued SiLU" + (
+                f", epochs {c['epochs']}" if c.get("epochs", 1) > 1 else ""))
+            axis.set(xscale="log", xlabel="distinct conversion tokens / pretraining tokens (below: their count)")
+            axis.set_title("cost at the end of each run; held-out FFN sparsity beside each point", fontsize=10)
+            axis.set_xticks(shares, [f"{s:g}\n{t / 1e6:.3g}M" for s, t in
+                                     zip(shares, tokens if isinstance(tokens, list) else [tokens])])
+        else:
+            cost_lines(axis, result, "epochs", lambda r: run_label(r, common, share=True, epochs=False),
+                       lambda c: f"control: continued SiLU, share {c['share']:g}")
+            axis.set(xscale="log", xlabel="passes over the share's tokens (tokens trained on: passes x share)")
+            axis.set_title("cost at the end of each run over its passes; held-out FFN sparsity beside each point",
+                           fontsize=10)
+            axis.set_xticks(epochs, [str(n) for n in epochs])
+        axis.set(ylabel="held-out CE vs original (%)")
+        axis.minorticks_off()
+    save(fig, result, path, common)
 
 
-def save(fig, result: dict, path: Path) -> None:
+def save(fig, result: dict, path: Path, common: tuple = ()) -> None:
+    """Titles the figure with the model and device, and the settings every run shares (left out of the legends)."""
+    every = settings_text({k: v for run in result["conversions"][:1] for k, v in run["settings"].items()
+                           if k in common}, " ") if common else ""
     fig.suptitle(f"{result['pretraining']['parameters'] / 1e6:.0f}M-parameter SiLU Llama -> sparse ReLU "
-                 f"({result['device']})")
+                 f"({result['device']})" + (f"\nevery conversion: {every}" if every else ""))
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    for axis in fig.axes:  # the legends left out of the layout (legend_below), back in the saved area
+        if axis.get_legend() is not None:
+            axis.get_legend().set_in_layout(True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     pyplot().close(fig)

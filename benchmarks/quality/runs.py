@@ -53,6 +53,14 @@ def run_label(run: dict, without: tuple = (), share: bool = False, epochs: bool 
         f"{k} {v:g}" for k, v in budget(run["share"] if share else None, run.get("epochs", 1) if epochs else 1))]).strip()
 
 
+def shared_settings(runs: list[dict]) -> dict:
+    """The settings that every one of several runs has, with the same value (a plot states them once)."""
+    settings = [run.get("settings") or {} for run in runs]
+    if len(settings) < 2:
+        return {}
+    return {k: v for k, v in settings[0].items() if all(k in s and s[k] == v for s in settings[1:])}
+
+
 def parse_setting(text: str) -> tuple[str, object]:
     import yaml
 

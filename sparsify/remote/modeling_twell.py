@@ -234,12 +234,14 @@ class ProjectionGroup:
         the module's own forward. The cheap checks go first: they turn a warm uncaptured call away."""
         index = self.linears.index(linear)
         kept = self.kept  # read once: a launch on another thread replaces it whole
+        signature = self.signature(index, x)
         if kept is not None and kept[0] is x and index in kept[1]:
             output = kept[1].pop(index)
             if not kept[1]:
                 self.kept = None
+            if signature is not None:  # its calls of this signature take the group's launch, already loaded
+                self.loaded.add(signature)
             return output
-        signature = self.signature(index, x)
         if signature in self.loaded:
             return type(linear).forward(linear, x)
         output = self.launch(index, linear, x)
