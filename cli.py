@@ -1,5 +1,6 @@
-"""The `sparsify` command: thin Click wrappers over sparsify.convert, sparsify.analyze and sparsify.bench. User errors
-(SparsifyError) print their message on stderr and exit with status 1, without a traceback."""
+"""The `sparsify` command: thin Click wrappers over sparsify.convert, sparsify.sample, sparsify.analyze and
+sparsify.bench. User errors (SparsifyError) print their message on stderr and exit with status 1, without a
+traceback."""
 from __future__ import annotations
 
 import functools
@@ -9,7 +10,8 @@ from typing import get_args, get_origin, get_type_hints
 
 import click
 
-from sparsify.config import TEXT_COLUMN_HELP, RunOptions, TrainConfig, load_recipe, measure_help, value_type
+from sparsify.config import (TEXT_COLUMN_HELP, RunOptions, SampleOptions, TrainConfig, load_recipe, measure_help,
+                             value_type)
 from sparsify.errors import SparsifyError
 
 
@@ -81,7 +83,7 @@ def _option(setting: Field, hint, *, recipe: bool = False):
     else:
         required = setting.default is MISSING
         settings = dict(default=None if required else setting.default, required=required,
-                        show_default=isinstance(setting.default, str),
+                        show_default=setting.default is not None and not isinstance(setting.default, bool),
                         is_flag=True if kind is bool and setting.default is False else None)
     return click.option(*declarations, setting.name, type=None if kind is bool else kind,
                         metavar=setting.metadata.get("metavar"), help=setting.metadata["help"], **settings)
@@ -142,6 +144,22 @@ def convert(source, recipe, **values):
         if "url" in summary:
             console.print(f"pushed to {summary['url']}")
     _end_process_group()
+
+
+@main.command()
+@click.argument("source")
+@with_options(_options(SampleOptions))
+@user_errors
+def sample(source, **values):
+    """Write a data folder of text sampled from SOURCE (a Hub id, a checkpoint folder, or `demo`), continuing prompts
+    from --data, for a conversion with little text of its own: `sparsify convert SOURCE --data OUT ...`."""
+    from sparsify.report import console
+    from sparsify.sample import sample as run
+
+    record = run(source, SampleOptions(**values))
+    data = f" and {record['data_tokens']:,} tokens of --data" if values["with_data"] else ""
+    console.print(f"sampled {record['samples']:,} texts, {record['sampled_tokens']:,} tokens{data} in "
+                  f"{record['seconds']:.0f} s ({record['sampled_tokens_per_s']:,.0f} tokens/s); wrote {values['out']}")
 
 
 @main.command()

@@ -309,6 +309,45 @@ class RunOptions:
                                   "summary.", flag="-q --quiet")
 
 
+@dataclass
+class SampleOptions:
+    """`sparsify sample`'s options, one field each (sparsify/sample.py)."""
+
+    out: str | Path = _setting(MISSING, "Output data folder (train.jsonl, valid.jsonl, sample.yaml).", flag="-o --out",
+                               folder=True)
+    tokens: int = _setting(MISSING, "Tokens to sample, prompts included.")
+    data: str | None = _setting(None, (
+        "Text whose training blocks give the prompts, and whose held-out text the folder keeps for evaluation (as "
+        "for convert). Default for demo: the demo corpus."))
+    text_column: str = _setting("text", TEXT_COLUMN_HELP + ".", metavar="NAME")
+    prompt_tokens: int = _setting(32, "Tokens of each prompt: the head of one training block of --data.")
+    seq_len: int = _setting(1024, "Tokens of a sample at most, its prompt included (it ends earlier at EOS).")
+    temperature: float = _setting(1.0, (
+        "Sampling temperature: 1 draws from the source's own distribution, which distillation then fits."))
+    batch_size: int = _setting(32, "Samples generated together.")
+    with_data: bool = _setting(False, (
+        "Also write --data's training documents, spread evenly among the samples by tokens, so that a conversion "
+        "trains on both."))
+    eval_tokens: int = _setting(65536, "Held-out tokens of --data to keep where it has no valid* file (as for convert).")
+    seed: int = _setting(0, "Random seed of the sampling.")
+    device: str | None = _setting(None, "cpu or cuda (default: cuda if available).")
+    overwrite: bool = _setting(False, "Replace OUT if it exists and is not empty.")
+
+    def validate(self, positions: int | None) -> None:
+        """ConfigError naming each impossible value; `positions`: the source's max_position_embeddings."""
+        found = [f"{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)}"
+                 for name in ("tokens", "prompt_tokens", "seq_len", "batch_size", "eval_tokens")
+                 if getattr(self, name) < 1]
+        if self.prompt_tokens >= self.seq_len:
+            found.append(f"prompt-tokens {self.prompt_tokens} leaves nothing to sample within seq-len {self.seq_len}")
+        if positions is not None and self.seq_len > positions:
+            found.append(f"seq-len {self.seq_len} is beyond the source's {positions} positions")
+        if not self.temperature > 0:
+            found.append(f"temperature must be above 0, got {self.temperature}")
+        if found:
+            raise ConfigError("; ".join(found))
+
+
 # Schedule lengths that a recipe may give as a share of the training steps ("20%"), so that it fits any length.
 SHARE_OF_STEPS = ("l1_warmup_steps", "swap_steps")
 

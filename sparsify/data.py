@@ -338,6 +338,41 @@ class TextData:
                 break
         return min(limit, int(characters * tokens_per_character) // self.seq_len), True
 
+    def training_blocks(self) -> Iterator[torch.Tensor]:
+        """The training text's blocks once, in order, after its held-out head (an epoch of the stream, unshuffled)."""
+        return itertools.islice(self._blocks(self.source.train), self.skip, None)
+
+    def training_documents(self) -> Iterator[str]:
+        """The training text's documents once, in order, after its held-out head: where the head of the text is held
+        out (no valid* file), the documents within it are left out and the one it cuts keeps its tail. Packed, they
+        give training_blocks()."""
+        if self.source.eval is not None:
+            return iter(Documents(self.source.train, self.text_column))
+        return self._split_documents(self.source.train, self.skip * self.seq_len)[1]
+
+    def held_out_documents(self) -> list[str]:
+        """The documents that the held-out blocks hold, the last cut where they end. Packed, they give eval_blocks."""
+        source = self.source.train if self.source.eval is None else self.source.eval
+        return self._split_documents(source, len(self.eval_blocks) * self.seq_len)[0]
+
+    def _split_documents(self, source, tokens: int) -> tuple[list[str], Iterator[str]]:
+        """(head, rest): the documents of `source` that hold its first `tokens` packed ids, the one that their end
+        cuts in two among them as its part before the cut, and the documents after them (the cut one's part after
+        it first)."""
+        docs, sep, head = iter(Documents(source, self.text_column)), Packer(self.tokenizer, self.seq_len).sep, []
+        for doc in docs:
+            if not tokens:
+                return head, itertools.chain([doc], docs)
+            ids = self.tokenizer(doc, add_special_tokens=False, verbose=False)["input_ids"]
+            if len(ids) + len(sep) <= tokens:
+                head.append(doc)
+                tokens -= len(ids) + len(sep)
+                continue
+            before, after = ids[:tokens], ids[tokens:]
+            head += [self.tokenizer.decode(before)] if before else []
+            return head, itertools.chain([self.tokenizer.decode(after)] if after else [], docs)
+        return head, iter(())
+
     def _blocks(self, source) -> Iterator[torch.Tensor]:
         return blocks(iter(Documents(source, self.text_column)), self.tokenizer, self.seq_len)
 

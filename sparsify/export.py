@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -185,28 +186,20 @@ def _as_umask_allows(folder: Path) -> None:
         path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
-def export_checkpoint(model: nn.Module, tokenizer, out_dir: str | Path, *, spec: FamilySpec, plan: list[LayerPlan],
-                      training: dict, artifacts: dict[str, str | Path] | None = None,
-                      max_shard_size: str | int = "5GB", overwrite: bool = False) -> Path:
-    """Write the relufied `model` (its MLPs keep the original parameter names) with `plan` (one LayerPlan per
-    decoder layer) and `training` (settings and tokens used) to `out_dir`; returns it.
-    `artifacts` maps file names in OUT to files to copy there (training log, plots)."""
-    out = check_output_dir(out_dir, overwrite)
-    _check_layout(model, spec, plan)
-    artifacts = {name: Path(path) for name, path in (artifacts or {}).items()}
-    for name, path in artifacts.items():
-        if not path.is_file():
-            raise OutputError(f"artifact {name}: {path} does not exist")
-    kernels = kernel_dir()
+@contextmanager
+def staged_output(out: Path):
+    """A hidden folder beside `out` to write into: `out` becomes it when the block completes (a previous `out`,
+    empty or overwritten, moved aside first and deleted only then), and it is deleted when the block fails, so
+    that a failed write never leaves a half-written `out` that looks complete."""
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     except OSError as error:
         raise OutputError(f"{out}: cannot write there ({error})") from error
     try:
-        _write(staging, model, tokenizer, spec, plan, training, artifacts, kernels, max_shard_size)
+        yield staging
         _as_umask_allows(staging)
-        if out.exists():  # empty, or overwrite: move the old one aside only once the new one is complete
+        if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
             out.rename(old / out.name)
             try:
@@ -227,4 +220,21 @@ def export_checkpoint(model: nn.Module, tokenizer, out_dir: str | Path, *, spec:
         if isinstance(error, OSError):  # disk full, permissions: the user's to fix
             raise OutputError(f"writing {out} failed ({error}); nothing was written") from error
         raise
+
+
+def export_checkpoint(model: nn.Module, tokenizer, out_dir: str | Path, *, spec: FamilySpec, plan: list[LayerPlan],
+                      training: dict, artifacts: dict[str, str | Path] | None = None,
+                      max_shard_size: str | int = "5GB", overwrite: bool = False) -> Path:
+    """Write the relufied `model` (its MLPs keep the original parameter names) with `plan` (one LayerPlan per
+    decoder layer) and `training` (settings and tokens used) to `out_dir`; returns it.
+    `artifacts` maps file names in OUT to files to copy there (training log, plots)."""
+    out = check_output_dir(out_dir, overwrite)
+    _check_layout(model, spec, plan)
+    artifacts = {name: Path(path) for name, path in (artifacts or {}).items()}
+    for name, path in artifacts.items():
+        if not path.is_file():
+            raise OutputError(f"artifact {name}: {path} does not exist")
+    kernels = kernel_dir()
+    with staged_output(out) as staging:
+        _write(staging, model, tokenizer, spec, plan, training, artifacts, kernels, max_shard_size)
     return out

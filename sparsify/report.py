@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from rich.console import Console
@@ -49,6 +50,39 @@ def batch_progress(items: list, label: str):
                   TextColumn("batches"), TimeElapsedColumn(), TimeRemainingColumn(), console=console,
                   transient=True) as progress:
         yield from progress.track(items, total=len(items))
+
+
+@contextmanager
+def token_progress(total: int, label: str):
+    """A function that advances a progress bar "label: done/total tokens, tokens/s" by its argument (gone when
+    done); where the output is no terminal, a timestamped line at every tenth of the total instead."""
+    started, done, shown = time.perf_counter(), 0, 0
+
+    def rate() -> str:
+        return f"{done / max(time.perf_counter() - started, 1e-9):,.0f} tokens/s"
+
+    if not console.is_terminal:
+        def advance(tokens: int) -> None:
+            nonlocal done, shown
+            done += tokens
+            if done >= total or done - shown >= LOGGED_SHARE * total:
+                shown = done
+                console.print(timestamped(f"{label}: {min(done, total):,}/{total:,} tokens, {rate()}",
+                                          time.perf_counter() - started, min(done, total), total), soft_wrap=True)
+
+        yield advance
+        return
+    with Progress(TextColumn(f"[bold]{label}"), BarColumn(bar_width=None),
+                  TextColumn("{task.completed:,}/{task.total:,} tokens, {task.fields[rate]}"), TimeElapsedColumn(),
+                  TimeRemainingColumn(), console=console, transient=True) as progress:
+        task = progress.add_task(label, total=total, rate="")
+
+        def advance(tokens: int) -> None:
+            nonlocal done
+            done += tokens
+            progress.update(task, advance=tokens, rate=rate())
+
+        yield advance
 
 
 def timestamped(text: str, seconds: float, done: int, total: int) -> str:

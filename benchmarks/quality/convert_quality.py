@@ -25,7 +25,9 @@ again after an interruption goes on where it stopped):
    (corpus.make_subset: its first documents, the last cut, so that it packs into the blocks a one-pass run reads
    first; written once per share to corpus_shareS) N times: --tokens N x those. Each pass packs the same blocks;
    the shuffle buffer and its random order run on through the passes, so that each pass comes in another order
-   and a buffer's worth of blocks at each pass's end mixes with the next one's;
+   and a buffer's worth of blocks at each pass's end mixes with the next one's. With --sample-tokens N the base
+   continues prompts from that head (`sparsify sample`: N tokens, its documents spread among the samples; written
+   once per share to sampled_shareS), and the runs set data=sampled read that folder once instead;
 4. control (--control): at each share and number of passes, the source model trained by the same trainer on the
    same batches with the same recipe (--control-set over it), but no swap, no L1 and no distillation, so that the
    cost of sparsity is told apart from the gain of the extra tokens; the trained model is kept for the next stage;
@@ -146,6 +148,11 @@ def parser() -> argparse.ArgumentParser:
                          "first SHARE x pretraining tokens of the train split (its first documents, the last cut; "
                          "written once a share to WORK/corpus_shareS), N times; several (e.g. 1 2 4): each at every "
                          "share")
+    ap.add_argument("--sample-tokens", type=int, default=0, metavar="N",
+                    help="tokens sampled from the base for the runs set data=sampled (`sparsify sample`: prompts from "
+                         "each share's head of the train split, its documents spread among the samples; written once "
+                         "a share to WORK/sampled_shareS); those runs read the folder once, at one pass")
+    ap.add_argument("--sample-batch", type=int, default=128, help="samples generated together")
     ap.add_argument("--convert-batch", type=int, default=16, help="sequences a step (a run's batch_size overrides it)")
     ap.add_argument("--no-measure", dest="measure", action="store_false",
                     help="plan the kernels from the cost model instead of timing layers on the GPU (the quality "
@@ -174,6 +181,9 @@ def arguments(argv=None) -> argparse.Namespace:
         ap.error("--convert-share: each share once")
     if len(set(args.convert_epochs)) < len(args.convert_epochs):
         ap.error("--convert-epochs: each number of passes once")
+    sampled = [run for run in args.runs or [] if "data" in run]
+    if any(run["data"] != "sampled" for run in sampled) or sampled and args.sample_tokens < 1:
+        ap.error("a run's data= takes one value, sampled, with --sample-tokens N")
     if args.pretrain_stop_after is not None and args.pretrain_stop_after < 1 or args.pretrain_save_every < 0:
         ap.error("--pretrain-stop-after must be at least 1 and --pretrain-save-every at least 0")
     if args.metrics and args.seq_len < metrics.PROMPT_TOKENS + metrics.NEW_TOKENS:
@@ -199,9 +209,9 @@ def prepare(args) -> tuple[dict, dict]:
 
 
 def make_subsets(args, recipe: dict, tokens: dict[float, int]) -> dict[float, dict]:
-    """Where --convert-epochs asks for more than one pass: each share's head of the train split (corpus.make_subset,
+    """Where --convert-epochs asks for more than one pass or --sample-tokens for samples: each share's head of the train split (corpus.make_subset,
     WORK/corpus_shareS, a stage of its own), its figures and "folder"."""
-    if max(args.convert_epochs) == 1:
+    if max(args.convert_epochs) == 1 and not args.sample_tokens:
         return {}
     from transformers import AutoTokenizer
 
@@ -222,7 +232,37 @@ def make_subsets(args, recipe: dict, tokens: dict[float, int]) -> dict[float, di
     return made
 
 
-def train_all(args, recipe: dict, tokens: dict[float, int], subsets: dict[float, dict]
+def make_samples(args, recipe: dict, subsets: dict[float, dict]) -> dict[float, dict]:
+    """With --sample-tokens: each share's data folder of text sampled from the base (sparsify.sample, prompts and
+    documents from the share's head; WORK/sampled_shareS, a stage of its own), its record with "folder" and the
+    tokens the conversion's reader packs from its training text ("tokens")."""
+    if not args.sample_tokens:
+        return {}
+    from transformers import AutoTokenizer
+
+    from sparsify.config import SampleOptions, TrainConfig
+    from sparsify.data import TextData
+    from sparsify.sample import sample
+
+    def made(folder: Path, head: Path) -> dict:
+        record = sample(str(args.work / "base"), SampleOptions(
+            out=folder, tokens=args.sample_tokens, data=str(head), seq_len=args.seq_len, batch_size=args.sample_batch,
+            with_data=True, eval_tokens=recipe.get("eval_tokens", TrainConfig.eval_tokens), seed=args.seed,
+            device=args.device, overwrite=True))  # the runs' held-out text whole
+        text = TextData(folder, AutoTokenizer.from_pretrained(args.work / "base"), args.seq_len, args.seq_len)
+        return {**record, "tokens": sum(1 for _ in text.training_blocks()) * args.seq_len}
+
+    samples = {}
+    for share, subset in subsets.items():
+        folder = args.work / f"sampled_share{share:g}"
+        samples[share] = {"share": share, "folder": folder.name, **stage(
+            folder.with_name(folder.name + ".json"), lambda: made(folder, args.work / subset["folder"]), output=folder)}
+        print(f"{folder.name}: {samples[share]['sampled_tokens']:,} tokens sampled and {samples[share]['data_tokens']:,} "
+              f"of the share's text ({samples[share]['tokens']:,} packed)", flush=True)
+    return samples
+
+
+def train_all(args, recipe: dict, tokens: dict[float, int], subsets: dict[float, dict], samples: dict[float, dict]
               ) -> tuple[list[dict], list[dict]]:
     """Every conversion at every share and number of passes, and the control at each with --control; each entry
     with its share, epochs and distinct tokens. At one pass a run reads the corpus's train split from its start
@@ -233,8 +273,10 @@ def train_all(args, recipe: dict, tokens: dict[float, int], subsets: dict[float,
     base = args.work / "base"
     budgets = [(share, epochs) for share in tokens for epochs in args.convert_epochs]
 
-    def data(share: float, epochs: int) -> tuple[Path, int, int | None]:
+    def data(share: float, epochs: int, setting: dict | None = None) -> tuple[Path, int, int | None]:
         """A run's train text, its tokens, and at several passes the distinct tokens they pass over."""
+        if (setting or {}).get("data") == "sampled":
+            return args.work / samples[share]["folder"], samples[share]["tokens"], samples[share]["tokens"]
         if epochs == 1:
             return args.work / "corpus", tokens[share], None
         distinct = subsets[share]["distinct_tokens"]
@@ -247,7 +289,7 @@ def train_all(args, recipe: dict, tokens: dict[float, int], subsets: dict[float,
 
     def conversion(setting: dict, share: float, epochs: int) -> dict:
         name = runs.run_name(setting, share if several else None, epochs)
-        text, count, distinct = data(share, epochs)
+        text, count, distinct = data(share, epochs, setting)
         c = entry(name, share, epochs, distinct, stage(args.work / f"convert_{name}.json", lambda: runs.convert(
             args, base, text, recipe, args.work / name, setting, count)))
         print(runs.summary_line(c), flush=True)
@@ -261,7 +303,8 @@ def train_all(args, recipe: dict, tokens: dict[float, int], subsets: dict[float,
 
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
         continued = pool.submit(lambda: [control(*b) for b in budgets]) if args.control else None
-        pending = [pool.submit(conversion, setting, *b) for b in budgets for setting in settings]
+        pending = [pool.submit(conversion, setting, *b) for b in budgets for setting in settings
+                   if b[1] == 1 or "data" not in setting]  # a sampled folder is read once
         controls = continued.result() if continued else []
         conversions = [job.result() for job in pending]
     for c in conversions:
@@ -321,7 +364,8 @@ def main(argv=None) -> dict:
     tokens = {share: int(share * pretraining["tokens"]) for share in args.convert_share}
     recipe = {**load_recipe(args.recipe, "base"), **dict(args.recipe_overrides)}
     subsets = make_subsets(args, recipe, tokens)
-    conversions, controls = train_all(args, recipe, tokens, subsets)
+    samples = make_samples(args, recipe, subsets)
+    conversions, controls = train_all(args, recipe, tokens, subsets, samples)
     for c in conversions:
         c["first_sparse"] = runs.first_sparse(c["log"], pretraining["config"]["intermediate_size"])
     original = measure_all(args, conversions, controls) if args.metrics else None
@@ -332,7 +376,8 @@ def main(argv=None) -> dict:
               "device": device, "versions": versions(), "seconds": round(time.time() - started, 1),
               "corpus": made, "pretraining": pretraining, "convert_shares": args.convert_share,
               "convert_tokens": list(tokens.values()) if several else tokens[args.convert_share[0]],
-              "convert_epochs": args.convert_epochs, "convert_subsets": list(subsets.values()), "recipe": recipe,
+              "convert_epochs": args.convert_epochs, "convert_subsets": list(subsets.values()),
+              "samples": list(samples.values()), "recipe": recipe,
               "original": original and {"model": "base", "metrics": original},
               "control": controls if budgets else (controls[0] if controls else None), "conversions": conversions}
     print_summary(result)

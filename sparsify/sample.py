@@ -1,0 +1,119 @@
+"""Training text sampled from the source model, for a conversion with little text of its own.
+
+A conversion's cost follows the share of the source's pretraining tokens it trains on (docs/quality.md), and a user
+of a published model holds little of that text; the model can write more of it. `sample` continues prompts, the
+heads of --data's training blocks in order (from the first again when they run out), with the source at a
+temperature (1: its own distribution, which distillation then fits), a batch at a time through `generate` (its KV
+cache), and writes a data folder that `convert --data` takes: train.jsonl, a document a sample (to its EOS);
+valid.jsonl, --data's held-out text, so that evaluation stays on real text; sample.yaml, what made it (not a data file: --data reads .json). With
+`with_data` --data's training documents go into train.jsonl too, spread evenly among the samples by tokens. The
+folder is written beside OUT and renamed into place when complete (export.staged_output).
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import yaml
+
+from .config import SampleOptions
+from .data import TextData
+from .errors import DataError
+from .export import check_output_dir, staged_output
+from .load import check_device, demo_corpus_path, load_model, require_tokenizer
+from .report import token_progress
+
+TOKENS_COUNTED = 2**40  # --data's training tokens are counted (estimated past its head) up to this many
+
+
+def prompts(text: TextData, prompt_tokens: int) -> Iterator[torch.Tensor]:
+    """Endless: the first `prompt_tokens` ids of each training block of `text`, in order, from the first again after
+    the last."""
+    while True:
+        yield from (block[:prompt_tokens] for block in text.training_blocks())
+
+
+@torch.no_grad()
+def samples(model, prompts: Iterator[torch.Tensor], tokens: int, seq_len: int, batch_size: int, temperature: float,
+            eos: int | None) -> Iterator[list[int]]:
+    """Samples of the model, token ids with their prompt, each up to seq_len ids or to its EOS (left out), until
+    `tokens` ids are drawn."""
+    drawn = 0
+    while drawn < tokens:
+        batch = torch.stack([next(prompts) for _ in range(batch_size)]).to(model.device)
+        out = model.generate(batch, attention_mask=torch.ones_like(batch), do_sample=True, temperature=temperature,
+                             top_k=0, top_p=1.0, max_new_tokens=seq_len - batch.shape[1], eos_token_id=eos,
+                             pad_token_id=0 if eos is None else eos)
+        for row in out.tolist():
+            head, tail = row[:batch.shape[1]], row[batch.shape[1]:]
+            ids = head + (tail[:tail.index(eos)] if eos in tail else tail)
+            drawn += len(ids)
+            yield ids
+            if drawn >= tokens:
+                return
+
+
+def sample(source: str, options: SampleOptions) -> dict:
+    """Writes the data folder OUT (module docstring) of `options.tokens` tokens sampled from `source`; returns
+    sample.yaml's record."""
+    out = check_output_dir(options.out, options.overwrite)
+    check_device(options.device)
+    data = options.data or (str(demo_corpus_path()) if source == "demo" else None)
+    if data is None:
+        raise DataError("--data is required: the text whose training blocks give the prompts and whose held-out text "
+                        "the folder keeps")
+    model, tokenizer, _ = load_model(source, device=options.device)
+    require_tokenizer(tokenizer, source)
+    options.validate(getattr(model.config, "max_position_embeddings", None))
+    text = TextData(data, tokenizer, options.seq_len, options.eval_tokens, options.text_column)
+    if next(text.training_blocks(), None) is None:
+        raise DataError(f"data {data}: no training block of {options.seq_len} tokens after its held-out text (give "
+                        f"more text or a lower --seq-len)")
+    torch.manual_seed(options.seed)
+    eos = tokenizer.eos_token_id
+    started, counts = time.perf_counter(), {"samples": 0, "sampled_tokens": 0, "ended_at_eos": 0, "data_tokens": 0}
+    data_docs = text.training_documents() if options.with_data else iter(())
+    data_share = 0.0
+    if options.with_data:
+        counted, _ = text.count_blocks(TOKENS_COUNTED // options.seq_len)
+        data_share = (counted - text.skip) * options.seq_len / options.tokens  # data tokens a sampled token
+    with staged_output(out) as staging, open(staging / "train.jsonl", "w") as train, \
+            token_progress(options.tokens, "sampling") as advance:
+        def write(document: str, kind: str) -> None:
+            train.write(json.dumps({"text": document, "source": kind}) + "\n")
+
+        for ids in samples(model, prompts(text, options.prompt_tokens), options.tokens, options.seq_len,
+                           options.batch_size, options.temperature, eos):
+            write(tokenizer.decode(ids, skip_special_tokens=True), "sample")  # a BOS or PAD drawn is no text
+            counts["samples"] += 1
+            counts["sampled_tokens"] += len(ids)
+            counts["ended_at_eos"] += len(ids) < options.seq_len
+            advance(len(ids))
+            while counts["data_tokens"] < data_share * counts["sampled_tokens"]:
+                if not _write_data(next(data_docs, None), write, tokenizer, counts):
+                    break
+        while _write_data(next(data_docs, None), write, tokenizer, counts):
+            pass
+        held_out = text.held_out_documents()
+        (staging / "valid.jsonl").write_text("".join(json.dumps({"text": doc}) + "\n" for doc in held_out))
+        seconds = time.perf_counter() - started
+        record = {"source": source, "data": data, **{k: v for k, v in asdict(options).items()
+                                                     if k not in ("out", "data", "overwrite", "device")},
+                  **counts, "held_out_documents": len(held_out), "seconds": round(seconds, 1),
+                  "sampled_tokens_per_s": round(counts["sampled_tokens"] / seconds, 1), "device": str(model.device)}
+        (staging / "sample.yaml").write_text(yaml.safe_dump(record, sort_keys=False))
+    return record
+
+
+def _write_data(document: str | None, write, tokenizer, counts: dict) -> bool:
+    """Writes one of --data's training documents (None: there are no more) and counts its tokens."""
+    if document is None:
+        return False
+    write(document, "data")
+    counts["data_tokens"] += len(tokenizer(document, add_special_tokens=False, verbose=False)["input_ids"]) + 1
+    return True
+

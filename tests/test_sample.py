@@ -1,0 +1,135 @@
+"""`sparsify sample` on a tiny random model (CPU): the data folder it writes (samples continuing the heads of the
+text's training blocks, the held-out text kept, the text's own documents spread among the samples), that the
+conversion's data reader takes it, and its bad inputs: a clear message and no OUT."""
+import dataclasses
+import json
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from cli import main
+from helpers import tiny_model
+from sparsify import sample as sample_module
+from sparsify.config import SampleOptions
+from sparsify.data import TextData, blocks
+
+SEQ_LEN, PROMPT = 48, 8
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sample")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    (corpus / "train.jsonl").write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n" * (1 + i % 5)})
+                                                + "\n" for i in range(40)))
+    (corpus / "valid.jsonl").write_text("".join(json.dumps({"text": f"def g{i}(y):\n    return y + {i}\n" * 4}) + "\n"
+                                                for i in range(6)))
+    model, tokenizer = tiny_model("llama")
+    model.save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    return root
+
+
+def run(*args):
+    return CliRunner().invoke(main, ["sample", *map(str, args)])
+
+
+def sample(files, out, *extra):
+    return run(files / "model", "-o", out, "--data", files / "corpus", "--tokens", 300, "--seq-len", SEQ_LEN,
+               "--prompt-tokens", PROMPT, "--batch-size", 4, "--eval-tokens", 96, *extra)
+
+
+def rows(folder, name="train.jsonl"):
+    return [json.loads(line) for line in open(folder / name)]
+
+
+def test_samples_continue_the_training_blocks_and_keep_the_held_out_text(files, tmp_path):
+    result = sample(files, tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    out, tokenizer = tmp_path / "out", tiny_model("llama")[1]
+    record = yaml.safe_load((out / "sample.yaml").read_text())
+    samples = rows(out)
+    assert all(r["source"] == "sample" for r in samples) and len(samples) == record["samples"]
+    assert 300 <= record["sampled_tokens"] < 300 + SEQ_LEN and record["ended_at_eos"] <= record["samples"]
+    assert record["sampled_tokens"] <= record["samples"] * SEQ_LEN
+    text = TextData(files / "corpus", tokenizer, SEQ_LEN, 96)
+    heads = [tokenizer.decode(block[:PROMPT]) for block in text.training_blocks()]
+    for k, r in enumerate(samples):  # the prompts in order, cycling; the random model's bytes after them
+        assert r["text"].startswith(heads[k % len(heads)]) and len(r["text"]) > len(heads[k % len(heads)])
+    # the folder's held-out text is the corpus's: the conversion's reader measures on the same ids
+    again = TextData(out, tokenizer, SEQ_LEN, 96)
+    assert [b.tolist() for b in again.eval_blocks] == [b.tolist() for b in text.eval_blocks]
+    assert next(again.training_blocks()) is not None
+    # the same seed samples the same text; another seed other text
+    assert sample(files, tmp_path / "same").exit_code == 0 and rows(tmp_path / "same") == samples
+    assert sample(files, tmp_path / "other", "--seed", 1).exit_code == 0 and rows(tmp_path / "other") != samples
+
+
+def test_with_data_spreads_the_training_documents_among_the_samples_by_tokens(files, tmp_path):
+    result = sample(files, tmp_path / "out", "--with-data")
+    assert result.exit_code == 0, result.output
+    written, tokenizer = rows(tmp_path / "out"), tiny_model("llama")[1]
+    record = yaml.safe_load((tmp_path / "out" / "sample.yaml").read_text())
+    documents = [json.loads(line)["text"] for line in open(files / "corpus" / "train.jsonl")]
+    assert [r["text"] for r in written if r["source"] == "data"] == documents  # each once, in order
+    tokens = [len(tokenizer(r["text"], add_special_tokens=False)["input_ids"]) for r in written]
+    assert record["data_tokens"] == sum(t + 1 for t, r in zip(tokens, written) if r["source"] == "data")
+    half = len(written) // 2  # spread: the first half of the rows holds about half of each kind's tokens
+    for kind in ("sample", "data"):
+        first = sum(t for t, r in zip(tokens[:half], written) if r["source"] == kind)
+        assert 0.3 < first / sum(t for t, r in zip(tokens, written) if r["source"] == kind) < 0.7, kind
+
+
+def test_a_single_file_keeps_its_held_out_head_out_of_the_samples_and_the_documents(files, tmp_path):
+    """Without a valid* file the head of the text is held out: its blocks give no prompt, its documents are not
+    written (the one it cuts keeps its tail), and valid.jsonl holds it."""
+    tokenizer = tiny_model("llama")[1]
+    text = TextData(files / "corpus" / "train.jsonl", tokenizer, SEQ_LEN, 96)
+    assert text.skip == 2
+    documents = list(text.training_documents())
+    assert [b.tolist() for b in blocks(iter(documents), tokenizer, SEQ_LEN)] == [
+        b.tolist() for b in text.training_blocks()]
+    held_out = text.held_out_documents()
+    assert [b.tolist() for b in blocks(iter(held_out), tokenizer, SEQ_LEN)] == [b.tolist() for b in text.eval_blocks]
+    original = [json.loads(line)["text"] for line in open(files / "corpus" / "train.jsonl")]
+    assert original == held_out[:-1] + [held_out[-1] + documents[0]] + documents[1:]  # one document cut in two
+
+
+def test_sample_options_are_sample_s_options_with_their_help():
+    options = {option.name: option for option in main.commands["sample"].params}
+    for setting in dataclasses.fields(SampleOptions):
+        assert options[setting.name].help == setting.metadata["help"], setting.name
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--prompt-tokens", SEQ_LEN), f"prompt-tokens {SEQ_LEN} leaves nothing to sample within seq-len {SEQ_LEN}"),
+    (("--seq-len", 1000, "--prompt-tokens", 8), "seq-len 1000 is beyond the source's 128 positions"),
+    (("--temperature", 0), "temperature must be above 0, got 0.0"),
+    (("--batch-size", 0), "batch-size must be a positive integer, got 0"),
+])
+def test_impossible_settings_are_named(files, tmp_path, extra, message):
+    result = sample(files, tmp_path / "out", *extra)
+    assert result.exit_code == 1 and message in result.output and not (tmp_path / "out").exists()
+
+
+def test_missing_data_and_a_full_out_are_named(files, tmp_path):
+    result = run(files / "model", "-o", tmp_path / "out", "--tokens", 100)
+    assert result.exit_code == 1 and "--data is required" in result.output
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    result = sample(files, tmp_path / "full")
+    assert result.exit_code == 1 and "exists and is not empty" in result.output
+    assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
+
+
+def test_a_failed_run_leaves_no_out(files, tmp_path, monkeypatch):
+    def failing(*args, **kwargs):  # a sample written, then the sampling fails
+        yield list(b"def f(x):")
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(sample_module, "samples", failing)
+    result = sample(files, tmp_path / "out")
+    assert isinstance(result.exception, RuntimeError)
+    assert not (tmp_path / "out").exists() and not any(tmp_path.iterdir())
