@@ -16,7 +16,7 @@ import argparse
 import json
 from pathlib import Path
 
-from plots import pyplot
+from plots import label_sparsity, pyplot
 from runs import SPARSE, run_label
 
 
@@ -72,8 +72,7 @@ def compare_plot(results: dict[str, dict], setting: str, path: Path) -> None:
             for p in points:
                 axis.plot(p[x], p["cost"], "o", color=line.get_color(),
                           fillstyle="full" if p["sparsity"] >= SPARSE else "none")
-                axis.annotate(f"{100 * p['sparsity']:.1f}%", (p[x], p["cost"]), fontsize=7, xytext=(4, 4),
-                              textcoords="offset points")
+                label_sparsity(axis, p[x], p["cost"], p["sparsity"])
     for axis, xlabel in zip(axes, ("distinct conversion tokens",
                                    "distinct conversion tokens / the base's pretraining tokens")):
         axis.axhline(0, color="black", linestyle="--", linewidth=1)
