@@ -382,9 +382,10 @@ def recipe_names() -> list[str]:
     return sorted(p.name[:-len(".yaml")] for p in RECIPES.iterdir() if p.name.endswith(".yaml"))
 
 
-def load_recipe(recipe: str | Path | None, source: str) -> dict:
+def load_recipe(recipe: str | Path | None, source: str, _extended: tuple = ()) -> dict:
     """Training settings of a recipe: a YAML path, or a name in recipes/ ("small" -> recipes/small.yaml).
-    Without one, `demo` uses recipes/demo.yaml and other sources recipes/pretrained.yaml."""
+    Without one, `demo` uses recipes/demo.yaml and other sources recipes/pretrained.yaml. A recipe's `extends: NAME`
+    takes that recipe's settings under its own."""
     if recipe is None:
         # missing only in a broken install: reported below, never skipped
         path = recipe = RECIPES / ("demo.yaml" if source == "demo" else "pretrained.yaml")
@@ -402,4 +403,9 @@ def load_recipe(recipe: str | Path | None, source: str) -> dict:
         raise ConfigError(f"recipe {path}: not valid YAML ({e})") from None
     if not isinstance(values, dict):
         raise ConfigError(f"recipe {path}: expected a mapping of training settings")
-    return values
+    if "extends" not in values:
+        return values
+    base = values.pop("extends")
+    if path.resolve() in _extended:
+        raise ConfigError(f"recipe {path}: extends {base}, which extends it again")
+    return {**load_recipe(base, source, (*_extended, path.resolve())), **values}

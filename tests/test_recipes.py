@@ -19,6 +19,16 @@ def test_named_recipes_resolve():
         load_recipe("nope", "other")
 
 
+def test_a_recipe_extends_another_under_its_own_settings(tmp_path):
+    small_budget, pretrained = load_recipe("small-budget", "org/model"), load_recipe("pretrained", "org/model")
+    assert "extends" not in small_budget and small_budget["distill"] == pretrained["distill"]
+    assert (small_budget["lr"], small_budget["calibrate_sparsity"]) == (2e-4, 0.99) != (pretrained["lr"], None)
+    (tmp_path / "a.yaml").write_text(f"extends: {tmp_path / 'b.yaml'}\nl1: 1\n")
+    (tmp_path / "b.yaml").write_text(f"extends: {tmp_path / 'a.yaml'}\nl1: 2\n")
+    with pytest.raises(ConfigError, match="a.yaml: extends .*b.yaml, which extends it again"):
+        load_recipe(tmp_path / "a.yaml", "org/model")
+
+
 def test_pyproject_ships_every_recipe():
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
