@@ -81,10 +81,13 @@ def _option(setting: Field, hint, *, recipe: bool = False):
     if recipe:
         settings = dict(cls=TrainOption, default=None)
     else:
+        # A required option gets no default at all: recent Click (8.5) counts an explicit default=None as a value.
         required = setting.default is MISSING
-        settings = dict(default=None if required else setting.default, required=required,
-                        show_default=setting.default is not None and not isinstance(setting.default, bool),
+        settings = dict(required=required, show_default=not required and setting.default is not None
+                        and not isinstance(setting.default, bool),
                         is_flag=True if kind is bool and setting.default is False else None)
+        if not required:
+            settings["default"] = setting.default
     return click.option(*declarations, setting.name, type=None if kind is bool else kind,
                         metavar=setting.metadata.get("metavar"), help=setting.metadata["help"], **settings)
 

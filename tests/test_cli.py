@@ -544,6 +544,7 @@ def gpt2_folder(root):
         (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{tmp}/empty.txt", "--steps", "1", "--seq-len", "32"], "empty"),
         (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{tmp}/data.csv", "--steps", "1", "--seq-len", "32"], "unknown data format"),
         (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{tmp}/short.txt", "--steps", "1", "--seq-len", "32"], "shorter than one sequence"),
+        (["convert", "{llama}", "--data", "{corpus}", "--steps", "1"], "Missing option '-o' / '--out'"),
         (["convert", "{llama}", "-o", "{tmp}/out", "--steps", "1"], "--data is required"),
         (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--l1", "-1e-5"], "l1 (relative) must be between"),
         (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--l1", "3", "--l1-absolute"], "l1 must be between"),
