@@ -313,6 +313,7 @@ def test_ctrl_c_then_resume(files, tmp_path, monkeypatch):
     monkeypatch.setattr(data_module.TrainingBatches, "__next__", on_read(real, 2, interrupt))
     result = convert(files, "llama", out, "--steps", 5)
     assert_user_error(result, "interrupted at step 3 of 5")
+    assert "is saved in" not in result.output  # the error says where the state is, once
     assert not out.exists() and (tmp_path / "out.resume" / "state.json").is_file()
     assert torch.load(tmp_path / "out.resume" / "data_position.pt")["documents"]  # where the text stream stands
 

@@ -23,7 +23,7 @@ from .loss import l1_coeff, loss_terms, source_share, term_weights
 from .memory import on_cpu, slow_save_warning
 from .routing import Routing, apply_routing, hybrid_kernels_run, hybrid_paths, route, tracked
 from .saving import Saver, StopRequest
-from .state import Run, RunState, StepOutcome, TrainResult
+from .state import Run, RunState, StepOutcome, TrainingInterrupted, TrainResult
 from .trackers import new_run_name, tracker_values
 
 
@@ -191,6 +191,8 @@ def _loop(run: Run, state: RunState, stream: Iterator[torch.Tensor], saver: Save
             if progress:
                 progress.update(0, completed=state.step)
             saver.after_step(state, stop)
+    except TrainingInterrupted:
+        raise  # saved, and its message says where and how to resume
     except Exception:
         saver.after_error(state)
         raise
