@@ -4,7 +4,9 @@ last_fired.pt and data_position.pt (where the data stream stands), in a folder (
 from __future__ import annotations
 
 import json
+import logging
 import shutil
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -46,6 +48,23 @@ def discard_saved_state(resume_dir) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def _not_the_tied_weights_note(record: logging.LogRecord) -> bool:
+    """False for accelerate's "Removed shared tensor ... while saving", which it logs at every save of a model
+    with tied weights (embeddings and lm_head: the demo's, Qwen2.5's): the tied weight is stored once and the
+    resumed model, built from the same config, ties it again, so there is nothing to check."""
+    return "Removed shared tensor" not in record.getMessage()
+
+
+@contextmanager
+def _without_tied_weights_note():
+    logger = logging.getLogger("accelerate.utils.other")  # its other warnings still show
+    logger.addFilter(_not_the_tied_weights_note)
+    try:
+        yield
+    finally:
+        logger.removeFilter(_not_the_tied_weights_note)
+
+
 def save_state(accelerator: Accelerator, resume_dir, state: dict, last_fired: torch.Tensor | None,
                config: TrainConfig, data_position: dict | None) -> None:
     """Saves the training state (collective: every process calls it): `state` (JSON values) into state.json
@@ -61,7 +80,8 @@ def save_state(accelerator: Accelerator, resume_dir, state: dict, last_fired: to
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
     try:
-        accelerator.save_state(tmp)
+        with _without_tied_weights_note():
+            accelerator.save_state(tmp)
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             torch.save(last_fired, tmp / "last_fired.pt")

@@ -336,18 +336,21 @@ def test_from_dict_reads_settings_by_their_type_not_their_default():
         TrainConfig.from_dict({"steps": True})
 
 
-@pytest.mark.parametrize("relative", [False, True], ids=["absolute-l1", "relative-l1"])
-def test_interrupt_then_resume_equals_uninterrupted(tmp_path, relative):
+@pytest.mark.parametrize("relative, tied", [(False, False), (True, False), (False, True)],
+                         ids=["absolute-l1", "relative-l1", "tied-embeddings"])
+def test_interrupt_then_resume_equals_uninterrupted(tmp_path, caplog, relative, tied):
     # relative: the resumed run must weigh L1 by the first run's L1_0, not by its own first batch's
+    # tied: the state holds lm_head once (accelerate's warning about it is not shown) and the resumed model ties it
     cfg = config(steps=6, grad_accum=2, warmup_steps=2, log_every=2, **(dict(l1=5.0, l1_relative=True) if relative else {}))
-    straight, _ = tiny_model("qwen2")
+    straight, _ = tiny_model("qwen2", tie_word_embeddings=tied)
     interrupted = copy.deepcopy(straight)
     train(straight, relufy(straight), batches_from(), cfg, device="cpu", show_progress=False)
 
     with pytest.raises(TrainingInterrupted, match="interrupted at step 3 of 6"):  # the signal in step 3's 2nd micro-batch
         train(interrupted, relufy(interrupted), acting_at(5, interrupt), cfg, resume_dir=tmp_path / "r", device="cpu", show_progress=False)
     assert json.loads((tmp_path / "r" / "state.json").read_text())["step"] == 3
-    resumed, _ = tiny_model("qwen2", seed=1)  # fresh process: other weights, all restored from the state
+    assert "Removed shared tensor" not in caplog.text
+    resumed, _ = tiny_model("qwen2", seed=1, tie_word_embeddings=tied)  # fresh process: other weights, all restored
     source = {name: p.detach().clone() for name, p in resumed.named_parameters()}
     seen = []  # evaluate runs on the prepared model before the resumed state loads: the source weights
     result = train(resumed, relufy(resumed), batches_from(), cfg, resume_dir=tmp_path / "r", resume=True, device="cpu",
