@@ -1,7 +1,9 @@
 """The code stays readable for a newcomer: in sparsify/, kernels/, cli.py and benchmarks/ no file is over 600 lines,
 no function over 80 but @triton.jit and @gluon.jit kernels, and no module reaches another's private (underscored)
-name, by import or by attribute: what crosses a file is public."""
+name, by import or by attribute: what crosses a file is public. And the README names only files the repository
+holds."""
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -67,3 +69,17 @@ def test_private_attributes_are_found():
                      "sys.modules['twell.gated_mlp']._CACHE\n")
     assert sorted(private_attributes(tree)) == [(4, "H._pack"), (5, "cost_model.GATE._x"),
                                                 (9, "sys.modules['twell.gated_mlp']._CACHE")]
+
+
+def test_the_readme_names_only_files_the_repository_holds():
+    """Each file a link or an inline `path` of the README names exists: a bare JSON name under benchmarks/results/
+    (as its table gives them), anything else from the repository root. Code blocks name outputs too (demo-sparse/):
+    they are left out."""
+    text = re.sub(r"```.*?```", "", (ROOT / "README.md").read_text(), flags=re.S)
+    named = re.findall(r"\]\(([^)#\s]+)", text) + [
+        name for span in re.findall(r"`([^`]+)`", text) for name in re.split(r"[\s,]+", span)
+        if re.fullmatch(r"[\w./-]+\.(json|yaml|py|md|sh)|[\w.-]+(/[\w.-]+)*/", name)]
+    assert len(named) > 10
+    missing = [name for name in named
+               if not (ROOT / name).exists() and not (ROOT / "benchmarks" / "results" / name).is_file()]
+    assert not missing
