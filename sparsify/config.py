@@ -183,7 +183,8 @@ class TrainConfig:
                 bad(f"l1 (relative) {self.l1:g} is the L1 term's initial weight in nats, too small to sparsify "
                     f"(recipes: 3.5); for an absolute coefficient such as the paper's 2e-5 add --l1-absolute")
         elif not (isinstance(self.l1, (int, float)) and 0 <= self.l1 <= MAX_L1):
-            bad(f"l1 must be between 0 and {MAX_L1} (the paper uses 2e-5; or use l1_relative), got {self.l1}")
+            bad(f"l1 must be between 0 and {MAX_L1} as an absolute coefficient (the paper uses 2e-5), got {self.l1}; "
+                f"for the L1 term's initial weight in nats (recipes: 3.5) add --l1-relative")
         if self.steps is None and self.tokens is None:
             bad("set the training length: --steps or --tokens (or a recipe that sets them)")
         for name in ("steps", "tokens", "seq_len", "batch_size", "grad_accum", "log_every", "dead_window_tokens", "eval_tokens", "hybrid_max_nnz",
