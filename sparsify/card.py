@@ -138,8 +138,9 @@ so that almost all hidden units are zero for any token. The MLPs then run on TwE
 
 {layer_table(plan, intermediate_size)}
 
-"dense" layers are too active for the sparse kernels to gain; `T<tile> C<compression>` is the TwELL
-tile width and compression factor chosen from the measured statistics.
+"dense" layers run the dense path: the plan found no token count at which the sparse kernels gain there (too
+many active units, or a layer too narrow for them to pay); `T<tile> C<compression>` is the TwELL tile width
+and compression factor chosen from the measured statistics.
 
 {plots}## Training
 
