@@ -190,7 +190,8 @@ def test_epochs_pass_over_the_head_of_the_train_split_several_times(prepared, tm
 def test_sampled_runs_read_the_base_s_samples_and_the_share_s_text_once(prepared, tmp_path, monkeypatch):
     quality = load_script()
     work = prepared_work(prepared, tmp_path, monkeypatch)
-    result = quality.main(["--toy", "--work", str(work), "--runs", "l1=3.5", "l1=3.5,data=sampled", "--jobs", "2",
+    result = quality.main(["--toy", "--work", str(work), "--runs", "l1=3.5", "l1=3.5,data=sampled",
+                           "l1=3.5,data=sampled_alone", "--jobs", "2",
                            "--convert-epochs", "1", "2", "--sample-tokens", "3000", "--sample-batch", "8",
                            "--no-metrics"])
     (made,) = result["samples"]
@@ -200,11 +201,19 @@ def test_sampled_runs_read_the_base_s_samples_and_the_share_s_text_once(prepared
     assert made["tokens"] % 64 == 0 and made["tokens"] > made["sampled_tokens"] + made["data_tokens"] - 2 * 64
     # the sampled setting at one pass only, on the folder's tokens, its data setting left out of its recipe
     assert [(c["name"], c["epochs"]) for c in result["conversions"]] == [
-        ("l1_3.5", 1), ("l1_3.5_data_sampled", 1), ("l1_3.5_epochs2", 2)]
-    sampled = result["conversions"][1]
+        ("l1_3.5", 1), ("l1_3.5_data_sampled", 1), ("l1_3.5_data_sampled_alone", 1), ("l1_3.5_epochs2", 2)]
+    sampled, alone = result["conversions"][1:3]
     assert sampled["distinct_tokens"] == made["tokens"] <= sampled["tokens"] < made["tokens"] + 4 * 64  # whole steps
     assert "data" not in json.loads((work / "l1_3.5_data_sampled.recipe.yaml").read_text())
     assert f"--data {work / 'sampled_share0.25'}" in sampled["command"]
+    # the samples alone: the folder's sample rows, the same held-out text
+    rows = [json.loads(line) for line in open(work / "sampled_share0.25" / "train.jsonl")]
+    kept = [json.loads(line) for line in open(work / "sampled_share0.25_alone" / "train.jsonl")]
+    assert kept == [r for r in rows if r["source"] == "sample"] and len(kept) < len(rows)
+    assert (work / "sampled_share0.25_alone" / "valid.jsonl").read_bytes() == (
+        work / "sampled_share0.25" / "valid.jsonl").read_bytes()
+    assert alone["distinct_tokens"] == made["alone_tokens"] < made["tokens"]
+    assert f"--data {work / 'sampled_share0.25_alone'}" in alone["command"]
 
 
 def test_data_takes_sampled_with_sample_tokens(capsys):
@@ -212,7 +221,7 @@ def test_data_takes_sampled_with_sample_tokens(capsys):
     for argv in (["--runs", "data=sampled"], ["--runs", "data=other", "--sample-tokens", "10"]):
         with pytest.raises(SystemExit):
             quality.arguments(["--toy", "--work", "unused", *argv])
-        assert "a run's data= takes one value, sampled, with --sample-tokens N" in capsys.readouterr().err
+        assert "a run's data= takes sampled (the share's text and the samples) or sampled_alone" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("epochs", [["0"], ["1.5"], ["two"], ["2", "2"]])

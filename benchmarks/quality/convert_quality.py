@@ -27,7 +27,8 @@ again after an interruption goes on where it stopped):
    the shuffle buffer and its random order run on through the passes, so that each pass comes in another order
    and a buffer's worth of blocks at each pass's end mixes with the next one's. With --sample-tokens N the base
    continues prompts from that head (`sparsify sample`: N tokens, its documents spread among the samples; written
-   once per share to sampled_shareS), and the runs set data=sampled read that folder once instead;
+   once per share to sampled_shareS, and the samples alone to sampled_shareS_alone), and the runs set data=sampled
+   (or data=sampled_alone) read that folder once instead;
 4. control (--control): at each share and number of passes, the source model trained by the same trainer on the
    same batches with the same recipe (--control-set over it), but no swap, no L1 and no distillation, so that the
    cost of sparsity is told apart from the gain of the extra tokens; the trained model is kept for the next stage;
@@ -57,6 +58,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import shutil
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -151,7 +153,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--sample-tokens", type=int, default=0, metavar="N",
                     help="tokens sampled from the base for the runs set data=sampled (`sparsify sample`: prompts from "
                          "each share's head of the train split, its documents spread among the samples; written once "
-                         "a share to WORK/sampled_shareS); those runs read the folder once, at one pass")
+                         "a share to WORK/sampled_shareS) or data=sampled_alone (the samples without the share's "
+                         "documents: WORK/sampled_shareS_alone); those runs read their folder once, at one pass")
     ap.add_argument("--sample-batch", type=int, default=128, help="samples generated together")
     ap.add_argument("--convert-batch", type=int, default=16, help="sequences a step (a run's batch_size overrides it)")
     ap.add_argument("--no-measure", dest="measure", action="store_false",
@@ -182,8 +185,9 @@ def arguments(argv=None) -> argparse.Namespace:
     if len(set(args.convert_epochs)) < len(args.convert_epochs):
         ap.error("--convert-epochs: each number of passes once")
     sampled = [run for run in args.runs or [] if "data" in run]
-    if any(run["data"] != "sampled" for run in sampled) or sampled and args.sample_tokens < 1:
-        ap.error("a run's data= takes one value, sampled, with --sample-tokens N")
+    if any(run["data"] not in ("sampled", "sampled_alone") for run in sampled) or sampled and args.sample_tokens < 1:
+        ap.error("a run's data= takes sampled (the share's text and the samples) or sampled_alone, with "
+                 "--sample-tokens N")
     if args.pretrain_stop_after is not None and args.pretrain_stop_after < 1 or args.pretrain_save_every < 0:
         ap.error("--pretrain-stop-after must be at least 1 and --pretrain-save-every at least 0")
     if args.metrics and args.seq_len < metrics.PROMPT_TOKENS + metrics.NEW_TOKENS:
@@ -234,8 +238,10 @@ def make_subsets(args, recipe: dict, tokens: dict[float, int]) -> dict[float, di
 
 def make_samples(args, recipe: dict, subsets: dict[float, dict]) -> dict[float, dict]:
     """With --sample-tokens: each share's data folder of text sampled from the base (sparsify.sample, prompts and
-    documents from the share's head; WORK/sampled_shareS, a stage of its own), its record with "folder" and the
-    tokens the conversion's reader packs from its training text ("tokens")."""
+    documents from the share's head; WORK/sampled_shareS, a stage of its own) and beside it the samples alone (its
+    rows that are samples, the same held-out text: WORK/sampled_shareS_alone); its record with "folder" and
+    "alone", and for each the tokens the conversion's reader packs from its training text ("tokens",
+    "alone_tokens")."""
     if not args.sample_tokens:
         return {}
     from transformers import AutoTokenizer
@@ -249,8 +255,16 @@ def make_samples(args, recipe: dict, subsets: dict[float, dict]) -> dict[float, 
             out=folder, tokens=args.sample_tokens, data=str(head), seq_len=args.seq_len, batch_size=args.sample_batch,
             with_data=True, eval_tokens=recipe.get("eval_tokens", TrainConfig.eval_tokens), seed=args.seed,
             device=args.device, overwrite=True))  # the runs' held-out text whole
-        text = TextData(folder, AutoTokenizer.from_pretrained(args.work / "base"), args.seq_len, args.seq_len)
-        return {**record, "tokens": sum(1 for _ in text.training_blocks()) * args.seq_len}
+        alone = folder.with_name(folder.name + "_alone")
+        shutil.rmtree(alone, ignore_errors=True)
+        alone.mkdir()
+        shutil.copy(folder / "valid.jsonl", alone / "valid.jsonl")
+        with open(folder / "train.jsonl") as rows, open(alone / "train.jsonl", "w") as kept:
+            kept.writelines(row for row in rows if json.loads(row)["source"] == "sample")
+        tok = AutoTokenizer.from_pretrained(args.work / "base")
+        packed = [sum(1 for _ in TextData(f, tok, args.seq_len, args.seq_len).training_blocks()) * args.seq_len
+                  for f in (folder, alone)]
+        return {**record, "alone": alone.name, "tokens": packed[0], "alone_tokens": packed[1]}
 
     samples = {}
     for share, subset in subsets.items():
@@ -277,6 +291,9 @@ def train_all(args, recipe: dict, tokens: dict[float, int], subsets: dict[float,
         """A run's train text, its tokens, and at several passes the distinct tokens they pass over."""
         if (setting or {}).get("data") == "sampled":
             return args.work / samples[share]["folder"], samples[share]["tokens"], samples[share]["tokens"]
+        if (setting or {}).get("data") == "sampled_alone":
+            made = samples[share]
+            return args.work / made["alone"], made["alone_tokens"], made["alone_tokens"]
         if epochs == 1:
             return args.work / "corpus", tokens[share], None
         distinct = subsets[share]["distinct_tokens"]
