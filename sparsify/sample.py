@@ -28,6 +28,10 @@ from .load import check_device, demo_corpus_path, load_model, require_tokenizer
 from .report import token_progress
 
 TOKENS_COUNTED = 2**40  # --data's training tokens are counted (estimated past its head) up to this many
+# The source's own distribution: every setting that a model's generation_config may carry to reshape it, neutral
+# (generate fills a setting left None from the model's generation_config).
+UNWARPED = dict(do_sample=True, top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0,
+                repetition_penalty=1.0, no_repeat_ngram_size=0)
 
 
 def prompts(text: TextData, prompt_tokens: int) -> Iterator[torch.Tensor]:
@@ -45,8 +49,8 @@ def samples(model, prompts: Iterator[torch.Tensor], tokens: int, seq_len: int, b
     drawn = 0
     while drawn < tokens:
         batch = torch.stack([next(prompts) for _ in range(batch_size)]).to(model.device)
-        out = model.generate(batch, attention_mask=torch.ones_like(batch), do_sample=True, temperature=temperature,
-                             top_k=0, top_p=1.0, max_new_tokens=seq_len - batch.shape[1], eos_token_id=eos,
+        out = model.generate(batch, attention_mask=torch.ones_like(batch), temperature=temperature, **UNWARPED,
+                             max_new_tokens=seq_len - batch.shape[1], eos_token_id=eos,
                              pad_token_id=0 if eos is None else eos)
         for row in out.tolist():
             head, tail = row[:batch.shape[1]], row[batch.shape[1]:]

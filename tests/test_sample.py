@@ -27,6 +27,9 @@ def files(tmp_path_factory):
     (corpus / "valid.jsonl").write_text("".join(json.dumps({"text": f"def g{i}(y):\n    return y + {i}\n" * 4}) + "\n"
                                                 for i in range(6)))
     model, tokenizer = tiny_model("llama")
+    # a generation_config that would make sampling greedy and penalized: sample draws from the model's own
+    # distribution regardless (the seeds below give other text)
+    model.generation_config.update(do_sample=True, top_k=1, repetition_penalty=3.0, no_repeat_ngram_size=2)
     model.save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
     return root
