@@ -5,9 +5,10 @@ of a published model holds little of that text; the model can write more of it. 
 heads of --data's training blocks in order (from the first again when they run out), with the source at a
 temperature (1: its own distribution, which distillation then fits), a batch at a time through `generate` (its KV
 cache), and writes a data folder that `convert --data` takes: train.jsonl, a document a sample (to its EOS);
-valid.jsonl, --data's held-out text, so that evaluation stays on real text; sample.yaml, what made it (not a data file: --data reads .json). With
-`with_data` --data's training documents go into train.jsonl too, spread evenly among the samples by tokens. The
-folder is written beside OUT and renamed into place when complete (export.staged_output).
+valid.jsonl, --data's held-out text, so that evaluation stays on real text; sample.yaml, what made it (YAML: --data
+would read a .json as text). With `with_data` --data's training documents go into train.jsonl too, spread evenly
+among the samples by tokens. The folder is written beside OUT and renamed into place when complete
+(export.staged_output). The settings are checked against the source's config before any weight is read.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from .config import SampleOptions
 from .data import TextData
 from .errors import DataError
 from .export import check_output_dir, staged_output
-from .load import check_device, demo_corpus_path, load_model, require_tokenizer
+from .load import check_device, demo_corpus_path, load_config, load_model, require_tokenizer
 from .report import token_progress
 
 TOKENS_COUNTED = 2**40  # --data's training tokens are counted (estimated past its head) up to this many
@@ -70,9 +71,10 @@ def sample(source: str, options: SampleOptions) -> dict:
     if data is None:
         raise DataError("--data is required: the text whose training blocks give the prompts and whose held-out text "
                         "the folder keeps")
-    model, tokenizer, _ = load_model(source, device=options.device)
+    config, _ = load_config(source)
+    options.validate(getattr(config, "max_position_embeddings", None))
+    model, tokenizer, _ = load_model(source, device=options.device, config=config)
     require_tokenizer(tokenizer, source)
-    options.validate(getattr(model.config, "max_position_embeddings", None))
     text = TextData(data, tokenizer, options.seq_len, options.eval_tokens, options.text_column)
     if next(text.training_blocks(), None) is None:
         raise DataError(f"data {data}: no training block of {options.seq_len} tokens after its held-out text (give "

@@ -76,6 +76,8 @@ TOY = dict(corpus_mb=0.4, tokenizer_mb=0.4, vocab=512, hidden=32, intermediate=8
            metrics_tokens=2048,
            recipe_overrides=[("log_every", 2), ("eval_tokens", 512), ("warmup_steps", 2), ("l1_warmup_steps", 2)])
 MAX_SHARE = 0.25  # conversion gets at most a quarter of the pretraining tokens
+# a run's data= setting: the keys of make_samples()'s record naming its folder and the tokens packed from it
+SAMPLED_FOLDERS = {"sampled": ("folder", "tokens"), "sampled_alone": ("alone", "alone_tokens")}
 
 
 def stage(path: Path, make, output: Path | None = None):
@@ -185,7 +187,7 @@ def arguments(argv=None) -> argparse.Namespace:
     if len(set(args.convert_epochs)) < len(args.convert_epochs):
         ap.error("--convert-epochs: each number of passes once")
     sampled = [run for run in args.runs or [] if "data" in run]
-    if any(run["data"] not in ("sampled", "sampled_alone") for run in sampled) or sampled and args.sample_tokens < 1:
+    if any(run["data"] not in SAMPLED_FOLDERS for run in sampled) or sampled and args.sample_tokens < 1:
         ap.error("a run's data= takes sampled (the share's text and the samples) or sampled_alone, with "
                  "--sample-tokens N")
     if args.pretrain_stop_after is not None and args.pretrain_stop_after < 1 or args.pretrain_save_every < 0:
@@ -213,8 +215,8 @@ def prepare(args) -> tuple[dict, dict]:
 
 
 def make_subsets(args, recipe: dict, tokens: dict[float, int]) -> dict[float, dict]:
-    """Where --convert-epochs asks for more than one pass or --sample-tokens for samples: each share's head of the train split (corpus.make_subset,
-    WORK/corpus_shareS, a stage of its own), its figures and "folder"."""
+    """Where --convert-epochs asks for more than one pass or --sample-tokens for samples: each share's head of the
+    train split (corpus.make_subset, WORK/corpus_shareS, a stage of its own), its figures and "folder"."""
     if max(args.convert_epochs) == 1 and not args.sample_tokens:
         return {}
     from transformers import AutoTokenizer
@@ -289,11 +291,9 @@ def train_all(args, recipe: dict, tokens: dict[float, int], subsets: dict[float,
 
     def data(share: float, epochs: int, setting: dict | None = None) -> tuple[Path, int, int | None]:
         """A run's train text, its tokens, and at several passes the distinct tokens they pass over."""
-        if (setting or {}).get("data") == "sampled":
-            return args.work / samples[share]["folder"], samples[share]["tokens"], samples[share]["tokens"]
-        if (setting or {}).get("data") == "sampled_alone":
-            made = samples[share]
-            return args.work / made["alone"], made["alone_tokens"], made["alone_tokens"]
+        if (setting or {}).get("data"):
+            folder, count = SAMPLED_FOLDERS[setting["data"]]
+            return args.work / samples[share][folder], samples[share][count], samples[share][count]
         if epochs == 1:
             return args.work / "corpus", tokens[share], None
         distinct = subsets[share]["distinct_tokens"]

@@ -92,8 +92,8 @@ def convert(args, base: Path, corpus: Path, recipe: dict, out: Path, settings: d
     """One conversion through the command line with `settings` over `recipe`; returns its figures read back
     from the checkpoint. With --jobs above 1 its output goes to OUT.log."""
     run_recipe = out.with_name(out.name + ".recipe.yaml")
-    training = {k: v for k, v in settings.items() if k not in PIPELINE_SETTINGS}
-    run_recipe.write_text(json.dumps({**recipe, **training}, indent=1))  # JSON is YAML
+    recipe_settings = {k: v for k, v in settings.items() if k not in PIPELINE_SETTINGS}
+    run_recipe.write_text(json.dumps({**recipe, **recipe_settings}, indent=1))  # JSON is YAML
     command = [sys.executable, "-m", "cli", "convert", str(base), "-o", str(out), "--data", str(corpus),
                "--recipe", str(run_recipe), "--tokens", str(tokens), "--seq-len", str(args.seq_len), "--overwrite"]
     if "batch_size" not in settings:  # a run's own batch size (more steps for the same tokens) over --convert-batch
