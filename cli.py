@@ -83,8 +83,9 @@ def _option(setting: Field, hint, *, recipe: bool = False):
     else:
         # A required option gets no default at all: recent Click (8.5) counts an explicit default=None as a value.
         required = setting.default is MISSING
-        settings = dict(required=required, show_default=not required and setting.default is not None
-                        and not isinstance(setting.default, bool),
+        shown = setting.metadata.get("unset", False) if setting.default is None else (
+            not required and not isinstance(setting.default, bool))  # what None stands for, where a field says
+        settings = dict(required=required, show_default=shown,
                         is_flag=True if kind is bool and setting.default is False else None)
         if not required:
             settings["default"] = setting.default

@@ -322,7 +322,8 @@ class SampleOptions:
         "for convert). Default for demo: the demo corpus."))
     text_column: str = _setting("text", TEXT_COLUMN_HELP + ".", metavar="NAME")
     prompt_tokens: int = _setting(32, "Tokens of each prompt: the head of one training block of --data.")
-    seq_len: int = _setting(1024, "Tokens of a sample at most, its prompt included (it ends earlier at EOS).")
+    seq_len: int | None = _setting(None, "Tokens of a sample at most, its prompt included (it ends earlier at EOS).",
+                                   unset="1024, or the source's positions where fewer")
     temperature: float = _setting(1.0, (
         "Sampling temperature: 1 draws from the source's own distribution, which distillation then fits."))
     batch_size: int = _setting(32, "Samples generated together.")
@@ -335,7 +336,8 @@ class SampleOptions:
     overwrite: bool = _setting(False, "Replace OUT if it exists and is not empty.")
 
     def validate(self, positions: int | None) -> None:
-        """ConfigError naming each impossible value; `positions`: the source's max_position_embeddings."""
+        """ConfigError naming each impossible value; `positions`: the source's max_position_embeddings. seq_len
+        is set (fit_seq_len)."""
         found = [f"{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)}"
                  for name in ("tokens", "prompt_tokens", "seq_len", "batch_size", "eval_tokens")
                  if getattr(self, name) < 1]
@@ -347,6 +349,15 @@ class SampleOptions:
             found.append(f"temperature must be above 0, got {self.temperature}")
         if found:
             raise ConfigError("; ".join(found))
+
+    def fit_seq_len(self, positions: int | None) -> SampleOptions:
+        """These options with seq_len set where it is not: SAMPLE_SEQ_LEN, or the source's `positions` where fewer."""
+        if self.seq_len is not None:
+            return self
+        return replace(self, seq_len=min(SAMPLE_SEQ_LEN, positions or SAMPLE_SEQ_LEN))
+
+
+SAMPLE_SEQ_LEN = 1024  # sparsify sample's longest sample where --seq-len is not given and the source has the positions
 
 
 # Schedule lengths that a recipe may give as a share of the training steps ("20%"), so that it fits any length.

@@ -72,7 +72,9 @@ def sample(source: str, options: SampleOptions) -> dict:
         raise DataError("--data is required: the text whose training blocks give the prompts and whose held-out text "
                         "the folder keeps")
     config, _ = load_config(source)
-    options.validate(getattr(config, "max_position_embeddings", None))
+    positions = getattr(config, "max_position_embeddings", None)
+    options = options.fit_seq_len(positions)
+    options.validate(positions)
     model, tokenizer, _ = load_model(source, device=options.device, config=config)
     require_tokenizer(tokenizer, source)
     text = TextData(data, tokenizer, options.seq_len, options.eval_tokens, options.text_column)

@@ -100,6 +100,13 @@ def test_a_single_file_keeps_its_held_out_head_out_of_the_samples_and_the_docume
     assert original == held_out[:-1] + [held_out[-1] + documents[0]] + documents[1:]  # one document cut in two
 
 
+def test_seq_len_not_given_fits_the_source_s_positions(files, tmp_path):
+    result = run(files / "model", "-o", tmp_path / "out", "--data", files / "corpus", "--tokens", 200,
+                 "--prompt-tokens", PROMPT, "--batch-size", 4, "--eval-tokens", 96)
+    assert result.exit_code == 0, result.output
+    assert yaml.safe_load((tmp_path / "out" / "sample.yaml").read_text())["seq_len"] == 128  # the tiny model's
+
+
 def test_sample_options_are_sample_s_options_with_their_help():
     options = {option.name: option for option in main.commands["sample"].params}
     for setting in dataclasses.fields(SampleOptions):
