@@ -361,13 +361,16 @@ def test_plot_smooths_training_curves_and_keeps_the_trade_off_within_the_data():
 
 def test_plots_state_the_settings_every_run_shares_once_and_draw_one_share_over_its_passes(monkeypatch):
     """Legends name what sets the runs apart, the title what they share; a report of one share over several
-    passes plots the passes alone (a share panel would hold one column of points)."""
+    passes plots the passes alone (a share panel would hold one column of points), a run on a sampled folder at
+    its tokens over the share's."""
     quality = load_script()
     calibrated = {"l1": 7, "calibrate_steps": 1500, "lr": 2e-4}
     runs = [dict(settings=settings, share=0.05, epochs=epochs, ce_vs_original=cost, sparsity=0.99)
             for settings in (calibrated, {**calibrated, "l1": 3.5}) for epochs, cost in ((1, 0.1), (2, 0.08))]
     assert quality.runs.shared_settings(runs) == {"calibrate_steps": 1500, "lr": 2e-4}
     assert quality.runs.shared_settings(runs[:1]) == {}
+    runs.append(dict(settings={**calibrated, "data": "sampled"}, share=0.05, epochs=1, tokens=3 * 2_457_600,
+                     ce_vs_original=0.09, sparsity=0.99))
     report = {"conversions": runs, "convert_shares": [0.05], "convert_tokens": [2_457_600], "convert_epochs": [1, 2],
               "control": [dict(share=0.05, epochs=epochs, cross_entropy={"original": 2.0, "after training": 2.0})
                           for epochs in (1, 2)],
@@ -376,10 +379,11 @@ def test_plots_state_the_settings_every_run_shares_once_and_draw_one_share_over_
     monkeypatch.setattr(quality.plots, "save", lambda fig, result, path, common=(): saved.append((fig, common)))
     quality.plots.budget_plot(report, Path("unused.png"))
     (fig, common), = saved
-    assert len(fig.axes) == 1 and fig.axes[0].get_xlabel().startswith("passes")
+    assert len(fig.axes) == 1 and fig.axes[0].get_xlabel().startswith("tokens trained on")
     assert common == ("calibrate_steps", "lr")
     labels = [text.get_text() for text in fig.axes[0].get_legend().get_texts()]
-    assert labels[:2] == ["l1 7 share 0.05", "l1 3.5 share 0.05"]
+    assert labels[:3] == ["l1 7 share 0.05", "l1 3.5 share 0.05", "l1 7 data sampled share 0.05"]
+    assert [list(line.get_xdata()) for line in fig.axes[0].get_lines()[:3]] == [[1, 2], [1, 2], [3.0]]
     quality.plots.pyplot().close(fig)
 
 

@@ -56,6 +56,7 @@ again after an interruption goes on where it stopped):
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import shlex
 import shutil
@@ -246,6 +247,7 @@ def make_samples(args, recipe: dict, subsets: dict[float, dict]) -> dict[float, 
     "alone_tokens")."""
     if not args.sample_tokens:
         return {}
+    import torch
     from transformers import AutoTokenizer
 
     from sparsify.config import SampleOptions, TrainConfig
@@ -257,6 +259,8 @@ def make_samples(args, recipe: dict, subsets: dict[float, dict]) -> dict[float, 
             out=folder, tokens=args.sample_tokens, data=str(head), seq_len=args.seq_len, batch_size=args.sample_batch,
             with_data=True, eval_tokens=recipe.get("eval_tokens", TrainConfig.eval_tokens), seed=args.seed,
             device=args.device, overwrite=True))  # the runs' held-out text whole
+        gc.collect()  # the conversions run in processes of their own on the same GPU: free what sampling held
+        torch.cuda.empty_cache()
         alone = folder.with_name(folder.name + "_alone")
         shutil.rmtree(alone, ignore_errors=True)
         alone.mkdir()

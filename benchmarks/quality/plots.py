@@ -114,23 +114,23 @@ def plot(result: dict, path: Path) -> None:
 CONTROL_STYLES = ("-", "--", ":", "-.")  # the controls' black lines, one style each
 
 
-def cost_lines(axis, result: dict, x: str, label, control_label) -> None:
-    """Held-out CE against the original at the end of each run over run[x] on `axis`: the conversions a line per
+def cost_lines(axis, result: dict, x, label, control_label) -> None:
+    """Held-out CE against the original at the end of each run over x(run) on `axis`: the conversions a line per
     label(run), each point's sparsity beside it, the controls a black line per control_label(run)."""
     lines = {}
     for run in result["conversions"]:
         lines.setdefault(label(run), []).append(run)
     for name, line in lines.items():
-        line.sort(key=lambda r: r[x])
-        axis.plot([r[x] for r in line], [100 * r["ce_vs_original"] for r in line], "o-", label=name)
+        line.sort(key=x)
+        axis.plot([x(r) for r in line], [100 * r["ce_vs_original"] for r in line], "o-", label=name)
         for r in line:
-            label_sparsity(axis, r[x], 100 * r["ce_vs_original"], r["sparsity"])
+            label_sparsity(axis, x(r), 100 * r["ce_vs_original"], r["sparsity"])
     lines = {}
     for run in controls(result):
         lines.setdefault(control_label(run), []).append(run)
     for style, (name, line) in zip(itertools.cycle(CONTROL_STYLES), lines.items()):
-        line.sort(key=lambda c: c[x])
-        axis.plot([c[x] for c in line], [100 * (c["cross_entropy"]["after training"] / c["cross_entropy"]["original"]
+        line.sort(key=x)
+        axis.plot([x(c) for c in line], [100 * (c["cross_entropy"]["after training"] / c["cross_entropy"]["original"]
                                                 - 1) for c in line],
                   "s", linestyle=style, color="black", linewidth=1, label=name)
     axis.axhline(0, color="black", linestyle="--", linewidth=1)
@@ -141,8 +141,8 @@ def cost_lines(axis, result: dict, x: str, label, control_label) -> None:
 def budget_plot(result: dict, path: Path) -> None:
     """Held-out CE against the original at the end of each run over its budget share (log scale), one line per
     setting and number of passes over its text, each point's sparsity beside it; the control's line in black. With
-    several numbers of passes (--convert-epochs), a panel over them, one line per setting and share (alone where
-    the report has one share)."""
+    several numbers of passes (--convert-epochs), a panel over the tokens trained on in shares (the passes; a run on a
+    sampled folder at its tokens), one line per setting and share (alone where the report has one share)."""
     plt = pyplot()
     epochs = result.get("convert_epochs", [1])
     shares, tokens = result["convert_shares"], result["convert_tokens"]
@@ -151,18 +151,22 @@ def budget_plot(result: dict, path: Path) -> None:
     common = tuple(shared_settings(result["conversions"]))
     for axis, panel in zip(axes[0], panels):
         if panel == "share":
-            cost_lines(axis, result, "share", lambda r: run_label(r, common), lambda c: "control: continued SiLU" + (
+            cost_lines(axis, result, lambda r: r["share"], lambda r: run_label(r, common), lambda c: "control: continued SiLU" + (
                 f", epochs {c['epochs']}" if c.get("epochs", 1) > 1 else ""))
             axis.set(xscale="log", xlabel="distinct conversion tokens / pretraining tokens (below: their count)")
             axis.set_title("cost at the end of each run; held-out FFN sparsity beside each point", fontsize=10)
             axis.set_xticks(shares, [f"{s:g}\n{t / 1e6:.3g}M" for s, t in
                                      zip(shares, tokens if isinstance(tokens, list) else [tokens])])
         else:
-            cost_lines(axis, result, "epochs", lambda r: run_label(r, common, share=True, epochs=False),
+            # a run's tokens in shares: its passes, or a sampled folder's tokens over the share's (read once)
+            share_tokens = dict(zip(shares, tokens if isinstance(tokens, list) else [tokens]))
+            cost_lines(axis, result, lambda r: r["tokens"] / share_tokens[r["share"]] if "data" in r.get(
+                "settings", {}) else r["epochs"], lambda r: run_label(r, common, share=True, epochs=False),
                        lambda c: f"control: continued SiLU, share {c['share']:g}")
-            axis.set(xscale="log", xlabel="passes over the share's tokens (tokens trained on: passes x share)")
-            axis.set_title("cost at the end of each run over its passes; held-out FFN sparsity beside each point",
-                           fontsize=10)
+            axis.set(xscale="log", xlabel="tokens trained on / the share's tokens (passes over the share; a sampled "
+                                          "folder read once)")
+            axis.set_title("cost at the end of each run over the tokens it trained on; held-out FFN sparsity beside "
+                           "each point", fontsize=10)
             axis.set_xticks(epochs, [str(n) for n in epochs])
         axis.set(ylabel="held-out CE vs original (%)")
         axis.minorticks_off()
