@@ -326,7 +326,9 @@ class SampleOptions:
                                    unset="1024, or the source's positions where fewer")
     temperature: float = _setting(1.0, (
         "Sampling temperature: 1 draws from the source's own distribution, which distillation then fits."))
-    batch_size: int = _setting(32, "Samples generated together.")
+    batch_size: int | None = _setting(None, "Samples generated together.", unset=(
+        "what fits: on a GPU the samples whose caches fill half its free memory, at most 1024; on a CPU 32; at most "
+        "the samples --tokens takes"))
     with_data: bool = _setting(False, (
         "Also write --data's training documents, spread evenly among the samples by tokens, so that a conversion "
         "trains on both."))
@@ -337,10 +339,10 @@ class SampleOptions:
 
     def validate(self, positions: int | None) -> None:
         """ConfigError naming each impossible value; `positions`: the source's max_position_embeddings. seq_len
-        is set (fit_seq_len)."""
+        is set (fit_seq_len); batch_size may be None (sample.fitted_batch sets it once the model is loaded)."""
         found = [f"{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)}"
                  for name in ("tokens", "prompt_tokens", "seq_len", "batch_size", "eval_tokens")
-                 if getattr(self, name) < 1]
+                 if getattr(self, name) is not None and getattr(self, name) < 1]
         if self.prompt_tokens >= self.seq_len:
             found.append(f"prompt-tokens {self.prompt_tokens} leaves nothing to sample within seq-len {self.seq_len}")
         if positions is not None and self.seq_len > positions:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -29,6 +29,9 @@ from .load import check_device, demo_corpus_path, load_config, load_model, requi
 from .report import token_progress
 
 TOKENS_COUNTED = 2**40  # --data's training tokens are counted (estimated past its head) up to this many
+# --batch-size where unset: on a CPU a fixed count; on a GPU as many samples as half its free memory holds the caches
+# of, up to a cap past which a step's host overhead, which batching spreads, is a small part of it
+CPU_BATCH, GPU_BATCH_MAX, GPU_MEMORY_SHARE = 32, 1024, 0.5
 # The source's own distribution: every setting that a model's generation_config may carry to reshape it, neutral
 # (generate fills a setting left None from the model's generation_config).
 UNWARPED = dict(do_sample=True, top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0,
@@ -62,6 +65,23 @@ def samples(model, prompts: Iterator[torch.Tensor], tokens: int, seq_len: int, b
                 return
 
 
+def fitted_batch(config, options: SampleOptions, dtype: torch.dtype, free_bytes: int | None) -> int:
+    """options.batch_size, or where unset the batch that fits (CPU_BATCH without a GPU's `free_bytes`): a sample
+    holds its KV cache, counted twice (the cache grows by concatenation, so a layer's old and new copies meet), and
+    a step's logits with their fp32 copies; never more samples than options.tokens takes."""
+    if options.batch_size is not None:
+        return options.batch_size
+    needed = -(-options.tokens // options.seq_len)
+    if free_bytes is None:
+        return min(CPU_BATCH, needed)
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    cached = config.num_hidden_layers * 2 * kv_heads * head_dim  # a token's keys and values over the layers
+    per_sample = 2 * cached * options.seq_len * dtype.itemsize + 4 * 4 * config.vocab_size
+    return max(1, min(GPU_BATCH_MAX, needed, int(GPU_MEMORY_SHARE * free_bytes // per_sample)))
+
+
 def sample(source: str, options: SampleOptions) -> dict:
     """Writes the data folder OUT (module docstring) of `options.tokens` tokens sampled from `source`; returns
     sample.yaml's record."""
@@ -77,6 +97,8 @@ def sample(source: str, options: SampleOptions) -> dict:
     options.validate(positions)
     model, tokenizer, _ = load_model(source, device=options.device, config=config)
     require_tokenizer(tokenizer, source)
+    free = torch.cuda.mem_get_info(model.device)[0] if model.device.type == "cuda" else None
+    options = replace(options, batch_size=fitted_batch(config, options, model.dtype, free))
     text = TextData(data, tokenizer, options.seq_len, options.eval_tokens, options.text_column)
     if next(text.training_blocks(), None) is None:
         raise DataError(f"data {data}: no training block of {options.seq_len} tokens after its held-out text (give "

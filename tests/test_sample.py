@@ -5,6 +5,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 import yaml
 from click.testing import CliRunner
 
@@ -143,3 +144,28 @@ def test_a_failed_run_leaves_no_out(files, tmp_path, monkeypatch):
     result = sample(files, tmp_path / "out")
     assert isinstance(result.exception, RuntimeError)
     assert not (tmp_path / "out").exists() and not any(tmp_path.iterdir())
+
+
+def test_an_unset_batch_fits_the_gpu_memory_the_tokens_and_a_cpu():
+    """--batch-size unset: half the free memory over a sample's cache (counted twice) and logits, at most
+    GPU_BATCH_MAX; on a CPU CPU_BATCH; never more samples than --tokens takes; a given batch as it is."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=1024, num_attention_heads=16, num_key_value_heads=4, num_hidden_layers=8,
+                         vocab_size=1000)
+    options = SampleOptions(out="unused", tokens=10**9, seq_len=1024)
+    per_sample = 2 * (8 * 2 * 4 * 64) * 1024 * 2 + 4 * 4 * 1000
+    fitted = lambda free, **changed: sample_module.fitted_batch(  # noqa: E731
+        config, dataclasses.replace(options, **changed), torch.bfloat16, free)
+    assert fitted(100 * per_sample) == 50 and fitted(per_sample) == 1 and fitted(0) == 1
+    assert fitted(10**15) == sample_module.GPU_BATCH_MAX
+    assert fitted(10**15, tokens=3000) == 3  # 3,000 tokens take three samples of 1,024
+    assert fitted(None) == sample_module.CPU_BATCH and fitted(None, tokens=100) == 1
+    assert fitted(10**15, batch_size=5) == fitted(None, batch_size=5) == 5
+
+
+def test_the_record_holds_the_batch_it_sampled_at(files, tmp_path):
+    result = run(files / "model", "-o", tmp_path / "out", "--data", files / "corpus", "--tokens", 300, "--seq-len",
+                 SEQ_LEN, "--prompt-tokens", PROMPT, "--eval-tokens", 96, "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    assert yaml.safe_load((tmp_path / "out" / "sample.yaml").read_text())["batch_size"] == 7  # 300 / 48 tokens

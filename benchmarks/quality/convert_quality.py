@@ -158,7 +158,8 @@ def parser() -> argparse.ArgumentParser:
                          "each share's head of the train split, its documents spread among the samples; written once "
                          "a share to WORK/sampled_shareS) or data=sampled_alone (the samples without the share's "
                          "documents: WORK/sampled_shareS_alone); those runs read their folder once, at one pass")
-    ap.add_argument("--sample-batch", type=int, default=128, help="samples generated together")
+    ap.add_argument("--sample-batch", type=int, default=None,
+                    help="samples generated together (default: as for sparsify sample, what fits)")
     ap.add_argument("--convert-batch", type=int, default=16, help="sequences a step (a run's batch_size overrides it)")
     ap.add_argument("--no-measure", dest="measure", action="store_false",
                     help="plan the kernels from the cost model instead of timing layers on the GPU (the quality "
