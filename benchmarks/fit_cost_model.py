@@ -93,8 +93,7 @@ def main():
     errors = []
     for c in cases:
         measured = c["dense"] / c["twell"]
-        predicted = (cost.dense_time(c["D"], c["I"], c["M"])
-                     / cost.twell_time(c["a"], c["D"], c["I"], c["M"], tile=c["tile"]))
+        predicted = cost.speedup(c["a"], c["D"], c["I"], c["M"], c["tile"])
         errors.append(np.log(predicted / measured))
         side = "" if (measured > 1) == (predicted > 1) else "  other side of 1"
         print(f"{c['D']:5d} {c['I']:6d} {c['M']:6d} T{c['tile']:<3d} {c['a']:6.1f}  measured {measured:5.2f}x  "
