@@ -193,25 +193,6 @@ def heavy_rows_block(m, d, i, dtype=torch.float32):
     return x, gate, up, down
 
 
-def heavy_rows_packed(m, d, i, tile, comp):
-    """heavy_rows_block's tensors, their batched TwELL (NaN-poisoned values) and its slots per tile."""
-    x, gate, up, down = heavy_rows_block(m, d, i)
-    s = slots(tile, comp)
-    tw = empty_twell(m, i, tile, comp, x.dtype, x.device)
-    tw.values.fill_(float("nan"))
-    gate_launch(x, gate, None, tile, s, x.dtype, gate_config(m, tile, 4, decode=False))(
-        x, gate, gate, gate, *tw[:3], tw.values)
-    return (x, gate, up, down), tw, s
-
-
-def walked_units(counts, s, ts):
-    """Per row: its list entries (fitting tiles), its overflowing tiles, and the units the batched out
-    kernel would walk (the entries plus ts per overflowing tile), which decides whether the row is heavy."""
-    over = (counts > s).sum(1)
-    units = torch.where(counts > s, 0, counts).sum(1)
-    return units, over, units + over * ts
-
-
 @pytest.mark.parametrize("mode", ["fused", "batched pre-pass", "decode pre-pass"])
 @pytest.mark.parametrize("chunk_slots", [2048, 32])  # 32: 2 tiles of 16 slots a chunk, several a row
 def test_list_compaction_in_place(chunk_slots, mode, monkeypatch, poisoned_outputs):
