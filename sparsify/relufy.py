@@ -145,8 +145,3 @@ def original_mlps(model: nn.Module):
     finally:
         for layer, mlp in zip(layers, relu):
             setattr(layer, spec.mlp, mlp)
-
-
-def relu_mlps(model: nn.Module) -> list[ReluGatedMLP]:
-    """The ReluGatedMLP modules of a relufied model, in layer order."""
-    return [m for m in mlp_modules(model, spec_for(model.config)) if isinstance(m, ReluGatedMLP)]
