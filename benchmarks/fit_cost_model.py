@@ -36,7 +36,7 @@ def load_cases(paths):
                 plan = LayerPlan.from_json(r["plan"])
                 if f"{graph}_path" in r:  # the path the timing took
                     sparse = r[f"{graph}_path"] == "kernels"
-                else:  # rows measured before the path fields: the plan's token windows
+                else:  # rows that do not record the path: the plan's token windows
                     sparse = plan.is_sparse and any(lo <= r["M"] <= (hi or r["M"]) for lo, hi in plan.sparse_tokens)
                 if r["heavy_rows"] == 0 and sparse and f"{graph}_twell_us" in r:
                     cases.append(dict(D=r["D"], I=r["I"], M=r["M"], a=r["active"], tile=plan.tile,
