@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from .families import FamilySpec, down_weight, gate_weight, has_bias, mlp_modules, spec_for, up_weight
+from .families import FamilySpec, down_weight, gate_weight, has_bias, spec_for, up_weight
 
 try:
     from twell.training import hot_units, hybrid_gated_mlp
