@@ -368,10 +368,24 @@ def decode_first_token():
     return rows
 
 
+def under_rules(row, x, layers, ref, rules, compression=8):
+    """`row` with the block of x at tile 128 and `compression` under each of `rules` (name -> launch_rules
+    arguments): its error against `ref` (NAME_err) and its time per layer over the layer copies (NAME_us);
+    printed."""
+    for name, rule_args in rules.items():
+        with launch_rules(**rule_args):
+            row[name + "_err"] = rel_err(sparse(x, layers[0], 128, compression), ref)
+            row[name + "_us"] = per_layer_us(lambda lw: sparse(x, lw, 128, compression), layers)
+    print_row(row)
+    return row
+
+
 def decode_paths():
     """Decode path against batched path at 8-64 tokens on the benchmark and real shapes, each forced through
     `decode_rows` (CUDA-graph replays over the layer copies, per layer; each checked against fp32): the
     measurements behind `twell.format.decode_rows` and the decode rows of the cost model's fit."""
+    # each path forced at every token count
+    paths = {"decode": dict(decode_rows=lambda d, width: 64), "batched": dict(decode_rows=lambda d, width: 0)}
     rows = []
     for d, i in SHAPES:
         layers = [make_layer(d, i, 29) for _ in range(LAYERS)]
@@ -379,12 +393,7 @@ def decode_paths():
             x = make_x(m, d)
             ref = reference(x, layers[0])
             row = dict(D=d, I=i, M=m, dense_us=per_layer_us(lambda lw: dense(x, lw), layers))
-            for path, limit in (("decode", 64), ("batched", 0)):
-                with launch_rules(decode_rows=lambda d, width, limit=limit: limit):  # force the path
-                    row[path + "_err"] = rel_err(sparse(x, layers[0], 128, 8), ref)
-                    row[path + "_us"] = per_layer_us(lambda lw: sparse(x, lw, 128, 8), layers)
-            print_row(row)
-            rows.append(row)
+            rows.append(under_rules(row, x, layers, ref, paths))
         del layers
     return rows
 
@@ -405,12 +414,8 @@ def tile_out_rows():
         x = make_x(1, d)
         ref = reference(x, layers[0])
         row = dict(rule="tile_out", D=d, I=i, M=1, dense_us=per_layer_us(lambda lw: dense(x, lw), layers))
-        for name, max_d in (("new", d), ("old", 0)):  # the path at every D whose rows fit, and never
-            with launch_rules(TILE_OUT_MAX_D=max_d):
-                row[name + "_err"] = rel_err(sparse(x, layers[0], 128, 8), ref)
-                row[name + "_us"] = per_layer_us(lambda lw: sparse(x, lw, 128, 8), layers)
-        print_row(row)
-        rows.append(row)
+        # the path at every D whose rows fit, and never
+        rows.append(under_rules(row, x, layers, ref, {"new": dict(TILE_OUT_MAX_D=d), "old": dict(TILE_OUT_MAX_D=0)}))
         del layers
     return rows
 
@@ -430,12 +435,7 @@ def rule_rows(rule, cells, rules, compression=16, heavy_units=HEAVY_FIRST):
         row = dict(rule=rule, D=d, I=i, M=m, heavy_rows=heavy, compression=compression,
                    dense_us=per_layer_us(lambda lw: dense(x, lw), layers),
                    first_token_units=int((x[:1].float() @ layers[0]["gate"].float().t() > 0).sum()))
-        for name, rule_args in rules.items():
-            with launch_rules(**rule_args):
-                row[name + "_err"] = rel_err(sparse(x, layers[0], 128, compression), ref)
-                row[name + "_us"] = per_layer_us(lambda lw: sparse(x, lw, 128, compression), layers)
-        print_row(row)
-        rows.append(row)
+        rows.append(under_rules(row, x, layers, ref, rules, compression))
     return rows
 
 

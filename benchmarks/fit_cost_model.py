@@ -36,7 +36,7 @@ def load_cases(paths):
                 plan = LayerPlan.from_json(r["plan"])
                 if f"{graph}_path" in r:  # the path the timing took
                     sparse = r[f"{graph}_path"] == "kernels"
-                else:  # rows measured before the path fields: the plan's token windows
+                else:  # rows that do not record the path: the plan's token windows
                     sparse = plan.is_sparse and any(lo <= r["M"] <= (hi or r["M"]) for lo, hi in plan.sparse_tokens)
                 if r["heavy_rows"] == 0 and sparse and f"{graph}_twell_us" in r:
                     cases.append(dict(D=r["D"], I=r["I"], M=r["M"], a=r["active"], tile=plan.tile,
@@ -93,8 +93,7 @@ def main():
     errors = []
     for c in cases:
         measured = c["dense"] / c["twell"]
-        predicted = (cost.dense_time(c["D"], c["I"], c["M"])
-                     / cost.twell_time(c["a"], c["D"], c["I"], c["M"], tile=c["tile"]))
+        predicted = cost.speedup(c["a"], c["D"], c["I"], c["M"], c["tile"])
         errors.append(np.log(predicted / measured))
         side = "" if (measured > 1) == (predicted > 1) else "  other side of 1"
         print(f"{c['D']:5d} {c['I']:6d} {c['M']:6d} T{c['tile']:<3d} {c['a']:6.1f}  measured {measured:5.2f}x  "

@@ -97,3 +97,8 @@ def twell_time(mean_active: float, d: int, i: int, tokens: int, max_active: floa
     if tokens <= decode_rows(d, i):  # decode spreads a row's units over the gate programs' tiles
         return decode_time(mean_active, d, i, tokens, tile)
     return batched_time(mean_active, d, i, tokens, max_active, tile, heavy_rows)
+
+
+def speedup(mean_active: float, d: int, i: int, tokens: int, tile: int = 128) -> float:
+    """Predicted dense time over `gated_mlp`'s time (twell_time, no overflow) at `mean_active` units per token."""
+    return dense_time(d, i, tokens) / twell_time(mean_active, d, i, tokens, tile=tile)

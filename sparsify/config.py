@@ -5,7 +5,7 @@ writes, the device, what it reports). Imports no torch, so that the command star
 from __future__ import annotations
 
 import math
-from dataclasses import MISSING, dataclass, field, fields, replace
+from dataclasses import MISSING, dataclass, field, replace
 from importlib.resources import files
 from pathlib import Path
 from typing import get_args, get_origin, get_type_hints

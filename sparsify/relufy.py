@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from .families import FamilySpec, down_weight, gate_weight, has_bias, mlp_modules, spec_for, up_weight
+from .families import FamilySpec, down_weight, gate_weight, has_bias, spec_for, up_weight
 
 try:
     from twell.training import hot_units, hybrid_gated_mlp
@@ -145,8 +145,3 @@ def original_mlps(model: nn.Module):
     finally:
         for layer, mlp in zip(layers, relu):
             setattr(layer, spec.mlp, mlp)
-
-
-def relu_mlps(model: nn.Module) -> list[ReluGatedMLP]:
-    """The ReluGatedMLP modules of a relufied model, in layer order."""
-    return [m for m in mlp_modules(model, spec_for(model.config)) if isinstance(m, ReluGatedMLP)]

@@ -1,7 +1,7 @@
 """Per-layer routing of training between the dense path and the TwELL hybrid kernels (run by the Triton
-interpreter on CPU fp32 here, about 2 s per layer and step at these sizes): layers switch by measured
-activity, with hysteresis, the log records paths and backup rows, and training on the hybrid kernels
-gives the dense path's losses and weights."""
+interpreter on CPU fp32 here, hence the tiny sizes and few steps): layers switch by measured activity, with
+hysteresis, the log records paths and backup rows, and training on the hybrid kernels gives the dense
+path's losses and weights."""
 import copy
 
 import pytest

@@ -27,7 +27,7 @@ def test_sparse_at_29_active_without_overflow():
     assert (layer.mode, layer.tile, layer.compression) == (Mode.SPARSE, 128, 16)
     assert layer.stats["predicted_speedup"] > 1.2
     assert layer.stats["overflow_frac"] == 0 and layer.stats["max_tile_active_p999"] == 9
-    # sparse at every token count (the H100 grids measured 1.04-1.16x at 65-512 tokens, the thinnest margin)
+    # sparse at every token count, 65-512 tokens included, where the H100 grids show the thinnest margin
     assert layer.sparse_tokens == ALL_TOKENS and describe(layer) == "T128 C16"
 
 
@@ -67,8 +67,8 @@ def test_decode_overflow_priced_at_the_decode_slots():
 
 
 def test_narrow_layers_leave_a_dense_window():
-    # decode and long prefills on the kernels, a dense window between (D 896 / I 4864: latency-bound there,
-    # measured 0.99-1.07x at 65-256 tokens, predicted 0.87-0.96x)
+    # decode and long prefills on the kernels, a dense window between (D 896 / I 4864: latency-bound at a few
+    # hundred tokens, where the H100 window grid has the kernels about even with dense and the model predicts a loss)
     layer = plan_layer(stats(29) | {"units": 4864}, hidden_size=896)
     (lo, hi), (lo2, hi2) = layer.sparse_tokens
     assert lo == 1 and 64 <= hi < lo2 <= 1024 and hi2 is None
@@ -120,8 +120,9 @@ def test_dense_when_every_packing_overflows():
 
 
 def test_prediction_matches_the_h100_runs():
-    # benchmarks/results/inference_h100.json, T128 C8: 1.57x at 29 active, 0.77x at 98 (16384 tokens);
-    # one token (decode): 1.90-2.23x eager (inference_h100.json), 2.54x replayed as a CUDA graph (robustness_h100.json)
+    # the speed-ups of benchmarks/results/inference_h100.json at T128 C8, 29 and 98 active units at 16384 tokens;
+    # one token (decode): against the eager calls of inference_h100.json and the CUDA-graph replays of
+    # robustness_h100.json
     assert predicted_speedup(29, 0, 128, D, I) == pytest.approx(1.57, rel=0.12)
     assert predicted_speedup(98, 0, 128, D, I) == pytest.approx(0.77, rel=0.12)
     assert 2.09 < predicted_speedup(29, 0, 128, D, I, tokens=1) < 2.54
@@ -129,7 +130,7 @@ def test_prediction_matches_the_h100_runs():
 
 def test_tile_width_ranks_as_measured():
     """benchmarks/results/inference_tiles_h100.json at 4096 and 16384 tokens: tile 128 fastest (on an H100
-    the Hopper gate kernel), then 256, then 64, whose gate kernel is about 1.7x slower."""
+    the Hopper gate kernel), then 256, then 64, whose gate kernel is the slowest."""
     for tokens in (4096, 16384):
         t64, t128, t256 = (predicted_speedup(29, 0, tile, D, I, tokens) for tile in (64, 128, 256))
         assert t128 > t256 > t64

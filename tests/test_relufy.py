@@ -3,7 +3,7 @@ import torch
 
 from helpers import INTERMEDIATE, tiny_input_ids, tiny_model
 from sparsify.families import FAMILIES, gate_weight, mlp_modules, spec_for, up_weight
-from sparsify.relufy import MLPStats, ReluGatedMLP, original_mlps, relu_mlps, relufy, unrelufy
+from sparsify.relufy import MLPStats, ReluGatedMLP, original_mlps, relufy, unrelufy
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -18,7 +18,7 @@ def test_relufy_keeps_parameters_and_matches_hf_relu(family):
 
     modules = relufy(model)
     assert [type(m) for m in modules] == [ReluGatedMLP] * len(originals)
-    assert relu_mlps(model) == modules
+    assert mlp_modules(model, spec) == modules
     assert getattr(model.config, spec.act_key) == "relu"
     params_after = dict(model.named_parameters())
     assert params_after.keys() == params_before.keys()
@@ -34,7 +34,7 @@ def test_relufy_keeps_parameters_and_matches_hf_relu(family):
     with original_mlps(model), torch.no_grad():  # for a while, as before relufy (the config left as it is)
         assert mlp_modules(model, spec) == originals and getattr(model.config, spec.act_key) == "relu"
         torch.testing.assert_close(model(ids).logits, silu_logits, rtol=0, atol=0)
-    assert relu_mlps(model) == modules
+    assert mlp_modules(model, spec) == modules
 
     unrelufy(model)
     assert mlp_modules(model, spec) == originals

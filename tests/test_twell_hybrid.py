@@ -78,7 +78,7 @@ def test_all_rows_dense_backup():
 @pytest.mark.parametrize("all_dense", [False, True])
 def test_hot_units_as_dense_columns(all_dense):
     """Hot units (a busy one, a quiet one, one that never fires) run as dense columns: same outputs and
-    gradients; they no longer count towards a row's ELL budget, so fewer rows go to the backup."""
+    gradients; they do not count towards a row's ELL budget, so fewer rows go to the backup than without them."""
     tensors = problem(45, 30, 70, 8, special_rows=not all_dense)
     if all_dense:
         tensors[0][:, 0] = -50.0  # every unit of every row active

@@ -53,7 +53,6 @@ def load(path: Path, device: str):
 
 def scores(model, blocks, batch: int, device: str) -> dict:
     """{"cross_entropy", "accuracy", "tokens"} of next-token prediction over `blocks` (each block's own tokens)."""
-    import torch
     import torch.nn.functional as F
 
     total = correct = count = 0
