@@ -67,7 +67,7 @@ class TrainConfig:
         "Training tokens; with --steps, whichever ends first. The pretrained recipe keeps held-out quality on a "
         "quarter of the source's pretraining tokens (+2% cross-entropy), not on a tenth (+10%) or 5% (+14%), a "
         "share of pretraining rather than a token count: docs/quality.md. On a few percent, --recipe small-budget "
-        "(5%: +7% at 99% sparse with four passes or with text from `sparsify sample`). More than the text holds "
+        "with several passes or with text from `sparsify sample`. More than the text holds "
         "trains on it again: on a small text, several passes recover more than one."),
         unset="no limit")
     seq_len: int = _setting(1024, "Tokens per training sequence (packed blocks).")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, replace
-from pathlib import Path
 from typing import Iterator
 
 import torch
