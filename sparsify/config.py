@@ -400,7 +400,7 @@ def recipe_names() -> list[str]:
 def load_recipe(recipe: str | Path | None, source: str, _extended: tuple = ()) -> dict:
     """Training settings of a recipe: a YAML path, or a name in recipes/ ("small" -> recipes/small.yaml).
     Without one, `demo` uses recipes/demo.yaml and other sources recipes/pretrained.yaml. A recipe's `extends: NAME`
-    takes that recipe's settings under its own."""
+    takes that recipe's settings under its own: a YAML path relative to the extending file's folder, else as above."""
     if recipe is None:
         # missing only in a broken install: reported below, never skipped
         path = recipe = RECIPES / ("demo.yaml" if source == "demo" else "pretrained.yaml")
@@ -421,6 +421,9 @@ def load_recipe(recipe: str | Path | None, source: str, _extended: tuple = ()) -
     if "extends" not in values:
         return values
     base = values.pop("extends")
+    beside = path.parent / str(base)
+    if beside.is_file():
+        base = beside
     if path.resolve() in _extended:
         raise ConfigError(f"recipe {path}: extends {base}, which extends it again")
     return {**load_recipe(base, source, (*_extended, path.resolve())), **values}

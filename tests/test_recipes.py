@@ -29,6 +29,15 @@ def test_a_recipe_extends_another_under_its_own_settings(tmp_path):
         load_recipe(tmp_path / "a.yaml", "org/model")
 
 
+def test_extends_reads_a_path_beside_the_extending_recipe_wherever_it_runs(tmp_path, monkeypatch):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "base.yaml").write_text("extends: small-budget\nl1: 5\nlr: 1.0e-4\n")
+    (tmp_path / "mine" / "child.yaml").write_text("extends: base.yaml\nlr: 3.0e-4\n")
+    monkeypatch.chdir(tmp_path)  # base.yaml is not in the working directory
+    child = load_recipe("mine/child.yaml", "org/model")
+    assert (child["l1"], child["lr"], child["calibrate_sparsity"]) == (5, 3e-4, 0.99)
+
+
 def test_pyproject_ships_every_recipe():
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
