@@ -8,6 +8,12 @@ gate, up and down projections) to those outputs with Adam on the relative square
 the source's, so the fits are independent, and only one layer's rows are held at a time. The weights keep their
 names and shapes: the checkpoint's layout does not change.
 
+Independent fits leave each layer's error in the residual stream, where the layers above add theirs
+(--calibrate-sequential instead): the source's residual stream after every decoder layer is kept first (in CPU
+memory), then the layers are fitted bottom up, each on the inputs that the layers below it, already fitted, give
+it, to what the stream needs from it: the source's stream after the layer minus the fitted model's stream before
+the MLP. A layer so also takes up what the layers below it left, as post-training pruning's sequential mode does.
+
 With a target sparsity (--calibrate-sparsity) the fit also sparsifies: the layer's L1 (the training's penalty,
 relative to its value before the fit) joins the loss with a weight that rises while more units fire than the
 target allows and falls while fewer do, a multiplier adjusted each step as in constrained optimization. A layer can
@@ -26,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .errors import ConfigError
 from .families import mlp_modules, spec_for
 from .relufy import ReluGatedMLP, original_mlps
 from .report import console
@@ -53,6 +60,7 @@ class CalibrationResult:
     sparsity: float  # the target share of units that do not fire (0: a dense fit)
     seconds: float
     layers: list[LayerFit]
+    sequential: bool = False  # fitted bottom up to the source's residual stream (module docstring)
 
     @property
     def l1_reference(self) -> float:
@@ -63,7 +71,7 @@ class CalibrationResult:
     def record(self) -> dict:
         """The training record's entry (config.json's twell.training and training_log.json)."""
         return {"tokens": self.tokens, "steps": self.steps, "lr": self.lr, "sparsity": self.sparsity,
-                "seconds": round(self.seconds, 1), "l1_reference": self.l1_reference,
+                "sequential": self.sequential, "seconds": round(self.seconds, 1), "l1_reference": self.l1_reference,
                 "layers": [{k: round(v, 5) for k, v in asdict(fit).items()} for fit in self.layers]}
 
 
@@ -113,6 +121,104 @@ def source_rows(model: nn.Module, blocks: list[torch.Tensor], layer: int) -> tup
             handle.remove()
             model.train(was_training)
     return torch.cat(inputs), torch.cat(outputs)
+
+
+def _hidden(output) -> torch.Tensor:
+    """A decoder layer's output hidden states [rows, D] (some layers return a tuple led by them)."""
+    return (output[0] if isinstance(output, tuple) else output).flatten(0, -2)
+
+
+def available_memory() -> int | None:
+    """The bytes of CPU memory the kernel reports available (Linux's MemAvailable), None where it does not."""
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_stream_memory(model: nn.Module, tokens: int, available: int | None) -> None:
+    """ConfigError where the source's stream that sequential calibration keeps (a row of every decoder layer a
+    token, in the model's dtype) exceeds `available` bytes of CPU memory."""
+    config, dtype = model.config, next(model.parameters()).dtype
+    needed = config.num_hidden_layers * tokens * config.hidden_size * dtype.itemsize
+    if available is not None and needed > available:
+        raise ConfigError(f"--calibrate-sequential keeps the source's residual stream of {config.num_hidden_layers} "
+                          f"layers over {tokens:,} tokens, {needed / 2**30:.1f} GiB, and {available / 2**30:.1f} GiB "
+                          f"of CPU memory is available: lower --calibrate-tokens or calibrate each layer alone "
+                          f"(--calibrate-independent)")
+
+
+@torch.no_grad()
+def source_stream(model: nn.Module, blocks: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The source model's residual stream [rows, D] after each decoder layer over `blocks`, in CPU memory, each
+    forward stopped after the last layer."""
+    device = next(model.parameters()).device
+    layers = model.get_submodule(spec_for(model.config).layers)
+    kept = [[] for _ in layers]
+
+    def keeper(index: int):
+        def keep(module, args, output):
+            kept[index].append(_hidden(output).to("cpu", copy=True))
+            if index == len(layers) - 1:
+                raise _Captured
+        return keep
+
+    was_training = model.training
+    model.eval()
+    with original_mlps(model), compute(device):
+        handles = [layer.register_forward_hook(keeper(i)) for i, layer in enumerate(layers)]
+        try:
+            for block in blocks:
+                try:
+                    model(input_ids=block.to(device), use_cache=False)
+                except _Captured:
+                    pass
+        finally:
+            for handle in handles:
+                handle.remove()
+            model.train(was_training)
+    return [torch.cat(rows) for rows in kept]
+
+
+@torch.no_grad()
+def stream_rows(model: nn.Module, blocks: list[torch.Tensor], layer: int, source_after: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) [rows, D] of layer `layer`'s ReLU MLP in `model` as it is (the layers below fitted): its
+    inputs, and the source's residual stream after the layer (`source_after`, from source_stream) minus `model`'s
+    before the MLP, each forward stopped after that layer."""
+    device = next(model.parameters()).device
+    decoder = model.get_submodule(spec_for(model.config).layers)[layer]
+    inputs, outputs, after = [], [], []
+
+    def keep_mlp(module, args, output):
+        inputs.append(args[0].flatten(0, -2))
+        outputs.append(output.flatten(0, -2))
+
+    def keep_layer(module, args, output):
+        after.append(_hidden(output))
+        raise _Captured
+
+    was_training = model.training
+    model.eval()
+    with compute(device):
+        handles = [mlp_modules(model, spec_for(model.config))[layer].register_forward_hook(keep_mlp),
+                   decoder.register_forward_hook(keep_layer)]
+        try:
+            for block in blocks:
+                try:
+                    model(input_ids=block.to(device), use_cache=False)
+                except _Captured:
+                    pass
+        finally:
+            for handle in handles:
+                handle.remove()
+            model.train(was_training)
+    before_mlp = torch.cat(after).float() - torch.cat(outputs).float()
+    return torch.cat(inputs), (source_after.to(device).float() - before_mlp).to(inputs[0].dtype)
 
 
 def squared_error_ratio(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -170,18 +276,26 @@ def fit_layer(mlp: ReluGatedMLP, x: torch.Tensor, y: torch.Tensor, steps: int, l
 
 
 def calibrate(model: nn.Module, mlps: list[ReluGatedMLP], blocks: list[torch.Tensor], steps: int, lr: float,
-              seed: int = 0, shown: bool = True, sparsity: float = 0.0) -> CalibrationResult:
-    """Fits each of `mlps` (the relufied `model`'s, in layer order) to the source's MLP on `blocks`, one layer at
-    a time, towards `sparsity` (0: a dense fit); the other parameters are left as they are. The result lists the
-    layers in order."""
+              seed: int = 0, shown: bool = True, sparsity: float = 0.0, sequential: bool = False) -> CalibrationResult:
+    """Fits each of `mlps` (the relufied `model`'s, in layer order) on `blocks`, one layer at a time, towards
+    `sparsity` (0: a dense fit): to the source's MLP on its inputs, or `sequential`ly to the source's residual
+    stream (module docstring); the other parameters are left as they are. The result lists the layers in order."""
     started = time.perf_counter()
     generator = torch.Generator().manual_seed(seed)
     fits = {}
-    # Last layer first: the source's MLPs share their projections with the ReLU MLPs, so a layer's source inputs
-    # are the source's only while the layers below it are not fitted yet.
-    for layer in reversed(range(len(mlps))):
+    # Independent: last layer first, since the source's MLPs share their projections with the ReLU MLPs, so a
+    # layer's source inputs are the source's only while the layers below it are not fitted yet. Sequential: the
+    # source's stream is kept before any layer is fitted, and each layer needs the ones below it fitted.
+    if sequential:
+        check_stream_memory(model, sum(block.numel() for block in blocks), available_memory())
+    stream = source_stream(model, blocks) if sequential else None
+    for layer in range(len(mlps)) if sequential else reversed(range(len(mlps))):
         mlp = mlps[layer]
-        x, y = source_rows(model, blocks, layer)
+        if sequential:
+            x, y = stream_rows(model, blocks, layer, stream[layer])
+            stream[layer] = None  # CPU memory back as the fit goes up
+        else:
+            x, y = source_rows(model, blocks, layer)
         with console.status(f"calibrating layer {layer + 1} of {len(mlps)}") if shown else nullcontext():
             fits[layer] = fit = fit_layer(mlp, x, y, steps, lr, generator, sparsity)
         del x, y
@@ -192,4 +306,4 @@ def calibrate(model: nn.Module, mlps: list[ReluGatedMLP], blocks: list[torch.Ten
                           f"active ({1 - fit.active / units:.2%} sparse)")
     tokens = sum(block.numel() for block in blocks)
     return CalibrationResult(tokens, steps, lr, sparsity, time.perf_counter() - started,
-                             [fits[layer] for layer in range(len(mlps))])
+                             [fits[layer] for layer in range(len(mlps))], sequential)

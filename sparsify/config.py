@@ -126,6 +126,11 @@ class TrainConfig:
         "Calibration's target share of each layer's units that do not fire for a token (such as 0.99): the fit "
         "adds the L1 penalty with a weight steered to reach it, so that training starts sparse. 0: a dense fit."),
         metavar="SHARE")
+    calibrate_sequential: bool = _setting(False, (
+        "Fit the layers bottom up, each on the inputs that the layers below it, already fitted, give it, to the "
+        "source's residual stream after it (so that a layer takes up what the ones below it left), instead of each "
+        "alone on the source's inputs to the source's MLP. Keeps the source's stream of every layer over "
+        "--calibrate-tokens in CPU memory."), flag="--calibrate-sequential/--calibrate-independent")
     save_every_minutes: float = _setting(30.0, (
         "Also save the training state to OUT.resume/ when this many minutes have passed since the start or the "
         "last save (0: off), so that a crash or a killed job loses at most that much."), metavar="MINUTES")
@@ -211,6 +216,8 @@ class TrainConfig:
             bad(f"calibrate-sparsity must be in [0, 1) (a share of units, such as 0.99), got {self.calibrate_sparsity}")
         if self.calibrate_sparsity and not self.calibrate_steps:
             bad("calibrate-sparsity sets the calibration's target: set --calibrate-steps too")
+        if self.calibrate_sequential and not self.calibrate_steps:
+            bad("calibrate-sequential sets how calibration fits: set --calibrate-steps too")
         if self.calibrate_steps and (_percent(self.swap_steps) if isinstance(self.swap_steps, str) else self.swap_steps):
             bad(f"calibrate-steps fits the ReLU MLPs before training, so the swap is done when training starts: set "
                 f"--swap-steps 0 (it is {self.swap_steps})")

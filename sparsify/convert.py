@@ -315,7 +315,8 @@ def _train(model, text: TextData, config: TrainConfig, options: RunOptions, chec
         blocks = calibration_blocks(text.train_batches(config.batch_size, shuffle_buffer=config.shuffle_buffer,
                                                        seed=config.seed), config.calibrate_tokens)
         calibration = calibrate(model, mlps, blocks, config.calibrate_steps, config.calibrate_lr or config.lr,
-                                config.seed, perplexities.shown, config.calibrate_sparsity)
+                                config.seed, perplexities.shown, config.calibrate_sparsity,
+                                config.calibrate_sequential)
         perplexities.after_calibration(model)
         before_training = {"calibration": calibration.record(),
                            "perplexity": {"after calibration": perplexities.values["after calibration"]}}

@@ -1,5 +1,5 @@
-"""Calibration (--calibrate-steps): each ReLU MLP fitted to the source's MLP on the source's own inputs, before
-training; the settings it refuses; through the command line, and skipped by a resumed run, which reports the saved record."""
+"""Calibration (--calibrate-steps): each ReLU MLP fitted to the source's MLP on the source's own inputs, or
+bottom up to the source's residual stream (--calibrate-sequential), before training; the settings it refuses; through the command line, and skipped by a resumed run, which reports the saved record."""
 import json
 import re
 
@@ -10,7 +10,7 @@ from helpers import interrupt, on_read, tiny_input_ids, tiny_model
 from sparsify import calibrate as calibrate_module
 from sparsify import convert as convert_module
 from sparsify import data as data_module
-from sparsify.calibrate import calibrate, calibration_blocks, source_rows
+from sparsify.calibrate import calibrate, calibration_blocks, source_rows, source_stream, stream_rows
 from sparsify.config import TrainConfig
 from sparsify.errors import ConfigError
 from sparsify.relufy import relufy
@@ -78,6 +78,86 @@ def test_sparse_calibration_reaches_its_target_where_the_dense_fit_does_not():
     assert sparse.l1_reference == pytest.approx(sum(fit.l1_swap for fit in sparse.layers) / len(sparse.layers))
 
 
+def stream_error(model, blocks, source) -> float:
+    """The relative squared error of `model`'s residual stream after its last layer against `source`'s."""
+    fitted = source_stream_of(model, blocks)
+    return float((fitted - source).square().sum() / source.square().sum())
+
+
+def source_stream_of(model, blocks):
+    """The residual stream after the last decoder layer of `model` as it is (ReLU MLPs), over `blocks`."""
+    kept = []
+    handle = model.model.layers[-1].register_forward_hook(lambda m, a, o: kept.append(
+        (o[0] if isinstance(o, tuple) else o).flatten(0, -2)))
+    with torch.no_grad():
+        for block in blocks:
+            model(block)
+    handle.remove()
+    return torch.cat(kept)
+
+
+def test_sequential_targets_complete_the_source_stream_after_the_layers_below_are_fitted():
+    model, _ = tiny_model("llama", num_hidden_layers=3)
+    blocks = [tiny_input_ids(2, 16)]
+    after = []
+    handles = [layer.register_forward_hook(lambda m, a, o: after.append(o[0] if isinstance(o, tuple) else o))
+               for layer in model.model.layers]
+    with torch.no_grad():
+        model(blocks[0])
+    for handle in handles:
+        handle.remove()
+    mlps = relufy(model)
+    stream = source_stream(model, blocks)
+    for kept, seen in zip(stream, after):
+        assert kept.device.type == "cpu" and torch.equal(kept, seen.flatten(0, 1))
+    x, y = stream_rows(model, blocks, 0, stream[0])  # nothing below layer 0: its source MLP's rows
+    x_source, y_source = source_rows(model, blocks, 0)
+    assert torch.equal(x, x_source) and torch.allclose(y, y_source, atol=1e-5)
+    with torch.no_grad():
+        for p in mlps[0].parameters():
+            p.mul_(0.5)  # layer 0 "fitted": the stream above it moves
+    x, y = stream_rows(model, blocks, 1, stream[1])
+    assert not torch.allclose(x, source_rows(model, blocks, 1)[0])  # layer 1's inputs as the fitted model gives them
+    handle = mlps[1].register_forward_hook(lambda m, a, o: y.view_as(o))  # layer 1's MLP returns its target
+    with torch.no_grad():
+        stream_with_target = source_stream_of_layer(model, blocks, 1)
+    handle.remove()
+    assert torch.allclose(stream_with_target, stream[1], atol=1e-5)  # the source's stream after layer 1, restored
+
+
+def source_stream_of_layer(model, blocks, layer):
+    kept = []
+    handle = model.model.layers[layer].register_forward_hook(lambda m, a, o: kept.append(
+        (o[0] if isinstance(o, tuple) else o).flatten(0, -2)))
+    for block in blocks:
+        model(block)
+    handle.remove()
+    return torch.cat(kept)
+
+
+def test_sequential_calibration_keeps_the_stream_nearer_the_source_than_independent_fits():
+    blocks = [tiny_input_ids(4, 32, seed=s) for s in range(2)]
+    errors = {}
+    for sequential in (False, True):
+        model, _ = tiny_model("llama", num_hidden_layers=4)
+        mlps = relufy(model)
+        source = source_stream(model, blocks)[-1]
+        result = calibrate(model, mlps, blocks, steps=200, lr=3e-3, shown=False, sequential=sequential)
+        assert result.record()["sequential"] is sequential
+        errors[sequential] = stream_error(model, blocks, source)
+    assert errors[True] < 0.7 * errors[False], errors
+
+
+def test_sequential_calibration_refuses_a_stream_larger_than_the_memory_available():
+    model, _ = tiny_model("llama", num_hidden_layers=3)
+    needed = 3 * 1000 * model.config.hidden_size * 4  # fp32 rows of every layer
+    calibrate_module.check_stream_memory(model, 1000, needed)
+    calibrate_module.check_stream_memory(model, 1000, None)  # unknown: not refused
+    with pytest.raises(ConfigError, match=r"3 layers over 1,000 tokens.*lower --calibrate-tokens"):
+        calibrate_module.check_stream_memory(model, 1000, needed - 1)
+    assert calibrate_module.available_memory() is None or calibrate_module.available_memory() > 0
+
+
 def test_calibration_blocks_take_whole_batches_up_to_the_tokens():
     batches = iter([torch.zeros(2, 8, dtype=torch.long)] * 10)
     assert len(calibration_blocks(batches, 17)) == 2 and len(calibration_blocks(batches, 16)) == 1
@@ -91,6 +171,7 @@ def test_calibration_blocks_take_whole_batches_up_to_the_tokens():
     ({"calibrate_lr": 2.0}, None, "calibrate-lr must be in (0, 1]"),
     ({"calibrate_sparsity": 1.0}, None, "calibrate-sparsity must be in [0, 1)"),
     ({"calibrate_sparsity": 0.99, "calibrate_steps": 0}, None, "set --calibrate-steps too"),
+    ({"calibrate_sequential": True, "calibrate_steps": 0}, None, "calibrate-sequential sets how calibration fits"),
     ({}, 2, "calibrate-steps runs on one process, not 2"),
 ])
 def test_impossible_calibration_settings(settings, world, message):
@@ -99,16 +180,18 @@ def test_impossible_calibration_settings(settings, world, message):
         config.validate(world=world)
 
 
-def test_convert_calibrates_and_records_it(files, tmp_path):
+@pytest.mark.parametrize("sequential", [False, True])
+def test_convert_calibrates_and_records_it(files, tmp_path, sequential):
     out = tmp_path / "out"
     # --no-hybrid: the calibrated layers are sparse enough for the hybrid kernels, which would train through the
     # interpreter here (test_hybrid_routing.py checks them; the calibration is what this test is about)
     result = convert(files, "llama", out, "--calibrate-steps", 20, "--calibrate-tokens", 64, "--calibrate-lr", 3e-3,
-                     "--no-hybrid", "--l1-relative", "--l1", 3.5)
+                     "--no-hybrid", "--l1-relative", "--l1", 3.5, *["--calibrate-sequential"] * sequential)
     assert result.exit_code == 0, result.output
     training = json.loads((out / "training_log.json").read_text())["training"]
     calibration = training["calibration"]
     assert calibration["tokens"] == 64 and calibration["steps"] == 20 and calibration["lr"] == 3e-3
+    assert calibration["sequential"] is sequential
     assert len(calibration["layers"]) == 2 and all(l["after"] < l["before"] for l in calibration["layers"])
     # the relative L1's reference is the swapped model's L1, measured by calibration before it changed the MLPs
     log = json.loads((out / "training_log.json").read_text())["log"]
