@@ -37,6 +37,9 @@ from .families import mlp_modules, spec_for
 from .relufy import ReluGatedMLP, original_mlps
 from .report import console
 
+# Families whose decoder layers normalize the MLP's output before the residual add: the norm's attribute of a
+# decoder layer. Sequential calibration fits the MLP through it (the stream's target is the norm's output).
+MLP_OUTPUT_NORMS = {"gemma2": "post_feedforward_layernorm", "gemma3_text": "post_feedforward_layernorm"}
 ROWS_PER_STEP = 4096  # token rows a step: enough that a step's error is close to the whole set's
 # The L1 weight's adjustment: each step it is multiplied by exp(RATE * log(active / target)), the log clamped to
 # [-1, 1], so that it moves by at most e^RATE a step and settles where the layer meets its target.
@@ -184,19 +187,28 @@ def source_stream(model: nn.Module, blocks: list[torch.Tensor]) -> list[torch.Te
     return [torch.cat(rows) for rows in kept]
 
 
+def output_norm(model: nn.Module, layer: int) -> nn.Module | None:
+    """The norm that layer `layer` applies to its MLP's output before the residual add (MLP_OUTPUT_NORMS), or
+    None."""
+    name = MLP_OUTPUT_NORMS.get(model.config.model_type)
+    return getattr(model.get_submodule(spec_for(model.config).layers)[layer], name) if name else None
+
+
 @torch.no_grad()
 def stream_rows(model: nn.Module, blocks: list[torch.Tensor], layer: int, source_after: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, targets) [rows, D] of layer `layer`'s ReLU MLP in `model` as it is (the layers below fitted): its
     inputs, and the source's residual stream after the layer (`source_after`, from source_stream) minus `model`'s
-    before the MLP, each forward stopped after that layer."""
+    before the MLP's contribution (the MLP's output, through output_norm where the family has one), each forward
+    stopped after that layer."""
     device = next(model.parameters()).device
     decoder = model.get_submodule(spec_for(model.config).layers)[layer]
+    tail = output_norm(model, layer)
     inputs, outputs, after = [], [], []
 
     def keep_mlp(module, args, output):
         inputs.append(args[0].flatten(0, -2))
-        outputs.append(output.flatten(0, -2))
+        outputs.append((tail(output) if tail is not None else output).flatten(0, -2))
 
     def keep_layer(module, args, output):
         after.append(_hidden(output))
@@ -227,9 +239,11 @@ def squared_error_ratio(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor
     return (out.float() - target).square().sum() / target.square().sum().clamp_min(1e-30)
 
 
-def fit_figures(mlp: ReluGatedMLP, x: torch.Tensor, y: torch.Tensor, chunk: int = 16384) -> tuple[float, float, float]:
-    """Over all rows, in chunks: squared_error_ratio of mlp(x) against y, the mean units a row whose gate fires,
-    and the mean L1 of a row (the sum over units of |relu(gate) * up|, the training's penalty)."""
+def fit_figures(mlp: ReluGatedMLP, x: torch.Tensor, y: torch.Tensor, chunk: int = 16384,
+                tail: nn.Module | None = None) -> tuple[float, float, float]:
+    """Over all rows, in chunks: squared_error_ratio of mlp(x) (through `tail` where given) against y, the mean
+    units a row whose gate fires, and the mean L1 of a row (the sum over units of |relu(gate) * up|, the
+    training's penalty)."""
     err = active = l1 = 0.0
     with torch.no_grad(), compute(x.device):
         for xc, yc in zip(x.split(chunk), y.split(chunk)):
@@ -237,16 +251,18 @@ def fit_figures(mlp: ReluGatedMLP, x: torch.Tensor, y: torch.Tensor, chunk: int 
             h = F.relu(gate) * up
             active += float((gate > 0).sum())
             l1 += float(h.abs().sum(dtype=torch.float32))
-            err += float((getattr(mlp, mlp.spec.down)(h).float() - yc.float()).square().sum())
+            out = getattr(mlp, mlp.spec.down)(h)
+            err += float(((tail(out) if tail is not None else out).float() - yc.float()).square().sum())
     return err / max(float(y.float().square().sum()), 1e-30), active / len(x), l1 / len(x)
 
 
 def fit_layer(mlp: ReluGatedMLP, x: torch.Tensor, y: torch.Tensor, steps: int, lr: float,
-              generator: torch.Generator, sparsity: float = 0.0) -> LayerFit:
-    """Fits `mlp`'s parameters to y = source_mlp(x) by `steps` Adam steps (lr cosine from `lr` to 0), each on
-    ROWS_PER_STEP rows drawn at random; with `sparsity` > 0 under an L1 penalty whose weight steers the share of
-    units that do not fire towards it (module docstring)."""
-    before, _, l1_swap = fit_figures(mlp, x, y)
+              generator: torch.Generator, sparsity: float = 0.0, tail: nn.Module | None = None) -> LayerFit:
+    """Fits `mlp`'s parameters so that mlp(x), through `tail` where given (its parameters left as they are),
+    matches y by `steps` Adam steps (lr cosine from `lr` to 0), each on ROWS_PER_STEP rows drawn at random; with
+    `sparsity` > 0 under an L1 penalty whose weight steers the share of units that do not fire towards it (module
+    docstring)."""
+    before, _, l1_swap = fit_figures(mlp, x, y, tail=tail)
     params = [p for p in mlp.parameters() if p.requires_grad]
     optimizer = torch.optim.Adam(params, lr=lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / steps)))
@@ -258,6 +274,7 @@ def fit_layer(mlp: ReluGatedMLP, x: torch.Tensor, y: torch.Tensor, steps: int, l
             rows = torch.randint(len(x), (min(ROWS_PER_STEP, len(x)),), generator=generator).to(x.device)
             with compute(x.device):
                 out = mlp(x[rows])
+                out = tail(out) if tail is not None else out
             loss = squared_error_ratio(out, y[rows])
             if sparsity:
                 loss = loss + weight * mlp.stats.l1 / max(l1_swap, 1e-12)
@@ -269,9 +286,9 @@ def fit_layer(mlp: ReluGatedMLP, x: torch.Tensor, y: torch.Tensor, steps: int, l
             schedule.step()
     finally:
         mlp.track, mlp.stats = tracked, None
-        for p in params:
+        for p in (*params, *(tail.parameters() if tail is not None else ())):
             p.grad = None
-    after, active, _ = fit_figures(mlp, x, y)
+    after, active, _ = fit_figures(mlp, x, y, tail=tail)
     return LayerFit(before, after, active, l1_swap)
 
 
@@ -297,7 +314,8 @@ def calibrate(model: nn.Module, mlps: list[ReluGatedMLP], blocks: list[torch.Ten
         else:
             x, y = source_rows(model, blocks, layer)
         with console.status(f"calibrating layer {layer + 1} of {len(mlps)}") if shown else nullcontext():
-            fits[layer] = fit = fit_layer(mlp, x, y, steps, lr, generator, sparsity)
+            fits[layer] = fit = fit_layer(mlp, x, y, steps, lr, generator, sparsity,
+                                          output_norm(model, layer) if sequential else None)
         del x, y
         if shown:
             units = mlp.weights()[0].shape[0]

@@ -96,8 +96,9 @@ def source_stream_of(model, blocks):
     return torch.cat(kept)
 
 
-def test_sequential_targets_complete_the_source_stream_after_the_layers_below_are_fitted():
-    model, _ = tiny_model("llama", num_hidden_layers=3)
+@pytest.mark.parametrize("family", ["llama", "gemma2"])  # gemma2: the MLP's output normalized before the residual
+def test_sequential_targets_complete_the_source_stream_after_the_layers_below_are_fitted(family):
+    model, _ = tiny_model(family, num_hidden_layers=3)
     blocks = [tiny_input_ids(2, 16)]
     after = []
     handles = [layer.register_forward_hook(lambda m, a, o: after.append(o[0] if isinstance(o, tuple) else o))
@@ -112,13 +113,18 @@ def test_sequential_targets_complete_the_source_stream_after_the_layers_below_ar
         assert kept.device.type == "cpu" and torch.equal(kept, seen.flatten(0, 1))
     x, y = stream_rows(model, blocks, 0, stream[0])  # nothing below layer 0: its source MLP's rows
     x_source, y_source = source_rows(model, blocks, 0)
+    tail = calibrate_module.output_norm(model, 0)
+    assert (tail is not None) == (family == "gemma2")
+    with torch.no_grad():
+        y_source = tail(y_source) if tail is not None else y_source
     assert torch.equal(x, x_source) and torch.allclose(y, y_source, atol=1e-5)
     with torch.no_grad():
         for p in mlps[0].parameters():
             p.mul_(0.5)  # layer 0 "fitted": the stream above it moves
     x, y = stream_rows(model, blocks, 1, stream[1])
     assert not torch.allclose(x, source_rows(model, blocks, 1)[0])  # layer 1's inputs as the fitted model gives them
-    handle = mlps[1].register_forward_hook(lambda m, a, o: y.view_as(o))  # layer 1's MLP returns its target
+    # layer 1's MLP (through its output norm where it has one) returns its target
+    handle = (calibrate_module.output_norm(model, 1) or mlps[1]).register_forward_hook(lambda m, a, o: y.view_as(o))
     with torch.no_grad():
         stream_with_target = source_stream_of_layer(model, blocks, 1)
     handle.remove()
@@ -135,11 +141,12 @@ def source_stream_of_layer(model, blocks, layer):
     return torch.cat(kept)
 
 
-def test_sequential_calibration_keeps_the_stream_nearer_the_source_than_independent_fits():
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_sequential_calibration_keeps_the_stream_nearer_the_source_than_independent_fits(family):
     blocks = [tiny_input_ids(4, 32, seed=s) for s in range(2)]
     errors = {}
     for sequential in (False, True):
-        model, _ = tiny_model("llama", num_hidden_layers=4)
+        model, _ = tiny_model(family, num_hidden_layers=4)
         mlps = relufy(model)
         source = source_stream(model, blocks)[-1]
         result = calibrate(model, mlps, blocks, steps=200, lr=3e-3, shown=False, sequential=sequential)
