@@ -99,21 +99,15 @@ def calibration_blocks(batches: Iterable[torch.Tensor], tokens: int) -> list[tor
 
 
 @torch.no_grad()
-def source_rows(model: nn.Module, blocks: list[torch.Tensor], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, outputs) [rows, D] of layer `layer`'s MLP in the source model (the relufied `model` with its
-    original MLPs) over `blocks`, each forward stopped after that MLP."""
+def run_hooked(model: nn.Module, blocks: list[torch.Tensor], hooks, source: bool) -> None:
+    """Runs `model` in eval mode over `blocks` (with `source`, its original MLPs) with the forward hooks that
+    hooks() gives as (module, hook) pairs (called once the MLPs are in place), each forward stopped where a hook
+    raises _Captured."""
     device = next(model.parameters()).device
-    inputs, outputs = [], []
-
-    def keep(module, args, output):
-        inputs.append(args[0].flatten(0, -2))
-        outputs.append(output.flatten(0, -2))
-        raise _Captured
-
     was_training = model.training
     model.eval()
-    with original_mlps(model), compute(device):
-        handle = mlp_modules(model, spec_for(model.config))[layer].register_forward_hook(keep)
+    with original_mlps(model) if source else nullcontext(), compute(device):
+        handles = [module.register_forward_hook(hook) for module, hook in hooks()]
         try:
             for block in blocks:
                 try:
@@ -121,8 +115,22 @@ def source_rows(model: nn.Module, blocks: list[torch.Tensor], layer: int) -> tup
                 except _Captured:
                     pass
         finally:
-            handle.remove()
+            for handle in handles:
+                handle.remove()
             model.train(was_training)
+
+
+def source_rows(model: nn.Module, blocks: list[torch.Tensor], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, outputs) [rows, D] of layer `layer`'s MLP in the source model (the relufied `model` with its
+    original MLPs) over `blocks`, each forward stopped after that MLP."""
+    inputs, outputs = [], []
+
+    def keep(module, args, output):
+        inputs.append(args[0].flatten(0, -2))
+        outputs.append(output.flatten(0, -2))
+        raise _Captured
+
+    run_hooked(model, blocks, lambda: [(mlp_modules(model, spec_for(model.config))[layer], keep)], source=True)
     return torch.cat(inputs), torch.cat(outputs)
 
 
@@ -155,11 +163,9 @@ def check_stream_memory(model: nn.Module, tokens: int, available: int | None) ->
                           f"(--calibrate-independent)")
 
 
-@torch.no_grad()
 def source_stream(model: nn.Module, blocks: list[torch.Tensor]) -> list[torch.Tensor]:
     """The source model's residual stream [rows, D] after each decoder layer over `blocks`, in CPU memory, each
     forward stopped after the last layer."""
-    device = next(model.parameters()).device
     layers = model.get_submodule(spec_for(model.config).layers)
     kept = [[] for _ in layers]
 
@@ -170,20 +176,7 @@ def source_stream(model: nn.Module, blocks: list[torch.Tensor]) -> list[torch.Te
                 raise _Captured
         return keep
 
-    was_training = model.training
-    model.eval()
-    with original_mlps(model), compute(device):
-        handles = [layer.register_forward_hook(keeper(i)) for i, layer in enumerate(layers)]
-        try:
-            for block in blocks:
-                try:
-                    model(input_ids=block.to(device), use_cache=False)
-                except _Captured:
-                    pass
-        finally:
-            for handle in handles:
-                handle.remove()
-            model.train(was_training)
+    run_hooked(model, blocks, lambda: [(layer, keeper(i)) for i, layer in enumerate(layers)], source=True)
     return [torch.cat(rows) for rows in kept]
 
 
@@ -194,43 +187,29 @@ def output_norm(model: nn.Module, layer: int) -> nn.Module | None:
     return getattr(model.get_submodule(spec_for(model.config).layers)[layer], name) if name else None
 
 
-@torch.no_grad()
 def stream_rows(model: nn.Module, blocks: list[torch.Tensor], layer: int, source_after: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, targets) [rows, D] of layer `layer`'s ReLU MLP in `model` as it is (the layers below fitted): its
     inputs, and the source's residual stream after the layer (`source_after`, from source_stream) minus `model`'s
     before the MLP's contribution (the MLP's output, through output_norm where the family has one), each forward
     stopped after that layer."""
-    device = next(model.parameters()).device
     decoder = model.get_submodule(spec_for(model.config).layers)[layer]
     tail = output_norm(model, layer)
-    inputs, outputs, after = [], [], []
+    inputs, contributions, after = [], [], []
 
     def keep_mlp(module, args, output):
         inputs.append(args[0].flatten(0, -2))
-        outputs.append((tail(output) if tail is not None else output).flatten(0, -2))
+        contributions.append((tail(output) if tail is not None else output).flatten(0, -2))
 
     def keep_layer(module, args, output):
         after.append(_hidden(output))
         raise _Captured
 
-    was_training = model.training
-    model.eval()
-    with compute(device):
-        handles = [mlp_modules(model, spec_for(model.config))[layer].register_forward_hook(keep_mlp),
-                   decoder.register_forward_hook(keep_layer)]
-        try:
-            for block in blocks:
-                try:
-                    model(input_ids=block.to(device), use_cache=False)
-                except _Captured:
-                    pass
-        finally:
-            for handle in handles:
-                handle.remove()
-            model.train(was_training)
-    before_mlp = torch.cat(after).float() - torch.cat(outputs).float()
-    return torch.cat(inputs), (source_after.to(device).float() - before_mlp).to(inputs[0].dtype)
+    run_hooked(model, blocks, lambda: [(mlp_modules(model, spec_for(model.config))[layer], keep_mlp),
+                                       (decoder, keep_layer)], source=False)
+    before_mlp = torch.cat(after).float() - torch.cat(contributions).float()
+    x = torch.cat(inputs)
+    return x, (source_after.to(x.device).float() - before_mlp).to(x.dtype)
 
 
 def squared_error_ratio(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
