@@ -107,6 +107,9 @@ class TrainConfig:
         "Fit the source model's next-token distributions too: (1 - WEIGHT) * CE + WEIGHT * KL(source || "
         "trained) at every position, the source a frozen copy of the original model (one more forward a "
         "micro-batch; its weights whole in bf16 on each GPU, also under FSDP). 0: off."), metavar="WEIGHT")
+    distill_temperature: float = _setting(1.0, (
+        "Temperature of both distributions in --distill's KL term, the term scaled by its square so that its "
+        "gradients keep their size: above 1 weighs the source's less likely tokens more. 1: as they are."))
     distill_hidden: float = _setting(0.0, (
         "Fit the source model's hidden states too: WEIGHT * the mean over decoder layers of ||h - h_source||^2 / "
         "||h_source||^2 (each layer's output, summed over the positions): a signal at every layer, where --distill "
@@ -235,6 +238,10 @@ class TrainConfig:
             bad(f"save-every-minutes must be a number >= 0 (0: off), got {self.save_every_minutes}")
         if not 0 <= self.distill <= 1:
             bad(f"distill must be in [0, 1] (the share of the KL term; 0: off), got {self.distill}")
+        if not 0 < self.distill_temperature < math.inf:
+            bad(f"distill-temperature must be a number above 0, got {self.distill_temperature}")
+        elif self.distill_temperature != 1 and not self.distill:
+            bad("distill-temperature sets --distill's KL term: set --distill too")
         if not 0 <= self.distill_hidden < math.inf:
             bad(f"distill-hidden must be a number >= 0 (0: off), got {self.distill_hidden}")
         if self.seq_len < 2:

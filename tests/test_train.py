@@ -142,6 +142,24 @@ def test_distillation_loss_matches_hand_computation():
     assert all(not p.requires_grad for p in teacher.parameters())  # frozen: the source stays as loaded
 
 
+def test_distillation_at_a_temperature_matches_hand_computation():
+    """distill-temperature T: T^2 * KL(softmax(source / T) || softmax(model / T)); at T = 1 the plain KL."""
+    from sparsify.train.loss import distillation_kl
+
+    generator = torch.Generator().manual_seed(0)
+    student, teacher = (torch.randn(2, 5, 11, generator=generator, dtype=torch.float64) for _ in range(2))
+    for temperature in (1.0, 2.5):
+        p = F.softmax(teacher / temperature, -1)
+        q = F.softmax(student / temperature, -1)
+        kl = temperature ** 2 * (p * (p.log() - q.log())).sum(-1).mean().item()
+        assert distillation_kl(student, teacher, temperature).item() == pytest.approx(kl, rel=1e-5)
+    assert distillation_kl(student, teacher).item() == pytest.approx(distillation_kl(student, teacher, 1.0).item())
+    with pytest.raises(ConfigError, match="distill-temperature must be a number above 0, got 0"):
+        TrainConfig.from_dict({"steps": 1, "distill": 0.5, "distill_temperature": 0}).validate()
+    with pytest.raises(ConfigError, match="set --distill too"):
+        TrainConfig.from_dict({"steps": 1, "distill_temperature": 2}).validate()
+
+
 def test_hidden_state_distillation_matches_hand_computation():
     """With distill-hidden w the loss adds w * the mean over decoder layers of ||h - h_source||^2 /
     ||h_source||^2 (each layer's output over all positions); without distill, the KL stays out of the loss."""

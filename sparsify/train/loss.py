@@ -13,12 +13,13 @@ import torch.nn.functional as F
 from ..config import TrainConfig
 
 
-def distillation_kl(logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
-    """KL(teacher || model) of the next-token distributions, summed over the vocabulary and averaged over
-    the positions, in fp32."""
-    target = F.log_softmax(teacher_logits.float(), dim=-1).flatten(0, -2)
-    return F.kl_div(F.log_softmax(logits.float(), dim=-1).flatten(0, -2), target, log_target=True,
-                    reduction="batchmean")
+def distillation_kl(logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """KL(teacher || model) of the next-token distributions, both at `temperature` and the KL scaled by its
+    square (so that its gradients keep their size), summed over the vocabulary and averaged over the positions,
+    in fp32."""
+    target = F.log_softmax(teacher_logits.float() / temperature, dim=-1).flatten(0, -2)
+    return temperature ** 2 * F.kl_div(F.log_softmax(logits.float() / temperature, dim=-1).flatten(0, -2), target,
+                                       log_target=True, reduction="batchmean")
 
 
 def hidden_distance(hidden: tuple[torch.Tensor, ...], teacher_hidden: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -104,7 +105,7 @@ def loss_terms(model, mlps: list, ids: torch.Tensor, teacher: torch.nn.Module | 
             reference = (teacher if config.distill else teacher.base_model)(input_ids=ids, output_hidden_states=hidden,
                                                                             use_cache=False)
         if config.distill:
-            kl = distillation_kl(output.logits, reference.logits)
+            kl = distillation_kl(output.logits, reference.logits, config.distill_temperature)
         if hidden:
             distance = hidden_distance(output.hidden_states, reference.hidden_states)
     layer_l1 = torch.stack([m.stats.l1.float() for m in mlps])
