@@ -214,6 +214,14 @@ def test_sampled_runs_read_the_base_s_samples_and_the_share_s_text_once(prepared
         work / "sampled_share0.25" / "valid.jsonl").read_bytes()
     assert alone["distinct_tokens"] == made["alone_tokens"] < made["tokens"]
     assert f"--data {work / 'sampled_share0.25_alone'}" in alone["command"]
+    # a control on each text the runs read: the share once and twice, and each sampled folder once
+    controls = {c["name"]: c for c in result["control"]}
+    assert list(controls) == ["control", "control_epochs2", "control_sampled", "control_sampled_alone"]
+    assert controls["control_sampled"]["tokens"] == sampled["tokens"]
+    for run, control in zip(result["conversions"], ("control", "control_sampled", "control_sampled_alone",
+                                                    "control_epochs2")):
+        after = controls[control]["cross_entropy"]["after training"]
+        assert run["ce_vs_control"] == pytest.approx(run["cross_entropy"]["after training"] / after - 1), run["name"]
 
 
 def test_data_takes_sampled_with_sample_tokens(capsys):

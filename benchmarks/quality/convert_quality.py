@@ -29,9 +29,11 @@ again after an interruption goes on where it stopped):
    continues prompts from that head (`sparsify sample`: N tokens, its documents spread among the samples; written
    once per share to sampled_shareS, and the samples alone to sampled_shareS_alone), and the runs set data=sampled
    (or data=sampled_alone) read that folder once instead;
-4. control (--control): at each share and number of passes, the source model trained by the same trainer on the
-   same batches with the same recipe (--control-set over it), but no swap, no L1 and no distillation, so that the
-   cost of sparsity is told apart from the gain of the extra tokens; the trained model is kept for the next stage;
+4. control (--control): at each share and number of passes, and on each sampled folder that runs read, the source
+   model trained by the same trainer on the same batches with the same recipe (--control-set over it), but no swap,
+   no L1 and no distillation, so that the cost of sparsity is told apart from the gain of the extra tokens (each
+   conversion's ce_vs_control is against the control on its own text); the trained model is kept for the next
+   stage;
 5. metrics (metrics.py; --no-metrics skips it): the original, each control and each converted checkpoint loaded as
    plain dense models (no remote code), bf16 on a GPU, on the same held-out blocks: next-token cross-entropy and
    top-1 accuracy, per kind of document and over both, and greedy agreement with the original (64 held-out
@@ -317,21 +319,26 @@ def train_all(args, recipe: dict, tokens: dict[float, int], subsets: dict[float,
         print(runs.summary_line(c), flush=True)
         return c
 
-    def control(share: float, epochs: int) -> dict:
-        out = args.work / runs.control_name(share if several else None, epochs)
-        text, count, distinct = data(share, epochs)
-        return entry(out.name, share, epochs, distinct, stage(out.with_name(out.name + ".json"), lambda: runs.control(
-            args, base, text, recipe, count, out), output=out if args.metrics else None))
+    def control(share: float, epochs: int, folder: str | None = None) -> dict:
+        """The control on the runs' text at (share, epochs), or on a sampled folder (data=folder) read once."""
+        setting = {"data": folder} if folder else {}
+        out = args.work / (runs.control_name(share if several else None, epochs) + (f"_{folder}" if folder else ""))
+        text, count, distinct = data(share, epochs, setting)
+        return {**entry(out.name, share, epochs, distinct, stage(out.with_name(out.name + ".json"), lambda: runs.control(
+            args, base, text, recipe, count, out), output=out if args.metrics else None)), "settings": setting}
 
+    sampled = sorted({setting["data"] for setting in settings if "data" in setting})
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
-        continued = pool.submit(lambda: [control(*b) for b in budgets]) if args.control else None
+        continued = pool.submit(lambda: [control(*b) for b in budgets] + [
+            control(share, 1, folder) for share in tokens for folder in sampled]) if args.control else None
         pending = [pool.submit(conversion, setting, *b) for b in budgets for setting in settings
                    if b[1] == 1 or "data" not in setting]  # a sampled folder is read once
         controls = continued.result() if continued else []
         conversions = [job.result() for job in pending]
-    for c in conversions:
+    for c in conversions:  # against the control on the same text and passes
         for reference in controls:
-            if (reference["share"], reference["epochs"]) == (c["share"], c["epochs"]):
+            if (reference["share"], reference["epochs"], reference["settings"].get("data")) == (
+                    c["share"], c["epochs"], c["settings"].get("data")):
                 c["ce_vs_control"] = (c["cross_entropy"]["after training"]
                                       / reference["cross_entropy"]["after training"] - 1)
     return conversions, controls
@@ -401,7 +408,8 @@ def main(argv=None) -> dict:
               "convert_epochs": args.convert_epochs, "convert_subsets": list(subsets.values()),
               "samples": list(samples.values()), "recipe": recipe,
               "original": original and {"model": "base", "metrics": original},
-              "control": controls if budgets else (controls[0] if controls else None), "conversions": conversions}
+              "control": controls if budgets or len(controls) > 1 else (controls[0] if controls else None),
+              "conversions": conversions}
     print_summary(result)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

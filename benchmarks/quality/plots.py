@@ -138,6 +138,14 @@ def cost_lines(axis, result: dict, x, label, control_label) -> None:
     legend_below(axis)
 
 
+def control_label(control: dict, share: bool = False, epochs: bool = True) -> str:
+    """A control's legend entry: its share where `share`, its passes (more than one) where `epochs`, its sampled
+    folder (data=) where it has one."""
+    return ("control: continued SiLU" + (f", share {control['share']:g}" if share else "")
+            + (f", epochs {control['epochs']}" if epochs and control.get("epochs", 1) > 1 else "")
+            + (f", data {control['settings']['data']}" if control.get("settings", {}).get("data") else ""))
+
+
 def budget_plot(result: dict, path: Path) -> None:
     """Held-out CE against the original at the end of each run over its budget share (log scale), one line per
     setting and number of passes over its text, each point's sparsity beside it; the control's line in black. With
@@ -151,8 +159,7 @@ def budget_plot(result: dict, path: Path) -> None:
     common = tuple(shared_settings(result["conversions"]))
     for axis, panel in zip(axes[0], panels):
         if panel == "share":
-            cost_lines(axis, result, lambda r: r["share"], lambda r: run_label(r, common), lambda c: "control: continued SiLU" + (
-                f", epochs {c['epochs']}" if c.get("epochs", 1) > 1 else ""))
+            cost_lines(axis, result, lambda r: r["share"], lambda r: run_label(r, common), control_label)
             axis.set(xscale="log", xlabel="distinct conversion tokens / pretraining tokens (below: their count)")
             axis.set_title("cost at the end of each run; held-out FFN sparsity beside each point", fontsize=10)
             axis.set_xticks(shares, [f"{s:g}\n{t / 1e6:.3g}M" for s, t in
@@ -162,7 +169,7 @@ def budget_plot(result: dict, path: Path) -> None:
             share_tokens = dict(zip(shares, tokens if isinstance(tokens, list) else [tokens]))
             cost_lines(axis, result, lambda r: r["tokens"] / share_tokens[r["share"]] if "data" in r.get(
                 "settings", {}) else r["epochs"], lambda r: run_label(r, common, share=True, epochs=False),
-                       lambda c: f"control: continued SiLU, share {c['share']:g}")
+                       lambda c: control_label(c, share=True, epochs=False))
             axis.set(xscale="log", xlabel="tokens trained on / the share's tokens (passes over the share; a sampled "
                                           "folder read once)")
             axis.set_title("cost at the end of each run over the tokens it trained on; held-out FFN sparsity beside "
