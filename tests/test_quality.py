@@ -431,3 +431,23 @@ def test_compare_puts_bases_on_tokens_and_on_their_share(tmp_path, capsys):
         compare.main([*map(str, paths), "--out", str(figure)])
     with pytest.raises(SystemExit, match=r"--setting 'l1 3.5': not among the conversions of long.json"):
         compare.main([*map(str, paths), "--out", str(figure), "--setting", "l1 3.5"])
+
+
+def test_frontier_keeps_the_runs_no_other_beats_on_sparsity_and_cost(tmp_path, capsys):
+    frontier = load_benchmark("quality/frontier.py")
+    run = lambda sparsity, cost, **settings: {"settings": {"l1": 7, **settings}, "share": 0.05,  # noqa: E731
+                                              "sparsity": sparsity, "ce_vs_original": cost}
+    reports = {"a": {"conversions": [run(0.99, 0.09), run(0.98, 0.12), run(0.995, 0.10, lr=4e-4),
+                                     {**run(0.999, 0.01), "share": 0.25}]},
+               "b": {"conversions": [run(0.97, 0.08, distill=1), run(0.992, 0.095, distill=1)]}}
+    for name, report in reports.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(report))
+    front = frontier.main([str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--share", "0.05",
+                           "--out", str(tmp_path / "frontier.png")])
+    # by sparsity: the 0.98 run is beaten by the 0.99 one, the other share is left out
+    assert [(p["report"], round(p["sparsity"], 1), round(p["cost"], 1)) for p in front] == [
+        ("b", 97.0, 8.0), ("a", 99.0, 9.0), ("b", 99.2, 9.5), ("a", 99.5, 10.0)]
+    # labelled by what sets them apart (l1 7 they share; a run with nothing else, by its own settings)
+    assert frontier.labels(front) == ["distill 1", "l1 7", "distill 1", "lr 0.0004"]
+    printed = capsys.readouterr().out
+    assert "99.20% | +9.50% | distill 1 | b" in printed and (tmp_path / "frontier.png").stat().st_size > 0
