@@ -21,7 +21,7 @@ import torch
 import yaml
 
 from .config import SampleOptions
-from .data import TextData
+from .data import Packer, TextData
 from .errors import DataError
 from .export import check_output_dir, staged_output
 from .load import check_device, demo_corpus_path, load_config, load_model, require_tokenizer
@@ -110,10 +110,21 @@ def sample(source: str, options: SampleOptions) -> dict:
     if options.with_data:
         counted, _ = text.count_blocks(TOKENS_COUNTED // options.seq_len)
         data_share = (counted - text.skip) * options.seq_len / options.tokens  # data tokens a sampled token
+    separator = len(Packer(tokenizer, options.seq_len).sep)  # the ids packing adds after a document
     with staged_output(out) as staging, open(staging / "train.jsonl", "w") as train, \
             token_progress(options.tokens, "sampling") as advance:
         def write(document: str, kind: str) -> None:
             train.write(json.dumps({"text": document, "source": kind}) + "\n")
+
+        def write_data() -> bool:
+            """Writes --data's next training document and counts its packed ids; False where none is left."""
+            document = next(data_docs, None)
+            if document is None:
+                return False
+            write(document, "data")
+            counts["data_tokens"] += len(tokenizer(document, add_special_tokens=False, verbose=False)["input_ids"])
+            counts["data_tokens"] += separator
+            return True
 
         for ids in samples(model, prompts(text, options.prompt_tokens), options.tokens, options.seq_len,
                            options.batch_size, options.temperature, eos):
@@ -122,10 +133,9 @@ def sample(source: str, options: SampleOptions) -> dict:
             counts["sampled_tokens"] += len(ids)
             counts["ended_at_eos"] += len(ids) < options.seq_len
             advance(len(ids))
-            while counts["data_tokens"] < data_share * counts["sampled_tokens"]:
-                if not _write_data(next(data_docs, None), write, tokenizer, counts):
-                    break
-        while _write_data(next(data_docs, None), write, tokenizer, counts):
+            while counts["data_tokens"] < data_share * counts["sampled_tokens"] and write_data():
+                pass
+        while write_data():
             pass
         held_out = text.held_out_documents()
         (staging / "valid.jsonl").write_text("".join(json.dumps({"text": doc}) + "\n" for doc in held_out))
@@ -136,13 +146,4 @@ def sample(source: str, options: SampleOptions) -> dict:
                   "sampled_tokens_per_s": round(counts["sampled_tokens"] / seconds, 1), "device": str(model.device)}
         (staging / "sample.yaml").write_text(yaml.safe_dump(record, sort_keys=False))
     return record
-
-
-def _write_data(document: str | None, write, tokenizer, counts: dict) -> bool:
-    """Writes one of --data's training documents (None: there are no more) and counts its tokens."""
-    if document is None:
-        return False
-    write(document, "data")
-    counts["data_tokens"] += len(tokenizer(document, add_special_tokens=False, verbose=False)["input_ids"]) + 1
-    return True
 

@@ -154,6 +154,7 @@ def budget_plot(result: dict, path: Path) -> None:
     plt = pyplot()
     epochs = result.get("convert_epochs", [1])
     shares, tokens = result["convert_shares"], result["convert_tokens"]
+    share_tokens = dict(zip(shares, tokens if isinstance(tokens, list) else [tokens]))
     panels = ["share"] * (len(shares) > 1 or len(epochs) == 1) + ["epochs"] * (len(epochs) > 1)
     fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5), squeeze=False)
     common = tuple(shared_settings(result["conversions"]))
@@ -162,11 +163,9 @@ def budget_plot(result: dict, path: Path) -> None:
             cost_lines(axis, result, lambda r: r["share"], lambda r: run_label(r, common), control_label)
             axis.set(xscale="log", xlabel="distinct conversion tokens / pretraining tokens (below: their count)")
             axis.set_title("cost at the end of each run; held-out FFN sparsity beside each point", fontsize=10)
-            axis.set_xticks(shares, [f"{s:g}\n{t / 1e6:.3g}M" for s, t in
-                                     zip(shares, tokens if isinstance(tokens, list) else [tokens])])
+            axis.set_xticks(shares, [f"{s:g}\n{t / 1e6:.3g}M" for s, t in share_tokens.items()])
         else:
             # a run's tokens in shares: its passes, or a sampled folder's tokens over the share's (read once)
-            share_tokens = dict(zip(shares, tokens if isinstance(tokens, list) else [tokens]))
             cost_lines(axis, result, lambda r: r["tokens"] / share_tokens[r["share"]] if "data" in r.get(
                 "settings", {}) else r["epochs"], lambda r: run_label(r, common, share=True, epochs=False),
                        lambda c: control_label(c, share=True, epochs=False))
