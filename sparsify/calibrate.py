@@ -9,10 +9,12 @@ the source's, so the fits are independent, and only one layer's rows are held at
 names and shapes: the checkpoint's layout does not change.
 
 Independent fits leave each layer's error in the residual stream, where the layers above add theirs
-(--calibrate-sequential instead): the source's residual stream after every decoder layer is kept first (in CPU
-memory), then the layers are fitted bottom up, each on the inputs that the layers below it, already fitted, give
-it, to what the stream needs from it: the source's stream after the layer minus the fitted model's stream before
-the MLP. A layer so also takes up what the layers below it left, as post-training pruning's sequential mode does.
+(--calibrate-sequential instead): the layers are fitted bottom up, each on the inputs that the layers below it,
+already fitted, give it, to what the stream needs from it: the source's stream after the layer minus the fitted
+model's stream before the MLP. A layer so also takes up what the layers below it left, as post-training pruning's
+sequential mode does. The source's stream after a layer comes from a forward with the source's projections put
+back into the layers below it for the while (`SourceProjections`: each layer's kept in CPU memory before it is
+fitted), so that what is held is the MLPs' weights once, not a stream of every layer over every token.
 
 With a target sparsity (--calibrate-sparsity) the fit also sparsifies: the layer's L1 (the training's penalty,
 relative to its value before the fit) joins the loss with a weight that rises while more units fire than the
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from typing import Iterable
 
@@ -151,33 +153,59 @@ def available_memory() -> int | None:
     return None
 
 
-def check_stream_memory(model: nn.Module, tokens: int, available: int | None) -> None:
-    """ConfigError where the source's stream that sequential calibration keeps (a row of every decoder layer a
-    token, in the model's dtype) exceeds `available` bytes of CPU memory."""
-    config, dtype = model.config, next(model.parameters()).dtype
-    needed = config.num_hidden_layers * tokens * config.hidden_size * dtype.itemsize
+class SourceProjections:
+    """The source's MLP projections of the layers fitted so far, in CPU memory: the source's MLPs share their
+    projections with the ReLU MLPs, so the source's stream above a fitted layer needs them put back for the while."""
+
+    def __init__(self, mlps: list[ReluGatedMLP]):
+        self.mlps = mlps
+        self.kept: dict[int, list[torch.Tensor]] = {}
+
+    def keep(self, layer: int) -> None:
+        """Keeps layer `layer`'s projections as they are (the source's, before its fit)."""
+        self.kept[layer] = [p.detach().to("cpu", copy=True) for p in self.mlps[layer].parameters()]
+
+    @torch.no_grad()
+    def _exchange(self) -> None:
+        # tensor by tensor, so that CPU memory holds one projection beyond the kept ones at a time
+        for layer, tensors in self.kept.items():
+            for index, param in enumerate(self.mlps[layer].parameters()):
+                held = param.detach().to("cpu", copy=True)
+                param.copy_(tensors[index])
+                tensors[index] = held
+
+    @contextmanager
+    def in_place(self):
+        """While active, the kept layers compute with the source's projections; the fitted ones return after."""
+        self._exchange()
+        try:
+            yield
+        finally:
+            self._exchange()
+
+
+def check_kept_memory(mlps: list[ReluGatedMLP], available: int | None) -> None:
+    """ConfigError where the source's projections that sequential calibration keeps (every MLP's, by the last
+    layer) exceed `available` bytes of CPU memory."""
+    needed = sum(p.numel() * p.element_size() for mlp in mlps for p in mlp.parameters())
     if available is not None and needed > available:
-        raise ConfigError(f"--calibrate-sequential keeps the source's residual stream of {config.num_hidden_layers} "
-                          f"layers over {tokens:,} tokens, {needed / 2**30:.1f} GiB, and {available / 2**30:.1f} GiB "
-                          f"of CPU memory is available: lower --calibrate-tokens or calibrate each layer alone "
-                          f"(--calibrate-independent)")
+        raise ConfigError(f"--calibrate-sequential keeps the source's MLP projections in CPU memory, "
+                          f"{needed / 2**30:.1f} GiB, and {available / 2**30:.1f} GiB is available: calibrate each "
+                          f"layer alone (--calibrate-independent)")
 
 
-def source_stream(model: nn.Module, blocks: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The source model's residual stream [rows, D] after each decoder layer over `blocks`, in CPU memory, each
-    forward stopped after the last layer."""
-    layers = model.get_submodule(spec_for(model.config).layers)
-    kept = [[] for _ in layers]
+def source_stream(model: nn.Module, blocks: list[torch.Tensor], layer: int) -> torch.Tensor:
+    """The source model's residual stream [rows, D] after decoder layer `layer` over `blocks`, in CPU memory, each
+    forward stopped there: `model` run with its original MLPs, so the source's only where the projections of the
+    layers up to `layer` are (SourceProjections.in_place)."""
+    kept = []
 
-    def keeper(index: int):
-        def keep(module, args, output):
-            kept[index].append(_hidden(output).to("cpu", copy=True))
-            if index == len(layers) - 1:
-                raise _Captured
-        return keep
+    def keep(module, args, output):
+        kept.append(_hidden(output).to("cpu", copy=True))
+        raise _Captured
 
-    run_hooked(model, blocks, lambda: [(layer, keeper(i)) for i, layer in enumerate(layers)], source=True)
-    return [torch.cat(rows) for rows in kept]
+    run_hooked(model, blocks, lambda: [(model.get_submodule(spec_for(model.config).layers)[layer], keep)], source=True)
+    return torch.cat(kept)
 
 
 def output_norm(model: nn.Module, layer: int) -> nn.Module | None:
@@ -190,7 +218,7 @@ def output_norm(model: nn.Module, layer: int) -> nn.Module | None:
 def stream_rows(model: nn.Module, blocks: list[torch.Tensor], layer: int, source_after: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, targets) [rows, D] of layer `layer`'s ReLU MLP in `model` as it is (the layers below fitted): its
-    inputs, and the source's residual stream after the layer (`source_after`, from source_stream) minus `model`'s
+    inputs, and the source's residual stream after the layer (`source_after`, source_stream's) minus `model`'s
     before the MLP's contribution (the MLP's output, through output_norm where the family has one), each forward
     stopped after that layer."""
     decoder = model.get_submodule(spec_for(model.config).layers)[layer]
@@ -280,16 +308,19 @@ def calibrate(model: nn.Module, mlps: list[ReluGatedMLP], blocks: list[torch.Ten
     generator = torch.Generator().manual_seed(seed)
     fits = {}
     # Independent: last layer first, since the source's MLPs share their projections with the ReLU MLPs, so a
-    # layer's source inputs are the source's only while the layers below it are not fitted yet. Sequential: the
-    # source's stream is kept before any layer is fitted, and each layer needs the ones below it fitted.
+    # layer's source inputs are the source's only while the layers below it are not fitted yet. Sequential: each
+    # layer needs the ones below it fitted.
     if sequential:
-        check_stream_memory(model, sum(block.numel() for block in blocks), available_memory())
-    stream = source_stream(model, blocks) if sequential else None
+        check_kept_memory(mlps, available_memory())
+    source = SourceProjections(mlps)
     for layer in range(len(mlps)) if sequential else reversed(range(len(mlps))):
         mlp = mlps[layer]
         if sequential:
-            x, y = stream_rows(model, blocks, layer, stream[layer])
-            stream[layer] = None  # CPU memory back as the fit goes up
+            with source.in_place():
+                after = source_stream(model, blocks, layer)
+            source.keep(layer)
+            x, y = stream_rows(model, blocks, layer, after)
+            del after
         else:
             x, y = source_rows(model, blocks, layer)
         with console.status(f"calibrating layer {layer + 1} of {len(mlps)}") if shown else nullcontext():

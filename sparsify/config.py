@@ -132,8 +132,8 @@ class TrainConfig:
     calibrate_sequential: bool = _setting(False, (
         "Fit the layers bottom up, each on the inputs that the layers below it, already fitted, give it, to the "
         "source's residual stream after it (so that a layer takes up what the ones below it left), instead of each "
-        "alone on the source's inputs to the source's MLP. Keeps the source's stream of every layer over "
-        "--calibrate-tokens in CPU memory."), flag="--calibrate-sequential/--calibrate-independent")
+        "alone on the source's inputs to the source's MLP. Keeps the source's MLP projections in CPU memory."),
+        flag="--calibrate-sequential/--calibrate-independent")
     save_every_minutes: float = _setting(30.0, (
         "Also save the training state to OUT.resume/ when this many minutes have passed since the start or the "
         "last save (0: off), so that a crash or a killed job loses at most that much."), metavar="MINUTES")

@@ -10,7 +10,7 @@ from helpers import interrupt, on_read, tiny_input_ids, tiny_model
 from sparsify import calibrate as calibrate_module
 from sparsify import convert as convert_module
 from sparsify import data as data_module
-from sparsify.calibrate import calibrate, calibration_blocks, source_rows, source_stream, stream_rows
+from sparsify.calibrate import SourceProjections, calibrate, calibration_blocks, source_rows, source_stream, stream_rows
 from sparsify.config import TrainConfig
 from sparsify.errors import ConfigError
 from sparsify.relufy import relufy
@@ -108,7 +108,7 @@ def test_sequential_targets_complete_the_source_stream_after_the_layers_below_ar
     for handle in handles:
         handle.remove()
     mlps = relufy(model)
-    stream = source_stream(model, blocks)
+    stream = [source_stream(model, blocks, layer) for layer in range(3)]
     for kept, seen in zip(stream, after):
         assert kept.device.type == "cpu" and torch.equal(kept, seen.flatten(0, 1))
     x, y = stream_rows(model, blocks, 0, stream[0])  # nothing below layer 0: its source MLP's rows
@@ -118,9 +118,16 @@ def test_sequential_targets_complete_the_source_stream_after_the_layers_below_ar
     with torch.no_grad():
         y_source = tail(y_source) if tail is not None else y_source
     assert torch.equal(x, x_source) and torch.allclose(y, y_source, atol=1e-5)
+    source = SourceProjections(mlps)
+    source.keep(0)
     with torch.no_grad():
         for p in mlps[0].parameters():
             p.mul_(0.5)  # layer 0 "fitted": the stream above it moves
+    fitted = [p.detach().clone() for p in mlps[0].parameters()]
+    assert not torch.allclose(source_stream(model, blocks, 1), stream[1])
+    with source.in_place():  # the source's projections back in layer 0: the source's stream again
+        assert torch.equal(source_stream(model, blocks, 1), stream[1])
+    assert all(torch.equal(p, f) for p, f in zip(mlps[0].parameters(), fitted))  # and the fitted ones after
     x, y = stream_rows(model, blocks, 1, stream[1])
     assert not torch.allclose(x, source_rows(model, blocks, 1)[0])  # layer 1's inputs as the fitted model gives them
     # layer 1's MLP (through its output norm where it has one) returns its target
@@ -148,20 +155,22 @@ def test_sequential_calibration_keeps_the_stream_nearer_the_source_than_independ
     for sequential in (False, True):
         model, _ = tiny_model(family, num_hidden_layers=4)
         mlps = relufy(model)
-        source = source_stream(model, blocks)[-1]
+        source = source_stream(model, blocks, 3)
         result = calibrate(model, mlps, blocks, steps=200, lr=3e-3, shown=False, sequential=sequential)
         assert result.record()["sequential"] is sequential
         errors[sequential] = stream_error(model, blocks, source)
     assert errors[True] < 0.7 * errors[False], errors
 
 
-def test_sequential_calibration_refuses_a_stream_larger_than_the_memory_available():
+def test_sequential_calibration_refuses_projections_larger_than_the_memory_available():
     model, _ = tiny_model("llama", num_hidden_layers=3)
-    needed = 3 * 1000 * model.config.hidden_size * 4  # fp32 rows of every layer
-    calibrate_module.check_stream_memory(model, 1000, needed)
-    calibrate_module.check_stream_memory(model, 1000, None)  # unknown: not refused
-    with pytest.raises(ConfigError, match=r"3 layers over 1,000 tokens.*lower --calibrate-tokens"):
-        calibrate_module.check_stream_memory(model, 1000, needed - 1)
+    mlps = relufy(model)
+    config = model.config
+    needed = 3 * 3 * config.hidden_size * config.intermediate_size * 4  # fp32 gate, up and down of every layer
+    calibrate_module.check_kept_memory(mlps, needed)
+    calibrate_module.check_kept_memory(mlps, None)  # unknown: not refused
+    with pytest.raises(ConfigError, match=r"keeps the source's MLP projections.*--calibrate-independent"):
+        calibrate_module.check_kept_memory(mlps, needed - 1)
     assert calibrate_module.available_memory() is None or calibrate_module.available_memory() > 0
 
 

@@ -21,7 +21,8 @@ def test_named_recipes_resolve():
 
 def test_a_recipe_extends_another_under_its_own_settings(tmp_path):
     small_budget, pretrained = load_recipe("small-budget", "org/model"), load_recipe("pretrained", "org/model")
-    assert "extends" not in small_budget and small_budget["distill"] == pretrained["distill"]
+    assert "extends" not in small_budget and small_budget["weight_decay"] == pretrained["weight_decay"]
+    assert (small_budget["distill"], small_budget["calibrate_sequential"]) == (1, True)
     assert (small_budget["lr"], small_budget["calibrate_sparsity"]) == (2e-4, 0.99) != (pretrained["lr"], None)
     (tmp_path / "a.yaml").write_text(f"extends: {tmp_path / 'b.yaml'}\nl1: 1\n")
     (tmp_path / "b.yaml").write_text(f"extends: {tmp_path / 'a.yaml'}\nl1: 2\n")
