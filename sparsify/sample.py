@@ -3,8 +3,9 @@
 A conversion's cost follows the share of the source's pretraining tokens it trains on (docs/quality.md), and a user
 of a published model holds little of that text; the model can write more of it. `sample` continues prompts, the
 heads of --data's training blocks in order (from the first again when they run out), with the source at a
-temperature (1: its own distribution, which distillation then fits), a batch at a time through `generate` (its KV
-cache), and writes a data folder that `convert --data` takes: train.jsonl, a document a sample (to its EOS);
+temperature (1: its own distribution, which distillation then fits), a batch at a time through `generate` (on a GPU
+with a static KV cache, for which generate compiles the decoding step once: its eager loop is bound by the host's
+launches), and writes a data folder that `convert --data` takes: train.jsonl, a document a sample (to its EOS);
 valid.jsonl, --data's held-out text, so that evaluation stays on real text; sample.yaml, what made it (YAML: --data
 would read a .json as text). With `with_data` --data's training documents go into train.jsonl too, spread evenly
 among the samples by tokens. The folder is written beside OUT and renamed into place when complete
@@ -46,15 +47,15 @@ def prompts(text: TextData, prompt_tokens: int) -> Iterator[torch.Tensor]:
 
 @torch.no_grad()
 def samples(model, prompts: Iterator[torch.Tensor], tokens: int, seq_len: int, batch_size: int, temperature: float,
-            eos: int | None) -> Iterator[list[int]]:
+            eos: int | None, cache: str = "dynamic") -> Iterator[list[int]]:
     """Samples of the model, token ids with their prompt, each up to seq_len ids or to its EOS (left out), until
-    `tokens` ids are drawn."""
+    `tokens` ids are drawn; generate's KV `cache` "dynamic" or "static" (every batch of one shape: compiled once)."""
     drawn = 0
     while drawn < tokens:
         batch = torch.stack([next(prompts) for _ in range(batch_size)]).to(model.device)
         out = model.generate(batch, attention_mask=torch.ones_like(batch), temperature=temperature, **UNWARPED,
                              max_new_tokens=seq_len - batch.shape[1], eos_token_id=eos,
-                             pad_token_id=0 if eos is None else eos)
+                             pad_token_id=0 if eos is None else eos, cache_implementation=cache)
         for row in out.tolist():
             head, tail = row[:batch.shape[1]], row[batch.shape[1]:]
             ids = head + (tail[:tail.index(eos)] if eos in tail else tail)
@@ -66,8 +67,8 @@ def samples(model, prompts: Iterator[torch.Tensor], tokens: int, seq_len: int, b
 
 def fitted_batch(config, options: SampleOptions, dtype: torch.dtype, free_bytes: int | None) -> int:
     """options.batch_size, or where unset the batch that fits (CPU_BATCH without a GPU's `free_bytes`): a sample
-    holds its KV cache, counted twice (the cache grows by concatenation, so a layer's old and new copies meet), and
-    a step's logits with their fp32 copies; never more samples than options.tokens takes."""
+    holds its static KV cache of options.seq_len positions and a step's logits with their fp32 copies; never more
+    samples than options.tokens takes."""
     if options.batch_size is not None:
         return options.batch_size
     needed = -(-options.tokens // options.seq_len)
@@ -77,7 +78,7 @@ def fitted_batch(config, options: SampleOptions, dtype: torch.dtype, free_bytes:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     cached = config.num_hidden_layers * 2 * kv_heads * head_dim  # a token's keys and values over the layers
-    per_sample = 2 * cached * options.seq_len * dtype.itemsize + 4 * 4 * config.vocab_size
+    per_sample = cached * options.seq_len * dtype.itemsize + 4 * 4 * config.vocab_size
     return max(1, min(GPU_BATCH_MAX, needed, int(GPU_MEMORY_SHARE * free_bytes // per_sample)))
 
 
@@ -96,7 +97,8 @@ def sample(source: str, options: SampleOptions) -> dict:
     options.validate(positions)
     model, tokenizer, _ = load_model(source, device=options.device, config=config)
     require_tokenizer(tokenizer, source)
-    free = torch.cuda.mem_get_info(model.device)[0] if model.device.type == "cuda" else None
+    on_gpu = model.device.type == "cuda"
+    free = torch.cuda.mem_get_info(model.device)[0] if on_gpu else None
     options = replace(options, batch_size=fitted_batch(config, options, model.dtype, free))
     text = TextData(data, tokenizer, options.seq_len, options.eval_tokens, options.text_column)
     if next(text.training_blocks(), None) is None:
@@ -104,6 +106,7 @@ def sample(source: str, options: SampleOptions) -> dict:
                         f"more text or a lower --seq-len)")
     torch.manual_seed(options.seed)
     eos = tokenizer.eos_token_id
+    cache = "static" if on_gpu else "dynamic"
     started, counts = time.perf_counter(), {"samples": 0, "sampled_tokens": 0, "ended_at_eos": 0, "data_tokens": 0}
     data_docs = text.training_documents() if options.with_data else iter(())
     data_share = 0.0
@@ -127,7 +130,7 @@ def sample(source: str, options: SampleOptions) -> dict:
             return True
 
         for ids in samples(model, prompts(text, options.prompt_tokens), options.tokens, options.seq_len,
-                           options.batch_size, options.temperature, eos):
+                           options.batch_size, options.temperature, eos, cache):
             write(tokenizer.decode(ids, skip_special_tokens=True), "sample")  # a BOS or PAD drawn is no text
             counts["samples"] += 1
             counts["sampled_tokens"] += len(ids)
@@ -143,7 +146,8 @@ def sample(source: str, options: SampleOptions) -> dict:
         record = {"source": source, "data": data, **{k: v for k, v in asdict(options).items()
                                                      if k not in ("out", "data", "overwrite", "device")},
                   **counts, "held_out_documents": len(held_out), "seconds": round(seconds, 1),
-                  "sampled_tokens_per_s": round(counts["sampled_tokens"] / seconds, 1), "device": str(model.device)}
+                  "sampled_tokens_per_s": round(counts["sampled_tokens"] / seconds, 1), "device": str(model.device),
+                  "cache": cache}
         (staging / "sample.yaml").write_text(yaml.safe_dump(record, sort_keys=False))
     return record
 

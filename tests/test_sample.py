@@ -147,14 +147,14 @@ def test_a_failed_run_leaves_no_out(files, tmp_path, monkeypatch):
 
 
 def test_an_unset_batch_fits_the_gpu_memory_the_tokens_and_a_cpu():
-    """--batch-size unset: half the free memory over a sample's cache (counted twice) and logits, at most
+    """--batch-size unset: half the free memory over a sample's static cache and logits, at most
     GPU_BATCH_MAX; on a CPU CPU_BATCH; never more samples than --tokens takes; a given batch as it is."""
     from transformers import LlamaConfig
 
     config = LlamaConfig(hidden_size=1024, num_attention_heads=16, num_key_value_heads=4, num_hidden_layers=8,
                          vocab_size=1000)
     options = SampleOptions(out="unused", tokens=10**9, seq_len=1024)
-    per_sample = 2 * (8 * 2 * 4 * 64) * 1024 * 2 + 4 * 4 * 1000
+    per_sample = (8 * 2 * 4 * 64) * 1024 * 2 + 4 * 4 * 1000
     fitted = lambda free, **changed: sample_module.fitted_batch(  # noqa: E731
         config, dataclasses.replace(options, **changed), torch.bfloat16, free)
     assert fitted(100 * per_sample) == 50 and fitted(per_sample) == 1 and fitted(0) == 1
@@ -169,3 +169,16 @@ def test_the_record_holds_the_batch_it_sampled_at(files, tmp_path):
                  SEQ_LEN, "--prompt-tokens", PROMPT, "--eval-tokens", 96, "--device", "cpu")
     assert result.exit_code == 0, result.output
     assert yaml.safe_load((tmp_path / "out" / "sample.yaml").read_text())["batch_size"] == 7  # 300 / 48 tokens
+
+
+def test_a_static_cache_draws_the_samples_the_dynamic_one_does():
+    """The GPU's static cache (generate compiles its step there; not on a CPU) against the dynamic one: the same
+    seed gives the same samples, prompts kept, each at most seq_len ids."""
+    model, _ = tiny_model("llama")
+    heads = [torch.arange(5, 5 + PROMPT) + i for i in range(6)]
+    drawn = {}
+    for cache in ("dynamic", "static"):
+        torch.manual_seed(0)
+        drawn[cache] = list(sample_module.samples(model, iter(heads), 200, SEQ_LEN, 3, 1.0, None, cache))
+    assert drawn["static"] == drawn["dynamic"] and sum(map(len, drawn["static"])) >= 200
+    assert all(len(ids) <= SEQ_LEN and ids[:PROMPT] == heads[i].tolist() for i, ids in enumerate(drawn["static"]))
