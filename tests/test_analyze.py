@@ -131,6 +131,8 @@ def test_write_plan_replaces_a_checkpoints_plan_and_keeps_its_weights(tmp_path):
         for refused in (tmp_path / "silu", tmp_path / "missing"):
             result = runner.invoke(main, ["analyze", str(refused), *args])
             assert result.exit_code == 1 and "is not a local converted checkpoint" in " ".join(result.output.split())
+            if refused.name == "silu":  # says what is missing, not a Python exception
+                assert 'no "twell" section' in " ".join(result.output.split()) and "KeyError" not in result.output
     failing = LayerPlan()  # a write that fails: the old plan stays whole
 
     def no_rename(*_):
