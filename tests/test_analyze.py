@@ -32,6 +32,9 @@ def test_analyze_json_plot_and_table(tmp_path):
         assert len(layer["position_active"]) == 64
         assert layer["recommended"] is None  # not converted: the kernels compute ReLU
     assert not report["converted"] and report["activation"] == "silu"
+    mean = sum(layer["mean_active"] for layer in report["layers"]) / 2  # the whole model's figure under the table
+    assert (f"all layers: {mean:.1f} of 160 units active per token on average ({100 * (1 - mean / 160):.2f}% sparse)"
+            in " ".join(result.output.split()))
     assert "is not converted (gate activation silu)" in " ".join(result.output.split())
     assert (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
     assert (report["model"], report["data"]) == ("m", "text.txt")  # no local path: the JSON may go into a checkpoint
