@@ -168,7 +168,9 @@ def sample(source, **values):
 
 @main.command()
 @click.argument("model")
-@click.option("--data", help="Text to measure on (as for convert). Default for demo models: the demo corpus's held-out file.")
+@click.option("--data", help="Text to measure on (as for convert). Default for demo models: the demo corpus's held-out "
+                             "file; for another converted checkpoint: the data it was converted on, where a file or "
+                             "folder of the name it records is in the current folder.")
 @click.option("--text-column", metavar="NAME",
               help=TEXT_COLUMN_HELP + " (default: text; without --data, the column the checkpoint's data was read "
                                       "from).")

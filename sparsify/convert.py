@@ -192,10 +192,10 @@ def _check_inputs(source: str, config: TrainConfig, options: RunOptions, process
     if not options.resume and not options.overwrite and (resume_dir / "state.json").is_file():
         raise ConfigError(f"{resume_dir} holds the training state of an interrupted conversion to {out}: pass "
                           f"--resume to continue it, or --overwrite to start over (deleting it)")
+    model_config = load_config(source)[0]  # a wrong source named first: --data would not make it right
     if options.data is None and source != "demo":
         raise DataError("--data is required (local .txt/.jsonl/.parquet files or folder, or a datasets name)")
     data = options.data or demo_corpus_path()
-    model_config = load_config(source)[0]
     positions = getattr(model_config, "max_position_embeddings", None)
     if fit_seq_len:
         config = _fit_positions(source, config, positions)

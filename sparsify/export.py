@@ -139,9 +139,15 @@ def converted_config(folder: str | Path) -> dict:
     naming what is missing otherwise)."""
     try:
         config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise OutputError(f"{folder}: cannot read its config.json ({error})") from error
+    if "twell" not in config:
+        raise OutputError(f"{folder}: its config.json has no \"twell\" section: not a checkpoint written by "
+                          "`sparsify convert`")
+    try:
         layer_plans(config["twell"])  # its layers, in a format version this runtime reads
         complete = {"family", "training"} <= set(config["twell"]) and "intermediate_size" in config
-    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
+    except (KeyError, TypeError, ValueError) as error:
         raise OutputError(f"{folder} is not a converted checkpoint this version reads (config.json: {error!r})") from error
     if not complete:
         raise OutputError(f"{folder}: config.json lacks twell.family, twell.training or intermediate_size")

@@ -98,9 +98,13 @@ def layer_table(layer_stats: list[dict], plan: list[LayerPlan | None], title: st
     """Per layer: active units per token (mean / median / p99 / max), sparsity, dead units, the p99.9 of active
     units per (token, tile) at the planned tile (else the widest measured) and the planned kernel setting (None:
     "-"); with `hybrid_share` (convert), the share of training steps the layer spent on the hybrid kernels, if any
-    did."""
+    did; under it, the whole model's mean (what the model card and the docs call its sparsity)."""
     show_hybrid = any(hybrid_share or [])
-    table = Table(title=f"{title}; active units per token of {layer_stats[0]['units']}")
+    units = layer_stats[0]["units"]
+    mean = sum(s["mean_active"] for s in layer_stats) / len(layer_stats)
+    table = Table(title=f"{title}; active units per token of {units}",
+                  caption=f"all layers: {mean:.1f} of {units} units active per token on average "
+                          f"({100 * (1 - mean / units):.2f}% sparse)")
     for column in ("layer", "mean", "median", "p99", "max", "sparsity %", "dead %", "tile p99.9", "setting"):
         table.add_column(column, justify="right")
     if show_hybrid:

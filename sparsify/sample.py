@@ -87,11 +87,11 @@ def sample(source: str, options: SampleOptions) -> dict:
     sample.yaml's record."""
     out = check_output_dir(options.out, options.overwrite)
     check_device(options.device)
+    config, _ = load_config(source)  # a wrong source named first, as in convert
     data = options.data or (str(demo_corpus_path()) if source == "demo" else None)
     if data is None:
         raise DataError("--data is required: the text whose training blocks give the prompts and whose held-out text "
                         "the folder keeps")
-    config, _ = load_config(source)
     positions = getattr(config, "max_position_embeddings", None)
     options = options.fit_seq_len(positions)
     options.validate(positions)

@@ -32,6 +32,9 @@ def test_analyze_json_plot_and_table(tmp_path):
         assert len(layer["position_active"]) == 64
         assert layer["recommended"] is None  # not converted: the kernels compute ReLU
     assert not report["converted"] and report["activation"] == "silu"
+    mean = sum(layer["mean_active"] for layer in report["layers"]) / 2  # the whole model's figure under the table
+    assert (f"all layers: {mean:.1f} of 160 units active per token on average ({100 * (1 - mean / 160):.2f}% sparse)"
+            in " ".join(result.output.split()))
     assert "is not converted (gate activation silu)" in " ".join(result.output.split())
     assert (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
     assert (report["model"], report["data"]) == ("m", "text.txt")  # no local path: the JSON may go into a checkpoint
@@ -131,6 +134,8 @@ def test_write_plan_replaces_a_checkpoints_plan_and_keeps_its_weights(tmp_path):
         for refused in (tmp_path / "silu", tmp_path / "missing"):
             result = runner.invoke(main, ["analyze", str(refused), *args])
             assert result.exit_code == 1 and "is not a local converted checkpoint" in " ".join(result.output.split())
+            if refused.name == "silu":  # says what is missing, not a Python exception
+                assert 'no "twell" section' in " ".join(result.output.split()) and "KeyError" not in result.output
     failing = LayerPlan()  # a write that fails: the old plan stays whole
 
     def no_rename(*_):

@@ -547,6 +547,8 @@ def gpt2_folder(root):
         (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{tmp}/short.txt", "--steps", "1", "--seq-len", "32"], "shorter than one sequence"),
         (["convert", "{llama}", "--data", "{corpus}", "--steps", "1"], "Missing option '-o' / '--out'"),
         (["convert", "{llama}", "-o", "{tmp}/out", "--steps", "1"], "--data is required"),
+        (["convert", "./no-such-model", "-o", "{tmp}/out", "--steps", "1"], "no such folder"),  # before --data
+        (["convert", "{gpt2}", "-o", "{tmp}/out", "--steps", "1"], "supported families"),
         (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--l1", "-1e-5"], "l1 (relative) must be between"),
         (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--l1", "3", "--l1-absolute"], "got 3.0; for the L1 term's initial weight in nats (recipes: 3.5) add --l1-relative"),
         (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--distill", "2"], "distill must be in [0, 1]"),

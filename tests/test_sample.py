@@ -128,6 +128,8 @@ def test_impossible_settings_are_named(files, tmp_path, extra, message):
 def test_missing_data_and_a_full_out_are_named(files, tmp_path):
     result = run(files / "model", "-o", tmp_path / "out", "--tokens", 100)
     assert result.exit_code == 1 and "--data is required" in result.output
+    result = run(tmp_path / "no-such-model", "-o", tmp_path / "out", "--tokens", 100)  # the source named first
+    assert result.exit_code == 1 and "no such folder" in result.output and "--data" not in result.output
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("mine")
     result = sample(files, tmp_path / "full")
