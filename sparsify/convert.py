@@ -73,7 +73,7 @@ def run_summary(parameters: int, config: TrainConfig, processes: int = 1, sharde
     settings = "  ".join(f"{k}={v}" for k, v in asdict(config).items())
     return (f"settings: {settings}\n"
             f"{parameters / 1e6:,.1f}M parameters; {steps:,} steps of {config.tokens_per_step(processes):,} tokens "
-            f"({_run_tokens(config, processes):,} tokens) on {processes} process(es); training state "
+            f"({_run_tokens(config, processes):,} tokens) on {processes} process{'es' if processes > 1 else ''}; training state "
             + (f"{state / 2**30:.1f} GiB" if state >= 2**30 else f"{state / 2**20:.0f} MiB")
             + f" a process (fp32 weights, gradients, AdamW{', bf16 teacher' if config.uses_teacher else ''}; activations "
             "come on top)")

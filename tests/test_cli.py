@@ -163,7 +163,7 @@ def test_dry_run_prints_the_resolved_settings_and_stops(files, tmp_path, monkeyp
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())
     assert "lr=0.0003" in text and "swap_steps=20%" in text and "seq_len=32" in text  # command line over recipe
-    assert re.search(r"parameters; 2 steps of 64 tokens \(128 tokens\) on 1 process\(es\); training state \d+ MiB", text)
+    assert re.search(r"parameters; 2 steps of 64 tokens \(128 tokens\) on 1 process; training state \d+ MiB", text)
     assert re.search(r"held out: [\d,]+ tokens of", text)  # read as the run would
     assert "never reaches its set value" not in text
     assert not (tmp_path / "out").exists()
