@@ -104,7 +104,8 @@ def layer_table(layer_stats: list[dict], plan: list[LayerPlan | None], title: st
     mean = sum(s["mean_active"] for s in layer_stats) / len(layer_stats)
     table = Table(title=f"{title}; active units per token of {units}",
                   caption=f"all layers: {mean:.1f} of {units} units active per token on average "
-                          f"({100 * (1 - mean / units):.2f}% sparse)")
+                          f"({100 * (1 - mean / units):.2f}% sparse); tile p99.9: a token's active units within "
+                          f"one tile of that width, 99.9th percentile (the slots a tile needs)")
     for column in ("layer", "mean", "median", "p99", "max", "sparsity %", "dead %", "tile p99.9", "setting"):
         table.add_column(column, justify="right")
     if show_hybrid:
