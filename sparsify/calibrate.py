@@ -184,10 +184,9 @@ class SourceProjections:
             self._exchange()
 
 
-def check_kept_memory(mlps: list[ReluGatedMLP], available: int | None) -> None:
-    """ConfigError where the source's projections that sequential calibration keeps (every MLP's, by the last
-    layer) exceed `available` bytes of CPU memory."""
-    needed = sum(p.numel() * p.element_size() for mlp in mlps for p in mlp.parameters())
+def check_kept_memory(needed: int, available: int | None) -> None:
+    """ConfigError where the source's projections that sequential calibration keeps (every MLP's by the last
+    layer: `needed` bytes) exceed `available` bytes of CPU memory."""
     if available is not None and needed > available:
         raise ConfigError(f"--calibrate-sequential keeps the source's MLP projections in CPU memory, "
                           f"{needed / 2**30:.1f} GiB, and {available / 2**30:.1f} GiB is available: calibrate each "
@@ -311,7 +310,8 @@ def calibrate(model: nn.Module, mlps: list[ReluGatedMLP], blocks: list[torch.Ten
     # layer's source inputs are the source's only while the layers below it are not fitted yet. Sequential: each
     # layer needs the ones below it fitted.
     if sequential:
-        check_kept_memory(mlps, available_memory())
+        check_kept_memory(sum(p.numel() * p.element_size() for mlp in mlps for p in mlp.parameters()),
+                          available_memory())
     source = SourceProjections(mlps)
     for layer in range(len(mlps)) if sequential else reversed(range(len(mlps))):
         mlp = mlps[layer]

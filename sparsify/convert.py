@@ -31,14 +31,14 @@ import torch
 from accelerate import PartialState
 from transformers.utils.hub import convert_file_size_to_int
 
-from .calibrate import calibrate, calibration_blocks
+from .calibrate import available_memory, calibrate, calibration_blocks, check_kept_memory
 from .card import is_hub_id, public_name, source_license
 from .config import RunOptions, TrainConfig
 from .data import TextData, resolve as resolve_data
 from .errors import ConfigError, DataError
 from .export import ARTIFACTS, check_output_dir, export_checkpoint
-from .load import (check_device, demo_corpus_path, load_config, load_model, load_tokenizer, parameter_count,
-                   require_cuda, require_tokenizer, resolve_dtype, resolve_source)
+from .load import (check_device, demo_corpus_path, load_config, load_model, load_tokenizer, mlp_parameter_count,
+                   parameter_count, require_cuda, require_tokenizer, resolve_dtype, resolve_source)
 from .measure import measure, perplexity
 from .plan import choose_measure, plan_model
 from .tune import capture_mlp_inputs
@@ -208,11 +208,14 @@ def _check_inputs(source: str, config: TrainConfig, options: RunOptions, process
 
 def _check_source(config: TrainConfig, options: RunOptions, checked: _Checked, processes: int, show: bool) -> None:
     """What the source's config decides before any weight is read: the run's settings and training state size
-    (printed where `show`), and that state against the GPUs."""
+    (printed where `show`), that state against the GPUs, and the source's MLP projections that sequential
+    calibration keeps (fp32, as trained) against the CPU memory available."""
     parameters = parameter_count(checked.model_config)
     if show:
         console.print(run_summary(parameters, config, processes, checked.fsdp), soft_wrap=True)
     check_training_memory(parameters, options.device, processes, checked.fsdp, teacher=config.uses_teacher)
+    if config.calibrate_steps and config.calibrate_sequential and checked.saved is None:
+        check_kept_memory(4 * mlp_parameter_count(checked.model_config), available_memory())
 
 
 def _dry_run(source: str, config: TrainConfig, options: RunOptions, checked: _Checked, processes: int) -> None:

@@ -19,7 +19,7 @@ from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from .errors import ConfigError, SourceError
-from .families import spec_for
+from .families import mlp_modules, spec_for
 
 HUB_TIMEOUT_S = 5  # how long the Hub may take to answer whether a source's config.json exists
 
@@ -167,6 +167,13 @@ def load_model(source: str | Path, *, dtype: torch.dtype | str | None = None, de
 def parameter_count(config) -> int:
     """Parameters of the family model of `config` (tied ones once), counted on the meta device: no memory."""
     return sum(p.numel() for p in _meta_model(config).parameters())
+
+
+def mlp_parameter_count(config) -> int:
+    """Parameters of the family MLPs of `config`'s model (the projections conversion trains), counted on the meta
+    device."""
+    model = _meta_model(config)
+    return sum(p.numel() for mlp in mlp_modules(model, spec_for(config)) for p in mlp.parameters())
 
 
 def _unloaded_model(config, dtype: torch.dtype):

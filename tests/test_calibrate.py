@@ -13,6 +13,7 @@ from sparsify import data as data_module
 from sparsify.calibrate import SourceProjections, calibrate, calibration_blocks, source_rows, source_stream, stream_rows
 from sparsify.config import TrainConfig
 from sparsify.errors import ConfigError
+from sparsify.load import mlp_parameter_count
 from sparsify.relufy import relufy
 from test_cli import assert_user_error, convert, files  # noqa: F401  (files: the fixture)
 
@@ -162,16 +163,32 @@ def test_sequential_calibration_keeps_the_stream_nearer_the_source_than_independ
     assert errors[True] < 0.7 * errors[False], errors
 
 
-def test_sequential_calibration_refuses_projections_larger_than_the_memory_available():
+def test_sequential_calibration_refuses_projections_larger_than_the_memory_available(monkeypatch):
     model, _ = tiny_model("llama", num_hidden_layers=3)
-    mlps = relufy(model)
     config = model.config
     needed = 3 * 3 * config.hidden_size * config.intermediate_size * 4  # fp32 gate, up and down of every layer
-    calibrate_module.check_kept_memory(mlps, needed)
-    calibrate_module.check_kept_memory(mlps, None)  # unknown: not refused
+    assert 4 * mlp_parameter_count(config) == needed
+    calibrate_module.check_kept_memory(needed, needed)
+    calibrate_module.check_kept_memory(needed, None)  # unknown: not refused
     with pytest.raises(ConfigError, match=r"keeps the source's MLP projections.*--calibrate-independent"):
-        calibrate_module.check_kept_memory(mlps, needed - 1)
+        calibrate_module.check_kept_memory(needed, needed - 1)
     assert calibrate_module.available_memory() is None or calibrate_module.available_memory() > 0
+    monkeypatch.setattr(calibrate_module, "available_memory", lambda: needed - 1)  # calibrate's own check
+    blocks = [tiny_input_ids(2, 16)]
+    with pytest.raises(ConfigError, match="keeps the source's MLP projections"):
+        calibrate(model, relufy(model), blocks, steps=1, lr=1e-3, shown=False, sequential=True)
+
+
+def test_convert_refuses_sequential_calibration_without_the_memory_before_reading_a_weight(files, tmp_path,
+                                                                                           monkeypatch):
+    monkeypatch.setattr(convert_module, "available_memory", lambda: 1)
+    monkeypatch.setattr(convert_module, "load_model", None)  # no weight is read
+    calibrating = ("--calibrate-steps", 5, "--swap-steps", 0)
+    assert_user_error(convert(files, "llama", tmp_path / "out", *calibrating, "--calibrate-sequential"),
+                      "keeps the source's MLP projections")
+    assert not (tmp_path / "out").exists()
+    result = convert(files, "llama", tmp_path / "dry", *calibrating, "--calibrate-independent", "--dry-run")
+    assert result.exit_code == 0, result.output
 
 
 def test_calibration_blocks_take_whole_batches_up_to_the_tokens():
