@@ -71,9 +71,10 @@ def run_summary(parameters: int, config: TrainConfig, processes: int = 1, sharde
     state = training_state_bytes(parameters, processes, sharded, teacher=config.uses_teacher)
     steps = config.total_steps(processes)
     settings = "  ".join(f"{k}={v}" for k, v in asdict(config).items())
+    processes_said = f"{processes} process" + ("es" if processes > 1 else "")
     return (f"settings: {settings}\n"
             f"{parameters / 1e6:,.1f}M parameters; {steps:,} steps of {config.tokens_per_step(processes):,} tokens "
-            f"({_run_tokens(config, processes):,} tokens) on {processes} process{'es' if processes > 1 else ''}; training state "
+            f"({_run_tokens(config, processes):,} tokens) on {processes_said}; training state "
             + (f"{state / 2**30:.1f} GiB" if state >= 2**30 else f"{state / 2**20:.0f} MiB")
             + f" a process (fp32 weights, gradients, AdamW{', bf16 teacher' if config.uses_teacher else ''}; activations "
             "come on top)")
