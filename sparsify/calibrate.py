@@ -222,11 +222,12 @@ def stream_rows(model: nn.Module, blocks: list[torch.Tensor], layer: int, source
     stopped after that layer."""
     decoder = model.get_submodule(spec_for(model.config).layers)[layer]
     tail = output_norm(model, layer)
+    tail = nn.Identity() if tail is None else tail
     inputs, contributions, after = [], [], []
 
     def keep_mlp(module, args, output):
         inputs.append(args[0].flatten(0, -2))
-        contributions.append((tail(output) if tail is not None else output).flatten(0, -2))
+        contributions.append(tail(output).flatten(0, -2))
 
     def keep_layer(module, args, output):
         after.append(_hidden(output))
@@ -250,6 +251,7 @@ def fit_figures(mlp: ReluGatedMLP, x: torch.Tensor, y: torch.Tensor, chunk: int 
     """Over all rows, in chunks: squared_error_ratio of mlp(x) (through `tail` where given) against y, the mean
     units a row whose gate fires, and the mean L1 of a row (the sum over units of |relu(gate) * up|, the
     training's penalty)."""
+    tail = nn.Identity() if tail is None else tail
     err = active = l1 = 0.0
     with torch.no_grad(), compute(x.device):
         for xc, yc in zip(x.split(chunk), y.split(chunk)):
@@ -258,7 +260,7 @@ def fit_figures(mlp: ReluGatedMLP, x: torch.Tensor, y: torch.Tensor, chunk: int 
             active += float((gate > 0).sum())
             l1 += float(h.abs().sum(dtype=torch.float32))
             out = getattr(mlp, mlp.spec.down)(h)
-            err += float(((tail(out) if tail is not None else out).float() - yc.float()).square().sum())
+            err += float((tail(out).float() - yc.float()).square().sum())
     return err / max(float(y.float().square().sum()), 1e-30), active / len(x), l1 / len(x)
 
 
@@ -268,6 +270,7 @@ def fit_layer(mlp: ReluGatedMLP, x: torch.Tensor, y: torch.Tensor, steps: int, l
     matches y by `steps` Adam steps (lr cosine from `lr` to 0), each on ROWS_PER_STEP rows drawn at random; with
     `sparsity` > 0 under an L1 penalty whose weight steers the share of units that do not fire towards it (module
     docstring)."""
+    tail = nn.Identity() if tail is None else tail
     before, _, l1_swap = fit_figures(mlp, x, y, tail=tail)
     params = [p for p in mlp.parameters() if p.requires_grad]
     optimizer = torch.optim.Adam(params, lr=lr)
@@ -279,8 +282,7 @@ def fit_layer(mlp: ReluGatedMLP, x: torch.Tensor, y: torch.Tensor, steps: int, l
         for _ in range(steps):
             rows = torch.randint(len(x), (min(ROWS_PER_STEP, len(x)),), generator=generator).to(x.device)
             with compute(x.device):
-                out = mlp(x[rows])
-                out = tail(out) if tail is not None else out
+                out = tail(mlp(x[rows]))
             loss = squared_error_ratio(out, y[rows])
             if sparsity:
                 loss = loss + weight * mlp.stats.l1 / max(l1_swap, 1e-12)
@@ -292,7 +294,7 @@ def fit_layer(mlp: ReluGatedMLP, x: torch.Tensor, y: torch.Tensor, steps: int, l
             schedule.step()
     finally:
         mlp.track, mlp.stats = tracked, None
-        for p in (*params, *(tail.parameters() if tail is not None else ())):
+        for p in (*params, *tail.parameters()):
             p.grad = None
     after, active, _ = fit_figures(mlp, x, y, tail=tail)
     return LayerFit(before, after, active, l1_swap)

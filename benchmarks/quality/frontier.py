@@ -1,9 +1,9 @@
 """The sparsity / cost frontier of one budget across quality reports (convert_quality.py's JSONs): every conversion
 at --share of its base's pretraining, held-out cross-entropy cost against its own original over its FFN sparsity,
 a marker per report; the runs that no other run beats on both (more sparse and less cost) joined as the frontier,
-numbered, and listed below the plot with the settings that set them apart; the target (--sparsity and --cost) shaded. The frontier is printed
-as a table. Bases of one chain pretrained again differ a little, so points of different reports compare within
-that spread.
+numbered, and listed below the plot with the settings that set them apart; the target (--sparsity and --cost)
+shaded. The frontier is printed as a table. Bases of one chain pretrained again differ a little, so points of
+different reports compare within that spread.
 
     python benchmarks/quality/frontier.py benchmarks/results/quality_budget5_*_d1024_h200.json --share 0.05 \\
         --out benchmarks/results/quality_budget5_frontier_d1024_h200.png
