@@ -421,6 +421,12 @@ def test_compare_puts_bases_on_tokens_and_on_their_share(tmp_path, capsys):
                           "100M, 8 layers, 0.40 tokens/param (short.json) | 10.00M | 0.25 | 99.20% | +2.00%",
                           "100M, 16 layers, 1.20 tokens/param (long.json) | 10.00M | 0.0833 | 99.10% | +1.00%"]
     assert figure.stat().st_size > 10_000
+    # another report of the short base (pretrained again) joins its curve
+    again = fake_report(100_000_000, 40_000_000, [(5_000_000, 0.08, 0.987)])
+    curves = compare.base_curves({"short.json": short, "long.json": long, "again.json": again}, "l1 3.5")
+    assert {label: [p["tokens"] for p in points] for label, points in curves.items()} == {
+        "100M, 8 layers, 0.40 tokens/param": [2_000_000, 5_000_000, 10_000_000],
+        "100M, 16 layers, 1.20 tokens/param": [10_000_000]}
     # two passes over 2M tokens: a setting of its own, at the distinct tokens its user lacks
     compare.main([str(paths[0]), "--out", str(figure), "--setting", "l1 3.5 epochs 2"])
     assert capsys.readouterr().out.splitlines()[2] == ("100M, 8 layers, 0.40 tokens/param (short.json) | 2.00M | 0.05 | "

@@ -2,7 +2,8 @@
 conversion setting, each base's held-out cross-entropy cost against its own original at the end of each run, over
 the conversion tokens (left) and over the share of that base's pretraining tokens (right). Each base is labelled
 with its size, depth and pretraining tokens a parameter; each point is filled where the run ended at least 99%
-sparse and hollow where it did not. Whether a conversion needs a share of the base's pretraining or a count of
+sparse and hollow where it did not; reports of the same base (the same size, depth and pretraining tokens, each run
+again) make one curve. Whether a conversion needs a share of the base's pretraining or a count of
 tokens shows as which panel's curves fall on each other. The same figures are printed as a table.
 A run of several passes over its text (--convert-epochs) is a setting of its own ('l1 3.5 epochs 2'), and its
 conversion tokens are its distinct tokens, the budget its user lacks (it trained on that many times as many).
@@ -62,13 +63,20 @@ def table(results: dict[str, dict], setting: str) -> str:
     return "\n".join(lines)
 
 
+def base_curves(results: dict[str, dict], setting: str) -> dict[str, list[dict]]:
+    """Each base's curve (its base_label: its points by tokens), the points of its reports together."""
+    bases: dict[str, list[dict]] = {}
+    for result in results.values():
+        bases.setdefault(base_label(result), []).extend(curve(result, setting))
+    return {label: sorted(points, key=lambda p: p["tokens"]) for label, points in bases.items()}
+
+
 def compare_plot(results: dict[str, dict], setting: str, path: Path) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
-    for result in results.values():
-        points = curve(result, setting)
+    for label, points in base_curves(results, setting).items():
         for axis, x in zip(axes, ("tokens", "share")):
-            line, = axis.plot([p[x] for p in points], [p["cost"] for p in points], "-", label=base_label(result))
+            line, = axis.plot([p[x] for p in points], [p["cost"] for p in points], "-", label=label)
             for p in points:
                 axis.plot(p[x], p["cost"], "o", color=line.get_color(),
                           fillstyle="full" if p["sparsity"] >= SPARSE else "none")
@@ -92,7 +100,7 @@ def compare_plot(results: dict[str, dict], setting: str, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("reports", type=Path, nargs="+", help="convert_quality.py JSON reports, one per base")
+    ap.add_argument("reports", type=Path, nargs="+", help="convert_quality.py JSON reports (several of one base make one curve)")
     ap.add_argument("--setting", help="the conversion setting to compare, as the reports label it (e.g. 'l1 3.5', or "
                                       "'l1 3.5 epochs 2' for its runs of 2 passes over their text, placed at their "
                                       "distinct tokens); needed where the reports share several")
