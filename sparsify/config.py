@@ -58,6 +58,12 @@ class TrainConfig:
     l1_warmup_steps: int | str = _setting(0, (
         "Raise the L1 coefficient linearly from 0 over this many optimizer steps, or this share of them (50%)."),
         metavar="STEPS|P%")
+    target_sparsity: float = _setting(0.0, (
+        "Steer the L1 weight towards this share of the MLP units not firing for a token (such as 0.99; the mean over "
+        "layers) from the end of the L1 warm-up: at each log step it is multiplied up while the model is less sparse "
+        "and down while it is sparser, by up to e-fold in a tenth of the run, between a tenth of --l1 and 10 times it. "
+        "A fixed weight holds less sparsity on a better-trained model (docs/quality.md). 0: --l1 throughout."),
+        metavar="SHARE")
     swap_steps: int | str = _setting(0, (
         "Move the gate activation linearly from the source's (SiLU) to ReLU over this many optimizer steps, or "
         "this share of them (20%), instead of swapping it at once (0). Layers train dense until the swap is "
@@ -217,6 +223,10 @@ class TrainConfig:
             bad(f"calibrate-lr must be in (0, 1], got {self.calibrate_lr}")
         if not 0 <= self.calibrate_sparsity < 1:
             bad(f"calibrate-sparsity must be in [0, 1) (a share of units, such as 0.99), got {self.calibrate_sparsity}")
+        if not 0 <= self.target_sparsity < 1:
+            bad(f"target-sparsity must be in [0, 1) (a share of units, such as 0.99; 0: off), got {self.target_sparsity}")
+        if self.target_sparsity and not self.l1:
+            bad("target-sparsity steers the L1 weight: set --l1 above 0")
         if self.calibrate_sparsity and not self.calibrate_steps:
             bad("calibrate-sparsity sets the calibration's target: set --calibrate-steps too")
         if self.calibrate_sequential and not self.calibrate_steps:

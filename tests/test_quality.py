@@ -1,8 +1,9 @@
 """The conversion-quality pipeline (benchmarks/quality/convert_quality.py) end to end at toy size on the CPU:
 corpus, tokenizer, pretraining, two conversions (without and with distillation) through the real CLI,
 the continued-training control, the held-out metrics, progressive-swap runs given by --runs at two budget shares,
-runs of one and two passes over the head of the train split (--convert-epochs), report and plots; and its stages on their own: the pretraining's resume, the metrics on two kinds of text. Its
-figures at toy size mean nothing; the tests keep the script from rotting and check what the report must hold."""
+runs of one and two passes over the head of the train split (--convert-epochs), report and plots; and its stages on their own: the pretraining's resume, the metrics on two kinds of text. Also
+the reports beside it (compare.py, frontier.py) and benchmarks/target_sparsity.py. Their
+figures at toy size mean nothing; the tests keep the scripts from rotting and check what the reports must hold."""
 import itertools
 import json
 import math
@@ -457,3 +458,34 @@ def test_frontier_keeps_the_runs_no_other_beats_on_sparsity_and_cost(tmp_path, c
     assert frontier.labels(front) == ["distill 1", "l1 7", "distill 1", "lr 0.0004"]
     printed = capsys.readouterr().out
     assert "99.20% | +9.50% | distill 1 | b" in printed and (tmp_path / "frontier.png").stat().st_size > 0
+
+
+def test_target_sparsity_report_converts_each_setting_once_and_reads_it_back(tmp_path, monkeypatch):
+    """benchmarks/target_sparsity.py: a fixed weight and a steered one through the real CLI on a tiny source; the
+    steered run's L1 factor moves, the fixed one's stays 1; run again, it reads the checkpoints without converting."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # as the script runs on a CPU
+    script = load_benchmark("target_sparsity.py")
+    model, tokenizer = tiny_model("llama")
+    model.save_pretrained(tmp_path / "source")
+    tokenizer.save_pretrained(tmp_path / "source")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "train.jsonl").write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n" * 6}) + "\n"
+                                                for i in range(60)))
+    (corpus / "valid.jsonl").write_text(json.dumps({"text": "def g(y):\n    return y + 1\n" * 20}) + "\n")
+    argv = [str(tmp_path / "source"), "--work", str(tmp_path / "work"), "--fixed", "0.01", "--steered", "0.9",
+            "--json", str(tmp_path / "report.json"), "--", "--data", str(corpus), "--steps", "8", "--log-every", "2",
+            "--seq-len", "32", "--batch-size", "2", "--eval-tokens", "256", "--lr", "1e-3", "--l1", "0.001",
+            "--l1-absolute", "--l1-warmup-steps", "0", "--device", "cpu"]
+    report = script.main(argv)
+    fixed, steered = report["runs"]
+    assert (fixed["name"], fixed["l1"], fixed["target_sparsity"]) == ("l1 0.01", 0.01, 0.0)
+    assert (steered["name"], steered["l1"], steered["target_sparsity"]) == ("target 0.9", 0.001, 0.9)
+    assert {e["l1_scale"] for e in fixed["curve"]} == {1.0}
+    assert steered["curve"][0]["l1_scale"] == 1.0 and steered["curve"][-1]["l1_scale"] != 1.0
+    assert [e["step"] for e in steered["curve"]] == [2, 4, 6, 8]
+    assert 0 <= steered["sparsity"] <= 1 and len(steered["layer_sparsity"]) == 2
+    assert json.loads((tmp_path / "report.json").read_text())["runs"][1]["name"] == "target 0.9"
+    assert (tmp_path / "report.png").stat().st_size > 10_000
+    monkeypatch.setattr(script.subprocess, "run", lambda *a, **k: pytest.fail("converted again"))
+    assert script.main(argv)["runs"] == report["runs"]

@@ -3,6 +3,7 @@ tracking, and Ctrl-C (or an error) -> resume giving the same weights as an unint
 import copy
 import dataclasses
 import json
+import math
 import re
 import time
 
@@ -17,6 +18,7 @@ from sparsify import relufy as relufy_module
 from sparsify.relufy import relufy
 from sparsify.config import RunOptions, TrainConfig
 from sparsify.train import TrainingInterrupted, l1_coeff, slow_save_warning, source_share, train
+from sparsify.train.loss import L1_SCALE_RANGE, L1_STEER_EFOLDS, steered_l1_scale
 from sparsify.train.log import progress_text
 
 SEQ, BATCH = 16, 2
@@ -246,6 +248,38 @@ def test_l1_warmup():
     assert l1_coeff(config(l1=1e-4), 0) == 1e-4
 
 
+def test_steered_l1_scale_moves_towards_the_target_within_its_range():
+    # 100 units at 99%: 1 may fire. Ten times that (clamped to e-fold) over a tenth of the run: one full e-fold up.
+    up = steered_l1_scale(1.0, mean_active=10.0, units=100, target=0.99, steps=10, total=100)
+    assert up == pytest.approx(math.exp(L1_STEER_EFOLDS * 0.1))
+    # a small error moves it by its log: 2 firing where 1 may, over 1 step of 100
+    assert steered_l1_scale(2.0, 2.0, 100, 0.99, 1, 100) == pytest.approx(2.0 * 2 ** (L1_STEER_EFOLDS / 100))
+    # sparser than the target: down; at it: unchanged
+    assert steered_l1_scale(1.0, 0.5, 100, 0.99, 1, 100) < 1.0
+    assert steered_l1_scale(1.5, 1.0, 100, 0.99, 5, 100) == pytest.approx(1.5)
+    # never beyond its range, whatever the error or the steps
+    assert steered_l1_scale(1.0, 80.0, 100, 0.99, 10_000, 100) == L1_SCALE_RANGE[1]
+    assert steered_l1_scale(1.0, 0.0, 100, 0.99, 10_000, 100) == L1_SCALE_RANGE[0]
+
+
+def test_target_sparsity_steers_the_l1_weight_after_its_warm_up(capsys):
+    model, _ = tiny_model("llama")
+    other = copy.deepcopy(model)
+    # a random tiny model is far from 99% sparse: the weight rises once the warm-up is over, and the run warns
+    log = train(model, relufy(model), batches_from(), config(steps=8, log_every=2, l1_warmup_steps=4,
+                                                               target_sparsity=0.99), device="cpu", show_progress=False).log
+    scales = [e["l1_scale"] for e in log]
+    assert scales[:3] == [1.0, 1.0, 1.0] and 1.0 < scales[3]  # moved after step 6: steps 7-8 use it
+    assert [e["l1_coeff"] for e in log] == pytest.approx([1e-3 * min(1, e["step"] / 4) * e["l1_scale"] for e in log])
+    assert "short of --target-sparsity 0.99" in capsys.readouterr().err
+    # a target any model meets: the weight falls, nothing to warn about
+    log = train(other, relufy(other), batches_from(), config(steps=8, log_every=2, target_sparsity=0.01),
+                device="cpu", show_progress=False).log
+    assert [e["l1_scale"] for e in log][0] == 1.0 and log[-1]["l1_scale"] < log[1]["l1_scale"] < 1.0
+    assert "target-sparsity" not in capsys.readouterr().err
+    assert "L1 x" in progress_text(log[-1])
+
+
 def test_progressive_swap_moves_the_gate_from_the_source_activation_to_relu():
     model, _ = tiny_model("llama")
     source = copy.deepcopy(model)
@@ -321,6 +355,8 @@ def test_steps_and_tokens_bound_training():
         (dict(mlp_lr=0.0), r"mlp-lr must be in \(0, 1\]"),
         (dict(distill_hidden=-1.0), r"distill-hidden must be a number >= 0"),
         (dict(distill=float("nan")), r"distill must be in \[0, 1\]"),
+        (dict(target_sparsity=1.0), r"target-sparsity must be in \[0, 1\)"),
+        (dict(target_sparsity=0.99, l1=0.0), "target-sparsity steers the L1 weight: set --l1 above 0"),
         (dict(betas=(1.5, 0.9)), r"betas must be two numbers in \[0, 1\)"),
         (dict(betas=(0.9, 0.95, 0.99)), "betas must be two numbers"),
         (dict(betas=(0.9, float("nan"))), "betas must be two numbers"),
@@ -354,12 +390,15 @@ def test_from_dict_reads_settings_by_their_type_not_their_default():
         TrainConfig.from_dict({"steps": True})
 
 
-@pytest.mark.parametrize("relative, tied", [(False, False), (True, False), (False, True)],
-                         ids=["absolute-l1", "relative-l1", "tied-embeddings"])
-def test_interrupt_then_resume_equals_uninterrupted(tmp_path, caplog, relative, tied):
+@pytest.mark.parametrize("relative, tied, target", [(False, False, 0), (True, False, 0), (False, True, 0),
+                                                     (True, False, 0.99)],
+                         ids=["absolute-l1", "relative-l1", "tied-embeddings", "steered-l1"])
+def test_interrupt_then_resume_equals_uninterrupted(tmp_path, caplog, relative, tied, target):
     # relative: the resumed run must weigh L1 by the first run's L1_0, not by its own first batch's
     # tied: the state holds lm_head once (accelerate's warning about it is not shown) and the resumed model ties it
-    cfg = config(steps=6, grad_accum=2, warmup_steps=2, log_every=2, **(dict(l1=5.0, l1_relative=True) if relative else {}))
+    # steered: the L1 weight's factor, moved at step 2, goes on from its saved value
+    cfg = config(steps=6, grad_accum=2, warmup_steps=2, log_every=2, target_sparsity=target,
+                 **(dict(l1=5.0, l1_relative=True) if relative else {}))
     straight, _ = tiny_model("qwen2", tie_word_embeddings=tied)
     interrupted = copy.deepcopy(straight)
     train(straight, relufy(straight), batches_from(), cfg, device="cpu", show_progress=False)

@@ -40,6 +40,8 @@ def log_entry(run: Run, state: RunState, window: Window, outcome: StepOutcome, n
     }
     if config.l1_relative:
         entry["l1_relative"], entry["l1_reference"] = outcome.l1_coeff, state.l1_reference
+    if config.target_sparsity:
+        entry["l1_scale"] = state.l1_scale
     if outcome.source_share is not None:
         entry["source_share"] = outcome.source_share
     entry["tokens_per_s"] = window.tokens * run.world / (now - window.started)
@@ -109,6 +111,7 @@ def progress_text(e: dict) -> str:
     return (
         f"{e['tokens']:,} tok  {e['tokens_per_s']:,.0f} tok/s  loss {e['loss']:.3f}  " + shown_terms(e)
         + f"active {e['mean_active']:.1f}  dead {100 * e['dead_frac']:.1f}%"
+        + (f"  L1 x{e['l1_scale']:.2f}" if "l1_scale" in e else "")
         + (f"  hybrid {hybrid}/{len(e['layers'])}" if hybrid else "")
         + (f"  mem {e['max_memory_gib']:.1f} GiB" if "max_memory_gib" in e else "")
     )

@@ -19,7 +19,7 @@ from ..report import warn
 from ..resume import check_resume, load_data_position, saved_run_name
 from .fsdp import check_fsdp
 from .log import Window, log_entry, log_line, progress_bar, progress_text
-from .loss import l1_coeff, loss_terms, source_share, term_weights
+from .loss import L1_SCALE_RANGE, l1_coeff, loss_terms, source_share, steered_l1_scale, term_weights
 from .memory import on_cpu, slow_save_warning
 from .routing import Routing, apply_routing, hybrid_kernels_run, hybrid_paths, route, tracked
 from .saving import Saver, StopRequest
@@ -109,6 +109,8 @@ def train(
             progress.stop()
         for tracker in accelerator.trackers:  # not end_training(): it ends the process group, which measuring needs
             tracker.finish()
+    if accelerator.is_main_process and (shortfall := _target_shortfall(run, state)):
+        warn(shortfall)
     result = _finish(run, state)
     result.save = lambda: saver.after_training_error(state, result.seconds)
     return result
@@ -204,7 +206,7 @@ def _step(run: Run, state: RunState, stream: Iterator[torch.Tensor], routing: Ro
     """One optimizer step over `grad_accum` micro-batches on the paths of `routing`: each micro-batch's figures
     go to the log `window`, and `state` moves to the step's end (step, batches read, the units' last firing)."""
     accelerator, config = run.accelerator, run.config
-    coeff = l1_coeff(run.schedule, state.step)
+    coeff = l1_coeff(run.schedule, state.step) * state.l1_scale
     share = source_share(run.schedule, state.step) if run.schedule.swap_steps else None
     apply_routing(run.mlps, routing, share)
     step_fired = None
@@ -250,6 +252,7 @@ def _log_and_route(run: Run, state: RunState, window: Window, outcome: StepOutco
     step: chosen from them where layers may move to the hybrid kernels, else `routing` unchanged."""
     entry = log_entry(run, state, window, outcome, now)
     state.log.append(entry)
+    _steer_l1(run, state)
     if run.routes:  # the same reduced figures on every rank: all ranks choose the same paths
         routing = route(run, entry, outcome.fired)
     run.accelerator.log(tracker_values(entry), step=entry["step"])  # with the layers' hot units the route added
@@ -258,6 +261,36 @@ def _log_and_route(run: Run, state: RunState, window: Window, outcome: StepOutco
         if not progress.console.is_terminal:  # logs to a file: one whole line per log step
             progress.console.print(log_line(entry, run.total, time.perf_counter() - state.started), soft_wrap=True)
     return routing
+
+
+def _steer_l1(run: Run, state: RunState) -> None:
+    """With `target_sparsity`, moves the L1 weight's factor by the figures of the log entry just made (the same
+    reduced figures on every rank), over its steps past the L1 warm-up."""
+    target = run.config.target_sparsity
+    if not target:
+        return
+    entry = state.log[-1]
+    since = max(state.log[-2]["step"] if len(state.log) > 1 else 0, run.schedule.l1_warmup_steps)
+    if entry["step"] > since:
+        units = sum(layer["units"] for layer in entry["layers"]) / len(entry["layers"])
+        state.l1_scale = steered_l1_scale(state.l1_scale, entry["mean_active"], units, target, entry["step"] - since,
+                                          run.total)
+
+
+def _target_shortfall(run: Run, state: RunState) -> str | None:
+    """With `target_sparsity`, what to say where the run ended well short of it (more than a tenth more firing
+    units than it allows), and what to change; else None."""
+    target = run.config.target_sparsity
+    if not target or not state.log:
+        return None
+    entry = state.log[-1]
+    units = sum(layer["units"] for layer in entry["layers"]) / len(entry["layers"])
+    if entry["mean_active"] <= 1.1 * (1 - target) * units:
+        return None
+    bound = state.l1_scale >= L1_SCALE_RANGE[1]
+    return (f"training ended at {100 * (1 - entry['mean_active'] / units):.2f}% sparse, short of --target-sparsity "
+            f"{target:g}, with the L1 weight at {state.l1_scale:.2f} times --l1" +
+            (": its bound; raise --l1" if bound else "; a longer run (--tokens) steers it further"))
 
 
 def _finish(run: Run, state: RunState) -> TrainResult:

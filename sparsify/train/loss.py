@@ -1,10 +1,11 @@
 """The training loss: its terms (LossTerms: cross-entropy, the distillation terms against the source model, the
-L1 penalty on the MLP hidden activations), each term's weight (term_weights), and the schedules of the L1
-coefficient and of the progressive ReLU swap. A new term is a LossTerms field, its weight in term_weights (a
-TrainConfig setting), its column in TERM_COLUMNS and its computation in loss_terms; the log, the log window,
-the trackers and the progress line follow from the fields."""
+L1 penalty on the MLP hidden activations), each term's weight (term_weights), the schedules of the L1
+coefficient and of the progressive ReLU swap, and the L1 weight's steering towards a sparsity. A new term is a
+LossTerms field, its weight in term_weights (a TrainConfig setting), its column in TERM_COLUMNS and its
+computation in loss_terms; the log, the log window, the trackers and the progress line follow from the fields."""
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -37,6 +38,24 @@ def l1_coeff(config: TrainConfig, step: int) -> float:
     if config.l1_warmup_steps == 0:
         return config.l1
     return config.l1 * min(1.0, (step + 1) / config.l1_warmup_steps)
+
+
+# The steered L1 weight (target_sparsity) moves by up to this many e-folds over the whole run, within this range of
+# the set weight: fast enough to take a run from a fixed weight's plateau to the target in its second half, and
+# bounded so that an unreachable target cannot let the penalty swamp the cross-entropy.
+L1_STEER_EFOLDS = 10.0
+L1_SCALE_RANGE = (0.1, 10.0)
+
+
+def steered_l1_scale(scale: float, mean_active: float, units: float, target: float, steps: int, total: int) -> float:
+    """The factor of the L1 weight after `steps` optimizer steps (of the run's `total`) at `mean_active` firing
+    units a token of `units`: multiplied by exp(L1_STEER_EFOLDS * steps / total * r), r the log of the ratio of
+    `mean_active` to the units that sparsity `target` allows, clamped to [-1, 1]; within L1_SCALE_RANGE."""
+    allowed = (1 - target) * units
+    error = max(-1.0, min(1.0, math.log(max(mean_active, 1e-3) / allowed)))
+    exponent = max(-50.0, min(50.0, L1_STEER_EFOLDS * steps / total * error))  # beyond, the range decides anyway
+    low, high = L1_SCALE_RANGE
+    return min(high, max(low, scale * math.exp(exponent)))
 
 
 def source_share(config: TrainConfig, step: int) -> float:

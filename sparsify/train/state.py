@@ -62,6 +62,7 @@ class RunState:
     batches: int = 0  # read over all processes
     log: list[dict] = field(default_factory=list)
     l1_reference: float | None = None  # L1_0 of `l1_relative`: given to train, else measured on the first micro-batch
+    l1_scale: float = 1.0  # the L1 weight's factor that `target_sparsity` steers (loss.steered_l1_scale)
     last_fired: torch.Tensor | None = None  # [layers, I]: the token count at each unit's last firing
     data_position: dict | None = None  # the batch stream's state_dict after `batches`, where it has one
     # False while the weights are ahead of this state (from a step's update to its count and units' firing)
@@ -74,12 +75,12 @@ class RunState:
         and RNG into the prepared objects."""
         accelerator.load_state(resume_dir)
         return cls(started=time.perf_counter() - saved["seconds"], step=saved["step"], batches=saved["batches"],
-                   log=saved["log"], l1_reference=saved["l1_reference"],
+                   log=saved["log"], l1_reference=saved["l1_reference"], l1_scale=saved["l1_scale"],
                    last_fired=load_last_fired(resume_dir, accelerator.device))
 
 
 class StepOutcome(NamedTuple):
     fired: torch.Tensor  # [layers, I]: tokens in which each unit fired, summed over micro-batches and processes
-    l1_coeff: float  # l1_coeff() of the step
+    l1_coeff: float  # l1_coeff() of the step, times the steered l1_scale
     l1_weight: float  # the factor of the L1 term: l1_coeff, or l1_coeff / L1_0 with l1_relative
     source_share: float | None  # the gate's share of the source activation; None without a progressive swap

@@ -1,0 +1,121 @@
+"""Fixed L1 weights against the weight steered to a sparsity (--target-sparsity), on one source: each setting
+converted through the CLI (`python -m cli convert SOURCE -o WORK/NAME --no-measure --overwrite -q ARGS ...`; a
+folder already holding a checkpoint is read, not converted again), then from each checkpoint's config.json and
+training_log.json the held-out perplexity (original, after the swap, after training), the whole model's sparsity
+on the held-out text, and the training curves of active units and of the L1 weight's factor. Writes a JSON and a
+plot beside it: perplexity over sparsity (the fixed weights joined by a line, the steered ones as points), and
+active units and the factor over the steps.
+
+    python benchmarks/target_sparsity.py demo --work /tmp/steer --fixed 0.08 0.16 0.32 --steered 0.98 0.99 \\
+        --json benchmarks/results/demo_target_sparsity_cpu.json -- --l1 0.08 --device cpu
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "quality"))
+from plots import label_sparsity, pyplot  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def convert(source: str, out: Path, args: list[str]) -> None:
+    """Converts `source` into `out` with the CLI and `args` unless `out` holds a checkpoint."""
+    if not (out / "config.json").is_file():
+        subprocess.run([sys.executable, "-m", "cli", "convert", source, "-o", str(out), "--no-measure", "--overwrite",
+                        "-q", *args], cwd=ROOT, check=True)
+
+
+def figures(out: Path) -> dict:
+    """What a checkpoint folder says of its conversion: settings, perplexities, sparsity and training curves."""
+    config = json.loads((out / "config.json").read_text())
+    training = config["twell"]["training"]
+    units = config["intermediate_size"]
+    active = [layer["stats"]["mean_active"] for layer in config["twell"]["layers"]]
+    log = json.loads((out / "training_log.json").read_text())["log"]
+    return {"l1": training["l1"], "target_sparsity": training["target_sparsity"],
+            "perplexity": training["perplexity"], "sparsity": 1 - sum(active) / len(active) / units,
+            "layer_sparsity": [1 - a / units for a in active], "steps": training["steps"],
+            "training_seconds": training["seconds"],
+            "curve": [{"step": e["step"], "mean_active": e["mean_active"], "l1_scale": e.get("l1_scale", 1.0)}
+                      for e in log],
+            "units": units}
+
+
+def plot(runs: list[dict], path: Path) -> None:
+    plt = pyplot()
+    fig, (trade, active, scale) = plt.subplots(1, 3, figsize=(15, 4.5))
+    fixed = sorted((r for r in runs if not r["target_sparsity"]), key=lambda r: r["sparsity"])
+    trade.plot([100 * r["sparsity"] for r in fixed], [r["perplexity"]["after training"] for r in fixed], "o-",
+               color="gray", label="fixed L1 weight")
+    for r in fixed:
+        trade.annotate(f"l1 {r['l1']:g}", (100 * r["sparsity"], r["perplexity"]["after training"]), fontsize=7,
+                       xytext=(4, -10), textcoords="offset points")
+    for index, r in enumerate(runs):
+        steered, color = bool(r["target_sparsity"]), f"C{index}"  # a run's colour in every panel
+        if steered:
+            trade.plot(100 * r["sparsity"], r["perplexity"]["after training"], "s", color=color, label=r["name"])
+        label_sparsity(trade, 100 * r["sparsity"], r["perplexity"]["after training"], r["sparsity"])
+        steps = [e["step"] for e in r["curve"]]
+        style = dict(color=color, linestyle="-" if steered else ":", label=r["name"])
+        active.plot(steps, [e["mean_active"] for e in r["curve"]], **style)
+        scale.plot(steps, [e["l1_scale"] for e in r["curve"]], **style)
+        if steered:
+            active.axhline((1 - r["target_sparsity"]) * r["units"], color=color, linestyle="--", linewidth=0.8)
+    trade.axhline(runs[0]["perplexity"]["original"], color="black", linestyle="--", linewidth=1, label="original")
+    trade.set(xlabel="FFN sparsity on held-out text (%)", ylabel="held-out perplexity after training")
+    active.set(xlabel="optimizer step", ylabel="active units a token (training; dashed: the targets)", yscale="log")
+    scale.set(xlabel="optimizer step", ylabel="the L1 weight's factor")
+    for axis in (trade, active, scale):
+        axis.legend(fontsize=7)
+    fig.suptitle("The L1 weight steered to a sparsity against fixed weights")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("source", help="what `sparsify convert` converts (demo, a folder or a Hub id)")
+    ap.add_argument("--work", type=Path, required=True, help="where the checkpoints are written (and read back)")
+    ap.add_argument("--fixed", type=float, nargs="*", default=[], help="fixed L1 weights (--l1) to convert at")
+    ap.add_argument("--steered", type=float, nargs="*", default=[], help="targets (--target-sparsity) to convert at, "
+                                                                          "from the --l1 of the shared arguments")
+    ap.add_argument("--json", type=Path, required=True, help="the report; the plot beside it (.png)")
+    ap.epilog = "Arguments after -- go to every conversion."
+    argv = sys.argv[1:] if argv is None else argv
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = ap.parse_args(argv[:cut])
+    args.convert_args = argv[cut + 1:]
+    settings = [(f"l1 {w:g}", ["--l1", str(w)]) for w in args.fixed] + \
+               [(f"target {t:g}", ["--target-sparsity", str(t)]) for t in args.steered]
+    runs = []
+    for name, extra in settings:
+        out = args.work / name.replace(" ", "_")
+        # the setting's own option after the shared ones: where both give --l1, the setting's wins
+        convert(args.source, out, [*args.convert_args, *extra])
+        runs.append({"name": name, "command": " ".join(["sparsify convert", args.source, "-o", out.name,
+                                                        *args.convert_args, *extra]), **figures(out)})
+        r = runs[-1]
+        print(f"{name}: {100 * r['sparsity']:.2f}% sparse, perplexity {r['perplexity']['original']:.2f} -> "
+              f"{r['perplexity']['after training']:.2f}, L1 factor at the end {r['curve'][-1]['l1_scale']:.2f}")
+    report = {"command": " ".join(["python benchmarks/target_sparsity.py", *argv]),
+              "machine": platform.processor() or platform.machine(), "python": platform.python_version(),
+              "torch": torch.__version__, "transformers": transformers.__version__, "runs": runs}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=1) + "\n")
+    plot(runs, args.json.with_suffix(".png"))
+    print(f"wrote {args.json} and {args.json.with_suffix('.png')}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
