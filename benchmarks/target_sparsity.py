@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -108,7 +109,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{name}: {100 * r['sparsity']:.2f}% sparse, perplexity {r['perplexity']['original']:.2f} -> "
               f"{r['perplexity']['after training']:.2f}, L1 factor at the end {r['curve'][-1]['l1_scale']:.2f}")
     report = {"command": " ".join(["python benchmarks/target_sparsity.py", *argv]),
-              "machine": platform.processor() or platform.machine(), "python": platform.python_version(),
+              "cpu": f"{os.cpu_count()} cores, {platform.machine()}",
+              "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+              "python": platform.python_version(),
               "torch": torch.__version__, "transformers": transformers.__version__, "runs": runs}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=1) + "\n")
