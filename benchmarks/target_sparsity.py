@@ -2,9 +2,9 @@
 converted through the CLI (`python -m cli convert SOURCE -o WORK/NAME --no-measure --overwrite -q ARGS ...`; a
 folder already holding a checkpoint is read, not converted again), then from each checkpoint's config.json and
 training_log.json the held-out perplexity (original, after the swap, after training), the whole model's sparsity
-on the held-out text, and the training curves of active units and of the L1 weight's factor. Writes a JSON and a
-plot beside it: perplexity over sparsity (the fixed weights joined by a line, the steered ones as points), and
-active units and the factor over the steps.
+and each layer's sparsity and dead units on the held-out text, and the training curves of active units and of the
+L1 weight's factor. Writes a JSON and a plot beside it: perplexity over sparsity (the fixed weights joined by a
+line, the steered ones as points), and active units and the factor over the steps.
 
     python benchmarks/target_sparsity.py demo --work /tmp/steer --fixed 0.08 0.16 0.32 --steered 0.98 0.99 \\
         --json benchmarks/results/demo_target_sparsity_cpu.json -- --l1 0.08 --device cpu
@@ -40,11 +40,13 @@ def figures(out: Path) -> dict:
     config = json.loads((out / "config.json").read_text())
     training = config["twell"]["training"]
     units = config["intermediate_size"]
-    active = [layer["stats"]["mean_active"] for layer in config["twell"]["layers"]]
+    stats = [layer["stats"] for layer in config["twell"]["layers"]]
+    active = [layer["mean_active"] for layer in stats]
     log = json.loads((out / "training_log.json").read_text())["log"]
     return {"l1": training["l1"], "target_sparsity": training["target_sparsity"],
             "perplexity": training["perplexity"], "sparsity": 1 - sum(active) / len(active) / units,
-            "layer_sparsity": [1 - a / units for a in active], "steps": training["steps"],
+            "layer_sparsity": [1 - a / units for a in active], "layer_dead": [layer["dead_frac"] for layer in stats],
+            "steps": training["steps"],
             "training_seconds": training["seconds"],
             "curve": [{"step": e["step"], "mean_active": e["mean_active"], "l1_scale": e.get("l1_scale", 1.0)}
                       for e in log],
@@ -107,7 +109,8 @@ def main(argv: list[str] | None = None) -> dict:
                                                         *args.convert_args, *extra]), **figures(out)})
         r = runs[-1]
         print(f"{name}: {100 * r['sparsity']:.2f}% sparse, perplexity {r['perplexity']['original']:.2f} -> "
-              f"{r['perplexity']['after training']:.2f}, L1 factor at the end {r['curve'][-1]['l1_scale']:.2f}")
+              f"{r['perplexity']['after training']:.2f}, worst layer {100 * max(r['layer_dead']):.1f}% dead, "
+              f"L1 factor at the end {r['curve'][-1]['l1_scale']:.2f}")
     report = {"command": " ".join(["python benchmarks/target_sparsity.py", *argv]),
               "cpu": f"{os.cpu_count()} cores, {platform.machine()}",
               "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
