@@ -484,7 +484,7 @@ def test_target_sparsity_report_converts_each_setting_once_and_reads_it_back(tmp
     assert {e["l1_scale"] for e in fixed["curve"]} == {1.0}
     assert steered["curve"][0]["l1_scale"] == 1.0 and steered["curve"][-1]["l1_scale"] != 1.0
     assert [e["step"] for e in steered["curve"]] == [2, 4, 6, 8]
-    assert 0 <= steered["sparsity"] <= 1 and len(steered["layer_sparsity"]) == 2
+    assert 0 <= steered["sparsity"] <= 1 and len(steered["layer_sparsity"]) == len(steered["layer_dead"]) == 2
     assert json.loads((tmp_path / "report.json").read_text())["runs"][1]["name"] == "target 0.9"
     assert (tmp_path / "report.png").stat().st_size > 10_000
     monkeypatch.setattr(script.subprocess, "run", lambda *a, **k: pytest.fail("converted again"))
