@@ -3,8 +3,8 @@ converted through the CLI (`python -m cli convert SOURCE -o WORK/NAME --no-measu
 folder already holding a checkpoint is read, not converted again), then from each checkpoint's config.json and
 training_log.json the held-out perplexity (original, after the swap, after training), the whole model's sparsity
 and each layer's sparsity and dead units on the held-out text, and the training curves of active units and of the
-L1 weight's factor. Writes a JSON and a plot beside it: perplexity over sparsity (the fixed weights joined by a
-line, the steered ones as points), and active units and the factor over the steps.
+L1 weight's factor (and the units allowed, steered). Writes a JSON and a plot beside it: perplexity over sparsity
+(the fixed weights joined by a line, the steered ones as points), and active units and the factor over the steps.
 
     python benchmarks/target_sparsity.py demo --work /tmp/steer --fixed 0.08 0.16 0.32 --steered 0.98 0.99 \\
         --json benchmarks/results/demo_target_sparsity_cpu.json -- --l1 0.08 --device cpu
@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from matplotlib.ticker import MaxNLocator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "quality"))
 from plots import label_sparsity, pyplot  # noqa: E402
@@ -48,8 +49,8 @@ def figures(out: Path) -> dict:
             "layer_sparsity": [1 - a / units for a in active], "layer_dead": [layer["dead_frac"] for layer in stats],
             "steps": training["steps"],
             "training_seconds": training["seconds"],
-            "curve": [{"step": e["step"], "mean_active": e["mean_active"], "l1_scale": e.get("l1_scale", 1.0)}
-                      for e in log],
+            "curve": [{"step": e["step"], "mean_active": e["mean_active"], "l1_scale": e.get("l1_scale", 1.0),
+                       **({"allowed_active": e["allowed_active"]} if "allowed_active" in e else {})} for e in log],
             "units": units}
 
 
@@ -72,10 +73,11 @@ def plot(runs: list[dict], path: Path) -> None:
         active.plot(steps, [e["mean_active"] for e in r["curve"]], **style)
         scale.plot(steps, [e["l1_scale"] for e in r["curve"]], **style)
         if steered:
-            active.axhline((1 - r["target_sparsity"]) * r["units"], color=color, linestyle="--", linewidth=0.8)
+            active.plot(steps, [e["allowed_active"] for e in r["curve"]], color=color, linestyle="--", linewidth=0.8)
     trade.axhline(runs[0]["perplexity"]["original"], color="black", linestyle="--", linewidth=1, label="original")
     trade.set(xlabel="FFN sparsity on held-out text (%)", ylabel="held-out perplexity after training")
-    active.set(xlabel="optimizer step", ylabel="active units a token (training; dashed: the targets)", yscale="log")
+    trade.xaxis.set_major_locator(MaxNLocator(6))
+    active.set(xlabel="optimizer step", ylabel="active units a token (training; dashed: allowed)", yscale="log")
     scale.set(xlabel="optimizer step", ylabel="the L1 weight's factor")
     for axis in (trade, active, scale):
         axis.legend(fontsize=7)

@@ -59,10 +59,12 @@ class TrainConfig:
         "Raise the L1 coefficient linearly from 0 over this many optimizer steps, or this share of them (50%)."),
         metavar="STEPS|P%")
     target_sparsity: float = _setting(0.0, (
-        "Steer the L1 weight towards this share of the MLP units not firing for a token (such as 0.99; the mean over "
-        "layers) from the end of the L1 warm-up: at each log step it is multiplied up while the model is less sparse "
-        "and down while it is sparser, by up to e-fold in a tenth of the run, between a tenth of --l1 and 10 times it. "
-        "A fixed weight holds less sparsity on a better-trained model (docs/quality.md). 0: --l1 throughout."),
+        "Steer the L1 weight so that the share of the MLP units not firing for a token (the mean over layers) "
+        "reaches this (such as 0.99) at the end of the L1 warm-up and holds it: the units allowed to fire fall "
+        "geometrically from the first log step's to the target's over the warm-up, and at each log step the weight "
+        "is multiplied up while the model fires more and down while it fires fewer, by up to e-fold in a tenth of "
+        "the run, between a tenth of --l1 and 10 times it. A fixed weight holds less sparsity on a better-trained "
+        "model (docs/quality.md). 0: --l1 throughout."),
         metavar="SHARE")
     swap_steps: int | str = _setting(0, (
         "Move the gate activation linearly from the source's (SiLU) to ReLU over this many optimizer steps, or "

@@ -481,7 +481,9 @@ def test_target_sparsity_report_converts_each_setting_once_and_reads_it_back(tmp
     fixed, steered = report["runs"]
     assert (fixed["name"], fixed["l1"], fixed["target_sparsity"]) == ("l1 0.01", 0.01, 0.0)
     assert (steered["name"], steered["l1"], steered["target_sparsity"]) == ("target 0.9", 0.001, 0.9)
-    assert {e["l1_scale"] for e in fixed["curve"]} == {1.0}
+    assert {e["l1_scale"] for e in fixed["curve"]} == {1.0} and "allowed_active" not in fixed["curve"][0]
+    # no L1 warm-up: the target's allowed units from the start
+    assert [e["allowed_active"] for e in steered["curve"]] == pytest.approx([0.1 * steered["units"]] * 4)
     assert steered["curve"][0]["l1_scale"] == 1.0 and steered["curve"][-1]["l1_scale"] != 1.0
     assert [e["step"] for e in steered["curve"]] == [2, 4, 6, 8]
     assert 0 <= steered["sparsity"] <= 1 and len(steered["layer_sparsity"]) == len(steered["layer_dead"]) == 2

@@ -18,7 +18,7 @@ from sparsify import relufy as relufy_module
 from sparsify.relufy import relufy
 from sparsify.config import RunOptions, TrainConfig
 from sparsify.train import TrainingInterrupted, l1_coeff, slow_save_warning, source_share, train
-from sparsify.train.loss import L1_SCALE_RANGE, L1_STEER_EFOLDS, steered_l1_scale
+from sparsify.train.loss import L1_SCALE_RANGE, L1_STEER_EFOLDS, allowed_active, steered_l1_scale
 from sparsify.train.log import progress_text
 
 SEQ, BATCH = 16, 2
@@ -248,36 +248,58 @@ def test_l1_warmup():
     assert l1_coeff(config(l1=1e-4), 0) == 1e-4
 
 
-def test_steered_l1_scale_moves_towards_the_target_within_its_range():
-    # 100 units at 99%: 1 may fire. Ten times that (clamped to e-fold) over a tenth of the run: one full e-fold up.
-    up = steered_l1_scale(1.0, mean_active=10.0, units=100, target=0.99, steps=10, total=100)
-    assert up == pytest.approx(math.exp(L1_STEER_EFOLDS * 0.1))
-    # a small error moves it by its log: 2 firing where 1 may, over 1 step of 100
-    assert steered_l1_scale(2.0, 2.0, 100, 0.99, 1, 100) == pytest.approx(2.0 * 2 ** (L1_STEER_EFOLDS / 100))
-    # sparser than the target: down; at it: unchanged
-    assert steered_l1_scale(1.0, 0.5, 100, 0.99, 1, 100) < 1.0
-    assert steered_l1_scale(1.5, 1.0, 100, 0.99, 5, 100) == pytest.approx(1.5)
+def test_steered_l1_scale_moves_towards_the_allowed_units_within_its_range():
+    # ten times the allowed units (clamped to e-fold) over a tenth of the run: one full e-fold up
+    assert steered_l1_scale(1.0, mean_active=10.0, allowed=1.0, steps=10, total=100) == \
+        pytest.approx(math.exp(L1_STEER_EFOLDS * 0.1))
+    # a small error moves it by its log: twice the allowed units, over 1 step of 100
+    assert steered_l1_scale(2.0, 2.0, 1.0, 1, 100) == pytest.approx(2.0 * 2 ** (L1_STEER_EFOLDS / 100))
+    # sparser than allowed: down; at it: unchanged
+    assert steered_l1_scale(1.0, 0.5, 1.0, 1, 100) < 1.0
+    assert steered_l1_scale(1.5, 1.0, 1.0, 5, 100) == pytest.approx(1.5)
     # never beyond its range, whatever the error or the steps
-    assert steered_l1_scale(1.0, 80.0, 100, 0.99, 10_000, 100) == L1_SCALE_RANGE[1]
-    assert steered_l1_scale(1.0, 0.0, 100, 0.99, 10_000, 100) == L1_SCALE_RANGE[0]
+    assert steered_l1_scale(1.0, 80.0, 1.0, 10_000, 100) == L1_SCALE_RANGE[1]
+    assert steered_l1_scale(1.0, 0.0, 1.0, 10_000, 100) == L1_SCALE_RANGE[0]
 
 
-def test_target_sparsity_steers_the_l1_weight_after_its_warm_up(capsys):
+def test_allowed_units_fall_geometrically_to_the_target_over_the_l1_warm_up():
+    c = config(target_sparsity=0.99, l1_warmup_steps=10)
+    # 100 units: 1 allowed at the target; from 64 at step 2, a factor 1/2 each 4/3 steps... geometric to step 10
+    assert allowed_active(c, 2, 2, 64.0, 100) == pytest.approx(64.0)
+    assert allowed_active(c, 6, 2, 64.0, 100) == pytest.approx(8.0)
+    assert [allowed_active(c, step, 2, 64.0, 100) for step in (10, 11, 50)] == pytest.approx([1.0, 1.0, 1.0])
+    # no warm-up, or a start already sparser than the target: the target at once
+    assert allowed_active(config(target_sparsity=0.99), 2, 2, 64.0, 100) == pytest.approx(1.0)
+    assert allowed_active(c, 4, 2, 0.5, 100) == pytest.approx(1.0)
+
+
+def test_target_sparsity_steers_the_l1_weight_along_the_allowed_units(capsys):
     model, _ = tiny_model("llama")
     other = copy.deepcopy(model)
-    # a random tiny model is far from 99% sparse: the weight rises once the warm-up is over, and the run warns
+    # a random tiny model is far from 99% sparse: once its allowed units reach the target at the warm-up's end,
+    # the weight rises; the run ends short and warns
     log = train(model, relufy(model), batches_from(), config(steps=8, log_every=2, l1_warmup_steps=4,
                                                                target_sparsity=0.99), device="cpu", show_progress=False).log
+    units = log[0]["layers"][0]["units"]
+    assert log[0]["allowed_active"] == log[0]["mean_active"]  # the path starts at the first entry's activity
+    assert [e["allowed_active"] for e in log[1:]] == pytest.approx([0.01 * units] * 3)
     scales = [e["l1_scale"] for e in log]
-    assert scales[:3] == [1.0, 1.0, 1.0] and 1.0 < scales[3]  # moved after step 6: steps 7-8 use it
+    assert scales[:2] == [1.0, 1.0] and 1.0 < scales[2] <= scales[3]  # moved after steps 4 and 6 (to the bound)
     assert [e["l1_coeff"] for e in log] == pytest.approx([1e-3 * min(1, e["step"] / 4) * e["l1_scale"] for e in log])
     assert "short of --target-sparsity 0.99" in capsys.readouterr().err
+    # halfway down a longer warm-up: the allowed units between the start's and the target's, geometrically
+    halfway = copy.deepcopy(other)
+    log = train(halfway, relufy(halfway), batches_from(), config(steps=6, log_every=2, l1_warmup_steps=6,
+                                                                 target_sparsity=0.99), device="cpu", show_progress=False).log
+    start, final = log[0]["mean_active"], 0.01 * units
+    assert log[1]["allowed_active"] == pytest.approx(start * (final / start) ** 0.5)
+    capsys.readouterr()
     # a target any model meets: the weight falls, nothing to warn about
     log = train(other, relufy(other), batches_from(), config(steps=8, log_every=2, target_sparsity=0.01),
                 device="cpu", show_progress=False).log
     assert [e["l1_scale"] for e in log][0] == 1.0 and log[-1]["l1_scale"] < log[1]["l1_scale"] < 1.0
     assert "target-sparsity" not in capsys.readouterr().err
-    assert "L1 x" in progress_text(log[-1])
+    assert "L1 x" in progress_text(log[-1]) and f"of {log[-1]['allowed_active']:.1f}" in progress_text(log[-1])
 
 
 def test_progressive_swap_moves_the_gate_from_the_source_activation_to_relu():

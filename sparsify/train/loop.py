@@ -19,7 +19,7 @@ from ..report import warn
 from ..resume import check_resume, load_data_position, saved_run_name
 from .fsdp import check_fsdp
 from .log import Window, log_entry, log_line, progress_bar, progress_text
-from .loss import L1_SCALE_RANGE, l1_coeff, loss_terms, source_share, steered_l1_scale, term_weights
+from .loss import L1_SCALE_RANGE, allowed_active, l1_coeff, loss_terms, source_share, steered_l1_scale, term_weights
 from .memory import on_cpu, slow_save_warning
 from .routing import Routing, apply_routing, hybrid_kernels_run, hybrid_paths, route, tracked
 from .saving import Saver, StopRequest
@@ -263,18 +263,21 @@ def _log_and_route(run: Run, state: RunState, window: Window, outcome: StepOutco
     return routing
 
 
+def _mean_units(entry: dict) -> float:
+    return sum(layer["units"] for layer in entry["layers"]) / len(entry["layers"])
+
+
 def _steer_l1(run: Run, state: RunState) -> None:
-    """With `target_sparsity`, moves the L1 weight's factor by the figures of the log entry just made (the same
-    reduced figures on every rank), over its steps past the L1 warm-up."""
-    target = run.config.target_sparsity
-    if not target:
+    """With `target_sparsity`, moves the L1 weight's factor towards the path of allowed units (loss.allowed_active)
+    by the figures of the log entry just made (the same reduced figures on every rank), over its steps; the entry
+    gets the units allowed at its step (`allowed_active`)."""
+    if not run.config.target_sparsity:
         return
-    entry = state.log[-1]
-    since = max(state.log[-2]["step"] if len(state.log) > 1 else 0, run.schedule.l1_warmup_steps)
-    if entry["step"] > since:
-        units = sum(layer["units"] for layer in entry["layers"]) / len(entry["layers"])
-        state.l1_scale = steered_l1_scale(state.l1_scale, entry["mean_active"], units, target, entry["step"] - since,
-                                          run.total)
+    entry, first = state.log[-1], state.log[0]
+    entry["allowed_active"] = allowed = allowed_active(run.schedule, entry["step"], first["step"], first["mean_active"],
+                                                       _mean_units(entry))
+    steps = entry["step"] - (state.log[-2]["step"] if len(state.log) > 1 else 0)
+    state.l1_scale = steered_l1_scale(state.l1_scale, entry["mean_active"], allowed, steps, run.total)
 
 
 def _target_shortfall(run: Run, state: RunState) -> str | None:
@@ -284,7 +287,7 @@ def _target_shortfall(run: Run, state: RunState) -> str | None:
     if not target or not state.log:
         return None
     entry = state.log[-1]
-    units = sum(layer["units"] for layer in entry["layers"]) / len(entry["layers"])
+    units = _mean_units(entry)
     if entry["mean_active"] <= 1.1 * (1 - target) * units:
         return None
     bound = state.l1_scale >= L1_SCALE_RANGE[1]

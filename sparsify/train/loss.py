@@ -41,17 +41,28 @@ def l1_coeff(config: TrainConfig, step: int) -> float:
 
 
 # The steered L1 weight (target_sparsity) moves by up to this many e-folds over the whole run, within this range of
-# the set weight: fast enough to take a run from a fixed weight's plateau to the target in its second half, and
-# bounded so that an unreachable target cannot let the penalty swamp the cross-entropy.
+# the set weight: fast enough to follow the path of allowed units down a warm-up of a tenth of the run, and bounded
+# so that an unreachable target cannot let the penalty swamp the cross-entropy.
 L1_STEER_EFOLDS = 10.0
 L1_SCALE_RANGE = (0.1, 10.0)
 
 
-def steered_l1_scale(scale: float, mean_active: float, units: float, target: float, steps: int, total: int) -> float:
+def allowed_active(config: TrainConfig, step: int, start_step: int, start_active: float, units: float) -> float:
+    """The firing units a token that `target_sparsity` allows at optimizer step `step`: from `start_active` (the
+    first log entry's, at `start_step`) falling geometrically to (1 - target_sparsity) * `units` at the end of the
+    L1 warm-up, then that; `config` resolved as for l1_coeff. The warm-up sets how fast the model sparsifies, and
+    the rest of the run trains at the target."""
+    final = (1 - config.target_sparsity) * units
+    end = config.l1_warmup_steps
+    if step >= end or start_step >= end or start_active <= final:
+        return final
+    return start_active * (final / start_active) ** ((step - start_step) / (end - start_step))
+
+
+def steered_l1_scale(scale: float, mean_active: float, allowed: float, steps: int, total: int) -> float:
     """The factor of the L1 weight after `steps` optimizer steps (of the run's `total`) at `mean_active` firing
-    units a token of `units`: multiplied by exp(L1_STEER_EFOLDS * steps / total * r), r the log of the ratio of
-    `mean_active` to the units that sparsity `target` allows, clamped to [-1, 1]; within L1_SCALE_RANGE."""
-    allowed = (1 - target) * units
+    units a token where `allowed` may fire: multiplied by exp(L1_STEER_EFOLDS * steps / total * r), r the log of
+    their ratio clamped to [-1, 1]; within L1_SCALE_RANGE."""
     error = max(-1.0, min(1.0, math.log(max(mean_active, 1e-3) / allowed)))
     exponent = max(-50.0, min(50.0, L1_STEER_EFOLDS * steps / total * error))  # beyond, the range decides anyway
     low, high = L1_SCALE_RANGE
