@@ -64,7 +64,7 @@ class TrainConfig:
         "geometrically from the first log step's to the target's over the warm-up, and at each log step the weight "
         "is multiplied up while the model fires more and down while it fires fewer, by up to e-fold in a tenth of "
         "the run, between a tenth of --l1 and 10 times it. A fixed weight holds less sparsity on a better-trained "
-        "model (docs/quality.md). 0: --l1 throughout."),
+        "model; a short L1 warm-up (12.5%) suits it (docs/quality.md). 0: --l1 throughout."),
         metavar="SHARE")
     swap_steps: int | str = _setting(0, (
         "Move the gate activation linearly from the source's (SiLU) to ReLU over this many optimizer steps, or "
@@ -74,8 +74,8 @@ class TrainConfig:
     tokens: int | None = _setting(None, (
         "Training tokens; with --steps, whichever ends first. The pretrained recipe keeps held-out quality on a "
         "quarter of the source's pretraining tokens (+2% cross-entropy), not on a tenth (+10%) or 5% (+14%), a "
-        "share of pretraining rather than a token count (a base pretrained 3x longer: +3.6% on a quarter, and its "
-        "L1 weight holds 98.0%, see --target-sparsity): docs/quality.md. On a few percent, --recipe small-budget "
+        "share of pretraining rather than a token count (a base pretrained 3x longer: +3.6% on a quarter, where "
+        "its L1 weight holds 98.0%; steered to 99% with --target-sparsity, +5.9%): docs/quality.md. On a few percent, --recipe small-budget "
         "with several passes or with text from `sparsify sample`. More than the text holds "
         "trains on it again: on a small text, several passes recover more than one."),
         unset="no limit")
