@@ -32,8 +32,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def convert(source: str, out: Path, args: list[str]) -> None:
     """Converts `source` into `out` with the CLI and `args` unless `out` holds a checkpoint."""
     if not (out / "config.json").is_file():
-        subprocess.run([sys.executable, "-m", "cli", "convert", source, "-o", str(out), "--no-measure", "--overwrite",
-                        "-q", *args], cwd=ROOT, check=True)
+        done = subprocess.run([sys.executable, "-m", "cli", "convert", source, "-o", str(out), "--no-measure",
+                               "--overwrite", "-q", *args], cwd=ROOT)
+        if done.returncode:  # the CLI has said why
+            raise SystemExit(f"the conversion into {out} failed (exit status {done.returncode})")
 
 
 def figures(out: Path) -> dict:

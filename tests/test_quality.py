@@ -491,3 +491,13 @@ def test_target_sparsity_report_converts_each_setting_once_and_reads_it_back(tmp
     assert (tmp_path / "report.png").stat().st_size > 10_000
     monkeypatch.setattr(script.subprocess, "run", lambda *a, **k: pytest.fail("converted again"))
     assert script.main(argv)["runs"] == report["runs"]
+
+
+def test_target_sparsity_report_stops_on_a_failed_conversion(tmp_path, monkeypatch, capfd):
+    """A conversion the CLI refuses ends the script with the CLI's message and the folder, not a traceback."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    script = load_benchmark("target_sparsity.py")
+    with pytest.raises(SystemExit, match="the conversion into .*l1_0.01 failed"):
+        script.main([str(tmp_path / "missing"), "--work", str(tmp_path / "work"), "--fixed", "0.01",
+                     "--json", str(tmp_path / "report.json"), "--", "--device", "cpu"])
+    assert "missing" in capfd.readouterr().err and not (tmp_path / "report.json").exists()
