@@ -138,6 +138,8 @@ def convert(source, recipe, **values):
     settings.update({k: v for k, v in values.items() if v is not None})
     summary = run(source, TrainConfig.from_dict(settings), options, fit_seq_len=values["seq_len"] is None)
     if options.dry_run:
+        if _is_main():
+            console.print("dry run: the checks passed; no weight was read and nothing was written")
         return
     if _is_main():
         t = summary["training"]
@@ -193,8 +195,9 @@ def analyze(model, data, text_column, tokens, seq_len, batch_size, device, json_
     from sparsify.errors import ConfigError
     from sparsify.report import console, layer_table, plot_activity
 
-    if tokens < 1 or (seq_len is not None and seq_len < 2) or batch_size < 1:
-        raise ConfigError("--tokens and --batch-size must be positive and --seq-len at least 2")
+    for option, value, least in (("--tokens", tokens, 1), ("--seq-len", seq_len, 2), ("--batch-size", batch_size, 1)):
+        if value is not None and value < least:
+            raise ConfigError(f"{option} must be at least {least}, got {value}")
     result = run(model, data=data, text_column=text_column, tokens=tokens, seq_len=seq_len, batch_size=batch_size,
                  device=device, json_path=json_path, measure_kernels=measure_kernels, write_plan=write_plan)
     console.print(layer_table(result["layers"], [l["recommended"] for l in result["layers"]],
@@ -270,5 +273,5 @@ def _is_main() -> bool:
     return PartialState().is_main_process
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # python -m cli, as under accelerate launch
+    main(prog_name="sparsify")

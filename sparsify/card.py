@@ -128,7 +128,7 @@ def model_card(*, family: str, plan: list[LayerPlan], training: dict, intermedia
         if means else ""
     )
     plots = "".join(f"![{name}]({name})\n\n" for name in artifacts if name.endswith(".png"))
-    body = f"""# {family} with ReLU-gated, activation-sparse MLPs (TwELL)
+    body = f"""# {family.capitalize()} with ReLU-gated, activation-sparse MLPs (TwELL)
 
 Converted by sparsify from `{base}`: the MLP gate activation was replaced by ReLU
 and training continued with an L1 penalty on the MLP hidden activations ({objective(training)}),

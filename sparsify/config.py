@@ -174,7 +174,9 @@ class TrainConfig:
                 elif kind is tuple:
                     value = tuple(float(v) for v in value)
             except (TypeError, ValueError):
-                raise ConfigError(f"{name}: {value!r} is not {'an' if kind is int else 'a'} {kind.__name__}") from None
+                share = " or a share of the run's steps such as 50%" if name in SHARE_OF_STEPS else ""
+                raise ConfigError(f"{name.replace('_', '-')}: {value!r} is not {'an' if kind is int else 'a'} "
+                                  f"{kind.__name__}{share}") from None
             config[name] = value
         return cls(**config)
 
@@ -279,11 +281,15 @@ class TrainConfig:
             raise ConfigError(f"swap-steps {self.swap_steps} must be below the {total} training steps")
 
     def warnings(self, world: int) -> list[str]:
-        """Settings that run but defeat themselves on `world` processes: a warm-up that does not end within the
-        run (a short run with a recipe's warm-ups, say)."""
+        """Settings that run but defeat themselves on `world` processes: a token count that the steps cut short
+        (--tokens on a recipe that sets steps), a warm-up that does not end within the run (a short run with a
+        recipe's warm-ups, say)."""
         total = self.total_steps(world)
         resolved = self.schedule(total)
         found = []
+        if self.tokens is not None and total * self.tokens_per_step(world) < self.tokens:
+            found.append(f"tokens {self.tokens:,}: the run stops at its {total} steps first, after "
+                         f"{total * self.tokens_per_step(world):,} tokens (set --steps to train on more)")
         for name, what in (("warmup_steps", "the learning rate"), ("l1_warmup_steps", "the L1 weight")):
             if getattr(resolved, name) >= total:
                 found.append(f"{name.replace('_', '-')} {getattr(self, name)} is not below the run's {total} steps: "

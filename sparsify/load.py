@@ -118,10 +118,12 @@ def check_hub_source(repo_id: str, source) -> None:
 
 def require_cuda(device, what: str) -> torch.device:
     """The CUDA device to run on; ConfigError naming `what` when there is none."""
-    device = torch.device(device or "cuda")
-    if device.type != "cuda" or not torch.cuda.is_available():
-        raise ConfigError(f"{what} needs a CUDA GPU (got device {device}, CUDA available: {torch.cuda.is_available()})")
-    return device
+    if device is not None and torch.device(device).type != "cuda":
+        raise ConfigError(f"{what} needs a CUDA GPU, not --device {device}")
+    if not torch.cuda.is_available():
+        build = "a CPU build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        raise ConfigError(f"{what} needs a CUDA GPU, and torch ({torch.__version__}, {build}) sees none")
+    return torch.device(device or "cuda")
 
 
 def check_device(device: str | None) -> None:

@@ -165,8 +165,11 @@ def test_dry_run_prints_the_resolved_settings_and_stops(files, tmp_path, monkeyp
     assert "lr=0.0003" in text and "swap_steps=20%" in text and "seq_len=32" in text  # command line over recipe
     assert re.search(r"parameters; 2 steps of 64 tokens \(128 tokens\) on 1 process; training state \d+ MiB", text)
     assert re.search(r"held out: [\d,]+ tokens of", text)  # read as the run would
-    assert "never reaches its set value" not in text
+    assert "never reaches its set value" not in text and "stops at its" not in text
+    assert text.endswith("dry run: the checks passed; no weight was read and nothing was written")
     assert not (tmp_path / "out").exists()
+    output = convert(files, "llama", tmp_path / "out", "--dry-run", "--tokens", 1000).output
+    assert "warning: tokens 1,000: the run stops at its 2 steps first, after 128 tokens (set --steps to train on more)\n" in output
     output = convert(files, "llama", tmp_path / "out", "--dry-run", "--l1-warmup-steps", 5, "--warmup-steps", 2).output
     # outside a terminal each warning is one whole line (a log file), however long
     assert ("warning: l1-warmup-steps 5 is not below the run's 2 steps: the L1 weight never reaches its set value\n"
@@ -564,10 +567,12 @@ def gpt2_folder(root):
         (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--recipe", "nonexistent"], "recipe nonexistent not found"),
         (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--max-shard-size", "big"], "--max-shard-size"),
         (["analyze", "{llama}"], "--data is required"),
-        (["analyze", "{llama}", "--data", "{corpus}", "--tokens", "0"], "--tokens"),
+        (["analyze", "{llama}", "--data", "{corpus}", "--tokens", "0"], "--tokens must be at least 1, got 0"),
+        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--l1-warmup-steps", "abc"],
+         "l1-warmup-steps: 'abc' is not an int or a share of the run's steps such as 50%"),
         (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--measure", "--device", "cpu"], "--measure needs a CUDA GPU"),
         (["analyze", "{llama}", "--data", "{corpus}", "--measure", "--device", "cpu"], "--measure needs a CUDA GPU"),
-        (["bench", "{tmp}/no-such-checkpoint"], "sparsify bench needs a CUDA GPU"),
+        (["bench", "{tmp}/no-such-checkpoint"], "sparsify bench needs a CUDA GPU, and torch ("),
     ],
 )
 def test_bad_input(files, tmp_path, args, message):
