@@ -16,10 +16,11 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, replace
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import yaml
+from transformers.generation.streamers import BaseStreamer
 
 from .config import SampleOptions
 from .data import Packer, TextData
@@ -45,17 +46,40 @@ def prompts(text: TextData, prompt_tokens: int) -> Iterator[torch.Tensor]:
         yield from (block[:prompt_tokens] for block in text.training_blocks())
 
 
+class DrawnTokens(BaseStreamer):
+    """generate's streamer that calls `advance` with a batch's ids as they are drawn: the prompts, then at each step
+    one id for each sample that has not reached its EOS, which is what `samples` keeps of them."""
+
+    def __init__(self, advance: Callable[[int], None], eos: int | None):
+        self.advance, self.eos, self.live = advance, eos, None
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.live is None:  # the prompts
+            self.live = torch.ones(value.shape[0], dtype=torch.bool)
+            self.advance(value.numel())
+            return
+        if self.eos is not None:
+            self.live &= value.view(-1).cpu() != self.eos
+        self.advance(int(self.live.sum()))
+
+    def end(self) -> None:
+        self.live = None
+
+
 @torch.no_grad()
 def samples(model, prompts: Iterator[torch.Tensor], tokens: int, seq_len: int, batch_size: int, temperature: float,
-            eos: int | None, cache: str = "dynamic") -> Iterator[list[int]]:
+            eos: int | None, cache: str = "dynamic", advance: Callable[[int], None] | None = None
+            ) -> Iterator[list[int]]:
     """Samples of the model, token ids with their prompt, each up to seq_len ids or to its EOS (left out), until
-    `tokens` ids are drawn; generate's KV `cache` "dynamic" or "static" (every batch of one shape: compiled once)."""
+    `tokens` ids are drawn; generate's KV `cache` "dynamic" or "static" (every batch of one shape: compiled once);
+    `advance` is called with the ids as they are drawn (DrawnTokens), a batch's before its samples are yielded."""
     drawn = 0
     while drawn < tokens:
         batch = torch.stack([next(prompts) for _ in range(batch_size)]).to(model.device)
         out = model.generate(batch, attention_mask=torch.ones_like(batch), temperature=temperature, **UNWARPED,
                              max_new_tokens=seq_len - batch.shape[1], eos_token_id=eos,
-                             pad_token_id=0 if eos is None else eos, cache_implementation=cache)
+                             pad_token_id=0 if eos is None else eos, cache_implementation=cache,
+                             streamer=None if advance is None else DrawnTokens(advance, eos))
         for row in out.tolist():
             head, tail = row[:batch.shape[1]], row[batch.shape[1]:]
             ids = head + (tail[:tail.index(eos)] if eos in tail else tail)
@@ -130,12 +154,11 @@ def sample(source: str, options: SampleOptions) -> dict:
             return True
 
         for ids in samples(model, prompts(text, options.prompt_tokens), options.tokens, options.seq_len,
-                           options.batch_size, options.temperature, eos, cache):
+                           options.batch_size, options.temperature, eos, cache, advance):
             write(tokenizer.decode(ids, skip_special_tokens=True), "sample")  # a BOS or PAD drawn is no text
             counts["samples"] += 1
             counts["sampled_tokens"] += len(ids)
             counts["ended_at_eos"] += len(ids) < options.seq_len
-            advance(len(ids))
             while counts["data_tokens"] < data_share * counts["sampled_tokens"] and write_data():
                 pass
         while write_data():

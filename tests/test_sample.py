@@ -2,6 +2,7 @@
 text's training blocks, the held-out text kept, the text's own documents spread among the samples), that the
 conversion's data reader takes it, and its bad inputs: a clear message and no OUT."""
 import dataclasses
+import itertools
 import json
 
 import pytest
@@ -184,3 +185,18 @@ def test_a_static_cache_draws_the_samples_the_dynamic_one_does():
         drawn[cache] = list(sample_module.samples(model, iter(heads), 200, SEQ_LEN, 3, 1.0, None, cache))
     assert drawn["static"] == drawn["dynamic"] and sum(map(len, drawn["static"])) >= 200
     assert all(len(ids) <= SEQ_LEN and ids[:PROMPT] == heads[i].tolist() for i, ids in enumerate(drawn["static"]))
+
+
+def test_progress_advances_at_each_step_by_the_ids_kept():
+    """The progress hears of a batch's ids as generate draws them (the prompts, then one id a step for each sample
+    before its EOS), not all at once at the batch's end, and in all as many as the samples hold."""
+    model, _ = tiny_model("llama")
+    heads = [torch.arange(5, 5 + PROMPT) + i for i in range(3)]
+    torch.manual_seed(0)
+    eos = next(sample_module.samples(model, iter(heads), 1, SEQ_LEN, 3, 1.0, None))[PROMPT + 2]  # drawn: one ends early
+    calls = []
+    torch.manual_seed(0)
+    drawn = list(itertools.islice(sample_module.samples(model, iter(heads), 10**6, SEQ_LEN, 3, 1.0, eos,
+                                                        advance=calls.append), 3))
+    assert calls[0] == 3 * PROMPT and len(calls) > SEQ_LEN // 2
+    assert sum(calls) == sum(map(len, drawn)) and any(len(ids) < SEQ_LEN for ids in drawn)
