@@ -66,6 +66,11 @@ class TrainConfig:
         "the run, between a tenth of --l1 and 10 times it. A fixed weight holds less sparsity on a better-trained "
         "model; a short L1 warm-up (12.5%) suits it (docs/quality.md). 0: --l1 throughout."),
         metavar="SHARE")
+    l1_log_scale: float = _setting(0.0, (
+        "The penalty's shape. 0: L1, the sum over the MLP units of |h|. S > 0: the log penalty, the sum of "
+        "eps * log(1 + |h| / eps), eps S times the layer's mean |h| over its firing units at the first step: it "
+        "pushes activations small against eps to zero as L1 does and the large ones, which carry the layer's "
+        "output, far less. The MLPs then train dense (the hybrid kernels compute L1)."), metavar="SCALE")
     swap_steps: int | str = _setting(0, (
         "Move the gate activation linearly from the source's (SiLU) to ReLU over this many optimizer steps, or "
         "this share of them (20%), instead of swapping it at once (0). Layers train dense until the swap is "
@@ -220,6 +225,10 @@ class TrainConfig:
             share = _percent(value)
             if not (isinstance(value, int) and value >= 0 or share is not None and 0 <= share < 100):
                 bad(f"{name.replace('_', '-')} must be an integer >= 0 or a share of the steps below 100%, got {value}")
+        for name, zero in (("l1_log_scale", "L1"), ("hybrid_below", "dense only"), ("save_every_minutes", "off"),
+                           ("distill_hidden", "off")):
+            if not 0 <= getattr(self, name) < math.inf:
+                bad(f"{name.replace('_', '-')} must be a number >= 0 (0: {zero}), got {getattr(self, name)}")
         if not 0 < self.lr <= 1:
             bad(f"lr must be in (0, 1], got {self.lr}")
         if self.mlp_lr is not None and not 0 < self.mlp_lr <= 1:
@@ -230,6 +239,8 @@ class TrainConfig:
             bad(f"calibrate-sparsity must be in [0, 1) (a share of units, such as 0.99), got {self.calibrate_sparsity}")
         if not 0 <= self.target_sparsity < 1:
             bad(f"target-sparsity must be in [0, 1) (a share of units, such as 0.99; 0: off), got {self.target_sparsity}")
+        if self.l1_log_scale and self.calibrate_steps:
+            bad("l1-log-scale is not supported with calibrate-steps, whose fit and L1 reference use L1: set one")
         if self.target_sparsity and not self.l1:
             bad("target-sparsity steers the L1 weight: set --l1 above 0")
         if self.calibrate_sparsity and not self.calibrate_steps:
@@ -241,24 +252,18 @@ class TrainConfig:
                 f"--swap-steps 0 (it is {self.swap_steps})")
         if not 0 < self.hybrid_hot_rate <= 1:
             bad(f"hybrid-hot-rate must be in (0, 1], got {self.hybrid_hot_rate}")
-        if not 0 <= self.hybrid_below < math.inf:
-            bad(f"hybrid-below must be a number >= 0 (0: dense only), got {self.hybrid_below}")
         if not 0 <= self.weight_decay <= 1:
             bad(f"weight-decay must be in [0, 1], got {self.weight_decay}")
         if len(self.betas) != 2 or not all(0 <= beta < 1 for beta in self.betas):
             bad(f"betas must be two numbers in [0, 1) (AdamW's), got {self.betas}")
         if not self.max_grad_norm > 0:
             bad(f"max-grad-norm must be > 0, got {self.max_grad_norm}")
-        if not 0 <= self.save_every_minutes < math.inf:
-            bad(f"save-every-minutes must be a number >= 0 (0: off), got {self.save_every_minutes}")
         if not 0 <= self.distill <= 1:
             bad(f"distill must be in [0, 1] (the share of the KL term; 0: off), got {self.distill}")
         if not 0 < self.distill_temperature < math.inf:
             bad(f"distill-temperature must be a number above 0, got {self.distill_temperature}")
         elif self.distill_temperature != 1 and not self.distill:
             bad("distill-temperature sets --distill's KL term: set --distill too")
-        if not 0 <= self.distill_hidden < math.inf:
-            bad(f"distill-hidden must be a number >= 0 (0: off), got {self.distill_hidden}")
         if self.seq_len < 2:
             bad(f"seq-len must be at least 2, got {self.seq_len}")
         if max_positions is not None and self.seq_len > max_positions:

@@ -8,7 +8,7 @@ undoable conversion, as in PEFT); `original_mlps` does so for a while, also on a
 sharded since (the modules share the projections).
 
 With `track = True` each forward stores `MLPStats`: l1 (differentiable: mean over tokens of the sum over
-units of |relu(gate(x)) * up(x)|, the paper's penalty for one layer), active (mean units per token whose
+units of |relu(gate(x)) * up(x)|, the paper's penalty for one layer, or the log penalty: l1_penalty), active (mean units per token whose
 gate pre-activation is > 0) and fired (tokens in which each unit fired), and `backup_rows`: the token rows
 that went to the hybrid kernels' dense backup (0 on the dense path). With `use_hybrid = True` the forward
 goes through `twell.hybrid_gated_mlp` (sparse Triton kernels on CUDA and under the interpreter, its dense
@@ -35,6 +35,15 @@ except ImportError:  # kernels not installed (or no triton): dense path only
     hybrid_gated_mlp = hot_units = None
 
 
+def l1_penalty(h: torch.Tensor, eps: float | None = None) -> torch.Tensor:
+    """The sparsity penalty of hidden activations h [..., I]: the mean over tokens of the sum over units of |h|,
+    or with `eps` > 0 of eps * log(1 + |h| / eps) (its slope 1 at 0, falling as 1 / (1 + |h| / eps)), in fp32 (under
+    bf16 autocast a sum over thousands of units loses the small terms)."""
+    if not eps:
+        return h.abs().sum(-1, dtype=torch.float32).mean()
+    return (eps * torch.log1p(h.abs().float() / eps)).sum(-1).mean()
+
+
 class MLPStats(NamedTuple):
     l1: torch.Tensor  # scalar, differentiable
     active: torch.Tensor  # scalar float, detached: mean active units per token
@@ -57,6 +66,10 @@ class ReluGatedMLP(nn.Module):
         self.hybrid_max_nnz = 128
         self.hot_units: torch.Tensor | None = None  # units the hybrid path runs as dense columns
         self.source_share = 0.0  # weight of the source activation in the gate (progressive swap)
+        # The log penalty (l1_log_scale > 0): its eps, None until the first tracked forward measures it (the layer's
+        # mean |h| over its firing units, times the scale); training then sets the processes' mean.
+        self.l1_log_scale = 0.0
+        self.l1_eps: float | None = None
         # Kept outside the module tree (no extra state-dict keys) so that unrelufy can put it back.
         object.__setattr__(self, "_original", original)
         self.original_act = original_act  # the source's activation: the progressive swap's, and what unrelufy restores
@@ -73,9 +86,10 @@ class ReluGatedMLP(nn.Module):
 
     @property
     def runs_hybrid(self) -> bool:
-        """Whether forward goes through the hybrid kernels: asked for, importable, and no projection bias."""
+        """Whether forward goes through the hybrid kernels: asked for, importable, no projection bias and the L1
+        penalty (they compute no other)."""
         return (self.use_hybrid and self.source_share == 0 and hybrid_gated_mlp is not None
-                and not has_bias(self, self.spec))
+                and not has_bias(self, self.spec) and not self.l1_log_scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.runs_hybrid:
@@ -90,9 +104,11 @@ class ReluGatedMLP(nn.Module):
         h = act * up
         if self.track:
             fired = (gate > 0).reshape(-1, gate.shape[-1])
+            if self.l1_log_scale and self.l1_eps is None:  # once per run: one host sync
+                firing = h.detach().reshape(fired.shape)[fired]
+                self.l1_eps = self.l1_log_scale * float(firing.abs().float().mean()) if firing.numel() else 0.0
             self.stats = MLPStats(
-                # fp32 sum: under bf16 autocast a sum over thousands of units loses the small terms.
-                l1=h.abs().sum(-1, dtype=torch.float32).mean(),
+                l1=l1_penalty(h, self.l1_eps if self.l1_log_scale else None),
                 active=fired.sum(-1, dtype=torch.float32).mean(),
                 fired=fired.sum(0),
             )

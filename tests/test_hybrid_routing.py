@@ -130,6 +130,15 @@ def test_mlps_with_bias_stay_dense_in_the_log():
 
 
 @pytest.mark.interpreter
+def test_the_log_penalty_trains_dense():
+    # The hybrid kernels compute L1 alone: with the log penalty every layer stays dense, however sparse.
+    model, _ = tiny_model("llama")
+    log = train(model, relufy(model), batches_from(), config(steps=2, hybrid_below=1e9, l1_log_scale=0.2),
+                device="cpu", show_progress=False).log
+    assert all(l["path"] == "dense" for e in log for l in e["layers"])
+
+
+@pytest.mark.interpreter
 def test_resume_continues_on_the_paths_chosen_before_the_interrupt(tmp_path):
     def sparse_layer0(seed=0):  # layer 0 at most 20 active units: hybrid from step 2 on
         model, _ = tiny_model("llama", seed=seed)

@@ -78,6 +78,43 @@ def test_l1_matches_hand_computation():
     assert log[0]["loss"] == pytest.approx(ce + 1e-3 * expected_l1, rel=1e-5)
 
 
+def test_log_penalty_matches_hand_computation():
+    """l1_log_scale: each layer's eps is the scale times its mean |h| over the firing units of the first batch, and
+    the logged penalty is the mean over tokens of the sum of eps * log(1 + |h| / eps), below the L1."""
+    model, _ = tiny_model("llama")
+    reference = copy.deepcopy(model)
+    ids = next(batches_from()(0, 0, 1))
+    inputs = []
+    hooks = [layer.mlp.register_forward_hook(lambda m, a, o: inputs.append(a[0])) for layer in reference.model.layers]
+    for layer in reference.model.layers:
+        layer.mlp.act_fn = torch.nn.ReLU()
+    with torch.no_grad():
+        reference(input_ids=ids)
+    for h in hooks:
+        h.remove()
+    eps, penalty, l1 = [], [], []
+    for layer, x in zip(reference.model.layers, inputs):
+        gate = x @ layer.mlp.gate_proj.weight.T
+        h = F.relu(gate) * (x @ layer.mlp.up_proj.weight.T)
+        eps.append(0.2 * h[gate > 0].abs().mean().item())
+        penalty.append((eps[-1] * torch.log1p(h.abs() / eps[-1])).sum(-1).mean().item())
+        l1.append(h.abs().sum(-1).mean().item())
+
+    mlps = relufy(model)
+    log = train(model, mlps, batches_from(), config(steps=1, l1_log_scale=0.2), device="cpu", show_progress=False).log
+    assert [m.l1_eps for m in mlps] == pytest.approx(eps, rel=1e-5)
+    assert [l["l1"] for l in log[0]["layers"]] == pytest.approx(penalty, rel=1e-5)
+    assert all(p < 0.9 * a for p, a in zip(penalty, l1))
+    assert log[0]["loss"] == pytest.approx(log[0]["cross_entropy"] + 1e-3 * sum(penalty) / len(penalty), rel=1e-5)
+
+
+def test_log_penalty_slope_falls_with_the_activation():
+    h = torch.tensor([[1e-4, -1e-4, 1.0, -3.0]], requires_grad=True)
+    relufy_module.l1_penalty(h, 0.5).backward()
+    assert h.grad[0].tolist() == pytest.approx([1 / (1 + 2e-4), -1 / (1 + 2e-4), 1 / 3, -1 / 7], rel=1e-5)
+    assert relufy_module.l1_penalty(h.detach(), None).item() == pytest.approx(4.0002)
+
+
 def test_relative_l1_weighs_l1_by_its_first_value():
     a, _ = tiny_model("llama")
     b = copy.deepcopy(a)
@@ -379,6 +416,9 @@ def test_steps_and_tokens_bound_training():
         (dict(distill=float("nan")), r"distill must be in \[0, 1\]"),
         (dict(target_sparsity=1.0), r"target-sparsity must be in \[0, 1\)"),
         (dict(target_sparsity=0.99, l1=0.0), "target-sparsity steers the L1 weight: set --l1 above 0"),
+        (dict(l1_log_scale=-0.1), r"l1-log-scale must be a number >= 0 \(0: L1\)"),
+        (dict(l1_log_scale=float("inf")), "l1-log-scale must be a number >= 0"),
+        (dict(l1_log_scale=0.2, calibrate_steps=5), "l1-log-scale is not supported with calibrate-steps"),
         (dict(betas=(1.5, 0.9)), r"betas must be two numbers in \[0, 1\)"),
         (dict(betas=(0.9, 0.95, 0.99)), "betas must be two numbers"),
         (dict(betas=(0.9, float("nan"))), "betas must be two numbers"),
@@ -404,22 +444,24 @@ def test_from_dict_reads_settings_by_their_type_not_their_default():
     c = TrainConfig.from_dict(yaml.safe_load("mlp_lr: 1e-4\ndistill_hidden: 1e-1\ndead_window_tokens: 1e6\nsteps: 10"))
     assert (c.mlp_lr, c.distill_hidden, c.dead_window_tokens) == (1e-4, 0.1, 1_000_000)
     c.validate()
-    with pytest.raises(ConfigError, match="mlp_lr: 'fast' is not a float"):
+    with pytest.raises(ConfigError, match="mlp-lr: 'fast' is not a float"):
         TrainConfig.from_dict({"mlp_lr": "fast"})
-    with pytest.raises(ConfigError, match="distill_hidden: True is not a float"):
+    with pytest.raises(ConfigError, match="distill-hidden: True is not a float"):
         TrainConfig.from_dict({"distill_hidden": True})
     with pytest.raises(ConfigError, match="steps: True is not an int"):
         TrainConfig.from_dict({"steps": True})
 
 
-@pytest.mark.parametrize("relative, tied, target", [(False, False, 0), (True, False, 0), (False, True, 0),
-                                                     (True, False, 0.99)],
-                         ids=["absolute-l1", "relative-l1", "tied-embeddings", "steered-l1"])
-def test_interrupt_then_resume_equals_uninterrupted(tmp_path, caplog, relative, tied, target):
+@pytest.mark.parametrize("relative, tied, target, log_scale", [(False, False, 0, 0), (True, False, 0, 0),
+                                                                (False, True, 0, 0), (True, False, 0.99, 0),
+                                                                (True, False, 0, 0.2)],
+                         ids=["absolute-l1", "relative-l1", "tied-embeddings", "steered-l1", "log-penalty"])
+def test_interrupt_then_resume_equals_uninterrupted(tmp_path, caplog, relative, tied, target, log_scale):
     # relative: the resumed run must weigh L1 by the first run's L1_0, not by its own first batch's
     # tied: the state holds lm_head once (accelerate's warning about it is not shown) and the resumed model ties it
     # steered: the L1 weight's factor, moved at step 2, goes on from its saved value
-    cfg = config(steps=6, grad_accum=2, warmup_steps=2, log_every=2, target_sparsity=target,
+    # log penalty: the resumed run keeps the first step's eps, not its own first batch's
+    cfg = config(steps=6, grad_accum=2, warmup_steps=2, log_every=2, target_sparsity=target, l1_log_scale=log_scale,
                  **(dict(l1=5.0, l1_relative=True) if relative else {}))
     straight, _ = tiny_model("qwen2", tie_word_embeddings=tied)
     interrupted = copy.deepcopy(straight)

@@ -91,6 +91,8 @@ def train(
         run.model.train()
     state = RunState(time.perf_counter(), l1_reference=l1_reference) if saved is None else \
         RunState.resumed(accelerator, resume_dir, saved)
+    for i, m in enumerate(mlps):  # the log penalty's eps: measured at the first step, or the saved state's
+        m.l1_log_scale, m.l1_eps = config.l1_log_scale, state.l1_eps[i] if state.l1_eps else None
     stream = batches(state.batches, accelerator.process_index, run.world)
     if saved is not None and (position := load_data_position(resume_dir)) is not None:
         stream.load_state_dict(position)
@@ -173,7 +175,7 @@ def _prepare(accelerator: Accelerator, model, mlps: list, config: TrainConfig, t
                 torch.distributed.broadcast(tensor, src=0)
     return Run(accelerator, model, mlps, optimizer, scheduler, config, schedule, total,
                teacher if config.uses_teacher else None,
-                routes=config.hybrid_below > 0 and hybrid_kernels_run(accelerator.device))
+                routes=config.hybrid_below > 0 and not config.l1_log_scale and hybrid_kernels_run(accelerator.device))
 
 
 def _loop(run: Run, state: RunState, stream: Iterator[torch.Tensor], saver: Saver, progress) -> None:
@@ -215,6 +217,11 @@ def _step(run: Run, state: RunState, stream: Iterator[torch.Tensor], routing: Ro
         sync = micro == config.grad_accum - 1
         with accelerator.no_sync(run.model) if not sync else nullcontext(), accelerator.autocast():
             terms, layer_l1 = loss_terms(run.model, run.mlps, ids, run.teacher, config)
+            if config.l1_log_scale and state.l1_eps is None:  # once per run: the processes' mean eps for all
+                eps = torch.tensor([m.l1_eps for m in run.mlps], device=accelerator.device)
+                state.l1_eps = accelerator.reduce(eps, reduction="mean").tolist()
+                for m, e in zip(run.mlps, state.l1_eps):
+                    m.l1_eps = e
             if config.l1_relative and state.l1_reference is None:  # once per run: one host sync
                 state.l1_reference = max(accelerator.reduce(terms.l1.detach(), reduction="mean").item(), 1e-12)
             weight = coeff / state.l1_reference if config.l1_relative else coeff

@@ -37,7 +37,7 @@ class Saver:
         save_state(self.run.accelerator, self.resume_dir,
                    {"step": state.step, "batches": state.batches, "log": state.log,
                     "seconds": time.perf_counter() - state.started, "l1_reference": state.l1_reference,
-                    "l1_scale": state.l1_scale,
+                    "l1_scale": state.l1_scale, "l1_eps": state.l1_eps,
                     "processes": self.run.world, "inputs": self.inputs, "before_training": self.before_training,
                     "run_name": self.run_name},
                    state.last_fired, self.run.config,
