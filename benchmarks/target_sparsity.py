@@ -1,13 +1,17 @@
-"""Fixed L1 weights against the weight steered to a sparsity (--target-sparsity), on one source: each setting
+"""Fixed L1 weights against the weight steered to a sparsity (--target-sparsity) and against fixed weights of the
+log penalty (--l1-log-scale), on one source: each setting
 converted through the CLI (`python -m cli convert SOURCE -o WORK/NAME --no-measure --overwrite -q ARGS ...`; a
 folder already holding a checkpoint is read, not converted again), then from each checkpoint's config.json and
 training_log.json the held-out perplexity (original, after the swap, after training), the whole model's sparsity
 and each layer's sparsity and dead units on the held-out text, and the training curves of active units and of the
 L1 weight's factor (and the units allowed, steered). Writes a JSON and a plot beside it: perplexity over sparsity
-(the fixed weights joined by a line, the steered ones as points), and active units and the factor over the steps.
+(the fixed weights of each penalty joined by a line, the steered ones as points), and active units and the factor
+over the steps.
 
     python benchmarks/target_sparsity.py demo --work /tmp/steer --fixed 0.08 0.16 0.32 --steered 0.98 0.99 \\
         --json benchmarks/results/demo_target_sparsity_cpu.json -- --l1 0.08 --device cpu
+    python benchmarks/target_sparsity.py demo --work /tmp/steer --fixed 0.16 0.32 --log 0.32 0.64 \
+        --json benchmarks/results/demo_log_penalty_cpu.json -- --l1 0.08 --device cpu
 """
 from __future__ import annotations
 
@@ -47,11 +51,12 @@ def figures(out: Path) -> dict:
     active = [layer["mean_active"] for layer in stats]
     log = json.loads((out / "training_log.json").read_text())["log"]
     return {"l1": training["l1"], "target_sparsity": training["target_sparsity"],
+            "l1_log_scale": training.get("l1_log_scale", 0.0),
             "perplexity": training["perplexity"], "sparsity": 1 - sum(active) / len(active) / units,
             "layer_sparsity": [1 - a / units for a in active], "layer_dead": [layer["dead_frac"] for layer in stats],
             "steps": training["steps"],
             "training_seconds": training["seconds"],
-            "curve": [{"step": e["step"], "mean_active": e["mean_active"], "l1_scale": e.get("l1_scale", 1.0),
+            "curve": [{"step": e["step"], "mean_active": e["mean_active"], "l1": e["l1"], "l1_scale": e.get("l1_scale", 1.0),
                        **({"allowed_active": e["allowed_active"]} if "allowed_active" in e else {})} for e in log],
             "units": units}
 
@@ -59,12 +64,15 @@ def figures(out: Path) -> dict:
 def plot(runs: list[dict], path: Path) -> None:
     plt = pyplot()
     fig, (trade, active, scale) = plt.subplots(1, 3, figsize=(15, 4.5))
-    fixed = sorted((r for r in runs if not r["target_sparsity"]), key=lambda r: r["sparsity"])
-    trade.plot([100 * r["sparsity"] for r in fixed], [r["perplexity"]["after training"] for r in fixed], "o-",
-               color="gray", label="fixed L1 weight")
-    for r in fixed:
-        trade.annotate(f"l1 {r['l1']:g}", (100 * r["sparsity"], r["perplexity"]["after training"]), fontsize=7,
-                       xytext=(4, -10), textcoords="offset points")
+    for log_penalty, color in ((False, "gray"), (True, "black")):
+        fixed = sorted((r for r in runs if not r["target_sparsity"] and bool(r["l1_log_scale"]) == log_penalty),
+                       key=lambda r: r["sparsity"])
+        if fixed:
+            trade.plot([100 * r["sparsity"] for r in fixed], [r["perplexity"]["after training"] for r in fixed], "o-",
+                       color=color, label=f"fixed weight, {'log penalty' if log_penalty else 'L1'}")
+        for r in fixed:
+            trade.annotate(r["name"], (100 * r["sparsity"], r["perplexity"]["after training"]), fontsize=7,
+                           xytext=(4, -10), textcoords="offset points")
     for index, r in enumerate(runs):
         steered, color = bool(r["target_sparsity"]), f"C{index}"  # a run's colour in every panel
         if steered:
@@ -83,7 +91,7 @@ def plot(runs: list[dict], path: Path) -> None:
     scale.set(xlabel="optimizer step", ylabel="the L1 weight's factor")
     for axis in (trade, active, scale):
         axis.legend(fontsize=7)
-    fig.suptitle("The L1 weight steered to a sparsity against fixed weights")
+    fig.suptitle("Fixed L1 weights, the weight steered to a sparsity, and the log penalty")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -96,6 +104,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--fixed", type=float, nargs="*", default=[], help="fixed L1 weights (--l1) to convert at")
     ap.add_argument("--steered", type=float, nargs="*", default=[], help="targets (--target-sparsity) to convert at, "
                                                                           "from the --l1 of the shared arguments")
+    ap.add_argument("--log", type=float, nargs="*", default=[], help="fixed weights (--l1) of the log penalty")
+    ap.add_argument("--log-scale", type=float, default=0.2, help="--l1-log-scale of the --log runs")
     ap.add_argument("--json", type=Path, required=True, help="the report; the plot beside it (.png)")
     ap.epilog = "Arguments after -- go to every conversion."
     argv = sys.argv[1:] if argv is None else argv
@@ -103,7 +113,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv[:cut])
     args.convert_args = argv[cut + 1:]
     settings = [(f"l1 {w:g}", ["--l1", str(w)]) for w in args.fixed] + \
-               [(f"target {t:g}", ["--target-sparsity", str(t)]) for t in args.steered]
+               [(f"target {t:g}", ["--target-sparsity", str(t)]) for t in args.steered] + \
+               [(f"log {w:g}", ["--l1", str(w), "--l1-log-scale", str(args.log_scale)]) for w in args.log]
     runs = []
     for name, extra in settings:
         out = args.work / name.replace(" ", "_")
