@@ -8,14 +8,15 @@ undoable conversion, as in PEFT); `original_mlps` does so for a while, also on a
 sharded since (the modules share the projections).
 
 With `track = True` each forward stores `MLPStats`: l1 (differentiable: mean over tokens of the sum over
-units of |relu(gate(x)) * up(x)|, the paper's penalty for one layer, or the log penalty: l1_penalty), active (mean units per token whose
-gate pre-activation is > 0) and fired (tokens in which each unit fired), and `backup_rows`: the token rows
-that went to the hybrid kernels' dense backup (0 on the dense path). With `use_hybrid = True` the forward
-goes through `twell.hybrid_gated_mlp` (sparse Triton kernels on CUDA and under the interpreter, its dense
-reference elsewhere), which returns the same output and statistics. Training (sparsify/train/routing.py) sets
-`use_hybrid` per layer from the measured activity, and `hot_units`: the units that fire in so many tokens
-that the hybrid path runs them as dense columns. `source_share` s > 0 (a progressive swap, set by training)
-makes the gate (1 - s) * relu + s * the source's activation; only s = 0, plain ReLU, runs on the kernels.
+units of |relu(gate(x)) * up(x)|, the paper's penalty for one layer, or of the log penalty: l1_penalty), active
+(mean units per token whose gate pre-activation is > 0) and fired (tokens in which each unit fired), and
+`backup_rows`: the token rows that went to the hybrid kernels' dense backup (0 on the dense path). With
+`use_hybrid = True` the forward goes through `twell.hybrid_gated_mlp` (sparse Triton kernels on CUDA and under
+the interpreter, its dense reference elsewhere), which returns the same output and statistics (L1 only).
+Training (sparsify/train/routing.py) sets `use_hybrid` per layer from the measured activity, and `hot_units`:
+the units that fire in so many tokens that the hybrid path runs them as dense columns. `source_share` s > 0 (a
+progressive swap, set by training) makes the gate (1 - s) * relu + s * the source's activation; only s = 0, plain
+ReLU, runs on the kernels.
 """
 from __future__ import annotations
 
