@@ -63,7 +63,8 @@ def figures(out: Path) -> dict:
 
 def plot(runs: list[dict], path: Path) -> None:
     plt = pyplot()
-    fig, (trade, active, scale) = plt.subplots(1, 3, figsize=(15, 4.5))
+    steering = any(r["target_sparsity"] for r in runs)  # the factor's panel only where a run moves it
+    fig, (trade, active, *scale) = plt.subplots(1, 3 if steering else 2, figsize=(15 if steering else 10, 4.5))
     for log_penalty, color in ((False, "gray"), (True, "black")):
         fixed = sorted((r for r in runs if not r["target_sparsity"] and bool(r["l1_log_scale"]) == log_penalty),
                        key=lambda r: r["sparsity"])
@@ -81,15 +82,17 @@ def plot(runs: list[dict], path: Path) -> None:
         steps = [e["step"] for e in r["curve"]]
         style = dict(color=color, linestyle="-" if steered else ":", label=r["name"])
         active.plot(steps, [e["mean_active"] for e in r["curve"]], **style)
-        scale.plot(steps, [e["l1_scale"] for e in r["curve"]], **style)
+        for axis in scale:
+            axis.plot(steps, [e["l1_scale"] for e in r["curve"]], **style)
         if steered:
             active.plot(steps, [e["allowed_active"] for e in r["curve"]], color=color, linestyle="--", linewidth=0.8)
     trade.axhline(runs[0]["perplexity"]["original"], color="black", linestyle="--", linewidth=1, label="original")
     trade.set(xlabel="FFN sparsity on held-out text (%)", ylabel="held-out perplexity after training")
     trade.xaxis.set_major_locator(MaxNLocator(6))
     active.set(xlabel="optimizer step", ylabel="active units a token (training; dashed: allowed)", yscale="log")
-    scale.set(xlabel="optimizer step", ylabel="the L1 weight's factor")
-    for axis in (trade, active, scale):
+    for axis in scale:
+        axis.set(xlabel="optimizer step", ylabel="the L1 weight's factor")
+    for axis in (trade, active, *scale):
         axis.legend(fontsize=7)
     fig.suptitle("Fixed L1 weights, the weight steered to a sparsity, and the log penalty")
     fig.tight_layout()
