@@ -38,6 +38,7 @@ from .errors import ConfigError
 from .families import mlp_modules, spec_for
 from .relufy import ReluGatedMLP, original_mlps
 from .report import console
+from .train.loss import activity_error
 
 # Families whose decoder layers normalize the MLP's output before the residual add: the norm's attribute of a
 # decoder layer. Sequential calibration fits the MLP through it (the stream's target is the norm's output).
@@ -286,8 +287,7 @@ def fit_layer(mlp: ReluGatedMLP, x: torch.Tensor, y: torch.Tensor, steps: int, l
             loss = squared_error_ratio(out, y[rows])
             if sparsity:
                 loss = loss + weight * mlp.stats.l1 / max(l1_swap, 1e-12)
-                ratio = max(float(mlp.stats.active), 1e-3) / target
-                weight *= math.exp(L1_WEIGHT_RATE * max(-1.0, min(1.0, math.log(ratio))))
+                weight *= math.exp(L1_WEIGHT_RATE * activity_error(float(mlp.stats.active), target))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()

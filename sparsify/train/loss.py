@@ -59,11 +59,17 @@ def allowed_active(config: TrainConfig, step: int, start_step: int, start_active
     return start_active * (final / start_active) ** ((step - start_step) / (end - start_step))
 
 
+def activity_error(active: float, allowed: float) -> float:
+    """The log of the ratio of the firing units to the allowed ones, clamped to [-1, 1]: how far and which way an
+    L1 weight steered to a sparsity moves (training's factor, calibration's multiplier)."""
+    return max(-1.0, min(1.0, math.log(max(active, 1e-3) / allowed)))
+
+
 def steered_l1_scale(scale: float, mean_active: float, allowed: float, steps: int, total: int) -> float:
     """The factor of the L1 weight after `steps` optimizer steps (of the run's `total`) at `mean_active` firing
-    units a token where `allowed` may fire: multiplied by exp(L1_STEER_EFOLDS * steps / total * r), r the log of
-    their ratio clamped to [-1, 1]; within L1_SCALE_RANGE."""
-    error = max(-1.0, min(1.0, math.log(max(mean_active, 1e-3) / allowed)))
+    units a token where `allowed` may fire: multiplied by exp(L1_STEER_EFOLDS * steps / total * activity_error);
+    within L1_SCALE_RANGE."""
+    error = activity_error(mean_active, allowed)
     exponent = max(-50.0, min(50.0, L1_STEER_EFOLDS * steps / total * error))  # beyond, the range decides anyway
     low, high = L1_SCALE_RANGE
     return min(high, max(low, scale * math.exp(exponent)))
