@@ -1,7 +1,8 @@
-"""Training benchmark of the gated MLP block (forward + backward, L1 term included): hybrid TwELL
-against the dense bf16 PyTorch block (gate and up as one fused matmul), by the method of docs/performance.md.
+"""Training benchmark of the gated MLP block (forward + backward, sparsity penalty included: L1, or the log
+penalty with --l1-eps): hybrid TwELL against the dense bf16 PyTorch block (gate and up as one fused matmul), by
+the method of docs/performance.md.
 
-    python benchmarks/bench_training.py [--tokens 16384] [--json out.json] [--e2e] [--profile]
+    python benchmarks/bench_training.py [--tokens 16384] [--l1-eps 0.1] [--json out.json] [--e2e] [--profile]
 
 Each block step is timed eagerly (host launch costs included) and as a CUDA-graph replay (GPU alone).
 
@@ -26,7 +27,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from twell.training import ell, hybrid_gated_mlp
+from twell.training import ell, hybrid_gated_mlp, sparsity_penalty
 from twell.training import hot_units as busiest_units
 from twell.training.blocks import GPU_BLOCKS
 
@@ -50,10 +51,10 @@ def make_inputs(M, D, I, k, uneven_mean=None, seed=0):
     return x, gate, up, down, dout
 
 
-def dense_block(x, gate_up, down, I):
+def dense_block(x, gate_up, down, I, eps):
     g, u = (x @ gate_up.t()).split(I, dim=-1)
     h = torch.relu(g) * u
-    return h @ down.t(), h.abs().sum(-1).mean()
+    return h @ down.t(), sparsity_penalty(h, eps)
 
 
 def rel(a, b):
@@ -93,7 +94,7 @@ def graphed(step, grads):
     return graph.replay
 
 
-def bench_case(name, M, D, I, k, uneven_mean, E, hot=False):
+def bench_case(name, M, D, I, k, uneven_mean, E, hot=False, eps=0.0):
     """One block case; with `hot`, units that fire in more than twell.training.HOT_RATE of the tokens (from
     a first forward's counts, as a training loop would take them from an earlier step) run as dense
     columns."""
@@ -108,26 +109,25 @@ def bench_case(name, M, D, I, k, uneven_mean, E, hot=False):
         hot_units = busiest_units(hybrid_gated_mlp(x, gate, up, down, max_nnz=E)[1].fired, M) if hot else None
 
     def dense_step(x=x, gate_up=gate_up, down=down):
-        out, l1 = dense_block(x, gate_up, down, I)
+        out, l1 = dense_block(x, gate_up, down, I, eps)
         torch.autograd.backward([out, l1], [dout, coef])
 
     def hybrid_step(x=x, gate=gate, up=up, down=down):
-        out, st = hybrid_gated_mlp(x, gate, up, down, max_nnz=E, hot_units=hot_units)
+        out, st = hybrid_gated_mlp(x, gate, up, down, max_nnz=E, hot_units=hot_units, l1_eps=eps)
         torch.autograd.backward([out, st.l1], [dout, coef])
 
     def hybrid_fwd():
-        return hybrid_gated_mlp(x, gate, up, down, max_nnz=E, hot_units=hot_units)
+        return hybrid_gated_mlp(x, gate, up, down, max_nnz=E, hot_units=hot_units, l1_eps=eps)
 
     # correctness against fp32 (tf32 off), same inputs
     torch.backends.cuda.matmul.allow_tf32 = False
     leaves32 = [t.clone().requires_grad_() for t in (x32, gate32, up32, down32)]
-    out_r, l1_r = dense_block(leaves32[0], torch.cat(leaves32[1:3]), leaves32[3], I)
+    out_r, l1_r = dense_block(leaves32[0], torch.cat(leaves32[1:3]), leaves32[3], I, eps)
     torch.autograd.backward([out_r, l1_r], [dout32, coef])
     ref = [out_r, l1_r] + [t.grad for t in leaves32]
     del leaves32
     errs = {}
-    for label, fn in (("dense_bf16", lambda: dense_block(x, gate_up, down, I)),
-                      ("hybrid", lambda: hybrid_gated_mlp(x, gate, up, down, max_nnz=E, hot_units=hot_units))):
+    for label, fn in (("dense_bf16", lambda: dense_block(x, gate_up, down, I, eps)), ("hybrid", hybrid_fwd)):
         for t in (x, gate, up, down, gate_up):
             t.grad = None
         out, l1 = fn()
@@ -146,7 +146,7 @@ def bench_case(name, M, D, I, k, uneven_mean, E, hot=False):
                  dead_units=int((st.fired == 0).sum()))
 
     mem = {}
-    for label, fn in (("dense", lambda: dense_block(x, gate_up, down, I)), ("hybrid", hybrid_fwd)):
+    for label, fn in (("dense", lambda: dense_block(x, gate_up, down, I, eps)), ("hybrid", hybrid_fwd)):
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         nbytes, res = saved_bytes(fn, [x, gate, up, down, gate_up])
@@ -170,7 +170,7 @@ def bench_case(name, M, D, I, k, uneven_mean, E, hot=False):
     times["gate_matmul"] = do_bench(lambda: x @ gate.t(), warmup=50, rep=300, return_mode="median")
     times["speedup"] = times["dense"] / times["hybrid"]
     times["speedup_graph"] = times["dense_graph"] / times["hybrid_graph"]
-    return dict(name=name, tokens=M, D=D, I=I, k=k, uneven_mean_target=uneven_mean, max_nnz=E,
+    return dict(name=name, tokens=M, D=D, I=I, k=k, uneven_mean_target=uneven_mean, max_nnz=E, l1_eps=eps,
                 stats=stats, rel_err=errs, memory=mem, ms=times)
 
 
@@ -349,6 +349,8 @@ def main():
     ap.add_argument("--D", type=int, default=2048)
     ap.add_argument("--I", type=int, default=5632)
     ap.add_argument("--max-nnz", type=int, default=128)
+    ap.add_argument("--l1-eps", type=float, default=0.0,
+                    help="the block cases' penalty: 0 for L1, > 0 for the log penalty with this eps")
     ap.add_argument("--json", default=None)
     ap.add_argument("--e2e", action="store_true", help="also time training steps of a 1.5B-shape model")
     ap.add_argument("--e2e-batch", type=int, nargs="+", default=[4], help="sequences of 2048 tokens a step (--e2e)")
@@ -357,13 +359,15 @@ def main():
     args = ap.parse_args()
     if min(args.e2e_batch) < 1:
         ap.error(f"--e2e-batch must be positive, got {args.e2e_batch}")
+    if not 0 <= args.l1_eps < math.inf:
+        ap.error(f"--l1-eps must be a finite number >= 0 (0: L1), got {args.l1_eps}")
     if args.profile:
         return profile(args.tokens, args.D, args.I, 29, args.max_nnz)
     cases = [("k29", 29, None, False), ("k29_hot", 29, None, True), ("k98_uneven", 29, 98, False),
              ("k98_uneven_hot", 29, 98, True)]
     results = []
     for n, k, um, hot in ([] if args.skip_block else cases):
-        r = bench_case(n, args.tokens, args.D, args.I, k, um, args.max_nnz, hot)
+        r = bench_case(n, args.tokens, args.D, args.I, k, um, args.max_nnz, hot, args.l1_eps)
         if not hot:
             r["breakdown_ms"] = breakdown(args.tokens, args.D, args.I, k, um, args.max_nnz)
         print(n, json.dumps(r), flush=True)

@@ -97,7 +97,7 @@ def main() -> None:
     ap.add_argument("--print-every", type=int, default=None, help="Steps between rows of the printed table (default: steps/20).")
     for name, kind in (("steps", int), ("seq_len", int), ("batch_size", int), ("grad_accum", int), ("lr", float),
                        ("l1", float), ("l1_warmup_steps", int), ("warmup_steps", int), ("eval_tokens", int),
-                       ("seed", int), ("hybrid_below", float), ("hybrid_max_nnz", int)):
+                       ("seed", int), ("hybrid_below", float), ("hybrid_max_nnz", int), ("l1_log_scale", float)):
         ap.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
     args = ap.parse_args()
     from transformers.utils import logging

@@ -70,7 +70,7 @@ class TrainConfig:
         "The penalty's shape. 0: L1, the sum over the MLP units of |h|. S > 0: the log penalty, the sum of "
         "eps * log(1 + |h| / eps), eps S times the layer's mean |h| over its firing units at the first step: it "
         "pushes activations small against eps to zero as L1 does and the large ones, which carry the layer's "
-        "output, far less. The MLPs then train dense (the hybrid kernels compute L1)."), metavar="SCALE")
+        "output, far less."), metavar="SCALE")
     swap_steps: int | str = _setting(0, (
         "Move the gate activation linearly from the source's (SiLU) to ReLU over this many optimizer steps, or "
         "this share of them (20%), instead of swapping it at once (0). Layers train dense until the swap is "

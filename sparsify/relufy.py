@@ -8,11 +8,12 @@ undoable conversion, as in PEFT); `original_mlps` does so for a while, also on a
 sharded since (the modules share the projections).
 
 With `track = True` each forward stores `MLPStats`: l1 (differentiable: mean over tokens of the sum over
-units of |relu(gate(x)) * up(x)|, the paper's penalty for one layer, or of the log penalty: l1_penalty), active
+units of |relu(gate(x)) * up(x)|, the paper's penalty for one layer, or of the log penalty: twell's
+sparsity_penalty), active
 (mean units per token whose gate pre-activation is > 0) and fired (tokens in which each unit fired), and
 `backup_rows`: the token rows that went to the hybrid kernels' dense backup (0 on the dense path). With
 `use_hybrid = True` the forward goes through `twell.hybrid_gated_mlp` (sparse Triton kernels on CUDA and under
-the interpreter, its dense reference elsewhere), which returns the same output and statistics (L1 only).
+the interpreter, its dense reference elsewhere), which returns the same output and statistics.
 Training (sparsify/train/routing.py) sets `use_hybrid` per layer from the measured activity, and `hot_units`:
 the units that fire in so many tokens that the hybrid path runs them as dense columns. `source_share` s > 0 (a
 progressive swap, set by training) makes the gate (1 - s) * relu + s * the source's activation; only s = 0, plain
@@ -30,19 +31,7 @@ from transformers.activations import ACT2FN
 
 from .families import FamilySpec, down_weight, gate_weight, has_bias, spec_for, up_weight
 
-try:
-    from twell.training import hot_units, hybrid_gated_mlp
-except ImportError:  # kernels not installed (or no triton): dense path only
-    hybrid_gated_mlp = hot_units = None
-
-
-def l1_penalty(h: torch.Tensor, eps: float | None = None) -> torch.Tensor:
-    """The sparsity penalty of hidden activations h [..., I]: the mean over tokens of the sum over units of |h|,
-    or with `eps` > 0 of eps * log(1 + |h| / eps) (its slope 1 at 0, falling as 1 / (1 + |h| / eps)), in fp32 (under
-    bf16 autocast a sum over thousands of units loses the small terms)."""
-    if not eps:
-        return h.abs().sum(-1, dtype=torch.float32).mean()
-    return (eps * torch.log1p(h.abs().float() / eps)).sum(-1).mean()
+from twell.training import hot_units, hybrid_gated_mlp, sparsity_penalty
 
 
 class MLPStats(NamedTuple):
@@ -86,15 +75,21 @@ class ReluGatedMLP(nn.Module):
         return getattr(self, self.spec.gate)(x), getattr(self, self.spec.up)(x)
 
     @property
+    def penalty_eps(self) -> float:
+        """The penalty's eps: 0 for L1 (also while the log penalty's eps is unmeasured: the dense path measures it)."""
+        return (self.l1_eps or 0.0) if self.l1_log_scale else 0.0
+
+    @property
     def runs_hybrid(self) -> bool:
-        """Whether forward goes through the hybrid kernels: asked for, importable, no projection bias and the L1
-        penalty (they compute no other)."""
-        return (self.use_hybrid and self.source_share == 0 and hybrid_gated_mlp is not None
-                and not has_bias(self, self.spec) and not self.l1_log_scale)
+        """Whether forward goes through the hybrid kernels: asked for, no projection bias, plain ReLU, and the log
+        penalty's eps measured if it is on."""
+        return (self.use_hybrid and self.source_share == 0 and not has_bias(self, self.spec)
+                and (not self.l1_log_scale or self.l1_eps is not None))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.runs_hybrid:
-            out, stats = hybrid_gated_mlp(x, *self.weights(), max_nnz=self.hybrid_max_nnz, hot_units=self.hot_units)
+            out, stats = hybrid_gated_mlp(x, *self.weights(), max_nnz=self.hybrid_max_nnz, hot_units=self.hot_units,
+                                          l1_eps=self.penalty_eps)
             if self.track:
                 self.stats, self.backup_rows = MLPStats(stats.l1, stats.active, stats.fired), stats.backup_rows
             return out
@@ -109,7 +104,7 @@ class ReluGatedMLP(nn.Module):
                 firing = h.detach().reshape(fired.shape)[fired]
                 self.l1_eps = self.l1_log_scale * float(firing.abs().float().mean()) if firing.numel() else 0.0
             self.stats = MLPStats(
-                l1=l1_penalty(h, self.l1_eps if self.l1_log_scale else None),
+                l1=sparsity_penalty(h, self.penalty_eps),
                 active=fired.sum(-1, dtype=torch.float32).mean(),
                 fired=fired.sum(0),
             )

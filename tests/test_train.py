@@ -13,8 +13,8 @@ import torch.nn.functional as F
 import yaml
 
 from helpers import CountingTokenizer, Killed, interrupt, on_read, raising, tiny_model
+from twell.training import sparsity_penalty
 from sparsify.errors import ConfigError, DataError
-from sparsify import relufy as relufy_module
 from sparsify.relufy import relufy
 from sparsify.config import RunOptions, TrainConfig
 from sparsify.train import TrainingInterrupted, l1_coeff, slow_save_warning, source_share, train
@@ -110,9 +110,9 @@ def test_log_penalty_matches_hand_computation():
 
 def test_log_penalty_slope_falls_with_the_activation():
     h = torch.tensor([[1e-4, -1e-4, 1.0, -3.0]], requires_grad=True)
-    relufy_module.l1_penalty(h, 0.5).backward()
+    sparsity_penalty(h, 0.5).backward()
     assert h.grad[0].tolist() == pytest.approx([1 / (1 + 2e-4), -1 / (1 + 2e-4), 1 / 3, -1 / 7], rel=1e-5)
-    assert relufy_module.l1_penalty(h.detach(), None).item() == pytest.approx(4.0002)
+    assert sparsity_penalty(h.detach()).item() == pytest.approx(4.0002)
 
 
 def test_relative_l1_weighs_l1_by_its_first_value():
@@ -362,7 +362,7 @@ def test_progressive_swap_moves_the_gate_from_the_source_activation_to_relu():
     mlps[0].use_hybrid, mlps[0].source_share = True, 0.5  # the kernels compute plain ReLU only
     assert not mlps[0].runs_hybrid
     mlps[0].source_share = 0.0
-    assert mlps[0].runs_hybrid == (relufy_module.hybrid_gated_mlp is not None)
+    assert mlps[0].runs_hybrid
     with pytest.raises(ConfigError, match="swap-steps 6 must be below the 6 training steps"):
         train(model, mlps, batches_from(), config(steps=6, swap_steps=6), device="cpu", show_progress=False)
 

@@ -1,5 +1,5 @@
-"""Hybrid TwELL training kernels against PyTorch autograd of the dense block (float64), with the L1 term
-in the loss. CPU: fp32 through the Triton interpreter, small shapes, not multiples of the tiles (the
+"""Hybrid TwELL training kernels against PyTorch autograd of the dense block (float64), with the sparsity
+penalty (L1, or the log penalty: LOG_EPS) in the loss. CPU: fp32 through the Triton interpreter, small shapes, not multiples of the tiles (the
 interpreter tiles are 16 wide in D, 4 slots, 32 units). GPU (-m gpu): bf16 under autocast."""
 import warnings
 
@@ -12,7 +12,8 @@ from twell.training.reference import hybrid_gated_mlp_reference
 
 from helpers import poison_allocations
 
-L1_COEFF = 0.37  # large, so that a wrong L1 gradient shows in every weight's gradient
+L1_COEFF = 0.37  # large, so that a wrong penalty gradient shows in every weight's gradient
+LOG_EPS = 0.3  # the log penalty's eps, about the median |h| of the sparse rows: far from L1 for many units
 
 
 def rel(a, b):
@@ -62,21 +63,40 @@ def check(tensors, max_nnz, tol=1e-5, **kw):
 
 
 # D = 70 > 64 takes the unfused backward SDDMM in the interpreter; the others the fused one
+@pytest.mark.parametrize("eps", [0.0, LOG_EPS])
 @pytest.mark.parametrize("M,D,I,k,E", [(37, 45, 70, 6, 12), (1, 33, 50, 5, 16), (64, 19, 100, 9, 11),
                                        (20, 70, 30, 5, 8)])
-def test_matches_dense_autograd(M, D, I, k, E):
-    st = check(problem(M, D, I, k), E)
+def test_matches_dense_autograd(M, D, I, k, E, eps):
+    st = check(problem(M, D, I, k), E, l1_eps=eps)
     if M > 2:  # the sparse path and the backup both ran
         assert 1 <= int(st.backup_rows) < M
 
 
-def test_all_rows_dense_backup():
-    st = check(problem(21, 24, 40, 30, special_rows=False), max_nnz=3)
+@pytest.mark.parametrize("eps", [0.0, LOG_EPS])
+def test_all_rows_dense_backup(eps):
+    st = check(problem(21, 24, 40, 30, special_rows=False), max_nnz=3, l1_eps=eps)
     assert int(st.backup_rows) == 21
 
 
-@pytest.mark.parametrize("all_dense", [False, True])
-def test_hot_units_as_dense_columns(all_dense):
+def test_log_penalty_is_not_l1():
+    """The log penalty's value and gradients (the penalty's alone: dout 0, so down gets none) differ from L1's by
+    far more than the tolerance of the checks, so that a kernel computing L1 where eps asks for the log penalty
+    fails them."""
+    tensors = problem(37, 45, 70, 6)
+    dout = torch.zeros(37, 45)
+    (l1, l1_grads), (log, log_grads) = (run(hybrid_gated_mlp_reference, tensors, dout, 12, l1_eps=eps)[1:]
+                                        for eps in (0.0, LOG_EPS))
+    assert rel(log.l1, l1.l1) > 0.1 and all(rel(a, b) > 0.1 for a, b in zip(log_grads[:3], l1_grads[:3]))  # x, gate, up
+
+
+@pytest.mark.parametrize("eps", [-0.1, float("inf"), float("nan"), torch.tensor(0.3), True])
+def test_bad_eps_is_refused(eps):
+    with pytest.raises(ValueError, match="l1_eps must be a finite number >= 0"):
+        H.hybrid_gated_mlp(*problem(9, 20, 70, 5), max_nnz=8, l1_eps=eps)
+
+
+@pytest.mark.parametrize("all_dense, eps", [(False, 0.0), (True, 0.0), (False, LOG_EPS)])
+def test_hot_units_as_dense_columns(all_dense, eps):
     """Hot units (a busy one, a quiet one, one that never fires) run as dense columns: same outputs and
     gradients; they do not count towards a row's ELL budget, so fewer rows go to the backup than without them."""
     tensors = problem(45, 30, 70, 8, special_rows=not all_dense)
@@ -86,7 +106,7 @@ def test_hot_units_as_dense_columns(all_dense):
     fired = (pre > 0).sum(0)
     never = int((fired == 0).nonzero()[0]) if (fired == 0).any() else 0
     hot = torch.tensor(sorted({2, 9, never}))
-    st = check(tensors, 10, hot_units=hot)
+    st = check(tensors, 10, hot_units=hot, l1_eps=eps)
     assert int(st.backup_rows) == int(((pre > 0).sum(1) - (pre[:, hot] > 0).sum(1) > 10).sum())
 
 
@@ -110,7 +130,7 @@ def test_nan_poisoned_buffers(monkeypatch):
     written or never read."""
     allocations = poison_allocations(monkeypatch, "twell.training.ell", "twell.training.backup", "twell.training.hybrid")
     check(problem(29, 35, 60, 7), max_nnz=10)
-    check(problem(29, 35, 60, 7), max_nnz=10, hot_units=torch.tensor([2, 40]))
+    check(problem(29, 35, 60, 7), max_nnz=10, hot_units=torch.tensor([2, 40]), l1_eps=LOG_EPS)
     assert (29, 10) in allocations  # the ELL's [M, E] buffers were poisoned
 
 
@@ -252,12 +272,14 @@ def test_a_backward_beyond_the_device_under_activation_checkpointing(monkeypatch
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("hot", [False, True])
-def test_gpu_bf16_autocast(hot):
+@pytest.mark.parametrize("hot, eps", [(False, 0.0), (True, 0.0), (True, LOG_EPS)])
+def test_gpu_bf16_autocast(hot, eps):
     """fp32 master weights under bf16 autocast: outputs and gradients as close to the fp64 reference
-    as the dense bf16 block, fp32 gradients; backup rows included (and hot units as dense columns)."""
+    as the dense bf16 block, fp32 gradients; backup rows included (and hot units as dense columns; and the log
+    penalty)."""
     tensors = problem(3000, 320, 1100, 20, device="cuda")
     kw = dict(hot_units=torch.arange(0, 1100, 17, device="cuda")) if hot else {}  # 65 units, unit 2 not among them
+    kw["l1_eps"] = eps
     dout = torch.randn(3000, 320, device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
         out, st, grads = run(H.hybrid_gated_mlp, tensors, dout, 64, **kw)
@@ -274,13 +296,14 @@ def test_gpu_bf16_autocast(hot):
 
 
 @pytest.mark.gpu
-def test_gpu_fp32_matches_and_deterministic():
+@pytest.mark.parametrize("eps", [0.0, LOG_EPS])
+def test_gpu_fp32_matches_and_deterministic(eps):
     tensors = problem(1000, 200, 700, 15, device="cuda")
     dout = torch.randn(1000, 200, device="cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
-    out, st, grads = run(H.hybrid_gated_mlp, tensors, dout, 32)
-    out2, _, grads2 = run(H.hybrid_gated_mlp, tensors, dout, 32)
-    rout, _, rgrads = run(hybrid_gated_mlp_reference, [t.double() for t in tensors], dout.double(), 32)
+    out, st, grads = run(H.hybrid_gated_mlp, tensors, dout, 32, l1_eps=eps)
+    out2, _, grads2 = run(H.hybrid_gated_mlp, tensors, dout, 32, l1_eps=eps)
+    rout, _, rgrads = run(hybrid_gated_mlp_reference, [t.double() for t in tensors], dout.double(), 32, l1_eps=eps)
     assert rel(out, rout) < 1e-5 and all(rel(g, rg) < 1e-5 for g, rg in zip(grads, rgrads))
     assert torch.equal(out, out2) and all(torch.equal(a, b) for a, b in zip(grads, grads2))
 

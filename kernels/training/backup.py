@@ -1,11 +1,12 @@
 """The dense backup of the hybrid training block: the rows with more active units than the ELL holds, as
 persistent tensor-core tiles over a device-side row list (`backup_list`; nothing dropped, no host
-synchronization): h and its L1 sum forward, the gradients backward (`rows_units`), the backup rows' share of
+synchronization): h and its penalty forward, the gradients backward (`rows_units`), the backup rows' share of
 out and dx (`rows_mm`) and of the weight gradients (`rows_wgrad`); and the hot units' gradients (`hot_grads`),
 dense columns of every row. Reference: training/reference.py."""
 import torch
 
 from .blocks import blocks
+from .penalty import penalty_grad, penalty_of
 
 try:
     import triton
@@ -16,7 +17,7 @@ except ImportError:  # CPU-only installs: hybrid.py runs the reference's math in
     constexpr = int  # the modes below, which no kernel reads then
 
 # Modes of _rows_units_kernel, over the backup rows
-ROWS_FORWARD = constexpr(0)  # h over the gate pre-activation, sum |h|
+ROWS_FORWARD = constexpr(0)  # h over the gate pre-activation, its penalty (sum |h| for L1)
 ROWS_BACKWARD = constexpr(1)  # d_gate_pre, d_up, h
 
 
@@ -59,12 +60,13 @@ if triton is not None:
 
     @triton.jit
     def _rows_units_kernel(order_ptr, count_ptr, x_ptr, dout_ptr, w1_ptr, w2_ptr, w3_ptr, o1_ptr, o2_ptr,
-                           o3_ptr, l1_ptr, c_ptr, cold_ptr, N, K, stride_x, stride_dout, stride_o, stride_w3k,
-                           stride_w3n, MODE: tl.constexpr, HOT: tl.constexpr, DOT: tl.constexpr,
+                           o3_ptr, l1_ptr, c_ptr, cold_ptr, eps, N, K, stride_x, stride_dout, stride_o, stride_w3k,
+                           stride_w3n, MODE: tl.constexpr, LOG: tl.constexpr, HOT: tl.constexpr, DOT: tl.constexpr,
                            NPROG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         # Dense [backup rows, units] tiles. ROWS_FORWARD: h = relu(o1) * (x @ up^T) over o1 = the gate
-        # pre-activation, in place, and the program's sum |h| into l1_ptr. ROWS_BACKWARD: g, u recomputed
-        # (w1 = gate, w2 = up), dh = dout @ down (w3) + c sign(h): o1 = dh u [g > 0], o2 = dh relu(g), o3 = h.
+        # pre-activation, in place, and the program's penalty (sum |h| for L1) into l1_ptr. ROWS_BACKWARD: g, u
+        # recomputed (w1 = gate, w2 = up), dh = dout @ down (w3) + the penalty's term (c sign(h) for L1):
+        # o1 = dh u [g > 0], o2 = dh relu(g), o3 = h.
         # With HOT, units where cold_ptr is 0 count as inactive (they are dense columns, computed outside).
         count = tl.load(count_ptr)
         n_n = tl.cdiv(N, BN)
@@ -85,14 +87,14 @@ if triton is not None:
                 g = tl.where(on, tl.maximum(tl.load(o1_ptr + offs, mask=m, other=0.0).to(tl.float32), 0.0), 0.0)
                 h = (g * acc1.to(dt).to(tl.float32)).to(dt)
                 tl.store(o1_ptr + offs, h, mask=m)
-                l1 += tl.abs(h.to(tl.float32))
+                l1 += penalty_of(tl.abs(h.to(tl.float32)), eps, LOG)
             else:
                 c = tl.load(c_ptr)
                 pre = tl.where(on, acc1.to(dt).to(tl.float32), 0.0)  # as the forward's matmul output
                 g = tl.maximum(pre, 0.0)
                 u = acc2.to(dt).to(tl.float32)
                 h = (g * u).to(dt).to(tl.float32)
-                dh = acc3 + c * tl.where(h > 0.0, 1.0, tl.where(h < 0.0, -1.0, 0.0))
+                dh = acc3 + penalty_grad(h, c, eps, LOG)
                 tl.store(o1_ptr + offs, (dh * u * (pre > 0.0)).to(dt), mask=m)
                 tl.store(o2_ptr + offs, (dh * g).to(dt), mask=m)
                 tl.store(o3_ptr + offs, h.to(dt), mask=m)
@@ -100,15 +102,15 @@ if triton is not None:
             tl.store(l1_ptr + tl.program_id(0), tl.sum(tl.sum(l1, 1), 0))
 
     @triton.jit
-    def _hot_grads_kernel(g_ptr, u_ptr, dh_ptr, c_ptr, dgp_ptr, du_ptr, h_ptr, n, BLOCK: tl.constexpr):
+    def _hot_grads_kernel(g_ptr, u_ptr, dh_ptr, c_ptr, dgp_ptr, du_ptr, h_ptr, eps, n, LOG: tl.constexpr,
+                          BLOCK: tl.constexpr):
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         m = i < n
         dt = h_ptr.dtype.element_ty
         g = tl.load(g_ptr + i, mask=m, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + i, mask=m, other=0.0).to(tl.float32)
         h = (tl.maximum(g, 0.0) * u).to(dt).to(tl.float32)  # as the forward's h
-        dh = tl.load(dh_ptr + i, mask=m, other=0.0).to(tl.float32) + \
-            tl.load(c_ptr) * tl.where(h > 0.0, 1.0, tl.where(h < 0.0, -1.0, 0.0))
+        dh = tl.load(dh_ptr + i, mask=m, other=0.0).to(tl.float32) + penalty_grad(h, tl.load(c_ptr), eps, LOG)
         tl.store(dgp_ptr + i, (dh * u * (g > 0.0)).to(dt), mask=m)
         tl.store(du_ptr + i, (dh * tl.maximum(g, 0.0)).to(dt), mask=m)
         tl.store(h_ptr + i, h.to(dt), mask=m)
@@ -173,12 +175,14 @@ def backup_list(nnz, E):
     return order, count.to(torch.int32).reshape(1), count
 
 
-def hot_grads(g, u, dh, c):
-    """d_gate_pre, d_up and h of the hot columns from g, u and dout @ down[:, hot], one pass."""
+def hot_grads(g, u, dh, c, eps=0.0):
+    """d_gate_pre, d_up and h of the hot columns from g, u and dout @ down[:, hot], one pass (the penalty L1, or
+    the log penalty with eps > 0)."""
     outs = [torch.empty(g.shape, dtype=g.dtype, device=g.device) for _ in range(3)]
     n = g.numel()
     block = 1024 if g.is_cuda else 64
-    _hot_grads_kernel[(triton.cdiv(n, block),)](g, u, dh, c, *outs, n, BLOCK=block, num_warps=4)
+    _hot_grads_kernel[(triton.cdiv(n, block),)](g, u, dh, c, *outs, float(eps), n, LOG=eps > 0, BLOCK=block,
+                                                 num_warps=4)
     return outs
 
 
@@ -194,9 +198,9 @@ def _backup_launch(device, M, N):
     return min(bl["NPROG"], triton.cdiv(M, bm) * triton.cdiv(N, bn)), bm, bn, bk
 
 
-def rows_units(mode, backup, x, w1, *, pre=None, w2=None, dout=None, down=None, c=None, cold=None):
-    """_rows_units_kernel over the backup rows. ROWS_FORWARD writes h over `pre` and returns the backup's
-    sum |h|; ROWS_BACKWARD returns [M, I] buffers with only the backup rows written: (d_gate_pre, d_up, h).
+def rows_units(mode, backup, x, w1, *, pre=None, w2=None, dout=None, down=None, c=None, cold=None, eps=0.0):
+    """_rows_units_kernel over the backup rows (the penalty L1, or the log penalty with eps > 0). ROWS_FORWARD
+    writes h over `pre` and returns the backup's penalty; ROWS_BACKWARD returns [M, I] buffers with only the backup rows written: (d_gate_pre, d_up, h).
     (Transient, dense-sized: the backup's size is known only on the device.)"""
     order, count = backup
     M, K = x.shape
@@ -211,10 +215,10 @@ def rows_units(mode, backup, x, w1, *, pre=None, w2=None, dout=None, down=None, 
         l1 = o1
     _rows_units_kernel[(nprog,)](order, count, x, x if dout is None else dout, w1, w1 if w2 is None else w2,
                                  x if down is None else down, o1, o2, o3, l1, l1 if c is None else c,
-                                 order if cold is None else cold, N, K,
+                                 order if cold is None else cold, float(eps), N, K,
                                  x.stride(0), x.stride(0) if dout is None else dout.stride(0), o1.stride(0),
                                  0 if down is None else down.stride(0), 0 if down is None else down.stride(1),
-                                 MODE=mode, HOT=cold is not None, DOT=_dot(x), NPROG=nprog, BM=bm, BN=bn, BK=bk,
+                                 MODE=mode, LOG=eps > 0, HOT=cold is not None, DOT=_dot(x), NPROG=nprog, BM=bm, BN=bn, BK=bk,
                                  num_warps=4)
     return l1.sum() if mode == ROWS_FORWARD else (o1, o2, o3)
 

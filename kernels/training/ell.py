@@ -7,6 +7,7 @@ is a named mode. Reference: training/reference.py."""
 import torch
 
 from .blocks import blocks
+from .penalty import penalty_grad, penalty_of
 
 try:
     import triton
@@ -22,7 +23,7 @@ A = constexpr(0)  # sum a w1[j]; sum a x
 A_AND_B = constexpr(1)  # sum a w1[j] + b w2[j]; out1 = sum a x and out2 = sum b x
 A_TIMES_B = constexpr(2)  # sum (a b) w1[j]; sum (a b) x
 # _wgrad_kernel only (its last mode, DH_GATED), x = dout: also dh = dout . w[unit] of each entry plus
-# the L1 term (the backward SDDMM, fused: the dout row is gathered once for both)
+# the penalty's term (the backward SDDMM, fused: the dout row is gathered once for both)
 DH_GATED = constexpr(3)  # a = g, b = u: out1 = sum g u dout (d_down^T), d_gate_pre -> o1, d_up -> o2
 
 
@@ -68,8 +69,8 @@ if triton is not None:
 
     @triton.jit
     def _sddmm_kernel(a_ptr, w_ptr, idx_ptr, nnz_ptr, g_ptr, u_ptr, out1_ptr, out2_ptr, rowsum_ptr,
-                      c_ptr, D, E, stride_a, stride_w,
-                      BACKWARD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                      c_ptr, eps, D, E, stride_a, stride_w, BACKWARD: tl.constexpr, LOG: tl.constexpr,
+                      BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         n = tl.load(nnz_ptr + row)
         n = tl.where(n > E, 0, n)  # backup rows: nothing here
@@ -90,13 +91,12 @@ if triton is not None:
             if not BACKWARD:  # acc = u; h = g * u
                 g = tl.load(g_ptr + e, mask=smask, other=0.0)
                 tl.store(u_ptr + e, acc, mask=smask)
-                l1 += tl.sum(tl.abs(g * acc), 0)
-            else:  # acc = dh from the output; add the L1 term c * sign(h), c = dl1 / M
+                l1 += tl.sum(penalty_of(tl.abs(g * acc), eps, LOG), 0)
+            else:  # acc = dh from the output; add the penalty's term (c sign(h) for L1), c = dl1 / M
                 c = tl.load(c_ptr)
-                g = tl.load(g_ptr + e, mask=smask, other=0.0)  # g > 0 on the pattern, so sign(h) = sign(u)
+                g = tl.load(g_ptr + e, mask=smask, other=0.0)
                 u = tl.load(u_ptr + e, mask=smask, other=0.0)
-                sgn = tl.where(u > 0.0, 1.0, tl.where(u < 0.0, -1.0, 0.0))
-                dh = acc + c * sgn
+                dh = acc + penalty_grad(g * u, c, eps, LOG)
                 tl.store(out1_ptr + e, dh * u, mask=smask)
                 tl.store(out2_ptr + e, dh * g, mask=smask)
         if not BACKWARD:
@@ -133,8 +133,8 @@ if triton is not None:
 
     @triton.jit
     def _wgrad_kernel(seg_unit_ptr, seg_first_ptr, perm_ptr, offsets_ptr, a_ptr, b_ptr, x_ptr, out1_ptr,
-                      out2_ptr, part1_ptr, part2_ptr, w_ptr, c_ptr, o1_ptr, o2_ptr, I, D, E, stride_x,
-                      SEG: tl.constexpr, MODE: tl.constexpr, BLOCK_N: tl.constexpr,
+                      out2_ptr, part1_ptr, part2_ptr, w_ptr, c_ptr, o1_ptr, o2_ptr, eps, I, D, E, stride_x,
+                      SEG: tl.constexpr, MODE: tl.constexpr, LOG: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_D: tl.constexpr):
         # out1 (and out2) = sums over the unit's entries as MODE says (A, A_AND_B, A_TIMES_B); DH_GATED
         # (x = dout, BLOCK_D >= D) also writes each entry's gradients to o1 and o2.
@@ -168,10 +168,9 @@ if triton is not None:
                     a = tl.load(a_ptr + p, mask=emask, other=0.0)
                     if MODE == A_TIMES_B:
                         a = a * tl.load(b_ptr + p, mask=emask, other=0.0)
-                    if MODE == DH_GATED:  # g > 0 on the pattern: sign(h) = sign(u)
+                    if MODE == DH_GATED:
                         u = tl.load(b_ptr + p, mask=emask, other=0.0)
-                        sgn = tl.where(u > 0.0, 1.0, tl.where(u < 0.0, -1.0, 0.0))
-                        dh = tl.sum(xt * wrow[None, :], 1) + c * sgn
+                        dh = tl.sum(xt * wrow[None, :], 1) + penalty_grad(a * u, c, eps, LOG)
                         tl.store(o1_ptr + p, dh * u, mask=emask)
                         tl.store(o2_ptr + p, dh * a, mask=emask)
                         a = a * u
@@ -273,9 +272,9 @@ def fused_dh(D, device):
     return triton.next_power_of_2(D) <= blocks(device)["FUSE_D"]
 
 
-def wgrad(csc, E, a, b, x, mode, w=None, c=None, o1=None, o2=None):
+def wgrad(csc, E, a, b, x, mode, w=None, c=None, o1=None, o2=None, eps=0.0):
     """Weight gradient rows [I, D] (fp32) as transposed-sparse x dense; modes: A, A_AND_B, A_TIMES_B, DH_GATED
-    (_wgrad_kernel)."""
+    (_wgrad_kernel; its penalty L1, or the log penalty with eps > 0: penalty.py)."""
     perm, offsets, nseg, seg_first, seg_unit = csc
     I, n_prog = nseg.numel(), seg_unit.numel()
     D = x.shape[1]
@@ -289,15 +288,16 @@ def wgrad(csc, E, a, b, x, mode, w=None, c=None, o1=None, o2=None):
     b = a if b is None else b
     _wgrad_kernel[(n_prog,)](seg_unit, seg_first, perm, offsets, a, b, x, outs[0], out2, parts[0], part2,
                              x if w is None else w, a if c is None else c, a if o1 is None else o1,
-                             a if o2 is None else o2, I, D, E, x.stride(0), SEG=bl["SEG"], MODE=mode,
-                             BLOCK_N=bl["BLOCK_N"], BLOCK_D=block_d, num_warps=4)
+                             a if o2 is None else o2, float(eps), I, D, E, x.stride(0), SEG=bl["SEG"], MODE=mode,
+                             LOG=eps > 0, BLOCK_N=bl["BLOCK_N"], BLOCK_D=block_d, num_warps=4)
     for out, part in zip(outs, parts):
         _wgrad_reduce_kernel[(I,)](nseg, seg_first, out, part, D, BLOCK_D=block_d, num_warps=4)
     return outs[0], (outs[1] if mode == A_AND_B else None)
 
 
-def sddmm(a, w, idx, nnz, g, u, *, backward, c=None):
-    """Forward: writes u, returns per-row sum |g u|. Backward: returns (d_gate_pre, d_up) on the pattern."""
+def sddmm(a, w, idx, nnz, g, u, *, backward, c=None, eps=0.0):
+    """Forward: writes u, returns each row's penalty of h = g u (L1, or the log penalty with eps > 0: penalty.py).
+    Backward: returns (d_gate_pre, d_up) on the pattern."""
     M, E = idx.shape
     D = a.shape[1]
     bl = blocks(a.device)
@@ -309,6 +309,6 @@ def sddmm(a, w, idx, nnz, g, u, *, backward, c=None):
     _sddmm_kernel[(M,)](a, w, idx, nnz, g if g is not None else dummy, u if u is not None else dummy,
                         out1 if out1 is not None else dummy, out2 if out2 is not None else dummy,
                         rowsum if rowsum is not None else dummy, c if c is not None else dummy,
-                        D, E, a.stride(0), w.stride(0), BACKWARD=backward,
+                        float(eps), D, E, a.stride(0), w.stride(0), BACKWARD=backward, LOG=eps > 0,
                         BLOCK_S=bl["SDDMM_S"], BLOCK_D=bl["SDDMM_D"], num_warps=4)
     return rowsum if not backward else (out1, out2)

@@ -4,9 +4,11 @@ from typing import NamedTuple
 
 import torch
 
+from .penalty import sparsity_penalty
+
 
 class HybridStats(NamedTuple):
-    l1: torch.Tensor  # scalar, differentiable: mean over tokens of sum over units of |h|
+    l1: torch.Tensor  # scalar, differentiable: mean over tokens of sum over units of the penalty of h (penalty.py)
     active: torch.Tensor  # scalar float: mean active units per token (detached)
     fired: torch.Tensor  # int64 [I]: tokens in which each unit fired (detached)
     backup_rows: torch.Tensor  # int64 scalar: rows that went to the dense backup
@@ -20,9 +22,8 @@ def _stats(pre, l1, max_nnz, hot_units=None):
                        (cold > max_nnz).sum())
 
 
-def hybrid_gated_mlp_reference(x, gate_weight, up_weight, down_weight, *, max_nnz=128, hot_units=None):
+def hybrid_gated_mlp_reference(x, gate_weight, up_weight, down_weight, *, max_nnz=128, hot_units=None, l1_eps=0.0):
     """Plain PyTorch (dense) block with the same outputs and stats as hybrid_gated_mlp."""
     pre = x @ gate_weight.t()
     h = torch.relu(pre) * (x @ up_weight.t())
-    l1 = h.abs().sum(-1).mean()
-    return h @ down_weight.t(), _stats(pre.detach(), l1, max_nnz, hot_units)
+    return h @ down_weight.t(), _stats(pre.detach(), sparsity_penalty(h, l1_eps), max_nnz, hot_units)

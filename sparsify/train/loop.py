@@ -175,7 +175,7 @@ def _prepare(accelerator: Accelerator, model, mlps: list, config: TrainConfig, t
                 torch.distributed.broadcast(tensor, src=0)
     return Run(accelerator, model, mlps, optimizer, scheduler, config, schedule, total,
                teacher if config.uses_teacher else None,
-                routes=config.hybrid_below > 0 and not config.l1_log_scale and hybrid_kernels_run(accelerator.device))
+               routes=config.hybrid_below > 0 and hybrid_kernels_run(accelerator.device))
 
 
 def _loop(run: Run, state: RunState, stream: Iterator[torch.Tensor], saver: Saver, progress) -> None:
