@@ -16,11 +16,12 @@ sequential mode does. The source's stream after a layer comes from a forward wit
 back into the layers below it for the while (`SourceProjections`: each layer's kept in CPU memory before it is
 fitted), so that what is held is the MLPs' weights once, not a stream of every layer over every token.
 
-With a target sparsity (--calibrate-sparsity) the fit also sparsifies: the layer's L1 (the training's penalty,
-relative to its value before the fit) joins the loss with a weight that rises while more units fire than the
+With a target sparsity (--calibrate-sparsity) the fit also sparsifies: the layer's penalty (the training's, L1 or
+the log penalty, relative to its value before the fit) joins the loss with a weight that rises while more units fire than the
 target allows and falls while fewer do, a multiplier adjusted each step as in constrained optimization. A layer can
 take many such steps on its own rows without moving the rest of the model, which a short conversion's training
-steps cannot.
+steps cannot. The log penalty's eps is measured here, on each swapped layer's rows before its fit, and training
+keeps it, so that the fit and the training weigh the same penalty.
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ from .errors import ConfigError
 from .families import mlp_modules, spec_for
 from .relufy import ReluGatedMLP, original_mlps
 from .report import console
+from twell.training import sparsity_penalty
 from .train.loss import activity_error
 
 # Families whose decoder layers normalize the MLP's output before the residual add: the norm's attribute of a
@@ -55,7 +57,8 @@ class LayerFit:
     before: float  # relative squared error of the ReLU MLP against the source's on the captured rows
     after: float
     active: float  # mean units a row whose gate fires, after the fit
-    l1_swap: float  # the ReLU MLP's L1 a row before the fit (the swapped model's)
+    l1_swap: float  # the ReLU MLP's penalty a row before the fit (the swapped model's)
+    l1_eps: float | None = None  # the log penalty's eps (None: L1)
 
 
 @dataclass
@@ -70,15 +73,22 @@ class CalibrationResult:
 
     @property
     def l1_reference(self) -> float:
-        """The swapped model's L1 term (the mean over layers of each MLP's L1 a token) before calibration: the
-        reference of a relative L1 coefficient, so that it means the same pressure with or without calibration."""
+        """The swapped model's penalty term (the mean over layers of each MLP's penalty a token) before calibration:
+        the reference of a relative L1 coefficient, so that it means the same pressure with or without calibration."""
         return sum(fit.l1_swap for fit in self.layers) / len(self.layers)
+
+    @property
+    def l1_eps(self) -> list[float] | None:
+        """Each layer's eps of the log penalty, measured before its fit (None with L1): training keeps them."""
+        return [fit.l1_eps for fit in self.layers] if self.layers and self.layers[0].l1_eps is not None else None
 
     def record(self) -> dict:
         """The training record's entry (config.json's twell.training and training_log.json)."""
         return {"tokens": self.tokens, "steps": self.steps, "lr": self.lr, "sparsity": self.sparsity,
                 "sequential": self.sequential, "seconds": round(self.seconds, 1), "l1_reference": self.l1_reference,
-                "layers": [{k: round(v, 5) for k, v in asdict(fit).items()} for fit in self.layers]}
+                "l1_eps": self.l1_eps,
+                "layers": [{k: round(v, 5) if v is not None else None for k, v in asdict(fit).items()}
+                           for fit in self.layers]}
 
 
 def compute(device: torch.device):
@@ -250,8 +260,8 @@ def squared_error_ratio(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor
 def fit_figures(mlp: ReluGatedMLP, x: torch.Tensor, y: torch.Tensor, chunk: int = 16384,
                 tail: nn.Module | None = None) -> tuple[float, float, float]:
     """Over all rows, in chunks: squared_error_ratio of mlp(x) (through `tail` where given) against y, the mean
-    units a row whose gate fires, and the mean L1 of a row (the sum over units of |relu(gate) * up|, the
-    training's penalty)."""
+    units a row whose gate fires, and the mean penalty of a row (the training's: the sum over units of
+    |relu(gate) * up|, or of the log penalty once the layer's eps is measured)."""
     tail = nn.Identity() if tail is None else tail
     err = active = l1 = 0.0
     with torch.no_grad(), compute(x.device):
@@ -259,7 +269,7 @@ def fit_figures(mlp: ReluGatedMLP, x: torch.Tensor, y: torch.Tensor, chunk: int 
             gate, up = mlp.gate_up(xc)
             h = F.relu(gate) * up
             active += float((gate > 0).sum())
-            l1 += float(h.abs().sum(dtype=torch.float32))
+            l1 += float(sparsity_penalty(h, mlp.penalty_eps)) * len(xc)
             out = getattr(mlp, mlp.spec.down)(h)
             err += float((tail(out).float() - yc.float()).square().sum())
     return err / max(float(y.float().square().sum()), 1e-30), active / len(x), l1 / len(x)
@@ -269,9 +279,15 @@ def fit_layer(mlp: ReluGatedMLP, x: torch.Tensor, y: torch.Tensor, steps: int, l
               generator: torch.Generator, sparsity: float = 0.0, tail: nn.Module | None = None) -> LayerFit:
     """Fits `mlp`'s parameters so that mlp(x), through `tail` where given (its parameters left as they are),
     matches y by `steps` Adam steps (lr cosine from `lr` to 0), each on ROWS_PER_STEP rows drawn at random; with
-    `sparsity` > 0 under an L1 penalty whose weight steers the share of units that do not fire towards it (module
-    docstring)."""
+    `sparsity` > 0 under the penalty, with a weight that steers the share of units that do not fire towards it
+    (module docstring). With the log penalty on (mlp.l1_log_scale) and its eps unmeasured, the layer's first
+    tracked forward measures it on the rows before the fit."""
     tail = nn.Identity() if tail is None else tail
+    if mlp.l1_log_scale and mlp.l1_eps is None:
+        tracked, mlp.track = mlp.track, True
+        with torch.no_grad(), compute(x.device):
+            mlp(x[:ROWS_PER_STEP])
+        mlp.track, mlp.stats = tracked, None
     before, _, l1_swap = fit_figures(mlp, x, y, tail=tail)
     params = [p for p in mlp.parameters() if p.requires_grad]
     optimizer = torch.optim.Adam(params, lr=lr)
@@ -297,14 +313,16 @@ def fit_layer(mlp: ReluGatedMLP, x: torch.Tensor, y: torch.Tensor, steps: int, l
         for p in (*params, *tail.parameters()):
             p.grad = None
     after, active, _ = fit_figures(mlp, x, y, tail=tail)
-    return LayerFit(before, after, active, l1_swap)
+    return LayerFit(before, after, active, l1_swap, mlp.l1_eps if mlp.l1_log_scale else None)
 
 
 def calibrate(model: nn.Module, mlps: list[ReluGatedMLP], blocks: list[torch.Tensor], steps: int, lr: float,
-              seed: int = 0, shown: bool = True, sparsity: float = 0.0, sequential: bool = False) -> CalibrationResult:
+              seed: int = 0, shown: bool = True, sparsity: float = 0.0, sequential: bool = False,
+              l1_log_scale: float = 0.0) -> CalibrationResult:
     """Fits each of `mlps` (the relufied `model`'s, in layer order) on `blocks`, one layer at a time, towards
-    `sparsity` (0: a dense fit): to the source's MLP on its inputs, or `sequential`ly to the source's residual
-    stream (module docstring); the other parameters are left as they are. The result lists the layers in order."""
+    `sparsity` (0: a dense fit) under the penalty (`l1_log_scale` > 0: the log penalty, its eps measured here): to
+    the source's MLP on its inputs, or `sequential`ly to the source's residual stream (module docstring); the other
+    parameters are left as they are. The result lists the layers in order."""
     started = time.perf_counter()
     generator = torch.Generator().manual_seed(seed)
     fits = {}
@@ -314,6 +332,8 @@ def calibrate(model: nn.Module, mlps: list[ReluGatedMLP], blocks: list[torch.Ten
     if sequential:
         check_kept_memory(sum(p.numel() * p.element_size() for mlp in mlps for p in mlp.parameters()),
                           available_memory())
+    for mlp in mlps:
+        mlp.l1_log_scale, mlp.l1_eps = l1_log_scale, None
     source = SourceProjections(mlps)
     for layer in range(len(mlps)) if sequential else reversed(range(len(mlps))):
         mlp = mlps[layer]

@@ -141,7 +141,8 @@ class TrainConfig:
                                           unset="--lr")
     calibrate_sparsity: float = _setting(0.0, (
         "Calibration's target share of each layer's units that do not fire for a token (such as 0.99): the fit "
-        "adds the L1 penalty with a weight steered to reach it, so that training starts sparse. 0: a dense fit."),
+        "adds the training's penalty (L1 or the log penalty) with a weight steered to reach it, so that training "
+        "starts sparse. 0: a dense fit."),
         metavar="SHARE")
     calibrate_sequential: bool = _setting(False, (
         "Fit the layers bottom up, each on the inputs that the layers below it, already fitted, give it, to the "
@@ -239,8 +240,6 @@ class TrainConfig:
             bad(f"calibrate-sparsity must be in [0, 1) (a share of units, such as 0.99), got {self.calibrate_sparsity}")
         if not 0 <= self.target_sparsity < 1:
             bad(f"target-sparsity must be in [0, 1) (a share of units, such as 0.99; 0: off), got {self.target_sparsity}")
-        if self.l1_log_scale and self.calibrate_steps:
-            bad("l1-log-scale is not supported with calibrate-steps, whose fit and L1 reference use L1: set one")
         if self.target_sparsity and not self.l1:
             bad("target-sparsity steers the L1 weight: set --l1 above 0")
         if self.calibrate_sparsity and not self.calibrate_steps:

@@ -320,7 +320,7 @@ def _train(model, text: TextData, config: TrainConfig, options: RunOptions, chec
                                                        seed=config.seed), config.calibrate_tokens)
         calibration = calibrate(model, mlps, blocks, config.calibrate_steps, config.calibrate_lr or config.lr,
                                 config.seed, perplexities.shown, config.calibrate_sparsity,
-                                config.calibrate_sequential)
+                                config.calibrate_sequential, config.l1_log_scale)
         perplexities.after_calibration(model)
         before_training = {"calibration": calibration.record(),
                            "perplexity": {"after calibration": perplexities.values["after calibration"]}}
@@ -333,7 +333,8 @@ def _train(model, text: TextData, config: TrainConfig, options: RunOptions, chec
             resume_dir=checked.resume_dir, resume=checked.saved, device=options.device, show_progress=perplexities.shown,
             evaluate=(lambda prepared: perplexities.of_source(prepared, sharded=True)) if checked.fsdp else None,
             inputs=checked.inputs, before_training=before_training, teacher=teacher,
-            l1_reference=(before_training["calibration"] or {}).get("l1_reference"), report_to=checked.trackers,
+            l1_reference=(before_training["calibration"] or {}).get("l1_reference"),
+            l1_eps=(before_training["calibration"] or {}).get("l1_eps"), report_to=checked.trackers,
             logging_dir=logging_dir_for(checked.out),
         )
     except torch.cuda.OutOfMemoryError:

@@ -15,6 +15,7 @@ from sparsify.config import TrainConfig
 from sparsify.errors import ConfigError
 from sparsify.load import mlp_parameter_count
 from sparsify.relufy import relufy
+from sparsify.train import train
 from test_cli import assert_user_error, convert, files  # noqa: F401  (files: the fixture)
 
 
@@ -213,13 +214,39 @@ def test_impossible_calibration_settings(settings, world, message):
         config.validate(world=world)
 
 
-@pytest.mark.parametrize("sequential", [False, True])
-def test_convert_calibrates_and_records_it(files, tmp_path, sequential):
+def test_the_log_penalty_eps_is_measured_on_each_swapped_layer_and_weighs_its_fit():
+    """With the log penalty each layer's eps is the scale times its mean |h| over the firing units of its first rows
+    before the fit, and the fit's reference is the log penalty of the swapped layer with that eps."""
+    model, _ = tiny_model("llama")
+    blocks = [tiny_input_ids(4, 32, seed=s) for s in range(2)]
+    mlps = relufy(model)
+    eps, penalty = [], []
+    for layer, mlp in enumerate(mlps):
+        x, _ = source_rows(model, blocks, layer)  # the source's rows: no layer is fitted yet
+        with torch.no_grad():
+            gate, up = mlp.gate_up(x)
+            h = torch.relu(gate) * up
+        first = h[:calibrate_module.ROWS_PER_STEP][gate[:calibrate_module.ROWS_PER_STEP] > 0]
+        eps.append(0.2 * first.abs().mean().item())
+        penalty.append((eps[-1] * torch.log1p(h.abs() / eps[-1])).sum(-1).mean().item())
+    result = calibrate(model, mlps, blocks, steps=300, lr=3e-3, shown=False, sparsity=0.9, l1_log_scale=0.2)
+    assert result.l1_eps == pytest.approx(eps, rel=1e-5) and result.record()["l1_eps"] == result.l1_eps
+    assert [fit.l1_swap for fit in result.layers] == pytest.approx(penalty, rel=1e-5)
+    units = model.config.intermediate_size
+    assert all(0.05 * units < fit.active <= 0.12 * units for fit in result.layers)  # the target under this penalty
+    assert calibrate(model, relufy(model), blocks, steps=1, lr=1e-3, shown=False).l1_eps is None  # L1
+
+
+@pytest.mark.parametrize("sequential, log_scale", [(False, 0.0), (True, 0.0), (False, 0.2)])
+def test_convert_calibrates_and_records_it(files, tmp_path, monkeypatch, sequential, log_scale):
     out = tmp_path / "out"
+    trained = []  # the l1_eps that convert hands to training
+    monkeypatch.setattr(convert_module, "train", lambda *a, **k: trained.append(k["l1_eps"]) or train(*a, **k))
     # --no-hybrid: the calibrated layers are sparse enough for the hybrid kernels, which would train through the
     # interpreter here (test_hybrid_routing.py checks them; the calibration is what this test is about)
     result = convert(files, "llama", out, "--calibrate-steps", 20, "--calibrate-tokens", 64, "--calibrate-lr", 3e-3,
-                     "--no-hybrid", "--l1-relative", "--l1", 3.5, *["--calibrate-sequential"] * sequential)
+                     "--no-hybrid", "--l1-relative", "--l1", 3.5, *["--calibrate-sequential"] * sequential,
+                     "--l1-log-scale", log_scale)
     assert result.exit_code == 0, result.output
     training = json.loads((out / "training_log.json").read_text())["training"]
     calibration = training["calibration"]
@@ -232,6 +259,8 @@ def test_convert_calibrates_and_records_it(files, tmp_path, sequential):
     ppl = training["perplexity"]
     assert list(ppl) == ["original", "after swap", "after calibration", "after training"]
     assert "after calibration" in result.output and "calibrated layer 2 of 2" in result.output
+    # the log penalty's eps: measured by calibration, kept by training
+    assert trained == [calibration["l1_eps"]] and (calibration["l1_eps"] is None) == (not log_scale)
 
 
 def test_a_resumed_conversion_reports_the_calibration_without_calibrating_again(files, tmp_path, monkeypatch):

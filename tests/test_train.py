@@ -108,6 +108,15 @@ def test_log_penalty_matches_hand_computation():
     assert log[0]["loss"] == pytest.approx(log[0]["cross_entropy"] + 1e-3 * sum(penalty) / len(penalty), rel=1e-5)
 
 
+def test_a_given_log_penalty_eps_is_kept():
+    """Training keeps the eps it is given (convert: the calibration's) instead of measuring its own."""
+    model, _ = tiny_model("llama")
+    mlps = relufy(model)
+    train(model, mlps, batches_from(), config(steps=1, l1_log_scale=0.2), l1_eps=[0.5, 0.25], device="cpu",
+          show_progress=False)
+    assert [m.l1_eps for m in mlps] == [0.5, 0.25]
+
+
 def test_log_penalty_slope_falls_with_the_activation():
     h = torch.tensor([[1e-4, -1e-4, 1.0, -3.0]], requires_grad=True)
     sparsity_penalty(h, 0.5).backward()
@@ -418,7 +427,6 @@ def test_steps_and_tokens_bound_training():
         (dict(target_sparsity=0.99, l1=0.0), "target-sparsity steers the L1 weight: set --l1 above 0"),
         (dict(l1_log_scale=-0.1), r"l1-log-scale must be a number >= 0 \(0: L1\)"),
         (dict(l1_log_scale=float("inf")), "l1-log-scale must be a number >= 0"),
-        (dict(l1_log_scale=0.2, calibrate_steps=5), "l1-log-scale is not supported with calibrate-steps"),
         (dict(betas=(1.5, 0.9)), r"betas must be two numbers in \[0, 1\)"),
         (dict(betas=(0.9, 0.95, 0.99)), "betas must be two numbers"),
         (dict(betas=(0.9, float("nan"))), "betas must be two numbers"),

@@ -55,6 +55,7 @@ def train(
     inputs: dict | None = None,
     before_training: dict | None = None,
     l1_reference: float | None = None,
+    l1_eps: list[float] | None = None,
     teacher: torch.nn.Module | None = None,
     report_to: list = (),
     logging_dir: str | Path | None = None,
@@ -69,7 +70,8 @@ def train(
     `inputs` (JSON values; convert: the source model and the data) is saved with an interrupted
     state, and a resumed run must give the same (check_resume). `before_training` (JSON values; convert: the
     calibration's record) is saved with the state too, for a resumed run, which does not do that work again, to
-    report (the state check_resume returns holds it). `teacher` (needed with `config.distill`): a
+    report (the state check_resume returns holds it). `l1_reference` and `l1_eps` (convert: the calibration's):
+    the relative L1's reference and each layer's eps of the log penalty, else measured at the first step. `teacher` (needed with `config.distill`): a
     frozen model over the same vocabulary, moved to this process's device and run under the same autocast,
     whose next-token distributions the model is fitted to (convert passes a copy of the source model); under
     FSDP it stays whole on each process, its weights broadcast from the main one (which alone may have read
@@ -89,9 +91,9 @@ def train(
         with torch.no_grad():
             evaluate(run.model)
         run.model.train()
-    state = RunState(time.perf_counter(), l1_reference=l1_reference) if saved is None else \
+    state = RunState(time.perf_counter(), l1_reference=l1_reference, l1_eps=l1_eps) if saved is None else \
         RunState.resumed(accelerator, resume_dir, saved)
-    for i, m in enumerate(mlps):  # the log penalty's eps: measured at the first step, or the saved state's
+    for i, m in enumerate(mlps):  # the log penalty's eps: given, the saved state's, or measured at the first step
         m.l1_log_scale, m.l1_eps = config.l1_log_scale, state.l1_eps[i] if state.l1_eps else None
     stream = batches(state.batches, accelerator.process_index, run.world)
     if saved is not None and (position := load_data_position(resume_dir)) is not None:
