@@ -10,7 +10,7 @@ over the steps.
 
     python benchmarks/target_sparsity.py demo --work /tmp/steer --fixed 0.08 0.16 0.32 --steered 0.98 0.99 \\
         --json benchmarks/results/demo_target_sparsity_cpu.json -- --l1 0.08 --device cpu
-    python benchmarks/target_sparsity.py demo --work /tmp/steer --fixed 0.16 0.32 --log 0.32 0.64 \
+    python benchmarks/target_sparsity.py demo --work /tmp/steer --fixed 0.16 0.32 --log 0.32 0.64 --log-steered 0.99 \
         --json benchmarks/results/demo_log_penalty_cpu.json -- --l1 0.08 --device cpu
 """
 from __future__ import annotations
@@ -108,7 +108,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steered", type=float, nargs="*", default=[], help="targets (--target-sparsity) to convert at, "
                                                                           "from the --l1 of the shared arguments")
     ap.add_argument("--log", type=float, nargs="*", default=[], help="fixed weights (--l1) of the log penalty")
-    ap.add_argument("--log-scale", type=float, default=0.2, help="--l1-log-scale of the --log runs")
+    ap.add_argument("--log-steered", type=float, nargs="*", default=[],
+                    help="targets (--target-sparsity) to convert at with the log penalty, from the shared --l1")
+    ap.add_argument("--log-scale", type=float, default=0.2, help="--l1-log-scale of the --log and --log-steered runs")
     ap.add_argument("--json", type=Path, required=True, help="the report; the plot beside it (.png)")
     ap.epilog = "Arguments after -- go to every conversion."
     argv = sys.argv[1:] if argv is None else argv
@@ -117,7 +119,9 @@ def main(argv: list[str] | None = None) -> dict:
     args.convert_args = argv[cut + 1:]
     settings = [(f"l1 {w:g}", ["--l1", str(w)]) for w in args.fixed] + \
                [(f"target {t:g}", ["--target-sparsity", str(t)]) for t in args.steered] + \
-               [(f"log {w:g}", ["--l1", str(w), "--l1-log-scale", str(args.log_scale)]) for w in args.log]
+               [(f"log {w:g}", ["--l1", str(w), "--l1-log-scale", str(args.log_scale)]) for w in args.log] + \
+               [(f"log target {t:g}", ["--target-sparsity", str(t), "--l1-log-scale", str(args.log_scale)])
+                for t in args.log_steered]
     runs = []
     for name, extra in settings:
         out = args.work / name.replace(" ", "_")

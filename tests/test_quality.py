@@ -474,16 +474,19 @@ def test_target_sparsity_report_converts_each_setting_once_and_reads_it_back(tmp
                                                 for i in range(60)))
     (corpus / "valid.jsonl").write_text(json.dumps({"text": "def g(y):\n    return y + 1\n" * 20}) + "\n")
     argv = [str(tmp_path / "source"), "--work", str(tmp_path / "work"), "--fixed", "0.01", "--steered", "0.9", "--log", "0.01",
-            "--json", str(tmp_path / "report.json"), "--", "--data", str(corpus), "--steps", "8", "--log-every", "2",
+            "--log-steered", "0.9", "--json", str(tmp_path / "report.json"), "--", "--data", str(corpus), "--steps", "8", "--log-every", "2",
             "--seq-len", "32", "--batch-size", "2", "--eval-tokens", "256", "--lr", "1e-3", "--l1", "0.001",
             "--l1-absolute", "--l1-warmup-steps", "0", "--device", "cpu"]
     report = script.main(argv)
-    fixed, steered, log_penalty = report["runs"]
+    fixed, steered, log_penalty, log_steered = report["runs"]
     assert (fixed["name"], fixed["l1"], fixed["target_sparsity"], fixed["l1_log_scale"]) == ("l1 0.01", 0.01, 0.0, 0.0)
     assert (log_penalty["name"], log_penalty["l1"], log_penalty["l1_log_scale"]) == ("log 0.01", 0.01, 0.2)
     # the same weight: the log penalty's logged term is below L1's from the first step
     assert log_penalty["curve"][0]["l1"] < fixed["curve"][0]["l1"]
     assert (steered["name"], steered["l1"], steered["target_sparsity"]) == ("target 0.9", 0.001, 0.9)
+    assert (log_steered["name"], log_steered["l1"], log_steered["target_sparsity"], log_steered["l1_log_scale"]) == \
+        ("log target 0.9", 0.001, 0.9, 0.2)
+    assert log_steered["curve"][-1]["l1_scale"] != 1.0
     assert {e["l1_scale"] for e in fixed["curve"]} == {1.0} and "allowed_active" not in fixed["curve"][0]
     # no L1 warm-up: the target's allowed units from the start
     assert [e["allowed_active"] for e in steered["curve"]] == pytest.approx([0.1 * steered["units"]] * 4)
