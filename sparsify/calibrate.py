@@ -17,11 +17,11 @@ back into the layers below it for the while (`SourceProjections`: each layer's k
 fitted), so that what is held is the MLPs' weights once, not a stream of every layer over every token.
 
 With a target sparsity (--calibrate-sparsity) the fit also sparsifies: the layer's penalty (the training's, L1 or
-the log penalty, relative to its value before the fit) joins the loss with a weight that rises while more units fire than the
-target allows and falls while fewer do, a multiplier adjusted each step as in constrained optimization. A layer can
-take many such steps on its own rows without moving the rest of the model, which a short conversion's training
-steps cannot. The log penalty's eps is measured here, on each swapped layer's rows before its fit, and training
-keeps it, so that the fit and the training weigh the same penalty.
+the log penalty, relative to its value before the fit) joins the loss with a weight that rises while more units fire
+than the target allows and falls while fewer do, a multiplier adjusted each step as in constrained optimization. A
+layer can take many such steps on its own rows without moving the rest of the model, which a short conversion's
+training steps cannot. The log penalty's eps is measured here, on each swapped layer's rows before its fit, and
+training keeps it, so that the fit and the training weigh the same penalty.
 """
 from __future__ import annotations
 

@@ -200,7 +200,8 @@ def _backup_launch(device, M, N):
 
 def rows_units(mode, backup, x, w1, *, pre=None, w2=None, dout=None, down=None, c=None, cold=None, eps=0.0):
     """_rows_units_kernel over the backup rows (the penalty L1, or the log penalty with eps > 0). ROWS_FORWARD
-    writes h over `pre` and returns the backup's penalty; ROWS_BACKWARD returns [M, I] buffers with only the backup rows written: (d_gate_pre, d_up, h).
+    writes h over `pre` and returns the backup's penalty; ROWS_BACKWARD returns [M, I] buffers with only the
+    backup rows written: (d_gate_pre, d_up, h).
     (Transient, dense-sized: the backup's size is known only on the device.)"""
     order, count = backup
     M, K = x.shape
@@ -218,8 +219,8 @@ def rows_units(mode, backup, x, w1, *, pre=None, w2=None, dout=None, down=None, 
                                  order if cold is None else cold, float(eps), N, K,
                                  x.stride(0), x.stride(0) if dout is None else dout.stride(0), o1.stride(0),
                                  0 if down is None else down.stride(0), 0 if down is None else down.stride(1),
-                                 MODE=mode, LOG=eps > 0, HOT=cold is not None, DOT=_dot(x), NPROG=nprog, BM=bm, BN=bn, BK=bk,
-                                 num_warps=4)
+                                 MODE=mode, LOG=eps > 0, HOT=cold is not None, DOT=_dot(x), NPROG=nprog, BM=bm,
+                                 BN=bn, BK=bk, num_warps=4)
     return l1.sum() if mode == ROWS_FORWARD else (o1, o2, o3)
 
 
