@@ -68,9 +68,9 @@ class TrainConfig:
         metavar="SHARE")
     l1_log_scale: float = _setting(0.0, (
         "The penalty's shape. 0: L1, the sum over the MLP units of |h|. S > 0: the log penalty, the sum of "
-        "eps * log(1 + |h| / eps), eps S times the layer's mean |h| over its firing units at the first step: it "
-        "pushes activations small against eps to zero as L1 does and the large ones, which carry the layer's "
-        "output, far less."), metavar="SCALE")
+        "eps * log(1 + |h| / eps), eps S times the layer's mean |h| over its firing units at the first step (with "
+        "--calibrate-steps, on the swapped layer before its fit): it pushes activations small against eps to zero "
+        "as L1 does and the large ones, which carry the layer's output, far less."), metavar="SCALE")
     swap_steps: int | str = _setting(0, (
         "Move the gate activation linearly from the source's (SiLU) to ReLU over this many optimizer steps, or "
         "this share of them (20%), instead of swapping it at once (0). Layers train dense until the swap is "
