@@ -46,11 +46,19 @@ def public_name(where: str | Path) -> str:
 
 
 def objective(training: dict) -> str:
-    """The training loss, as the `training` record's settings made it (relative or absolute L1, distillation)."""
+    """The training loss, as the `training` record's settings made it (relative or absolute weight, L1 or the log
+    penalty, a weight steered to a sparsity, distillation)."""
     l1 = training.get("l1")
     coefficient = "l1" if l1 is None else f"{l1:g}"
-    penalty = (f"{coefficient} * L1 / L1_0, L1_0 the L1 term at the first step" if training.get("l1_relative")
-               else f"{coefficient} * L1")
+    scale = training.get("l1_log_scale") or 0
+    term = "P" if scale else "L1"
+    penalty = (f"{coefficient} * {term} / {term}_0, {term}_0 the {term} term at the first step"
+               if training.get("l1_relative") else f"{coefficient} * {term}")
+    if scale:
+        penalty += (f"; P the sum over the MLP units of eps * log(1 + |h| / eps), eps {scale:g} times the layer's mean "
+                    "|h| over its firing units at the first step")
+    if training.get("target_sparsity"):
+        penalty += f"; the weight steered towards {training['target_sparsity']:.1%} of the units silent"
     weight = training.get("distill") or 0
     fit = f"{1 - weight:g} * cross-entropy + {weight:g} * KL(source || trained)" if weight else "cross-entropy"
     hidden = training.get("distill_hidden") or 0
@@ -131,7 +139,7 @@ def model_card(*, family: str, plan: list[LayerPlan], training: dict, intermedia
     body = f"""# {family.capitalize()} with ReLU-gated, activation-sparse MLPs (TwELL)
 
 Converted by sparsify from `{base}`: the MLP gate activation was replaced by ReLU
-and training continued with an L1 penalty on the MLP hidden activations ({objective(training)}),
+and training continued with a sparsity penalty on the MLP hidden activations ({objective(training)}),
 so that almost all hidden units are zero for any token. The MLPs then run on TwELL sparse Triton kernels.
 
 {overall}## Per-layer sparsity and kernel setting

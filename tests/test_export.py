@@ -309,6 +309,9 @@ def test_checkpoint_layout(tmp_path):
         "loss = 0.5 * cross-entropy + 0.5 * KL(source || trained) + 3.5 * L1 / L1_0, L1_0 the L1 term at the first step")
     assert objective({"l1": 3.5, "l1_relative": True, "distill_hidden": 4}) == (
         "loss = cross-entropy + 4 * hidden-state distance to the source + 3.5 * L1 / L1_0, L1_0 the L1 term at the first step")
+    assert objective({"l1": 0.45, "l1_log_scale": 0.2, "target_sparsity": 0.99}) == (
+        "loss = cross-entropy + 0.45 * P; P the sum over the MLP units of eps * log(1 + |h| / eps), eps 0.2 times the "
+        "layer's mean |h| over its firing units at the first step; the weight steered towards 99.0% of the units silent")
     assert 'model.generate(input_ids, max_new_tokens=64, cache_implementation="static")' in card.text
 
 
