@@ -34,12 +34,12 @@ from typing import Iterable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from twell.training import sparsity_penalty
 
 from .errors import ConfigError
 from .families import mlp_modules, spec_for
 from .relufy import ReluGatedMLP, original_mlps
 from .report import console
-from twell.training import sparsity_penalty
 from .train.loss import activity_error
 
 # Families whose decoder layers normalize the MLP's output before the residual add: the norm's attribute of a

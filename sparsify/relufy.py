@@ -9,11 +9,10 @@ sharded since (the modules share the projections).
 
 With `track = True` each forward stores `MLPStats`: l1 (differentiable: mean over tokens of the sum over
 units of |relu(gate(x)) * up(x)|, the paper's penalty for one layer, or of the log penalty: twell's
-sparsity_penalty), active
-(mean units per token whose gate pre-activation is > 0) and fired (tokens in which each unit fired), and
-`backup_rows`: the token rows that went to the hybrid kernels' dense backup (0 on the dense path). With
-`use_hybrid = True` the forward goes through `twell.hybrid_gated_mlp` (sparse Triton kernels on CUDA and under
-the interpreter, its dense reference elsewhere), which returns the same output and statistics.
+sparsity_penalty), active (mean units per token whose gate pre-activation is > 0) and fired (tokens in which each
+unit fired), and `backup_rows`: the token rows that went to the hybrid kernels' dense backup (0 on the dense
+path). With `use_hybrid = True` the forward goes through `twell.hybrid_gated_mlp` (sparse Triton kernels on CUDA
+and under the interpreter, its dense reference elsewhere), which returns the same output and statistics.
 Training (sparsify/train/routing.py) sets `use_hybrid` per layer from the measured activity, and `hot_units`:
 the units that fire in so many tokens that the hybrid path runs them as dense columns. `source_share` s > 0 (a
 progressive swap, set by training) makes the gate (1 - s) * relu + s * the source's activation; only s = 0, plain
@@ -28,10 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
+from twell.training import hot_units, hybrid_gated_mlp, sparsity_penalty
 
 from .families import FamilySpec, down_weight, gate_weight, has_bias, spec_for, up_weight
-
-from twell.training import hot_units, hybrid_gated_mlp, sparsity_penalty
 
 
 class MLPStats(NamedTuple):
@@ -57,7 +55,7 @@ class ReluGatedMLP(nn.Module):
         self.hot_units: torch.Tensor | None = None  # units the hybrid path runs as dense columns
         self.source_share = 0.0  # weight of the source activation in the gate (progressive swap)
         # The log penalty (l1_log_scale > 0): its eps, None until the first tracked forward measures it (the layer's
-        # mean |h| over its firing units, times the scale); training then sets the processes' mean.
+        # mean |h| over its firing units, times the scale), or calibration's; training then sets the processes' mean.
         self.l1_log_scale = 0.0
         self.l1_eps: float | None = None
         # Kept outside the module tree (no extra state-dict keys) so that unrelufy can put it back.

@@ -20,8 +20,8 @@ from .errors import ConfigError
 # where the held-out blocks are the head of the training text, it moves where training starts.
 RESUME_FREE = ("log_every", "save_every", "save_every_minutes")
 # what every save writes into state.json (train.saving.Saver.save, and the settings)
-SAVED_KEYS = ("step", "batches", "log", "seconds", "l1_reference", "l1_scale", "l1_eps", "processes", "inputs", "before_training",
-              "run_name", "config")
+SAVED_KEYS = ("step", "batches", "log", "seconds", "l1_reference", "l1_scale", "l1_eps", "processes", "inputs",
+              "before_training", "run_name", "config")
 
 
 def _staging_dir(resume_dir) -> Path:

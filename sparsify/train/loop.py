@@ -71,13 +71,13 @@ def train(
     state, and a resumed run must give the same (check_resume). `before_training` (JSON values; convert: the
     calibration's record) is saved with the state too, for a resumed run, which does not do that work again, to
     report (the state check_resume returns holds it). `l1_reference` and `l1_eps` (convert: the calibration's):
-    the relative L1's reference and each layer's eps of the log penalty, else measured at the first step. `teacher` (needed with `config.distill`): a
-    frozen model over the same vocabulary, moved to this process's device and run under the same autocast,
-    whose next-token distributions the model is fitted to (convert passes a copy of the source model); under
-    FSDP it stays whole on each process, its weights broadcast from the main one (which alone may have read
-    them). `report_to`: accelerate trackers (names, see `trackers`, or GeneralTracker objects) that get each log
-    entry's figures, those that write files into a folder of `logging_dir` per run (its start time; a resumed
-    run keeps its own).
+    the relative L1's reference and each layer's eps of the log penalty, else measured at the first step.
+    `teacher` (needed with `config.distill`): a frozen model over the same vocabulary, moved to this process's
+    device and run under the same autocast, whose next-token distributions the model is fitted to (convert passes
+    a copy of the source model); under FSDP it stays whole on each process, its weights broadcast from the main
+    one (which alone may have read them). `report_to`: accelerate trackers (names, see `trackers`, or
+    GeneralTracker objects) that get each log entry's figures, those that write files into a folder of
+    `logging_dir` per run (its start time; a resumed run keeps its own).
     Returns the log (one entry per logged step) and the trained model."""
     run_name = (saved_run_name(resume_dir) if resume else None) or new_run_name(logging_dir)
     accelerator = _accelerator(config, device, teacher, report_to, Path(logging_dir) / run_name if logging_dir else None)
