@@ -2,9 +2,9 @@
 of its gate: rows with at most max_nnz active units go through ELL slots and row-gathering kernels (ell.py),
 the others through a dense backup over a device-side row list (backup.py), with no host synchronization; also
 the block's sparsity penalty (L1 or the log penalty: penalty.py) and activity statistics, and the choice of hot
-units run as dense columns. Training only: not copied into checkpoints. Reference: reference.hybrid_gated_mlp_reference. A launch configuration beyond
-the GPU (Triton's OutOfResources) makes that pass (forward or backward) of blocks of that shape and dtype run
-the reference's math, with a warning.
+units run as dense columns. Training only: not copied into checkpoints. Reference:
+reference.hybrid_gated_mlp_reference. A launch configuration beyond the GPU (Triton's OutOfResources) makes that
+pass (forward or backward) of blocks of that shape and dtype run the reference's math, with a warning.
 """
 import warnings
 
