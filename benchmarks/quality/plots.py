@@ -14,6 +14,7 @@ from runs import SPARSE, run_label, settings_text, shared_settings
 
 SMOOTHING = 0.1  # training curves are means over a trailing window of this share of the run's log entries
 LEGEND_WIDTH = 64  # characters a legend line holds before it wraps
+TITLE_WIDTH = 110  # characters a line of the title's shared settings holds: a one-panel figure stays narrow
 
 
 def smoothed(values: list[float], share: float = SMOOTHING) -> list[float]:
@@ -36,11 +37,12 @@ def controls(result: dict) -> list[dict]:
     return [] if not control else control if isinstance(control, list) else [control]
 
 
-def legend_below(axis) -> None:
-    """The axis's legend under it, its labels wrapped, so that long run settings do not cover the data."""
+def legend_below(axis, below: float = 0.13) -> None:
+    """The axis's legend `below` (a share of the axis's height) under it, its labels wrapped, so that long run
+    settings do not cover the data; tick labels of two lines need it lower than the default."""
     handles, labels = axis.get_legend_handles_labels()
     legend = axis.legend(handles, [textwrap.fill(label, LEGEND_WIDTH) for label in labels], fontsize=7,
-                         loc="upper center", bbox_to_anchor=(0.5, -0.13), frameon=False)
+                         loc="upper center", bbox_to_anchor=(0.5, -below), frameon=False)
     legend.set_in_layout(False)  # tight_layout keeps the axes' size; the saved figure grows to hold it (save)
 
 
@@ -114,9 +116,10 @@ def plot(result: dict, path: Path) -> None:
 CONTROL_STYLES = ("-", "--", ":", "-.")  # the controls' black lines, one style each
 
 
-def cost_lines(axis, result: dict, x, label, control_label) -> None:
+def cost_lines(axis, result: dict, x, label, control_label, legend_below_by: float = 0.13) -> None:
     """Held-out CE against the original at the end of each run over x(run) on `axis`: the conversions a line per
-    label(run), each point's sparsity beside it, the controls a black line per control_label(run)."""
+    label(run), each point's sparsity beside it, the controls a black line per control_label(run); the legend
+    `legend_below_by` under the axis (legend_below)."""
     lines = {}
     for run in result["conversions"]:
         lines.setdefault(label(run), []).append(run)
@@ -135,7 +138,7 @@ def cost_lines(axis, result: dict, x, label, control_label) -> None:
                   "s", linestyle=style, color="black", linewidth=1, label=name)
     axis.axhline(0, color="black", linestyle="--", linewidth=1)
     axis.axhline(3, color="gray", linestyle=":", linewidth=1, label="original + 3%")
-    legend_below(axis)
+    legend_below(axis, legend_below_by)
 
 
 def control_label(control: dict, share: bool = False, epochs: bool = True) -> str:
@@ -160,7 +163,8 @@ def budget_plot(result: dict, path: Path) -> None:
     common = tuple(shared_settings(result["conversions"]))
     for axis, panel in zip(axes[0], panels):
         if panel == "share":
-            cost_lines(axis, result, lambda r: r["share"], lambda r: run_label(r, common), control_label)
+            # the ticks' two lines (share, tokens) push the axis label down: the legend goes under it
+            cost_lines(axis, result, lambda r: r["share"], lambda r: run_label(r, common), control_label, 0.22)
             axis.set(xscale="log", xlabel="distinct conversion tokens / pretraining tokens (below: their count)")
             axis.set_title("cost at the end of each run; held-out FFN sparsity beside each point", fontsize=10)
             axis.set_xticks(shares, [f"{s:g}\n{t / 1e6:.3g}M" for s, t in share_tokens.items()])
@@ -184,7 +188,8 @@ def save(fig, result: dict, path: Path, common: tuple = ()) -> None:
     every = settings_text({k: v for run in result["conversions"][:1] for k, v in run["settings"].items()
                            if k in common}, " ") if common else ""
     fig.suptitle(f"{result['pretraining']['parameters'] / 1e6:.0f}M-parameter SiLU Llama -> sparse ReLU "
-                 f"({result['device']})" + (f"\nevery conversion: {every}" if every else ""))
+                 f"({result['device']})" + (f"\n{textwrap.fill('every conversion: ' + every, TITLE_WIDTH)}"
+                                            if every else ""))
     fig.tight_layout()
     for axis in fig.axes:  # the legends left out of the layout (legend_below), back in the saved area
         if axis.get_legend() is not None:
