@@ -144,9 +144,11 @@ def convert(source, recipe, **values):
     if _is_main():
         t = summary["training"]
         console.print(perplexity_table(summary["perplexity"]))
-        console.print(layer_table(summary["layers"], summary["plan"], f"sparsity on {summary['layers'][0]['tokens']:,} held-out tokens",
+        console.print(layer_table(summary["layers"], summary["plan"],
+                                  f"sparsity on {summary['layers'][0]['tokens']:,} held-out tokens",
                                   hybrid_share=summary["hybrid_share"]))
-        console.print(f"trained {t['steps']} steps, {t['tokens']:,} tokens in {t['seconds']:.0f} s; wrote {options.out}")
+        console.print(f"trained {t['steps']} steps, {t['tokens']:,} tokens in {t['seconds']:.0f} s; "
+                      f"wrote {options.out}")
         if "url" in summary:
             console.print(f"pushed to {summary['url']}")
     _end_process_group()
@@ -182,7 +184,8 @@ def sample(source, **values):
 @click.option("--batch-size", type=int, default=8, show_default=True, help="Sequences per forward pass.")
 @click.option("--device", help="cpu or cuda (default: cuda if available).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write all statistics to this JSON file.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write a heatmap PNG (layers x token position).")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
+              help="Write a heatmap PNG (layers x token position).")
 @measure_option("Recommend kernel settings")
 @click.option("--write-plan", is_flag=True,
               help="Give the checkpoint (a local converted one) the recommended settings in place of its own: "
@@ -205,7 +208,8 @@ def analyze(model, data, text_column, tokens, seq_len, batch_size, device, json_
                               f"(seq-len {result['seq_len']}, perplexity {result['perplexity']:.3f})"))
     if not result["converted"]:
         console.print(f"{model} is not converted (gate activation {result['activation']}): active means gate "
-                      "pre-activation > 0, and no kernel setting applies; `sparsify convert` makes a sparse ReLU model.")
+                      "pre-activation > 0, and no kernel setting applies; "
+                      "`sparsify convert` makes a sparse ReLU model.")
     if write_plan:
         console.print(f"wrote the recommended settings into {model}/config.json and its model card")
     if plot_path:

@@ -18,7 +18,8 @@ positive), so every (row, tile) overflows: the cost of the decode overflow fallb
   python benchmarks/bench_inference.py --heavy-block --json out.json  # the dense block of heavy rows alone
   python benchmarks/bench_inference.py --decode-first-token --json out.json  # one such token in a decode-size call
   python benchmarks/bench_inference.py --decode-paths --json out.json  # decode against batched path, 8-64 tokens
-  python benchmarks/bench_inference.py --decode-rules --json out.json  # decode launch rules against the ones they replace
+  # decode launch rules against the ones they replace
+  python benchmarks/bench_inference.py --decode-rules --json out.json
   python benchmarks/bench_inference.py --decode-rules heavy_tiles --json out.json  # only these rules
   python benchmarks/bench_inference.py --host-time --json out.json     # host time of one call, eager
   python benchmarks/bench_inference.py --sweep       # launch-config sweep at D=2048, I=5632
@@ -292,7 +293,8 @@ def heavy_block():
             xs = x[posted]
             row = dict(D=d, I=i, rows=n, heavy_ms=do_bench(block, return_mode="median"),
                        cublas_ms=do_bench(lambda: dense(xs, w), return_mode="median"),
-                       rel_err=rel_err(out[posted], reference(xs, w)), dense_rel_err=rel_err(dense(xs, w), reference(xs, w)))
+                       rel_err=rel_err(out[posted], reference(xs, w)),
+                       dense_rel_err=rel_err(dense(xs, w), reference(xs, w)))
             print_row(row)
             rows.append(row)
         del w, x, h

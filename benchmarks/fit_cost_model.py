@@ -63,14 +63,17 @@ def main():
     batched = [c for c in cases if c["M"] > decode_rows(c["D"], c["I"]) and "gate" in c and not np.isnan(c["gate"])]
 
     def dense(q, c):
-        return cost.roofline(6 * c["M"] * c["D"] * c["I"], 6 * c["D"] * c["I"], (q[0] * 1e12, q[1], q[2] * 1e12, q[3] * 1e-6), c["D"])
+        return cost.roofline(6 * c["M"] * c["D"] * c["I"], 6 * c["D"] * c["I"],
+                             (q[0] * 1e12, q[1], q[2] * 1e12, q[3] * 1e-6), c["D"])
 
     def gate(q, c):
-        return cost.roofline(2 * c["M"] * c["D"] * c["I"], 2 * c["D"] * c["I"], (q[0] * 1e12, q[1], q[2] * 1e12, q[3] * 1e-6), c["D"])
+        return cost.roofline(2 * c["M"] * c["D"] * c["I"], 2 * c["D"] * c["I"],
+                             (q[0] * 1e12, q[1], q[2] * 1e12, q[3] * 1e-6), c["D"])
 
     def out(q, c):
         h = max(0.0, 1 - cost.L2_BYTES / (4 * c["D"] * c["I"]))
-        return c["M"] * c["a"] * (4 * c["D"] * ((1 - h) / (q[0] * 1e12) + h / (q[1] * 1e12)) + q[2] * 1e-9) + q[3] * 1e-6
+        return (c["M"] * c["a"] * (4 * c["D"] * ((1 - h) / (q[0] * 1e12) + h / (q[1] * 1e12)) + q[2] * 1e-9)
+                + q[3] * 1e-6)
 
     def dec(q, c):
         return cost.decode_time(c["a"], c["D"], c["I"], c["M"], c["tile"], (q[0] * 1e12, q[1] * 1e-6, q[2] * 1e-6))

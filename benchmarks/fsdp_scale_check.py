@@ -106,7 +106,8 @@ def load_check(checkpoint: Path, tokens: int) -> dict:
         generated[name] = model.generate(ids[:, :32], max_new_tokens=16, do_sample=False)[0, 32:]
         twell = getattr(model.config, "twell", None)
         result[name] = {"class": type(model).__name__, "load_s": round(loaded, 1),
-                        "sparse_layers": sum(plan.is_sparse for plan in layer_plans(twell)) if remote and twell else None}
+                        "sparse_layers": (sum(plan.is_sparse for plan in layer_plans(twell))
+                                          if remote and twell else None)}
         del model
         torch.cuda.empty_cache()
     result["logit_diff_rel"] = ((logits["plain"] - logits["remote_code"]).abs().max()
@@ -124,7 +125,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--intermediate", type=int, default=11008)
     parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--gpus", type=int, default=torch.cuda.device_count(), help="FSDP processes (default: all GPUs).")
+    parser.add_argument("--gpus", type=int, default=torch.cuda.device_count(),
+                        help="FSDP processes (default: all GPUs).")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--batch-size", type=int, default=4, help="Sequences per micro-batch and GPU.")
@@ -179,7 +181,8 @@ def main() -> None:
         log = json.loads((out / "training_log.json").read_text())
         result["fsdp"].update(
             perplexity=log["training"]["perplexity"], train_seconds=log["training"]["seconds"],
-            log=[{k: e.get(k) for k in ("step", "loss", "cross_entropy", "mean_active", "max_memory_gib", "tokens_per_s")}
+            log=[{k: e.get(k)
+                  for k in ("step", "loss", "cross_entropy", "mean_active", "max_memory_gib", "tokens_per_s")}
                  for e in log["log"]])
         source_shapes, export_shapes = tensor_shapes(source), tensor_shapes(out)
         result["export"] = {"same_tensors_as_source": source_shapes == export_shapes,

@@ -90,18 +90,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--source", default="demo", help="Model to convert (as for `sparsify convert`).")
     ap.add_argument("--data", default=None, help="Training text (default for demo: the demo corpus).")
-    ap.add_argument("--recipe", default=None, help="Recipe (a YAML path or a name in recipes/); the options below override it.")
+    ap.add_argument("--recipe", default=None,
+                    help="Recipe (a YAML path or a name in recipes/); the options below override it.")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--json", default=None, help="Write the results here.")
     ap.add_argument("--skip-steps", type=int, default=10, help="First steps left out of the tokens/s medians.")
-    ap.add_argument("--print-every", type=int, default=None, help="Steps between rows of the printed table (default: steps/20).")
+    ap.add_argument("--print-every", type=int, default=None,
+                    help="Steps between rows of the printed table (default: steps/20).")
     for name, kind in (("steps", int), ("seq_len", int), ("batch_size", int), ("grad_accum", int), ("lr", float),
                        ("l1", float), ("l1_warmup_steps", int), ("warmup_steps", int), ("eval_tokens", int),
                        ("seed", int), ("hybrid_below", float), ("hybrid_max_nnz", int), ("l1_log_scale", float)):
         ap.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
     args = ap.parse_args()
     from transformers.utils import logging
-
     logging.disable_progress_bar()  # as the command does: loading bars would bury the table
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device: run on the GPU machine, or pass --device cpu for a smoke run")
@@ -112,7 +113,6 @@ def main() -> None:
     hybrid_config = TrainConfig.from_dict(settings)
     dense_config = TrainConfig.from_dict({**settings, "hybrid_below": 0})
     device = torch.device("cpu" if on_cpu(args.device) else args.device)
-
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, config in (("hybrid", hybrid_config), ("dense", dense_config)):
@@ -155,7 +155,8 @@ def main() -> None:
             backup = sum(l["backup_rows"][i] for l in hybrid["layers"])
             hot = sum(l["hot_units"][i] for l in hybrid["layers"])
             print(f"{step:>6} {dense['loss'][i]:>11.4f} {hybrid['loss'][i]:>12.4f} {loss_rel_diff[i]:>9.2e} "
-                  f"{hybrid['mean_active'][i]:>8.1f} {hybrid['layers_on_hybrid'][i]:>10}/{layers:<3} {backup:>12} {hot:>10}")
+                  f"{hybrid['mean_active'][i]:>8.1f} {hybrid['layers_on_hybrid'][i]:>10}/{layers:<3} "
+                  f"{backup:>12} {hot:>10}")
     print("\nper layer, share of steps on the hybrid path:",
           " ".join(f"{i}:{100 * l['hybrid_share']:.0f}%" for i, l in enumerate(hybrid["layers"])))
     for name, run in runs.items():
@@ -163,7 +164,8 @@ def main() -> None:
         print(f"{name:>6}: median tokens/s {rates[0]} after step {args.skip_steps}, {rates[1]} over the "
               f"{len(while_hybrid)} steps with layers on hybrid; perplexity after training "
               f"{run['perplexity']['after training']:.3f}; {run['seconds']:.0f} s")
-    print(f"device {doc['device']}, hybrid kernels run: {doc['hybrid_kernels_run']}, max loss rel diff {doc['loss_rel_diff']['max']:.2e}")
+    print(f"device {doc['device']}, hybrid kernels run: {doc['hybrid_kernels_run']}, "
+          f"max loss rel diff {doc['loss_rel_diff']['max']:.2e}")
 
 
 if __name__ == "__main__":

@@ -127,7 +127,8 @@ def main(argv=None):
                              "32 new tokens, 2 repeats of every path (overrides those options).")
     parser.add_argument("--out", type=Path, required=True, help="Folder for the JSON results.")
     parser.add_argument("--work", type=Path, help="Folder for the checkpoints (default: a temporary one).")
-    parser.add_argument("--measure", action="store_true", help="Plan by timing the kernel settings (as convert --measure).")
+    parser.add_argument("--measure", action="store_true",
+                        help="Plan by timing the kernel settings (as convert --measure).")
     args = parser.parse_args(argv)
     for option in ("layers", "seq_len", "decode_tokens", "decode_context", "repeats", "generate_repeats"):
         if getattr(args, option) < 1:  # before any GPU work (bench_checkpoint checks them after the build)

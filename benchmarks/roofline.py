@@ -6,8 +6,8 @@ decode step and the prefill rows, counts per component the bytes (bf16 weights r
 read and written once, the decode context's KV cache) and the FLOPs (2 a multiply-add; causal attention half the
 square). The bound of a component is max(bytes / peak bandwidth, FLOPs / peak bf16 throughput); its share is
 bound / measured time. The TwELL MLP reads the gate whole and the up and down rows of each token's active units
-(the run's mean; at most the whole matrices), so its bound is the sparse format's, not the dense one's. model_bench's model has
-no grouped-query attention (k and v as wide as q).
+(the run's mean; at most the whole matrices), so its bound is the sparse format's, not the dense one's.
+model_bench's model has no grouped-query attention (k and v as wide as q).
 
     python benchmarks/roofline.py benchmarks/results/model_bench_k29_28layers_fused_h200.json --json out.json
 """
@@ -71,7 +71,8 @@ def row_table(row: dict, shape: dict, vocab: int, context: int, active: float, d
                                 "bound_ms": round(bound_ms, 3), "share_of_bound": round(bound_ms / ms, 3)}
         total_bound = sum(p["bound_ms"] for p in parts.values())
         table[load] = {"wall_ms": round(breakdown["wall_ms"], 3), "components": parts,
-                       "bound_ms": round(total_bound, 3), "share_of_bound": round(total_bound / breakdown["wall_ms"], 3)}
+                       "bound_ms": round(total_bound, 3),
+                       "share_of_bound": round(total_bound / breakdown["wall_ms"], 3)}
     return {"path": row["path"], "batch": batch, "tokens_per_sequence": seq, **table}
 
 

@@ -56,7 +56,8 @@ def figures(out: Path) -> dict:
             "layer_sparsity": [1 - a / units for a in active], "layer_dead": [layer["dead_frac"] for layer in stats],
             "steps": training["steps"],
             "training_seconds": training["seconds"],
-            "curve": [{"step": e["step"], "mean_active": e["mean_active"], "l1": e["l1"], "l1_scale": e.get("l1_scale", 1.0),
+            "curve": [{"step": e["step"], "mean_active": e["mean_active"], "l1": e["l1"],
+                       "l1_scale": e.get("l1_scale", 1.0),
                        **({"allowed_active": e["allowed_active"]} if "allowed_active" in e else {})} for e in log],
             "units": units}
 

@@ -13,6 +13,6 @@ from .small_linear import small_linear, small_linear_grouped
 from .training import HybridStats, hot_units, hybrid_gated_mlp, pack
 
 __all__ = ["TwELL", "pack", "pack_reference", "unpack", "slots", "gated_mlp", "gated_mlp_reference", "prepare_down",
-           "DecodeGraphs", "HybridStats", "hot_units", "hybrid_gated_mlp", "LayerPlan", "Mode", "layer_plans", "rms_norm",
-           "rms_norm_reference", "rotary", "rotary_reference", "small_linear", "small_linear_grouped",
+           "DecodeGraphs", "HybridStats", "hot_units", "hybrid_gated_mlp", "LayerPlan", "Mode", "layer_plans",
+           "rms_norm", "rms_norm_reference", "rotary", "rotary_reference", "small_linear", "small_linear_grouped",
            "small_linear_reference"]

@@ -46,7 +46,8 @@ def module_names():
 
 
 def safe_import(name):
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
+            warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return importlib.import_module(name)
 
@@ -130,7 +131,8 @@ def train_tokenizer(texts, vocab: int, out, max_length: int):
     trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<s>", "</s>", "<pad>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(texts, trainer)
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 0)])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", 0)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
                                    model_max_length=max_length)
     fast.save_pretrained(out)
@@ -207,7 +209,8 @@ class EpochWindows:
                 "generator": self.generator.get_state()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.position, self.offset, self.order = (state[k] for k in ("epoch", "position", "offset", "order"))
+        self.epoch, self.position, self.offset, self.order = (
+            state[k] for k in ("epoch", "position", "offset", "order"))
         self.generator.set_state(state["generator"])
 
 
@@ -300,7 +303,8 @@ def pretrain_llama(config, tok, train, valid, out, *, steps: int, minutes: float
             run["curve"].append({"step": step, "tokens": step * batch * T, "seconds": round(run["seconds"], 1),
                                  "valid_loss": loss})
             if loss < run["best"]:
-                run["best"], run["best_state"] = loss, {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+                run["best"], run["best_state"] = loss, {k: v.detach().cpu().clone()
+                                                        for k, v in model.state_dict().items()}
             print(f"step {step}  {step * batch * T:,} tokens  epoch {windows.epochs:.2f}  {run['seconds']:.0f}s  "
                   f"valid loss {loss:.3f}  ppl {math.exp(loss):.2f}", flush=True)
         if frac >= 1:

@@ -34,7 +34,8 @@ PROMPT_TOKENS = 16
 CHECK_BATCH, CHECK_NEW = 4, 32  # greedy agreement: prompts of PROMPT_TOKENS, CHECK_NEW new tokens
 PATHS = {
     "prefill": "decoder stack (no LM head), eager, batch x seq_len tokens",
-    "prefill_compiled": "decoder stack (no LM head), torch.compile(fullgraph=True, dynamic=False), batch x seq_len tokens",
+    "prefill_compiled": "decoder stack (no LM head), torch.compile(fullgraph=True, dynamic=False), "
+                        "batch x seq_len tokens",
     "generate_eager": "model.generate, greedy (dense: eager, dynamic cache; TwELL: the checkpoint's routed loop)",
     "generate_compiled": "model.generate, greedy, cache_implementation='static', compile_config=CompileConfig("
                          "fullgraph=True, dynamic=False) (dense: the decode step compiled by transformers, inductor, "
@@ -188,7 +189,8 @@ def _first_call_seconds(calls: dict) -> dict:
 @torch.inference_mode()
 def compiled_prefill_row(models, ids, repeats) -> dict:
     """The prefill through torch.compile; the first call of each model compiles (compile_s)."""
-    compiled = {name: torch.compile(model.get_decoder(), fullgraph=True, dynamic=False) for name, model in models.items()}
+    compiled = {name: torch.compile(model.get_decoder(), fullgraph=True, dynamic=False)
+                for name, model in models.items()}
     calls = {name: lambda c=c: c(input_ids=ids, use_cache=False) for name, c in compiled.items()}
     compile_s = _first_call_seconds(calls)
     return _timed_row("prefill_compiled", ids.shape[0], ids.numel(), calls, models, repeats, ranges=False,

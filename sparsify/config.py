@@ -164,7 +164,8 @@ class TrainConfig:
         hints = get_type_hints(cls)
         unknown = set(values) - set(hints)
         if unknown:
-            raise ConfigError(f"unknown training settings: {', '.join(sorted(unknown))} (known: {', '.join(sorted(hints))})")
+            raise ConfigError(f"unknown training settings: {', '.join(sorted(unknown))} "
+                              f"(known: {', '.join(sorted(hints))})")
         config = {}
         for name, value in values.items():
             kind = value_type(hints[name])
@@ -213,8 +214,8 @@ class TrainConfig:
                 f"for the L1 term's initial weight in nats (recipes: 3.5) add --l1-relative")
         if self.steps is None and self.tokens is None:
             bad("set the training length: --steps or --tokens (or a recipe that sets them)")
-        for name in ("steps", "tokens", "seq_len", "batch_size", "grad_accum", "log_every", "dead_window_tokens", "eval_tokens", "hybrid_max_nnz",
-                     "calibrate_tokens"):
+        for name in ("steps", "tokens", "seq_len", "batch_size", "grad_accum", "log_every", "dead_window_tokens",
+                     "eval_tokens", "hybrid_max_nnz", "calibrate_tokens"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 bad(f"{name.replace('_', '-')} must be a positive integer, got {value}")
@@ -239,14 +240,16 @@ class TrainConfig:
         if not 0 <= self.calibrate_sparsity < 1:
             bad(f"calibrate-sparsity must be in [0, 1) (a share of units, such as 0.99), got {self.calibrate_sparsity}")
         if not 0 <= self.target_sparsity < 1:
-            bad(f"target-sparsity must be in [0, 1) (a share of units, such as 0.99; 0: off), got {self.target_sparsity}")
+            bad(f"target-sparsity must be in [0, 1) (a share of units, such as 0.99; 0: off), "
+                f"got {self.target_sparsity}")
         if self.target_sparsity and not self.l1:
             bad("target-sparsity steers the L1 weight: set --l1 above 0")
         if self.calibrate_sparsity and not self.calibrate_steps:
             bad("calibrate-sparsity sets the calibration's target: set --calibrate-steps too")
         if self.calibrate_sequential and not self.calibrate_steps:
             bad("calibrate-sequential sets how calibration fits: set --calibrate-steps too")
-        if self.calibrate_steps and (_percent(self.swap_steps) if isinstance(self.swap_steps, str) else self.swap_steps):
+        if self.calibrate_steps and (_percent(self.swap_steps) if isinstance(self.swap_steps, str)
+                                     else self.swap_steps):
             bad(f"calibrate-steps fits the ReLU MLPs before training, so the swap is done when training starts: set "
                 f"--swap-steps 0 (it is {self.swap_steps})")
         if not 0 < self.hybrid_hot_rate <= 1:
@@ -370,7 +373,8 @@ class SampleOptions:
     with_data: bool = _setting(False, (
         "Also write --data's training documents, spread evenly among the samples by tokens, so that a conversion "
         "trains on both."))
-    eval_tokens: int = _setting(65536, "Held-out tokens of --data to keep where it has no valid* file (as for convert).")
+    eval_tokens: int = _setting(65536, (
+        "Held-out tokens of --data to keep where it has no valid* file (as for convert)."))
     seed: int = _setting(0, "Random seed of the sampling.")
     device: str | None = _setting(None, "cpu or cuda (default: cuda if available).")
     overwrite: bool = _setting(False, "Replace OUT if it exists and is not empty.")

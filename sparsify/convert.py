@@ -1,7 +1,8 @@
 """`sparsify convert`: the whole pipeline, one call per stage.
 
 check OUT (fail fast) -> load -> perplexity of the original -> relufy -> perplexity after the swap ->
-calibrate (--calibrate-steps: each ReLU MLP fitted to the source's) -> train (L1; each layer on the hybrid kernels or dense by its activity; with `distill`, fitted to a frozen copy
+calibrate (--calibrate-steps: each ReLU MLP fitted to the source's) -> train (L1; each layer on the hybrid kernels or
+dense by its activity; with `distill`, fitted to a frozen copy
 of the source model's next-token distributions) -> measure on held-out text
 (perplexity after training) -> plan -> export (+ training log JSON and sparsity PNG) -> optional push.
 Weights are trained in fp32 (AdamW updates of ~lr are below bf16's resolution; bf16 autocast on GPU
@@ -76,8 +77,8 @@ def run_summary(parameters: int, config: TrainConfig, processes: int = 1, sharde
             f"{parameters / 1e6:,.1f}M parameters; {steps:,} steps of {config.tokens_per_step(processes):,} tokens "
             f"({_run_tokens(config, processes):,} tokens) on {processes_said}; training state "
             + (f"{state / 2**30:.1f} GiB" if state >= 2**30 else f"{state / 2**20:.0f} MiB")
-            + f" a process (fp32 weights, gradients, AdamW{', bf16 teacher' if config.uses_teacher else ''}; activations "
-            "come on top)")
+            + f" a process (fp32 weights, gradients, AdamW{', bf16 teacher' if config.uses_teacher else ''}; "
+            "activations come on top)")
 
 
 def _beside(out: str | Path, suffix: str) -> Path:
@@ -90,7 +91,8 @@ def resume_dir_for(out: str | Path) -> Path:
 
 
 def logging_dir_for(out: str | Path) -> Path:
-    """Where the trackers of --report-to that write files (tensorboard) write them: beside OUT, not in the checkpoint."""
+    """Where the trackers of --report-to that write files (tensorboard) write them: beside OUT, not in the
+    checkpoint."""
     return _beside(out, ".logs")
 
 
@@ -141,7 +143,8 @@ def convert(source: str, config: TrainConfig, options: RunOptions, fit_seq_len: 
     if options.dry_run:
         _dry_run(source, config, options, checked, launch.num_processes)
         return None
-    if options.overwrite and not options.resume and main:  # starting over: an interrupted run's state must not outlive it
+    # starting over: an interrupted run's state must not outlive it
+    if options.overwrite and not options.resume and main:
         discard_saved_state(checked.resume_dir)
     shown = not options.quiet and main
     loaded = _load_source(source, config, options, checked, launch)
@@ -330,7 +333,8 @@ def _train(model, text: TextData, config: TrainConfig, options: RunOptions, chec
         result = train(
             model, mlps, lambda start, rank, world: text.train_batches(
                 config.batch_size, start, rank, world, shuffle_buffer=config.shuffle_buffer, seed=config.seed), config,
-            resume_dir=checked.resume_dir, resume=checked.saved, device=options.device, show_progress=perplexities.shown,
+            resume_dir=checked.resume_dir, resume=checked.saved, device=options.device,
+            show_progress=perplexities.shown,
             evaluate=(lambda prepared: perplexities.of_source(prepared, sharded=True)) if checked.fsdp else None,
             inputs=checked.inputs, before_training=before_training, teacher=teacher,
             l1_reference=(before_training["calibration"] or {}).get("l1_reference"),

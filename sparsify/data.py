@@ -1,6 +1,6 @@
 """Training and evaluation text: local .txt / .jsonl / .parquet files (or a folder of them) or a
-`datasets` Hub name (NAME[:CONFIG][@SPLIT]), streamed, tokenized and packed into fixed blocks of `seq_len` token ids with the
-tokenizer's EOS between documents (labels = inputs: Hugging Face models shift them internally).
+`datasets` Hub name (NAME[:CONFIG][@SPLIT]), streamed, tokenized and packed into fixed blocks of `seq_len` token ids
+with the tokenizer's EOS between documents (labels = inputs: Hugging Face models shift them internally).
 
 Evaluation text is never trained on: in a folder, files whose name starts with valid/validation/eval/test
 (like the demo corpus's valid.jsonl) are held out whole; otherwise (single files, Hub datasets) the first
@@ -121,7 +121,8 @@ class Documents:
 
     def _check_reader(self, reader: str) -> None:
         if self.position.get("reader", reader) != reader:
-            raise DataError(f"--resume: the saved data position was read {'without' if reader == 'datasets' else 'with'}"
+            raise DataError("--resume: the saved data position was read "
+                            f"{'without' if reader == 'datasets' else 'with'}"
                             " the `datasets` package installed; resume where it was saved, or start again")
 
     def _with_datasets(self, datasets) -> Iterator[str]:
@@ -145,11 +146,13 @@ class Documents:
         self.position, self._reading = {"reader": "datasets", "stream": len(streams)}, None
 
     def _streams(self, datasets) -> list[tuple[str, object, str]]:
-        """(name, IterableDataset, text column) of each part of the source: the Hub dataset, or per builder its files."""
+        """(name, IterableDataset, text column) of each part of the source: the Hub dataset, or per builder its
+        files."""
         if isinstance(self.source, str):
             try:
                 name, config, split = hub_arguments(self.source)
-                return [(self.source, datasets.load_dataset(name, config, split=split, streaming=True), self.text_column)]
+                return [(self.source, datasets.load_dataset(name, config, split=split, streaming=True),
+                         self.text_column)]
             except Exception as e:  # the Hub client raises many kinds; all mean "cannot use this name"
                 raise DataError(f"cannot load dataset {self.source!r}: {e}") from None
         streams = []

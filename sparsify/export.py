@@ -95,7 +95,8 @@ def _check_layout(model: nn.Module, spec: FamilySpec, plan: list[LayerPlan]) -> 
         reference = spec.causal_lm_class()(copy.deepcopy(model.config))
     expected, actual = set(reference.state_dict()), set(model.state_dict())
     if expected != actual:
-        raise ValueError(f"state-dict keys differ from {type(reference).__name__}: missing {sorted(expected - actual)[:5]}, "
+        raise ValueError(f"state-dict keys differ from {type(reference).__name__}: "
+                         f"missing {sorted(expected - actual)[:5]}, "
                          f"extra {sorted(actual - expected)[:5]}")
     layers = len(model.get_submodule(spec.layers))
     if len(plan) != layers:
@@ -148,7 +149,8 @@ def converted_config(folder: str | Path) -> dict:
         layer_plans(config["twell"])  # its layers, in a format version this runtime reads
         complete = {"family", "training"} <= set(config["twell"]) and "intermediate_size" in config
     except (KeyError, TypeError, ValueError) as error:
-        raise OutputError(f"{folder} is not a converted checkpoint this version reads (config.json: {error!r})") from error
+        raise OutputError(f"{folder} is not a converted checkpoint this version reads "
+                          f"(config.json: {error!r})") from error
     if not complete:
         raise OutputError(f"{folder}: config.json lacks twell.family, twell.training or intermediate_size")
     return config

@@ -123,7 +123,8 @@ class LayerCounter:
             tiles[str(tile)] = {
                 "max": int(hist.nonzero().max()),
                 "p999": int(torch.searchsorted(cumulative, torch.tensor(0.999, dtype=torch.float64))),
-                "overflow_frac": {str(c): hist[slots(tile, c) + 1 :].sum().item() / hist.sum().item() for c in COMPRESSIONS},
+                "overflow_frac": {str(c): hist[slots(tile, c) + 1 :].sum().item() / hist.sum().item()
+                                  for c in COMPRESSIONS},
                 # pairs of the light tokens only, over all pairs
                 "overflow_frac_light": {str(c): light[slots(tile, c) + 1 :].sum().item() / hist.sum().item()
                                         for c in COMPRESSIONS},

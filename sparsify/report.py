@@ -148,7 +148,8 @@ def plot_training(log: list[dict], path: str | Path) -> None:
     layers = len(log[0]["layers"]) if log else 0
     for i in range(layers):
         sparsity = [100 * (1 - e["layers"][i]["active"] / e["layers"][i]["units"]) for e in log]
-        left.plot(tokens, sparsity, color=plt.cm.viridis(i / max(1, layers - 1)), label=f"layer {i}" if layers <= 12 else None)
+        left.plot(tokens, sparsity, color=plt.cm.viridis(i / max(1, layers - 1)),
+                  label=f"layer {i}" if layers <= 12 else None)
     left.set(xlabel="training tokens", ylabel="sparsity % (inactive hidden units)", title="sparsity per layer")
     if 0 < layers <= 12:
         left.legend(fontsize=7)
@@ -173,7 +174,8 @@ def plot_activity(layer_stats: list[dict], path: str | Path) -> None:
     from matplotlib.ticker import MaxNLocator
 
     plt = _pyplot()
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 0.35 * len(layer_stats) + 3), gridspec_kw={"width_ratios": [3, 1]})
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 0.35 * len(layer_stats) + 3),
+                                      gridspec_kw={"width_ratios": [3, 1]})
     grid = np.array([s["position_active"] for s in layer_stats])
     image = left.imshow(np.maximum(grid, 1e-2), aspect="auto", norm=LogNorm(), cmap="magma", interpolation="nearest")
     fig.colorbar(image, ax=left, label="mean active units")

@@ -1,8 +1,8 @@
 """Test setup, before anything imports torch, triton or transformers: without a GPU, Triton kernels run under
 the interpreter on CPU tensors and tests marked `gpu` are skipped; remote code loaded by the tests goes
-to a fresh modules cache (not the user's, removed at the end), and nothing tries to reach the Hub. CPU ops run on one thread (the
-processes the tests start too): the tiny models' ops are too small to share, and on a machine whose other cores
-are busy every multi-threaded op would wait for a thread that is not running."""
+to a fresh modules cache (not the user's, removed at the end), and nothing tries to reach the Hub. CPU ops run on one
+thread (the processes the tests start too): the tiny models' ops are too small to share, and on a machine whose other
+cores are busy every multi-threaded op would wait for a thread that is not running."""
 import os
 import shutil
 import tempfile

@@ -15,8 +15,9 @@ def test_analyze_json_plot_and_table(tmp_path):
     model.save_pretrained(tmp_path / "m")
     tokenizer.save_pretrained(tmp_path / "m")
     (tmp_path / "text.txt").write_text("class A:\n    pass\n" * 200)
-    result = CliRunner().invoke(main, ["analyze", str(tmp_path / "m"), "--data", str(tmp_path / "text.txt"), "--tokens", "256",
-                                       "--seq-len", "64", "--json", str(tmp_path / "a.json"), "--plot", str(tmp_path / "a.png")])
+    result = CliRunner().invoke(main, ["analyze", str(tmp_path / "m"), "--data", str(tmp_path / "text.txt"),
+                                       "--tokens", "256", "--seq-len", "64", "--json", str(tmp_path / "a.json"),
+                                       "--plot", str(tmp_path / "a.png")])
     assert result.exit_code == 0, result.output
     assert "setting" in result.output and "sparsity" in result.output
     report = json.loads((tmp_path / "a.json").read_text())
@@ -74,7 +75,8 @@ def test_analyze_converted_checkpoint_defaults_to_its_training_data(tmp_path, mo
     assert ("--data is required for this model (it was converted on text.jsonl, no file or folder here)"
             in " ".join(result.output.split()))
     monkeypatch.chdir(tmp_path)
-    result = runner.invoke(main, ["analyze", str(tmp_path / "out"), "--tokens", "128", "--json", str(tmp_path / "a.json")])
+    result = runner.invoke(main, ["analyze", str(tmp_path / "out"), "--tokens", "128",
+                                  "--json", str(tmp_path / "a.json")])
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "a.json").read_text())
     assert report["data"] == "text.jsonl" and report["tokens"] == 128

@@ -8,7 +8,8 @@ from rich.console import Console
 from sparsify.bench import (MAX_ROUNDS, MIN_TIMED_S, PATHS, TORCH_PROJECTIONS, _median_seconds, bench_checkpoint,
                             bench_table, logits_agreement, path_row, plan_summary, write_json)
 from sparsify.profiling import (COMPONENTS, RANGE, _range_of, busy_us, component_split, device_kernels,
-                                kernel_component, launch_ids, mlp_layers, module_component, module_ranges, profile_split)
+                                kernel_component, launch_ids, mlp_layers, module_component, module_ranges,
+                                profile_split)
 from sparsify.errors import ConfigError, DataError
 from sparsify.families import spec_for
 from sparsify.plan import measure_plan, timed_layer_plan
@@ -147,7 +148,8 @@ def test_device_kernels_find_the_range_that_launched_them():
     mlp = cpu(1, RANGE + "mlp.1")
     events = [mlp, cpu(2, "twell::gated_mlp", mlp, ["_gate_pack_kernel", "_twell_out_kernel"]),
               cpu(3, "aten::add", None, ["elementwise"]), gpu(RANGE + "mlp.1", 1, 0.0, 12.0, annotation=True),
-              gpu("_gate_pack_kernel", 2, 0.0, 8.0), gpu("_twell_out_kernel", 2, 2.0, 10.0), gpu("elementwise", 3, 11.0, 12.0)]
+              gpu("_gate_pack_kernel", 2, 0.0, 8.0), gpu("_twell_out_kernel", 2, 2.0, 10.0),
+              gpu("elementwise", 3, 11.0, 12.0)]
     expected = [("mlp.1", "_gate_pack_kernel", 0.0, 8.0), ("mlp.1", "_twell_out_kernel", 2.0, 10.0),
                 (None, "elementwise", 11.0, 12.0)]
     assert device_kernels(events) == expected
@@ -175,12 +177,14 @@ def test_module_ranges_cover_each_component_once():
     hooks gone afterwards; an op inside an MLP finds its range."""
     model, _ = tiny_model("qwen3")
     layers = model.config.num_hidden_layers
-    with torch.no_grad(), module_ranges(model), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    with torch.no_grad(), module_ranges(model), \
+            torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         model(torch.arange(8)[None])
     events = prof.events()
     counts = {c: sum(e.name.partition(".")[0] == RANGE + c for e in events) for c in COMPONENTS}
     assert counts == {"mlp": layers, "attention": layers, "norm": 2 * layers + 1, "lm_head": 1, "matmul": 0, "other": 0}
-    assert sorted(e.name for e in events if e.name.startswith(RANGE + "mlp")) == [f"{RANGE}mlp.{i}" for i in range(layers)]
+    assert (sorted(e.name for e in events if e.name.startswith(RANGE + "mlp"))
+            == [f"{RANGE}mlp.{i}" for i in range(layers)])
     inside = [_range_of(e) for e in events if e.name == "aten::mul" and _range_of(e) in ("mlp.0", "attention", "norm")]
     assert {"mlp.0", "norm"} <= set(inside)
     per_layer = mlp_layers([], events)  # host time from the CPU ranges (no device activity here)
@@ -193,7 +197,8 @@ def test_plan_summary():
     class Config:
         twell = {"layers": [{"mode": "sparse", "tile": 128, "compression": 8, "stats": {"predicted_speedup": 1.3}},
                             {"mode": "dense", "stats": {}}]}
-    assert plan_summary(Config) == {"layers": ["T128 C8", "dense"], "sparse_layers": 1, "predicted_speedup": [1.3, None]}
+    assert plan_summary(Config) == {"layers": ["T128 C8", "dense"], "sparse_layers": 1,
+                                    "predicted_speedup": [1.3, None]}
 
 
 def test_measured_plan_takes_the_fastest_correct_candidate():
@@ -210,13 +215,15 @@ def test_measured_plan_takes_the_fastest_correct_candidate():
     assert layer.stats["measured_speedup"] == pytest.approx(2.0 / 1.5, abs=1e-3)
     assert layer.sparse_tokens == ((1, 90), (513, 2048), (8193, None))
     assert layer.stats["window"][0] == [1, 0.04, 0.02]
-    slower = {"dense": {"ms": 1.0, "rel_err": 3.3e-3}, (128, 8): {"ms": 1.5, "rel_err": 2.9e-3, "overflow_frac": 0.0, "ok": True}}
+    slower = {"dense": {"ms": 1.0, "rel_err": 3.3e-3},
+              (128, 8): {"ms": 1.5, "rel_err": 2.9e-3, "overflow_frac": 0.0, "ok": True}}
     dense = timed_layer_plan(activity, slower, window[2:4])
     assert dense.mode is Mode.DENSE and dense.stats["measured_speedup"] == pytest.approx(0.667, abs=1e-3)
     decode_only = timed_layer_plan(activity, slower, window[:3])
     assert decode_only.sparse_tokens == ((1, 90),)
     wrong = {"dense": results["dense"], (256, 16): results[(256, 16)]}
-    assert timed_layer_plan(activity, wrong, []) == LayerPlan(stats={**activity, "dense_ms": 2.0, "dense_rel_err": 3.3e-3})
+    assert timed_layer_plan(activity, wrong, []) == LayerPlan(stats={**activity, "dense_ms": 2.0,
+                                                                     "dense_rel_err": 3.3e-3})
 
 
 def test_capture_mlp_inputs_keeps_or_only_runs():
@@ -372,7 +379,8 @@ def test_bench_checkpoint_on_gpu(tmp_path):
     assert rows["generate_compiled"]["compile_s"]["twell"] > 0 and rows["generate_compiled"]["greedy_match"] > 0
     assert rows["prefill_compiled"]["compile_s"]["twell"] > 0
     graphed = rows["generate_graphed"]
-    assert graphed["compile_s"]["twell"] > 0 and graphed["greedy_match"] > 0 and min(graphed["matches_generate"].values()) > 0
+    assert (graphed["compile_s"]["twell"] > 0 and graphed["greedy_match"] > 0
+            and min(graphed["matches_generate"].values()) > 0)
     assert graphed["tokens"] == 8 and set(PATHS) == set(rows)
 
 

@@ -1,5 +1,6 @@
 """Calibration (--calibrate-steps): each ReLU MLP fitted to the source's MLP on the source's own inputs, or
-bottom up to the source's residual stream (--calibrate-sequential), before training; the settings it refuses; through the command line, and skipped by a resumed run, which reports the saved record."""
+bottom up to the source's residual stream (--calibrate-sequential), before training; the settings it refuses; through
+the command line, and skipped by a resumed run, which reports the saved record."""
 import json
 import re
 
@@ -268,7 +269,8 @@ def test_a_resumed_conversion_reports_the_calibration_without_calibrating_again(
     real = data_module.TrainingBatches.__next__
     monkeypatch.setattr(data_module.TrainingBatches, "__next__", on_read(real, 3, interrupt))
     calibrated, after = [], []  # the interrupted run's calibration and perplexity after it
-    monkeypatch.setattr(convert_module, "calibrate", lambda *a, **k: calibrated.append(calibrate(*a, **k)) or calibrated[-1])
+    monkeypatch.setattr(convert_module, "calibrate",
+                        lambda *a, **k: calibrated.append(calibrate(*a, **k)) or calibrated[-1])
     measure_after = convert_module._Perplexities.after_calibration
 
     def keep_after(self, model):

@@ -41,7 +41,8 @@ def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli")
     corpus = root / "corpus"
     corpus.mkdir()
-    (corpus / "train.jsonl").write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n" * 6}) + "\n" for i in range(60)))
+    (corpus / "train.jsonl").write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n" * 6}) + "\n"
+                                                for i in range(60)))
     (corpus / "valid.jsonl").write_text(json.dumps({"text": "def g(y):\n    return y + 1\n" * 20}) + "\n")
     (root / "recipe.yaml").write_text(RECIPE)
     return root
@@ -61,7 +62,8 @@ def run(*args):
 
 
 def convert(files, family, out, *extra):
-    return run("convert", model_folder(files, family), "-o", out, "--data", files / "corpus", "--recipe", files / "recipe.yaml", "--steps", 2, *extra)
+    return run("convert", model_folder(files, family), "-o", out, "--data", files / "corpus",
+               "--recipe", files / "recipe.yaml", "--steps", 2, *extra)
 
 
 def assert_user_error(result, message):
@@ -98,7 +100,8 @@ def test_every_run_option_is_an_option_with_its_help():
         assert option.required or option.default == setting.default, setting.name
     assert options["out"].opts == ["-o", "--out"] and options["quiet"].opts == ["-q", "--quiet"]
     assert options["resume"].is_flag and not options["resume"].secondary_opts
-    assert options["measure_kernels"].opts == ["--measure"] and options["measure_kernels"].secondary_opts == ["--no-measure"]
+    assert (options["measure_kernels"].opts == ["--measure"]
+            and options["measure_kernels"].secondary_opts == ["--no-measure"])
 
 
 def test_convert_help_shows_the_training_defaults_without_importing_torch():
@@ -169,12 +172,14 @@ def test_dry_run_prints_the_resolved_settings_and_stops(files, tmp_path, monkeyp
     assert text.endswith("dry run: the checks passed; no weight was read and nothing was written")
     assert not (tmp_path / "out").exists()
     output = convert(files, "llama", tmp_path / "out", "--dry-run", "--tokens", 1000).output
-    assert "warning: tokens 1,000: the run stops at its 2 steps first, after 128 tokens (set --steps to train on more)\n" in output
+    assert ("warning: tokens 1,000: the run stops at its 2 steps first, after 128 tokens "
+            "(set --steps to train on more)\n" in output)
     output = convert(files, "llama", tmp_path / "out", "--dry-run", "--l1-warmup-steps", 5, "--warmup-steps", 2).output
     # outside a terminal each warning is one whole line (a log file), however long
     assert ("warning: l1-warmup-steps 5 is not below the run's 2 steps: the L1 weight never reaches its set value\n"
             in output)
-    assert "warning: warmup-steps 2 is not below the run's 2 steps: the learning rate never reaches its set value\n" in output
+    assert ("warning: warmup-steps 2 is not below the run's 2 steps: the learning rate never reaches its set value\n"
+            in output)
 
 
 def test_defaults_fit_the_model_and_the_data(files, tmp_path, monkeypatch):
@@ -300,7 +305,8 @@ def test_two_processes_train_like_one_with_both_batches(files, tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "cli",
                "convert", model_folder(files, "llama"), "-o", tmp_path / "two", "--data", files / "corpus",
                "--recipe", files / "recipe.yaml", "--steps", "2", "--batch-size", "2"]
-    done = subprocess.run([str(c) for c in command], cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([str(c) for c in command], cwd=Path(__file__).parents[1], capture_output=True, text=True,
+                          timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert convert(files, "llama", tmp_path / "one", "--batch-size", "4").exit_code == 0
     two, one = load_file(tmp_path / "two" / "model.safetensors"), load_file(tmp_path / "one" / "model.safetensors")
@@ -322,12 +328,14 @@ def test_ctrl_c_then_resume(files, tmp_path, monkeypatch):
 
     monkeypatch.setattr(data_module.TrainingBatches, "__next__", real)
     # without --resume the saved state is not silently replaced
-    assert_user_error(convert(files, "llama", out, "--steps", 5), "holds the training state of an interrupted conversion")
+    assert_user_error(convert(files, "llama", out, "--steps", 5),
+                      "holds the training state of an interrupted conversion")
     assert (tmp_path / "out.resume" / "state.json").is_file()
     assert_user_error(convert(files, "llama", out, "--steps", 8, "--resume"), "other training settings (steps 5 -> 8)")
     other_data = run("convert", model_folder(files, "llama"), "-o", out, "--data", files / "corpus" / "train.jsonl",
                      "--recipe", files / "recipe.yaml", "--steps", 5, "--resume")
-    assert_user_error(other_data, f"other inputs (data {str(files / 'corpus')!r} -> {str(files / 'corpus' / 'train.jsonl')!r})")
+    assert_user_error(other_data, f"other inputs (data {str(files / 'corpus')!r} -> "
+                                  f"{str(files / 'corpus' / 'train.jsonl')!r})")
     result = convert(files, "llama", out, "--steps", 5, "--resume")
     assert result.exit_code == 0, result.output
     log = json.loads((out / "training_log.json").read_text())["log"]
@@ -397,7 +405,8 @@ def test_text_column_reads_rows_from_another_column(files, tmp_path):
                       "text with --text-column")
     result = run(*common, "-o", tmp_path / "content", "--text-column", "content")
     assert result.exit_code == 0, result.output
-    assert json.loads((tmp_path / "content" / "config.json").read_text())["twell"]["training"]["text_column"] == "content"
+    assert (json.loads((tmp_path / "content" / "config.json").read_text())["twell"]["training"]["text_column"]
+            == "content")
 
 
 @pytest.mark.parametrize("name_or_path, base_model", [("someone/base-model", "someone/base-model"),
@@ -410,8 +419,8 @@ def test_a_local_source_is_named_without_local_paths(files, tmp_path, name_or_pa
     if name_or_path:  # written by save_pretrained before transformers 5
         config = json.loads((source / "config.json").read_text())
         (source / "config.json").write_text(json.dumps({**config, "_name_or_path": name_or_path}))
-    result = run("convert", source, "-o", tmp_path / "out", "--data", files / "corpus", "--recipe", files / "recipe.yaml",
-                 "--steps", 1)
+    result = run("convert", source, "-o", tmp_path / "out", "--data", files / "corpus",
+                 "--recipe", files / "recipe.yaml", "--steps", 1)
     assert result.exit_code == 0, result.output
     training = json.loads((tmp_path / "out" / "config.json").read_text())["twell"]["training"]
     assert training["base_model"] == (base_model or "my-llama") and training["data"] == "corpus"
@@ -430,8 +439,8 @@ def test_the_source_cards_license_carries_over(files, tmp_path):
     source = tmp_path / "licensed"
     shutil.copytree(model_folder(files, "llama"), source)
     (source / "README.md").write_text("---\nlicense: apache-2.0\n---\n# a base model\n")
-    result = run("convert", source, "-o", tmp_path / "out", "--data", files / "corpus", "--recipe", files / "recipe.yaml",
-                 "--steps", 1)
+    result = run("convert", source, "-o", tmp_path / "out", "--data", files / "corpus",
+                 "--recipe", files / "recipe.yaml", "--steps", 1)
     assert result.exit_code == 0, result.output
     assert ModelCard.load(tmp_path / "out" / "README.md").data.license == "apache-2.0"
     assert json.loads((tmp_path / "out" / "config.json").read_text())["twell"]["training"]["license"] == "apache-2.0"
@@ -527,7 +536,8 @@ def test_a_save_that_fails_after_training_leaves_the_first_error_and_no_partial_
     result = convert(files, "llama", tmp_path / "out")
     assert_user_error(result, "No space left on device")
     output = " ".join(result.output.split())
-    assert "the trained state could not be saved either (OSError: [Errno 28] No space left on device (saving))" in output
+    assert ("the trained state could not be saved either (OSError: [Errno 28] No space left on device (saving))"
+            in output)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -544,33 +554,54 @@ def gpt2_folder(root):
         (["convert", "./no-such-model", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1"], "no such folder"),
         (["convert", "{tmp}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1"], "no config.json"),
         (["convert", "{gpt2}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1"], "supported families"),
-        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{tmp}/missing.jsonl", "--steps", "1", "--seq-len", "32"], "does not exist"),
-        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{tmp}/empty.txt", "--steps", "1", "--seq-len", "32"], "empty"),
-        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{tmp}/data.csv", "--steps", "1", "--seq-len", "32"], "unknown data format"),
-        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{tmp}/short.txt", "--steps", "1", "--seq-len", "32"], "shorter than one sequence"),
+        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{tmp}/missing.jsonl", "--steps", "1", "--seq-len", "32"],
+         "does not exist"),
+        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{tmp}/empty.txt", "--steps", "1", "--seq-len", "32"],
+         "empty"),
+        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{tmp}/data.csv", "--steps", "1", "--seq-len", "32"],
+         "unknown data format"),
+        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{tmp}/short.txt", "--steps", "1", "--seq-len", "32"],
+         "shorter than one sequence"),
         (["convert", "{llama}", "--data", "{corpus}", "--steps", "1"], "Missing option '-o' / '--out'"),
         (["convert", "{llama}", "-o", "{tmp}/out", "--steps", "1"], "--data is required"),
         (["convert", "./no-such-model", "-o", "{tmp}/out", "--steps", "1"], "no such folder"),  # before --data
         (["convert", "{gpt2}", "-o", "{tmp}/out", "--steps", "1"], "supported families"),
-        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--l1", "-1e-5"], "l1 (relative) must be between"),
-        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--l1", "3", "--l1-absolute"], "got 3.0; for the L1 term's initial weight in nats (recipes: 3.5) add --l1-relative"),
-        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--distill", "2"], "distill must be in [0, 1]"),
-        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--distill-hidden", "-1"], "distill-hidden must be a number >= 0"),
-        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--distill-hidden", "x"], "'x' is not a valid float"),
-        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--mlp-lr", "2"], "mlp-lr must be in (0, 1]"),
-        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--mlp-lr", "fast"], "'fast' is not a valid float"),
-        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "9", "--calibrate-steps", "5", "--swap-steps", "3"], "set --swap-steps 0 (it is 3)"),
-        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "0"], "steps must be a positive integer"),
-        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--recipe", "{tmp}/lr.yaml"], "set the training length"),
-        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--seq-len", "4096"], "beyond the model's maximum of 128 positions"),
-        (["convert", "{llama}", "-o", "{tmp}/full", "--data", "{corpus}", "--steps", "1"], "not empty (pass --overwrite"),
-        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--recipe", "nonexistent"], "recipe nonexistent not found"),
-        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--max-shard-size", "big"], "--max-shard-size"),
+        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--l1", "-1e-5"],
+         "l1 (relative) must be between"),
+        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--l1", "3", "--l1-absolute"],
+         "got 3.0; for the L1 term's initial weight in nats (recipes: 3.5) add --l1-relative"),
+        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--distill", "2"],
+         "distill must be in [0, 1]"),
+        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--distill-hidden", "-1"],
+         "distill-hidden must be a number >= 0"),
+        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--distill-hidden", "x"],
+         "'x' is not a valid float"),
+        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--mlp-lr", "2"],
+         "mlp-lr must be in (0, 1]"),
+        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--mlp-lr", "fast"],
+         "'fast' is not a valid float"),
+        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "9", "--calibrate-steps", "5",
+          "--swap-steps", "3"],
+         "set --swap-steps 0 (it is 3)"),
+        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "0"],
+         "steps must be a positive integer"),
+        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--recipe", "{tmp}/lr.yaml"],
+         "set the training length"),
+        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--seq-len", "4096"],
+         "beyond the model's maximum of 128 positions"),
+        (["convert", "{llama}", "-o", "{tmp}/full", "--data", "{corpus}", "--steps", "1"],
+         "not empty (pass --overwrite"),
+        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--recipe", "nonexistent"],
+         "recipe nonexistent not found"),
+        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--max-shard-size", "big"],
+         "--max-shard-size"),
         (["analyze", "{llama}"], "--data is required"),
         (["analyze", "{llama}", "--data", "{corpus}", "--tokens", "0"], "--tokens must be at least 1, got 0"),
         (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--l1-warmup-steps", "abc"],
          "l1-warmup-steps: 'abc' is not an int or a share of the run's steps such as 50%"),
-        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--measure", "--device", "cpu"], "--measure needs a CUDA GPU"),
+        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--measure",
+          "--device", "cpu"],
+         "--measure needs a CUDA GPU"),
         (["analyze", "{llama}", "--data", "{corpus}", "--measure", "--device", "cpu"], "--measure needs a CUDA GPU"),
         (["bench", "{tmp}/no-such-checkpoint"], "sparsify bench needs a CUDA GPU, and torch ("),
     ],
@@ -608,7 +639,8 @@ def test_hybrid_routing_options(files, tmp_path):
     # kernels are tested elsewhere).
     recipe = tmp_path / "hybrid.yaml"
     recipe.write_text(RECIPE + "hybrid_max_nnz: 4\nhybrid_hot_rate: 1.0\n")
-    args = ["convert", model_folder(files, "llama"), "--data", files / "corpus", "--recipe", recipe, "--steps", 2, "--hybrid-below", 1000]
+    args = ["convert", model_folder(files, "llama"), "--data", files / "corpus", "--recipe", recipe, "--steps", 2,
+            "--hybrid-below", 1000]
     result = run(*args, "-o", tmp_path / "hybrid")
     assert result.exit_code == 0, result.output
     log = json.loads((tmp_path / "hybrid" / "training_log.json").read_text())["log"]
@@ -680,7 +712,8 @@ def test_report_to_sends_each_log_entry_to_accelerate_trackers(files, tmp_path, 
     log = json.loads((tmp_path / "out" / "training_log.json").read_text())["log"]
     assert [step for step, _ in run.logged] == [entry["step"] for entry in log] == [1, 2]
     for (_, values), entry in zip(run.logged, log):
-        for name in ("loss", "cross_entropy", "l1", "l1_coeff", "lr", "mean_active", "dead_frac", "tokens", "tokens_per_s"):
+        for name in ("loss", "cross_entropy", "l1", "l1_coeff", "lr", "mean_active", "dead_frac", "tokens",
+                     "tokens_per_s"):
             assert values[name] == entry[name], name
         assert values["layers/1/active"] == entry["layers"][1]["active"] and values["layers/0/hybrid"] == 0
 
@@ -691,7 +724,8 @@ def test_report_to_names_a_tracker_that_is_unknown_or_not_installed(files, tmp_p
     monkeypatch.setattr(convert_module, "load_model", None)  # stops before any weight is read
     monkeypatch.setattr(accelerate.tracking, "get_available_trackers", lambda: [])
     assert_user_error(convert(files, "llama", tmp_path / "out", "--report-to", "tensorboard"),
-                      "error: --report-to tensorboard: the tensorboard package is not installed (pip install tensorboard)")
+                      "error: --report-to tensorboard: the tensorboard package is not installed "
+                      "(pip install tensorboard)")
     assert_user_error(convert(files, "llama", tmp_path / "out", "--report-to", "none,tensorbord"),
                       "error: --report-to tensorbord: not a tracker; use none, or one or more of all, ")
 

@@ -96,7 +96,8 @@ def test_text_column_names_the_column_of_rows(tmp_path, monkeypatch):
     """.jsonl and .parquet rows (and Hub rows) are read from `text_column`; .txt files stay whole documents; a row
     without the column is a DataError naming it and the row's columns, with or without `datasets`."""
     datasets = pytest.importorskip("datasets")
-    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"id": i, "body": f"jsonl row {i} " * 5}) + "\n" for i in range(30)))
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"id": i, "body": f"jsonl row {i} " * 5}) + "\n"
+                                              for i in range(30)))
     datasets.Dataset.from_dict({"body": ["parquet row " * 10] * 5}).to_parquet(str(tmp_path / "b.parquet"))
     (tmp_path / "c.txt").write_text("plain text " * 30)
     data = TextData(tmp_path, tiny_tokenizer(), seq_len=16, eval_tokens=32, text_column="body")
@@ -109,7 +110,8 @@ def test_text_column_names_the_column_of_rows(tmp_path, monkeypatch):
         if reader == "plain":
             (tmp_path / "b.parquet").unlink()
             monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
-        with pytest.raises(DataError, match=r"a\.jsonl(: line 1)?: a row has no 'text' column \(its columns: id, body\); name the "
+        with pytest.raises(DataError, match=r"a\.jsonl(: line 1)?: a row has no 'text' column "
+                                            r"\(its columns: id, body\); name the "
                                             r"one that holds the text with --text-column"):
             TextData(tmp_path, tiny_tokenizer(), seq_len=16, eval_tokens=32)
 
@@ -120,7 +122,8 @@ def test_rows_whose_text_is_not_text_name_their_file(tmp_path, monkeypatch):
     for reader in ("datasets", "plain"):
         if reader == "plain":
             monkeypatch.setitem(sys.modules, "datasets", None)
-        for row, message in (('{"text": null}', "a row's 'text' is NoneType"), ('{"text": 12345}', "a row's 'text' is int"),
+        for row, message in (('{"text": null}', "a row's 'text' is NoneType"),
+                             ('{"text": 12345}', "a row's 'text' is int"),
                              ('[1, 2]', "a row is list")):
             (tmp_path / "a.jsonl").write_text('{"text": "fine words here"}\n' + row + "\n")
             line = r": line 2" if reader == "plain" else ""
@@ -156,7 +159,8 @@ def test_shuffled_batches_are_seeded_resumable_and_keep_held_out_blocks_out(tmp_
     assert len(epoch) > 30 and set(key(shuffled)) <= set(key(epoch))  # training blocks only
     assert not set(key(data.eval_blocks)) & set(key(shuffled))
     again = list(itertools.islice(data.train_batches(2, shuffle_buffer=16, seed=3), 8))
-    assert all(torch.equal(a, b) for a, b in zip(again, list(itertools.islice(data.train_batches(2, shuffle_buffer=16, seed=3), 8))))
+    assert all(torch.equal(a, b)
+               for a, b in zip(again, list(itertools.islice(data.train_batches(2, shuffle_buffer=16, seed=3), 8))))
     resumed = data.train_batches(2, start=5, shuffle_buffer=16, seed=3)
     assert torch.equal(next(resumed), again[5])
     rank1 = data.train_batches(2, start=2, rank=1, world=2, shuffle_buffer=16, seed=3)

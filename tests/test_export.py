@@ -306,12 +306,15 @@ def test_checkpoint_layout(tmp_path):
     assert "max_" not in table and '"' not in table
     assert "(loss = cross-entropy + 2e-05 * L1)" in card.text  # the record's absolute L1, no distillation
     assert objective({"l1": 3.5, "l1_relative": True, "distill": 0.5}) == (
-        "loss = 0.5 * cross-entropy + 0.5 * KL(source || trained) + 3.5 * L1 / L1_0, L1_0 the L1 term at the first step")
+        "loss = 0.5 * cross-entropy + 0.5 * KL(source || trained) + 3.5 * L1 / L1_0, "
+        "L1_0 the L1 term at the first step")
     assert objective({"l1": 3.5, "l1_relative": True, "distill_hidden": 4}) == (
-        "loss = cross-entropy + 4 * hidden-state distance to the source + 3.5 * L1 / L1_0, L1_0 the L1 term at the first step")
+        "loss = cross-entropy + 4 * hidden-state distance to the source + 3.5 * L1 / L1_0, "
+        "L1_0 the L1 term at the first step")
     assert objective({"l1": 0.45, "l1_log_scale": 0.2, "target_sparsity": 0.99}) == (
         "loss = cross-entropy + 0.45 * P; P the sum over the MLP units of eps * log(1 + |h| / eps), eps 0.2 times the "
-        "layer's mean |h| over its firing units at the first step; the weight steered towards 99.0% of the units silent")
+        "layer's mean |h| over its firing units at the first step; "
+        "the weight steered towards 99.0% of the units silent")
     assert 'model.generate(input_ids, max_new_tokens=64, cache_implementation="static")' in card.text
 
 
@@ -367,7 +370,8 @@ def _record_fused_kernels(remote, monkeypatch) -> list:
         return lambda *a, **k: calls.append((label,)) or function(*a, **k)
 
     for name, label in (("rms_norm_fitted", "rms_norm"), ("rotary_fitted", "rotary"),
-                        ("small_linear_fitted", "small_linear"), ("small_linear_grouped_fitted", "small_linear_grouped")):
+                        ("small_linear_fitted", "small_linear"),
+                        ("small_linear_grouped_fitted", "small_linear_grouped")):
         monkeypatch.setattr(module, name, recorded(label, getattr(module, name)))
     for name in ("rms_norm_fits", "rotary_fits", "small_linear_fits"):
         check = getattr(module, name)
@@ -455,7 +459,8 @@ def test_attention_projections_share_one_launch_and_can_be_turned_off(tmp_path, 
         check("q_proj", other)
         check("v_proj", x)  # kept for `other` now, not for x
         assert [call for call in calls if call != ("small_linear_fits",)] == [
-            ("small_linear_grouped",), ("small_linear",), ("small_linear",), ("small_linear_grouped",), ("small_linear",)]
+            ("small_linear_grouped",), ("small_linear",), ("small_linear",), ("small_linear_grouped",),
+            ("small_linear",)]
         ids = tiny_input_ids(length=4)
         fused_logits = remote(ids).logits
         calls.clear()
@@ -630,7 +635,8 @@ def test_existing_output(tmp_path, monkeypatch):
     with pytest.raises(OutputError, match="not a folder"):
         check_output_dir(out / "stale.txt", overwrite=True)
     with pytest.raises(OutputError, match=r"cannot be written, .*stale\.txt is a file"):  # before anything is written
-        export_checkpoint(model, tokenizer, out / "stale.txt" / "sub" / "deeper", spec=spec, plan=PLAN, training=TRAINING)
+        export_checkpoint(model, tokenizer, out / "stale.txt" / "sub" / "deeper", spec=spec, plan=PLAN,
+                          training=TRAINING)
     with pytest.raises(OutputError, match="does not exist"):
         export_checkpoint(model, tokenizer, tmp_path / "new", spec=spec, plan=PLAN, training=TRAINING,
                           artifacts={"log.json": tmp_path / "missing.json"})
@@ -697,7 +703,8 @@ def test_push_to_hub_creates_the_repo_and_uploads_once(tmp_path, monkeypatch):
     with pytest.raises(OutputError, match="403"):
         push.push_to_hub(tmp_path, "me/denied")
     with pytest.raises(OutputError, match=rf"ConnectError: \[Errno -2\] Name or service not known\); the checkpoint "
-                                          rf"in {tmp_path} is complete: upload it with `hf upload me/offline {tmp_path} "
+                                          rf"in {tmp_path} is complete: upload it with "
+                                          rf"`hf upload me/offline {tmp_path} "
                                           r"--delete '\*' --private`"):
         push.push_to_hub(tmp_path, "me/offline", private=True)
     with pytest.raises(OutputError, match="no config.json"):

@@ -28,7 +28,8 @@ STEPS = 3
 
 
 def launch_fsdp(files, out, *extra, interrupt_at=None, source=None, fail_write=False):
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", ROOT / "recipes" / "accelerate" / "fsdp.yaml",
+    command = [sys.executable, "-m", "accelerate.commands.launch",
+               "--config_file", ROOT / "recipes" / "accelerate" / "fsdp.yaml",
                "--num_processes", 2, "--main_process_port", 0, ROOT / "tests" / "fsdp_on_cpu.py",
                "convert", source or model_folder(files, "llama"), "-o", out, "--data", files / "corpus",
                "--recipe", files / "recipe.yaml", "--steps", STEPS, "--batch-size", 2, *extra]
@@ -79,7 +80,8 @@ def test_fsdp_trains_and_exports_like_one_process_with_both_batches(files, fsdp_
             {k: one_layer["stats"][k] for k in numbers}, rel=1e-4)
         assert {k: v for k, v in two_layer["stats"].items() if k not in numbers} == {
             k: v for k, v in one_layer["stats"].items() if k not in numbers}
-        assert {k: v for k, v in two_layer.items() if k != "stats"} == {k: v for k, v in one_layer.items() if k != "stats"}
+        assert {k: v for k, v in two_layer.items() if k != "stats"} == {
+            k: v for k, v in one_layer.items() if k != "stats"}
 
 
 def test_fsdp_with_tied_embeddings(files, tmp_path):

@@ -230,7 +230,8 @@ def test_converted_checkpoint_decodes_on_the_kernels(tmp_path, monkeypatch):
 
     calls = []
     kernel = sys.modules[module].gated_mlp
-    monkeypatch.setattr(sys.modules[module], "gated_mlp", lambda x, *a, **k: calls.append(x.shape[:-1]) or kernel(x, *a, **k))
+    monkeypatch.setattr(sys.modules[module], "gated_mlp",
+                        lambda x, *a, **k: calls.append(x.shape[:-1]) or kernel(x, *a, **k))
     ids = tiny_input_ids(2, 5)
     generated = remote.generate_graphed(ids, 6, eos_token_id=[])
     assert calls and all(shape == (2, 1) for shape in calls[1:])  # the prefill, then one position a sequence
@@ -343,7 +344,8 @@ def test_generate_takes_the_loop_where_the_call_fits_and_falls_back_elsewhere(tm
 
     remote, _, _ = converted_checkpoint(tmp_path, monkeypatch)
     ids = tiny_input_ids(2, 6)
-    plain = lambda **kw: remote.generate(ids, graphed=False, **{"eos_token_id": None, "pad_token_id": 0, **kw})  # noqa: E731
+    plain = lambda **kw: remote.generate(ids, graphed=False,  # noqa: E731
+                                         **{"eos_token_id": None, "pad_token_id": 0, **kw})
     fast = remote.generate(ids, max_new_tokens=12, eos_token_id=None, pad_token_id=0)
     assert remote._decode_loop.loop is not None  # the loop ran it
     assert torch.equal(fast, plain(max_new_tokens=12))

@@ -9,12 +9,14 @@ import torch
 
 from helpers import interrupt, tiny_model
 from sparsify.relufy import relufy
-from sparsify.train import HYBRID_EXIT, TrainConfig, TrainingInterrupted, hybrid_kernels_run, hybrid_paths, hybrid_share, train
+from sparsify.train import (HYBRID_EXIT, TrainConfig, TrainingInterrupted, hybrid_kernels_run, hybrid_paths,
+                            hybrid_share, train)
 from test_train import BATCH, SEQ, acting_at, batches_from
 
 
 def config(**kw):
-    return TrainConfig(**{"steps": 4, "seq_len": SEQ, "batch_size": BATCH, "lr": 1e-3, "l1": 1e-3, "log_every": 1, **kw})
+    return TrainConfig(**{"steps": 4, "seq_len": SEQ, "batch_size": BATCH, "lr": 1e-3, "l1": 1e-3,
+                          "log_every": 1, **kw})
 
 
 def entry(*layers):
@@ -23,7 +25,8 @@ def entry(*layers):
 
 def test_paths_switch_below_threshold_and_back_above_the_band():
     below = 40
-    paths = hybrid_paths(entry((39.9, "dense"), (40, "dense"), (45, "hybrid"), (HYBRID_EXIT * below, "hybrid"), (50.1, "hybrid")), below)
+    paths = hybrid_paths(entry((39.9, "dense"), (40, "dense"), (45, "hybrid"), (HYBRID_EXIT * below, "hybrid"),
+                               (50.1, "hybrid")), below)
     assert paths == [True, False, True, True, False]
 
 
@@ -90,7 +93,8 @@ def test_busy_units_of_hybrid_layers_run_as_dense_columns():
     # chosen at the first log step, a multiple of 8 of the 20 busy units; outside the row budget, so
     # the rows that went to the backup without them (test above) fit the ELL now
     assert hot[0][0] in (8, 16) and hot[0][1] == 0 and hot[1] == hot[0]
-    assert all(b0 < SEQ * BATCH for b0, _ in backup[1:]) and all(p == "hybrid" for p in [e["layers"][0]["path"] for e in log[1:]])
+    assert (all(b0 < SEQ * BATCH for b0, _ in backup[1:])
+            and all(p == "hybrid" for p in [e["layers"][0]["path"] for e in log[1:]]))
 
 
 @pytest.mark.interpreter
@@ -127,7 +131,8 @@ def test_training_on_the_hybrid_kernels_matches_dense(hot_rate, log_scale):
 def test_mlps_with_bias_stay_dense_in_the_log():
     # The hybrid kernels have no bias terms: such MLPs run dense whatever their activity, and say so.
     model, _ = tiny_model("llama", mlp_bias=True)
-    log = train(model, relufy(model), batches_from(), config(steps=2, hybrid_below=1e9), device="cpu", show_progress=False).log
+    log = train(model, relufy(model), batches_from(), config(steps=2, hybrid_below=1e9), device="cpu",
+                show_progress=False).log
     assert all(l["path"] == "dense" and l["backup_rows"] == 0 for e in log for l in e["layers"])
 
 
@@ -145,9 +150,11 @@ def test_resume_continues_on_the_paths_chosen_before_the_interrupt(tmp_path):
     expected = train(straight, mlps, batches_from(), cfg, device="cpu", show_progress=False).log
     interrupted, mlps = sparse_layer0()
     with pytest.raises(TrainingInterrupted, match="interrupted at step 2 of 3"):  # its step 2 on the hybrid path
-        train(interrupted, mlps, acting_at(1, interrupt), cfg, resume_dir=tmp_path / "r", device="cpu", show_progress=False)
+        train(interrupted, mlps, acting_at(1, interrupt), cfg, resume_dir=tmp_path / "r", device="cpu",
+              show_progress=False)
     resumed, mlps = sparse_layer0(seed=1)  # every weight comes back from the saved state
-    log = train(resumed, mlps, batches_from(), cfg, resume_dir=tmp_path / "r", resume=True, device="cpu", show_progress=False).log
+    log = train(resumed, mlps, batches_from(), cfg, resume_dir=tmp_path / "r", resume=True, device="cpu",
+                show_progress=False).log
     assert [[l["path"] for l in e["layers"]] for e in log] == [[l["path"] for l in e["layers"]] for e in expected]
     assert [e["layers"][0]["path"] for e in log] == ["dense", "hybrid", "hybrid"]
     for (name, a), b in zip(straight.named_parameters(), resumed.parameters()):

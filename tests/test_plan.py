@@ -18,7 +18,8 @@ def stats(mean_active, overflow=None):
     overflow = overflow or {t: {c: 0.0 for c in (2, 4, 8, 16)} for t in (64, 128, 256)}
     return {
         "units": I, "mean_active": mean_active, "p99_active": 3 * mean_active, "dead_frac": 0.3,
-        "tiles": {str(t): {"max": 40, "p999": 9, "overflow_frac": {str(c): f for c, f in o.items()}} for t, o in overflow.items()},
+        "tiles": {str(t): {"max": 40, "p999": 9, "overflow_frac": {str(c): f for c, f in o.items()}}
+                  for t, o in overflow.items()},
     }
 
 
@@ -105,7 +106,8 @@ def test_heavy_overflow_moves_to_a_smaller_compression():
 
 
 def test_overflow_at_one_tile_width_picks_another():
-    overflow = {64: {2: 0, 4: 0, 8: 0, 16: 0}, 128: {2: 0.1, 4: 0.1, 8: 0.1, 16: 0.1}, 256: {2: 0.1, 4: 0.1, 8: 0.1, 16: 0.1}}
+    overflow = {64: {2: 0, 4: 0, 8: 0, 16: 0}, 128: {2: 0.1, 4: 0.1, 8: 0.1, 16: 0.1},
+                256: {2: 0.1, 4: 0.1, 8: 0.1, 16: 0.1}}
     assert plan_layer(stats(29, overflow), hidden_size=D).tile == 64
 
 
@@ -191,7 +193,8 @@ def test_convert_times_the_kernels_unasked_only_where_the_cost_model_does_not_re
     fitted shapes (the cost model would plan them dense), and never off a GPU."""
     import torch
 
-    narrow, wide = SimpleNamespace(hidden_size=1024, intermediate_size=2816), SimpleNamespace(hidden_size=D, intermediate_size=I)
+    narrow, wide = (SimpleNamespace(hidden_size=1024, intermediate_size=2816),
+                    SimpleNamespace(hidden_size=D, intermediate_size=I))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert measured_by_default(1024, 2816, None) and measured_by_default(896, 4000, "cuda:1")
     assert not measured_by_default(D, I, None) and not measured_by_default(1024, 2816, "cpu")

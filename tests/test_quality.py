@@ -1,7 +1,8 @@
 """The conversion-quality pipeline (benchmarks/quality/convert_quality.py) end to end at toy size on the CPU:
 corpus, tokenizer, pretraining, two conversions (without and with distillation) through the real CLI,
 the continued-training control, the held-out metrics, progressive-swap runs given by --runs at two budget shares,
-runs of one and two passes over the head of the train split (--convert-epochs), report and plots; and its stages on their own: the pretraining's resume, the metrics on two kinds of text. Also
+runs of one and two passes over the head of the train split (--convert-epochs), report and plots; and its stages on
+their own: the pretraining's resume, the metrics on two kinds of text. Also
 the reports beside it (compare.py, frontier.py) and benchmarks/target_sparsity.py. Their
 figures at toy size mean nothing; the tests keep the scripts from rotting and check what the reports must hold."""
 import itertools
@@ -70,7 +71,8 @@ def test_toy_pipeline_end_to_end(prepared, tmp_path, monkeypatch):
     for c in result["conversions"]:
         assert set(c["cross_entropy"]) == {"original", "after swap", "after training"}
         assert c["tokens"] > 0 and c["log"] and 0 < c["sparsity"] < 1
-        assert c["ce_vs_original"] == pytest.approx(c["cross_entropy"]["after training"] / c["cross_entropy"]["original"] - 1)
+        assert c["ce_vs_original"] == pytest.approx(c["cross_entropy"]["after training"]
+                                                    / c["cross_entropy"]["original"] - 1)
         assert len(c["layers"]) == 2 and all("dead_frac" in layer for layer in c["layers"])
         assert c["ce_vs_control"] == pytest.approx(c["cross_entropy"]["after training"]
                                                    / control["cross_entropy"]["after training"] - 1)
@@ -79,14 +81,16 @@ def test_toy_pipeline_end_to_end(prepared, tmp_path, monkeypatch):
     # one budget share: the names, stage files and report layout of a single share
     assert result["convert_shares"] == [0.25] and [c["share"] for c in result["conversions"]] == [0.25, 0.25]
     assert [c["name"] for c in result["conversions"]] == ["l1_7", "l1_7_distill_0.5"] and control["name"] == "control"
-    assert all((tmp_path / "work" / name).is_file() for name in ("convert_l1_7.json", "control.json", "metrics_base.json"))
+    assert all((tmp_path / "work" / name).is_file()
+               for name in ("convert_l1_7.json", "control.json", "metrics_base.json"))
     assert not report.with_name("quality_budget.png").exists()
     # every model measured on the same held-out blocks; converted checkpoints and the control load as plain models
     units = result["pretraining"]["config"]["intermediate_size"]
     original = result["original"]["metrics"]
     assert not {"greedy", "generations", "prompts"} & set(original)
     for entry in (original, control["metrics"], *(c["metrics"] for c in result["conversions"])):
-        assert 0 <= entry["accuracy"] <= 1 and math.isfinite(entry["cross_entropy"]) and entry["tokens"] == original["tokens"]
+        assert (0 <= entry["accuracy"] <= 1 and math.isfinite(entry["cross_entropy"])
+                and entry["tokens"] == original["tokens"])
         assert entry["by_kind"] and all(0 <= k["accuracy"] <= 1 and k["tokens"] > 0 for k in entry["by_kind"].values())
     for c in (control, *result["conversions"]):
         assert 0 <= c["metrics"]["greedy"]["agreement"] <= 1 and c["metrics"]["greedy"]["prompts"] > 0
@@ -114,7 +118,8 @@ def test_budget_curve_runs_every_setting_and_the_control_at_every_share(prepared
     pretrained = result["pretraining"]["tokens"]
     assert result["convert_shares"] == [0.25, 0.1]
     assert result["convert_tokens"] == [int(0.25 * pretrained), int(0.1 * pretrained)]
-    assert [(c["share"], c["tokens"]) for c in result["conversions"]] == list(zip([0.25, 0.1], result["convert_tokens"]))
+    assert ([(c["share"], c["tokens"]) for c in result["conversions"]]
+            == list(zip([0.25, 0.1], result["convert_tokens"])))
     names = ["l1_3.5_swap_steps_3_share0.25", "l1_3.5_swap_steps_3_share0.1"]
     assert [c["name"] for c in result["conversions"]] == names
     assert [c["name"] for c in result["control"]] == ["control_share0.25", "control_share0.1"]
@@ -158,7 +163,8 @@ def test_epochs_pass_over_the_head_of_the_train_split_several_times(prepared, tm
 
     pass_blocks = packed(head)
     distinct = subset[0]["distinct_tokens"]
-    assert distinct == subset[0]["blocks"] * seq_len == len(pass_blocks) * seq_len and asked <= distinct < asked + seq_len
+    assert (distinct == subset[0]["blocks"] * seq_len == len(pass_blocks) * seq_len
+            and asked <= distinct < asked + seq_len)
     assert pass_blocks == packed(corpus, len(pass_blocks))  # the blocks the one-pass run reads first
 
     once, twice = result["conversions"]
@@ -230,7 +236,8 @@ def test_data_takes_sampled_with_sample_tokens(capsys):
     for argv in (["--runs", "data=sampled"], ["--runs", "data=other", "--sample-tokens", "10"]):
         with pytest.raises(SystemExit):
             quality.arguments(["--toy", "--work", "unused", *argv])
-        assert "a run's data= takes sampled (the share's text and the samples) or sampled_alone" in capsys.readouterr().err
+        assert ("a run's data= takes sampled (the share's text and the samples) or sampled_alone"
+                in capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("epochs", [["0"], ["1.5"], ["two"], ["2", "2"]])
@@ -396,7 +403,8 @@ def test_plots_state_the_settings_every_run_shares_once_and_draw_one_share_over_
     quality.plots.pyplot().close(fig)
 
 
-def fake_report(parameters: int, pretraining_tokens: int, points: list[tuple[int, float, float]], layers: int = 8) -> dict:
+def fake_report(parameters: int, pretraining_tokens: int, points: list[tuple[int, float, float]],
+                layers: int = 8) -> dict:
     """A quality report holding only what compare.py reads: conversions of one setting at (tokens, cost, sparsity)."""
     return {"pretraining": {"parameters": parameters, "tokens": pretraining_tokens,
                             "config": {"num_hidden_layers": layers}},
@@ -430,8 +438,8 @@ def test_compare_puts_bases_on_tokens_and_on_their_share(tmp_path, capsys):
         "100M, 16 layers, 1.20 tokens/param": [10_000_000]}
     # two passes over 2M tokens: a setting of its own, at the distinct tokens its user lacks
     compare.main([str(paths[0]), "--out", str(figure), "--setting", "l1 3.5 epochs 2"])
-    assert capsys.readouterr().out.splitlines()[2] == ("100M, 8 layers, 0.40 tokens/param (short.json) | 2.00M | 0.05 | "
-                                                       "99.00% | +10.00%")
+    assert capsys.readouterr().out.splitlines()[2] == ("100M, 8 layers, 0.40 tokens/param (short.json) | 2.00M | "
+                                                       "0.05 | 99.00% | +10.00%")
     long["conversions"][0]["settings"] = {"l1": 7}
     paths[1].write_text(json.dumps(long))
     with pytest.raises(SystemExit, match="choose the conversion setting"):
@@ -473,8 +481,9 @@ def test_target_sparsity_report_converts_each_setting_once_and_reads_it_back(tmp
     (corpus / "train.jsonl").write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n" * 6}) + "\n"
                                                 for i in range(60)))
     (corpus / "valid.jsonl").write_text(json.dumps({"text": "def g(y):\n    return y + 1\n" * 20}) + "\n")
-    argv = [str(tmp_path / "source"), "--work", str(tmp_path / "work"), "--fixed", "0.01", "--steered", "0.9", "--log", "0.01",
-            "--log-steered", "0.9", "--json", str(tmp_path / "report.json"), "--", "--data", str(corpus), "--steps", "8", "--log-every", "2",
+    argv = [str(tmp_path / "source"), "--work", str(tmp_path / "work"), "--fixed", "0.01", "--steered", "0.9",
+            "--log", "0.01", "--log-steered", "0.9", "--json", str(tmp_path / "report.json"), "--",
+            "--data", str(corpus), "--steps", "8", "--log-every", "2",
             "--seq-len", "32", "--batch-size", "2", "--eval-tokens", "256", "--lr", "1e-3", "--l1", "0.001",
             "--l1-absolute", "--l1-warmup-steps", "0", "--device", "cpu"]
     report = script.main(argv)

@@ -24,7 +24,8 @@ def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("sample")
     corpus = root / "corpus"
     corpus.mkdir()
-    (corpus / "train.jsonl").write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n" * (1 + i % 5)})
+    (corpus / "train.jsonl").write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n"
+                                                                     * (1 + i % 5)})
                                                 + "\n" for i in range(40)))
     (corpus / "valid.jsonl").write_text("".join(json.dumps({"text": f"def g{i}(y):\n    return y + {i}\n" * 4}) + "\n"
                                                 for i in range(6)))

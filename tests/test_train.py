@@ -49,7 +49,8 @@ def acting_at(n, action):
 
 def config(**kw):
     # Dense path only: the hybrid kernels and the routing to them are tested in test_hybrid_routing.py.
-    return TrainConfig(**{"steps": 4, "seq_len": SEQ, "batch_size": BATCH, "lr": 1e-3, "l1": 1e-3, "log_every": 1, "hybrid_below": 0, **kw})
+    return TrainConfig(**{"steps": 4, "seq_len": SEQ, "batch_size": BATCH, "lr": 1e-3, "l1": 1e-3, "log_every": 1,
+                          "hybrid_below": 0, **kw})
 
 
 def test_l1_matches_hand_computation():
@@ -135,7 +136,8 @@ def test_relative_l1_weighs_l1_by_its_first_value():
     assert first["l1_coeff"] == pytest.approx(5.0 / first["l1_reference"])
     assert first["loss"] == pytest.approx(first["cross_entropy"] + 5.0, rel=1e-5)
     # the same run as an absolute coefficient of 5 / L1_0
-    train(b, relufy(b), batches_from(), config(steps=3, l1=5.0 / first["l1_reference"]), device="cpu", show_progress=False)
+    train(b, relufy(b), batches_from(), config(steps=3, l1=5.0 / first["l1_reference"]), device="cpu",
+          show_progress=False)
     for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
         torch.testing.assert_close(pa, pb, msg=name)
 
@@ -149,8 +151,10 @@ def test_grad_accumulation_weights_l1_like_cross_entropy():
 
     a, _ = tiny_model("qwen3")
     b = copy.deepcopy(a)
-    train(a, relufy(a), batches_from(), config(steps=1, grad_accum=2, l1=0.05, max_grad_norm=1e9), device="cpu", show_progress=False)
-    train(b, relufy(b), stacked, config(steps=1, batch_size=4, l1=0.05, max_grad_norm=1e9), device="cpu", show_progress=False)
+    train(a, relufy(a), batches_from(), config(steps=1, grad_accum=2, l1=0.05, max_grad_norm=1e9), device="cpu",
+          show_progress=False)
+    train(b, relufy(b), stacked, config(steps=1, batch_size=4, l1=0.05, max_grad_norm=1e9), device="cpu",
+          show_progress=False)
     for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
         torch.testing.assert_close(pa, pb, rtol=1e-4, atol=1e-6, msg=name)
 
@@ -158,7 +162,8 @@ def test_grad_accumulation_weights_l1_like_cross_entropy():
 def test_training_reduces_l1_and_logs_layers():
     model, _ = tiny_model("mistral")
     # A coefficient far above any real one, so that the penalty dominates random-token cross-entropy.
-    log = train(model, relufy(model), batches_from(), config(steps=12, l1=0.5, lr=3e-3, log_every=4), device="cpu", show_progress=False).log
+    log = train(model, relufy(model), batches_from(), config(steps=12, l1=0.5, lr=3e-3, log_every=4), device="cpu",
+                show_progress=False).log
     assert [e["step"] for e in log] == [4, 8, 12]
     assert log[-1]["tokens"] == 12 * SEQ * BATCH
     assert log[-1]["l1"] < log[0]["l1"] / 2 and log[-1]["mean_active"] < log[0]["mean_active"]
@@ -262,7 +267,8 @@ def test_distillation_pulls_towards_the_source():
     log = train(a, relufy(a), batches_from(), config(steps=12, l1=0.0, lr=3e-3, distill=1.0, log_every=4), device="cpu",
                 show_progress=False, teacher=teacher).log
     assert log[-1]["kl"] < 0.8 * log[0]["kl"]
-    train(b, relufy(b), batches_from(), config(steps=12, l1=0.0, lr=3e-3, log_every=4), device="cpu", show_progress=False)
+    train(b, relufy(b), batches_from(), config(steps=12, l1=0.0, lr=3e-3, log_every=4), device="cpu",
+          show_progress=False)
     ids = next(batches_from(seed=1)(0, 0, 1))  # not trained on
     with torch.no_grad():
         target = F.log_softmax(teacher(input_ids=ids).logits, -1)
@@ -325,7 +331,8 @@ def test_target_sparsity_steers_the_l1_weight_along_the_allowed_units(capsys):
     # a random tiny model is far from 99% sparse: once its allowed units reach the target at the warm-up's end,
     # the weight rises; the run ends short and warns
     log = train(model, relufy(model), batches_from(), config(steps=8, log_every=2, l1_warmup_steps=4,
-                                                               target_sparsity=0.99), device="cpu", show_progress=False).log
+                                                               target_sparsity=0.99), device="cpu",
+                show_progress=False).log
     units = log[0]["layers"][0]["units"]
     assert log[0]["allowed_active"] == log[0]["mean_active"]  # the path starts at the first entry's activity
     assert [e["allowed_active"] for e in log[1:]] == pytest.approx([0.01 * units] * 3)
@@ -336,7 +343,8 @@ def test_target_sparsity_steers_the_l1_weight_along_the_allowed_units(capsys):
     # halfway down a longer warm-up: the allowed units between the start's and the target's, geometrically
     halfway = copy.deepcopy(other)
     log = train(halfway, relufy(halfway), batches_from(), config(steps=6, log_every=2, l1_warmup_steps=6,
-                                                                 target_sparsity=0.99), device="cpu", show_progress=False).log
+                                                                 target_sparsity=0.99), device="cpu",
+                show_progress=False).log
     start, final = log[0]["mean_active"], 0.01 * units
     assert log[1]["allowed_active"] == pytest.approx(start * (final / start) ** 0.5)
     capsys.readouterr()
@@ -403,7 +411,8 @@ def test_steps_and_tokens_bound_training():
         (dict(l1=5.0), "l1 must be between"),
         (dict(l1=float("nan")), "l1 must be between"),
         (dict(l1=150.0, l1_relative=True), r"l1 \(relative\) must be between 0 and 100"),
-        (dict(l1=2e-5, l1_relative=True), r"l1 \(relative\) 2e-05 is the L1 term's initial weight in nats, too small.*add --l1-absolute"),
+        (dict(l1=2e-5, l1_relative=True),
+         r"l1 \(relative\) 2e-05 is the L1 term's initial weight in nats, too small.*add --l1-absolute"),
         (dict(steps=0), "steps must be a positive integer"),
         (dict(steps=None, tokens=None), "set the training length"),
         (dict(tokens=-5), "tokens must be a positive integer"),
@@ -475,8 +484,10 @@ def test_interrupt_then_resume_equals_uninterrupted(tmp_path, caplog, relative, 
     interrupted = copy.deepcopy(straight)
     train(straight, relufy(straight), batches_from(), cfg, device="cpu", show_progress=False)
 
-    with pytest.raises(TrainingInterrupted, match="interrupted at step 3 of 6"):  # the signal in step 3's 2nd micro-batch
-        train(interrupted, relufy(interrupted), acting_at(5, interrupt), cfg, resume_dir=tmp_path / "r", device="cpu", show_progress=False)
+    # the signal in step 3's 2nd micro-batch
+    with pytest.raises(TrainingInterrupted, match="interrupted at step 3 of 6"):
+        train(interrupted, relufy(interrupted), acting_at(5, interrupt), cfg, resume_dir=tmp_path / "r", device="cpu",
+              show_progress=False)
     assert json.loads((tmp_path / "r" / "state.json").read_text())["step"] == 3
     assert "Removed shared tensor" not in caplog.text
     resumed, _ = tiny_model("qwen2", seed=1, tie_word_embeddings=tied)  # fresh process: other weights, all restored
@@ -502,8 +513,8 @@ def test_trackers_write_a_folder_per_run_that_a_resumed_run_keeps(tmp_path, monk
     logs, cfg = tmp_path / "logs", config(steps=4)
     model, _ = tiny_model("llama")
     with pytest.raises(TrainingInterrupted):
-        train(model, relufy(model), acting_at(2, interrupt), cfg, resume_dir=tmp_path / "r", device="cpu", show_progress=False,
-              logging_dir=logs)
+        train(model, relufy(model), acting_at(2, interrupt), cfg, resume_dir=tmp_path / "r", device="cpu",
+              show_progress=False, logging_dir=logs)
     assert folders[0].parent == logs and re.fullmatch(r"\d{8}-\d{6}", folders[0].name)
     assert json.loads((tmp_path / "r" / "state.json").read_text())["run_name"] == folders[0].name
     folders[0].mkdir(parents=True)  # as a tracker that writes files leaves it
@@ -615,8 +626,8 @@ def test_an_error_before_a_completed_step_or_within_an_update_saves_nothing(tmp_
     # in the first step there is nothing to save; in the optimizer's update the weights may be half updated
     model, _ = tiny_model("llama")
     with pytest.raises(DataError):
-        train(model, relufy(model), acting_at(0, raising(DataError("bad row"))), config(), resume_dir=tmp_path / "first",
-              device="cpu", show_progress=False)
+        train(model, relufy(model), acting_at(0, raising(DataError("bad row"))), config(),
+              resume_dir=tmp_path / "first", device="cpu", show_progress=False)
     assert not (tmp_path / "first").exists()
     monkeypatch.setattr(torch.optim.AdamW, "step", failing_at_call(3, RuntimeError("in the update")))
     model, _ = tiny_model("llama")
@@ -644,8 +655,8 @@ def test_resume_needs_the_saved_settings_and_processes(tmp_path):
     model, _ = tiny_model("llama")
     inputs = {"source": "tiny-llama", "data": "corpus"}
     with pytest.raises(TrainingInterrupted):
-        train(model, relufy(model), acting_at(3, interrupt), cfg, resume_dir=tmp_path / "r", device="cpu", show_progress=False,
-              inputs=inputs)
+        train(model, relufy(model), acting_at(3, interrupt), cfg, resume_dir=tmp_path / "r", device="cpu",
+              show_progress=False, inputs=inputs)
     state_path = tmp_path / "r" / "state.json"
     assert json.loads(state_path.read_text())["processes"] == 1
 

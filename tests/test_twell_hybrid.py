@@ -1,6 +1,7 @@
 """Hybrid TwELL training kernels against PyTorch autograd of the dense block (float64), with the sparsity
-penalty (L1, or the log penalty: LOG_EPS) in the loss. CPU: fp32 through the Triton interpreter, small shapes, not multiples of the tiles (the
-interpreter tiles are 16 wide in D, 4 slots, 32 units). GPU (-m gpu): bf16 under autocast."""
+penalty (L1, or the log penalty: LOG_EPS) in the loss. CPU: fp32 through the Triton interpreter, small shapes, not
+multiples of the tiles (the interpreter tiles are 16 wide in D, 4 slots, 32 units). GPU (-m gpu): bf16 under
+autocast."""
 import warnings
 
 import pytest
@@ -128,7 +129,8 @@ def test_hot_units_rule():
 def test_nan_poisoned_buffers(monkeypatch):
     """Every buffer the kernels write starts as NaN (floats) or garbage (ints): all of it must be
     written or never read."""
-    allocations = poison_allocations(monkeypatch, "twell.training.ell", "twell.training.backup", "twell.training.hybrid")
+    allocations = poison_allocations(monkeypatch, "twell.training.ell", "twell.training.backup",
+                                     "twell.training.hybrid")
     check(problem(29, 35, 60, 7), max_nnz=10)
     check(problem(29, 35, 60, 7), max_nnz=10, hot_units=torch.tensor([2, 40]), l1_eps=LOG_EPS)
     assert (29, 10) in allocations  # the ELL's [M, E] buffers were poisoned

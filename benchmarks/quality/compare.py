@@ -100,7 +100,8 @@ def compare_plot(results: dict[str, dict], setting: str, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("reports", type=Path, nargs="+", help="convert_quality.py JSON reports (several of one base make one curve)")
+    ap.add_argument("reports", type=Path, nargs="+",
+                    help="convert_quality.py JSON reports (several of one base make one curve)")
     ap.add_argument("--setting", help="the conversion setting to compare, as the reports label it (e.g. 'l1 3.5', or "
                                       "'l1 3.5 epochs 2' for its runs of 2 passes over their text, placed at their "
                                       "distinct tokens); needed where the reports share several")

@@ -170,7 +170,8 @@ def parser() -> argparse.ArgumentParser:
                     help="skip the held-out metrics stage (accuracy, CE by kind, greedy agreement)")
     ap.add_argument("--metrics-tokens", type=int, default=262_144,
                     help="held-out tokens of each kind (code, prose) the metrics read, at most")
-    ap.add_argument("--set", dest="recipe_overrides", type=runs.parse_setting, nargs="+", default=[], metavar="KEY=VALUE",
+    ap.add_argument("--set", dest="recipe_overrides", type=runs.parse_setting, nargs="+", default=[],
+                    metavar="KEY=VALUE",
                     help="override recipe settings, e.g. --set lr=3e-4 l1_warmup_steps=50")
     ap.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     ap.add_argument("--seed", type=int, default=0)
@@ -280,8 +281,9 @@ def make_samples(args, recipe: dict, subsets: dict[float, dict]) -> dict[float, 
         folder = args.work / f"sampled_share{share:g}"
         samples[share] = {"share": share, "folder": folder.name, **stage(
             folder.with_name(folder.name + ".json"), lambda: made(folder, args.work / subset["folder"]), output=folder)}
-        print(f"{folder.name}: {samples[share]['sampled_tokens']:,} tokens sampled and {samples[share]['data_tokens']:,} "
-              f"of the share's text ({samples[share]['tokens']:,} packed)", flush=True)
+        print(f"{folder.name}: {samples[share]['sampled_tokens']:,} tokens sampled and "
+              f"{samples[share]['data_tokens']:,} of the share's text "
+              f"({samples[share]['tokens']:,} packed)", flush=True)
     return samples
 
 
@@ -324,8 +326,9 @@ def train_all(args, recipe: dict, tokens: dict[float, int], subsets: dict[float,
         setting = {"data": folder} if folder else {}
         out = args.work / (runs.control_name(share if several else None, epochs) + (f"_{folder}" if folder else ""))
         text, count, distinct = data(share, epochs, setting)
-        return {**entry(out.name, share, epochs, distinct, stage(out.with_name(out.name + ".json"), lambda: runs.control(
-            args, base, text, recipe, count, out), output=out if args.metrics else None)), "settings": setting}
+        return {**entry(out.name, share, epochs, distinct, stage(
+            out.with_name(out.name + ".json"), lambda: runs.control(args, base, text, recipe, count, out),
+            output=out if args.metrics else None)), "settings": setting}
 
     sampled = sorted({setting["data"] for setting in settings if "data" in setting})
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
@@ -359,7 +362,8 @@ def measure_all(args, conversions: list[dict], controls: list[dict]) -> dict:
     original = measured("base", None)
     if original["prompts"] != prompts.tolist():
         raise SystemExit(f"{args.work}/metrics_base.json: the original was measured on other held-out prompts (another "
-                         f"--seq-len or --metrics-tokens?); remove {args.work}/metrics_*.json to measure every model again")
+                         f"--seq-len or --metrics-tokens?); remove {args.work}/metrics_*.json "
+                         "to measure every model again")
     for c in (*controls, *conversions):
         c["metrics"] = measured(c["name"], original["generations"])
     return {k: v for k, v in original.items() if k not in ("prompts", "generations")}

@@ -134,7 +134,7 @@ def read_documents(path: Path) -> dict[str, list[str]]:
         if "kind" not in row:
             raise SystemExit(f"{path}: line {number} records no document kind (code or prose), which the held-out "
                              f"metrics need: the corpus was made without them. Remove {path.parent} and "
-                             f"{path.parent.with_suffix('.json')} to make it again (the same files from the same Python "
-                             f"installation), or pass --no-metrics")
+                             f"{path.parent.with_suffix('.json')} to make it again (the same files from the same "
+                             f"Python installation), or pass --no-metrics")
         documents[row["kind"]].append(row["text"])
     return documents

@@ -83,7 +83,8 @@ def agreement(tokens, reference) -> dict:
     """Greedy agreement of `tokens` with `reference` ([prompts, NEW_TOKENS] each): the share of equal tokens at the
     same position, and the mean length of the prefix they share."""
     same = tokens == reference
-    return {"agreement": same.float().mean().item(), "common_prefix": same.int().cumprod(dim=1).sum(dim=1).float().mean().item(),
+    return {"agreement": same.float().mean().item(),
+            "common_prefix": same.int().cumprod(dim=1).sum(dim=1).float().mean().item(),
             "prompts": len(tokens), "prompt_tokens": PROMPT_TOKENS, "new_tokens": NEW_TOKENS}
 
 

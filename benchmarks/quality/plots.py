@@ -75,7 +75,8 @@ def plot(result: dict, path: Path) -> None:
         line, = ce.plot(tokens, smoothed([e["cross_entropy"] for e in run["log"]]))  # runs named in the next panel
         ce.plot(tokens[-1], run["cross_entropy"]["after training"], "o", color=line.get_color(),
                 label=None if index else "converted, held-out")
-        active.plot(tokens, smoothed([e["mean_active"] for e in run["log"]]), label=run_label(run, common, share=shares),
+        active.plot(tokens, smoothed([e["mean_active"] for e in run["log"]]),
+                    label=run_label(run, common, share=shares),
                     color=line.get_color())
         active.plot(tokens[-1], run["mean_active"], "o", color=line.get_color())
     for index, control in enumerate(controls(result)):

@@ -51,7 +51,8 @@ def run_label(run: dict, without: tuple = (), share: bool = False, epochs: bool 
     """A conversion's settings in words, its share where `share`, its passes (more than one) where `epochs`."""
     settings = run.get("settings") or {"l1": run["l1_relative"], "distill": run.get("distill", 0.0)}
     return " ".join([settings_text(settings, " ", without), *(
-        f"{k} {v:g}" for k, v in budget(run["share"] if share else None, run.get("epochs", 1) if epochs else 1))]).strip()
+        f"{k} {v:g}" for k, v in budget(run["share"] if share else None,
+                                        run.get("epochs", 1) if epochs else 1))]).strip()
 
 
 def shared_settings(runs: list[dict]) -> dict:
@@ -106,7 +107,8 @@ def convert(args, base: Path, corpus: Path, recipe: dict, out: Path, settings: d
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     started = time.time()
     with open(out.with_name(out.name + ".log"), "w") if args.jobs > 1 else nullcontext() as output:
-        subprocess.run(command, cwd=ROOT, env=env, check=True, stdout=output, stderr=subprocess.STDOUT if output else None)
+        subprocess.run(command, cwd=ROOT, env=env, check=True, stdout=output,
+                       stderr=subprocess.STDOUT if output else None)
     log = json.loads((out / "training_log.json").read_text())
     config = json.loads((out / "config.json").read_text())
     layers = [layer["stats"] for layer in config["twell"]["layers"]]

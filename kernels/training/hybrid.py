@@ -201,8 +201,9 @@ def hybrid_gated_mlp(x, gate_weight, up_weight, down_weight, *, max_nnz=128, hot
 
 def _check_hot_units(hot, x, width):
     if not isinstance(hot, torch.Tensor) or hot.dim() != 1 or hot.dtype != torch.int64 or hot.device != x.device:
-        raise ValueError(f"hot_units must be a 1-D int64 tensor on {x.device}, got "
-                         f"{type(hot).__name__ if not isinstance(hot, torch.Tensor) else (hot.dtype, tuple(hot.shape), hot.device)}")
+        raise ValueError(
+            f"hot_units must be a 1-D int64 tensor on {x.device}, got "
+            f"{type(hot).__name__ if not isinstance(hot, torch.Tensor) else (hot.dtype, tuple(hot.shape), hot.device)}")
     if hot.numel():  # a repeated unit would count twice: checked on the device, without a host sync
         ok = (hot[0] >= 0) & (hot[-1] < width) & (hot[1:] > hot[:-1]).all()
         torch._assert_async(ok, "hot_units must be sorted, distinct unit indices in [0, I)")

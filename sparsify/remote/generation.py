@@ -266,9 +266,10 @@ class LoopUnsupported(ValueError):
 # The generation settings the loop implements. A `generate` call that turns any other on (beam search,
 # penalties, returned scores, ...; a setting that is false, 0 or None is off) or passes other arguments (logits
 # processors, an assistant model, ...) goes to transformers' generate unchanged (graphed_call).
-LOOP_SETTINGS = {"max_new_tokens", "max_length", "min_new_tokens", "min_length", "do_sample", "temperature", "top_k", "top_p", "eos_token_id",
-                 "pad_token_id", "bos_token_id", "use_cache", "graphed", "transformers_version", "_from_model_config",
-                 "cache_implementation", "compile_config", "disable_compile"}
+LOOP_SETTINGS = {"max_new_tokens", "max_length", "min_new_tokens", "min_length", "do_sample", "temperature", "top_k",
+                 "top_p", "eos_token_id", "pad_token_id", "bos_token_id", "use_cache", "graphed",
+                 "transformers_version", "_from_model_config", "cache_implementation", "compile_config",
+                 "disable_compile"}
 LOOP_ARGUMENTS = {"input_ids", "attention_mask", "streamer", "generation_config", "graphed"}
 
 
@@ -337,8 +338,8 @@ def release_graphed(model) -> None:
 
 @torch.inference_mode()
 def generate_graphed(model, input_ids: torch.Tensor, max_new_tokens: int, *, min_new_tokens: int = 0,
-                     attention_mask=None, do_sample: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                     eos_token_id=None, pad_token_id=None, compile: bool | dict = False,
+                     attention_mask=None, do_sample: bool = False, temperature: float = 1.0, top_k: int = 0,
+                     top_p: float = 1.0, eos_token_id=None, pad_token_id=None, compile: bool | dict = False,
                      streamer=None) -> torch.Tensor:
     """`model`'s continuation of `input_ids` [batch, prompt] (prompts of different lengths padded on the
     left, with `attention_mask` 0 there), like `model.generate(input_ids, attention_mask=...,

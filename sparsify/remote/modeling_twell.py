@@ -112,7 +112,8 @@ class TwellGatedMLP(nn.Module):
             return False
         if not use_triton(x):  # without Triton the kernels' fp32 reference would be slower than dense
             if x.is_cuda:
-                warnings.warn("twell: Triton is not installed, so the MLPs run dense (pip install triton)", stacklevel=2)
+                warnings.warn("twell: Triton is not installed, so the MLPs run dense (pip install triton)",
+                              stacklevel=2)
             return False
         # the kernels take x and the weights in one dtype (not under autocast, which leaves the weights as
         # they are); the interpreter has no bf16 arithmetic

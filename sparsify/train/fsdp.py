@@ -32,7 +32,8 @@ def check_fsdp(accelerator: Accelerator) -> None:
                           "(as recipes/accelerate/fsdp.yaml does)")
     if fsdp_launch()[0] and not accelerator.is_fsdp2:
         raise ConfigError(f"FSDP runs on GPUs only: accelerate runs these {accelerator.device.type} processes as "
-                          f"{accelerator.distributed_type.value} (use `accelerate launch` without the FSDP config, or GPUs)")
+                          f"{accelerator.distributed_type.value} "
+                          "(use `accelerate launch` without the FSDP config, or GPUs)")
 
 
 def gather_model(model, mlps: list):

@@ -80,7 +80,8 @@ def train(
     `logging_dir` per run (its start time; a resumed run keeps its own).
     Returns the log (one entry per logged step) and the trained model."""
     run_name = (saved_run_name(resume_dir) if resume else None) or new_run_name(logging_dir)
-    accelerator = _accelerator(config, device, teacher, report_to, Path(logging_dir) / run_name if logging_dir else None)
+    accelerator = _accelerator(config, device, teacher, report_to,
+                               Path(logging_dir) / run_name if logging_dir else None)
     saved = check_resume(resume_dir, config, accelerator.num_processes, inputs) if resume is True else resume or None
     warning = slow_save_warning(sum(p.numel() for p in model.parameters()), accelerator.num_processes,
                                 config.save_every or config.save_every_minutes)

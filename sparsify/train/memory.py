@@ -31,8 +31,9 @@ def check_training_memory(parameters: int, device: str | None, processes: int, s
         fix = (f"use more than {processes} GPUs" if sharded else
                "shard it over several GPUs: accelerate launch --config_file recipes/accelerate/fsdp.yaml "
                "--num_processes N -m cli convert ...")
-        raise ConfigError(f"training {parameters / 1e9:.2f}B parameters needs {need / 2**30:.0f} GiB on each GPU for the "
-                          f"weights, gradients and AdamW state{' and the distillation teacher' if teacher else ''} alone, "
+        raise ConfigError(f"training {parameters / 1e9:.2f}B parameters needs {need / 2**30:.0f} GiB on each GPU "
+                          "for the weights, gradients and AdamW state"
+                          f"{' and the distillation teacher' if teacher else ''} alone, "
                           f"and this GPU has {total / 2**30:.0f} GiB: {fix}")
 
 

@@ -25,7 +25,8 @@ def hybrid_kernels_run(device: torch.device) -> bool:
 def hybrid_paths(entry: dict, below: float) -> list[bool]:
     """Per layer, whether it trains on the hybrid kernels until the next log step, from a log entry (the
     window's mean active units and the path it ran on)."""
-    return [l["active"] < below or (l["path"] == "hybrid" and l["active"] <= HYBRID_EXIT * below) for l in entry["layers"]]
+    return [l["active"] < below or (l["path"] == "hybrid" and l["active"] <= HYBRID_EXIT * below)
+            for l in entry["layers"]]
 
 
 def hybrid_share(log: list[dict]) -> list[float]:

@@ -63,7 +63,8 @@ class RunState:
     log: list[dict] = field(default_factory=list)
     l1_reference: float | None = None  # L1_0 of `l1_relative`: given to train, else measured on the first micro-batch
     l1_scale: float = 1.0  # the L1 weight's factor that `target_sparsity` steers (loss.steered_l1_scale)
-    l1_eps: list[float] | None = None  # each layer's eps of the log penalty (l1_log_scale): given, else the first step's
+    # each layer's eps of the log penalty (l1_log_scale): given, else the first step's
+    l1_eps: list[float] | None = None
     last_fired: torch.Tensor | None = None  # [layers, I]: the token count at each unit's last firing
     data_position: dict | None = None  # the batch stream's state_dict after `batches`, where it has one
     # False while the weights are ahead of this state (from a step's update to its count and units' firing)

@@ -34,7 +34,8 @@ def trackers(report_to: str) -> list[str]:
             raise ConfigError(f"--report-to {name}: not a tracker; use none, or one or more of {', '.join(known)} "
                               "separated by commas")
         if name in {kind.value for kind in LoggerType} - {"all"} and name not in installed:
-            raise MissingDependencyError(f"--report-to {name}: the {name} package is not installed (pip install {name})")
+            raise MissingDependencyError(f"--report-to {name}: the {name} package is not installed "
+                                         f"(pip install {name})")
     return names
 
 
