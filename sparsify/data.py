@@ -314,7 +314,8 @@ class TextData:
             how = " (estimated from its length at the tokens per character of its start)" if estimated else ""
             warnings.append(f"the training text holds {about}{rest * self.seq_len:,} tokens{how} and the run trains on "
                             f"{train_tokens:,}: {about}{train_tokens / (rest * self.seq_len):,.1f} passes over it "
-                            f"(lower --tokens or --steps, or give more text)")
+                            f"(several pay on a small text: docs/quality.md; if unintended, lower --tokens or "
+                            f"--steps, or give more text)")
         return what, warnings
 
     def count_blocks(self, limit: int) -> tuple[int, bool]:

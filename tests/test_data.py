@@ -229,7 +229,8 @@ def test_a_run_longer_than_the_text_is_told_its_passes(tmp_path, monkeypatch):
     assert data.held_out(train_tokens=64 * 70)[1] == []  # one pass
     _, warnings = data.held_out(train_tokens=64 * 700)
     assert warnings == ["the training text holds 4,480 tokens and the run trains on 44,800: 10.0 passes over it "
-                        "(lower --tokens or --steps, or give more text)"]
+                        "(several pay on a small text: docs/quality.md; if unintended, lower --tokens or --steps, "
+                        "or give more text)"]
     monkeypatch.setattr(data_module, "PASSES_COUNTED", 64 * 20)  # counted no further: longer text is not told
     assert data.held_out(train_tokens=64 * 700)[1] == []
 
@@ -247,7 +248,8 @@ def test_the_passes_over_long_text_are_estimated_from_its_length(tmp_path, monke
     assert len(tokenizer.texts) == data_module.DOCUMENTS_A_CALL  # the sample's documents: one call
     told = re.fullmatch(r"the training text holds about ([\d,]+) tokens \(estimated from its length at the tokens per "
                         r"character of its start\) and the run trains on 640,000: about ([\d.]+) passes over it "
-                        r"\(lower --tokens or --steps, or give more text\)", warnings[0])
+                        r"\(several pay on a small text: docs/quality.md; if unintended, lower --tokens or --steps, "
+                        r"or give more text\)", warnings[0])
     exact = (sum(len(text) + 1 for text in texts) // 64 - data.skip) * 64  # the byte tokenizer: a token a character
     assert told and int(told[1].replace(",", "")) == pytest.approx(exact, rel=0.05)
     assert float(told[2]) == pytest.approx(640_000 / exact, rel=0.05)
