@@ -37,12 +37,14 @@ def controls(result: dict) -> list[dict]:
     return [] if not control else control if isinstance(control, list) else [control]
 
 
-def legend_below(axis, below: float = 0.13) -> None:
-    """The axis's legend `below` (a share of the axis's height) under it, its labels wrapped, so that long run
-    settings do not cover the data; tick labels of two lines need it lower than the default."""
+def legend_below(axis) -> None:
+    """The axis's legend under it and under its x label (lower where the tick labels have two lines: call it after
+    setting them), its labels wrapped, so that long run settings do not cover the data."""
     handles, labels = axis.get_legend_handles_labels()
+    two_line_ticks = any("\n" in tick.get_text() for tick in axis.get_xticklabels())
     legend = axis.legend(handles, [textwrap.fill(label, LEGEND_WIDTH) for label in labels], fontsize=7,
-                         loc="upper center", bbox_to_anchor=(0.5, -below), frameon=False)
+                         loc="upper center", bbox_to_anchor=(0.5, -0.22 if two_line_ticks else -0.13),
+                         frameon=False)
     legend.set_in_layout(False)  # tight_layout keeps the axes' size; the saved figure grows to hold it (save)
 
 
@@ -117,10 +119,9 @@ def plot(result: dict, path: Path) -> None:
 CONTROL_STYLES = ("-", "--", ":", "-.")  # the controls' black lines, one style each
 
 
-def cost_lines(axis, result: dict, x, label, control_label, legend_below_by: float = 0.13) -> None:
+def cost_lines(axis, result: dict, x, label, control_label) -> None:
     """Held-out CE against the original at the end of each run over x(run) on `axis`: the conversions a line per
-    label(run), each point's sparsity beside it, the controls a black line per control_label(run); the legend
-    `legend_below_by` under the axis (legend_below)."""
+    label(run), each point's sparsity beside it, the controls a black line per control_label(run)."""
     lines = {}
     for run in result["conversions"]:
         lines.setdefault(label(run), []).append(run)
@@ -139,7 +140,6 @@ def cost_lines(axis, result: dict, x, label, control_label, legend_below_by: flo
                   "s", linestyle=style, color="black", linewidth=1, label=name)
     axis.axhline(0, color="black", linestyle="--", linewidth=1)
     axis.axhline(3, color="gray", linestyle=":", linewidth=1, label="original + 3%")
-    legend_below(axis, legend_below_by)
 
 
 def control_label(control: dict, share: bool = False, epochs: bool = True) -> str:
@@ -164,8 +164,7 @@ def budget_plot(result: dict, path: Path) -> None:
     common = tuple(shared_settings(result["conversions"]))
     for axis, panel in zip(axes[0], panels):
         if panel == "share":
-            # the ticks' two lines (share, tokens) push the axis label down: the legend goes under it
-            cost_lines(axis, result, lambda r: r["share"], lambda r: run_label(r, common), control_label, 0.22)
+            cost_lines(axis, result, lambda r: r["share"], lambda r: run_label(r, common), control_label)
             axis.set(xscale="log", xlabel="distinct conversion tokens / pretraining tokens (below: their count)")
             axis.set_title("cost at the end of each run; held-out FFN sparsity beside each point", fontsize=10)
             axis.set_xticks(shares, [f"{s:g}\n{t / 1e6:.3g}M" for s, t in share_tokens.items()])
@@ -181,6 +180,7 @@ def budget_plot(result: dict, path: Path) -> None:
             axis.set_xticks(epochs, [str(n) for n in epochs])
         axis.set(ylabel="held-out CE vs original (%)")
         axis.minorticks_off()
+        legend_below(axis)
     save(fig, result, path, common)
 
 
