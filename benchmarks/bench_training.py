@@ -7,7 +7,10 @@ the method of docs/performance.md.
 Each block step is timed eagerly (host launch costs included) and as a CUDA-graph replay (GPU alone).
 
 --e2e adds training steps of a 1.5B-shape Llama (dense vs hybrid MLPs; --e2e-batch: sequences a step,
-tokens/s, peak memory and the memory the forward adds); --profile prints per-kernel
+tokens/s, peak memory and the memory the forward adds; --e2e-fused: both again with the decoder's RMSNorms and rotary
+embedding on twell's differentiable kernels as sparsify's trainer runs them, the first step's loss and gradient norm
+beside the unfused ones);
+--profile prints per-kernel
 times of the k=29 step and the host issue time against the wall time.
 
 Synthetic sparsity: bias channel x[:, 0] = 1, gate[:, 0] set for k active units a row; "uneven" adds
@@ -27,6 +30,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
+from twell.decoder import fuse_norms_and_rotary
 from twell.training import ell, hybrid_gated_mlp, sparsity_penalty
 from twell.training import hot_units as busiest_units
 from twell.training.blocks import GPU_BLOCKS
@@ -245,10 +249,12 @@ def bias_channel_llama(cfg, k, mode, records):
     return model
 
 
-def e2e(k=29, batch=4, seq=2048, steps=5):
+def e2e(k=29, batch=4, seq=2048, steps=5, fused=False):
     """Training steps (forward, backward, AdamW) of a 1.5B-shape Llama (28 layers, D 2048, I 5632,
-    vocabulary 49152, random weights), dense MLPs vs hybrid; sparsity controlled by a bias channel
-    (MLP input channel 0 set to 1, gate[:, 0] set for k active units). Tokens/s and peak memory."""
+    vocabulary 49152, random weights), dense MLPs vs hybrid, and with `fused` both again with the norms and rotary
+    on twell's kernels; sparsity controlled by a bias channel (MLP input channel 0 set to 1, gate[:, 0] set for k
+    active units). Tokens/s and peak memory; the first step's loss and gradient norm, equal up to rounding within
+    dense and within hybrid."""
     from transformers import LlamaConfig
 
     cfg = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=28,
@@ -256,13 +262,13 @@ def e2e(k=29, batch=4, seq=2048, steps=5):
                       max_position_embeddings=seq, hidden_act="relu")
     cfg._attn_implementation = "sdpa"
     results = {}
-    for mode in ("dense", "hybrid"):
+    for mode in ("dense", "hybrid", "dense_fused", "hybrid_fused")[:4 if fused else 2]:
         # each MLP call's (L1, active units) of the current step, in layer order; the step empties it, so no
         # tensor of an autograd graph outlives its step (the graph would keep the parameters alive)
-        records = []
-        model = bias_channel_llama(cfg, k, mode, records)
+        records, first = [], {}
+        model = bias_channel_llama(cfg, k, mode.removesuffix("_fused"), records)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-        ids = torch.randint(0, 49152, (batch, seq), device="cuda")
+        ids = torch.randint(0, 49152, (batch, seq), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
 
         def step(memory=None):
             """One training step; returns each MLP's active units (detached), averaged after the timing."""
@@ -272,12 +278,17 @@ def e2e(k=29, batch=4, seq=2048, steps=5):
             if memory is not None:  # what the forward keeps for the backward, beside weights and optimizer
                 memory.append(torch.cuda.memory_allocated())
             loss.backward()
+            if not first:
+                first.update(loss=loss.item(), grad_norm=torch.nn.utils.get_total_norm(
+                    [p.grad for p in model.parameters()]).item())
             opt.step()
             opt.zero_grad(set_to_none=True)
             active = [a for _, a in records]
             records.clear()
             return active
 
+        if mode.endswith("_fused"):  # as sparsify's trainer installs them (config.fused_decoder)
+            fuse_norms_and_rotary(model, model.model.layers)
         for _ in range(2):
             step()
         torch.cuda.synchronize()
@@ -295,7 +306,7 @@ def e2e(k=29, batch=4, seq=2048, steps=5):
         results[mode] = dict(step_ms=ms, tokens_per_s=batch * seq / ms * 1e3,
                              peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30,
                              after_forward_gib=(memory[0] - before) / 2**30,
-                             mean_active=torch.stack(active).mean().item())
+                             mean_active=torch.stack(active).mean().item(), first_step=first)
         print(mode, json.dumps(results[mode]), flush=True)
         weight = weakref.ref(model.model.embed_tokens.weight)
         del model, opt, step, ids
@@ -304,6 +315,9 @@ def e2e(k=29, batch=4, seq=2048, steps=5):
         if weight() is not None:  # the next mode's peak would count these weights
             raise RuntimeError(f"{mode}: the model's weights are still allocated after the run")
     results["speedup"] = results["dense"]["step_ms"] / results["hybrid"]["step_ms"]
+    if fused:  # against dense as transformers runs it, and against dense with the same norm and rotary kernels
+        results["speedup_fused"] = results["dense"]["step_ms"] / results["hybrid_fused"]["step_ms"]
+        results["speedup_both_fused"] = results["dense_fused"]["step_ms"] / results["hybrid_fused"]["step_ms"]
     return dict(model="llama 28 x (2048, 5632), vocab 49152", batch=batch, seq=seq, k=k, steps=steps,
                 **results)
 
@@ -354,6 +368,8 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--e2e", action="store_true", help="also time training steps of a 1.5B-shape model")
     ap.add_argument("--e2e-batch", type=int, nargs="+", default=[4], help="sequences of 2048 tokens a step (--e2e)")
+    ap.add_argument("--e2e-fused", action="store_true",
+                    help="--e2e also with the norms and rotary on twell's kernels (dense and hybrid MLPs)")
     ap.add_argument("--skip-block", action="store_true")
     ap.add_argument("--profile", action="store_true", help="only print per-kernel times of the k=29 step")
     args = ap.parse_args()
@@ -375,7 +391,7 @@ def main():
     doc = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                python=platform.python_version(), command="python " + " ".join(sys.argv), results=results)
     if args.e2e:
-        doc["e2e"] = [e2e(batch=batch) for batch in args.e2e_batch]
+        doc["e2e"] = [e2e(batch=batch, fused=args.e2e_fused) for batch in args.e2e_batch]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
@@ -389,10 +405,13 @@ def main():
               f"{r['memory']['saved_ratio']:6.3f} {e['out']:8.1e} {e['dx']:8.1e} "
               f"{max(e['d_gate'], e['d_up'], e['d_down']):8.1e} {r['rel_err']['dense_bf16']['out']:9.1e}")
     for run in doc.get("e2e", []):
-        for mode in ("dense", "hybrid"):
+        for mode in ("dense", "hybrid", "dense_fused", "hybrid_fused"):
+            if mode not in run:
+                continue
             r = run[mode]
             print(f"e2e batch {run['batch']} {mode:7} step {r['step_ms']:8.1f} ms  {r['tokens_per_s']:9.0f} tok/s  "
-                  f"peak {r['peak_mem_gib']:6.2f} GiB  active {r['mean_active']:.1f}")
+                  f"peak {r['peak_mem_gib']:6.2f} GiB  active {r['mean_active']:.1f}  first loss "
+                  f"{r['first_step']['loss']:.5f} grad norm {r['first_step']['grad_norm']:.4f}")
 
 
 if __name__ == "__main__":

@@ -98,6 +98,10 @@ class TrainConfig:
     warmup_steps: int = _setting(0, "Linear learning-rate warm-up steps before the cosine decay.")
     max_grad_norm: float = _setting(1.0, "Gradient clipping norm.")
     grad_checkpointing: bool = _setting(False, "Recompute activations in the backward to save memory.")
+    fused_decoder: bool = _setting(True, (
+        "On CUDA, run the decoder's RMSNorms and rotary embedding on twell's kernels (forward and backward: the "
+        "checkpoint's own at inference), which keep less for the backward than transformers' modules; "
+        "--no-fused-decoder: transformers' modules."), flag="--fused-decoder/--no-fused-decoder")
     hybrid_below: float = _setting(40.0, (
         "Train a layer's MLP on the TwELL hybrid kernels while its mean active units per token are below this "
         f"(back to dense above {HYBRID_EXIT}x it), re-checked at every log step; on CUDA with triton only; 0: "

@@ -34,9 +34,9 @@ TRAINING = {"base_model": "someone/tiny-base", "tokens": 4096, "steps": 2, "l1":
             "perplexity": {"original": 21.217893457, "after training": 20.651234}, "max_steps": 2,
             "max_tokens": 100_000}
 # The inference runtime: the files at the top of the kernel package (export.runtime_files)
-RUNTIME = {"batched.py", "cost_model.py", "decode.py", "epilogues.py", "format.py", "gate_hopper.py", "gated_mlp.py",
-           "graphs.py", "heavy.py", "launch.py", "layer_plan.py", "paths.py", "reference.py", "rms_norm.py",
-           "rotary.py", "routing.py", "small_linear.py"}
+RUNTIME = {"batched.py", "cost_model.py", "decode.py", "decoder.py", "epilogues.py", "format.py", "gate_hopper.py",
+           "gated_mlp.py", "graphs.py", "heavy.py", "launch.py", "layer_plan.py", "paths.py", "reference.py",
+           "rms_norm.py", "rotary.py", "routing.py", "small_linear.py"}
 
 
 def _relufied(family, **overrides):
@@ -324,11 +324,10 @@ def test_modeling_file_needs_only_torch_and_transformers():
                 for alias in node.names}
     absolute |= {node.module.split(".")[0] for node in ast.walk(tree)
                  if isinstance(node, ast.ImportFrom) and node.level == 0}
-    assert absolute == {"dataclasses", "functools", "importlib", "inspect", "os", "torch", "transformers", "types",
-                        "warnings"}
+    assert absolute == {"functools", "importlib", "torch", "transformers", "warnings"}
     relative = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 1}
-    assert relative == {"format", "gated_mlp", "graphs", "routing", "generation", "layer_plan", "reference", "rms_norm",
-                        "rotary", "small_linear"}
+    assert relative == {"decoder", "format", "gated_mlp", "graphs", "routing", "generation", "layer_plan",
+                        "small_linear"}
     generation = ast.parse(GENERATION_FILE.read_text())  # shipped beside it: torch, transformers and the stdlib
     assert {alias.name for node in ast.walk(generation) if isinstance(node, ast.Import) for alias in node.names} \
         | {node.module.split(".")[0] for node in ast.walk(generation) if isinstance(node, ast.ImportFrom)} \
@@ -365,18 +364,19 @@ def _record_fused_kernels(remote, monkeypatch) -> list:
     file), ("rms_norm_fits",), ("rotary_fits",) or ("small_linear_fits",) (one a weight: small_linear_grouped_fits
     runs it for each)."""
     calls, module = [], _remote_module(remote)
+    decoder = sys.modules[module.fuse_norms_and_rotary.__module__]  # the checkpoint's decoder.py
 
     def recorded(label, function):
         return lambda *a, **k: calls.append((label,)) or function(*a, **k)
 
-    for name, label in (("rms_norm_fitted", "rms_norm"), ("rotary_fitted", "rotary"),
-                        ("small_linear_fitted", "small_linear"),
-                        ("small_linear_grouped_fitted", "small_linear_grouped")):
-        monkeypatch.setattr(module, name, recorded(label, getattr(module, name)))
-    for name in ("rms_norm_fits", "rotary_fits", "small_linear_fits"):
-        check = getattr(module, name)
-        for owner in (module, sys.modules[check.__module__]):
-            monkeypatch.setattr(owner, name, recorded(name, check))
+    for owner, name, label in ((decoder, "rms_norm_fitted", "rms_norm"), (decoder, "rotary_fitted", "rotary"),
+                               (module, "small_linear_fitted", "small_linear"),
+                               (module, "small_linear_grouped_fitted", "small_linear_grouped")):
+        monkeypatch.setattr(owner, name, recorded(label, getattr(owner, name)))
+    for owner, name in ((decoder, "rms_norm_fits"), (decoder, "rotary_fits"), (module, "small_linear_fits")):
+        check = getattr(owner, name)
+        for where in (owner, sys.modules[check.__module__]):
+            monkeypatch.setattr(where, name, recorded(name, check))
     return calls
 
 
@@ -392,7 +392,8 @@ def test_fused_decoder_runs_norms_rotary_and_projections_on_the_kernels(family, 
     each layer's rotary embedding on the kernels, and at decode size (up to small_linear.MAX_ROWS tokens) the
     attention's projections too (q, k and v in one launch; Qwen2's biases), with the plain load's logits, in a
     whole forward and in cached decode steps; the modules keep their classes and weights. Where gradients are
-    recorded, and for inputs in a dtype the kernels do not take, transformers' modules run."""
+    recorded the norms and rotary stay on their kernels, with the plain load's gradients, and the projections run
+    their own forward; for inputs in a dtype the kernels do not take, transformers' modules run."""
     model, tokenizer, spec = _relufied(family, tie_word_embeddings=family in TIED)
     out = export_checkpoint(model, tokenizer, tmp_path / f"ckpt-{family}", spec=spec, plan=[LayerPlan()] * 2,
                             training=TRAINING)
@@ -427,9 +428,14 @@ def test_fused_decoder_runs_norms_rotary_and_projections_on_the_kernels(family, 
     assert calls.count(("small_linear_grouped",)) + calls.count(("small_linear",)) == \
         2 * len(_projection_launches(fusion)) * len(layers)
     calls.clear()
-    logits = remote(short).logits  # gradients recorded: transformers' modules, which have a backward
-    assert calls == [] and logits.requires_grad
+    logits = remote(short).logits  # gradients recorded: the projections' kernel has no backward
+    assert sorted(calls) == sorted(kernels) and logits.requires_grad
     _close(logits.detach(), _logits(plain, short))
+    logits.square().mean().backward()
+    plain(short).logits.square().mean().backward()
+    for (name, p), q in zip(remote.named_parameters(), plain.parameters()):
+        _close(p.grad, q.grad)
+    calls.clear()
     remote.double()
     _close(_logits(remote, short), _logits(plain.double(), short))
     assert calls == []
@@ -533,13 +539,14 @@ def test_fused_decoder_checks_the_installed_transformers(tmp_path, monkeypatch):
     model, tokenizer, spec = _relufied("llama")
     out = export_checkpoint(model, tokenizer, tmp_path / "ckpt-checks", spec=spec, plan=PLAN, training=TRAINING)
     module = _remote_module(AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True))
-    assert module.norm_computes(modeling_llama.LlamaRMSNorm, "llama", "variance_epsilon")
-    assert not module.norm_computes(modeling_llama.LlamaRMSNorm, "gemma", "variance_epsilon")
-    assert not module.norm_computes(modeling_llama.LlamaRMSNorm, "llama", "eps")
-    assert module.rotary_computes(modeling_llama.apply_rotary_pos_emb)
-    assert not module.rotary_computes(lambda q, k, cos, sin: (q, k))
-    assert not module.rotary_computes(lambda q, k, cos, sin, position_ids: (q, k))  # another signature
-    monkeypatch.setitem(module.DECODER_FUSIONS, "llama", module.DecoderFusion("LlamaRMSNorm", "gemma"))
+    decoder = sys.modules[module.fuse_norms_and_rotary.__module__]  # the checkpoint's decoder.py
+    assert decoder.norm_computes(modeling_llama.LlamaRMSNorm, "llama", "variance_epsilon")
+    assert not decoder.norm_computes(modeling_llama.LlamaRMSNorm, "gemma", "variance_epsilon")
+    assert not decoder.norm_computes(modeling_llama.LlamaRMSNorm, "llama", "eps")
+    assert decoder.rotary_computes(modeling_llama.apply_rotary_pos_emb)
+    assert not decoder.rotary_computes(lambda q, k, cos, sin: (q, k))
+    assert not decoder.rotary_computes(lambda q, k, cos, sin, position_ids: (q, k))  # another signature
+    monkeypatch.setitem(decoder.DECODER_FUSIONS, "llama", decoder.DecoderFusion("LlamaRMSNorm", "gemma"))
     module.fuse_decoder(model, model.model.layers)
     attention = [layer.self_attn for layer in model.model.layers]
     projections = [p for a in attention for p in (a.q_proj, a.k_proj, a.v_proj, a.o_proj)]

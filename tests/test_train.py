@@ -761,3 +761,31 @@ def test_a_state_too_large_to_save_after_ctrl_c_is_warned_about():
     assert slow_save_warning(6_500_000_000, processes=1, save_every=0) is None  # no launcher to kill it
     assert slow_save_warning(6_500_000_000, processes=2, save_every=100) is None
     assert slow_save_warning(1_000_000_000, processes=2, save_every=0) is None  # 15 GiB
+
+
+@pytest.mark.interpreter  # the kernels on CPU tensors
+@pytest.mark.parametrize("family", ["llama", "gemma"])
+def test_fused_decoder_trains_as_transformers_modules(family, monkeypatch):
+    """With fused_decoder (where decoder_kernels_run: CUDA; here the interpreter) the norms and rotary train on
+    twell's kernels, forward and backward: the same losses and weights as transformers' modules within fp32
+    rounding; the trained model runs its classes' forwards again."""
+    import twell.decoder
+
+    monkeypatch.setattr("sparsify.train.loop.decoder_kernels_run", lambda device: True)
+    calls = []
+    for name in ("rms_norm_fitted", "rotary_fitted"):
+        kernel = getattr(twell.decoder, name)
+        monkeypatch.setattr(twell.decoder, name, lambda *a, kernel=kernel, name=name: calls.append(name) or kernel(*a))
+    runs = []
+    for fused in (True, False):
+        model, _ = tiny_model(family)
+        result = train(model, relufy(model), batches_from(), config(steps=3, fused_decoder=fused), device="cpu",
+                       show_progress=False)
+        assert not any("forward" in vars(m) for m in result.model.modules() if type(m).__name__.endswith("RMSNorm"))
+        runs.append((result.log, result.model.state_dict(), len(calls)))
+    (fused_log, fused_weights, fused_calls), (log, weights, plain_calls) = runs
+    layers = len(model.model.layers)
+    assert fused_calls == 3 * (2 * layers + 1 + layers) and plain_calls == fused_calls  # norms, rotary a forward
+    assert [e["loss"] for e in fused_log] == pytest.approx([e["loss"] for e in log], rel=1e-5)
+    for name, w in weights.items():
+        torch.testing.assert_close(fused_weights[name], w, rtol=1e-4, atol=1e-6)

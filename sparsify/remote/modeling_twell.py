@@ -8,20 +8,16 @@ runs through the projections' own forward. Eager decode steps replay CUDA graphs
 traced calls use this checkpoint's own custom op (gated_mlp.op_name). `generate` decodes through
 generation.py's graphed loop where the call fits it.
 The decoder's elementwise work runs fused where the family is in DECODER_FUSIONS (fuse_decoder): its RMSNorm
-modules on rms_norm.py's kernel and the attention's rotary embedding on rotary.py's, each installed as the
-module's own `forward`; so do the attention's projections at decode size on small_linear.py's (q, k and v in
-one launch), under CUDA-graph capture (ProjectionGroup.signature). An installed forward runs
-transformers' forward instead where gradients are recorded, under torch.compile (which fuses that code
-itself), on CPU without the Triton interpreter, or for inputs the kernels do not take. The modules, their
-classes and the weights stay transformers'. Imports torch, transformers and the files beside it only.
+modules on rms_norm.py's kernel and the attention's rotary embedding on rotary.py's (decoder.py, differentiable);
+so do the attention's projections at decode size on small_linear.py's (q, k and v in one launch), under CUDA-graph
+capture (ProjectionGroup.signature), where no gradient is recorded. An installed forward runs transformers'
+forward instead under torch.compile (which fuses that code itself), on CPU without the Triton interpreter, or for
+inputs the kernels do not take. The modules, their classes and the weights stay transformers'. Imports torch,
+transformers and the files beside it only.
 """
 import functools
 import importlib
-import inspect
-import os
-import types
 import warnings
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -34,14 +30,11 @@ from .graphs import DecodeGraphs
 from .routing import ActivityRouter, eager, eager_dense, short_prefill
 from .generation import LoopUnsupported, generate_graphed, graphed_call, release_graphed
 from .layer_plan import LayerPlan, layer_plans
-from .reference import rms_norm_reference, rotary_reference
-from .rms_norm import rms_norm_fits, rms_norm_fitted
-from .rotary import rotary_fits, rotary_fitted
+from .decoder import DECODER_FUSIONS, INTERPRET, fuse_norms_and_rotary, serves
 from .small_linear import MAX_ROWS as SMALL_LINEAR_ROWS
 from .small_linear import small_linear_fits, small_linear_fitted, small_linear_grouped_fits, small_linear_grouped_fitted
 
 BASE_MODEL = "transformers.models.llama.modeling_llama.LlamaForCausalLM"
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton reads it when the kernels are defined, too
 
 
 def _import(path):
@@ -162,59 +155,12 @@ class TwellGatedMLP(nn.Module):
         return getattr(self, self.down_name)(F.relu(gate) * up)
 
 
-@dataclass(frozen=True)
-class DecoderFusion:
-    """What the fused kernels take over in a family's decoder."""
-
-    norm: str  # the family's RMSNorm class (by name): every instance in the model, Qwen3's q / k norms too
-    form: str  # what it computes (rms_norm.FORMS)
-    eps: str = "variance_epsilon"  # its attribute holding epsilon
-    # the attention's nn.Linear projections (attribute names), in groups that project the same input: a group's
-    # decode-size calls make one small_linear launch
-    projections: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("o_proj",))
-
-
-# Per family (config.model_type). A class that no longer computes its form (another transformers release) keeps
-# its own forward (norm_computes); so does an attention whose apply_rotary_pos_emb differs from the standard one
-# (rotary_computes).
-DECODER_FUSIONS = {
-    "llama": DecoderFusion("LlamaRMSNorm", "llama"),
-    "mistral": DecoderFusion("MistralRMSNorm", "llama"),
-    "qwen2": DecoderFusion("Qwen2RMSNorm", "llama"),
-    "qwen3": DecoderFusion("Qwen3RMSNorm", "llama"),
-    "phi3": DecoderFusion("Phi3RMSNorm", "llama", projections=(("qkv_proj",), ("o_proj",))),
-    "gemma": DecoderFusion("GemmaRMSNorm", "gemma", eps="eps"),
-    "gemma2": DecoderFusion("Gemma2RMSNorm", "gemma", eps="eps"),
-    "gemma3_text": DecoderFusion("Gemma3RMSNorm", "gemma", eps="eps"),
-}
-
-
 def fused(x, *tensors) -> bool:
-    """Whether the decoder's kernels serve a call on x (and `tensors`, None among them ignored): eager or captured
-    (traced code runs transformers' modules, which the compiler fuses itself), plain tensors, no gradient to
-    record, Triton there (CUDA; CPU under the interpreter), a dtype they take (the interpreter has no bf16
-    arithmetic)."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or type(x) is not torch.Tensor:
-        return False
+    """Whether the attention projections' kernel serves a call on x (and `tensors`, None among them ignored): where
+    the decoder's kernels do (decoder.serves) and no gradient is recorded (small_linear has no backward)."""
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *tensors)):
         return False
-    kernel_dtypes = KERNEL_DTYPES if x.is_cuda else (torch.float32, torch.float16) if INTERPRET else ()
-    return x.dtype in kernel_dtypes and use_triton(x)
-
-
-def norm_forward(norm, form: str, eps: str, hidden_states):
-    """A decoder RMSNorm's forward (installed on the module): the kernel where it serves the call, else the
-    module's own."""
-    if fused(hidden_states, norm.weight) and rms_norm_fits(hidden_states, norm.weight, form):
-        return rms_norm_fitted(hidden_states, norm.weight, getattr(norm, eps), form)
-    return type(norm).forward(norm, hidden_states)
-
-
-def fused_rotary(apply_rotary, q, k, cos, sin, *args, **kwargs):
-    """A family's apply_rotary_pos_emb (`apply_rotary`) on the kernel where it serves the call."""
-    if not args and not kwargs and fused(q, k) and rotary_fits(q, k, cos, sin):
-        return rotary_fitted(q, k, cos, sin)
-    return apply_rotary(q, k, cos, sin, *args, **kwargs)
+    return serves(x)
 
 
 class ProjectionGroup:
@@ -304,80 +250,13 @@ def fuse_attention_projections(attention, groups, enabled: bool = True) -> None:
                 del linear.forward
 
 
-_ROTARY_FORWARDS = {}  # attention class -> its forward reading apply_rotary_pos_emb as fused_rotary
-
-
-def rotary_forward(attention):
-    """`attention`'s class's forward with its module's apply_rotary_pos_emb on the kernel: the same code object
-    (without its decorators, which only rename deprecated arguments that the decoder layers do not pass) over a
-    copy of its module's globals (installed on the module; traced calls take the class's forward)."""
-    cls = type(attention)
-    if cls not in _ROTARY_FORWARDS:
-        forward = inspect.unwrap(cls.forward)
-        names = dict(forward.__globals__,
-                     apply_rotary_pos_emb=functools.partial(fused_rotary, forward.__globals__["apply_rotary_pos_emb"]))
-        copy = types.FunctionType(forward.__code__, names, forward.__name__, forward.__defaults__, forward.__closure__)
-        copy.__kwdefaults__ = forward.__kwdefaults__
-        _ROTARY_FORWARDS[cls] = copy
-    return _ROTARY_FORWARDS[cls]
-
-
-def attention_forward(attention, *args, **kwargs):
-    if torch.compiler.is_compiling():
-        return type(attention).forward(attention, *args, **kwargs)
-    return rotary_forward(attention)(attention, *args, **kwargs)
-
-
-@functools.cache
-def norm_computes(norm_class, form: str, eps: str) -> bool:
-    """Whether norm_class(width) computes rms_norm_reference's `form` with epsilon in attribute `eps` (equal bits
-    on a CPU probe, fp32 and bf16; a probe that fails says no)."""
-    generator = torch.Generator().manual_seed(0)
-    try:
-        with torch.device("cpu"), torch.no_grad():
-            probe = norm_class(24)
-            for dtype in (torch.float32, torch.bfloat16):
-                probe.to(dtype).weight.copy_(torch.randn(24, generator=generator))
-                x = torch.randn(3, 24, generator=generator).to(dtype)
-                expected = rms_norm_reference(x, probe.weight, getattr(probe, eps), form)
-                if not torch.equal(norm_class.forward(probe, x), expected):
-                    return False
-    except Exception:  # noqa: BLE001 (another transformers release's module: it keeps its own forward)
-        return False
-    return True
-
-
-@functools.cache
-def rotary_computes(apply_rotary) -> bool:
-    """Whether a family's apply_rotary_pos_emb computes rotary_reference (equal bits on a CPU probe, bf16; a probe
-    that fails says no)."""
-    generator = torch.Generator().manual_seed(0)
-    try:
-        with torch.device("cpu"):
-            q, k, cos, sin = (torch.randn(shape, generator=generator).bfloat16()
-                              for shape in ((2, 4, 5, 8), (2, 2, 5, 8), (2, 5, 8), (2, 5, 8)))
-            expected = rotary_reference(q, k, cos, sin)
-            return all(torch.equal(a, b) for a, b in zip(apply_rotary(q, k, cos, sin), expected))
-    except Exception:  # noqa: BLE001 (another transformers release's function: the attention keeps it)
-        return False
-
-
 def fuse_decoder(model, layers) -> None:
     """Installs the fused forwards of the family's DECODER_FUSIONS entry on the model's norms and its decoder
-    layers' attention (rotary) and attention projections."""
-    fusion = DECODER_FUSIONS.get(model.config.model_type)
-    if fusion is None:
-        return
-    norms = [m for m in model.modules() if type(m).__name__ == fusion.norm]
-    if norms and norm_computes(type(norms[0]), fusion.form, fusion.eps):
-        for norm in norms:
-            norm.forward = functools.partial(norm_forward, norm, fusion.form, fusion.eps)
-    for layer in layers:
-        forward = inspect.unwrap(type(layer.self_attn).forward)
-        apply_rotary = forward.__globals__.get("apply_rotary_pos_emb")
-        if apply_rotary is not None and rotary_computes(apply_rotary):
-            layer.self_attn.forward = functools.partial(attention_forward, layer.self_attn)
-        fuse_attention_projections(layer.self_attn, fusion.projections)
+    layers' attention (rotary: decoder.fuse_norms_and_rotary) and attention projections."""
+    fusion = fuse_norms_and_rotary(model, layers)
+    if fusion is not None:
+        for layer in layers:
+            fuse_attention_projections(layer.self_attn, fusion.projections)
 
 
 class TwellForCausalLM(_import(BASE_MODEL), GenerationMixin):

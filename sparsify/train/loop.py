@@ -12,16 +12,18 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from transformers import get_cosine_schedule_with_warmup
+from twell.decoder import fuse_norms_and_rotary, unfuse_norms_and_rotary
 
 from ..config import TrainConfig
 from ..errors import ConfigError
+from ..families import spec_for
 from ..report import warn
 from ..resume import check_resume, load_data_position, saved_run_name
 from .fsdp import check_fsdp
 from .log import Window, log_entry, log_line, progress_bar, progress_text
 from .loss import L1_SCALE_RANGE, allowed_active, l1_coeff, loss_terms, source_share, steered_l1_scale, term_weights
 from .memory import on_cpu, slow_save_warning
-from .routing import Routing, apply_routing, hybrid_kernels_run, hybrid_paths, route, tracked
+from .routing import Routing, apply_routing, decoder_kernels_run, hybrid_kernels_run, hybrid_paths, route, tracked
 from .saving import Saver, StopRequest
 from .state import Run, RunState, StepOutcome, TrainingInterrupted, TrainResult
 from .trackers import new_run_name, tracker_values
@@ -155,6 +157,8 @@ def _prepare(accelerator: Accelerator, model, mlps: list, config: TrainConfig, t
     model.config.use_cache = False
     if config.grad_checkpointing:
         _activation_checkpointing(model, True)
+    if config.fused_decoder and decoder_kernels_run(accelerator.device):
+        fuse_norms_and_rotary(model, model.get_submodule(spec_for(model.config).layers))
     model.train()
     # fused on GPU: one kernel updates each tensor in place, where foreach's per-step temporaries (a copy of
     # the second moments and more) add about a weight-sized buffer to the peak.
@@ -316,6 +320,7 @@ def _finish(run: Run, state: RunState) -> TrainResult:
     else:
         model = run.accelerator.unwrap_model(model)
     model.eval()
+    unfuse_norms_and_rotary(model)
     if run.config.grad_checkpointing:
         _activation_checkpointing(model, False)
     model.config.use_cache = True

@@ -22,6 +22,12 @@ def hybrid_kernels_run(device: torch.device) -> bool:
             and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"))
 
 
+def decoder_kernels_run(device: torch.device) -> bool:
+    """Whether training runs the decoder's norms and rotary on twell's kernels (config.fused_decoder): CUDA with
+    triton. (On CPU the interpreter would serve them too, but slowly: the tests turn it on where they check it.)"""
+    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
+
+
 def hybrid_paths(entry: dict, below: float) -> list[bool]:
     """Per layer, whether it trains on the hybrid kernels until the next log step, from a log entry (the
     window's mean active units and the path it ran on)."""

@@ -1,0 +1,161 @@
+"""A decoder's elementwise work on the kernels, for inference and training alike: the family's RMSNorm modules on
+rms_norm.py's kernel and its attention's rotary embedding on rotary.py's, each installed as the module's own
+`forward` (fuse_norms_and_rotary; unfuse_norms_and_rotary takes them off). The modules, their classes and the
+weights stay transformers'. Both kernels are differentiable and keep less for the backward than transformers'
+modules do (an fp32 rstd a row; nothing but the tables), so a training step saves time and memory too.
+
+An installed forward runs transformers' forward instead under torch.compile (which fuses that code itself), for
+tensor subclasses (DTensor shards), on CPU without the Triton interpreter, or for inputs the kernels do not take.
+A family is installed only where the running transformers still computes what its entry says (norm_computes,
+rotary_computes: equal bits on a CPU probe). Imports torch and the files beside it only."""
+import functools
+import inspect
+import os
+import types
+from dataclasses import dataclass
+
+import torch
+
+from .format import use_triton
+from .gated_mlp import KERNEL_DTYPES
+from .reference import rms_norm_reference, rotary_reference
+from .rms_norm import rms_norm_fits, rms_norm_fitted
+from .rotary import rotary_fits, rotary_fitted
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton reads it when the kernels are defined, too
+
+
+@dataclass(frozen=True)
+class DecoderFusion:
+    """What the fused kernels take over in a family's decoder."""
+
+    norm: str  # the family's RMSNorm class (by name): every instance in the model, Qwen3's q / k norms too
+    form: str  # what it computes (rms_norm.FORMS)
+    eps: str = "variance_epsilon"  # its attribute holding epsilon
+    # the attention's nn.Linear projections (attribute names), in groups that project the same input: a group's
+    # decode-size calls make one small_linear launch (the checkpoint's modeling file, inference only)
+    projections: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("o_proj",))
+
+
+# Per family (config.model_type). A class that no longer computes its form (another transformers release) keeps
+# its own forward (norm_computes); so does an attention whose apply_rotary_pos_emb differs from the standard one
+# (rotary_computes).
+DECODER_FUSIONS = {
+    "llama": DecoderFusion("LlamaRMSNorm", "llama"),
+    "mistral": DecoderFusion("MistralRMSNorm", "llama"),
+    "qwen2": DecoderFusion("Qwen2RMSNorm", "llama"),
+    "qwen3": DecoderFusion("Qwen3RMSNorm", "llama"),
+    "phi3": DecoderFusion("Phi3RMSNorm", "llama", projections=(("qkv_proj",), ("o_proj",))),
+    "gemma": DecoderFusion("GemmaRMSNorm", "gemma", eps="eps"),
+    "gemma2": DecoderFusion("Gemma2RMSNorm", "gemma", eps="eps"),
+    "gemma3_text": DecoderFusion("Gemma3RMSNorm", "gemma", eps="eps"),
+}
+
+
+def serves(x) -> bool:
+    """Whether the decoder's kernels serve a call on x: eager or captured (traced code runs transformers'
+    modules, which the compiler fuses itself), a plain tensor, Triton there (CUDA; CPU under the interpreter), a
+    dtype they take (the interpreter has no bf16 arithmetic)."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or type(x) is not torch.Tensor:
+        return False
+    kernel_dtypes = KERNEL_DTYPES if x.is_cuda else (torch.float32, torch.float16) if INTERPRET else ()
+    return x.dtype in kernel_dtypes and use_triton(x)
+
+
+def norm_forward(norm, form: str, eps: str, hidden_states):
+    """A decoder RMSNorm's forward (installed on the module): the kernel where it serves the call, else the
+    module's own."""
+    if serves(hidden_states) and rms_norm_fits(hidden_states, norm.weight, form):
+        return rms_norm_fitted(hidden_states, norm.weight, getattr(norm, eps), form)
+    return type(norm).forward(norm, hidden_states)
+
+
+def fused_rotary(apply_rotary, q, k, cos, sin, *args, **kwargs):
+    """A family's apply_rotary_pos_emb (`apply_rotary`) on the kernel where it serves the call."""
+    if not args and not kwargs and serves(q) and rotary_fits(q, k, cos, sin):
+        return rotary_fitted(q, k, cos, sin)
+    return apply_rotary(q, k, cos, sin, *args, **kwargs)
+
+
+_ROTARY_FORWARDS = {}  # attention class -> its forward reading apply_rotary_pos_emb as fused_rotary
+
+
+def rotary_forward(attention):
+    """`attention`'s class's forward with its module's apply_rotary_pos_emb on the kernel: the same code object
+    (without its decorators, which only rename deprecated arguments that the decoder layers do not pass) over a
+    copy of its module's globals (installed on the module; traced calls take the class's forward)."""
+    cls = type(attention)
+    if cls not in _ROTARY_FORWARDS:
+        forward = inspect.unwrap(cls.forward)
+        names = dict(forward.__globals__,
+                     apply_rotary_pos_emb=functools.partial(fused_rotary, forward.__globals__["apply_rotary_pos_emb"]))
+        copy = types.FunctionType(forward.__code__, names, forward.__name__, forward.__defaults__, forward.__closure__)
+        copy.__kwdefaults__ = forward.__kwdefaults__
+        _ROTARY_FORWARDS[cls] = copy
+    return _ROTARY_FORWARDS[cls]
+
+
+def attention_forward(attention, *args, **kwargs):
+    if torch.compiler.is_compiling():
+        return type(attention).forward(attention, *args, **kwargs)
+    return rotary_forward(attention)(attention, *args, **kwargs)
+
+
+@functools.cache
+def norm_computes(norm_class, form: str, eps: str) -> bool:
+    """Whether norm_class(width) computes rms_norm_reference's `form` with epsilon in attribute `eps` (equal bits
+    on a CPU probe, fp32 and bf16; a probe that fails says no)."""
+    generator = torch.Generator().manual_seed(0)
+    try:
+        with torch.device("cpu"), torch.no_grad():
+            probe = norm_class(24)
+            for dtype in (torch.float32, torch.bfloat16):
+                probe.to(dtype).weight.copy_(torch.randn(24, generator=generator))
+                x = torch.randn(3, 24, generator=generator).to(dtype)
+                expected = rms_norm_reference(x, probe.weight, getattr(probe, eps), form)
+                if not torch.equal(norm_class.forward(probe, x), expected):
+                    return False
+    except Exception:  # noqa: BLE001 (another transformers release's module: it keeps its own forward)
+        return False
+    return True
+
+
+@functools.cache
+def rotary_computes(apply_rotary) -> bool:
+    """Whether a family's apply_rotary_pos_emb computes rotary_reference (equal bits on a CPU probe, bf16; a probe
+    that fails says no)."""
+    generator = torch.Generator().manual_seed(0)
+    try:
+        with torch.device("cpu"):
+            q, k, cos, sin = (torch.randn(shape, generator=generator).bfloat16()
+                              for shape in ((2, 4, 5, 8), (2, 2, 5, 8), (2, 5, 8), (2, 5, 8)))
+            expected = rotary_reference(q, k, cos, sin)
+            return all(torch.equal(a, b) for a, b in zip(apply_rotary(q, k, cos, sin), expected))
+    except Exception:  # noqa: BLE001 (another transformers release's function: the attention keeps it)
+        return False
+
+
+def fuse_norms_and_rotary(model, layers):
+    """Installs the kernels' forwards on the model's norms (those of its family's DECODER_FUSIONS entry) and on
+    the attention of its decoder `layers` (rotary), where the running transformers computes what the entry says.
+    Returns the family's entry, None for a family without one (nothing installed)."""
+    fusion = DECODER_FUSIONS.get(model.config.model_type)
+    if fusion is None:
+        return None
+    norms = [m for m in model.modules() if type(m).__name__ == fusion.norm]
+    if norms and norm_computes(type(norms[0]), fusion.form, fusion.eps):
+        for norm in norms:
+            norm.forward = functools.partial(norm_forward, norm, fusion.form, fusion.eps)
+    for layer in layers:
+        forward = inspect.unwrap(type(layer.self_attn).forward)
+        apply_rotary = forward.__globals__.get("apply_rotary_pos_emb")
+        if apply_rotary is not None and rotary_computes(apply_rotary):
+            layer.self_attn.forward = functools.partial(attention_forward, layer.self_attn)
+    return fusion
+
+
+def unfuse_norms_and_rotary(model) -> None:
+    """Takes fuse_norms_and_rotary's forwards off again: every module runs its class's forward."""
+    for module in model.modules():
+        if getattr(vars(module).get("forward"), "func", None) in (norm_forward, attention_forward):
+            del module.forward
