@@ -194,24 +194,27 @@ def test_epochs_pass_over_the_head_of_the_train_split_several_times(prepared, tm
                                                               "control_epochs2"))
 
 
-def test_sampled_runs_read_the_base_s_samples_and_the_share_s_text_once(prepared, tmp_path, monkeypatch):
+def test_sampled_runs_read_the_base_s_samples_and_the_share_s_text(prepared, tmp_path, monkeypatch):
     quality = load_script()
     work = prepared_work(prepared, tmp_path, monkeypatch)
     result = quality.main(["--toy", "--work", str(work), "--runs", "l1=3.5", "l1=3.5,data=sampled",
                            "l1=3.5,data=sampled_alone", "--jobs", "2",
                            "--convert-epochs", "1", "2", "--sample-tokens", "3000", "--sample-batch", "8",
-                           "--no-metrics"])
+                           "--sampled-epochs", "3", "--no-metrics"])
     (made,) = result["samples"]
     assert made["folder"] == "sampled_share0.25" and 3000 <= made["sampled_tokens"] < 3000 + 64
     distinct = result["convert_subsets"][0]["distinct_tokens"]
     assert distinct <= made["data_tokens"] < distinct + 64  # the share's head whole, spread among the samples
     assert made["tokens"] % 64 == 0 and made["tokens"] > made["sampled_tokens"] + made["data_tokens"] - 2 * 64
-    # the sampled setting at one pass only, on the folder's tokens, its data setting left out of its recipe
+    # the sampled settings once, at --sampled-epochs passes over the folder's tokens, their data setting left out
+    # of their recipe
     assert [(c["name"], c["epochs"]) for c in result["conversions"]] == [
-        ("l1_3.5", 1), ("l1_3.5_data_sampled", 1), ("l1_3.5_data_sampled_alone", 1), ("l1_3.5_epochs2", 2)]
+        ("l1_3.5", 1), ("l1_3.5_data_sampled_epochs3", 3), ("l1_3.5_data_sampled_alone_epochs3", 3),
+        ("l1_3.5_epochs2", 2)]
     sampled, alone = result["conversions"][1:3]
-    assert sampled["distinct_tokens"] == made["tokens"] <= sampled["tokens"] < made["tokens"] + 4 * 64  # whole steps
-    assert "data" not in json.loads((work / "l1_3.5_data_sampled.recipe.yaml").read_text())
+    assert sampled["distinct_tokens"] == made["tokens"] and 3 * made["tokens"] <= sampled["tokens"] < \
+        3 * made["tokens"] + 4 * 64  # whole steps
+    assert "data" not in json.loads((work / "l1_3.5_data_sampled_epochs3.recipe.yaml").read_text())
     assert f"--data {work / 'sampled_share0.25'}" in sampled["command"]
     # the samples alone: the folder's sample rows, the same held-out text
     rows = [json.loads(line) for line in open(work / "sampled_share0.25" / "train.jsonl")]
@@ -221,12 +224,12 @@ def test_sampled_runs_read_the_base_s_samples_and_the_share_s_text_once(prepared
         work / "sampled_share0.25" / "valid.jsonl").read_bytes()
     assert alone["distinct_tokens"] == made["alone_tokens"] < made["tokens"]
     assert f"--data {work / 'sampled_share0.25_alone'}" in alone["command"]
-    # a control on each text the runs read: the share once and twice, and each sampled folder once
+    # a control on each text the runs read: the share once and twice, and each sampled folder three times
     controls = {c["name"]: c for c in result["control"]}
-    assert list(controls) == ["control", "control_epochs2", "control_sampled", "control_sampled_alone"]
-    assert controls["control_sampled"]["tokens"] == sampled["tokens"]
-    for run, control in zip(result["conversions"], ("control", "control_sampled", "control_sampled_alone",
-                                                    "control_epochs2")):
+    assert list(controls) == ["control", "control_epochs2", "control_epochs3_sampled", "control_epochs3_sampled_alone"]
+    assert controls["control_epochs3_sampled"]["tokens"] == sampled["tokens"]
+    for run, control in zip(result["conversions"], ("control", "control_epochs3_sampled",
+                                                    "control_epochs3_sampled_alone", "control_epochs2")):
         after = controls[control]["cross_entropy"]["after training"]
         assert run["ce_vs_control"] == pytest.approx(run["cross_entropy"]["after training"] / after - 1), run["name"]
 

@@ -28,7 +28,7 @@ again after an interruption goes on where it stopped):
    and a buffer's worth of blocks at each pass's end mixes with the next one's. With --sample-tokens N the base
    continues prompts from that head (`sparsify sample`: N tokens, its documents spread among the samples; written
    once per share to sampled_shareS, and the samples alone to sampled_shareS_alone), and the runs set data=sampled
-   (or data=sampled_alone) read that folder once instead;
+   (or data=sampled_alone) read that folder instead, --sampled-epochs times (once unless set);
 4. control (--control): at each share and number of passes, and on each sampled folder that runs read, the source
    model trained by the same trainer on the same batches with the same recipe (--control-set over it), but no swap,
    no L1 and no distillation, so that the cost of sparsity is told apart from the gain of the extra tokens (each
@@ -159,7 +159,10 @@ def parser() -> argparse.ArgumentParser:
                     help="tokens sampled from the base for the runs set data=sampled (`sparsify sample`: prompts from "
                          "each share's head of the train split, its documents spread among the samples; written once "
                          "a share to WORK/sampled_shareS) or data=sampled_alone (the samples without the share's "
-                         "documents: WORK/sampled_shareS_alone); those runs read their folder once, at one pass")
+                         "documents: WORK/sampled_shareS_alone); those runs read their folder --sampled-epochs "
+                         "times")
+    ap.add_argument("--sampled-epochs", type=passes, default=1, metavar="N",
+                    help="passes of the runs set data=... over their sampled folder, and of its control")
     ap.add_argument("--sample-batch", type=int, default=None,
                     help="samples generated together (default: as for sparsify sample, what fits)")
     ap.add_argument("--convert-batch", type=int, default=16, help="sequences a step (a run's batch_size overrides it)")
@@ -302,7 +305,7 @@ def train_all(args, recipe: dict, tokens: dict[float, int], subsets: dict[float,
         """A run's train text, its tokens, and at several passes the distinct tokens they pass over."""
         if (setting or {}).get("data"):
             folder, count = SAMPLED_FOLDERS[setting["data"]]
-            return args.work / samples[share][folder], samples[share][count], samples[share][count]
+            return args.work / samples[share][folder], epochs * samples[share][count], samples[share][count]
         if epochs == 1:
             return args.work / "corpus", tokens[share], None
         distinct = subsets[share]["distinct_tokens"]
@@ -322,7 +325,7 @@ def train_all(args, recipe: dict, tokens: dict[float, int], subsets: dict[float,
         return c
 
     def control(share: float, epochs: int, folder: str | None = None) -> dict:
-        """The control on the runs' text at (share, epochs), or on a sampled folder (data=folder) read once."""
+        """The control on the runs' text at (share, epochs): the share's, or a sampled folder's (data=folder)."""
         setting = {"data": folder} if folder else {}
         out = args.work / (runs.control_name(share if several else None, epochs) + (f"_{folder}" if folder else ""))
         text, count, distinct = data(share, epochs, setting)
@@ -332,10 +335,11 @@ def train_all(args, recipe: dict, tokens: dict[float, int], subsets: dict[float,
 
     sampled = sorted({setting["data"] for setting in settings if "data" in setting})
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
-        continued = pool.submit(lambda: [control(*b) for b in budgets] + [
-            control(share, 1, folder) for share in tokens for folder in sampled]) if args.control else None
-        pending = [pool.submit(conversion, setting, *b) for b in budgets for setting in settings
-                   if b[1] == 1 or "data" not in setting]  # a sampled folder is read once
+        continued = pool.submit(lambda: [control(*b) for b in budgets] + [control(
+            share, args.sampled_epochs, folder) for share in tokens for folder in sampled]) if args.control else None
+        pending = [pool.submit(conversion, setting, share, args.sampled_epochs if "data" in setting else epochs)
+                   for share, epochs in budgets for setting in settings  # a sampled folder's runs once a share
+                   if "data" not in setting or epochs == args.convert_epochs[0]]
         controls = continued.result() if continued else []
         conversions = [job.result() for job in pending]
     for c in conversions:  # against the control on the same text and passes

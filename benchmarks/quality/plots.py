@@ -169,12 +169,12 @@ def budget_plot(result: dict, path: Path) -> None:
             axis.set_title("cost at the end of each run; held-out FFN sparsity beside each point", fontsize=10)
             axis.set_xticks(shares, [f"{s:g}\n{t / 1e6:.3g}M" for s, t in share_tokens.items()])
         else:
-            # a run's tokens in shares: its passes, or a sampled folder's tokens over the share's (read once)
+            # a run's tokens in shares: its passes, or a sampled folder's tokens (all its passes) over the share's
             cost_lines(axis, result, lambda r: r["tokens"] / share_tokens[r["share"]] if "data" in r.get(
                 "settings", {}) else r["epochs"], lambda r: run_label(r, common, share=True, epochs=False),
                        lambda c: control_label(c, share=True, epochs=False))
-            axis.set(xscale="log", xlabel="tokens trained on / the share's tokens (passes over the share; a sampled "
-                                          "folder read once)")
+            axis.set(xscale="log", xlabel="tokens trained on / the share's tokens (passes over the share, or over a "
+                                          "sampled folder)")
             axis.set_title("cost at the end of each run over the tokens it trained on; held-out FFN sparsity beside "
                            "each point", fontsize=10)
             axis.set_xticks(epochs, [str(n) for n in epochs])
