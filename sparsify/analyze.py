@@ -46,8 +46,8 @@ def default_data(source: str) -> tuple[str | Path, str]:
     if recorded and Path(recorded).exists():
         return recorded, training.get("text_column", "text")
     converted_on = f" (it was converted on {recorded}, no file or folder here)" if recorded else ""
-    raise DataError(f"--data is required for this model{converted_on}: local .txt/.jsonl/.parquet files or folder, "
-                    "or a datasets name")
+    raise DataError(f"--data is required for this model{converted_on}: local .txt/.json/.jsonl/.parquet files or "
+                    "folder, or a datasets name")
 
 
 def held_out_head(config, data, seq_len: int) -> int | None:

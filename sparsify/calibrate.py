@@ -334,6 +334,10 @@ def calibrate(model: nn.Module, mlps: list[ReluGatedMLP], blocks: list[torch.Ten
                           available_memory())
     for mlp in mlps:
         mlp.l1_log_scale, mlp.l1_eps = l1_log_scale, None
+    if shown and sparsity:
+        console.print(f"sparse calibration: each layer's ReLU MLP fitted to the source's until {sparsity:.0%} of its "
+                      "units are silent; its error against the source rises from the dense swap's, and training "
+                      "brings the model back")
     source = SourceProjections(mlps)
     for layer in range(len(mlps)) if sequential else reversed(range(len(mlps))):
         mlp = mlps[layer]
@@ -345,14 +349,14 @@ def calibrate(model: nn.Module, mlps: list[ReluGatedMLP], blocks: list[torch.Ten
             del after
         else:
             x, y = source_rows(model, blocks, layer)
-        with console.status(f"calibrating layer {layer + 1} of {len(mlps)}") if shown else nullcontext():
+        with console.status(f"calibrating layer {layer} (layers 0-{len(mlps) - 1})") if shown else nullcontext():
             fits[layer] = fit = fit_layer(mlp, x, y, steps, lr, generator, sparsity,
                                           output_norm(model, layer) if sequential else None)
         del x, y
         if shown:
             units = mlp.weights()[0].shape[0]
-            console.print(f"calibrated layer {layer + 1} of {len(mlps)}: relative error of its MLP "
-                          f"{fit.before:.4f} -> {fit.after:.4f}, {fit.active:.1f} of {units} units "
+            console.print(f"calibrated layer {layer} (layers 0-{len(mlps) - 1}): relative error of its MLP "
+                          f"{fit.before:.4f} (swapped) -> {fit.after:.4f}, {fit.active:.1f} of {units} units "
                           f"active ({1 - fit.active / units:.2%} sparse)")
     tokens = sum(block.numel() for block in blocks)
     return CalibrationResult(tokens, steps, lr, sparsity, time.perf_counter() - started,

@@ -329,7 +329,7 @@ class RunOptions:
 
     out: str | Path = _setting(MISSING, "Output checkpoint folder.", flag="-o --out", folder=True)
     data: str | None = _setting(None, (
-        "Training text: .txt/.jsonl/.parquet file(s) or folder, or a `datasets` name as NAME[:CONFIG][@SPLIT]. "
+        "Training text: .txt/.json/.jsonl/.parquet file(s) or folder, or a `datasets` name as NAME[:CONFIG][@SPLIT]. "
         "Default for demo: the demo corpus."))
     text_column: str = _setting("text", TEXT_COLUMN_HELP + ".", metavar="NAME")
     device: str | None = _setting(None, (
@@ -444,7 +444,8 @@ def recipe_names() -> list[str]:
 
 
 def load_recipe(recipe: str | Path | None, source: str, _extended: tuple = ()) -> dict:
-    """Training settings of a recipe: a YAML path, or a name in recipes/ ("small" -> recipes/small.yaml).
+    """Training settings of a recipe: a YAML path, or a name in recipes/ ("small" or "small.yaml" ->
+    recipes/small.yaml).
     Without one, `demo` uses recipes/demo.yaml and other sources recipes/pretrained.yaml. A recipe's `extends: NAME`
     takes that recipe's settings under its own: a YAML path relative to the extending file's folder, else as above."""
     if recipe is None:
@@ -452,8 +453,9 @@ def load_recipe(recipe: str | Path | None, source: str, _extended: tuple = ()) -
         path = recipe = RECIPES / ("demo.yaml" if source == "demo" else "pretrained.yaml")
     else:
         path = Path(recipe)
-        if not path.is_file() and (RECIPES / f"{recipe}.yaml").is_file():
-            path = RECIPES / f"{recipe}.yaml"
+        name = str(recipe).removesuffix(".yaml")
+        if not path.is_file() and Path(name).name == name and (RECIPES / f"{name}.yaml").is_file():
+            path = RECIPES / f"{name}.yaml"  # a name in recipes/, with or without its .yaml
     if not path.is_file():
         names = recipe_names()
         known = f"one of: {', '.join(names)}" if names else f"no named recipes are installed at {RECIPES}"

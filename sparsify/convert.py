@@ -46,8 +46,8 @@ from .tune import capture_mlp_inputs
 from .relufy import original_mlps, relufy
 from .report import console, plot_training, warn
 from .resume import check_resume, discard_saved_state, recover_killed_save
-from .train import (TrainResult, check_training_memory, fsdp_launch, gather_model, hybrid_share, on_cpu, train,
-                    trackers, training_state_bytes)
+from .train import (TrainResult, check_training_memory, cpu_training_warning, fsdp_launch, gather_model, hybrid_share,
+                    on_cpu, train, trackers, training_state_bytes)
 
 
 def _identity(where: str | Path) -> str:
@@ -198,7 +198,7 @@ def _check_inputs(source: str, config: TrainConfig, options: RunOptions, process
                           f"--resume to continue it, or --overwrite to start over (deleting it)")
     model_config = load_config(source)[0]  # a wrong source named first: --data would not make it right
     if options.data is None and source != "demo":
-        raise DataError("--data is required (local .txt/.jsonl/.parquet files or folder, or a datasets name)")
+        raise DataError("--data is required (local .txt/.json/.jsonl/.parquet files or folder, or a datasets name)")
     data = options.data or demo_corpus_path()
     positions = getattr(model_config, "max_position_embeddings", None)
     if fit_seq_len:
@@ -218,6 +218,9 @@ def _check_source(config: TrainConfig, options: RunOptions, checked: _Checked, p
     if show:
         console.print(run_summary(parameters, config, processes, checked.fsdp), soft_wrap=True)
     check_training_memory(parameters, options.device, processes, checked.fsdp, teacher=config.uses_teacher)
+    if (warning := cpu_training_warning(parameters, _run_tokens(config, processes), options.device)) and \
+            PartialState().is_main_process:
+        warn(warning)
     if config.calibrate_steps and config.calibrate_sequential and checked.saved is None:
         check_kept_memory(4 * mlp_parameter_count(checked.model_config), available_memory())
 

@@ -259,7 +259,7 @@ def test_convert_calibrates_and_records_it(files, tmp_path, monkeypatch, sequent
     assert log[0]["l1_reference"] == calibration["l1_reference"] > 0
     ppl = training["perplexity"]
     assert list(ppl) == ["original", "after swap", "after calibration", "after training"]
-    assert "after calibration" in result.output and "calibrated layer 2 of 2" in result.output
+    assert "after calibration" in result.output and "calibrated layer 1 (layers 0-1)" in result.output
     # the log penalty's eps: measured by calibration, kept by training
     assert trained == [calibration["l1_eps"]] and (calibration["l1_eps"] is None) == (not log_scale)
 

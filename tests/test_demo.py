@@ -45,7 +45,7 @@ def test_readme_use_of_the_result_runs_as_written(demo_sparse, monkeypatch, caps
     monkeypatch.chdir(demo_sparse.parent)
     exec(compile(code, "README.md", "exec"), {})
     printed = capsys.readouterr().out
-    assert printed.startswith("def fibonacci(n):") and "\nimport os\n" in printed
+    assert printed.startswith("NAME\n    os") and "\nimport os\n" in printed
 
 
 def test_lm_eval_runs_a_converted_checkpoint(demo_sparse, monkeypatch):

@@ -15,8 +15,11 @@ def test_named_recipes_resolve():
     assert {"demo", "paper", "small", "midsize"} <= set(recipe_names())
     assert load_recipe(None, "demo") == load_recipe("demo", "other")
     assert load_recipe(None, "org/model") == load_recipe("pretrained", "demo")  # every other source
+    assert load_recipe("small-budget.yaml", "other") == load_recipe("small-budget", "other")  # the file's name too
     with pytest.raises(ConfigError, match="recipe nope not found .*one of: demo"):
         load_recipe("nope", "other")
+    with pytest.raises(ConfigError, match="recipe elsewhere/small.yaml not found"):  # a path is a path
+        load_recipe("elsewhere/small.yaml", "other")
 
 
 def test_a_recipe_extends_another_under_its_own_settings(tmp_path):

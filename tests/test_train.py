@@ -789,3 +789,13 @@ def test_fused_decoder_trains_as_transformers_modules(family, monkeypatch):
     assert [e["loss"] for e in fused_log] == pytest.approx([e["loss"] for e in log], rel=1e-5)
     for name, w in weights.items():
         torch.testing.assert_close(fused_weights[name], w, rtol=1e-4, atol=1e-6)
+
+
+def test_cpu_training_warning_names_the_work_against_the_demo():
+    from sparsify.train import cpu_training_warning
+    from sparsify.train.memory import DEMO_WORK
+
+    assert cpu_training_warning(3_050_000, 819_200, "cpu") is None  # the demo itself
+    warning = cpu_training_warning(500_000_000, 50_000_000, "cpu")
+    assert warning.startswith("training 500M parameters on 50,000,000 tokens on the CPU: ")
+    assert f"{500e6 * 50e6 / DEMO_WORK:,.0f} times the arithmetic of the demo's conversion" in warning

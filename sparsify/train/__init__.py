@@ -9,12 +9,13 @@ from ..config import HYBRID_EXIT, TrainConfig
 from .fsdp import fsdp_launch, gather_model
 from .loop import train
 from .loss import LossTerms, l1_coeff, source_share
-from .memory import TRAINING_BYTES, check_training_memory, on_cpu, slow_save_warning, training_state_bytes
+from .memory import (TRAINING_BYTES, check_training_memory, cpu_training_warning, on_cpu, slow_save_warning,
+                     training_state_bytes)
 from .routing import hybrid_kernels_run, hybrid_paths, hybrid_share
 from .state import TrainingInterrupted, TrainResult
 from .trackers import trackers
 
 __all__ = ["HYBRID_EXIT", "LossTerms", "TRAINING_BYTES", "TrainConfig", "TrainResult", "TrainingInterrupted",
-           "check_training_memory", "fsdp_launch", "gather_model", "hybrid_kernels_run", "hybrid_paths",
-           "hybrid_share", "l1_coeff", "on_cpu", "slow_save_warning", "source_share", "train", "trackers",
-           "training_state_bytes"]
+           "check_training_memory", "cpu_training_warning", "fsdp_launch", "gather_model", "hybrid_kernels_run",
+           "hybrid_paths", "hybrid_share", "l1_coeff", "on_cpu", "slow_save_warning", "source_share", "train",
+           "trackers", "training_state_bytes"]

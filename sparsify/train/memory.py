@@ -37,6 +37,22 @@ def check_training_memory(parameters: int, device: str | None, processes: int, s
                           f"and this GPU has {total / 2**30:.0f} GiB: {fix}")
 
 
+# The arithmetic of the demo's conversion (recipes/demo.yaml: 819,200 tokens on its 3.05M parameters), which takes
+# minutes on a 2-core CPU (docs/performance.md, "The demo conversion (CPU)"); parameters x tokens a run does
+DEMO_WORK = 3.05e6 * 819_200
+
+
+def cpu_training_warning(parameters: int, tokens: int, device: str | None) -> str | None:
+    """The warning for a training run on the CPU of more than ten times the demo conversion's arithmetic (None
+    otherwise)."""
+    if not on_cpu(device) or parameters * tokens <= 10 * DEMO_WORK:
+        return None
+    times = parameters * tokens / DEMO_WORK
+    return (f"training {parameters / 1e6:,.0f}M parameters on {tokens:,} tokens on the CPU: {times:,.0f} times the "
+            f"arithmetic of the demo's conversion, so about {times:,.0f} times its minutes on the same CPU. A CUDA GPU "
+            "is what sparsify trains on (and where the sparse kernels run)")
+
+
 # A sharded training state above this size takes longer to write than a launcher waits after a Ctrl-C
 # (docs/performance.md, "Training under FSDP")
 SLOW_SAVE_GIB = 30
