@@ -799,3 +799,13 @@ def test_cpu_training_warning_names_the_work_against_the_demo():
     warning = cpu_training_warning(500_000_000, 50_000_000, "cpu")
     assert warning.startswith("training 500M parameters on 50,000,000 tokens on the CPU: ")
     assert f"{500e6 * 50e6 / DEMO_WORK:,.0f} times the arithmetic of the demo's conversion" in warning
+
+
+def test_a_run_that_ends_far_from_sparse_says_what_to_change():
+    from sparsify.convert import _sparsity_hint
+
+    layers = [{"mean_active": 40.0, "units": 528}, {"mean_active": 10.0, "units": 528}]  # 95.27% sparse
+    assert _sparsity_hint(layers, config()) is None
+    layers[0]["mean_active"] = 100.0  # 89.58%
+    assert _sparsity_hint(layers, config()).startswith("the model ends 89.58% sparse on the held-out text")
+    assert _sparsity_hint(layers, config(target_sparsity=0.99)) is None  # the trainer says that shortfall
