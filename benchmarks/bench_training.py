@@ -9,9 +9,8 @@ Each block step is timed eagerly (host launch costs included) and as a CUDA-grap
 --e2e adds training steps of a 1.5B-shape Llama (dense vs hybrid MLPs; --e2e-batch: sequences a step,
 tokens/s, peak memory and the memory the forward adds; --e2e-fused: both again with the decoder's RMSNorms and rotary
 embedding on twell's differentiable kernels as sparsify's trainer runs them, the first step's loss and gradient norm
-beside the unfused ones);
---profile prints per-kernel
-times of the k=29 step and the host issue time against the wall time.
+beside the unfused ones); --profile prints per-kernel times of the k=29 step and the host issue time against the
+wall time.
 
 Synthetic sparsity: bias channel x[:, 0] = 1, gate[:, 0] set for k active units a row; "uneven" adds
 skew * N(0, 1) per unit to gate[:, 0], the skew chosen so that the mean lands near the target.
@@ -36,6 +35,8 @@ from twell.training import hot_units as busiest_units
 from twell.training.blocks import GPU_BLOCKS
 
 L1_COEFF = 2e-5
+# --e2e's runs: the MLPs dense or hybrid, then with --e2e-fused the same with the norms and rotary on the kernels
+E2E_MODES = ("dense", "hybrid", "dense_fused", "hybrid_fused")
 
 
 def make_inputs(M, D, I, k, uneven_mean=None, seed=0):
@@ -262,7 +263,7 @@ def e2e(k=29, batch=4, seq=2048, steps=5, fused=False):
                       max_position_embeddings=seq, hidden_act="relu")
     cfg._attn_implementation = "sdpa"
     results = {}
-    for mode in ("dense", "hybrid", "dense_fused", "hybrid_fused")[:4 if fused else 2]:
+    for mode in E2E_MODES if fused else E2E_MODES[:2]:
         # each MLP call's (L1, active units) of the current step, in layer order; the step empties it, so no
         # tensor of an autograd graph outlives its step (the graph would keep the parameters alive)
         records, first = [], {}
@@ -405,9 +406,7 @@ def main():
               f"{r['memory']['saved_ratio']:6.3f} {e['out']:8.1e} {e['dx']:8.1e} "
               f"{max(e['d_gate'], e['d_up'], e['d_down']):8.1e} {r['rel_err']['dense_bf16']['out']:9.1e}")
     for run in doc.get("e2e", []):
-        for mode in ("dense", "hybrid", "dense_fused", "hybrid_fused"):
-            if mode not in run:
-                continue
+        for mode in (mode for mode in E2E_MODES if mode in run):
             r = run[mode]
             print(f"e2e batch {run['batch']} {mode:7} step {r['step_ms']:8.1f} ms  {r['tokens_per_s']:9.0f} tok/s  "
                   f"peak {r['peak_mem_gib']:6.2f} GiB  active {r['mean_active']:.1f}  first loss "

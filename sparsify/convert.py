@@ -394,7 +394,7 @@ HINT_BELOW = 0.95
 def _sparsity_hint(layers: list[dict], config: TrainConfig) -> str | None:
     """What to say where a run without --target-sparsity ends less than HINT_BELOW sparse on the held-out text
     (a run with it warns where it falls short: train.loop), and what to change; else None."""
-    sparsity = 1 - sum(layer["mean_active"] for layer in layers) / (len(layers) * layers[0]["units"])
+    sparsity = sum(layer["sparsity"] for layer in layers) / len(layers)  # every layer has as many units
     if config.target_sparsity or sparsity >= HINT_BELOW:
         return None
     return (f"the model ends {sparsity:.2%} sparse on the held-out text: the sparse kernels pay near 99%, so most of "

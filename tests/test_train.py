@@ -804,8 +804,11 @@ def test_cpu_training_warning_names_the_work_against_the_demo():
 def test_a_run_that_ends_far_from_sparse_says_what_to_change():
     from sparsify.convert import _sparsity_hint
 
-    layers = [{"mean_active": 40.0, "units": 528}, {"mean_active": 10.0, "units": 528}]  # 95.27% sparse
+    def layer(active):  # as measure() reports a layer
+        return {"mean_active": active, "units": 528, "sparsity": 1 - active / 528}
+
+    layers = [layer(40.0), layer(10.0)]  # 95.27% sparse
     assert _sparsity_hint(layers, config()) is None
-    layers[0]["mean_active"] = 100.0  # 89.58%
+    layers[0] = layer(100.0)  # 89.58%
     assert _sparsity_hint(layers, config()).startswith("the model ends 89.58% sparse on the held-out text")
     assert _sparsity_hint(layers, config(target_sparsity=0.99)) is None  # the trainer says that shortfall
