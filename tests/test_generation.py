@@ -238,6 +238,17 @@ def test_converted_checkpoint_decodes_on_the_kernels(tmp_path, monkeypatch):
     assert torch.equal(generated, reference(model, ids, 6, eos_token_id=None, pad_token_id=0))
 
 
+def test_compiled_loops_count_their_own_recompiles():
+    """More loops of one model compiled with fullgraph in one process than dynamo's recompile limit allows a code
+    object (a batch size each): each compiles under its own, so none fails on the count of those before it."""
+    model, _ = tiny_model("llama")
+    compile = dict(backend="eager", fullgraph=True, dynamic=False)
+    for batch in range(1, torch._dynamo.config.recompile_limit + 2):
+        ids = tiny_input_ids(batch, 5)
+        assert torch.equal(generate_graphed(model, ids, 3, eos_token_id=[], compile=compile),
+                           reference(model, ids, 3, eos_token_id=None, pad_token_id=0))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("compile", [False, True])
 def test_graph_replay_matches_generate_on_gpu(tmp_path, compile):

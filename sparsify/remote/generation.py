@@ -24,6 +24,7 @@ import copy
 import inspect
 import threading
 import weakref
+from typing import Callable
 
 import torch
 
@@ -99,7 +100,7 @@ class DecodeLoop:
         self.model, self.sampling, self.pad, self.max_len = weakref.proxy(model), sampling, pad, max_len
         self.cache = StaticCache(config=model.config, max_cache_len=max_len)
         options = compile_options(compile)
-        self.forward = torch.compile(model, **options) if options is not None else self.model
+        self.forward = torch.compile(own_code(model), **options) if options is not None else self.model
         self.stop = torch.tensor(stop, dtype=torch.long, device=device)
         self.sequences = torch.full((batch, max_len), pad, dtype=torch.long, device=device)
         self.slots = torch.arange(max_len, device=device)
@@ -229,6 +230,18 @@ class DecodeLoop:
 GRAPH_FREE_MODES = {"reduce-overhead": None, "max-autotune": "max-autotune-no-cudagraphs"}
 # torch.compile's defaults of the arguments a CompileConfig sets
 COMPILE_DEFAULTS = dict(fullgraph=False, dynamic=None, backend="inductor", mode=None, options=None)
+
+
+def own_code(model) -> Callable:
+    """A call of `model` through a function with a code object of its own. torch.compile keeps its graphs and
+    counts recompiles per code object, and a model's loops (one a batch size, sampling, compile setting) would
+    share its forward's with transformers' own compiles of it: under fullgraph the compile after the limit (eight)
+    fails. Each loop's graphs are then its own, and go with it."""
+    def call(*args, **kwargs):
+        return model(*args, **kwargs)
+
+    call.__code__ = call.__code__.replace()  # a new code object, equal to the shared one
+    return call
 
 
 def compile_options(compile: bool | dict) -> dict | None:
