@@ -1,6 +1,7 @@
 """The `sparsify` command: thin Click wrappers over sparsify.convert, sparsify.sample, sparsify.analyze and
 sparsify.bench. User errors (SparsifyError) print their message on stderr and exit with status 1, without a
-traceback."""
+traceback. Each command checks what needs no model (its options, the paths it reads and writes) before it imports
+those modules (torch and transformers: seconds), so that a mistyped command fails, and --help shows, at once."""
 from __future__ import annotations
 
 import functools
@@ -12,7 +13,8 @@ import click
 
 from sparsify.config import (TEXT_COLUMN_HELP, RunOptions, SampleOptions, TrainConfig, load_recipe, measure_help,
                              value_type)
-from sparsify.errors import SparsifyError
+from sparsify.errors import ConfigError, SparsifyError
+from sparsify.locations import check_output_dir, resolve_source
 
 
 def user_errors(command):
@@ -32,9 +34,14 @@ def user_errors(command):
 def main():
     """Convert gated-MLP Hugging Face language models to >99% activation sparsity (ReLU gate + L1
     penalty) and run them on TwELL Triton kernels."""
+
+
+def _quiet_loading() -> None:
+    """Turns transformers' loading and saving bars off, which would bury the training progress and tables: each
+    command calls it once its arguments are checked (the import alone takes half a second)."""
     from transformers.utils import logging
 
-    logging.disable_progress_bar()  # loading/saving bars would bury the training progress and tables
+    logging.disable_progress_bar()
 
 
 @functools.cache
@@ -128,15 +135,19 @@ def measure_option(what: str):
 @user_errors
 def convert(source, recipe, **values):
     """Convert SOURCE (a Hub id, a checkpoint folder, or `demo`) into a >99%-sparse ReLU checkpoint in OUT."""
-    from sparsify.convert import convert as run
-    from sparsify.report import console, layer_table, perplexity_table
-
     options = RunOptions(**{name: values.pop(name) for name in RunOptions.__dataclass_fields__})
     settings = load_recipe(recipe, source)
     if values.pop("no_hybrid"):
         values["hybrid_below"] = 0
     settings.update({k: v for k, v in values.items() if v is not None})
-    summary = run(source, TrainConfig.from_dict(settings), options, fit_seq_len=values["seq_len"] is None)
+    config = TrainConfig.from_dict(settings)
+    check_output_dir(options.out, options.overwrite)  # convert checks both again, with the rest
+    resolve_source(source)
+    _quiet_loading()
+    from sparsify.convert import convert as run
+    from sparsify.report import console, layer_table, perplexity_table
+
+    summary = run(source, config, options, fit_seq_len=values["seq_len"] is None)
     if options.dry_run:
         if _is_main():
             console.print("dry run: the checks passed; no weight was read and nothing was written")
@@ -161,6 +172,9 @@ def convert(source, recipe, **values):
 def sample(source, **values):
     """Write a data folder of text sampled from SOURCE (a Hub id, a checkpoint folder, or `demo`), continuing prompts
     from --data, for a conversion with little text of its own: `sparsify convert SOURCE --data OUT ...`."""
+    check_output_dir(values["out"], values["overwrite"])  # sample checks both again, with the rest
+    resolve_source(source)
+    _quiet_loading()
     from sparsify.report import console
     from sparsify.sample import sample as run
 
@@ -194,13 +208,15 @@ def sample(source, **values):
 def analyze(model, data, text_column, tokens, seq_len, batch_size, device, json_path, plot_path, measure_kernels,
             write_plan):
     """Per-layer gate-activation sparsity of MODEL (a converted checkpoint or an original SiLU model)."""
-    from sparsify.analyze import analyze as run
-    from sparsify.errors import ConfigError
-    from sparsify.report import console, layer_table, plot_activity
-
     for option, value, least in (("--tokens", tokens, 1), ("--seq-len", seq_len, 2), ("--batch-size", batch_size, 1)):
         if value is not None and value < least:
             raise ConfigError(f"{option} must be at least {least}, got {value}")
+    if not write_plan:  # --write-plan names a source that is no local checkpoint its own way (analyze)
+        resolve_source(model)
+    _quiet_loading()
+    from sparsify.analyze import analyze as run
+    from sparsify.report import console, layer_table, plot_activity
+
     result = run(model, data=data, text_column=text_column, tokens=tokens, seq_len=seq_len, batch_size=batch_size,
                  device=device, json_path=json_path, measure_kernels=measure_kernels, write_plan=write_plan)
     console.print(layer_table(result["layers"], [l["recommended"] for l in result["layers"]],
@@ -249,6 +265,7 @@ def bench(checkpoint, seq_len, prefill_batch, generate_batch, compiled_batch, no
     """Dense vs TwELL speed of a converted CHECKPOINT on a GPU, in one process, with a logits check: decoder
     prefill, eager generate, compiled static-cache generate and one decode step replayed as a CUDA graph,
     each with a per-component GPU time breakdown."""
+    _quiet_loading()
     from sparsify.bench import bench_checkpoint, bench_table, write_json
     from sparsify.report import console
 

@@ -37,7 +37,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from twell.layer_plan import layer_plans  # noqa: E402
 
 from sparsify.bench import versions  # noqa: E402
-from sparsify.load import demo_corpus_path, demo_model_path  # noqa: E402
+from sparsify.locations import demo_corpus_path, demo_model_path  # noqa: E402
 from sparsify.train import TRAINING_BYTES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

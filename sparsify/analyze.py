@@ -18,8 +18,8 @@ from .card import public_name
 from .data import MIN_EVAL_TOKENS, measured_blocks, resolve as resolve_data
 from .errors import ConfigError, DataError, OutputError, SourceError
 from .export import converted_config, replace_plan
-from .load import (check_device, demo_corpus_path, load_config, load_model, require_cuda, require_tokenizer,
-                   resolve_source)
+from .load import check_device, load_config, load_model, require_cuda, require_tokenizer
+from .locations import demo_corpus_path, resolve_source
 from .measure import measure
 from .plan import choose_measure, plan_model
 from .report import console, warn

@@ -24,7 +24,7 @@ import copy
 import json
 import tempfile
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -37,9 +37,10 @@ from .card import is_hub_id, public_name, source_license
 from .config import RunOptions, TrainConfig
 from .data import TextData, resolve as resolve_data
 from .errors import ConfigError, DataError
-from .export import ARTIFACTS, check_output_dir, export_checkpoint
-from .load import (check_device, demo_corpus_path, load_config, load_model, load_tokenizer, mlp_parameter_count,
-                   parameter_count, require_cuda, require_tokenizer, resolve_dtype, resolve_source)
+from .export import ARTIFACTS, export_checkpoint
+from .load import (check_device, load_config, load_model, load_tokenizer, mlp_parameter_count, parameter_count,
+                   require_cuda, require_tokenizer, resolve_dtype)
+from .locations import check_output_dir, demo_corpus_path, resolve_source
 from .measure import measure, perplexity
 from .plan import choose_measure, plan_model
 from .tune import capture_mlp_inputs
@@ -68,12 +69,16 @@ def _base_model(source: str) -> str:
 
 def run_summary(parameters: int, config: TrainConfig, processes: int = 1, sharded: bool = False) -> str:
     """The resolved settings of a conversion of a model of `parameters` and what its training state will take:
-    printed at the start and by `convert --dry-run`."""
+    printed at the start and by `convert --dry-run`. Of the settings only those off their defaults (the recipe's
+    and the command line's), in TrainConfig's order, which keeps related ones together: all of them would bury
+    these few, and the checkpoint records all (_training_record)."""
     state = training_state_bytes(parameters, processes, sharded, teacher=config.uses_teacher)
     steps = config.total_steps(processes)
-    settings = "  ".join(f"{k}={v}" for k, v in asdict(config).items())
+    changed = "  ".join(f"{setting.name}={getattr(config, setting.name)}" for setting in fields(config)
+                        if getattr(config, setting.name) != setting.default)
+    rest = "at their built-in defaults; the checkpoint's config.json records all, under twell.training"
     processes_said = f"{processes} process" + ("es" if processes > 1 else "")
-    return (f"settings: {settings}\n"
+    return (f"settings: {f'{changed}  (the others {rest})' if changed else f'all {rest}'}\n"
             f"{parameters / 1e6:,.1f}M parameters; {steps:,} steps of {config.tokens_per_step(processes):,} tokens "
             f"({_run_tokens(config, processes):,} tokens) on {processes_said}; training state "
             + (f"{state / 2**30:.1f} GiB" if state >= 2**30 else f"{state / 2**20:.0f} MiB")
@@ -216,7 +221,7 @@ def _check_source(config: TrainConfig, options: RunOptions, checked: _Checked, p
     calibration keeps (fp32, as trained) against the CPU memory available."""
     parameters = parameter_count(checked.model_config)
     if show:
-        console.print(run_summary(parameters, config, processes, checked.fsdp), soft_wrap=True)
+        console.print(run_summary(parameters, config, processes, checked.fsdp), soft_wrap=not console.is_terminal)
     check_training_memory(parameters, options.device, processes, checked.fsdp, teacher=config.uses_teacher)
     if (warning := cpu_training_warning(parameters, _run_tokens(config, processes), options.device)) and \
             PartialState().is_main_process:

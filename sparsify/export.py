@@ -27,28 +27,11 @@ from twell.layer_plan import FORMAT_VERSION, LayerPlan, layer_plans
 from .card import model_card
 from .errors import OutputError
 from .families import FamilySpec
+from .locations import check_output_dir
 
 MODELING_FILE = Path(__file__).parent / "remote" / "modeling_twell.py"
 GENERATION_FILE = MODELING_FILE.with_name("generation.py")  # imported by the modeling file
 AUTO_MAP = {"AutoModelForCausalLM": "modeling_twell.TwellForCausalLM"}
-
-
-def check_output_dir(out_dir: str | Path, overwrite: bool) -> Path:
-    """OUT as a Path; OutputError if it is a file, a non-empty folder and `overwrite` is False, or cannot be
-    written (checked before a conversion trains: the nearest existing folder above it must be writable)."""
-    out = Path(out_dir).expanduser()
-    if out.exists() and not out.is_dir():
-        raise OutputError(f"{out}: exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise OutputError(f"{out}: exists and is not empty (pass --overwrite to replace it)")
-    above = out.absolute().parent
-    while not above.exists():
-        above = above.parent
-    if not above.is_dir():
-        raise OutputError(f"{out}: cannot be written, {above} is a file")
-    if not os.access(above, os.W_OK | os.X_OK):  # the checkpoint is staged beside OUT and renamed into place
-        raise OutputError(f"{out}: cannot be written, {above} is not writable")
-    return out
 
 
 def kernel_dir() -> Path:

@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from .errors import ConfigError, SourceError
 from .families import mlp_modules, spec_for
+from .locations import resolve_source
 
 HUB_TIMEOUT_S = 5  # how long the Hub may take to answer whether a source's config.json exists
 
@@ -28,36 +29,6 @@ DTYPES = {
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
     "fp16": torch.float16, "float16": torch.float16,
 }
-
-
-def demo_model_path() -> Path:
-    """The embedded small SiLU Llama (made by recipes/make_demo.py)."""
-    return Path(__file__).parent / "demo" / "model"
-
-
-def demo_corpus_path() -> Path:
-    """The embedded demo corpus folder (train.jsonl, valid.jsonl)."""
-    return Path(__file__).parent / "demo" / "corpus"
-
-
-def resolve_source(source: str | Path) -> str:
-    """A local folder path or a Hub id for `source`; SourceError for a folder that cannot be a checkpoint."""
-    if str(source) == "demo":
-        path = demo_model_path()
-        if not (path / "config.json").is_file():
-            raise SourceError(f"the demo model is missing at {path}; remake it with recipes/make_demo.py")
-        return str(path)
-    path = Path(source).expanduser()
-    if path.exists():
-        if not path.is_dir():
-            raise SourceError(f"{source}: not a folder (expected a checkpoint folder with config.json)")
-        if not (path / "config.json").is_file():
-            raise SourceError(f"{source}: no config.json in this folder, so it is not a model checkpoint")
-        return str(path)
-    # Hub ids are "name" or "owner/name"; anything else that does not exist is a mistyped path.
-    if str(source).startswith((".", "/", "~")) or str(source).count("/") > 1 or "\\" in str(source):
-        raise SourceError(f"{source}: no such folder")
-    return str(source)
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:

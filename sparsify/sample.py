@@ -25,8 +25,9 @@ from transformers.generation.streamers import BaseStreamer
 from .config import SampleOptions
 from .data import Packer, TextData
 from .errors import DataError
-from .export import check_output_dir, staged_output
-from .load import check_device, demo_corpus_path, load_config, load_model, require_tokenizer
+from .export import staged_output
+from .load import check_device, load_config, load_model, require_tokenizer
+from .locations import check_output_dir, demo_corpus_path
 from .report import token_progress
 
 TOKENS_COUNTED = 2**40  # --data's training tokens are counted (estimated past its head) up to this many

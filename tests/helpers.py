@@ -118,15 +118,15 @@ def load_benchmark(relative_path: str):
 @contextlib.contextmanager
 def unwritable_folder(where: Path, monkeypatch):
     """A folder `where`/locked that cannot be written (mode 0o555; as root, which writes anywhere, through
-    sparsify.export's os.access answering as for another user), restored afterwards."""
-    from sparsify import export
+    sparsify.locations' os.access answering as for another user), restored afterwards."""
+    from sparsify import locations
 
     locked = where / "locked"
     locked.mkdir()
     locked.chmod(0o555)
     if os.geteuid() == 0:
         real = os.access
-        monkeypatch.setattr(export.os, "access", lambda path, mode, **kw:
+        monkeypatch.setattr(locations.os, "access", lambda path, mode, **kw:
                             False if Path(path) == locked and mode & os.W_OK else real(path, mode, **kw))
     try:
         yield locked

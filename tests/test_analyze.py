@@ -96,7 +96,7 @@ def test_analyze_converted_checkpoint_defaults_to_its_training_data(tmp_path, mo
 def test_default_data_for_demo_models(tmp_path):
     from helpers import tiny_config
     from sparsify.analyze import default_data
-    from sparsify.load import demo_corpus_path
+    from sparsify.locations import demo_corpus_path
 
     config = tiny_config("llama")
     config.twell = {"training": {"base_model": "demo", "data": "demo corpus"}}

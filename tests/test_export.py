@@ -17,7 +17,8 @@ from sparsify import export
 from sparsify.remote.generation import cache_arguments
 from sparsify.errors import OutputError
 from sparsify.card import is_hub_id, objective
-from sparsify.export import GENERATION_FILE, MODELING_FILE, check_output_dir, export_checkpoint
+from sparsify.export import GENERATION_FILE, MODELING_FILE, export_checkpoint
+from sparsify.locations import check_output_dir
 from twell.reference import forward_reference
 from sparsify.families import FAMILIES, spec_for
 from sparsify.relufy import relufy

@@ -11,9 +11,10 @@ import torch
 from transformers import GPT2Config
 
 from helpers import tiny_input_ids, tiny_model
-from sparsify import load
+from sparsify import load, locations
 from sparsify.errors import ConfigError, SourceError, UnsupportedModelError
-from sparsify.load import demo_model_path, load_config, load_model, require_tokenizer
+from sparsify.load import load_config, load_model, require_tokenizer
+from sparsify.locations import demo_model_path
 
 
 @pytest.fixture(scope="module")
@@ -208,6 +209,6 @@ def test_demo_source(monkeypatch, tmp_path):
     if (demo_model_path() / "model.safetensors").is_file():
         config, spec = load_config("demo")
         assert spec.family == "llama" and config.hidden_act == "silu"
-    monkeypatch.setattr(load, "demo_model_path", lambda: tmp_path / "absent")
+    monkeypatch.setattr(locations, "demo_model_path", lambda: tmp_path / "absent")
     with pytest.raises(SourceError, match="make_demo.py"):
         load_model("demo")

@@ -1,0 +1,57 @@
+"""Where a command reads and writes: the model source (the demo, a checkpoint folder or a Hub id), the demo's
+files and the output folder. Imports no torch or transformers, so that the CLI checks these paths before it imports
+the modules that load models: a mistyped path fails at once."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .errors import OutputError, SourceError
+
+
+def demo_model_path() -> Path:
+    """The embedded small SiLU Llama (made by recipes/make_demo.py)."""
+    return Path(__file__).parent / "demo" / "model"
+
+
+def demo_corpus_path() -> Path:
+    """The embedded demo corpus folder (train.jsonl, valid.jsonl)."""
+    return Path(__file__).parent / "demo" / "corpus"
+
+
+def resolve_source(source: str | Path) -> str:
+    """A local folder path or a Hub id for `source`; SourceError for a folder that cannot be a checkpoint."""
+    if str(source) == "demo":
+        path = demo_model_path()
+        if not (path / "config.json").is_file():
+            raise SourceError(f"the demo model is missing at {path}; remake it with recipes/make_demo.py")
+        return str(path)
+    path = Path(source).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise SourceError(f"{source}: not a folder (expected a checkpoint folder with config.json)")
+        if not (path / "config.json").is_file():
+            raise SourceError(f"{source}: no config.json in this folder, so it is not a model checkpoint")
+        return str(path)
+    # Hub ids are "name" or "owner/name"; anything else that does not exist is a mistyped path.
+    if str(source).startswith((".", "/", "~")) or str(source).count("/") > 1 or "\\" in str(source):
+        raise SourceError(f"{source}: no such folder")
+    return str(source)
+
+
+def check_output_dir(out_dir: str | Path, overwrite: bool) -> Path:
+    """OUT as a Path; OutputError if it is a file, a non-empty folder and `overwrite` is False, or cannot be
+    written (checked before a conversion trains: the nearest existing folder above it must be writable)."""
+    out = Path(out_dir).expanduser()
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"{out}: exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise OutputError(f"{out}: exists and is not empty (pass --overwrite to replace it)")
+    above = out.absolute().parent
+    while not above.exists():
+        above = above.parent
+    if not above.is_dir():
+        raise OutputError(f"{out}: cannot be written, {above} is a file")
+    if not os.access(above, os.W_OK | os.X_OK):  # the checkpoint is staged beside OUT and renamed into place
+        raise OutputError(f"{out}: cannot be written, {above} is not writable")
+    return out
