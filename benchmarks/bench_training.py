@@ -9,8 +9,9 @@ Each block step is timed eagerly (host launch costs included) and as a CUDA-grap
 --e2e adds training steps of a 1.5B-shape Llama (dense vs hybrid MLPs; --e2e-batch: sequences a step,
 tokens/s, peak memory and the memory the forward adds; --e2e-fused: both again with the decoder's RMSNorms and rotary
 embedding on twell's differentiable kernels as sparsify's trainer runs them, the first step's loss and gradient norm
-beside the unfused ones); --profile prints per-kernel times of the k=29 step and the host issue time against the
-wall time.
+beside the unfused ones), the LM head and the cross-entropy in chunks of tokens as the trainer computes them
+(--e2e-whole-loss: the whole logits, as transformers computes the loss); --profile prints per-kernel times of the
+k=29 step and the host issue time against the wall time.
 
 Synthetic sparsity: bias channel x[:, 0] = 1, gate[:, 0] set for k active units a row; "uneven" adds
 skew * N(0, 1) per unit to gate[:, 0], the skew chosen so that the mean lands near the target.
@@ -29,6 +30,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
+from sparsify.train.head_loss import chunked_head
 from twell.decoder import fuse_norms_and_rotary
 from twell.training import ell, hybrid_gated_mlp, sparsity_penalty
 from twell.training import hot_units as busiest_units
@@ -250,11 +252,12 @@ def bias_channel_llama(cfg, k, mode, records):
     return model
 
 
-def e2e(k=29, batch=4, seq=2048, steps=5, fused=False):
+def e2e(k=29, batch=4, seq=2048, steps=5, fused=False, chunked=True):
     """Training steps (forward, backward, AdamW) of a 1.5B-shape Llama (28 layers, D 2048, I 5632,
     vocabulary 49152, random weights), dense MLPs vs hybrid, and with `fused` both again with the norms and rotary
     on twell's kernels; sparsity controlled by a bias channel (MLP input channel 0 set to 1, gate[:, 0] set for k
-    active units). Tokens/s and peak memory; the first step's loss and gradient norm, equal up to rounding within
+    active units); the cross-entropy `chunked` as the trainer computes it (sparsify.train.head_loss), else from the
+    whole logits. Tokens/s and peak memory; the first step's loss and gradient norm, equal up to rounding within
     dense and within hybrid."""
     from transformers import LlamaConfig
 
@@ -274,7 +277,11 @@ def e2e(k=29, batch=4, seq=2048, steps=5, fused=False):
         def step(memory=None):
             """One training step; returns each MLP's active units (detached), averaged after the timing."""
             records.clear()
-            loss = model(input_ids=ids, labels=ids).loss
+            if chunked:
+                with chunked_head(model, ids):
+                    loss = model(input_ids=ids).logits[0]  # [CE, KL] in place of the logits
+            else:
+                loss = model(input_ids=ids, labels=ids).loss
             loss = loss + L1_COEFF * torch.stack([l1 for l1, _ in records]).mean()
             if memory is not None:  # what the forward keeps for the backward, beside weights and optimizer
                 memory.append(torch.cuda.memory_allocated())
@@ -320,7 +327,7 @@ def e2e(k=29, batch=4, seq=2048, steps=5, fused=False):
         results["speedup_fused"] = results["dense"]["step_ms"] / results["hybrid_fused"]["step_ms"]
         results["speedup_both_fused"] = results["dense_fused"]["step_ms"] / results["hybrid_fused"]["step_ms"]
     return dict(model="llama 28 x (2048, 5632), vocab 49152", batch=batch, seq=seq, k=k, steps=steps,
-                **results)
+                loss="chunked" if chunked else "whole logits", **results)
 
 
 def profile(M, D, I, k, E, steps=10):
@@ -371,6 +378,8 @@ def main():
     ap.add_argument("--e2e-batch", type=int, nargs="+", default=[4], help="sequences of 2048 tokens a step (--e2e)")
     ap.add_argument("--e2e-fused", action="store_true",
                     help="--e2e also with the norms and rotary on twell's kernels (dense and hybrid MLPs)")
+    ap.add_argument("--e2e-whole-loss", action="store_true",
+                    help="--e2e with the cross-entropy of the whole logits (transformers') instead of the chunked head")
     ap.add_argument("--skip-block", action="store_true")
     ap.add_argument("--profile", action="store_true", help="only print per-kernel times of the k=29 step")
     args = ap.parse_args()
@@ -392,7 +401,8 @@ def main():
     doc = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                python=platform.python_version(), command="python " + " ".join(sys.argv), results=results)
     if args.e2e:
-        doc["e2e"] = [e2e(batch=batch, fused=args.e2e_fused) for batch in args.e2e_batch]
+        doc["e2e"] = [e2e(batch=batch, fused=args.e2e_fused, chunked=not args.e2e_whole_loss)
+                      for batch in args.e2e_batch]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
@@ -408,9 +418,9 @@ def main():
     for run in doc.get("e2e", []):
         for mode in (mode for mode in E2E_MODES if mode in run):
             r = run[mode]
-            print(f"e2e batch {run['batch']} {mode:7} step {r['step_ms']:8.1f} ms  {r['tokens_per_s']:9.0f} tok/s  "
-                  f"peak {r['peak_mem_gib']:6.2f} GiB  active {r['mean_active']:.1f}  first loss "
-                  f"{r['first_step']['loss']:.5f} grad norm {r['first_step']['grad_norm']:.4f}")
+            print(f"e2e batch {run['batch']} ({run['loss']}) {mode:7} step {r['step_ms']:8.1f} ms  "
+                  f"{r['tokens_per_s']:9.0f} tok/s  peak {r['peak_mem_gib']:6.2f} GiB  active {r['mean_active']:.1f}  "
+                  f"first loss {r['first_step']['loss']:.5f} grad norm {r['first_step']['grad_norm']:.4f}")
 
 
 if __name__ == "__main__":

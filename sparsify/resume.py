@@ -17,9 +17,10 @@ from .config import LAUNCHER_GRACE_S, TrainConfig
 from .errors import ConfigError
 
 # Settings a resumed run may change: they touch no saved state (log and save cadence; fused_decoder, the kernels
-# that compute the norms and rotary, differs only in rounding). eval_tokens may not: where the held-out blocks are
-# the head of the training text, it moves where training starts.
-RESUME_FREE = ("log_every", "save_every", "save_every_minutes", "fused_decoder")
+# that compute the norms and rotary, and chunked_loss, how the LM head and the loss are computed, differ only in
+# rounding). eval_tokens may not: where the held-out blocks are the head of the training text, it moves where
+# training starts.
+RESUME_FREE = ("log_every", "save_every", "save_every_minutes", "fused_decoder", "chunked_loss")
 # what every save writes into state.json (train.saving.Saver.save, and the settings)
 SAVED_KEYS = ("step", "batches", "log", "seconds", "l1_reference", "l1_scale", "l1_eps", "processes", "inputs",
               "before_training", "run_name", "config")

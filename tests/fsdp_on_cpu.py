@@ -9,8 +9,9 @@ get_state_dict) on torch's gloo backend. Start it with `accelerate launch --conf
 recipes/accelerate/fsdp.yaml --num_processes 2 tests/fsdp_on_cpu.py convert ...`.
 
 Checks ride along: every ReluGatedMLP forward asserts that the weights the hybrid kernels would take are
-whole plain tensors (FSDP has unsharded its layer); only the main process reads the source weights (the
-config's fsdp_cpu_ram_efficient_loading: the others get theirs from it in accelerate's preparation); and
+whole plain tensors (FSDP has unsharded its layer), and the chunked LM head (train.head_loss) that it computes on
+the whole head weight (its forward runs inside its FSDP unit's call); only the main process reads the source
+weights (the config's fsdp_cpu_ram_efficient_loading: the others get theirs from it in accelerate's preparation); and
 SPARSIFY_TEST_INTERRUPT=N sends SIGINT (Ctrl-C) to the main process alone when it reads its N-th training
 batch (0-based): the other process must stop after the same step; SPARSIFY_TEST_FAIL_WRITE makes the
 main process's export fail after training.
@@ -29,8 +30,9 @@ from cli import main  # noqa: E402
 from sparsify import convert  # noqa: E402
 from sparsify.data import TrainingBatches  # noqa: E402
 
-from helpers import interrupt, on_read  # noqa: E402  (tests/, this script's folder)
+from helpers import VOCAB_SIZE, interrupt, on_read  # noqa: E402  (tests/, this script's folder)
 from sparsify.relufy import ReluGatedMLP  # noqa: E402
+from sparsify.train import head_loss  # noqa: E402
 
 init = AcceleratorState.__init__
 
@@ -54,6 +56,15 @@ def forward_on_whole_weights(self, x):
     return forward(self, x)
 
 
+head_losses = head_loss.head_losses
+
+
+def head_losses_on_whole_weight(hidden, weight, *args):
+    assert not isinstance(weight, DTensor) and weight.shape == (VOCAB_SIZE, hidden.shape[-1]), \
+        "the chunked LM head got a shard of its weight"
+    return head_losses(hidden, weight, *args)
+
+
 load_model = convert.load_model
 
 
@@ -68,6 +79,7 @@ def load_on_main_only(*args, weights=True, **kwargs):
 
 AcceleratorState.__init__ = fsdp_on_cpu
 ReluGatedMLP.forward = forward_on_whole_weights
+head_loss.head_losses = head_losses_on_whole_weight
 convert.load_model = load_on_main_only
 if "SPARSIFY_TEST_INTERRUPT" in os.environ:
     # Ctrl-C to the main process when it reads its batch at this index (the stream itself unchanged: the state

@@ -230,17 +230,26 @@ def test_hidden_state_distillation_matches_hand_computation():
     assert log[0]["loss"] == pytest.approx(log[0]["cross_entropy"] + 2.0 * distance + 1e-3 * log[0]["l1"], rel=1e-5)
 
 
-def test_hidden_state_distillation_runs_no_teacher_logits():
+def test_hidden_state_distillation_runs_no_teacher_logits(monkeypatch):
     """distill-hidden alone reads the teacher's hidden states: its LM head (a vocabulary-wide output a token) does
-    not run; with distill it does."""
+    not run; with distill it does, as its module with the whole logits (--no-chunked-loss), else its weight in
+    the chunks of head_loss."""
+    from sparsify.train import head_loss
+
+    chunks = []  # each chunked call: whether it took the teacher's head
+    real = head_loss.head_losses
+    monkeypatch.setattr(head_loss, "head_losses", lambda *args: chunks.append(args[4] is not None) or real(*args))
     for settings, head_runs in ((dict(distill_hidden=1.0), False), (dict(distill=0.5, distill_hidden=1.0), True)):
-        model, _ = tiny_model("llama")
-        teacher = copy.deepcopy(model)
-        calls = []
-        teacher.get_output_embeddings().register_forward_hook(lambda *args: calls.append(1))
-        train(model, relufy(model), batches_from(), config(steps=1, **settings), device="cpu", show_progress=False,
-              teacher=teacher)
-        assert bool(calls) == head_runs
+        for chunked in (True, False):
+            model, _ = tiny_model("llama")
+            teacher = copy.deepcopy(model)
+            calls = []
+            teacher.get_output_embeddings().register_forward_hook(lambda *args: calls.append(1))
+            chunks.clear()
+            train(model, relufy(model), batches_from(), config(steps=1, chunked_loss=chunked, **settings),
+                  device="cpu", show_progress=False, teacher=teacher)
+            assert bool(calls) == (head_runs and not chunked)
+            assert chunks == ([head_runs] if chunked else [])
 
 
 def test_mlp_lr_moves_the_mlps_alone():

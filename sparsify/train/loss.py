@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import TrainConfig
+from .head_loss import chunked_head, whole_logits
 
 
 def distillation_kl(logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -131,19 +132,27 @@ def shown_terms(entry: dict) -> str:
 def loss_terms(model, mlps: list, ids: torch.Tensor, teacher: torch.nn.Module | None,
                config: TrainConfig) -> tuple[LossTerms, torch.Tensor]:
     """A micro-batch's loss terms from the model's forward on `ids` (the distillation terms that `config` weighs
-    from the `teacher`'s), and the per-layer L1 [layers] that `l1` averages."""
+    from the `teacher`'s), and the per-layer L1 [layers] that `l1` averages. With `chunked_loss` the LM head and
+    the CE and KL run in chunks of tokens (head_loss), except where a model's forward transforms the logits."""
     hidden = config.distill_hidden > 0
-    output = model(input_ids=ids, labels=ids, output_hidden_states=hidden)
-    zero = torch.zeros_like(output.loss)
-    kl = distance = zero
-    if teacher is not None:
-        with torch.no_grad():  # the LM head's logits only for the KL, and no KV cache
-            reference = (teacher if config.distill else teacher.base_model)(input_ids=ids, output_hidden_states=hidden,
-                                                                            use_cache=False)
-        if config.distill:
-            kl = distillation_kl(output.logits, reference.logits, config.distill_temperature)
-        if hidden:
-            distance = hidden_distance(output.hidden_states, reference.hidden_states)
+    core = getattr(model, "module", model)  # DDP's wrapper holds the model as `module`
+    chunked = config.chunked_loss and not whole_logits(core) and not (config.distill and whole_logits(teacher))
+    if teacher is not None:  # no KV cache, and the LM head's logits only where the KL takes them whole
+        source = teacher if config.distill and not chunked else teacher.base_model
+        with torch.no_grad():
+            reference = source(input_ids=ids, output_hidden_states=hidden, use_cache=False)
+    if chunked:
+        teacher_head = (reference.last_hidden_state, teacher.get_output_embeddings().weight) if config.distill else ()
+        with chunked_head(core, ids, *teacher_head, temperature=config.distill_temperature):
+            output = model(input_ids=ids, output_hidden_states=hidden)
+        cross_entropy, kl = output.logits  # chunked_head's terms in place of the logits
+    else:
+        output = model(input_ids=ids, labels=ids, output_hidden_states=hidden)
+        cross_entropy = output.loss
+        kl = distillation_kl(output.logits, reference.logits, config.distill_temperature) if config.distill else \
+            torch.zeros_like(cross_entropy)
+    distance = hidden_distance(output.hidden_states, reference.hidden_states) if hidden else \
+        torch.zeros_like(cross_entropy)
     layer_l1 = torch.stack([m.stats.l1.float() for m in mlps])
     # returns without `output`: its logits ([batch, seq_len, vocab]) need not live through the backward
-    return LossTerms(output.loss, kl, distance, layer_l1.mean()), layer_l1
+    return LossTerms(cross_entropy, kl, distance, layer_l1.mean()), layer_l1
