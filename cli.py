@@ -182,6 +182,9 @@ def sample(source, **values):
     data = f" and {record['data_tokens']:,} tokens of --data" if values["with_data"] else ""
     console.print(f"sampled {record['samples']:,} texts, {record['sampled_tokens']:,} tokens{data} in "
                   f"{record['seconds']:.0f} s ({record['sampled_tokens_per_s']:,.0f} tokens/s); wrote {values['out']}")
+    passes = 4 * (record["sampled_tokens"] + record["data_tokens"])  # small-budget.yaml's advice: four passes
+    console.print(f"next, four passes over it with the small-budget recipe (docs/usage.md): sparsify convert {source} "
+                  f"-o OUT --data {values['out']} --recipe small-budget --tokens {passes}")
 
 
 @main.command()
