@@ -24,7 +24,6 @@ import copy
 import inspect
 import threading
 import weakref
-from typing import Callable
 
 import torch
 
@@ -232,7 +231,7 @@ GRAPH_FREE_MODES = {"reduce-overhead": None, "max-autotune": "max-autotune-no-cu
 COMPILE_DEFAULTS = dict(fullgraph=False, dynamic=None, backend="inductor", mode=None, options=None)
 
 
-def own_code(model) -> Callable:
+def own_code(model):
     """A call of `model` through a function with a code object of its own. torch.compile keeps its graphs and
     counts recompiles per code object, and a model's loops (one a batch size, sampling, compile setting) would
     share its forward's with transformers' own compiles of it: under fullgraph the compile after the limit (eight)
