@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
-from twell.training import hot_units, hybrid_gated_mlp, sparsity_penalty
+from twell.training import hybrid_gated_mlp, sparsity_penalty
 
 from .families import FamilySpec, down_weight, gate_weight, has_bias, spec_for, up_weight
 

@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from twell.training import hot_units
 
 from .. import relufy
 from ..config import HYBRID_EXIT
@@ -85,7 +86,7 @@ def route(run: Run, entry: dict, step_fired: torch.Tensor) -> Routing:
     the units busy in the last step's counts as dense columns; records each layer's count of those in `entry`."""
     config = run.config
     hybrid = tuple(hybrid_paths(entry, config.hybrid_below))
-    hot = tuple(relufy.hot_units(fired, config.tokens_per_step(run.world), config.hybrid_hot_rate) if on else None
+    hot = tuple(hot_units(fired, config.tokens_per_step(run.world), config.hybrid_hot_rate) if on else None
                 for on, fired in zip(hybrid, step_fired))
     for layer, units in zip(entry["layers"], hot):
         layer["hot_units"] = 0 if units is None else units.numel()
