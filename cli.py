@@ -180,7 +180,8 @@ def sample(source, **values):
 
     record = run(source, SampleOptions(**values))
     data = f" and {record['data_tokens']:,} tokens of --data" if values["with_data"] else ""
-    console.print(f"sampled {record['samples']:,} texts, {record['sampled_tokens']:,} tokens{data} in "
+    texts = f"{record['samples']:,} text" + ("s" if record["samples"] != 1 else "")
+    console.print(f"sampled {texts}, {record['sampled_tokens']:,} tokens{data} in "
                   f"{record['seconds']:.0f} s ({record['sampled_tokens_per_s']:,.0f} tokens/s); wrote {values['out']}")
     passes = 4 * (record["sampled_tokens"] + record["data_tokens"])  # small-budget.yaml's advice: four passes
     console.print(f"next, four passes over it with the small-budget recipe (docs/usage.md): sparsify convert {source} "
