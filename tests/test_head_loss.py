@@ -1,7 +1,9 @@
 """The LM head and the loss in chunks (sparsify.train.head_loss) against the whole logits: the cross-entropy as
 transformers computes it and loss.distillation_kl, their gradients, and training with chunked_loss on and off.
-Tolerance: the same fp32 arithmetic summed in another order (over chunks; the gradient by hand against
-autograd's), a few ulps: rtol 1e-5 on the terms and 1e-4 / atol 1e-6 on the gradients and trained weights."""
+The chunks run on twell.training.head_loss's kernels (under the interpreter on CPU). Tolerance: the same fp32
+arithmetic summed in another order (over chunks and blocks of the vocabulary; the gradient by hand against
+autograd's), a few ulps: rtol 1e-5 on the terms and 1e-4 / atol 1e-6 on the gradients (the trained weights:
+test_chunked_loss_trains_as_the_whole_logits)."""
 import copy
 
 import pytest
@@ -15,6 +17,7 @@ from sparsify.train import head_loss, train
 from sparsify.train.head_loss import IGNORE_INDEX, chunked_head, head_losses, whole_logits
 from sparsify.train.loss import distillation_kl, loss_terms
 from sparsify.train.routing import tracked
+from twell.training import head_loss as fused
 from test_train import batches_from, config
 
 BATCH, SEQ = 2, 11  # 22 tokens: a chunk of 5 rows leaves a partial one
@@ -60,7 +63,7 @@ def test_chunked_head_in_the_model_equals_its_loss_and_gradients(rows, tied, mon
     """Through a tiny Llama's own forward (the head's forward replaced for the call): the CE equals transformers'
     loss of the same labels (-100 among them), the KL distillation_kl of the whole logits, and every parameter's
     gradient the whole-logits one; a tied head's weight (the embeddings') gets both its gradients once."""
-    monkeypatch.setattr(head_loss, "CHUNK_BYTES", 4 * 260 * rows)  # `rows` tokens of the tiny vocabulary (260)
+    monkeypatch.setattr(fused, "CHUNK_BYTES", 4 * 260 * rows)  # `rows` tokens of the tiny vocabulary (260)
     model, _ = tiny_model("llama", tie_word_embeddings=tied)
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
     teacher, _ = tiny_model("llama", seed=1)
@@ -115,8 +118,10 @@ def test_logits_transformed_after_the_head_take_the_whole_logits(monkeypatch):
 def test_chunked_loss_trains_as_the_whole_logits(family, tied, settings, monkeypatch):
     """3 steps with chunked_loss (chunks of 5 of the 32 tokens) and without: the same logged terms and the same
     weights within fp32 rounding (the KL, near 0 between a model and its source, a difference of sums of several
-    nats: its rounding is absolute, about 1e-7)."""
-    monkeypatch.setattr(head_loss, "CHUNK_BYTES", 4 * 260 * 5)
+    nats: its rounding is absolute, about 1e-7). The kernels' softmaxes round otherwise than torch's, and Adam's
+    first steps (about lr * g / |g|) turn that rounding in a gradient near 0 into a weight's difference of a few
+    1e-6 (of steps of 1e-3): atol 1e-5 on the weights."""
+    monkeypatch.setattr(fused, "CHUNK_BYTES", 4 * 260 * 5)
     calls = []
     monkeypatch.setattr(head_loss, "head_losses", lambda *args: calls.append(1) or head_losses(*args))
     runs = []
@@ -132,7 +137,7 @@ def test_chunked_loss_trains_as_the_whole_logits(family, tied, settings, monkeyp
     for key in {"loss", "cross_entropy", "kl", "hidden", "l1"} & log[0].keys():
         assert [e[key] for e in chunked_log] == pytest.approx([e[key] for e in log], rel=1e-5, abs=1e-6), key
     for name, w in weights.items():
-        torch.testing.assert_close(chunked_weights[name], w, rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(chunked_weights[name], w, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_chunked_loss_is_a_setting_a_resumed_run_may_change():
