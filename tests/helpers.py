@@ -71,6 +71,21 @@ def tiny_input_ids(batch: int = 2, length: int = 12, seed: int = 0) -> torch.Ten
     return torch.randint(0, 256, (batch, length), generator=generator)
 
 
+def head_loss_inputs_on_gpu(teacher: bool):
+    """A head-loss problem at a real vocabulary (49152) with a partial last chunk of 1024 tokens, on the GPU:
+    hidden [3000, 256] and the head weight (both requiring grad), labels (every 7th -100), and the teacher's
+    (hidden, weight) or (None, None)."""
+    generator = torch.Generator("cuda").manual_seed(0)
+    tokens, dim, vocab = 3000, 256, 49152
+    hidden, weight, teacher_hidden, teacher_weight = (
+        torch.randn(*shape, generator=generator, device="cuda") / dim ** 0.25
+        for shape in ((tokens, dim), (vocab, dim), (tokens, dim), (vocab, dim)))
+    hidden.requires_grad_(), weight.requires_grad_()
+    labels = torch.randint(0, vocab, (tokens,), generator=generator, device="cuda")
+    labels[::7] = -100
+    return hidden, weight, labels, (teacher_hidden, teacher_weight) if teacher else (None, None)
+
+
 def poison(t: torch.Tensor, allocations: list) -> torch.Tensor:
     """t filled with NaN (integers: 987654), its shape appended to `allocations`."""
     allocations.append(tuple(t.shape))

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import tiny_model
+from helpers import head_loss_inputs_on_gpu, tiny_model
 from sparsify.config import TrainConfig
 from sparsify.relufy import relufy
 from sparsify.train import head_loss, train
@@ -151,15 +151,7 @@ def test_chunked_loss_is_a_setting_a_resumed_run_may_change():
 def test_chunked_terms_in_bf16_autocast_on_gpu(teacher):
     """Under bf16 autocast (the trainer's), at a real vocabulary and a partial last chunk: the terms and
     gradients no further from the fp32 truth than the whole logits' under the same autocast."""
-    generator = torch.Generator("cuda").manual_seed(0)
-    tokens, dim, vocab = 3000, 256, 49152
-    hidden, weight, teacher_hidden, teacher_weight = (
-        torch.randn(*shape, generator=generator, device="cuda") / dim ** 0.25
-        for shape in ((tokens, dim), (vocab, dim), (tokens, dim), (vocab, dim)))
-    hidden.requires_grad_(), weight.requires_grad_()
-    labels = torch.randint(0, vocab, (tokens,), generator=generator, device="cuda")
-    labels[::7] = IGNORE_INDEX
-    teacher_inputs = (teacher_hidden, teacher_weight) if teacher else (None, None)
+    hidden, weight, labels, teacher_inputs = head_loss_inputs_on_gpu(teacher)
     truth = whole_terms(hidden, weight, labels, *teacher_inputs, 2.0)
     truth_grads = weighted_grads(truth, (hidden, weight))
     with torch.autocast("cuda", torch.bfloat16):

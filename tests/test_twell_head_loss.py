@@ -11,7 +11,7 @@ steps of it."""
 import pytest
 import torch
 
-from helpers import poison_allocations
+from helpers import head_loss_inputs_on_gpu, poison_allocations
 from twell.training import head_loss
 from twell.training.head_loss import (IGNORE_INDEX, STATS, TEACHER_STATS, add_product, grad_logits_,
                                       grad_logits_reference, head_losses, product_widens, row_losses,
@@ -150,15 +150,7 @@ def test_kernels_in_bf16_autocast_no_further_from_fp32_than_the_reference_on_gpu
     """Under bf16 autocast (the trainer's), at a real vocabulary (49152) and a partial last chunk: the terms and
     gradients through the kernels no further from the fp32 truth (the reference path in fp32) than the reference
     path's under the same autocast."""
-    generator = torch.Generator("cuda").manual_seed(0)
-    tokens, dim, vocab = 3000, 256, 49152
-    hidden, weight, teacher_hidden, teacher_weight = (
-        torch.randn(*shape, generator=generator, device="cuda") / dim ** 0.25
-        for shape in ((tokens, dim), (vocab, dim), (tokens, dim), (vocab, dim)))
-    hidden.requires_grad_(), weight.requires_grad_()
-    labels = torch.randint(0, vocab, (tokens,), generator=generator, device="cuda")
-    labels[::7] = IGNORE_INDEX
-    teacher_inputs = (teacher_hidden, teacher_weight) if teacher else (None, None)
+    hidden, weight, labels, teacher_inputs = head_loss_inputs_on_gpu(teacher)
     with monkeypatch.context() as patch:
         patch.setattr(head_loss, "use_triton", lambda t: False)
         truth = terms_and_gradients(hidden, weight, labels, teacher_inputs, 2.0, 1024)
