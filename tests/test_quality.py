@@ -253,6 +253,25 @@ def test_convert_epochs_must_be_whole_numbers_of_passes_once_each(epochs, capsys
             f"passes over the text must be a whole number, at least 1: got '{epochs[0]}'") in error
 
 
+def test_conversions_spread_over_the_gpus_the_least_busy_first(monkeypatch):
+    """--jobs on several GPUs: each conversion's CUDA_VISIBLE_DEVICES is the GPU running the fewest, freed when
+    it ends; one GPU or the CPU leave the environment as it is."""
+    runs = load_benchmark("quality/runs.py")
+    slots = runs.GpuSlots(["2", "5"])
+    with slots.take() as first, slots.take() as second, slots.take() as third:
+        assert [first, second, third] == [{"CUDA_VISIBLE_DEVICES": g} for g in ("2", "5", "2")]
+        with slots.take() as fourth:
+            assert fourth == {"CUDA_VISIBLE_DEVICES": "5"}
+    assert slots.running == {"2": 0, "5": 0}
+    with slots.take() as after:
+        assert after == {"CUDA_VISIBLE_DEVICES": "2"}
+    with runs.GpuSlots(["0"]).take() as one, runs.GpuSlots.visible("cpu").take() as cpu:
+        assert one == cpu == {}
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    assert list(runs.GpuSlots.visible("cuda").running) == ["3", "1"]
+    assert not runs.GpuSlots.visible("cuda:1").running
+
+
 def test_first_sparse_is_the_first_log_entry_at_99_percent():
     quality = load_script()
     log = [{"step": 10, "tokens": 100, "mean_active": 5.0}, {"step": 20, "tokens": 200, "mean_active": 1.0},

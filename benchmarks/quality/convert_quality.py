@@ -17,7 +17,8 @@ again after an interruption goes on where it stopped):
    relative: the L1 term's weight in nats at the start, and --distill, the weight of the KL term to the source
    model's next-token distributions) at each --convert-share (conversion tokens / pretraining tokens; several
    give the budget curve) through the real CLI, `python -m cli convert BASE -o OUT --data CORPUS --recipe ...`
-   in a subprocess (--jobs at a time); on a GPU its layers move to the hybrid TwELL kernels as they become sparse.
+   in a subprocess (--jobs at a time, over the machine's GPUs); on a GPU its layers move to the hybrid TwELL
+   kernels as they become sparse.
    The CLI measures the held-out perplexity of the original, of the ReLU swap and of the converted model on the
    same held-out blocks, and per-layer sparsity and dead units; from its training log, the step and tokens at
    which it first reached 99% sparsity. At each --convert-epochs N above 1 (the few distinct tokens of a published
@@ -145,8 +146,8 @@ def parser() -> argparse.ArgumentParser:
                     metavar="KEY=VALUE", help="the control's settings over the recipe's, e.g. an lr that does not "
                                               "degrade the source: --control-set lr=1e-4 batch_size=4")
     ap.add_argument("--jobs", type=int, default=1,
-                    help="runs at a time, all on the same GPU: the conversions, and with --control the controls "
-                         "(one after another) as one of them")
+                    help="runs at a time: the conversions, each on the least busy of the machine's GPUs, and "
+                         "with --control the controls (one after another, in this process) as one of them")
     ap.add_argument("--convert-share", type=float, nargs="+", default=[0.2], metavar="SHARE",
                     help=f"conversion tokens / pretraining tokens, at most {MAX_SHARE}; several (e.g. 0.25 0.1 0.05 "
                          "0.02): every run and the control at each, and the budget curve")

@@ -17,8 +17,9 @@ import shlex
 import shutil
 import subprocess
 import sys
+import threading
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,9 +90,49 @@ def first_sparse(log: list[dict], units: int) -> dict | None:
     return None
 
 
+class GpuSlots:
+    """The GPUs the conversions run on: each takes the one running the fewest conversions (its subprocess's
+    CUDA_VISIBLE_DEVICES set to it), so that --jobs spreads them over a machine's GPUs."""
+
+    def __init__(self, gpus: list[str]):
+        self.running = dict.fromkeys(gpus, 0)
+        self.lock = threading.Lock()
+
+    @classmethod
+    def visible(cls, device: str | None) -> "GpuSlots":
+        """The GPUs this process sees (CUDA_VISIBLE_DEVICES's, else every one) when `device` is "cuda"; none for
+        another device ("cpu", or a GPU named by its index)."""
+        if device != "cuda":
+            return cls([])
+        import torch
+
+        named = os.environ.get("CUDA_VISIBLE_DEVICES")
+        return cls(named.split(",") if named else [str(i) for i in range(torch.cuda.device_count())])
+
+    @contextmanager
+    def take(self):
+        """The environment a conversion runs in: CUDA_VISIBLE_DEVICES set to the least busy GPU where there are
+        several, nothing added otherwise."""
+        if len(self.running) < 2:
+            yield {}
+            return
+        with self.lock:
+            gpu = min(self.running, key=self.running.get)
+            self.running[gpu] += 1
+        try:
+            yield {"CUDA_VISIBLE_DEVICES": gpu}
+        finally:
+            with self.lock:
+                self.running[gpu] -= 1
+
+
+_gpu_slots: dict[str | None, GpuSlots] = {}
+
+
 def convert(args, base: Path, corpus: Path, recipe: dict, out: Path, settings: dict, tokens: int) -> dict:
     """One conversion through the command line with `settings` over `recipe`; returns its figures read back
-    from the checkpoint. With --jobs above 1 its output goes to OUT.log."""
+    from the checkpoint. With --jobs above 1 its output goes to OUT.log, and on a machine of several GPUs it
+    runs on the least busy one (GpuSlots)."""
     run_recipe = out.with_name(out.name + ".recipe.yaml")
     recipe_settings = {k: v for k, v in settings.items() if k not in PIPELINE_SETTINGS}
     run_recipe.write_text(json.dumps({**recipe, **recipe_settings}, indent=1))  # JSON is YAML
@@ -105,9 +146,11 @@ def convert(args, base: Path, corpus: Path, recipe: dict, out: Path, settings: d
         command += ["--device", args.device]
     print("$", shlex.join(command), flush=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    slots = _gpu_slots.setdefault(args.device, GpuSlots.visible(args.device))
     started = time.time()
-    with open(out.with_name(out.name + ".log"), "w") if args.jobs > 1 else nullcontext() as output:
-        subprocess.run(command, cwd=ROOT, env=env, check=True, stdout=output,
+    with (open(out.with_name(out.name + ".log"), "w") if args.jobs > 1 else nullcontext() as output,
+          slots.take() as gpu):
+        subprocess.run(command, cwd=ROOT, env=env | gpu, check=True, stdout=output,
                        stderr=subprocess.STDOUT if output else None)
     log = json.loads((out / "training_log.json").read_text())
     config = json.loads((out / "config.json").read_text())
