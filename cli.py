@@ -14,7 +14,7 @@ import click
 from sparsify.config import (TEXT_COLUMN_HELP, RunOptions, SampleOptions, TrainConfig, load_recipe, measure_help,
                              value_type)
 from sparsify.errors import ConfigError, SparsifyError
-from sparsify.locations import check_output_dir, resolve_source
+from sparsify.locations import check_hub_repo, check_output_dir, resolve_source
 
 
 def user_errors(command):
@@ -142,6 +142,8 @@ def convert(source, recipe, **values):
     settings.update({k: v for k, v in values.items() if v is not None})
     config = TrainConfig.from_dict(settings)
     check_output_dir(options.out, options.overwrite)  # convert checks both again, with the rest
+    if options.push_to_hub:
+        check_hub_repo(options.push_to_hub)
     resolve_source(source)
     _quiet_loading()
     from sparsify.convert import convert as run
@@ -185,7 +187,7 @@ def sample(source, **values):
                   f"{record['seconds']:.0f} s ({record['sampled_tokens_per_s']:,.0f} tokens/s); wrote {values['out']}")
     passes = 4 * (record["sampled_tokens"] + record["data_tokens"])  # small-budget.yaml's advice: four passes
     console.print(f"next, four passes over it with the small-budget recipe (docs/usage.md): sparsify convert {source} "
-                  f"-o OUT --data {values['out']} --recipe small-budget --tokens {passes}")
+                  f"-o OUT --data {values['out']} --recipe small-budget --tokens {passes}", soft_wrap=True)  # copyable
 
 
 @main.command()

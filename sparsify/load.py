@@ -12,9 +12,7 @@ from pathlib import Path
 
 import torch
 from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url, try_to_load_from_cache
-from huggingface_hub.errors import (GatedRepoError, HFValidationError, HfHubHTTPError, RemoteEntryNotFoundError,
-                                   RepositoryNotFoundError)
-from huggingface_hub.utils import validate_repo_id
+from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RemoteEntryNotFoundError, RepositoryNotFoundError
 from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -62,12 +60,8 @@ def _load_config(where: str, source):
 def check_hub_source(repo_id: str, source) -> None:
     """SourceError, within HUB_TIMEOUT_S, where the Hub model `repo_id` cannot be read: no such repository (a typo,
     or a private one without a token), a gated one, no config.json, or no answer (no network). Asks nothing where
-    its config.json is in the local cache or offline mode is on: transformers then reads the cache at once. An id the
-    Hub cannot hold (a mistyped path, characters it refuses) fails before any request."""
-    try:
-        validate_repo_id(repo_id)
-    except HFValidationError as error:
-        raise SourceError(f"{source}: not a local folder, and not a Hub model id ({_first_line(error)})") from None
+    its config.json is in the local cache or offline mode is on: transformers then reads the cache at once.
+    `repo_id` comes from resolve_source, which has refused an id the Hub cannot hold."""
     if constants.is_offline_mode() or isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
         return
     try:

@@ -34,9 +34,30 @@ def resolve_source(source: str | Path) -> str:
             raise SourceError(f"{source}: no config.json in this folder, so it is not a model checkpoint")
         return str(path)
     # Hub ids are "name" or "owner/name"; anything else that does not exist is a mistyped path.
-    if str(source).startswith((".", "/", "~")) or str(source).count("/") > 1 or "\\" in str(source):
+    if str(source).startswith((".", "/", "~")) or str(source).endswith("/") or str(source).count("/") > 1 or \
+            "\\" in str(source):
         raise SourceError(f"{source}: no such folder")
+    if problem := hub_id_problem(str(source)):  # now, not after the seconds that importing torch takes
+        raise SourceError(f"{source}: not a local folder, and not a Hub model id ({problem})")
     return str(source)
+
+
+def hub_id_problem(repo_id: str) -> str | None:
+    """Why the Hub cannot hold a repository named `repo_id` (huggingface_hub's first line), or None."""
+    from huggingface_hub.errors import HFValidationError  # no torch: a tenth of a second
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as error:
+        return str(error).splitlines()[0]
+    return None
+
+
+def check_hub_repo(repo_id: str) -> None:
+    """OutputError where `repo_id` (--push-to-hub) is no id the Hub can hold: said before training, not after it."""
+    if problem := hub_id_problem(repo_id):
+        raise OutputError(f"--push-to-hub {repo_id}: not a Hub repository id ({problem})")
 
 
 def check_output_dir(out_dir: str | Path, overwrite: bool) -> Path:

@@ -567,6 +567,11 @@ def gpt2_folder(root):
         (["convert", "{llama}", "--data", "{corpus}", "--steps", "1"], "Missing option '-o' / '--out'"),
         (["convert", "{llama}", "-o", "{tmp}/out", "--steps", "1"], "--data is required"),
         (["convert", "./no-such-model", "-o", "{tmp}/out", "--steps", "1"], "no such folder"),  # before --data
+        (["convert", "no-such-model/", "-o", "{tmp}/out", "--steps", "1"], "no-such-model/: no such folder"),
+        (["convert", "my model", "-o", "{tmp}/out", "--steps", "1"],
+         "my model: not a local folder, and not a Hub model id ("),
+        (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--push-to-hub", "me/a b"],
+         "--push-to-hub me/a b: not a Hub repository id ("),
         (["convert", "{gpt2}", "-o", "{tmp}/out", "--steps", "1"], "supported families"),
         (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--l1", "-1e-5"],
          "l1 (relative) must be between"),
