@@ -13,8 +13,8 @@ import click
 
 from sparsify.config import (TEXT_COLUMN_HELP, RunOptions, SampleOptions, TrainConfig, load_recipe, measure_help,
                              value_type)
-from sparsify.errors import ConfigError, SparsifyError
-from sparsify.locations import check_hub_repo, check_output_dir, resolve_source
+from sparsify.errors import ConfigError, DataError, SparsifyError
+from sparsify.locations import DATA_REQUIRED, check_hub_repo, check_output_dir, is_supported_source, resolve_source
 
 
 def user_errors(command):
@@ -141,10 +141,14 @@ def convert(source, recipe, **values):
         values["hybrid_below"] = 0
     settings.update({k: v for k, v in values.items() if v is not None})
     config = TrainConfig.from_dict(settings)
-    check_output_dir(options.out, options.overwrite)  # convert checks both again, with the rest
+    check_output_dir(options.out, options.overwrite)  # convert checks these again, with the rest
     if options.push_to_hub:
         check_hub_repo(options.push_to_hub)
-    resolve_source(source)
+    where = resolve_source(source)
+    # at once, not after the seconds of importing torch: a supported source has no problem to name first (convert
+    # names that of any other: an unsupported, unreadable or uncached config)
+    if options.data is None and source != "demo" and is_supported_source(where):
+        raise DataError(DATA_REQUIRED)
     _quiet_loading()
     from sparsify.convert import convert as run
     from sparsify.report import console, layer_table, perplexity_table

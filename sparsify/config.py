@@ -348,14 +348,14 @@ class RunOptions:
     max_shard_size: str = _setting("5GB", "Largest safetensors shard.")
     push_to_hub: str | None = _setting(None, (
         "Upload OUT to this Hub repository (created if needed; files of an earlier upload that OUT lacks are "
-        "deleted)."), metavar="REPO_ID")
+        "deleted). Needs a Hub login: `hf auth login`, or a token in HF_TOKEN."), metavar="REPO_ID")
     private: bool = _setting(False, "With --push-to-hub: make a new repository private.")
     measure_kernels: bool | None = _setting(None, measure_help("Choose each layer's kernel setting"),
                                             flag="--measure/--no-measure")
     dry_run: bool = _setting(False, (
         "Check everything a run checks before reading weights (OUT, the data, the settings against the model's "
-        "config, its tokenizer, the GPUs' memory), print the resolved settings, the training state's size and the "
-        "held-out text, and stop."))
+        "config, its weight files' sizes, its tokenizer, the GPUs' memory), print the resolved settings, the "
+        "training state's size and the held-out text, and stop."))
     report_to: str = _setting("none", (
         "Send the training log's figures at each log step to these accelerate trackers, separated by commas: "
         "tensorboard (into OUT.logs/, a folder per run; pip install tensorboard), wandb (pip install wandb), any "

@@ -38,9 +38,9 @@ from .config import RunOptions, TrainConfig
 from .data import TextData, resolve as resolve_data
 from .errors import ConfigError, DataError
 from .export import ARTIFACTS, export_checkpoint
-from .load import (check_device, load_config, load_model, load_tokenizer, mlp_parameter_count, parameter_count,
-                   require_cuda, require_tokenizer, resolve_dtype)
-from .locations import check_output_dir, demo_corpus_path, resolve_source
+from .load import (check_device, check_weight_files, load_config, load_model, load_tokenizer, mlp_parameter_count,
+                   parameter_count, require_cuda, require_tokenizer, resolve_dtype)
+from .locations import DATA_REQUIRED, check_hub_repo, check_output_dir, demo_corpus_path, resolve_source
 from .measure import measure, perplexity
 from .plan import choose_measure, plan_model
 from .tune import capture_mlp_inputs
@@ -184,8 +184,10 @@ def _check_inputs(source: str, config: TrainConfig, options: RunOptions, process
                   fit_seq_len: bool) -> _Checked:
     """Fails fast, before any weight is read, on what would stop the conversion later: OUT, the data, the
     settings against the source's config (its seq-len first fitted to the source's positions with
-    `fit_seq_len`) and `processes`, a resumed state against them, --report-to."""
+    `fit_seq_len`) and `processes`, a resumed state against them, --report-to, --push-to-hub's id and login."""
     out = check_output_dir(options.out, options.overwrite)
+    if options.push_to_hub:
+        check_hub_repo(options.push_to_hub)
     for what, path in (("the source model", source), ("the data", options.data)):
         if path is not None and Path(path).exists() and (
                 Path(path).resolve() == out.resolve() or out.resolve() in Path(path).resolve().parents):
@@ -203,7 +205,7 @@ def _check_inputs(source: str, config: TrainConfig, options: RunOptions, process
                           f"--resume to continue it, or --overwrite to start over (deleting it)")
     model_config = load_config(source)[0]  # a wrong source named first: --data would not make it right
     if options.data is None and source != "demo":
-        raise DataError("--data is required (local .txt/.json/.jsonl/.parquet files or folder, or a datasets name)")
+        raise DataError(DATA_REQUIRED)
     data = options.data or demo_corpus_path()
     positions = getattr(model_config, "max_position_embeddings", None)
     if fit_seq_len:
@@ -231,10 +233,12 @@ def _check_source(config: TrainConfig, options: RunOptions, checked: _Checked, p
 
 
 def _dry_run(source: str, config: TrainConfig, options: RunOptions, checked: _Checked, processes: int) -> None:
-    """The rest of the checks that read no weight (the training state against the GPUs, the tokenizer, the
-    held-out text), with the settings and the held-out text printed."""
+    """The rest of the checks that read no weight (the training state against the GPUs, the weight files' headers,
+    the tokenizer, the held-out text), with the settings and the held-out text printed."""
     _check_source(config, options, checked, processes, show=True)
-    tokenizer = load_tokenizer(resolve_source(source))
+    where = resolve_source(source)
+    check_weight_files(where, source)
+    tokenizer = load_tokenizer(where)
     require_tokenizer(tokenizer, source)
     _report_held_out(TextData(checked.data, tokenizer, config.seq_len, config.eval_tokens, options.text_column), True,
                      _run_tokens(config, processes))

@@ -8,6 +8,7 @@ SourceError/UnsupportedModelError naming the source and the problem.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -119,6 +120,7 @@ def load_model(source: str | Path, *, dtype: torch.dtype | str | None = None, de
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if not weights:
         return _unloaded_model(config, resolve_dtype(dtype, torch.device("cpu"))), load_tokenizer(where), spec
+    check_weight_files(where, source)
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             where, config=config, dtype=resolve_dtype(dtype, device), output_loading_info=True
@@ -129,6 +131,28 @@ def load_model(source: str | Path, *, dtype: torch.dtype | str | None = None, de
         missing = sorted(info["missing_keys"]) + sorted(str(k) for k in info["mismatched_keys"])
         raise SourceError(f"{source}: the weights do not match the config (missing or mismatched: {missing[:5]} ...)")
     return model.to(device).eval(), load_tokenizer(where), spec
+
+
+def check_weight_files(where: str, source) -> None:
+    """SourceError naming a safetensors file of the folder `where` that is shorter than its header says (a download
+    or copy cut short), or whose header does not read, from the headers alone: safetensors says so only once a load
+    reaches the file, and a dry run reads no weight. A Hub id: nothing (its download checks what it fetches)."""
+    if not Path(where).is_dir():
+        return
+    for path in sorted(Path(where).glob("*.safetensors")):
+        size = path.stat().st_size
+        with path.open("rb") as file:  # 8 bytes of header length (little-endian), the JSON header, the data
+            length = int.from_bytes(file.read(8), "little")
+            header = file.read(length) if 8 + length <= size else b""
+        try:
+            end = max((entry["data_offsets"][1] for name, entry in json.loads(header).items()
+                       if name != "__metadata__"), default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            raise SourceError(f"{source}: cannot load the weights: {path.name}: no safetensors header (cut short, or "
+                              "not a weight file; download it again)") from None
+        if size < 8 + length + end:
+            raise SourceError(f"{source}: cannot load the weights: {path.name}: truncated ({size:,} of "
+                              f"{8 + length + end:,} bytes; download it again)")
 
 
 def parameter_count(config) -> int:

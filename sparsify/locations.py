@@ -3,10 +3,17 @@ files and the output folder. Imports no torch or transformers, so that the CLI c
 the modules that load models: a mistyped path fails at once."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 from .errors import OutputError, SourceError
+
+# The model_types of families.FAMILIES, here without torch, so that the CLI tells a supported source from its
+# config.json before importing it (tests/test_families.py checks that the two agree).
+FAMILY_NAMES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3"})
+
+DATA_REQUIRED = "--data is required (local .txt/.json/.jsonl/.parquet files or folder, or a datasets name)"
 
 
 def demo_model_path() -> Path:
@@ -42,6 +49,24 @@ def resolve_source(source: str | Path) -> str:
     return str(source)
 
 
+def is_supported_source(where: str) -> bool:
+    """Whether the config.json of `where` (resolve_source's: a folder, or a Hub id, read from the local cache without
+    asking the Hub) names a family in FAMILY_NAMES; False where it is not at hand or does not read."""
+    config = Path(where) / "config.json"
+    if not Path(where).is_dir():
+        from huggingface_hub import try_to_load_from_cache  # no torch, no request
+
+        cached = try_to_load_from_cache(where, "config.json")
+        if not isinstance(cached, str):
+            return False
+        config = Path(cached)
+    try:
+        values = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(values, dict) and values.get("model_type") in FAMILY_NAMES
+
+
 def hub_id_problem(repo_id: str) -> str | None:
     """Why the Hub cannot hold a repository named `repo_id` (huggingface_hub's first line), or None."""
     from huggingface_hub.errors import HFValidationError  # no torch: a tenth of a second
@@ -55,9 +80,15 @@ def hub_id_problem(repo_id: str) -> str | None:
 
 
 def check_hub_repo(repo_id: str) -> None:
-    """OutputError where `repo_id` (--push-to-hub) is no id the Hub can hold: said before training, not after it."""
+    """OutputError where `repo_id` (--push-to-hub) is no id the Hub can hold, or no Hub token is at hand to push
+    with: said before training, not after it."""
     if problem := hub_id_problem(repo_id):
         raise OutputError(f"--push-to-hub {repo_id}: not a Hub repository id ({problem})")
+    from huggingface_hub import get_token  # HF_TOKEN, else the file `hf auth login` writes
+
+    if get_token() is None:
+        raise OutputError(f"--push-to-hub {repo_id}: not logged in to the Hub: run `hf auth login`, or set HF_TOKEN "
+                          "to a token with write access")
 
 
 def check_output_dir(out_dir: str | Path, overwrite: bool) -> Path:

@@ -3,6 +3,7 @@ whole folder goes up in one commit that also deletes the repo's other files (a s
 would be loaded beside the new ones), so the Hub never shows a half-uploaded or mixed model."""
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 from huggingface_hub import HfApi
@@ -21,7 +22,7 @@ def push_to_hub(out_dir: str | Path, repo_id: str, *, private: bool = False, tok
         api.upload_folder(repo_id=repo_id, folder_path=folder, repo_type="model", delete_patterns="*",
                           commit_message=f"Upload {folder.name} converted by sparsify")
     except Exception as error:  # HTTP, connection, authentication, local file errors alike: the folder stays
-        retry = f"hf upload {repo_id} {folder} --delete '*'" + (" --private" if private else "")
+        retry = shlex.join(["hf", "upload", repo_id, str(folder), "--delete", "*"] + (["--private"] if private else []))
         raise OutputError(f"push to the Hub repo {repo_id!r} failed ({type(error).__name__}: {error}); the "
                           f"checkpoint in {folder} is complete: upload it with `{retry}`") from error
     return str(url)

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import accelerate
+import huggingface_hub.constants
 import pytest
 import torch
 from click.testing import CliRunner
@@ -28,7 +29,7 @@ from sparsify import data as data_module
 from sparsify import export
 from sparsify import load as load_module
 from sparsify.config import RunOptions, TrainConfig
-from sparsify.errors import DataError
+from sparsify.errors import DataError, OutputError
 from sparsify.families import FAMILIES
 from sparsify.load import load_config
 
@@ -201,6 +202,59 @@ def test_defaults_fit_the_model_and_the_data(files, tmp_path, monkeypatch):
     assert warning and float(warning[2]) == pytest.approx(64_000 / int(warning[1].replace(",", "")), abs=0.05)
 
 
+def test_dry_run_names_a_cut_weight_file(files, tmp_path, monkeypatch):
+    monkeypatch.setattr(convert_module, "load_model", None)
+    source = shutil.copytree(model_folder(files, "llama"), tmp_path / "cut")
+    size = (source / "model.safetensors").stat().st_size
+    os.truncate(source / "model.safetensors", size - 1)
+    result = run("convert", source, "-o", tmp_path / "out", "--data", files / "corpus", "--recipe",
+                 files / "recipe.yaml", "--steps", 2, "--dry-run")
+    assert_user_error(result, f"model.safetensors: truncated ({size - 1:,} of {size:,} bytes; download it again)")
+
+
+def test_missing_data_is_said_before_torch_is_imported(files, tmp_path):
+    """Without --data, a supported source is told so at once, before torch is imported: a folder, or a Hub id whose
+    config.json is in the local cache (the Hub is not asked). Any other source names its own problem first: an
+    unsupported one (test_bad_input), or a Hub id whose config is not cached."""
+    snapshot = tmp_path / "hub" / "models--someone--tiny-llama" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    shutil.copy(model_folder(files, "llama") / "config.json", snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("abc")
+    code = ("import sys\nfrom click.testing import CliRunner\nfrom cli import main\n"
+            f"for source in ({str(model_folder(files, 'llama'))!r}, 'someone/tiny-llama'):\n"
+            f"    print(CliRunner().invoke(main, ['convert', source, '-o', {str(tmp_path / 'out')!r}]).output)\n"
+            "assert 'torch' not in sys.modules")
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1], capture_output=True, text=True,
+                          env={**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub")}, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("error: --data is required") == 2, done.stdout
+    assert_user_error(run("convert", "someone/not-cached", "-o", tmp_path / "out"),
+                      "someone/not-cached: not a local folder, and not loadable from the Hub")
+
+
+def no_hub_login(monkeypatch, tmp_path):
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
+
+
+def test_push_to_hub_without_a_login_stops_before_any_weight_is_read(files, tmp_path, monkeypatch):
+    no_hub_login(monkeypatch, tmp_path)
+    monkeypatch.setattr(convert_module, "load_model", None)
+    message = ("--push-to-hub me/tiny-sparse: not logged in to the Hub: run `hf auth login`, or set HF_TOKEN to a "
+               "token with write access")
+    for dry_run in ((), ("--dry-run",)):
+        assert_user_error(convert(files, "llama", tmp_path / "out", "--push-to-hub", "me/tiny-sparse", *dry_run),
+                          message)
+    options = RunOptions(tmp_path / "out", data=str(files / "corpus"), push_to_hub="me/tiny-sparse")
+    with pytest.raises(OutputError, match=re.escape(message)):  # convert's own checks, for a caller of its API
+        convert_module._check_inputs(str(model_folder(files, "llama")), TrainConfig(steps=2), options, 1, False)
+    monkeypatch.setenv("HF_TOKEN", "hf_test")
+    result = convert(files, "llama", tmp_path / "out", "--push-to-hub", "me/tiny-sparse", "--dry-run")
+    assert result.exit_code == 0, result.output
+
+
 def test_the_source_config_is_read_once(files, tmp_path, monkeypatch):
     """Fitting the seq-len and checking the settings read the source's config once (a Hub source: one request)."""
     reads = []
@@ -340,6 +394,7 @@ def test_ctrl_c_then_resume(files, tmp_path, monkeypatch):
                                   f"{str(files / 'corpus' / 'train.jsonl')!r})")
     result = convert(files, "llama", out, "--steps", 5, "--resume")
     assert result.exit_code == 0, result.output
+    assert f"resuming from step 3 of 5 ({tmp_path / 'out.resume'})\n" in result.output
     log = json.loads((out / "training_log.json").read_text())["log"]
     assert [e["step"] for e in log] == [1, 2, 3, 4, 5]
     assert not (tmp_path / "out.resume").exists()
@@ -458,6 +513,7 @@ def test_push_to_hub_uploads_the_finished_folder(files, tmp_path, monkeypatch):
         return f"https://huggingface.co/{repo_id}"
 
     monkeypatch.setattr(sparsify.push, "push_to_hub", push)
+    monkeypatch.setenv("HF_TOKEN", "hf_test")  # a login, which a push needs before training
     result = convert(files, "llama", tmp_path / "out", "--push-to-hub", "me/tiny-sparse", "--private")
     assert result.exit_code == 0, result.output
     assert calls == [(tmp_path / "out", "me/tiny-sparse", True, True)]

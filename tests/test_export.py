@@ -715,6 +715,11 @@ def test_push_to_hub_creates_the_repo_and_uploads_once(tmp_path, monkeypatch):
                                           rf"`hf upload me/offline {tmp_path} "
                                           r"--delete '\*' --private`"):
         push.push_to_hub(tmp_path, "me/offline", private=True)
+    spaced = tmp_path / "my model"  # the retry command quoted for a shell
+    spaced.mkdir()
+    (spaced / "config.json").write_text("{}")
+    with pytest.raises(OutputError, match=re.escape(f"`hf upload me/offline '{spaced}' --delete '*'`")):
+        push.push_to_hub(spaced, "me/offline")
     with pytest.raises(OutputError, match="no config.json"):
         push.push_to_hub(tmp_path / "missing", "me/sparse")
 

@@ -8,11 +8,17 @@ from transformers import GPT2Config, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConf
 from helpers import HIDDEN, INTERMEDIATE, LAYERS, tiny_config, tiny_model
 from sparsify.errors import UnsupportedModelError
 from sparsify.families import FAMILIES, down_weight, gate_weight, mlp_modules, spec_for, up_weight
+from sparsify.locations import FAMILY_NAMES
 
 
 def _import(path):
     module, _, name = path.rpartition(".")
     return getattr(importlib.import_module(module), name)
+
+
+def test_the_torch_free_family_names_are_the_tables():
+    """The CLI tells a supported source before importing torch by locations.FAMILY_NAMES: the table's families."""
+    assert FAMILY_NAMES == set(FAMILIES)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

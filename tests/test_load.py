@@ -1,4 +1,5 @@
 import json
+import re
 import shutil
 import socket
 import threading
@@ -119,6 +120,20 @@ def test_damaged_folders_raise_source_errors(saved, tmp_path, damage, message):
     folder = _copy(saved, tmp_path)
     damage(folder)
     with pytest.raises(SourceError, match=message):
+        load_model(folder, device="cpu")
+
+
+def test_a_cut_weight_file_is_named_from_its_header(saved, tmp_path):
+    """A weight file cut short (a download or a copy) is named with how much of it is there, read from its header
+    alone: the check the dry run makes too (tests/test_cli.py)."""
+    folder = _copy(saved, tmp_path)
+    size = (folder / "model.safetensors").stat().st_size
+    _truncate_weights(folder)
+    with pytest.raises(SourceError, match=re.escape(f"{folder}: cannot load the weights: model.safetensors: truncated "
+                                                    f"({size // 2:,} of {size:,} bytes; download it again)")):
+        load_model(folder, device="cpu")
+    (folder / "model.safetensors").write_text("version https://git-lfs.github.com/spec/v1\n")  # a Git LFS pointer
+    with pytest.raises(SourceError, match="model.safetensors: no safetensors header"):
         load_model(folder, device="cpu")
 
 

@@ -17,7 +17,7 @@ from twell.decoder import fuse_norms_and_rotary, unfuse_norms_and_rotary
 from ..config import TrainConfig
 from ..errors import ConfigError
 from ..families import spec_for
-from ..report import warn
+from ..report import console, warn
 from ..resume import check_resume, load_data_position, saved_run_name
 from .fsdp import check_fsdp
 from .log import Window, log_entry, log_line, progress_bar, progress_text
@@ -96,6 +96,8 @@ def train(
         run.model.train()
     state = RunState(time.perf_counter(), l1_reference=l1_reference, l1_eps=l1_eps) if saved is None else \
         RunState.resumed(accelerator, resume_dir, saved)
+    if saved is not None and show_progress and accelerator.is_main_process:
+        console.print(f"resuming from step {state.step} of {run.total} ({resume_dir})", soft_wrap=True)  # a path whole
     for i, m in enumerate(mlps):  # the log penalty's eps: given, the saved state's, or measured at the first step
         m.l1_log_scale, m.l1_eps = config.l1_log_scale, state.l1_eps[i] if state.l1_eps else None
     stream = batches(state.batches, accelerator.process_index, run.world)
