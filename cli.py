@@ -12,7 +12,7 @@ from typing import get_args, get_origin, get_type_hints
 import click
 
 from sparsify.config import (TEXT_COLUMN_HELP, RunOptions, SampleOptions, TrainConfig, load_recipe, measure_help,
-                             value_type)
+                             option_name, value_type)
 from sparsify.errors import ConfigError, DataError, SparsifyError
 from sparsify.locations import DATA_REQUIRED, check_hub_repo, check_output_dir, is_supported_source, resolve_source
 
@@ -80,7 +80,7 @@ def _option(setting: Field, hint, *, recipe: bool = False):
         kind = str  # a count or a share ("20%"): TrainConfig.from_dict reads either; or a path
     else:
         kind = value_type(hint)
-    declarations = setting.metadata.get("flag", "--" + setting.name.replace("_", "-")).split()
+    declarations = setting.metadata.get("flag", option_name(setting.name)).split()
     if recipe and kind is bool and "/" not in declarations[-1]:
         declarations[-1] += "/--no-" + declarations[-1][2:]
     if setting.metadata.get("folder"):
@@ -141,6 +141,7 @@ def convert(source, recipe, **values):
         values["hybrid_below"] = 0
     settings.update({k: v for k, v in values.items() if v is not None})
     config = TrainConfig.from_dict(settings)
+    config.validate()  # what needs no model config, at once (convert checks again against the source's config)
     check_output_dir(options.out, options.overwrite)  # convert checks these again, with the rest
     if options.push_to_hub:
         check_hub_repo(options.push_to_hub)
@@ -162,8 +163,8 @@ def convert(source, recipe, **values):
         t = summary["training"]
         console.print(perplexity_table(summary["perplexity"]))
         console.print(layer_table(summary["layers"], summary["plan"],
-                                  f"sparsity on {summary['layers'][0]['tokens']:,} held-out tokens",
-                                  hybrid_share=summary["hybrid_share"]))
+                                f"sparsity on {summary['layers'][0]['tokens']:,} held-out tokens",
+                                hybrid_share=summary["hybrid_share"]))
         console.print(f"trained {t['steps']} steps, {t['tokens']:,} tokens in {t['seconds']:.0f} s; "
                       f"wrote {options.out}")
         if "url" in summary:
@@ -230,8 +231,8 @@ def analyze(model, data, text_column, tokens, seq_len, batch_size, device, json_
     result = run(model, data=data, text_column=text_column, tokens=tokens, seq_len=seq_len, batch_size=batch_size,
                  device=device, json_path=json_path, measure_kernels=measure_kernels, write_plan=write_plan)
     console.print(layer_table(result["layers"], [l["recommended"] for l in result["layers"]],
-                              f"{model}: gate activity on {result['tokens']:,} tokens of {result['data']} "
-                              f"(seq-len {result['seq_len']}, perplexity {result['perplexity']:.3f})"))
+                            f"{model}: gate activity on {result['tokens']:,} tokens of {result['data']} "
+                            f"(seq-len {result['seq_len']}, perplexity {result['perplexity']:.3f})"))
     if not result["converted"]:
         console.print(f"{model} is not converted (gate activation {result['activation']}): active means gate "
                       "pre-activation > 0, and no kernel setting applies; "

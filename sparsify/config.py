@@ -36,6 +36,11 @@ def value_type(hint) -> type:
     return next(kind for kind in get_args(hint) or (hint,) if kind is not type(None))
 
 
+def option_name(name: str) -> str:
+    """The command-line option of setting `name`, as messages name a setting: a recipe's keys are the options too."""
+    return "--" + name.replace("_", "-")
+
+
 def _setting(default, help_text: str, **cli):
     """A field of TrainConfig or RunOptions: its default (MISSING: a required option), its help, and how the
     command line spells it where the field's name and type do not say (`flag`: the option's declarations,
@@ -195,7 +200,7 @@ class TrainConfig:
                     value = tuple(float(v) for v in value)
             except (TypeError, ValueError):
                 share = " or a share of the run's steps such as 50%" if name in SHARE_OF_STEPS else ""
-                raise ConfigError(f"{name.replace('_', '-')}: {value!r} is not {'an' if kind is int else 'a'} "
+                raise ConfigError(f"{option_name(name)}: {value!r} is not {'an' if kind is int else 'a'} "
                                   f"{kind.__name__}{share}") from None
             config[name] = value
         return cls(**config)
@@ -210,83 +215,81 @@ class TrainConfig:
         return min(bounds)
 
     def validate(self, max_positions: int | None = None, world: int | None = None) -> None:
-        """ConfigError for impossible settings; with `max_positions`, a seq-len beyond the model's; with `world`
-        (processes), a ReLU swap that would not end within the run's steps."""
-        def bad(message):
-            raise ConfigError(message)
+        """ConfigError for impossible settings, named by their options; with `max_positions`, a seq-len beyond the
+        model's; with `world` (processes), a ReLU swap that would not end within the run's steps."""
+        def bad(name, problem):
+            raise ConfigError(f"{option_name(name)} {problem}")
 
         if self.l1_relative:
             if not (isinstance(self.l1, (int, float)) and 0 <= self.l1 <= MAX_L1_RELATIVE):
-                bad(f"l1 (relative) must be between 0 and {MAX_L1_RELATIVE} (the initial weight of the L1 term "
+                bad("l1", f"(relative) must be between 0 and {MAX_L1_RELATIVE} (the initial weight of the L1 term "
                     f"in nats), got {self.l1}")
             if 0 < self.l1 < MIN_L1_RELATIVE:
-                bad(f"l1 (relative) {self.l1:g} is the L1 term's initial weight in nats, too small to sparsify "
+                bad("l1", f"(relative) {self.l1:g} is the L1 term's initial weight in nats, too small to sparsify "
                     f"(recipes: 3.5); for an absolute coefficient such as the paper's 2e-5 add --l1-absolute")
         elif not (isinstance(self.l1, (int, float)) and 0 <= self.l1 <= MAX_L1):
-            bad(f"l1 must be between 0 and {MAX_L1} as an absolute coefficient (the paper uses 2e-5), got {self.l1}; "
-                f"for the L1 term's initial weight in nats (recipes: 3.5) add --l1-relative")
+            bad("l1", f"must be between 0 and {MAX_L1} as an absolute coefficient (the paper uses 2e-5), got "
+                f"{self.l1}; for the L1 term's initial weight in nats (recipes: 3.5) add --l1-relative")
         if self.steps is None and self.tokens is None:
-            bad("set the training length: --steps or --tokens (or a recipe that sets them)")
+            raise ConfigError("set the training length: --steps or --tokens (or a recipe that sets them)")
         for name in ("steps", "tokens", "seq_len", "batch_size", "grad_accum", "log_every", "dead_window_tokens",
                      "eval_tokens", "hybrid_max_nnz", "calibrate_tokens"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
-                bad(f"{name.replace('_', '-')} must be a positive integer, got {value}")
+                bad(name, f"must be a positive integer, got {value}")
         for name in ("warmup_steps", "shuffle_buffer", "save_every", "calibrate_steps"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
-                bad(f"{name.replace('_', '-')} must be an integer >= 0, got {getattr(self, name)}")
+                bad(name, f"must be an integer >= 0, got {getattr(self, name)}")
         for name in SHARE_OF_STEPS:
             value = getattr(self, name)
             share = _percent(value)
             if not (isinstance(value, int) and value >= 0 or share is not None and 0 <= share < 100):
-                bad(f"{name.replace('_', '-')} must be an integer >= 0 or a share of the steps below 100%, got {value}")
+                bad(name, f"must be an integer >= 0 or a share of the steps below 100%, got {value}")
         for name, zero in (("l1_log_scale", "L1"), ("hybrid_below", "dense only"), ("save_every_minutes", "off"),
                            ("distill_hidden", "off")):
             if not 0 <= getattr(self, name) < math.inf:
-                bad(f"{name.replace('_', '-')} must be a number >= 0 (0: {zero}), got {getattr(self, name)}")
-        if not 0 < self.lr <= 1:
-            bad(f"lr must be in (0, 1], got {self.lr}")
-        if self.mlp_lr is not None and not 0 < self.mlp_lr <= 1:
-            bad(f"mlp-lr must be in (0, 1], got {self.mlp_lr}")
-        if self.calibrate_lr is not None and not 0 < self.calibrate_lr <= 1:
-            bad(f"calibrate-lr must be in (0, 1], got {self.calibrate_lr}")
+                bad(name, f"must be a number >= 0 (0: {zero}), got {getattr(self, name)}")
+        for name in ("lr", "mlp_lr", "calibrate_lr"):
+            if getattr(self, name) is not None and not 0 < getattr(self, name) <= 1:
+                bad(name, f"must be in (0, 1], got {getattr(self, name)}")
         if not 0 <= self.calibrate_sparsity < 1:
-            bad(f"calibrate-sparsity must be in [0, 1) (a share of units, such as 0.99), got {self.calibrate_sparsity}")
+            bad("calibrate_sparsity", f"must be in [0, 1) (a share of units, such as 0.99), got "
+                f"{self.calibrate_sparsity}")
         if not 0 <= self.target_sparsity < 1:
-            bad(f"target-sparsity must be in [0, 1) (a share of units, such as 0.99; 0: off), "
+            bad("target_sparsity", f"must be in [0, 1) (a share of units, such as 0.99; 0: off), "
                 f"got {self.target_sparsity}")
         if self.target_sparsity and not self.l1:
-            bad("target-sparsity steers the L1 weight: set --l1 above 0")
+            bad("target_sparsity", "steers the L1 weight: set --l1 above 0")
         if self.calibrate_sparsity and not self.calibrate_steps:
-            bad("calibrate-sparsity sets the calibration's target: set --calibrate-steps too")
+            bad("calibrate_sparsity", "sets the calibration's target: set --calibrate-steps too")
         if self.calibrate_sequential and not self.calibrate_steps:
-            bad("calibrate-sequential sets how calibration fits: set --calibrate-steps too")
+            bad("calibrate_sequential", "sets how calibration fits: set --calibrate-steps too")
         if self.calibrate_steps and (_percent(self.swap_steps) if isinstance(self.swap_steps, str)
                                      else self.swap_steps):
-            bad(f"calibrate-steps fits the ReLU MLPs before training, so the swap is done when training starts: set "
-                f"--swap-steps 0 (it is {self.swap_steps})")
+            bad("calibrate_steps", f"fits the ReLU MLPs before training, so the swap is done when training starts: "
+                f"set --swap-steps 0 (it is {self.swap_steps})")
         if not 0 < self.hybrid_hot_rate <= 1:
-            bad(f"hybrid-hot-rate must be in (0, 1], got {self.hybrid_hot_rate}")
+            bad("hybrid_hot_rate", f"must be in (0, 1], got {self.hybrid_hot_rate}")
         if not 0 <= self.weight_decay <= 1:
-            bad(f"weight-decay must be in [0, 1], got {self.weight_decay}")
+            bad("weight_decay", f"must be in [0, 1], got {self.weight_decay}")
         if len(self.betas) != 2 or not all(0 <= beta < 1 for beta in self.betas):
-            bad(f"betas must be two numbers in [0, 1) (AdamW's), got {self.betas}")
+            bad("betas", f"must be two numbers in [0, 1) (AdamW's), got {self.betas}")
         if not self.max_grad_norm > 0:
-            bad(f"max-grad-norm must be > 0, got {self.max_grad_norm}")
+            bad("max_grad_norm", f"must be > 0, got {self.max_grad_norm}")
         if not 0 <= self.distill <= 1:
-            bad(f"distill must be in [0, 1] (the share of the KL term; 0: off), got {self.distill}")
+            bad("distill", f"must be in [0, 1] (the share of the KL term; 0: off), got {self.distill}")
         if not 0 < self.distill_temperature < math.inf:
-            bad(f"distill-temperature must be a number above 0, got {self.distill_temperature}")
+            bad("distill_temperature", f"must be a number above 0, got {self.distill_temperature}")
         elif self.distill_temperature != 1 and not self.distill:
-            bad("distill-temperature sets --distill's KL term: set --distill too")
+            bad("distill_temperature", "sets --distill's KL term: set --distill too")
         if self.seq_len < 2:
-            bad(f"seq-len must be at least 2, got {self.seq_len}")
+            bad("seq_len", f"must be at least 2, got {self.seq_len}")
         if max_positions is not None and self.seq_len > max_positions:
-            bad(f"seq-len {self.seq_len} is beyond the model's maximum of {max_positions} positions")
+            bad("seq_len", f"{self.seq_len} is beyond the model's maximum of {max_positions} positions")
         if world is not None:
             self.check_swap(world)
             if self.calibrate_steps and world > 1:
-                bad(f"calibrate-steps runs on one process, not {world}: calibrate in a single-process run")
+                bad("calibrate_steps", f"runs on one process, not {world}: calibrate in a single-process run")
 
     @property
     def uses_teacher(self) -> bool:
@@ -298,7 +301,7 @@ class TrainConfig:
         must be the ReLU model that the export describes."""
         total = self.total_steps(world)
         if self.schedule(total).swap_steps >= total:
-            raise ConfigError(f"swap-steps {self.swap_steps} must be below the {total} training steps")
+            raise ConfigError(f"--swap-steps {self.swap_steps} must be below the {total} training steps")
 
     def warnings(self, world: int) -> list[str]:
         """Settings that run but defeat themselves on `world` processes: a token count that the steps cut short
@@ -308,11 +311,11 @@ class TrainConfig:
         resolved = self.schedule(total)
         found = []
         if self.tokens is not None and total * self.tokens_per_step(world) < self.tokens:
-            found.append(f"tokens {self.tokens:,}: the run stops at its {total} steps first, after "
+            found.append(f"--tokens {self.tokens:,}: the run stops at its {total} steps first, after "
                          f"{total * self.tokens_per_step(world):,} tokens (set --steps to train on more)")
         for name, what in (("warmup_steps", "the learning rate"), ("l1_warmup_steps", "the L1 weight")):
             if getattr(resolved, name) >= total:
-                found.append(f"{name.replace('_', '-')} {getattr(self, name)} is not below the run's {total} steps: "
+                found.append(f"{option_name(name)} {getattr(self, name)} is not below the run's {total} steps: "
                              f"{what} never reaches its set value")
         return found
 
@@ -395,15 +398,16 @@ class SampleOptions:
     def validate(self, positions: int | None) -> None:
         """ConfigError naming each impossible value; `positions`: the source's max_position_embeddings. seq_len
         is set (fit_seq_len); batch_size may be None (sample.fitted_batch sets it once the model is loaded)."""
-        found = [f"{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)}"
+        found = [f"{option_name(name)} must be a positive integer, got {getattr(self, name)}"
                  for name in ("tokens", "prompt_tokens", "seq_len", "batch_size", "eval_tokens")
                  if getattr(self, name) is not None and getattr(self, name) < 1]
         if self.prompt_tokens >= self.seq_len:
-            found.append(f"prompt-tokens {self.prompt_tokens} leaves nothing to sample within seq-len {self.seq_len}")
+            found.append(f"--prompt-tokens {self.prompt_tokens} leaves nothing to sample within --seq-len "
+                         f"{self.seq_len}")
         if positions is not None and self.seq_len > positions:
-            found.append(f"seq-len {self.seq_len} is beyond the source's {positions} positions")
+            found.append(f"--seq-len {self.seq_len} is beyond the source's {positions} positions")
         if not self.temperature > 0:
-            found.append(f"temperature must be above 0, got {self.temperature}")
+            found.append(f"--temperature must be above 0, got {self.temperature}")
         if found:
             raise ConfigError("; ".join(found))
 

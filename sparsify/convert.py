@@ -223,7 +223,7 @@ def _check_source(config: TrainConfig, options: RunOptions, checked: _Checked, p
     calibration keeps (fp32, as trained) against the CPU memory available."""
     parameters = parameter_count(checked.model_config)
     if show:
-        console.print(run_summary(parameters, config, processes, checked.fsdp), soft_wrap=not console.is_terminal)
+        console.print(run_summary(parameters, config, processes, checked.fsdp))
     check_training_memory(parameters, options.device, processes, checked.fsdp, teacher=config.uses_teacher)
     if (warning := cpu_training_warning(parameters, _run_tokens(config, processes), options.device)) and \
             PartialState().is_main_process:

@@ -60,8 +60,9 @@ def _load_config(where: str, source):
 
 def check_hub_source(repo_id: str, source) -> None:
     """SourceError, within HUB_TIMEOUT_S, where the Hub model `repo_id` cannot be read: no such repository (a typo,
-    or a private one without a token), a gated one, no config.json, or no answer (no network). Asks nothing where
-    its config.json is in the local cache or offline mode is on: transformers then reads the cache at once.
+    or a private one without a token), a gated one, no config.json, or no connection or answer (no network). Asks
+    nothing where its config.json is in the local cache or offline mode is on: transformers then reads the cache at
+    once.
     `repo_id` comes from resolve_source, which has refused an id the Hub cannot hold."""
     if constants.is_offline_mode() or isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
         return
@@ -77,9 +78,13 @@ def check_hub_source(repo_id: str, source) -> None:
         raise SourceError(f"{source}: the Hub repository has no config.json, so it is no transformers model") from None
     except HfHubHTTPError as error:
         raise SourceError(f"{source}: the Hub did not give its config.json ({_first_line(error)})") from None
-    except Exception as error:  # no answer: the HTTP client's connection and timeout errors
-        raise SourceError(f"{source}: not a local folder, and the Hub did not answer within {HUB_TIMEOUT_S} s "
-                          f"({_first_line(error)}); offline, HF_HUB_OFFLINE=1 reads models cached before") from None
+    except Exception as error:  # no response: the HTTP client's connection and timeout errors
+        # told apart by class name: the HTTP client under huggingface_hub (requests, httpx or httpx2, by its
+        # version) names its timeouts *Timeout*, its refused connections and failed name lookups otherwise
+        timed_out = any("Timeout" in kind.__name__ for kind in type(error).__mro__)
+        problem = f"the Hub did not answer within {HUB_TIMEOUT_S} s" if timed_out else "could not reach the Hub"
+        raise SourceError(f"{source}: not a local folder, and {problem} ({_first_line(error)}); offline, "
+                          "HF_HUB_OFFLINE=1 reads models cached before") from None
 
 
 def require_cuda(device, what: str) -> torch.device:

@@ -13,11 +13,13 @@ from rich.table import Table
 from twell.layer_plan import ALL_TOKENS, LayerPlan
 
 console = Console(stderr=True)
+# elsewhere than in a terminal (a log file, CI) lines, titles and captions stay whole: rich would break them at 80
+# columns, mid-phrase
+console.soft_wrap = not console.is_terminal
 
 
 def warn(message: str) -> None:
-    """A warning on the console: wrapped in a terminal, one whole line elsewhere (a log file, CI)."""
-    console.print(f"[yellow]warning:[/] {message}", soft_wrap=not console.is_terminal)
+    console.print(f"[yellow]warning:[/] {message}")
 
 
 def describe(layer: LayerPlan | None) -> str:

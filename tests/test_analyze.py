@@ -34,9 +34,13 @@ def test_analyze_json_plot_and_table(tmp_path):
         assert layer["recommended"] is None  # not converted: the kernels compute ReLU
     assert not report["converted"] and report["activation"] == "silu"
     mean = sum(layer["mean_active"] for layer in report["layers"]) / 2  # the whole model's figure under the table
-    assert (f"all layers: {mean:.1f} of 160 units active per token on average ({100 * (1 - mean / 160):.2f}% sparse)"
-            in " ".join(result.output.split()))
-    assert "is not converted (gate activation silu)" in " ".join(result.output.split())
+    # outside a terminal (a log file) the caption and the note under it are whole lines, however long
+    assert (f"\nall layers: {mean:.1f} of 160 units active per token on average ({100 * (1 - mean / 160):.2f}% "
+            "sparse); tile p99.9: a token's active units within one tile of that width, 99.9th percentile (the slots "
+            "a tile needs)\n") in result.output
+    assert f"\n{tmp_path / 'm'}: gate activity on 256 tokens of text.txt (seq-len 64, perplexity " in result.output
+    assert ("is not converted (gate activation silu): active means gate pre-activation > 0, and no kernel setting "
+            "applies; `sparsify convert` makes a sparse ReLU model.\n") in result.output
     assert (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
     assert (report["model"], report["data"]) == ("m", "text.txt")  # no local path: the JSON may go into a checkpoint
     assert str(tmp_path) not in (tmp_path / "a.json").read_text()

@@ -201,13 +201,13 @@ def test_calibration_blocks_take_whole_batches_up_to_the_tokens():
 @pytest.mark.parametrize("settings,world,message", [
     ({"swap_steps": "20%"}, None, "set --swap-steps 0 (it is 20%)"),
     ({"swap_steps": 10}, None, "set --swap-steps 0 (it is 10)"),
-    ({"calibrate_steps": -1}, None, "calibrate-steps must be an integer >= 0"),
-    ({"calibrate_tokens": 0}, None, "calibrate-tokens must be a positive integer"),
-    ({"calibrate_lr": 2.0}, None, "calibrate-lr must be in (0, 1]"),
-    ({"calibrate_sparsity": 1.0}, None, "calibrate-sparsity must be in [0, 1)"),
+    ({"calibrate_steps": -1}, None, "--calibrate-steps must be an integer >= 0"),
+    ({"calibrate_tokens": 0}, None, "--calibrate-tokens must be a positive integer"),
+    ({"calibrate_lr": 2.0}, None, "--calibrate-lr must be in (0, 1]"),
+    ({"calibrate_sparsity": 1.0}, None, "--calibrate-sparsity must be in [0, 1)"),
     ({"calibrate_sparsity": 0.99, "calibrate_steps": 0}, None, "set --calibrate-steps too"),
-    ({"calibrate_sequential": True, "calibrate_steps": 0}, None, "calibrate-sequential sets how calibration fits"),
-    ({}, 2, "calibrate-steps runs on one process, not 2"),
+    ({"calibrate_sequential": True, "calibrate_steps": 0}, None, "--calibrate-sequential sets how calibration fits"),
+    ({}, 2, "--calibrate-steps runs on one process, not 2"),
 ])
 def test_impossible_calibration_settings(settings, world, message):
     config = TrainConfig.from_dict({"steps": 100, "calibrate_steps": 10, **settings})

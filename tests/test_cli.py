@@ -175,13 +175,13 @@ def test_dry_run_prints_the_resolved_settings_and_stops(files, tmp_path, monkeyp
     assert text.endswith("dry run: the checks passed; no weight was read and nothing was written")
     assert not (tmp_path / "out").exists()
     output = convert(files, "llama", tmp_path / "out", "--dry-run", "--tokens", 1000).output
-    assert ("warning: tokens 1,000: the run stops at its 2 steps first, after 128 tokens "
+    assert ("warning: --tokens 1,000: the run stops at its 2 steps first, after 128 tokens "
             "(set --steps to train on more)\n" in output)
     output = convert(files, "llama", tmp_path / "out", "--dry-run", "--l1-warmup-steps", 5, "--warmup-steps", 2).output
     # outside a terminal each warning is one whole line (a log file), however long
-    assert ("warning: l1-warmup-steps 5 is not below the run's 2 steps: the L1 weight never reaches its set value\n"
+    assert ("warning: --l1-warmup-steps 5 is not below the run's 2 steps: the L1 weight never reaches its set value\n"
             in output)
-    assert ("warning: warmup-steps 2 is not below the run's 2 steps: the learning rate never reaches its set value\n"
+    assert ("warning: --warmup-steps 2 is not below the run's 2 steps: the learning rate never reaches its set value\n"
             in output)
 
 
@@ -231,6 +231,26 @@ def test_missing_data_is_said_before_torch_is_imported(files, tmp_path):
     assert done.stdout.count("error: --data is required") == 2, done.stdout
     assert_user_error(run("convert", "someone/not-cached", "-o", tmp_path / "out"),
                       "someone/not-cached: not a local folder, and not loadable from the Hub")
+
+
+def test_bad_settings_are_said_before_torch_is_imported(files, tmp_path):
+    """A setting impossible for any model fails at once, before torch is imported, named by its option; one that
+    needs the model's config (--seq-len beyond its positions) is convert's to check (test_bad_input)."""
+    command = ["convert", str(model_folder(files, "llama")), "-o", str(tmp_path / "out"), "--data",
+               str(files / "corpus")]
+    code = ("import sys\nfrom click.testing import CliRunner\nfrom cli import main\n"
+            "for bad in (['--tokens', '-5'], ['--target-sparsity', '1.5'], ['--lr', '-1'], ['--seq-len', '0']):\n"
+            f"    print(CliRunner().invoke(main, {command!r} + bad).output)\n"
+            "assert 'torch' not in sys.modules")
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for message in ("error: --tokens must be a positive integer, got -5\n",
+                    "error: --target-sparsity must be in [0, 1) (a share of units, such as 0.99; 0: off), got 1.5\n",
+                    "error: --lr must be in (0, 1], got -1.0\n",
+                    "error: --seq-len must be a positive integer, got 0\n"):
+        assert message in done.stdout, done.stdout
+    assert not (tmp_path / "out").exists()
 
 
 def no_hub_login(monkeypatch, tmp_path):
@@ -306,8 +326,8 @@ def test_dry_run_fails_where_the_run_would(files, tmp_path, monkeypatch):
     (tmp_path / "afile").write_text("")
     for extra, message in ((["-o", tmp_path / "afile" / "out"], "afile is a file"),
                            (["--report-to", "nosuch"], "nosuch"),
-                           (["--swap-steps", 2], "swap-steps 2 must be below the 2 training steps"),
-                           (["--seq-len", 4096], "seq-len 4096 is beyond the model's maximum of"),
+                           (["--swap-steps", 2], "--swap-steps 2 must be below the 2 training steps"),
+                           (["--seq-len", 4096], "--seq-len 4096 is beyond the model's maximum of"),
                            (["--data", tmp_path / "nowhere.jsonl"], "nowhere.jsonl does not exist")):
         assert_user_error(convert(files, "llama", tmp_path / "out", "--dry-run", *extra), message)
 
@@ -630,28 +650,28 @@ def gpt2_folder(root):
          "--push-to-hub me/a b: not a Hub repository id ("),
         (["convert", "{gpt2}", "-o", "{tmp}/out", "--steps", "1"], "supported families"),
         (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--l1", "-1e-5"],
-         "l1 (relative) must be between"),
+         "--l1 (relative) must be between"),
         (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--l1", "3", "--l1-absolute"],
          "got 3.0; for the L1 term's initial weight in nats (recipes: 3.5) add --l1-relative"),
         (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--distill", "2"],
-         "distill must be in [0, 1]"),
+         "--distill must be in [0, 1]"),
         (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--distill-hidden", "-1"],
-         "distill-hidden must be a number >= 0"),
+         "--distill-hidden must be a number >= 0"),
         (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--distill-hidden", "x"],
          "'x' is not a valid float"),
         (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--mlp-lr", "2"],
-         "mlp-lr must be in (0, 1]"),
+         "--mlp-lr must be in (0, 1]"),
         (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--mlp-lr", "fast"],
          "'fast' is not a valid float"),
         (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "9", "--calibrate-steps", "5",
           "--swap-steps", "3"],
          "set --swap-steps 0 (it is 3)"),
         (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "0"],
-         "steps must be a positive integer"),
+         "--steps must be a positive integer"),
         (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--recipe", "{tmp}/lr.yaml"],
          "set the training length"),
         (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--seq-len", "4096"],
-         "beyond the model's maximum of 128 positions"),
+         "--seq-len 4096 is beyond the model's maximum of 128 positions"),
         (["convert", "{llama}", "-o", "{tmp}/full", "--data", "{corpus}", "--steps", "1"],
          "not empty (pass --overwrite"),
         (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--recipe", "nonexistent"],
@@ -661,7 +681,7 @@ def gpt2_folder(root):
         (["analyze", "{llama}"], "--data is required"),
         (["analyze", "{llama}", "--data", "{corpus}", "--tokens", "0"], "--tokens must be at least 1, got 0"),
         (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--l1-warmup-steps", "abc"],
-         "l1-warmup-steps: 'abc' is not an int or a share of the run's steps such as 50%"),
+         "--l1-warmup-steps: 'abc' is not an int or a share of the run's steps such as 50%"),
         (["convert", "{llama}", "-o", "{tmp}/out", "--data", "{corpus}", "--steps", "1", "--measure",
           "--device", "cpu"],
          "--measure needs a CUDA GPU"),

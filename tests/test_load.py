@@ -197,20 +197,35 @@ def test_mistyped_hub_id_fails_at_once_with_one_request(monkeypatch):
 
 
 def test_unreachable_hub_fails_within_seconds(monkeypatch):
-    """No network (here: a port nobody listens on): one refused connection, not half a minute of retries."""
+    """No network (here: a port nobody listens on): one refused connection, said as such, not half a minute of
+    retries."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     _online_at(monkeypatch, f"http://127.0.0.1:{port}")
     started = time.perf_counter()
-    with pytest.raises(SourceError, match="owner/model: not a local folder, and the Hub did not answer"):
+    with pytest.raises(SourceError, match=r"owner/model: not a local folder, and could not reach the Hub \(.+\); "
+                                          "offline, HF_HUB_OFFLINE=1 reads models cached before"):
         load_config("owner/model")
     assert time.perf_counter() - started < load.HUB_TIMEOUT_S
 
 
+def test_silent_hub_fails_after_the_timeout(monkeypatch):
+    """A Hub that takes the connection and never answers (here: a socket nobody accepts on) is given up on after
+    HUB_TIMEOUT_S, and said so."""
+    monkeypatch.setattr(load, "HUB_TIMEOUT_S", 0.5)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        _online_at(monkeypatch, f"http://127.0.0.1:{silent.getsockname()[1]}")
+        with pytest.raises(SourceError, match=r"owner/model: not a local folder, and the Hub did not answer within "
+                                              r"0.5 s \(.+\); offline, HF_HUB_OFFLINE=1 reads models cached before"):
+            load_config("owner/model")
+
+
 @pytest.mark.parametrize("source", ["no such model!", "owner/x y", "a--b"])
 def test_id_the_hub_cannot_hold_fails_before_any_request(monkeypatch, source):
-    """Online (here at a port nobody listens on, which a request would report as no answer): the id is refused
+    """Online (here at a port nobody listens on, which a request would report as unreachable): the id is refused
     as such, a SourceError naming it."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

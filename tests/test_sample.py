@@ -120,10 +120,10 @@ def test_sample_options_are_sample_s_options_with_their_help():
 
 
 @pytest.mark.parametrize("extra, message", [
-    (("--prompt-tokens", SEQ_LEN), f"prompt-tokens {SEQ_LEN} leaves nothing to sample within seq-len {SEQ_LEN}"),
-    (("--seq-len", 1000, "--prompt-tokens", 8), "seq-len 1000 is beyond the source's 128 positions"),
-    (("--temperature", 0), "temperature must be above 0, got 0.0"),
-    (("--batch-size", 0), "batch-size must be a positive integer, got 0"),
+    (("--prompt-tokens", SEQ_LEN), f"--prompt-tokens {SEQ_LEN} leaves nothing to sample within --seq-len {SEQ_LEN}"),
+    (("--seq-len", 1000, "--prompt-tokens", 8), "--seq-len 1000 is beyond the source's 128 positions"),
+    (("--temperature", 0), "--temperature must be above 0, got 0.0"),
+    (("--batch-size", 0), "--batch-size must be a positive integer, got 0"),
 ])
 def test_impossible_settings_are_named(files, tmp_path, extra, message):
     result = sample(files, tmp_path / "out", *extra)

@@ -207,7 +207,7 @@ def test_distillation_at_a_temperature_matches_hand_computation():
         kl = temperature ** 2 * (p * (p.log() - q.log())).sum(-1).mean().item()
         assert distillation_kl(student, teacher, temperature).item() == pytest.approx(kl, rel=1e-5)
     assert distillation_kl(student, teacher).item() == pytest.approx(distillation_kl(student, teacher, 1.0).item())
-    with pytest.raises(ConfigError, match="distill-temperature must be a number above 0, got 0"):
+    with pytest.raises(ConfigError, match="--distill-temperature must be a number above 0, got 0"):
         TrainConfig.from_dict({"steps": 1, "distill": 0.5, "distill_temperature": 0}).validate()
     with pytest.raises(ConfigError, match="set --distill too"):
         TrainConfig.from_dict({"steps": 1, "distill_temperature": 2}).validate()
@@ -389,7 +389,7 @@ def test_progressive_swap_moves_the_gate_from_the_source_activation_to_relu():
     assert not mlps[0].runs_hybrid
     mlps[0].source_share = 0.0
     assert mlps[0].runs_hybrid
-    with pytest.raises(ConfigError, match="swap-steps 6 must be below the 6 training steps"):
+    with pytest.raises(ConfigError, match="--swap-steps 6 must be below the 6 training steps"):
         train(model, mlps, batches_from(), config(steps=6, swap_steps=6), device="cpu", show_progress=False)
 
 
@@ -416,38 +416,38 @@ def test_steps_and_tokens_bound_training():
 @pytest.mark.parametrize(
     "kw, message",
     [
-        (dict(l1=-1e-5), "l1 must be between"),
-        (dict(l1=5.0), "l1 must be between"),
-        (dict(l1=float("nan")), "l1 must be between"),
-        (dict(l1=150.0, l1_relative=True), r"l1 \(relative\) must be between 0 and 100"),
+        (dict(l1=-1e-5), "--l1 must be between"),
+        (dict(l1=5.0), "--l1 must be between"),
+        (dict(l1=float("nan")), "--l1 must be between"),
+        (dict(l1=150.0, l1_relative=True), r"--l1 \(relative\) must be between 0 and 100"),
         (dict(l1=2e-5, l1_relative=True),
-         r"l1 \(relative\) 2e-05 is the L1 term's initial weight in nats, too small.*add --l1-absolute"),
-        (dict(steps=0), "steps must be a positive integer"),
+         r"--l1 \(relative\) 2e-05 is the L1 term's initial weight in nats, too small.*add --l1-absolute"),
+        (dict(steps=0), "--steps must be a positive integer"),
         (dict(steps=None, tokens=None), "set the training length"),
-        (dict(tokens=-5), "tokens must be a positive integer"),
-        (dict(seq_len=4096), "beyond the model's maximum of 128"),
-        (dict(batch_size=0), "batch-size"),
-        (dict(lr=0.0), "lr must be"),
-        (dict(warmup_steps=-1), "warmup-steps"),
-        (dict(swap_steps=-1), "swap-steps must be an integer >= 0 or a share"),
-        (dict(swap_steps="100%"), "swap-steps must be an integer >= 0 or a share of the steps below 100%"),
-        (dict(l1_warmup_steps="x%"), "l1-warmup-steps must be"),
-        (dict(shuffle_buffer=-1), "shuffle-buffer must be an integer >= 0"),
-        (dict(hybrid_below=-1.0), "hybrid-below must be a number >= 0"),
-        (dict(hybrid_below=float("nan")), "hybrid-below must be a number >= 0"),
-        (dict(hybrid_hot_rate=0.0), r"hybrid-hot-rate must be in \(0, 1\]"),
-        (dict(hybrid_max_nnz=0), "hybrid-max-nnz must be a positive integer"),
-        (dict(distill=1.5), r"distill must be in \[0, 1\]"),
-        (dict(mlp_lr=0.0), r"mlp-lr must be in \(0, 1\]"),
-        (dict(distill_hidden=-1.0), r"distill-hidden must be a number >= 0"),
-        (dict(distill=float("nan")), r"distill must be in \[0, 1\]"),
-        (dict(target_sparsity=1.0), r"target-sparsity must be in \[0, 1\)"),
-        (dict(target_sparsity=0.99, l1=0.0), "target-sparsity steers the L1 weight: set --l1 above 0"),
-        (dict(l1_log_scale=-0.1), r"l1-log-scale must be a number >= 0 \(0: L1\)"),
-        (dict(l1_log_scale=float("inf")), "l1-log-scale must be a number >= 0"),
-        (dict(betas=(1.5, 0.9)), r"betas must be two numbers in \[0, 1\)"),
-        (dict(betas=(0.9, 0.95, 0.99)), "betas must be two numbers"),
-        (dict(betas=(0.9, float("nan"))), "betas must be two numbers"),
+        (dict(tokens=-5), "--tokens must be a positive integer"),
+        (dict(seq_len=4096), "--seq-len 4096 is beyond the model's maximum of 128"),
+        (dict(batch_size=0), "--batch-size must be a positive integer"),
+        (dict(lr=0.0), "--lr must be"),
+        (dict(warmup_steps=-1), "--warmup-steps must be an integer >= 0"),
+        (dict(swap_steps=-1), "--swap-steps must be an integer >= 0 or a share"),
+        (dict(swap_steps="100%"), "--swap-steps must be an integer >= 0 or a share of the steps below 100%"),
+        (dict(l1_warmup_steps="x%"), "--l1-warmup-steps must be"),
+        (dict(shuffle_buffer=-1), "--shuffle-buffer must be an integer >= 0"),
+        (dict(hybrid_below=-1.0), "--hybrid-below must be a number >= 0"),
+        (dict(hybrid_below=float("nan")), "--hybrid-below must be a number >= 0"),
+        (dict(hybrid_hot_rate=0.0), r"--hybrid-hot-rate must be in \(0, 1\]"),
+        (dict(hybrid_max_nnz=0), "--hybrid-max-nnz must be a positive integer"),
+        (dict(distill=1.5), r"--distill must be in \[0, 1\]"),
+        (dict(mlp_lr=0.0), r"--mlp-lr must be in \(0, 1\]"),
+        (dict(distill_hidden=-1.0), r"--distill-hidden must be a number >= 0"),
+        (dict(distill=float("nan")), r"--distill must be in \[0, 1\]"),
+        (dict(target_sparsity=1.0), r"--target-sparsity must be in \[0, 1\)"),
+        (dict(target_sparsity=0.99, l1=0.0), "--target-sparsity steers the L1 weight: set --l1 above 0"),
+        (dict(l1_log_scale=-0.1), r"--l1-log-scale must be a number >= 0 \(0: L1\)"),
+        (dict(l1_log_scale=float("inf")), "--l1-log-scale must be a number >= 0"),
+        (dict(betas=(1.5, 0.9)), r"--betas must be two numbers in \[0, 1\)"),
+        (dict(betas=(0.9, 0.95, 0.99)), "--betas must be two numbers"),
+        (dict(betas=(0.9, float("nan"))), "--betas must be two numbers"),
     ],
 )
 def test_bad_config(kw, message):
@@ -470,11 +470,11 @@ def test_from_dict_reads_settings_by_their_type_not_their_default():
     c = TrainConfig.from_dict(yaml.safe_load("mlp_lr: 1e-4\ndistill_hidden: 1e-1\ndead_window_tokens: 1e6\nsteps: 10"))
     assert (c.mlp_lr, c.distill_hidden, c.dead_window_tokens) == (1e-4, 0.1, 1_000_000)
     c.validate()
-    with pytest.raises(ConfigError, match="mlp-lr: 'fast' is not a float"):
+    with pytest.raises(ConfigError, match="--mlp-lr: 'fast' is not a float"):
         TrainConfig.from_dict({"mlp_lr": "fast"})
-    with pytest.raises(ConfigError, match="distill-hidden: True is not a float"):
+    with pytest.raises(ConfigError, match="--distill-hidden: True is not a float"):
         TrainConfig.from_dict({"distill_hidden": True})
-    with pytest.raises(ConfigError, match="steps: True is not an int"):
+    with pytest.raises(ConfigError, match="--steps: True is not an int"):
         TrainConfig.from_dict({"steps": True})
 
 
