@@ -14,7 +14,7 @@ import click
 from sparsify.config import (TEXT_COLUMN_HELP, RunOptions, SampleOptions, TrainConfig, load_recipe, measure_help,
                              option_name, value_type)
 from sparsify.errors import ConfigError, DataError, SparsifyError
-from sparsify.locations import DATA_REQUIRED, check_hub_repo, check_output_dir, is_supported_source, resolve_source
+from sparsify.locations import DATA_REQUIRED, check_hub_repo, check_output_dir, family_config, resolve_source
 
 
 def user_errors(command):
@@ -145,11 +145,13 @@ def convert(source, recipe, **values):
     check_output_dir(options.out, options.overwrite)  # convert checks these again, with the rest
     if options.push_to_hub:
         check_hub_repo(options.push_to_hub)
-    where = resolve_source(source)
-    # at once, not after the seconds of importing torch: a supported source has no problem to name first (convert
-    # names that of any other: an unsupported, unreadable or uncached config)
-    if options.data is None and source != "demo" and is_supported_source(where):
-        raise DataError(DATA_REQUIRED)
+    # at once, not after the seconds of importing torch, where the source's config is at hand and supported (convert
+    # names the problem of any other source first: unsupported, unreadable, not cached)
+    if (family := family_config(resolve_source(source))) is not None:
+        if options.data is None and source != "demo":
+            raise DataError(DATA_REQUIRED)
+        if values["seq_len"] is not None:  # else convert fits the seq-len to the model's positions
+            config.validate(family.get("max_position_embeddings"))
     _quiet_loading()
     from sparsify.convert import convert as run
     from sparsify.report import console, layer_table, perplexity_table

@@ -49,22 +49,22 @@ def resolve_source(source: str | Path) -> str:
     return str(source)
 
 
-def is_supported_source(where: str) -> bool:
-    """Whether the config.json of `where` (resolve_source's: a folder, or a Hub id, read from the local cache without
-    asking the Hub) names a family in FAMILY_NAMES; False where it is not at hand or does not read."""
+def family_config(where: str) -> dict | None:
+    """The config.json of `where` (resolve_source's: a folder, or a Hub id, read from the local cache without asking
+    the Hub) where it names a family in FAMILY_NAMES; None where it does not, is not at hand or does not read."""
     config = Path(where) / "config.json"
     if not Path(where).is_dir():
         from huggingface_hub import try_to_load_from_cache  # no torch, no request
 
         cached = try_to_load_from_cache(where, "config.json")
         if not isinstance(cached, str):
-            return False
+            return None
         config = Path(cached)
     try:
         values = json.loads(config.read_text())
     except (OSError, ValueError):
-        return False
-    return isinstance(values, dict) and values.get("model_type") in FAMILY_NAMES
+        return None
+    return values if isinstance(values, dict) and values.get("model_type") in FAMILY_NAMES else None
 
 
 def hub_id_problem(repo_id: str) -> str | None:

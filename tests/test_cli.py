@@ -234,12 +234,13 @@ def test_missing_data_is_said_before_torch_is_imported(files, tmp_path):
 
 
 def test_bad_settings_are_said_before_torch_is_imported(files, tmp_path):
-    """A setting impossible for any model fails at once, before torch is imported, named by its option; one that
-    needs the model's config (--seq-len beyond its positions) is convert's to check (test_bad_input)."""
+    """A setting impossible for any model fails at once, before torch is imported, named by its option, and so does
+    a --seq-len beyond the positions of a supported source whose config.json is at hand."""
     command = ["convert", str(model_folder(files, "llama")), "-o", str(tmp_path / "out"), "--data",
                str(files / "corpus")]
     code = ("import sys\nfrom click.testing import CliRunner\nfrom cli import main\n"
-            "for bad in (['--tokens', '-5'], ['--target-sparsity', '1.5'], ['--lr', '-1'], ['--seq-len', '0']):\n"
+            "for bad in (['--tokens', '-5'], ['--target-sparsity', '1.5'], ['--lr', '-1'], ['--seq-len', '0'],\n"
+            "            ['--seq-len', '4096']):\n"
             f"    print(CliRunner().invoke(main, {command!r} + bad).output)\n"
             "assert 'torch' not in sys.modules")
     done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1], capture_output=True, text=True,
@@ -248,7 +249,8 @@ def test_bad_settings_are_said_before_torch_is_imported(files, tmp_path):
     for message in ("error: --tokens must be a positive integer, got -5\n",
                     "error: --target-sparsity must be in [0, 1) (a share of units, such as 0.99; 0: off), got 1.5\n",
                     "error: --lr must be in (0, 1], got -1.0\n",
-                    "error: --seq-len must be a positive integer, got 0\n"):
+                    "error: --seq-len must be a positive integer, got 0\n",
+                    "error: --seq-len 4096 is beyond the model's maximum of 128 positions\n"):
         assert message in done.stdout, done.stdout
     assert not (tmp_path / "out").exists()
 
