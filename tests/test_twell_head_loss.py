@@ -85,6 +85,26 @@ def test_grad_logits_written_over_the_logits_match_the_reference(rows, vocab, bl
         assert (got == 0).all()
 
 
+@pytest.mark.parametrize("teacher", [False, True])
+def test_no_rows_launch_nothing_and_give_empty_terms(teacher, monkeypatch):
+    """A chunk of no tokens: empty terms and statistics, the (empty) logits returned as their gradient; and the
+    Function on no tokens: both means over no positions NaN (as transformers' CE over no labels), and the
+    gradients empty or zero."""
+    logits, teacher_logits, labels = logits_and_labels(0, 37, torch.float32, teacher)
+    for kernel in ("_row_losses_kernel", "_grad_logits_kernel"):  # a launch would fail
+        monkeypatch.setattr(head_loss, kernel, None)
+    ce, kl, stats = row_losses(logits, labels, teacher_logits)
+    assert ce.shape == (0,) and stats.shape == (0, TEACHER_STATS if teacher else STATS) and (kl is None) != teacher
+    assert grad_logits_(logits, labels, teacher_logits, stats, torch.ones(2, device=DEV)) is logits
+    hidden, weight = torch.zeros(0, 8, device=DEV, requires_grad=True), torch.randn(37, 8, device=DEV,
+                                                                                   requires_grad=True)
+    teacher_inputs = (torch.zeros(0, 8, device=DEV), torch.randn(37, 8, device=DEV)) if teacher else (None, None)
+    terms = head_losses(hidden, weight, labels, *teacher_inputs)
+    assert terms.isnan().all()
+    terms.nan_to_num().sum().backward()
+    assert hidden.grad.shape == (0, 8) and (weight.grad == 0).all()
+
+
 def test_kl_gradient_of_a_model_near_its_teacher_keeps_its_digits(monkeypatch):
     """softmax(z / T) - softmax(t / T) where t is z moved by 1e-3 (a model at the start of its distillation from its
     source): taken as p_t (exp(d) - 1), about as far from the float64 difference as torch's fp32 softmaxes are
