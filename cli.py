@@ -14,7 +14,8 @@ import click
 from sparsify.config import (TEXT_COLUMN_HELP, RunOptions, SampleOptions, TrainConfig, load_recipe, measure_help,
                              option_name, value_type)
 from sparsify.errors import ConfigError, DataError, SparsifyError
-from sparsify.locations import DATA_REQUIRED, check_hub_repo, check_output_dir, family_config, resolve_source
+from sparsify.locations import (DATA_REQUIRED, SAMPLE_DATA_REQUIRED, check_hub_repo, check_output_dir, family_config,
+                                resolve_source)
 
 
 def user_errors(command):
@@ -181,8 +182,12 @@ def convert(source, recipe, **values):
 def sample(source, **values):
     """Write a data folder of text sampled from SOURCE (a Hub id, a checkpoint folder, or `demo`), continuing prompts
     from --data, for a conversion with little text of its own: `sparsify convert SOURCE --data OUT ...`."""
-    check_output_dir(values["out"], values["overwrite"])  # sample checks both again, with the rest
-    resolve_source(source)
+    check_output_dir(values["out"], values["overwrite"])  # sample checks these again, with the rest
+    if (family := family_config(resolve_source(source))) is not None:  # as convert: at once, before torch
+        if values["data"] is None and source != "demo":
+            raise DataError(SAMPLE_DATA_REQUIRED)
+        positions = family.get("max_position_embeddings")
+        SampleOptions(**values).fit_seq_len(positions).validate(positions)
     _quiet_loading()
     from sparsify.report import console
     from sparsify.sample import sample as run

@@ -14,6 +14,8 @@ from .errors import OutputError, SourceError
 FAMILY_NAMES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3"})
 
 DATA_REQUIRED = "--data is required (local .txt/.json/.jsonl/.parquet files or folder, or a datasets name)"
+SAMPLE_DATA_REQUIRED = ("--data is required: the text whose training blocks give the prompts and whose held-out text "
+                        "the folder keeps")
 
 
 def demo_model_path() -> Path:

@@ -27,7 +27,7 @@ from .data import Packer, TextData
 from .errors import DataError
 from .export import staged_output
 from .load import check_device, load_config, load_model, require_tokenizer
-from .locations import check_output_dir, demo_corpus_path
+from .locations import SAMPLE_DATA_REQUIRED, check_output_dir, demo_corpus_path
 from .report import token_progress
 
 TOKENS_COUNTED = 2**40  # --data's training tokens are counted (estimated past its head) up to this many
@@ -115,8 +115,7 @@ def sample(source: str, options: SampleOptions) -> dict:
     config, _ = load_config(source)  # a wrong source named first, as in convert
     data = options.data or (str(demo_corpus_path()) if source == "demo" else None)
     if data is None:
-        raise DataError("--data is required: the text whose training blocks give the prompts and whose held-out text "
-                        "the folder keeps")
+        raise DataError(SAMPLE_DATA_REQUIRED)
     positions = getattr(config, "max_position_embeddings", None)
     options = options.fit_seq_len(positions)
     options.validate(positions)

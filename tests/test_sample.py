@@ -4,6 +4,9 @@ conversion's data reader takes it, and its bad inputs: a clear message and no OU
 import dataclasses
 import itertools
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -140,6 +143,23 @@ def test_missing_data_and_a_full_out_are_named(files, tmp_path):
     result = sample(files, tmp_path / "full")
     assert result.exit_code == 1 and "exists and is not empty" in result.output
     assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
+
+
+def test_missing_data_and_impossible_settings_are_said_before_torch_is_imported(files, tmp_path):
+    """As convert's: a supported source's config.json read without torch, so these fail at once."""
+    command = ["sample", str(files / "model"), "-o", str(tmp_path / "out"), "--tokens"]
+    code = ("import sys\nfrom click.testing import CliRunner\nfrom cli import main\n"
+            f"for extra in (['100'], ['-3', '--data', {str(files / 'corpus')!r}],\n"
+            f"              ['100', '--seq-len', '1000', '--data', {str(files / 'corpus')!r}]):\n"
+            f"    print(CliRunner().invoke(main, {command!r} + extra).output)\n"
+            "assert 'torch' not in sys.modules")
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for message in ("error: --data is required: the text whose training blocks give the prompts",
+                    "error: --tokens must be a positive integer, got -3",
+                    "error: --seq-len 1000 is beyond the source's 128 positions"):
+        assert message in done.stdout, done.stdout
 
 
 def test_a_failed_run_leaves_no_out(files, tmp_path, monkeypatch):
