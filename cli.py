@@ -37,6 +37,17 @@ def main():
     penalty) and run them on TwELL Triton kernels."""
 
 
+def _check_before_loading(source: str, out, overwrite: bool, data, data_required: str) -> dict | None:
+    """What needs no model, before torch is imported (seconds): OUT, the source's path or id, and a missing --data
+    (`data_required` said) where the source's config.json is at hand and of a supported family; returns that config.
+    The library checks all again with the rest, and names the problem of any other source first."""
+    check_output_dir(out, overwrite)
+    family = family_config(resolve_source(source))
+    if family is not None and data is None and source != "demo":
+        raise DataError(data_required)
+    return family
+
+
 def _quiet_loading() -> None:
     """Turns transformers' loading and saving bars off, which would bury the training progress and tables: each
     command calls it once its arguments are checked (the import alone takes half a second)."""
@@ -143,16 +154,11 @@ def convert(source, recipe, **values):
     settings.update({k: v for k, v in values.items() if v is not None})
     config = TrainConfig.from_dict(settings)
     config.validate()  # what needs no model config, at once (convert checks again against the source's config)
-    check_output_dir(options.out, options.overwrite)  # convert checks these again, with the rest
     if options.push_to_hub:
         check_hub_repo(options.push_to_hub)
-    # at once, not after the seconds of importing torch, where the source's config is at hand and supported (convert
-    # names the problem of any other source first: unsupported, unreadable, not cached)
-    if (family := family_config(resolve_source(source))) is not None:
-        if options.data is None and source != "demo":
-            raise DataError(DATA_REQUIRED)
-        if values["seq_len"] is not None:  # else convert fits the seq-len to the model's positions
-            config.validate(family.get("max_position_embeddings"))
+    family = _check_before_loading(source, options.out, options.overwrite, options.data, DATA_REQUIRED)
+    if family is not None and values["seq_len"] is not None:  # else convert fits the seq-len to the positions
+        config.validate(family.get("max_position_embeddings"))
     _quiet_loading()
     from sparsify.convert import convert as run
     from sparsify.report import console, layer_table, perplexity_table
@@ -182,10 +188,8 @@ def convert(source, recipe, **values):
 def sample(source, **values):
     """Write a data folder of text sampled from SOURCE (a Hub id, a checkpoint folder, or `demo`), continuing prompts
     from --data, for a conversion with little text of its own: `sparsify convert SOURCE --data OUT ...`."""
-    check_output_dir(values["out"], values["overwrite"])  # sample checks these again, with the rest
-    if (family := family_config(resolve_source(source))) is not None:  # as convert: at once, before torch
-        if values["data"] is None and source != "demo":
-            raise DataError(SAMPLE_DATA_REQUIRED)
+    family = _check_before_loading(source, values["out"], values["overwrite"], values["data"], SAMPLE_DATA_REQUIRED)
+    if family is not None:
         positions = family.get("max_position_embeddings")
         SampleOptions(**values).fit_seq_len(positions).validate(positions)
     _quiet_loading()
