@@ -127,6 +127,15 @@ class GpuSlots:
 
 
 _gpu_slots: dict[str | None, GpuSlots] = {}
+_gpu_slots_lock = threading.Lock()
+
+
+def gpu_slots(device: str | None) -> GpuSlots:
+    """The one GpuSlots of `device` that every conversion thread shares, made at the first."""
+    with _gpu_slots_lock:
+        if device not in _gpu_slots:
+            _gpu_slots[device] = GpuSlots.visible(device)
+        return _gpu_slots[device]
 
 
 def convert(args, base: Path, corpus: Path, recipe: dict, out: Path, settings: dict, tokens: int) -> dict:
@@ -146,7 +155,7 @@ def convert(args, base: Path, corpus: Path, recipe: dict, out: Path, settings: d
         command += ["--device", args.device]
     print("$", shlex.join(command), flush=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    slots = _gpu_slots.setdefault(args.device, GpuSlots.visible(args.device))
+    slots = gpu_slots(args.device)
     started = time.time()
     with (open(out.with_name(out.name + ".log"), "w") if args.jobs > 1 else nullcontext() as output,
           slots.take() as gpu):
