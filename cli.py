@@ -1,7 +1,7 @@
 """The `sparsify` command: thin Click wrappers over sparsify.convert, sparsify.sample, sparsify.analyze and
 sparsify.bench. User errors (SparsifyError) print their message on stderr and exit with status 1, without a
 traceback. Each command checks what needs no model (its options, the paths it reads and writes) before it imports
-those modules (torch and transformers: seconds), so that a mistyped command fails, and --help shows, at once."""
+those modules (torch and transformers, slow to import), so that a mistyped command fails, and --help shows, at once."""
 from __future__ import annotations
 
 import functools
@@ -38,7 +38,7 @@ def main():
 
 
 def _check_before_loading(source: str, out, overwrite: bool, data, data_required: str) -> dict | None:
-    """What needs no model, before torch is imported (seconds): OUT, the source's path or id, and a missing --data
+    """What needs no model, before torch is imported: OUT, the source's path or id, and a missing --data
     (`data_required` said) where the source's config.json is at hand and of a supported family; returns that config.
     The library checks all again with the rest, and names the problem of any other source first."""
     check_output_dir(out, overwrite)
@@ -50,7 +50,7 @@ def _check_before_loading(source: str, out, overwrite: bool, data, data_required
 
 def _quiet_loading() -> None:
     """Turns transformers' loading and saving bars off, which would bury the training progress and tables: each
-    command calls it once its arguments are checked (the import alone takes half a second)."""
+    command calls it once its arguments are checked (transformers is slow to import)."""
     from transformers.utils import logging
 
     logging.disable_progress_bar()

@@ -46,7 +46,7 @@ def resolve_source(source: str | Path) -> str:
     if str(source).startswith((".", "/", "~")) or str(source).endswith("/") or str(source).count("/") > 1 or \
             "\\" in str(source):
         raise SourceError(f"{source}: no such folder")
-    if problem := hub_id_problem(str(source)):  # now, not after the seconds that importing torch takes
+    if problem := hub_id_problem(str(source)):  # now, not after importing torch
         raise SourceError(f"{source}: not a local folder, and not a Hub model id ({problem})")
     return str(source)
 
@@ -71,7 +71,7 @@ def family_config(where: str) -> dict | None:
 
 def hub_id_problem(repo_id: str) -> str | None:
     """Why the Hub cannot hold a repository named `repo_id` (huggingface_hub's first line), or None."""
-    from huggingface_hub.errors import HFValidationError  # no torch: a tenth of a second
+    from huggingface_hub.errors import HFValidationError  # imports no torch
     from huggingface_hub.utils import validate_repo_id
 
     try:
