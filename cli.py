@@ -15,7 +15,7 @@ from sparsify.config import (TEXT_COLUMN_HELP, RunOptions, SampleOptions, TrainC
                              option_name, value_type)
 from sparsify.errors import ConfigError, DataError, SparsifyError
 from sparsify.locations import (DATA_REQUIRED, SAMPLE_DATA_REQUIRED, check_hub_repo, check_output_dir, family_config,
-                                resolve_source)
+                                resolve_data, resolve_source)
 
 
 def user_errors(command):
@@ -38,13 +38,16 @@ def main():
 
 
 def _check_before_loading(source: str, out, overwrite: bool, data, data_required: str) -> dict | None:
-    """What needs no model, before torch is imported: OUT, the source's path or id, and a missing --data
-    (`data_required` said) where the source's config.json is at hand and of a supported family; returns that config.
-    The library checks all again with the rest, and names the problem of any other source first."""
+    """What needs no model, before torch is imported: OUT, the source's path or id, and --data (missing:
+    `data_required` said; a path that is not there or holds no text) where the source's config.json is at hand and
+    of a supported family; returns that config. The library checks all again with the rest, and names the problem
+    of any other source first."""
     check_output_dir(out, overwrite)
     family = family_config(resolve_source(source))
     if family is not None and data is None and source != "demo":
         raise DataError(data_required)
+    if family is not None and data is not None:
+        resolve_data(data)
     return family
 
 
@@ -234,7 +237,9 @@ def analyze(model, data, text_column, tokens, seq_len, batch_size, device, json_
         if value is not None and value < least:
             raise ConfigError(f"{option} must be at least {least}, got {value}")
     if not write_plan:  # --write-plan names a source that is no local checkpoint its own way (analyze)
-        resolve_source(model)
+        supported = family_config(resolve_source(model)) is not None
+        if supported and data is not None:  # as in convert, any other source names its own problem first
+            resolve_data(data)
     _quiet_loading()
     from sparsify.analyze import analyze as run
     from sparsify.report import console, layer_table, plot_activity

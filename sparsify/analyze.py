@@ -15,11 +15,11 @@ from pathlib import Path
 from twell.layer_plan import LayerPlan
 
 from .card import public_name
-from .data import MIN_EVAL_TOKENS, measured_blocks, resolve as resolve_data
+from .data import MIN_EVAL_TOKENS, measured_blocks
 from .errors import ConfigError, DataError, OutputError, SourceError
 from .export import converted_config, replace_plan
 from .load import check_device, load_config, load_model, require_cuda, require_tokenizer
-from .locations import demo_corpus_path, resolve_source
+from .locations import demo_corpus_path, resolve_data, resolve_source
 from .measure import measure
 from .plan import choose_measure, plan_model
 from .report import console, warn

@@ -22,9 +22,9 @@ from twell.layer_plan import layer_plans
 
 from .errors import ConfigError
 from .families import mlp_modules, spec_for
-from .data import TextData, resolve as resolve_data
+from .data import TextData
 from .load import load_config, load_tokenizer, require_cuda, require_tokenizer
-from .locations import resolve_source
+from .locations import resolve_data, resolve_source
 from .report import describe, warn
 from .measure import gate_hooks
 from .profiling import COMPONENTS, breakdown

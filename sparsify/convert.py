@@ -35,12 +35,13 @@ from transformers.utils.hub import convert_file_size_to_int
 from .calibrate import available_memory, calibrate, calibration_blocks, check_kept_memory
 from .card import is_hub_id, public_name, source_license
 from .config import RunOptions, TrainConfig
-from .data import TextData, resolve as resolve_data
+from .data import TextData
 from .errors import ConfigError, DataError
 from .export import ARTIFACTS, export_checkpoint
 from .load import (check_device, check_weight_files, load_config, load_model, load_tokenizer, mlp_parameter_count,
                    parameter_count, require_cuda, require_tokenizer, resolve_dtype)
-from .locations import DATA_REQUIRED, check_hub_repo, check_output_dir, demo_corpus_path, resolve_source
+from .locations import (DATA_REQUIRED, check_hub_repo, check_output_dir, demo_corpus_path, resolve_data,
+                        resolve_source)
 from .measure import measure, perplexity
 from .plan import choose_measure, plan_model
 from .tune import capture_mlp_inputs

@@ -18,80 +18,18 @@ from __future__ import annotations
 import itertools
 import json
 import random
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
 from .errors import DataError
+from .locations import hub_arguments, resolve_data
 
-FORMATS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-EVAL_PREFIXES = ("valid", "eval", "test")  # valid* covers validation*
 MIN_EVAL_TOKENS = 16384  # fewer held-out tokens measure perplexity and sparsity too noisily
 HELD_OUT_SHARE_WARN = 0.2  # warn when the head held out of the training text is at least this share of it
 PASSES_COUNTED = 2**22  # local training text is counted up to this many tokens to tell a run's passes over it
 TOKENS_SAMPLED = 2**16  # beyond this many tokens, the text's length is read and its tokens estimated (count_blocks)
-
-
-@dataclass
-class DataSource:
-    """Where the documents come from: local files grouped by builder, or a Hub dataset name."""
-
-    train: dict[str, list[str]] | str
-    eval: dict[str, list[str]] | str | None  # None: hold out the first training blocks
-
-    @property
-    def description(self) -> str:
-        return self.description_of(self.train)
-
-    @staticmethod
-    def description_of(files: dict[str, list[str]] | str) -> str:
-        return files if isinstance(files, str) else ", ".join(sum(files.values(), []))
-
-
-def resolve(spec: str | Path) -> DataSource:
-    """`--data` value -> DataSource. A path that exists is local; anything else must look like a Hub
-    dataset name ("owner/name" or "name"), else the path is reported missing."""
-    path = Path(spec).expanduser()
-    if not path.exists():
-        parts = Path(hub_arguments(str(spec))[0]).parts
-        if (str(spec).startswith((".", "/", "~")) or str(spec).endswith("/") or Path(spec).suffix in FORMATS
-                or len(parts) > 1 and Path(parts[0]).is_dir()):  # a path, mistyped: no Hub lookup
-            raise DataError(f"data path {spec} does not exist")
-        return DataSource(train=str(spec), eval=None)
-    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    files = [p for p in files if not p.name.startswith(".")]
-    if not files:
-        raise DataError(f"data folder {path} is empty")
-    unknown = [p.name for p in files if p.suffix.lower() not in FORMATS]
-    if (unknown and path.is_file()) or len(unknown) == len(files):
-        raise DataError(
-            f"unknown data format: {', '.join(unknown[:5])} (use {', '.join(FORMATS)} files or a folder of them)"
-        )
-    files = [p for p in files if p.suffix.lower() in FORMATS]
-    if all(p.stat().st_size == 0 for p in files):
-        raise DataError(f"data {path} is empty")
-    held_out = [p for p in files if path.is_dir() and p.stem.lower().startswith(EVAL_PREFIXES)]
-    train = [p for p in files if p not in held_out]
-    if not train:
-        raise DataError(f"data {path} has only evaluation files ({', '.join(p.name for p in held_out)})")
-    return DataSource(train=_by_builder(train), eval=_by_builder(held_out) if held_out else None)
-
-
-def hub_arguments(spec: str) -> tuple[str, str | None, str]:
-    """(name, config, split) of a Hub dataset given as NAME[:CONFIG][@SPLIT], e.g. allenai/c4:en@validation
-    (split default: train)."""
-    name_config, _, split = spec.partition("@")
-    name, _, config = name_config.partition(":")
-    return name, config or None, split or "train"
-
-
-def _by_builder(files: list[Path]) -> dict[str, list[str]]:
-    groups: dict[str, list[str]] = {}
-    for p in files:
-        groups.setdefault(FORMATS[p.suffix.lower()], []).append(str(p))
-    return groups
 
 
 class Documents:
@@ -243,7 +181,7 @@ def measured_blocks(spec: str | Path, tokenizer, seq_len: int, tokens: int, text
     """Blocks of up to `tokens` (whole blocks: rounded up) to measure a model on, and the files (or Hub name) they
     were read from: a folder's held-out files where it has them, else the head of the text (all of it where it
     holds fewer, as nothing is trained on it). DataError where it holds less than one block."""
-    source = resolve(spec)
+    source = resolve_data(spec)
     part = source.eval if source.eval is not None else source.train
     found = list(itertools.islice(blocks(iter(Documents(part, text_column)), tokenizer, seq_len),
                                   max(1, -(-tokens // seq_len))))
@@ -258,7 +196,7 @@ class TextData:
     endless training stream of batches that cycles over the data (epochs) and can start at a saved position."""
 
     def __init__(self, spec: str | Path, tokenizer, seq_len: int, eval_tokens: int, text_column: str = "text"):
-        self.source = resolve(spec)
+        self.source = resolve_data(spec)
         self.tokenizer, self.seq_len, self.text_column = tokenizer, seq_len, text_column
         self.eval_tokens = eval_tokens  # as asked for: the text may hold fewer
         n_eval = max(1, -(-eval_tokens // seq_len))

@@ -1,13 +1,14 @@
 """Where a command reads and writes: the model source (the demo, a checkpoint folder or a Hub id), the demo's
-files and the output folder. Imports no torch or transformers, so that the CLI checks these paths before it imports
-the modules that load models: a mistyped path fails at once."""
+files, the data (local files or a `datasets` name) and the output folder. Imports no torch or transformers, so that
+the CLI checks these paths before it imports the modules that load models: a mistyped path fails at once."""
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import OutputError, SourceError
+from .errors import DataError, OutputError, SourceError
 
 # The model_types of families.FAMILIES, here without torch, so that the CLI tells a supported source from its
 # config.json before importing it (tests/test_families.py checks that the two agree).
@@ -16,6 +17,9 @@ FAMILY_NAMES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2
 DATA_REQUIRED = "--data is required (local .txt/.json/.jsonl/.parquet files or folder, or a datasets name)"
 SAMPLE_DATA_REQUIRED = ("--data is required: the text whose training blocks give the prompts and whose held-out text "
                         "the folder keeps")
+
+FORMATS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+EVAL_PREFIXES = ("valid", "eval", "test")  # valid* covers validation*
 
 
 def demo_model_path() -> Path:
@@ -109,3 +113,63 @@ def check_output_dir(out_dir: str | Path, overwrite: bool) -> Path:
     if not os.access(above, os.W_OK | os.X_OK):  # the checkpoint is staged beside OUT and renamed into place
         raise OutputError(f"{out}: cannot be written, {above} is not writable")
     return out
+
+
+@dataclass
+class DataSource:
+    """Where the documents come from: local files grouped by builder, or a Hub dataset name."""
+
+    train: dict[str, list[str]] | str
+    eval: dict[str, list[str]] | str | None  # None: hold out the first training blocks
+
+    @property
+    def description(self) -> str:
+        return self.description_of(self.train)
+
+    @staticmethod
+    def description_of(files: dict[str, list[str]] | str) -> str:
+        return files if isinstance(files, str) else ", ".join(sum(files.values(), []))
+
+
+def resolve_data(spec: str | Path) -> DataSource:
+    """`--data` value -> DataSource. A path that exists is local; anything else must look like a Hub
+    dataset name ("owner/name" or "name"), else the path is reported missing."""
+    path = Path(spec).expanduser()
+    if not path.exists():
+        parts = Path(hub_arguments(str(spec))[0]).parts
+        if (str(spec).startswith((".", "/", "~")) or str(spec).endswith("/") or Path(spec).suffix in FORMATS
+                or len(parts) > 1 and Path(parts[0]).is_dir()):  # a path, mistyped: no Hub lookup
+            raise DataError(f"data path {spec} does not exist")
+        return DataSource(train=str(spec), eval=None)
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    files = [p for p in files if not p.name.startswith(".")]
+    if not files:
+        raise DataError(f"data folder {path} is empty")
+    unknown = [p.name for p in files if p.suffix.lower() not in FORMATS]
+    if (unknown and path.is_file()) or len(unknown) == len(files):
+        raise DataError(
+            f"unknown data format: {', '.join(unknown[:5])} (use {', '.join(FORMATS)} files or a folder of them)"
+        )
+    files = [p for p in files if p.suffix.lower() in FORMATS]
+    if all(p.stat().st_size == 0 for p in files):
+        raise DataError(f"data {path} is empty")
+    held_out = [p for p in files if path.is_dir() and p.stem.lower().startswith(EVAL_PREFIXES)]
+    train = [p for p in files if p not in held_out]
+    if not train:
+        raise DataError(f"data {path} has only evaluation files ({', '.join(p.name for p in held_out)})")
+    return DataSource(train=_by_builder(train), eval=_by_builder(held_out) if held_out else None)
+
+
+def hub_arguments(spec: str) -> tuple[str, str | None, str]:
+    """(name, config, split) of a Hub dataset given as NAME[:CONFIG][@SPLIT], e.g. allenai/c4:en@validation
+    (split default: train)."""
+    name_config, _, split = spec.partition("@")
+    name, _, config = name_config.partition(":")
+    return name, config or None, split or "train"
+
+
+def _by_builder(files: list[Path]) -> dict[str, list[str]]:
+    groups: dict[str, list[str]] = {}
+    for p in files:
+        groups.setdefault(FORMATS[p.suffix.lower()], []).append(str(p))
+    return groups

@@ -2,6 +2,7 @@
 `analyze`."""
 from __future__ import annotations
 
+import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -12,10 +13,15 @@ from rich.table import Table
 
 from twell.layer_plan import ALL_TOKENS, LayerPlan
 
+LOG_WIDTH = 1000  # columns outside a terminal: wider than any table, which takes only its natural width
+
 console = Console(stderr=True)
 # elsewhere than in a terminal (a log file, CI) lines, titles and captions stay whole: rich would break them at 80
-# columns, mid-phrase
+# columns, mid-phrase; and tables keep each row on one line, where rich would squash and wrap them into 80 columns
+# (COLUMNS, where set, still decides)
 console.soft_wrap = not console.is_terminal
+if not console.is_terminal and "COLUMNS" not in os.environ:
+    console.width = LOG_WIDTH
 
 
 def warn(message: str) -> None:

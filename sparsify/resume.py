@@ -7,13 +7,13 @@ import json
 import logging
 import shutil
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 
-from .config import LAUNCHER_GRACE_S, TrainConfig
+from .config import LAUNCHER_GRACE_S, RunOptions, TrainConfig, option_name
 from .errors import ConfigError
 
 # Settings a resumed run may change: they touch no saved state (log and save cadence; fused_decoder, the kernels
@@ -21,6 +21,9 @@ from .errors import ConfigError
 # rounding). eval_tokens may not: where the held-out blocks are the head of the training text, it moves where
 # training starts.
 RESUME_FREE = ("log_every", "save_every", "save_every_minutes", "fused_decoder", "chunked_loss")
+# The saved settings and inputs that are command-line options (cli.py makes one of each of these fields): messages
+# name them by the option, as typed; any other by its name in the recipe or state.json (the source: an argument).
+OPTIONS = frozenset(setting.name for settings in (TrainConfig, RunOptions) for setting in fields(settings))
 # what every save writes into state.json (train.saving.Saver.save, and the settings)
 SAVED_KEYS = ("step", "batches", "log", "seconds", "l1_reference", "l1_scale", "l1_eps", "processes", "inputs",
               "before_training", "run_name", "config")
@@ -138,7 +141,8 @@ def check_resume(resume_dir, config: TrainConfig, processes: int, inputs: dict |
 
     def differences(saved: dict | None, current: dict) -> str:
         current = json.loads(json.dumps(current))  # as state.json holds it (tuples as lists)
-        return "; ".join(f"{name} {saved[name]!r} -> {value!r}" for name, value in current.items()
+        return "; ".join(f"{option_name(name) if name in OPTIONS else name} {saved[name]!r} -> {value!r}"
+                         for name, value in current.items()
                          if name in (saved or {}) and name not in RESUME_FREE and saved[name] != value)
 
     for what, key, current in (("with other training settings", "config", asdict(config)),

@@ -2,6 +2,10 @@
 and on a converted checkpoint (which defaults to the data it was converted on, found by its recorded name)."""
 import json
 import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 from click.testing import CliRunner
 
@@ -46,6 +50,34 @@ def test_analyze_json_plot_and_table(tmp_path):
     assert str(tmp_path) not in (tmp_path / "a.json").read_text()
 
 
+TABLE = """from twell.layer_plan import LayerPlan
+from sparsify.report import console, layer_table
+stats = {"units": 160, "mean_active": 3.5, "median_active": 3, "p99_active": 9, "max_active": 12, "sparsity": 0.978,
+         "dead_frac": 0.01, "tiles": {"128": {"p999": 7}}}
+plan = LayerPlan("sparse", 128, 8, ((1, 64), (700, None)))
+console.print(layer_table([stats] * 2, [plan] * 2, "title", hybrid_share=[0.5, 0.25]))"""
+
+
+def test_tables_take_their_natural_width_outside_a_terminal():
+    """In a log file a table keeps each row on one line, wider than rich's default 80 columns; COLUMNS, where set,
+    still decides, and in a terminal the table fits it as before."""
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "FORCE_COLOR", "TTY_COMPATIBLE")}
+
+    def table_lines(**extra) -> list[str]:
+        done = subprocess.run([sys.executable, "-c", TABLE], cwd=Path(__file__).parents[1], capture_output=True,
+                              stdin=subprocess.DEVNULL, text=True, env={**env, **extra}, timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        lines = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", done.stderr).splitlines()
+        return [line for line in lines if line[:1] in "┏┃┡│└"]  # the table's, not its title's or caption's
+
+    rows = [line for line in table_lines() if "T128 C8" in line]
+    assert len(rows) == 2 and all(len(row) > 80 for row in rows), rows
+    for i, share in enumerate((50, 25)):
+        assert re.fullmatch(rf"│ +{i} │.* T128 C8 at 1-64, 700\+ │ +{share} │", rows[i]), rows[i]
+    assert max(map(len, table_lines(COLUMNS="60"))) <= 60
+    assert max(map(len, table_lines(FORCE_COLOR="1"))) <= 80  # a terminal (here of no size): rich's 80 columns
+
+
 def test_analyze_measures_all_of_a_short_text_and_says_so(tmp_path):
     """Nothing trains on the text: a file shorter than --tokens is measured whole (3,584 tokens: 56 blocks of
     64), not a held-out tenth of it, with a warning that the figures rest on few tokens."""
@@ -60,6 +92,30 @@ def test_analyze_measures_all_of_a_short_text_and_says_so(tmp_path):
     assert (f"warning: measuring 3,584 tokens, all that {tmp_path / 'text.txt'} holds, not --tokens 65,536: too few "
             "for steady figures") in " ".join(result.output.split())
     assert "gate activity on 3,584 tokens of text.txt" in " ".join(result.output.split())
+
+
+def test_a_bad_data_path_is_said_before_torch_is_imported(tmp_path):
+    """As convert's checks: a missing or empty --data is said at once, before torch is imported, for a source whose
+    config.json is at hand and of a supported family; any other source names its own problem first."""
+    (tmp_path / "empty").mkdir()
+    missing = str(tmp_path / "missing.jsonl")
+    code = ("import sys\nfrom click.testing import CliRunner\nfrom cli import main\n"
+            f"for source, data in (('demo', {missing!r}), ('demo', {str(tmp_path / 'empty')!r}),\n"
+            f"                     ({str(tmp_path / 'no-model')!r}, {missing!r})):\n"
+            "    print(CliRunner().invoke(main, ['analyze', source, '--data', data]).output)\n"
+            "assert 'torch' not in sys.modules")
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for message in (f"error: data path {missing} does not exist\n",
+                    f"error: data folder {tmp_path / 'empty'} is empty\n",
+                    f"error: {tmp_path / 'no-model'}: no such folder\n"):
+        assert message in done.stdout, done.stdout
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    result = CliRunner().invoke(main, ["analyze", str(tmp_path / "gpt2"), "--data", missing])
+    assert result.exit_code == 1 and "model_type 'gpt2' is not a gated-MLP architecture" in result.output
+    assert "data path" not in result.output
 
 
 def test_analyze_converted_checkpoint_defaults_to_its_training_data(tmp_path, monkeypatch):

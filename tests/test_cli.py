@@ -213,22 +213,28 @@ def test_dry_run_names_a_cut_weight_file(files, tmp_path, monkeypatch):
 
 
 def test_missing_data_is_said_before_torch_is_imported(files, tmp_path):
-    """Without --data, a supported source is told so at once, before torch is imported: a folder, or a Hub id whose
-    config.json is in the local cache (the Hub is not asked). Any other source names its own problem first: an
-    unsupported one (test_bad_input), or a Hub id whose config is not cached."""
+    """Without --data, or with a --data path that is not there, a supported source is told so at once, before torch
+    is imported: a folder, or a Hub id whose config.json is in the local cache (the Hub is not asked). Any other
+    source names its own problem first: an unsupported one (test_bad_input), or a Hub id whose config is not
+    cached."""
     snapshot = tmp_path / "hub" / "models--someone--tiny-llama" / "snapshots" / "abc"
     snapshot.mkdir(parents=True)
     shutil.copy(model_folder(files, "llama") / "config.json", snapshot)
     (snapshot.parents[1] / "refs").mkdir()
     (snapshot.parents[1] / "refs" / "main").write_text("abc")
+    missing, out = str(tmp_path / "missing"), str(tmp_path / "out")
     code = ("import sys\nfrom click.testing import CliRunner\nfrom cli import main\n"
             f"for source in ({str(model_folder(files, 'llama'))!r}, 'someone/tiny-llama'):\n"
-            f"    print(CliRunner().invoke(main, ['convert', source, '-o', {str(tmp_path / 'out')!r}]).output)\n"
+            f"    for data in ([], ['--data', {missing!r}]):\n"
+            f"        print(CliRunner().invoke(main, ['convert', source, '-o', {out!r}, *data]).output)\n"
+            f"print(CliRunner().invoke(main, ['sample', source, '-o', {out!r}, '--tokens', '64', '--data', {missing!r}])"
+            ".output)\n"
             "assert 'torch' not in sys.modules")
     done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1], capture_output=True, text=True,
                           env={**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub")}, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("error: --data is required") == 2, done.stdout
+    assert done.stdout.count(f"error: data path {missing} does not exist") == 3, done.stdout
     assert_user_error(run("convert", "someone/not-cached", "-o", tmp_path / "out"),
                       "someone/not-cached: not a local folder, and not loadable from the Hub")
 
@@ -409,10 +415,11 @@ def test_ctrl_c_then_resume(files, tmp_path, monkeypatch):
     assert_user_error(convert(files, "llama", out, "--steps", 5),
                       "holds the training state of an interrupted conversion")
     assert (tmp_path / "out.resume" / "state.json").is_file()
-    assert_user_error(convert(files, "llama", out, "--steps", 8, "--resume"), "other training settings (steps 5 -> 8)")
+    assert_user_error(convert(files, "llama", out, "--steps", 8, "--resume"),
+                      "other training settings (--steps 5 -> 8)")
     other_data = run("convert", model_folder(files, "llama"), "-o", out, "--data", files / "corpus" / "train.jsonl",
                      "--recipe", files / "recipe.yaml", "--steps", 5, "--resume")
-    assert_user_error(other_data, f"other inputs (data {str(files / 'corpus')!r} -> "
+    assert_user_error(other_data, f"other inputs (--data {str(files / 'corpus')!r} -> "
                                   f"{str(files / 'corpus' / 'train.jsonl')!r})")
     result = convert(files, "llama", out, "--steps", 5, "--resume")
     assert result.exit_code == 0, result.output

@@ -11,7 +11,8 @@ import torch
 
 from helpers import CountingTokenizer, tiny_tokenizer
 from sparsify import data as data_module
-from sparsify.data import Documents, TextData, blocks, resolve
+from sparsify.data import Documents, TextData, blocks
+from sparsify.locations import hub_arguments, resolve_data
 from sparsify.errors import DataError
 
 EOS = tiny_tokenizer().eos_token_id
@@ -68,7 +69,7 @@ def test_parquet_and_mixed_folder(tmp_path):
     datasets = pytest.importorskip("datasets")
     datasets.Dataset.from_dict({"text": ["parquet row " * 10] * 5}).to_parquet(str(tmp_path / "p.parquet"))
     (tmp_path / "t.txt").write_text("plain text file " * 10)
-    assert set(resolve(tmp_path).train) == {"parquet", "text"}
+    assert set(resolve_data(tmp_path).train) == {"parquet", "text"}
     data = TextData(tmp_path, tiny_tokenizer(), seq_len=16, eval_tokens=16)
     text = tiny_tokenizer().decode(torch.cat(data.eval_blocks + [next(data.train_batches(4)).flatten()]))
     assert "parquet row" in text
@@ -130,7 +131,7 @@ def test_rows_whose_text_is_not_text_name_their_file(tmp_path, monkeypatch):
             if reader == "datasets" and row.startswith("["):  # datasets' JSON reader refuses it itself
                 message, line = "JSON parse error", ""
             with pytest.raises(DataError, match=rf"a\.jsonl{line}: {message}"):
-                list(Documents(resolve(tmp_path / "a.jsonl").train, "text"))
+                list(Documents(resolve_data(tmp_path / "a.jsonl").train, "text"))
 
 
 def test_without_datasets_package_jsonl_and_txt_read_the_same(tmp_path, monkeypatch):
@@ -260,13 +261,11 @@ def test_a_mistyped_local_folder_is_no_hub_name(tmp_path, monkeypatch):
     (tmp_path / "corpus").mkdir()
     for spec in ("corpus/trian", "corpsu/"):
         with pytest.raises(DataError, match=f"data path {spec} does not exist"):
-            resolve(spec)
-    assert resolve("owner/name").train == "owner/name"  # no local folder "owner": a Hub name
+            resolve_data(spec)
+    assert resolve_data("owner/name").train == "owner/name"  # no local folder "owner": a Hub name
 
 
 def test_hub_dataset_name_config_and_split(monkeypatch):
-    from sparsify.data import hub_arguments
-
     assert hub_arguments("allenai/c4:en@validation") == ("allenai/c4", "en", "validation")
     assert hub_arguments("wikitext:wikitext-2-raw-v1") == ("wikitext", "wikitext-2-raw-v1", "train")
     assert hub_arguments("owner/name@train[:1%]") == ("owner/name", None, "train[:1%]")
@@ -278,7 +277,7 @@ def test_hub_dataset_name_config_and_split(monkeypatch):
         return iter([{"text": "hello"}])
 
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
-    assert resolve("allenai/c4:en@validation").train == "allenai/c4:en@validation"
+    assert resolve_data("allenai/c4:en@validation").train == "allenai/c4:en@validation"
     assert list(Documents("allenai/c4:en@validation")) == ["hello"]
     assert calls == [(("allenai/c4", "en"), {"split": "validation", "streaming": True})]
 

@@ -140,7 +140,8 @@ def test_budget_curve_runs_every_setting_and_the_control_at_every_share(prepared
 def test_epochs_pass_over_the_head_of_the_train_split_several_times(prepared, tmp_path, monkeypatch):
     from transformers import AutoTokenizer
 
-    from sparsify.data import Documents, TextData, blocks, resolve
+    from sparsify.data import Documents, TextData, blocks
+    from sparsify.locations import resolve_data
 
     quality = load_script()
     work, report = prepared_work(prepared, tmp_path, monkeypatch), tmp_path / "epochs.json"
@@ -159,7 +160,7 @@ def test_epochs_pass_over_the_head_of_the_train_split_several_times(prepared, tm
 
     def packed(folder: Path, count: int | None = None) -> list[tuple]:
         return [tuple(b.tolist()) for b in itertools.islice(
-            blocks(iter(Documents(resolve(folder).train)), tok, seq_len), count)]
+            blocks(iter(Documents(resolve_data(folder).train)), tok, seq_len), count)]
 
     pass_blocks = packed(head)
     distinct = subset[0]["distinct_tokens"]

@@ -669,17 +669,20 @@ def test_resume_needs_the_saved_settings_and_processes(tmp_path):
     state_path = tmp_path / "r" / "state.json"
     assert json.loads(state_path.read_text())["processes"] == 1
 
-    def resume(data="corpus", **changes):
+    def resume(source="tiny-llama", data="corpus", **changes):
         resumed, _ = tiny_model("llama")
         return train(resumed, relufy(resumed), batches_from(), dataclasses.replace(cfg, **changes),
                      resume_dir=tmp_path / "r", resume=True, device="cpu", show_progress=False,
-                     inputs={**inputs, "data": data})
+                     inputs={"source": source, "data": data})
 
-    with pytest.raises(ConfigError, match=r"other training settings \(batch_size 2 -> 4; betas \[0.9, 0.95\] -> "
-                                          r"\[0.9, 0.99\]\)"):
-        resume(batch_size=4, betas=(0.9, 0.99))
-    with pytest.raises(ConfigError, match=r"saved by a run on other inputs \(data 'corpus' -> 'other'\)"):
+    # named by their options, as typed; the source, an argument, by its own name
+    with pytest.raises(ConfigError, match=r"other training settings \(--l1-warmup-steps 0 -> 2; --batch-size 2 -> 4; "
+                                          r"--betas \[0.9, 0.95\] -> \[0.9, 0.99\]\)"):
+        resume(batch_size=4, betas=(0.9, 0.99), l1_warmup_steps=2)
+    with pytest.raises(ConfigError, match=r"saved by a run on other inputs \(--data 'corpus' -> 'other'\)"):
         resume(data="other")
+    with pytest.raises(ConfigError, match=r"saved by a run on other inputs \(source 'tiny-llama' -> 'other'\)"):
+        resume(source="other")
     state = json.loads(state_path.read_text())
     state_path.write_text(json.dumps({**state, "processes": 2}))
     with pytest.raises(ConfigError, match="saved by 2 processes and this run has 1: launch 2"):
@@ -689,7 +692,7 @@ def test_resume_needs_the_saved_settings_and_processes(tmp_path):
                                           r"start over with --overwrite"):
         resume()
     state_path.write_text(json.dumps(state))
-    with pytest.raises(ConfigError, match=r"eval_tokens 65536 -> 128"):  # it moves where training starts
+    with pytest.raises(ConfigError, match=r"--eval-tokens 65536 -> 128"):  # it moves where training starts
         resume(eval_tokens=128)
     assert resume(log_every=3, save_every_minutes=5.0).steps == 6  # logging and saving settings may change
 

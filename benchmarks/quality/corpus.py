@@ -83,7 +83,8 @@ def make_subset(corpus: Path, out: Path, tokenizer, seq_len: int, tokens: int) -
     the retokenized end of its text out of the head's blocks; kept whole where the cut would change its tokens
     before that). Returns its documents and bytes and, counted by that reader, its blocks and their tokens
     (`distinct_tokens`: what each pass over it trains on)."""
-    from sparsify.data import Documents, Packer, blocks, resolve
+    from sparsify.data import Documents, Packer, blocks
+    from sparsify.locations import resolve_data
 
     wanted = -(-tokens // seq_len) * seq_len
     eos = len(Packer(tokenizer, seq_len).sep)
@@ -115,7 +116,7 @@ def make_subset(corpus: Path, out: Path, tokenizer, seq_len: int, tokens: int) -
         raise SystemExit(f"{corpus / 'train.jsonl'} holds {read:,} tokens, fewer than the {tokens:,} a pass over a "
                          f"head of it should hold: lower --convert-share or raise --corpus-mb")
     shutil.copyfile(corpus / "valid.jsonl", tmp / "valid.jsonl")
-    packed = sum(1 for _ in blocks(iter(Documents(resolve(tmp).train)), tokenizer, seq_len))
+    packed = sum(1 for _ in blocks(iter(Documents(resolve_data(tmp).train)), tokenizer, seq_len))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return {"tokens_asked": tokens, "documents": documents, "bytes": size, "blocks": packed,
