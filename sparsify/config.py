@@ -85,10 +85,11 @@ class TrainConfig:
         "Training tokens; with --steps, whichever ends first. The pretrained recipe keeps held-out quality on a "
         "quarter of the source's pretraining tokens (+2% cross-entropy), not on a tenth (+10%) or 5% (+14%), a "
         "share of pretraining rather than a token count (a base pretrained 3x longer: +3.6% on a quarter, where "
-        "its L1 weight holds 98.0%; steered to 99% with --target-sparsity, +5.9%): docs/quality.md. On a few "
-        "percent, --recipe small-budget on your text with three times as much from `sparsify sample --with-data`, "
-        "four times the folder's tokens (on 5% at 99%: +2.8%), or eight to sixteen passes over your text alone "
-        "(+8.3% read once, +4.0% eight times, +3.5% sixteen times). More than the text holds trains on it again."),
+        "its L1 weight holds 98.0%; steered to 99% with --target-sparsity, +5.9%; --recipe small-budget --lr 6e-4"
+        " read twice, 99.0% at +3.0%): docs/quality.md. On a few percent, --recipe small-budget on your text with"
+        " three times as much from `sparsify sample --with-data`, four times the folder's tokens (on 5% at 99%: "
+        "+2.8%), or eight to sixteen passes over your text alone (+8.3% read once, +4.0% eight times, +3.5% "
+        "sixteen times). More than the text holds trains on it again."),
         unset="no limit")
     seq_len: int = _setting(1024, "Tokens per training sequence (packed blocks).")
     batch_size: int = _setting(8, "Sequences per micro-batch and device.")
