@@ -38,10 +38,10 @@ def main():
 
 
 def _check_before_loading(source: str, out, overwrite: bool, data, data_required: str) -> dict | None:
-    """What needs no model, before torch is imported: OUT, the source's path or id, and --data (missing:
-    `data_required` said; a path that is not there or holds no text) where the source's config.json is at hand and
-    of a supported family; returns that config. The library checks all again with the rest, and names the problem
-    of any other source first."""
+    """What needs no model, before torch is imported: OUT, the source's path or id, its family where its
+    config.json is at hand (an unsupported one said at once), and then --data (missing: `data_required` said; a
+    path that is not there or holds no text); returns that config, or None where it is not at hand. The library
+    checks all again with the rest, and a source whose config is not at hand names its own problem first."""
     check_output_dir(out, overwrite)
     family = family_config(resolve_source(source))
     if family is not None and data is None and source != "demo":

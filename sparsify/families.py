@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .errors import UnsupportedModelError
+from .locations import family_problem
 
 
 @dataclass(frozen=True)
@@ -79,22 +80,12 @@ FAMILIES: dict[str, FamilySpec] = {
     )
 }
 
-# Config attributes that mark a mixture-of-experts model: its MLPs are routed experts, not one gated block.
-_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
-
-
 def spec_for(config) -> FamilySpec:
     """The family entry for a transformers config; UnsupportedModelError for anything not in the table."""
-    model_type = getattr(config, "model_type", None)
-    supported = ", ".join(sorted(FAMILIES))
-    if model_type not in FAMILIES:
-        kind = "a mixture-of-experts model" if any(getattr(config, k, None) for k in _MOE_KEYS) else (
-            "not a gated-MLP architecture that sparsify knows"
-        )
-        raise UnsupportedModelError(
-            f"model_type {model_type!r} is {kind}; supported families: {supported}"
-        )
-    return FAMILIES[model_type]
+    problem = family_problem(lambda name: getattr(config, name, None))
+    if problem:
+        raise UnsupportedModelError(problem)
+    return FAMILIES[config.model_type]
 
 
 def mlp_modules(model: nn.Module, spec: FamilySpec) -> list[nn.Module]:

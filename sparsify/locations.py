@@ -8,11 +8,13 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import DataError, OutputError, SourceError
+from .errors import DataError, OutputError, SourceError, UnsupportedModelError
 
 # The model_types of families.FAMILIES, here without torch, so that the CLI tells a supported source from its
 # config.json before importing it (tests/test_families.py checks that the two agree).
 FAMILY_NAMES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3"})
+# Config attributes that mark a mixture-of-experts model: its MLPs are routed experts, not one gated block.
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
 
 DATA_REQUIRED = "--data is required (local .txt/.json/.jsonl/.parquet files or folder, or a datasets name)"
 SAMPLE_DATA_REQUIRED = ("--data is required: the text whose training blocks give the prompts and whose held-out text "
@@ -55,9 +57,21 @@ def resolve_source(source: str | Path) -> str:
     return str(source)
 
 
+def family_problem(setting) -> str | None:
+    """Why a model whose config gives `setting(name)` (a value or None) is not of a family in FAMILY_NAMES, or
+    None: the message of families.spec_for and of the CLI's check before torch."""
+    model_type = setting("model_type")
+    if model_type in FAMILY_NAMES:
+        return None
+    kind = ("a mixture-of-experts model" if any(setting(key) for key in MOE_KEYS)
+            else "not a gated-MLP architecture that sparsify knows")
+    return f"model_type {model_type!r} is {kind}; supported families: {', '.join(sorted(FAMILY_NAMES))}"
+
+
 def family_config(where: str) -> dict | None:
     """The config.json of `where` (resolve_source's: a folder, or a Hub id, read from the local cache without asking
-    the Hub) where it names a family in FAMILY_NAMES; None where it does not, is not at hand or does not read."""
+    the Hub) where it names a family in FAMILY_NAMES; UnsupportedModelError where it names another model_type; None
+    where it names none, is not at hand or does not read (the library then says why)."""
     config = Path(where) / "config.json"
     if not Path(where).is_dir():
         from huggingface_hub import try_to_load_from_cache  # no torch, no request
@@ -70,7 +84,12 @@ def family_config(where: str) -> dict | None:
         values = json.loads(config.read_text())
     except (OSError, ValueError):
         return None
-    return values if isinstance(values, dict) and values.get("model_type") in FAMILY_NAMES else None
+    if not isinstance(values, dict) or not isinstance(values.get("model_type"), str):
+        return None
+    problem = family_problem(values.get)
+    if problem:
+        raise UnsupportedModelError(problem)
+    return values
 
 
 def hub_id_problem(repo_id: str) -> str | None:

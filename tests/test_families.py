@@ -8,7 +8,7 @@ from transformers import GPT2Config, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConf
 from helpers import HIDDEN, INTERMEDIATE, LAYERS, tiny_config, tiny_model
 from sparsify.errors import UnsupportedModelError
 from sparsify.families import FAMILIES, down_weight, gate_weight, mlp_modules, spec_for, up_weight
-from sparsify.locations import FAMILY_NAMES
+from sparsify.locations import FAMILY_NAMES, family_config
 
 
 def _import(path):
@@ -63,12 +63,15 @@ def test_gate_accessors_follow_the_module(family):
         (Qwen3MoeConfig(num_hidden_layers=1, hidden_size=32), "mixture-of-experts"),
     ],
 )
-def test_unsupported_architectures_name_the_supported_families(config, kind):
+def test_unsupported_architectures_name_the_supported_families(config, kind, tmp_path):
     with pytest.raises(UnsupportedModelError) as error:
         spec_for(config)
     message = str(error.value)
     assert kind in message and repr(config.model_type) in message
     assert all(family in message for family in FAMILIES)
+    config.save_pretrained(tmp_path)  # the CLI's check before torch, from config.json, says the same
+    with pytest.raises(UnsupportedModelError, match="^" + message.replace("(", r"\(").replace(")", r"\)") + "$"):
+        family_config(str(tmp_path))
 
 
 def test_layout_is_what_a_checkpoint_needs():
