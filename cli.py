@@ -12,7 +12,7 @@ from typing import get_args, get_origin, get_type_hints
 import click
 
 from sparsify.config import (TEXT_COLUMN_HELP, RunOptions, SampleOptions, TrainConfig, load_recipe, measure_help,
-                             option_name, value_type)
+                             option_name, overlay, value_type)
 from sparsify.errors import ConfigError, DataError, SparsifyError
 from sparsify.locations import (DATA_REQUIRED, SAMPLE_DATA_REQUIRED, check_hub_repo, check_output_dir, family_config,
                                 resolve_data, resolve_source)
@@ -151,10 +151,10 @@ def measure_option(what: str):
 def convert(source, recipe, **values):
     """Convert SOURCE (a Hub id, a checkpoint folder, or `demo`) into a >99%-sparse ReLU checkpoint in OUT."""
     options = RunOptions(**{name: values.pop(name) for name in RunOptions.__dataclass_fields__})
-    settings = load_recipe(recipe, source)
     if values.pop("no_hybrid"):
         values["hybrid_below"] = 0
-    settings.update({k: v for k, v in values.items() if v is not None})
+    # --passes replaces the recipe's tokens (and --tokens a recipe's passes); both given here: validate says so
+    settings = overlay(load_recipe(recipe, source), {k: v for k, v in values.items() if v is not None})
     config = TrainConfig.from_dict(settings)
     config.validate()  # what needs no model config, at once (convert checks again against the source's config)
     if options.push_to_hub:
@@ -204,9 +204,8 @@ def sample(source, **values):
     texts = f"{record['samples']:,} text" + ("s" if record["samples"] != 1 else "")
     console.print(f"sampled {texts}, {record['sampled_tokens']:,} tokens{data} in "
                   f"{record['seconds']:.0f} s ({record['sampled_tokens_per_s']:,.0f} tokens/s); wrote {values['out']}")
-    passes = 4 * (record["sampled_tokens"] + record["data_tokens"])  # small-budget.yaml's advice: four passes
     console.print(f"next, four passes over it with the small-budget recipe (docs/usage.md): sparsify convert {source} "
-                  f"-o OUT --data {values['out']} --recipe small-budget --tokens {passes}", soft_wrap=True)  # copyable
+                  f"-o OUT --data {values['out']} --recipe small-budget --passes 4", soft_wrap=True)  # copyable
 
 
 @main.command()

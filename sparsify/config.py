@@ -86,11 +86,16 @@ class TrainConfig:
         "quarter of the source's pretraining tokens (+2% cross-entropy), not on a tenth (+10%) or 5% (+14%), a "
         "share of pretraining rather than a token count (a base pretrained 3x longer: +3.6% on a quarter, where "
         "its L1 weight holds 98.0%; steered to 99% with --target-sparsity, +5.9%; --recipe small-budget --lr 6e-4"
-        " read twice, 99.0% at +3.0%): docs/quality.md. On a few percent, --recipe small-budget on your text with"
-        " three times as much from `sparsify sample --with-data`, four times the folder's tokens (on 5% at 99%: "
-        "+2.8%), or eight to sixteen passes over your text alone (+8.3% read once, +4.0% eight times, +3.5% "
+        " read twice (--passes 2), 99.0% at +3.0%): docs/quality.md. On a few percent, --recipe small-budget on "
+        "your text with three times as much from `sparsify sample --with-data`, --passes 4 over the folder (on 5% "
+        "at 99%: +2.8%), or --passes 8 to 16 over your text alone (+8.3% read once, +4.0% eight times, +3.5% "
         "sixteen times). More than the text holds trains on it again."),
         unset="no limit")
+    passes: float | None = _setting(None, (
+        "Training tokens as passes over the training text (the text after its held-out part): N times its tokens, "
+        "such as 2 or 1.5, in place of --tokens; with --steps, whichever ends first. Local text only, counted before "
+        "training: beyond its first 65,536 tokens its length is read and its tokens estimated from it, and the count "
+        "is said as \"about\"."), metavar="N", unset="off")
     seq_len: int = _setting(1024, "Tokens per training sequence (packed blocks).")
     batch_size: int = _setting(8, "Sequences per micro-batch and device.")
     grad_accum: int = _setting(1, "Micro-batches accumulated per optimizer step.")
@@ -210,6 +215,8 @@ class TrainConfig:
         return self.seq_len * self.batch_size * self.grad_accum * world
 
     def total_steps(self, world: int = 1) -> int:
+        if self.passes is not None and self.tokens is None:
+            raise ValueError("--passes must be resolved into tokens from the training text first (convert does)")
         bounds = [self.steps] if self.steps is not None else []
         if self.tokens is not None:
             bounds.append(math.ceil(self.tokens / self.tokens_per_step(world)))
@@ -231,8 +238,14 @@ class TrainConfig:
         elif not (isinstance(self.l1, (int, float)) and 0 <= self.l1 <= MAX_L1):
             bad("l1", f"must be between 0 and {MAX_L1} as an absolute coefficient (the paper uses 2e-5), got "
                 f"{self.l1}; for the L1 term's initial weight in nats (recipes: 3.5) add --l1-relative")
-        if self.steps is None and self.tokens is None:
-            raise ConfigError("set the training length: --steps or --tokens (or a recipe that sets them)")
+        if self.steps is None and self.tokens is None and self.passes is None:
+            raise ConfigError("set the training length: --steps, --tokens or --passes (or a recipe that sets them)")
+        if self.passes is not None and self.tokens is not None:
+            raise ConfigError(f"--passes {self.passes:g} and --tokens {self.tokens} both set the training tokens: give "
+                              "one (--passes N trains on N times the training text's tokens)")
+        if self.passes is not None and not 0 < self.passes < math.inf:
+            bad("passes", f"must be a number above 0 (passes over the training text, such as 2 or 1.5), got "
+                f"{self.passes}")
         for name in ("steps", "tokens", "seq_len", "batch_size", "grad_accum", "log_every", "dead_window_tokens",
                      "eval_tokens", "hybrid_max_nnz", "calibrate_tokens"):
             value = getattr(self, name)
@@ -288,9 +301,14 @@ class TrainConfig:
         if max_positions is not None and self.seq_len > max_positions:
             bad("seq_len", f"{self.seq_len} is beyond the model's maximum of {max_positions} positions")
         if world is not None:
-            self.check_swap(world)
-            if self.calibrate_steps and world > 1:
-                bad("calibrate_steps", f"runs on one process, not {world}: calibrate in a single-process run")
+            self.check_processes(world)
+
+    def check_processes(self, world: int) -> None:
+        """ConfigError for what `world` processes cannot run: a ReLU swap that would not end within the run's steps,
+        calibration on several. Needs the run's length: --passes resolved into tokens."""
+        self.check_swap(world)
+        if self.calibrate_steps and world > 1:
+            raise ConfigError(f"--calibrate-steps runs on one process, not {world}: calibrate in a single-process run")
 
     @property
     def uses_teacher(self) -> bool:
@@ -312,7 +330,9 @@ class TrainConfig:
         resolved = self.schedule(total)
         found = []
         if self.tokens is not None and total * self.tokens_per_step(world) < self.tokens:
-            found.append(f"--tokens {self.tokens:,}: the run stops at its {total} steps first, after "
+            asked = (f"--passes {self.passes:g} ({self.tokens:,} tokens)" if self.passes is not None
+                     else f"--tokens {self.tokens:,}")
+            found.append(f"{asked}: the run stops at its {total} steps first, after "
                          f"{total * self.tokens_per_step(world):,} tokens (set --steps to train on more)")
         for name, what in (("warmup_steps", "the learning rate"), ("l1_warmup_steps", "the L1 weight")):
             if getattr(resolved, name) >= total:
@@ -487,4 +507,15 @@ def load_recipe(recipe: str | Path | None, source: str, _extended: tuple = ()) -
         base = beside
     if path.resolve() in _extended:
         raise ConfigError(f"recipe {path}: extends {base}, which extends it again")
-    return {**load_recipe(base, source, (*_extended, path.resolve())), **values}
+    return overlay(load_recipe(base, source, (*_extended, path.resolve())), values)
+
+
+LENGTHS = ("tokens", "passes")  # either sets the run's training tokens
+
+
+def overlay(settings: dict, values: dict) -> dict:
+    """Training `settings` with `values` over them (a recipe's over the one it extends, the command line's over the
+    recipe's): a length in `values` (tokens or passes) replaces the one `settings` set."""
+    if values.keys() & set(LENGTHS):
+        settings = {name: value for name, value in settings.items() if name not in LENGTHS}
+    return {**settings, **values}

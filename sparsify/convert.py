@@ -112,6 +112,7 @@ class _Checked:
     inputs: dict  # what the training state depends on besides its settings: a resumed run must name the same
     saved: dict | None  # the state a resumed run continues (check_resume); None for a fresh run
     model_config: object  # the source's transformers config, which load_model then loads with (the Hub asked once)
+    text: TextData | None  # the training text where --passes had it counted before the run, else None (read later)
     trackers: list[str]  # of --report-to (train.trackers)
     fsdp: bool  # launched with an FSDP config (train.fsdp_launch)
     rank0_loading: bool  # under FSDP, only the main process reads the weights (train.fsdp_launch)
@@ -156,9 +157,11 @@ def convert(source: str, config: TrainConfig, options: RunOptions, fit_seq_len: 
     loaded = _load_source(source, config, options, checked, launch)
     measure_kernels = choose_measure(options.measure_kernels, loaded.model.config, options.device,
                                      shown and console.print)
-    text = TextData(checked.data, loaded.tokenizer, config.seq_len, config.eval_tokens, options.text_column)
+    text = checked.text
+    if text is None:
+        text = TextData(checked.data, loaded.tokenizer, config.seq_len, config.eval_tokens, options.text_column)
     if main:
-        _report_held_out(text, shown, _run_tokens(config, launch.num_processes))
+        _report_held_out(text, shown, config, launch.num_processes)
     perplexities = _Perplexities(text, config.batch_size, shown)
     result, mlps, calibration = _train(loaded.model, text, config, options, checked, perplexities)
     # A failure from here on keeps the trained weights (where it came while writing, in the export's dtype: what
@@ -185,7 +188,8 @@ def _check_inputs(source: str, config: TrainConfig, options: RunOptions, process
                   fit_seq_len: bool) -> _Checked:
     """Fails fast, before any weight is read, on what would stop the conversion later: OUT, the data, the
     settings against the source's config (its seq-len first fitted to the source's positions with
-    `fit_seq_len`) and `processes`, a resumed state against them, --report-to, --push-to-hub's id and login."""
+    `fit_seq_len`; --passes resolved into tokens by counting the training text) and `processes`, a resumed state
+    against them, --report-to, --push-to-hub's id and login."""
     out = check_output_dir(options.out, options.overwrite)
     if options.push_to_hub:
         check_hub_repo(options.push_to_hub)
@@ -211,11 +215,35 @@ def _check_inputs(source: str, config: TrainConfig, options: RunOptions, process
     positions = getattr(model_config, "max_position_embeddings", None)
     if fit_seq_len:
         config = _fit_positions(source, config, positions)
-    config.validate(positions, world=processes)
+    config.validate(positions)
+    resolve_data(data)  # missing / empty / unknown format
+    text = None
+    if config.passes is not None:
+        text, config = _resolve_passes(source, data, config, options)
+    config.check_processes(processes)
     inputs = {"source": _identity(source), "data": _identity(data), "text_column": options.text_column}
     saved = check_resume(resume_dir, config, processes, inputs) if options.resume else None
-    resolve_data(data)  # missing / empty / unknown format
-    return _Checked(config, out, data, inputs, saved, model_config, trackers(options.report_to), *fsdp_launch())
+    return _Checked(config, out, data, inputs, saved, model_config, text, trackers(options.report_to), *fsdp_launch())
+
+
+def _resolve_passes(source: str, data: str | Path, config: TrainConfig, options: RunOptions
+                    ) -> tuple[TextData, TrainConfig]:
+    """The training text, read with the source's tokenizer before any weight, and `config` with its tokens set to
+    --passes times the text's (counted, or estimated from its length beyond its head), said by the main process.
+    Every process counts the same text the same way, so that they agree on the run's steps; a resumed run counts
+    again and finds the tokens it saved."""
+    if isinstance(resolve_data(data).train, str):
+        raise ConfigError(f"--passes counts the training text, and --data {data} is a `datasets` name, streamed "
+                          "rather than counted: it needs local text; give --tokens instead")
+    tokenizer = load_tokenizer(resolve_source(source))
+    require_tokenizer(tokenizer, source)
+    text = TextData(data, tokenizer, config.seq_len, config.eval_tokens, options.text_column)
+    tokens, estimated = text.training_tokens()
+    config = replace(config, tokens=max(1, round(config.passes * tokens)))
+    if PartialState().is_main_process and (options.dry_run or not options.quiet):
+        console.print(f"--passes {config.passes:g}: {config.passes:g} x {'about ' if estimated else ''}{tokens:,} "
+                      f"tokens of the training text = {config.tokens:,} tokens")
+    return text, config
 
 
 def _check_source(config: TrainConfig, options: RunOptions, checked: _Checked, processes: int, show: bool) -> None:
@@ -239,10 +267,12 @@ def _dry_run(source: str, config: TrainConfig, options: RunOptions, checked: _Ch
     _check_source(config, options, checked, processes, show=True)
     where = resolve_source(source)
     check_weight_files(where, source)
-    tokenizer = load_tokenizer(where)
-    require_tokenizer(tokenizer, source)
-    _report_held_out(TextData(checked.data, tokenizer, config.seq_len, config.eval_tokens, options.text_column), True,
-                     _run_tokens(config, processes))
+    text = checked.text
+    if text is None:
+        tokenizer = load_tokenizer(where)
+        require_tokenizer(tokenizer, source)
+        text = TextData(checked.data, tokenizer, config.seq_len, config.eval_tokens, options.text_column)
+    _report_held_out(text, True, config, processes)
 
 
 def _run_tokens(config: TrainConfig, processes: int) -> int:
@@ -261,9 +291,10 @@ def _fit_positions(source: str, config: TrainConfig, positions: int | None) -> T
     return replace(config, seq_len=positions)
 
 
-def _report_held_out(text: TextData, shown: bool, run_tokens: int) -> None:
-    """What is held out (where `shown`) and the warnings about it and about the run's `run_tokens` on the rest."""
-    held_out, warnings = text.held_out(run_tokens)
+def _report_held_out(text: TextData, shown: bool, config: TrainConfig, processes: int) -> None:
+    """What is held out (where `shown`) and the warnings about it and about the passes the run makes over the rest
+    (none where --passes set them: said already)."""
+    held_out, warnings = text.held_out(None if config.passes is not None else _run_tokens(config, processes))
     if shown:
         console.print(held_out)
     for warning in warnings:

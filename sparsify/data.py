@@ -30,6 +30,7 @@ MIN_EVAL_TOKENS = 16384  # fewer held-out tokens measure perplexity and sparsity
 HELD_OUT_SHARE_WARN = 0.2  # warn when the head held out of the training text is at least this share of it
 PASSES_COUNTED = 2**22  # local training text is counted up to this many tokens to tell a run's passes over it
 TOKENS_SAMPLED = 2**16  # beyond this many tokens, the text's length is read and its tokens estimated (count_blocks)
+TOKENS_COUNTED = 2**40  # training_tokens counts (estimates) the whole text, up to this many tokens
 
 
 class Documents:
@@ -279,6 +280,13 @@ class TextData:
             if characters * tokens_per_character >= limit * self.seq_len:
                 break
         return min(limit, int(characters * tokens_per_character) // self.seq_len), True
+
+    def training_tokens(self) -> tuple[int, bool]:
+        """(tokens, estimated): the training text's tokens after its held-out head, in whole blocks, counted
+        (count_blocks: beyond TOKENS_SAMPLED tokens estimated from the text's length, estimated True). The whole text
+        is read: local text, not a Hub dataset."""
+        blocks, estimated = self.count_blocks(TOKENS_COUNTED // self.seq_len)
+        return (blocks - self.skip) * self.seq_len, estimated
 
     def training_blocks(self) -> Iterator[torch.Tensor]:
         """The training text's blocks once, in order, after its held-out head (an epoch of the stream, unshuffled)."""

@@ -30,7 +30,6 @@ from .load import check_device, load_config, load_model, require_tokenizer
 from .locations import SAMPLE_DATA_REQUIRED, check_output_dir, demo_corpus_path
 from .report import token_progress
 
-TOKENS_COUNTED = 2**40  # --data's training tokens are counted (estimated past its head) up to this many
 # --batch-size where unset: on a CPU a fixed count; on a GPU as many samples as half its free memory holds the caches
 # of, up to a cap past which a step's host overhead, which batching spreads, is a small part of it
 CPU_BATCH, GPU_BATCH_MAX, GPU_MEMORY_SHARE = 32, 1024, 0.5
@@ -135,8 +134,7 @@ def sample(source: str, options: SampleOptions) -> dict:
     data_docs = text.training_documents() if options.with_data else iter(())
     data_share = 0.0
     if options.with_data:
-        counted, _ = text.count_blocks(TOKENS_COUNTED // options.seq_len)
-        data_share = (counted - text.skip) * options.seq_len / options.tokens  # data tokens a sampled token
+        data_share = text.training_tokens()[0] / options.tokens  # data tokens a sampled token
     separator = len(Packer(tokenizer, options.seq_len).sep)  # the ids packing adds after a document
     with staged_output(out) as staging, open(staging / "train.jsonl", "w") as train, \
             token_progress(options.tokens, "sampling") as advance:

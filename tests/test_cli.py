@@ -202,6 +202,72 @@ def test_defaults_fit_the_model_and_the_data(files, tmp_path, monkeypatch):
     assert warning and float(warning[2]) == pytest.approx(64_000 / int(warning[1].replace(",", "")), abs=0.05)
 
 
+def training_text_tokens(corpus, seq_len):
+    """The tokens of a folder's train.jsonl in whole blocks of `seq_len`, counted by hand: the tiny tokenizer makes a
+    token of each byte (the texts are ASCII) and an EOS after each document."""
+    return sum(len(json.loads(line)["text"]) + 1 for line in open(corpus / "train.jsonl")) // seq_len * seq_len
+
+
+def test_passes_replace_the_recipes_tokens_and_the_dry_run_says_them(files, tmp_path, monkeypatch):
+    """--passes N sets the run's tokens to N times the training text's, counted (the held-out file apart), in place of
+    the recipe's tokens; the dry run says what it resolved to and makes no passes warning of its own. With --steps
+    the first to end stops the run."""
+    monkeypatch.setattr(convert_module, "load_model", None)
+    text_tokens = training_text_tokens(files / "corpus", 128)  # pretrained.yaml's seq-len fitted to the positions
+    result = run("convert", model_folder(files, "llama"), "-o", tmp_path / "out", "--data", files / "corpus",
+                 "--recipe", "pretrained", "--passes", 2, "--dry-run")
+    assert result.exit_code == 0, result.output
+    said = f"--passes 2: 2 x {text_tokens:,} tokens of the training text = {2 * text_tokens:,} tokens\n"
+    assert said in result.output
+    steps = -(-2 * text_tokens // (128 * 16))
+    assert f"tokens={2 * text_tokens}  passes=2.0" in result.output and "100000000" not in result.output
+    assert f"{steps:,} steps of 2,048 tokens ({steps * 2048:,} tokens)" in result.output
+    assert "passes over it" not in result.output
+    text_tokens = training_text_tokens(files / "corpus", 32)
+    result = convert(files, "llama", tmp_path / "out", "--dry-run", "--passes", 1.5)  # the recipe's 32 x 2, 2 steps
+    assert result.exit_code == 0, result.output
+    tokens = round(1.5 * text_tokens)
+    assert f"--passes 1.5: 1.5 x {text_tokens:,} tokens of the training text = {tokens:,} tokens\n" in result.output
+    assert (f"warning: --passes 1.5 ({tokens:,} tokens): the run stops at its 2 steps first, after 128 tokens (set "
+            "--steps to train on more)\n" in result.output)
+
+
+def test_passes_need_local_text(files, tmp_path):
+    result = run("convert", model_folder(files, "llama"), "-o", tmp_path / "out", "--data", "someone/dataset",
+                 "--recipe", files / "recipe.yaml", "--passes", 2)
+    assert_user_error(result, "--passes counts the training text, and --data someone/dataset is a `datasets` name, "
+                              "streamed rather than counted: it needs local text; give --tokens instead")
+
+
+def test_a_passes_run_trains_that_many_tokens_and_resumes(files, tmp_path, monkeypatch):
+    """A run of --passes 1.5 over a small text (counted exactly) trains 1.5 times its tokens, records them, and
+    resumes with the same --passes (the text counted again to the same tokens); other passes stop the resume."""
+    corpus, out = tmp_path / "corpus", tmp_path / "out"
+    corpus.mkdir()
+    (corpus / "train.jsonl").write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n" * 2}) + "\n"
+                                                for i in range(4)))
+    shutil.copy(files / "corpus" / "valid.jsonl", corpus)
+    text_tokens = training_text_tokens(corpus, 32)
+    tokens = round(1.5 * text_tokens)
+    steps = -(-tokens // 64)  # the recipe's 32 x 2 tokens a step
+    command = ["convert", model_folder(files, "llama"), "-o", out, "--data", corpus, "--recipe", files / "recipe.yaml"]
+    real = data_module.TrainingBatches.__next__
+    monkeypatch.setattr(data_module.TrainingBatches, "__next__", on_read(real, 1, interrupt))
+    assert_user_error(run(*command, "--passes", 1.5), f"interrupted at step 2 of {steps}")
+    saved = json.loads((tmp_path / "out.resume" / "state.json").read_text())["config"]
+    assert (saved["passes"], saved["tokens"]) == (1.5, tokens)
+    monkeypatch.setattr(data_module.TrainingBatches, "__next__", real)
+    assert_user_error(run(*command, "--passes", 2, "--resume"),
+                      f"other training settings (--tokens {tokens} -> {2 * text_tokens}; --passes 1.5 -> 2.0)")
+    result = run(*command, "--passes", 1.5, "--resume")
+    assert result.exit_code == 0, result.output
+    assert f"--passes 1.5: 1.5 x {text_tokens:,} tokens of the training text = {tokens:,} tokens\n" in result.output
+    assert f"resuming from step 2 of {steps}" in result.output and "passes over it" not in result.output
+    training = json.loads((out / "config.json").read_text())["twell"]["training"]
+    assert (training["passes"], training["max_tokens"], training["steps"], training["tokens"]) == (
+        1.5, tokens, steps, steps * 64)
+
+
 def test_dry_run_names_a_cut_weight_file(files, tmp_path, monkeypatch):
     monkeypatch.setattr(convert_module, "load_model", None)
     source = shutil.copytree(model_folder(files, "llama"), tmp_path / "cut")
@@ -246,7 +312,8 @@ def test_bad_settings_are_said_before_torch_is_imported(files, tmp_path):
                str(files / "corpus")]
     code = ("import sys\nfrom click.testing import CliRunner\nfrom cli import main\n"
             "for bad in (['--tokens', '-5'], ['--target-sparsity', '1.5'], ['--lr', '-1'], ['--seq-len', '0'],\n"
-            "            ['--seq-len', '4096']):\n"
+            "            ['--seq-len', '4096'], ['--passes', '0'], ['--passes', '-1'], ['--passes', '2', '--tokens', "
+            "'1000']):\n"
             f"    print(CliRunner().invoke(main, {command!r} + bad).output)\n"
             "assert 'torch' not in sys.modules")
     done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1], capture_output=True, text=True,
@@ -256,7 +323,13 @@ def test_bad_settings_are_said_before_torch_is_imported(files, tmp_path):
                     "error: --target-sparsity must be in [0, 1) (a share of units, such as 0.99; 0: off), got 1.5\n",
                     "error: --lr must be in (0, 1], got -1.0\n",
                     "error: --seq-len must be a positive integer, got 0\n",
-                    "error: --seq-len 4096 is beyond the model's maximum of 128 positions\n"):
+                    "error: --seq-len 4096 is beyond the model's maximum of 128 positions\n",
+                    "error: --passes must be a number above 0 (passes over the training text, such as 2 or 1.5), got "
+                    "0.0\n",
+                    "error: --passes must be a number above 0 (passes over the training text, such as 2 or 1.5), got "
+                    "-1.0\n",
+                    "error: --passes 2 and --tokens 1000 both set the training tokens: give one (--passes N trains on "
+                    "N times the training text's tokens)\n"):
         assert message in done.stdout, done.stdout
     assert not (tmp_path / "out").exists()
 

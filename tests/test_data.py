@@ -236,6 +236,16 @@ def test_a_run_longer_than_the_text_is_told_its_passes(tmp_path, monkeypatch):
     assert data.held_out(train_tokens=64 * 700)[1] == []
 
 
+def test_training_tokens_count_the_text_after_its_held_out_head(tmp_path, monkeypatch):
+    """--passes' count: exact for a small text, estimated from its length beyond TOKENS_SAMPLED tokens."""
+    (tmp_path / "one.txt").write_text("abcdefgh" * 640)  # 80 blocks of 64, the first 10 held out
+    data = TextData(str(tmp_path / "one.txt"), tiny_tokenizer(), 64, eval_tokens=64 * 10)
+    assert data.training_tokens() == (70 * 64, False)
+    monkeypatch.setattr(data_module, "TOKENS_SAMPLED", 64 * 20)
+    tokens, estimated = data.training_tokens()
+    assert estimated and tokens == pytest.approx(70 * 64, rel=0.05)
+
+
 def test_the_passes_over_long_text_are_estimated_from_its_length(tmp_path, monkeypatch):
     """Beyond TOKENS_SAMPLED tokens the text is read, not tokenized: its tokens are estimated from its length at the
     tokens per character of its start, and the warning says it is an estimate."""

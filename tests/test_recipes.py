@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from sparsify.config import load_recipe, recipe_names
+from sparsify.config import load_recipe, overlay, recipe_names
 from sparsify.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,6 +31,18 @@ def test_a_recipe_extends_another_under_its_own_settings(tmp_path):
     (tmp_path / "b.yaml").write_text(f"extends: {tmp_path / 'a.yaml'}\nl1: 2\n")
     with pytest.raises(ConfigError, match="a.yaml: extends .*b.yaml, which extends it again"):
         load_recipe(tmp_path / "a.yaml", "org/model")
+
+
+def test_a_training_length_replaces_the_one_under_it(tmp_path):
+    """tokens and passes both set the run's length: either, in a recipe or on the command line, replaces the other
+    under it (a recipe extending pretrained with passes runs no 100M tokens); neither leaves it."""
+    (tmp_path / "passes.yaml").write_text("extends: small-budget\npasses: 4\n")
+    settings = load_recipe(tmp_path / "passes.yaml", "org/model")
+    assert settings["passes"] == 4 and "tokens" not in settings
+    assert overlay({"tokens": 100, "steps": 5}, {"passes": 2}) == {"steps": 5, "passes": 2}
+    assert overlay({"passes": 2}, {"tokens": 100}) == {"tokens": 100}
+    assert overlay({"tokens": 100}, {"lr": 1e-4}) == {"tokens": 100, "lr": 1e-4}
+    assert overlay({"tokens": 100}, {"passes": 2, "tokens": 50}) == {"passes": 2, "tokens": 50}  # validate refuses
 
 
 def test_extends_reads_a_path_beside_the_extending_recipe_wherever_it_runs(tmp_path, monkeypatch):
