@@ -238,9 +238,11 @@ def _resolve_passes(source: str, data: str | Path, config: TrainConfig, options:
     tokenizer = load_tokenizer(resolve_source(source))
     require_tokenizer(tokenizer, source)
     text = TextData(data, tokenizer, config.seq_len, config.eval_tokens, options.text_column)
-    tokens, estimated = text.training_tokens()
+    shown = PartialState().is_main_process and (options.dry_run or not options.quiet)
+    with console.status(f"counting the training text's tokens for --passes ({data})") if shown else nullcontext():
+        tokens, estimated = text.training_tokens()  # a large text is read whole
     config = replace(config, tokens=max(1, round(config.passes * tokens)))
-    if PartialState().is_main_process and (options.dry_run or not options.quiet):
+    if shown:
         console.print(f"--passes {config.passes:g}: {config.passes:g} x {'about ' if estimated else ''}{tokens:,} "
                       f"tokens of the training text = {config.tokens:,} tokens")
     return text, config
