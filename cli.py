@@ -12,10 +12,10 @@ from typing import get_args, get_origin, get_type_hints
 import click
 
 from sparsify.config import (TEXT_COLUMN_HELP, RunOptions, SampleOptions, TrainConfig, load_recipe, measure_help,
-                             option_name, overlay, value_type)
+                             option_name, overlay, recipe_names, value_type)
 from sparsify.errors import ConfigError, DataError, SparsifyError
-from sparsify.locations import (DATA_REQUIRED, SAMPLE_DATA_REQUIRED, check_hub_repo, check_output_dir, family_config,
-                                resolve_data, resolve_source)
+from sparsify.locations import (DATA_REQUIRED, PASSES_NEED_LOCAL_TEXT, SAMPLE_DATA_REQUIRED, check_hub_dataset,
+                                check_hub_repo, check_output_dir, family_config, resolve_data, resolve_source)
 
 
 def user_errors(command):
@@ -37,18 +37,27 @@ def main():
     penalty) and run them on TwELL Triton kernels."""
 
 
-def _check_before_loading(source: str, out, overwrite: bool, data, data_required: str) -> dict | None:
+def _check_before_loading(source: str, out, overwrite: bool, data, data_required: str, passes=None) -> dict | None:
     """What needs no model, before torch is imported: OUT, the source's path or id, its family where its
-    config.json is at hand (an unsupported one said at once), and then --data (missing: `data_required` said; a
-    path that is not there or holds no text); returns that config, or None where it is not at hand. The library
-    checks all again with the rest, and a source whose config is not at hand names its own problem first."""
+    config.json is at hand (an unsupported one said at once), and then --data (missing: `data_required` said;
+    else _check_data); returns that config, or None where it is not at hand. The library checks all again with
+    the rest, and a source whose config is not at hand names its own problem first."""
     check_output_dir(out, overwrite)
     family = family_config(resolve_source(source))
     if family is not None and data is None and source != "demo":
         raise DataError(data_required)
     if family is not None and data is not None:
-        resolve_data(data)
+        _check_data(data, passes)
     return family
+
+
+def _check_data(data: str, passes: float | None = None) -> None:
+    """--data before torch: a path that is not there or holds no text; a `datasets` name that --passes cannot count,
+    or that the Hub does not hold (one request)."""
+    if isinstance(resolve_data(data).train, str):
+        if passes is not None:
+            raise ConfigError(PASSES_NEED_LOCAL_TEXT.format(data))
+        check_hub_dataset(data)
 
 
 def _quiet_loading() -> None:
@@ -68,6 +77,8 @@ def _unset_values() -> dict[str, str]:
     def shown(name, value) -> str:  # as the command line takes it: a tuple's values apart
         if value is None and unset[name]:
             return unset[name]
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 10_000:
+            return f"{value:_}"  # as recipes and the docs write counts
         return " ".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
     pretrained, demo = (vars(TrainConfig.from_dict(load_recipe(None, source))) for source in ("any", "demo"))
@@ -145,7 +156,9 @@ def measure_option(what: str):
 @main.command()
 @click.argument("source")
 @with_options(RUN_OPTIONS)
-@click.option("--recipe", help="Training settings YAML (a path or a name in recipes/); options given here override it.")
+@click.option("--recipe", help=("Training settings YAML: a path, or a name in recipes/ (" + ", ".join(recipe_names())
+                                + "); options given here override it. Default: demo for `demo`, pretrained for every "
+                                  "other source."))
 @with_options(TRAIN_OPTIONS)
 @user_errors
 def convert(source, recipe, **values):
@@ -159,7 +172,7 @@ def convert(source, recipe, **values):
     config.validate()  # what needs no model config, at once (convert checks again against the source's config)
     if options.push_to_hub:
         check_hub_repo(options.push_to_hub)
-    family = _check_before_loading(source, options.out, options.overwrite, options.data, DATA_REQUIRED)
+    family = _check_before_loading(source, options.out, options.overwrite, options.data, DATA_REQUIRED, config.passes)
     if family is not None and values["seq_len"] is not None:  # else convert fits the seq-len to the positions
         config.validate(family.get("max_position_embeddings"))
     _quiet_loading()
@@ -204,7 +217,8 @@ def sample(source, **values):
     texts = f"{record['samples']:,} text" + ("s" if record["samples"] != 1 else "")
     console.print(f"sampled {texts}, {record['sampled_tokens']:,} tokens{data} in "
                   f"{record['seconds']:.0f} s ({record['sampled_tokens_per_s']:,.0f} tokens/s); wrote {values['out']}")
-    console.print(f"next, four passes over it with the small-budget recipe (docs/usage.md): sparsify convert {source} "
+    console.print("next, four passes over it with the small-budget recipe, --lr about a third of the source's "
+                  f"pretraining peak (docs/usage.md): sparsify convert {source} "
                   f"-o OUT --data {values['out']} --recipe small-budget --passes 4", soft_wrap=True)  # copyable
 
 
@@ -238,7 +252,7 @@ def analyze(model, data, text_column, tokens, seq_len, batch_size, device, json_
     if not write_plan:  # --write-plan names a source that is no local checkpoint its own way (analyze)
         supported = family_config(resolve_source(model)) is not None
         if supported and data is not None:  # as in convert, any other source names its own problem first
-            resolve_data(data)
+            _check_data(data)
     _quiet_loading()
     from sparsify.analyze import analyze as run
     from sparsify.report import console, layer_table, plot_activity
@@ -256,6 +270,9 @@ def analyze(model, data, text_column, tokens, seq_len, batch_size, device, json_
         console.print(f"wrote the recommended settings into {model}/config.json and its model card")
     if plot_path:
         plot_activity(result["layers"], plot_path)
+    written = [path for path in (json_path, plot_path) if path]
+    if written:
+        console.print(f"wrote {' and '.join(map(str, written))}")
 
 
 @main.command()

@@ -82,20 +82,17 @@ class TrainConfig:
         "complete."), metavar="STEPS|P%")
     steps: int | None = _setting(None, "Optimizer steps; with --tokens, whichever ends first.", unset="no limit")
     tokens: int | None = _setting(None, (
-        "Training tokens; with --steps, whichever ends first. The pretrained recipe keeps held-out quality on a "
-        "quarter of the source's pretraining tokens (+2% cross-entropy), not on a tenth (+10%) or 5% (+14%), a "
-        "share of pretraining rather than a token count (a base pretrained 3x longer: +3.6% on a quarter, where "
-        "its L1 weight holds 98.0%; steered to 99% with --target-sparsity, +5.9%; --recipe small-budget --lr 6e-4"
-        " read twice (--passes 2), 99.0% at +3.0%): docs/quality.md. On a few percent, --recipe small-budget on "
-        "your text with three times as much from `sparsify sample --with-data`, --passes 4 over the folder (on 5% "
-        "at 99%: +2.8%), or --passes 8 to 16 over your text alone (+8.3% read once, +4.0% eight times, +3.5% "
-        "sixteen times). More than the text holds trains on it again."),
+        "Training tokens; with --steps, whichever ends first; more than the text holds trains on it again (--passes "
+        "counts them for you). What a conversion needs follows the share of the source's pretraining tokens it "
+        "trains on, not a count: the default recipe keeps quality on a quarter of them; on a few percent, --recipe "
+        "small-budget with --passes (README's table; the figures: docs/quality.md)."),
         unset="no limit")
     passes: float | None = _setting(None, (
         "Training tokens as passes over the training text (the text after its held-out part): N times its tokens, "
-        "such as 2 or 1.5, in place of --tokens; with --steps, whichever ends first. Local text only, counted before "
-        "training: beyond its first 65,536 tokens its length is read and its tokens estimated from it, and the count "
-        "is said as \"about\"."), metavar="N", unset="off")
+        "such as 2 or 1.5, in place of --tokens (and of a recipe's tokens); with --steps (also a recipe's: the demo "
+        "recipe sets 400), whichever ends first. Local text only, counted before training: beyond its first 4.2M "
+        "tokens its length is read and its tokens estimated from it, and the count is said as \"about\"."),
+        metavar="N", unset="off")
     seq_len: int = _setting(1024, "Tokens per training sequence (packed blocks).")
     batch_size: int = _setting(8, "Sequences per micro-batch and device.")
     grad_accum: int = _setting(1, "Micro-batches accumulated per optimizer step.")
@@ -238,14 +235,7 @@ class TrainConfig:
         elif not (isinstance(self.l1, (int, float)) and 0 <= self.l1 <= MAX_L1):
             bad("l1", f"must be between 0 and {MAX_L1} as an absolute coefficient (the paper uses 2e-5), got "
                 f"{self.l1}; for the L1 term's initial weight in nats (recipes: 3.5) add --l1-relative")
-        if self.steps is None and self.tokens is None and self.passes is None:
-            raise ConfigError("set the training length: --steps, --tokens or --passes (or a recipe that sets them)")
-        if self.passes is not None and self.tokens is not None:
-            raise ConfigError(f"--passes {self.passes:g} and --tokens {self.tokens} both set the training tokens: give "
-                              "one (--passes N trains on N times the training text's tokens)")
-        if self.passes is not None and not 0 < self.passes < math.inf:
-            bad("passes", f"must be a number above 0 (passes over the training text, such as 2 or 1.5), got "
-                f"{self.passes}")
+        self._check_length()
         for name in ("steps", "tokens", "seq_len", "batch_size", "grad_accum", "log_every", "dead_window_tokens",
                      "eval_tokens", "hybrid_max_nnz", "calibrate_tokens"):
             value = getattr(self, name)
@@ -303,6 +293,18 @@ class TrainConfig:
         if world is not None:
             self.check_processes(world)
 
+    def _check_length(self) -> None:
+        """ConfigError where the run's length is unset, or --passes is no count of passes or comes with --tokens."""
+        if self.steps is None and self.tokens is None and self.passes is None:
+            raise ConfigError("set the training length: --steps, --tokens or --passes (or a recipe that sets them)")
+        if self.passes is not None and self.tokens is not None:
+            raise ConfigError(f"--passes {self.passes:g} and --tokens {self.tokens} both set the training tokens (on "
+                              "the command line or in one recipe): give one (--passes N trains on N times the training "
+                              "text's tokens)")
+        if self.passes is not None and not 0 < self.passes < math.inf:
+            raise ConfigError(f"--passes must be a number above 0 (passes over the training text, such as 2 or 1.5), "
+                              f"got {self.passes:g}")
+
     def check_processes(self, world: int) -> None:
         """ConfigError for what `world` processes cannot run: a ReLU swap that would not end within the run's steps,
         calibration on several. Needs the run's length: --passes resolved into tokens."""
@@ -332,11 +334,12 @@ class TrainConfig:
         if self.tokens is not None and total * self.tokens_per_step(world) < self.tokens:
             asked = (f"--passes {self.passes:g} ({self.tokens:,} tokens)" if self.passes is not None
                      else f"--tokens {self.tokens:,}")
-            found.append(f"{asked}: the run stops at its {total} steps first, after "
-                         f"{total * self.tokens_per_step(world):,} tokens (set --steps to train on more)")
+            needed = math.ceil(self.tokens / self.tokens_per_step(world))
+            found.append(f"{asked}: the run stops at its {steps_said(total)} first, after "
+                         f"{total * self.tokens_per_step(world):,} tokens (--steps {needed} trains on all of them)")
         for name, what in (("warmup_steps", "the learning rate"), ("l1_warmup_steps", "the L1 weight")):
             if getattr(resolved, name) >= total:
-                found.append(f"{option_name(name)} {getattr(self, name)} is not below the run's {total} steps: "
+                found.append(f"{option_name(name)} {getattr(self, name)} is not below the run's {steps_said(total)}: "
                              f"{what} never reaches its set value")
         return found
 
@@ -511,6 +514,17 @@ def load_recipe(recipe: str | Path | None, source: str, _extended: tuple = ()) -
 
 
 LENGTHS = ("tokens", "passes")  # either sets the run's training tokens
+
+
+def steps_said(steps: int) -> str:
+    return f"{steps:,} step" + ("s" if steps != 1 else "")
+
+
+def shown_value(value) -> str:
+    """A setting's value as the settings line says it: counts with thousands separators, floats short."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    return f"{value:,}" if isinstance(value, int) else f"{value:g}"
 
 
 def overlay(settings: dict, values: dict) -> dict:

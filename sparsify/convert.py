@@ -34,14 +34,14 @@ from transformers.utils.hub import convert_file_size_to_int
 
 from .calibrate import available_memory, calibrate, calibration_blocks, check_kept_memory
 from .card import is_hub_id, public_name, source_license
-from .config import RunOptions, TrainConfig
+from .config import RunOptions, TrainConfig, shown_value, steps_said
 from .data import TextData
 from .errors import ConfigError, DataError
 from .export import ARTIFACTS, export_checkpoint
 from .load import (check_device, check_weight_files, load_config, load_model, load_tokenizer, mlp_parameter_count,
                    parameter_count, require_cuda, require_tokenizer, resolve_dtype)
-from .locations import (DATA_REQUIRED, check_hub_repo, check_output_dir, demo_corpus_path, resolve_data,
-                        resolve_source)
+from .locations import (DATA_REQUIRED, PASSES_NEED_LOCAL_TEXT, check_hub_dataset, check_hub_repo, check_output_dir,
+                        demo_corpus_path, resolve_data, resolve_source)
 from .measure import measure, perplexity
 from .plan import choose_measure, plan_model
 from .tune import capture_mlp_inputs
@@ -75,12 +75,12 @@ def run_summary(parameters: int, config: TrainConfig, processes: int = 1, sharde
     these few, and the checkpoint records all (_training_record)."""
     state = training_state_bytes(parameters, processes, sharded, teacher=config.uses_teacher)
     steps = config.total_steps(processes)
-    changed = "  ".join(f"{setting.name}={getattr(config, setting.name)}" for setting in fields(config)
+    changed = "  ".join(f"{setting.name}={shown_value(getattr(config, setting.name))}" for setting in fields(config)
                         if getattr(config, setting.name) != setting.default)
     rest = "at their built-in defaults; the checkpoint's config.json records all, under twell.training"
     processes_said = f"{processes} process" + ("es" if processes > 1 else "")
     return (f"settings: {f'{changed}  (the others {rest})' if changed else f'all {rest}'}\n"
-            f"{parameters / 1e6:,.1f}M parameters; {steps:,} steps of {config.tokens_per_step(processes):,} tokens "
+            f"{parameters / 1e6:,.1f}M parameters; {steps_said(steps)} of {config.tokens_per_step(processes):,} tokens "
             f"({_run_tokens(config, processes):,} tokens) on {processes_said}; training state "
             + (f"{state / 2**30:.1f} GiB" if state >= 2**30 else f"{state / 2**20:.0f} MiB")
             + f" a process (fp32 weights, gradients, AdamW{', bf16 teacher' if config.uses_teacher else ''}; "
@@ -216,7 +216,10 @@ def _check_inputs(source: str, config: TrainConfig, options: RunOptions, process
     if fit_seq_len:
         config = _fit_positions(source, config, positions)
     config.validate(positions)
-    resolve_data(data)  # missing / empty / unknown format
+    if isinstance(resolve_data(data).train, str):  # a `datasets` name (a path missing, empty or of no text raised)
+        if config.passes is not None:
+            raise ConfigError(PASSES_NEED_LOCAL_TEXT.format(data))
+        check_hub_dataset(data)
     text = None
     if config.passes is not None:
         text, config = _resolve_passes(source, data, config, options)
@@ -232,9 +235,6 @@ def _resolve_passes(source: str, data: str | Path, config: TrainConfig, options:
     --passes times the text's (counted, or estimated from its length beyond its head), said by the main process.
     Every process counts the same text the same way, so that they agree on the run's steps; a resumed run counts
     again and finds the tokens it saved."""
-    if isinstance(resolve_data(data).train, str):
-        raise ConfigError(f"--passes counts the training text, and --data {data} is a `datasets` name, streamed "
-                          "rather than counted: it needs local text; give --tokens instead")
     tokenizer = load_tokenizer(resolve_source(source))
     require_tokenizer(tokenizer, source)
     text = TextData(data, tokenizer, config.seq_len, config.eval_tokens, options.text_column)

@@ -257,9 +257,9 @@ class TextData:
                             f"--steps, or give more text)")
         return what, warnings
 
-    def count_blocks(self, limit: int) -> tuple[int, bool]:
-        """(blocks, estimated): the training text's blocks, counted as far as `limit`. Its first TOKENS_SAMPLED
-        tokens (and at least the held-out head and a block, so that an estimate leaves a block to train on) are
+    def count_blocks(self, limit: int, exact_tokens: int | None = None) -> tuple[int, bool]:
+        """(blocks, estimated): the training text's blocks, counted as far as `limit`. Its first `exact_tokens`
+        (TOKENS_SAMPLED unless given) tokens (and at least the held-out head and a block, so that an estimate leaves a block to train on) are
         tokenized and counted; beyond, the rest of the text is only read (tokenizing it would delay the start), its
         characters counted at the tokens per character of the part tokenized (estimated: True)."""
         characters = 0
@@ -271,7 +271,7 @@ class TextData:
                 yield doc
 
         docs, packer = iter(Documents(self.source.train, self.text_column)), Packer(self.tokenizer, self.seq_len)
-        sampled = min(limit, max(self.skip + 1, TOKENS_SAMPLED // self.seq_len))
+        sampled = min(limit, max(self.skip + 1, (exact_tokens or TOKENS_SAMPLED) // self.seq_len))
         blocks = sum(1 for _ in itertools.islice(packer.blocks(counted(docs)), sampled))
         if blocks < sampled or blocks >= limit:  # the whole text, or as far as asked
             return blocks, False
@@ -283,9 +283,9 @@ class TextData:
 
     def training_tokens(self) -> tuple[int, bool]:
         """(tokens, estimated): the training text's tokens after its held-out head, in whole blocks, counted
-        (count_blocks: beyond TOKENS_SAMPLED tokens estimated from the text's length, estimated True). The whole text
-        is read: local text, not a Hub dataset."""
-        blocks, estimated = self.count_blocks(TOKENS_COUNTED // self.seq_len)
+        (count_blocks: exactly up to PASSES_COUNTED tokens, beyond estimated from the text's length at the tokens per
+        character of those, estimated True). The whole text is read: local text, not a Hub dataset."""
+        blocks, estimated = self.count_blocks(TOKENS_COUNTED // self.seq_len, PASSES_COUNTED)
         return (blocks - self.skip) * self.seq_len, estimated
 
     def training_blocks(self) -> Iterator[torch.Tensor]:

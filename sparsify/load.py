@@ -19,9 +19,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from .errors import ConfigError, SourceError
 from .families import mlp_modules, spec_for
-from .locations import resolve_source
+from .locations import HUB_TIMEOUT_S, first_line, no_answer, resolve_source
 
-HUB_TIMEOUT_S = 5  # how long the Hub may take to answer whether a source's config.json exists
 
 DTYPES = {
     "fp32": torch.float32, "float32": torch.float32,
@@ -54,7 +53,7 @@ def _load_config(where: str, source):
     except (OSError, ValueError, KeyError) as error:
         local = Path(where).is_dir()
         what = "cannot read its config.json" if local else "not a local folder, and not loadable from the Hub"
-        raise SourceError(f"{source}: {what} ({_first_line(error)})") from error
+        raise SourceError(f"{source}: {what} ({first_line(error)})") from error
     return config, spec_for(config)
 
 
@@ -77,14 +76,10 @@ def check_hub_source(repo_id: str, source) -> None:
     except RemoteEntryNotFoundError:
         raise SourceError(f"{source}: the Hub repository has no config.json, so it is no transformers model") from None
     except HfHubHTTPError as error:
-        raise SourceError(f"{source}: the Hub did not give its config.json ({_first_line(error)})") from None
+        raise SourceError(f"{source}: the Hub did not give its config.json ({first_line(error)})") from None
     except Exception as error:  # no response: the HTTP client's connection and timeout errors
-        # told apart by class name: the HTTP client under huggingface_hub (requests, httpx or httpx2, by its
-        # version) names its timeouts *Timeout*, its refused connections and failed name lookups otherwise
-        timed_out = any("Timeout" in kind.__name__ for kind in type(error).__mro__)
-        problem = f"the Hub did not answer within {HUB_TIMEOUT_S} s" if timed_out else "could not reach the Hub"
-        raise SourceError(f"{source}: not a local folder, and {problem} ({_first_line(error)}); offline, "
-                          "HF_HUB_OFFLINE=1 reads models cached before") from None
+        raise SourceError(f"{source}: not a local folder, and {no_answer(error, HUB_TIMEOUT_S)} "
+                          f"({first_line(error)}); offline, HF_HUB_OFFLINE=1 reads models cached before") from None
 
 
 def require_cuda(device, what: str) -> torch.device:
@@ -131,7 +126,7 @@ def load_model(source: str | Path, *, dtype: torch.dtype | str | None = None, de
             where, config=config, dtype=resolve_dtype(dtype, device), output_loading_info=True
         )
     except (OSError, ValueError, RuntimeError, SafetensorError) as error:
-        raise SourceError(f"{source}: cannot load the weights ({_first_line(error)})") from error
+        raise SourceError(f"{source}: cannot load the weights ({first_line(error)})") from error
     if info["missing_keys"] or info["mismatched_keys"]:
         missing = sorted(info["missing_keys"]) + sorted(str(k) for k in info["mismatched_keys"])
         raise SourceError(f"{source}: the weights do not match the config (missing or mismatched: {missing[:5]} ...)")
@@ -214,7 +209,3 @@ def require_tokenizer(tokenizer, source) -> None:
     """Stop with a clear message where a tokenizer is needed (tokenizing text) and the source has none."""
     if tokenizer is None:
         raise SourceError(f"{source}: no tokenizer could be loaded from it (tokenizer.json / tokenizer_config.json)")
-
-
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]

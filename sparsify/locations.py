@@ -3,6 +3,7 @@ files, the data (local files or a `datasets` name) and the output folder. Import
 the CLI checks these paths before it imports the modules that load models: a mistyped path fails at once."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass
@@ -17,6 +18,9 @@ FAMILY_NAMES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
 
 DATA_REQUIRED = "--data is required (local .txt/.json/.jsonl/.parquet files or folder, or a datasets name)"
+HUB_TIMEOUT_S = 5  # how long the Hub may take to answer whether a model source or a dataset exists (one request)
+PASSES_NEED_LOCAL_TEXT = ("--passes counts the training text, and --data {} is a `datasets` name, streamed rather than "
+                          "counted: it needs local text; give --tokens instead")
 SAMPLE_DATA_REQUIRED = ("--data is required: the text whose training blocks give the prompts and whose held-out text "
                         "the folder keeps")
 
@@ -177,6 +181,48 @@ def resolve_data(spec: str | Path) -> DataSource:
     if not train:
         raise DataError(f"data {path} has only evaluation files ({', '.join(p.name for p in held_out)})")
     return DataSource(train=_by_builder(train), eval=_by_builder(held_out) if held_out else None)
+
+
+@functools.cache  # once a run: the CLI checks before torch, the library again
+def check_hub_dataset(spec: str) -> None:
+    """DataError, within HUB_TIMEOUT_S, where --data `spec`, which names no local path (resolve_data took it for a
+    `datasets` name), names no dataset the Hub holds, or the Hub cannot be asked and its files are not cached: one
+    request, no retries (datasets would retry for half a minute, then not say that no such local path exists). Asks
+    nothing offline."""
+    from huggingface_hub import HfApi, constants, try_to_load_from_cache  # no torch
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
+
+    name = hub_arguments(spec)[0]
+    if constants.is_offline_mode():
+        return
+    where = f"--data {spec}: no local file or folder of that name, and"
+    try:
+        HfApi().dataset_info(name, timeout=HUB_TIMEOUT_S)
+    except GatedRepoError:
+        raise DataError(f"--data {spec}: a gated dataset on the Hub: accept its terms on its page and log in "
+                        "(`hf auth login`)") from None
+    except RepositoryNotFoundError:
+        raise DataError(f"{where} no dataset {name} on the Hub (check the name; a private one needs `hf auth login`)"
+                        ) from None
+    except HfHubHTTPError as error:
+        raise DataError(f"{where} the Hub did not give dataset {name} ({first_line(error)})") from None
+    except Exception as error:  # no response
+        if isinstance(try_to_load_from_cache(name, "README.md", repo_type="dataset"), str):
+            return  # cached before: datasets may read it from the cache
+        raise DataError(f"{where} {no_answer(error, HUB_TIMEOUT_S)} to find it as a dataset ({first_line(error)}); "
+                        "offline, HF_HUB_OFFLINE=1 reads datasets cached before") from None
+
+
+def no_answer(error: BaseException, timeout: float) -> str:
+    """What a request to the Hub that got no response met, in words. Told apart by class name: the HTTP client
+    under huggingface_hub (requests, httpx or httpx2, by its version) names its timeouts *Timeout*, its refused
+    connections and failed name lookups otherwise."""
+    timed_out = any("Timeout" in kind.__name__ for kind in type(error).__mro__)
+    return f"the Hub did not answer within {timeout:g} s" if timed_out else "could not reach the Hub"
+
+
+def first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def hub_arguments(spec: str) -> tuple[str, str | None, str]:

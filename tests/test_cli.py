@@ -176,7 +176,7 @@ def test_dry_run_prints_the_resolved_settings_and_stops(files, tmp_path, monkeyp
     assert not (tmp_path / "out").exists()
     output = convert(files, "llama", tmp_path / "out", "--dry-run", "--tokens", 1000).output
     assert ("warning: --tokens 1,000: the run stops at its 2 steps first, after 128 tokens "
-            "(set --steps to train on more)\n" in output)
+            "(--steps 16 trains on all of them)\n" in output)
     output = convert(files, "llama", tmp_path / "out", "--dry-run", "--l1-warmup-steps", 5, "--warmup-steps", 2).output
     # outside a terminal each warning is one whole line (a log file), however long
     assert ("warning: --l1-warmup-steps 5 is not below the run's 2 steps: the L1 weight never reaches its set value\n"
@@ -220,7 +220,7 @@ def test_passes_replace_the_recipes_tokens_and_the_dry_run_says_them(files, tmp_
     said = f"--passes 2: 2 x {text_tokens:,} tokens of the training text = {2 * text_tokens:,} tokens\n"
     assert said in result.output
     steps = -(-2 * text_tokens // (128 * 16))
-    assert f"tokens={2 * text_tokens}  passes=2.0" in result.output and "100000000" not in result.output
+    assert f"tokens={2 * text_tokens:,}  passes=2  " in result.output and "100,000,000" not in result.output
     assert f"{steps:,} steps of 2,048 tokens ({steps * 2048:,} tokens)" in result.output
     assert "passes over it" not in result.output
     text_tokens = training_text_tokens(files / "corpus", 32)
@@ -228,8 +228,8 @@ def test_passes_replace_the_recipes_tokens_and_the_dry_run_says_them(files, tmp_
     assert result.exit_code == 0, result.output
     tokens = round(1.5 * text_tokens)
     assert f"--passes 1.5: 1.5 x {text_tokens:,} tokens of the training text = {tokens:,} tokens\n" in result.output
-    assert (f"warning: --passes 1.5 ({tokens:,} tokens): the run stops at its 2 steps first, after 128 tokens (set "
-            "--steps to train on more)\n" in result.output)
+    assert (f"warning: --passes 1.5 ({tokens:,} tokens): the run stops at its 2 steps first, after 128 tokens "
+            f"(--steps {-(-tokens // 64)} trains on all of them)\n" in result.output)
 
 
 def test_passes_need_local_text(files, tmp_path):
@@ -293,8 +293,8 @@ def test_missing_data_is_said_before_torch_is_imported(files, tmp_path):
             f"for source in ({str(model_folder(files, 'llama'))!r}, 'someone/tiny-llama'):\n"
             f"    for data in ([], ['--data', {missing!r}]):\n"
             f"        print(CliRunner().invoke(main, ['convert', source, '-o', {out!r}, *data]).output)\n"
-            f"print(CliRunner().invoke(main, ['sample', source, '-o', {out!r}, '--tokens', '64', '--data', {missing!r}])"
-            ".output)\n"
+            f"print(CliRunner().invoke(main, ['sample', source, '-o', {out!r}, '--tokens', '64',\n"
+            f"                               '--data', {missing!r}]).output)\n"
             "assert 'torch' not in sys.modules")
     done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1], capture_output=True, text=True,
                           env={**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub")}, timeout=120)
@@ -325,11 +325,11 @@ def test_bad_settings_are_said_before_torch_is_imported(files, tmp_path):
                     "error: --seq-len must be a positive integer, got 0\n",
                     "error: --seq-len 4096 is beyond the model's maximum of 128 positions\n",
                     "error: --passes must be a number above 0 (passes over the training text, such as 2 or 1.5), got "
-                    "0.0\n",
+                    "0\n",
                     "error: --passes must be a number above 0 (passes over the training text, such as 2 or 1.5), got "
-                    "-1.0\n",
-                    "error: --passes 2 and --tokens 1000 both set the training tokens: give one (--passes N trains on "
-                    "N times the training text's tokens)\n"):
+                    "-1\n",
+                    "error: --passes 2 and --tokens 1000 both set the training tokens (on the command line or in one "
+                    "recipe): give one (--passes N trains on N times the training text's tokens)\n"):
         assert message in done.stdout, done.stdout
     assert not (tmp_path / "out").exists()
 

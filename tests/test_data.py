@@ -237,11 +237,13 @@ def test_a_run_longer_than_the_text_is_told_its_passes(tmp_path, monkeypatch):
 
 
 def test_training_tokens_count_the_text_after_its_held_out_head(tmp_path, monkeypatch):
-    """--passes' count: exact for a small text, estimated from its length beyond TOKENS_SAMPLED tokens."""
+    """--passes' count: exact for a text within PASSES_COUNTED tokens, beyond estimated from its length."""
     (tmp_path / "one.txt").write_text("abcdefgh" * 640)  # 80 blocks of 64, the first 10 held out
     data = TextData(str(tmp_path / "one.txt"), tiny_tokenizer(), 64, eval_tokens=64 * 10)
     assert data.training_tokens() == (70 * 64, False)
-    monkeypatch.setattr(data_module, "TOKENS_SAMPLED", 64 * 20)
+    monkeypatch.setattr(data_module, "TOKENS_SAMPLED", 64 * 20)  # the held-out warning's sample, not --passes'
+    assert data.training_tokens() == (70 * 64, False)
+    monkeypatch.setattr(data_module, "PASSES_COUNTED", 64 * 20)
     tokens, estimated = data.training_tokens()
     assert estimated and tokens == pytest.approx(70 * 64, rel=0.05)
 

@@ -13,7 +13,7 @@ from transformers import GPT2Config
 
 from helpers import tiny_input_ids, tiny_model
 from sparsify import load, locations
-from sparsify.errors import ConfigError, SourceError, UnsupportedModelError
+from sparsify.errors import ConfigError, DataError, SourceError, UnsupportedModelError
 from sparsify.load import load_config, load_model, require_tokenizer
 from sparsify.locations import demo_model_path
 
@@ -175,6 +175,12 @@ class _NoSuchRepo(BaseHTTPRequestHandler):
         pass
 
 
+def _of_repositories(requests: list[str]) -> list[str]:
+    """The requests about repositories: huggingface_hub (2.4 on) may also fetch, once a day, the registry of coding
+    agents that its user-agent header names."""
+    return [path for path in requests if not path.startswith("/api/agent-harnesses")]
+
+
 def _online_at(monkeypatch, endpoint: str) -> None:
     """huggingface_hub online (the tests run offline), its endpoint at `endpoint` (as HF_ENDPOINT sets it at import)."""
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
@@ -193,7 +199,7 @@ def test_mistyped_hub_id_fails_at_once_with_one_request(monkeypatch):
             load_model("nobody-here/no-such-modle")
     finally:
         server.shutdown()
-    assert server.requests == ["/nobody-here/no-such-modle/resolve/main/config.json"]  # no retries
+    assert _of_repositories(server.requests) == ["/nobody-here/no-such-modle/resolve/main/config.json"]  # no retries
 
 
 def test_unreachable_hub_fails_within_seconds(monkeypatch):
@@ -221,6 +227,38 @@ def test_silent_hub_fails_after_the_timeout(monkeypatch):
         with pytest.raises(SourceError, match=r"owner/model: not a local folder, and the Hub did not answer within "
                                               r"0.5 s \(.+\); offline, HF_HUB_OFFLINE=1 reads models cached before"):
             load_config("owner/model")
+
+
+def test_data_that_names_no_local_path_is_asked_of_the_hub_once(monkeypatch, tmp_path):
+    """--data that names no local path is a `datasets` name: one request says that the Hub holds no such dataset (a
+    mistyped folder, here `corpus`) or cannot be reached, where datasets would retry for half a minute and then not
+    say that no such local path exists; convert says it before loading anything."""
+    from click.testing import CliRunner
+
+    from cli import main
+
+    monkeypatch.chdir(tmp_path)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _NoSuchRepo)
+    server.requests = []
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        _online_at(monkeypatch, f"http://127.0.0.1:{server.server_address[1]}")
+        result = CliRunner().invoke(main, ["convert", "demo", "-o", str(tmp_path / "out"), "--data", "corpus"])
+    finally:
+        server.shutdown()
+    assert result.exit_code == 1
+    assert ("error: --data corpus: no local file or folder of that name, and no dataset corpus on the Hub (check the "
+            "name; a private one needs `hf auth login`)") in " ".join(result.output.split())
+    assert [path.split("?")[0] for path in _of_repositories(server.requests)] == ["/api/datasets/corpus"]  # no retries
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    _online_at(monkeypatch, f"http://127.0.0.1:{port}")
+    started = time.perf_counter()
+    with pytest.raises(DataError, match=r"--data owner/corpus: no local file or folder of that name, and could not "
+                                        r"reach the Hub to find it as a dataset \(.+\); offline, HF_HUB_OFFLINE=1"):
+        locations.check_hub_dataset("owner/corpus")
+    assert time.perf_counter() - started < locations.HUB_TIMEOUT_S
 
 
 @pytest.mark.parametrize("source", ["no such model!", "owner/x y", "a--b"])
