@@ -32,7 +32,7 @@ import torch
 from accelerate import PartialState
 from transformers.utils.hub import convert_file_size_to_int
 
-from .calibrate import available_memory, calibrate, calibration_blocks, check_kept_memory
+from .calibrate import ROWS_PER_STEP, available_memory, calibrate, calibration_blocks, check_kept_memory
 from .card import is_hub_id, public_name, source_license
 from .config import RunOptions, TrainConfig, shown_value, steps_said
 from .data import TextData
@@ -256,7 +256,9 @@ def _check_source(config: TrainConfig, options: RunOptions, checked: _Checked, p
     if show:
         console.print(run_summary(parameters, config, processes, checked.fsdp))
     check_training_memory(parameters, options.device, processes, checked.fsdp, teacher=config.uses_teacher)
-    if (warning := cpu_training_warning(parameters, _run_tokens(config, processes), options.device)) and \
+    calibration = config.calibrate_steps * ROWS_PER_STEP * mlp_parameter_count(checked.model_config)
+    if (warning := cpu_training_warning(parameters, _run_tokens(config, processes), options.device,
+                                        teacher=config.uses_teacher, calibration=calibration)) and \
             PartialState().is_main_process:
         warn(warning)
     if config.calibrate_steps and config.calibrate_sequential and checked.saved is None:

@@ -815,6 +815,11 @@ def test_cpu_training_warning_names_the_work_against_the_demo():
     warning = cpu_training_warning(500_000_000, 50_000_000, "cpu")
     assert warning.startswith("training 500M parameters on 50,000,000 tokens on the CPU: ")
     assert f"{500e6 * 50e6 / DEMO_WORK:,.0f} times the arithmetic of the demo's conversion" in warning
+    # sparsify sample's suggested small-budget run on the demo: a teacher and calibration make it ten demos
+    assert cpu_training_warning(3_050_000, 3_580_000, "cpu") is None
+    warning = cpu_training_warning(3_050_000, 3_580_000, "cpu", teacher=True, calibration=1500 * 4096 * 2_000_000)
+    assert warning.startswith("training 3M parameters on 3,580,000 tokens with a distillation teacher and sparse "
+                              "calibration on the CPU: 11 times")
 
 
 def test_a_run_that_ends_far_from_sparse_says_what_to_change():

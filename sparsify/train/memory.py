@@ -42,15 +42,21 @@ def check_training_memory(parameters: int, device: str | None, processes: int, s
 DEMO_WORK = 3.05e6 * 819_200
 
 
-def cpu_training_warning(parameters: int, tokens: int, device: str | None) -> str | None:
+def cpu_training_warning(parameters: int, tokens: int, device: str | None, teacher: bool = False,
+                         calibration: int = 0) -> str | None:
     """The warning for a training run on the CPU of more than ten times the demo conversion's arithmetic (None
-    otherwise)."""
-    if not on_cpu(device) or parameters * tokens <= 10 * DEMO_WORK:
+    otherwise): parameters x tokens, a third more with a distillation `teacher` (its forward pass beside the
+    model's forward and backward), and `calibration`, what sparse calibration adds (its MLPs' parameters x the
+    rows of all its steps: a forward and backward of each MLP on them)."""
+    work = parameters * tokens * (4 / 3 if teacher else 1) + calibration
+    if not on_cpu(device) or work <= 10 * DEMO_WORK:
         return None
-    times = parameters * tokens / DEMO_WORK
-    return (f"training {parameters / 1e6:,.0f}M parameters on {tokens:,} tokens on the CPU: {times:,.0f} times the "
-            f"arithmetic of the demo's conversion, so about {times:,.0f} times its minutes on the same CPU. A CUDA GPU "
-            "is what sparsify trains on (and where the sparse kernels run)")
+    times = work / DEMO_WORK
+    extra = " and ".join(what for what, on in (("a distillation teacher", teacher), ("sparse calibration", calibration))
+                         if on)
+    return (f"training {parameters / 1e6:,.0f}M parameters on {tokens:,} tokens{f' with {extra}' if extra else ''} on "
+            f"the CPU: {times:,.0f} times the arithmetic of the demo's conversion, so about {times:,.0f} times its "
+            "minutes on the same CPU. A CUDA GPU is what sparsify trains on (and where the sparse kernels run)")
 
 
 # A sharded training state above this size takes longer to write than a launcher waits after a Ctrl-C
