@@ -73,7 +73,7 @@ def token_progress(total: int, label: str):
         def advance(tokens: int) -> None:
             nonlocal done, shown
             done += tokens
-            if done >= total or done - shown >= LOGGED_SHARE * total:
+            if shown < total and (done >= total or done - shown >= LOGGED_SHARE * total):  # the last line once
                 shown = done
                 console.print(timestamped(f"{label}: {min(done, total):,}/{total:,} tokens, {rate()}",
                                           time.perf_counter() - started, min(done, total), total), soft_wrap=True)
