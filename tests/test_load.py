@@ -181,6 +181,14 @@ def _of_repositories(requests: list[str]) -> list[str]:
     return [path for path in requests if not path.startswith("/api/agent-harnesses")]
 
 
+def _online_at_a_closed_port(monkeypatch) -> None:
+    """_online_at a port nobody listens on: a request's connection is refused, as where there is no network."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    _online_at(monkeypatch, f"http://127.0.0.1:{port}")
+
+
 def _online_at(monkeypatch, endpoint: str) -> None:
     """huggingface_hub online (the tests run offline), its endpoint at `endpoint` (as HF_ENDPOINT sets it at import)."""
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
@@ -205,10 +213,7 @@ def test_mistyped_hub_id_fails_at_once_with_one_request(monkeypatch):
 def test_unreachable_hub_fails_within_seconds(monkeypatch):
     """No network (here: a port nobody listens on): one refused connection, said as such, not half a minute of
     retries."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    _online_at(monkeypatch, f"http://127.0.0.1:{port}")
+    _online_at_a_closed_port(monkeypatch)
     started = time.perf_counter()
     with pytest.raises(SourceError, match=r"owner/model: not a local folder, and could not reach the Hub \(.+\); "
                                           "offline, HF_HUB_OFFLINE=1 reads models cached before"):
@@ -250,10 +255,7 @@ def test_data_that_names_no_local_path_is_asked_of_the_hub_once(monkeypatch, tmp
     assert ("error: --data corpus: no local file or folder of that name, and no dataset corpus on the Hub (check the "
             "name; a private one needs `hf auth login`)") in " ".join(result.output.split())
     assert [path.split("?")[0] for path in _of_repositories(server.requests)] == ["/api/datasets/corpus"]  # no retries
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    _online_at(monkeypatch, f"http://127.0.0.1:{port}")
+    _online_at_a_closed_port(monkeypatch)
     started = time.perf_counter()
     with pytest.raises(DataError, match=r"--data owner/corpus: no local file or folder of that name, and could not "
                                         r"reach the Hub to find it as a dataset \(.+\); offline, HF_HUB_OFFLINE=1"):
@@ -265,10 +267,7 @@ def test_data_that_names_no_local_path_is_asked_of_the_hub_once(monkeypatch, tmp
 def test_id_the_hub_cannot_hold_fails_before_any_request(monkeypatch, source):
     """Online (here at a port nobody listens on, which a request would report as unreachable): the id is refused
     as such, a SourceError naming it."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    _online_at(monkeypatch, f"http://127.0.0.1:{port}")
+    _online_at_a_closed_port(monkeypatch)
     with pytest.raises(SourceError, match=f"{source}: not a local folder, and not a Hub model id"):
         load_config(source)
 
