@@ -14,8 +14,8 @@ import click
 from sparsify.config import (TEXT_COLUMN_HELP, RunOptions, SampleOptions, TrainConfig, load_recipe, measure_help,
                              option_name, overlay, recipe_names, value_type)
 from sparsify.errors import ConfigError, DataError, SparsifyError
-from sparsify.locations import (DATA_REQUIRED, PASSES_NEED_LOCAL_TEXT, SAMPLE_DATA_REQUIRED, check_hub_dataset,
-                                check_hub_repo, check_output_dir, family_config, resolve_data, resolve_source)
+from sparsify.locations import (DATA_REQUIRED, SAMPLE_DATA_REQUIRED, check_data, check_hub_repo, check_output_dir,
+                                family_config, resolve_source)
 
 
 def user_errors(command):
@@ -37,27 +37,17 @@ def main():
     penalty) and run them on TwELL Triton kernels."""
 
 
-def _check_before_loading(source: str, out, overwrite: bool, data, data_required: str, passes=None) -> dict | None:
-    """What needs no model, before torch is imported: OUT, the source's path or id, its family where its
-    config.json is at hand (an unsupported one said at once), and then --data (missing: `data_required` said;
-    else _check_data); returns that config, or None where it is not at hand. The library checks all again with
-    the rest, and a source whose config is not at hand names its own problem first."""
-    check_output_dir(out, overwrite)
+def _check_before_loading(source: str, data, data_required: str | None = None, passes=None) -> dict | None:
+    """What needs no model, before torch is imported: the source's path or id, its family where its config.json
+    is at hand (an unsupported one said at once), and then --data (missing where `data_required` says so, else
+    locations.check_data); returns that config, or None where it is not at hand. The library checks all again
+    with the rest, and a source whose config is not at hand names its own problem first."""
     family = family_config(resolve_source(source))
-    if family is not None and data is None and source != "demo":
+    if family is not None and data is None and data_required and source != "demo":
         raise DataError(data_required)
     if family is not None and data is not None:
-        _check_data(data, passes)
+        check_data(data, passes)
     return family
-
-
-def _check_data(data: str, passes: float | None = None) -> None:
-    """--data before torch: a path that is not there or holds no text; a `datasets` name that --passes cannot count,
-    or that the Hub does not hold (one request)."""
-    if isinstance(resolve_data(data).train, str):
-        if passes is not None:
-            raise ConfigError(PASSES_NEED_LOCAL_TEXT.format(data))
-        check_hub_dataset(data)
 
 
 def _quiet_loading() -> None:
@@ -172,7 +162,8 @@ def convert(source, recipe, **values):
     config.validate()  # what needs no model config, at once (convert checks again against the source's config)
     if options.push_to_hub:
         check_hub_repo(options.push_to_hub)
-    family = _check_before_loading(source, options.out, options.overwrite, options.data, DATA_REQUIRED, config.passes)
+    check_output_dir(options.out, options.overwrite)
+    family = _check_before_loading(source, options.data, DATA_REQUIRED, config.passes)
     if family is not None and values["seq_len"] is not None:  # else convert fits the seq-len to the positions
         config.validate(family.get("max_position_embeddings"))
     _quiet_loading()
@@ -188,8 +179,8 @@ def convert(source, recipe, **values):
         t = summary["training"]
         console.print(perplexity_table(summary["perplexity"]))
         console.print(layer_table(summary["layers"], summary["plan"],
-                                f"sparsity on {summary['layers'][0]['tokens']:,} held-out tokens",
-                                hybrid_share=summary["hybrid_share"]))
+                                  f"sparsity on {summary['layers'][0]['tokens']:,} held-out tokens",
+                                  hybrid_share=summary["hybrid_share"]))
         console.print(f"trained {t['steps']} steps, {t['tokens']:,} tokens in {t['seconds']:.0f} s; "
                       f"wrote {options.out}")
         if "url" in summary:
@@ -204,7 +195,8 @@ def convert(source, recipe, **values):
 def sample(source, **values):
     """Write a data folder of text sampled from SOURCE (a Hub id, a checkpoint folder, or `demo`), continuing prompts
     from --data, for a conversion with little text of its own: `sparsify convert SOURCE --data OUT ...`."""
-    family = _check_before_loading(source, values["out"], values["overwrite"], values["data"], SAMPLE_DATA_REQUIRED)
+    check_output_dir(values["out"], values["overwrite"])
+    family = _check_before_loading(source, values["data"], SAMPLE_DATA_REQUIRED)
     if family is not None:
         positions = family.get("max_position_embeddings")
         SampleOptions(**values).fit_seq_len(positions).validate(positions)
@@ -250,9 +242,7 @@ def analyze(model, data, text_column, tokens, seq_len, batch_size, device, json_
         if value is not None and value < least:
             raise ConfigError(f"{option} must be at least {least}, got {value}")
     if not write_plan:  # --write-plan names a source that is no local checkpoint its own way (analyze)
-        supported = family_config(resolve_source(model)) is not None
-        if supported and data is not None:  # as in convert, any other source names its own problem first
-            _check_data(data)
+        _check_before_loading(model, data)
     _quiet_loading()
     from sparsify.analyze import analyze as run
     from sparsify.report import console, layer_table, plot_activity
@@ -260,8 +250,8 @@ def analyze(model, data, text_column, tokens, seq_len, batch_size, device, json_
     result = run(model, data=data, text_column=text_column, tokens=tokens, seq_len=seq_len, batch_size=batch_size,
                  device=device, json_path=json_path, measure_kernels=measure_kernels, write_plan=write_plan)
     console.print(layer_table(result["layers"], [l["recommended"] for l in result["layers"]],
-                            f"{model}: gate activity on {result['tokens']:,} tokens of {result['data']} "
-                            f"(seq-len {result['seq_len']}, perplexity {result['perplexity']:.3f})"))
+                              f"{model}: gate activity on {result['tokens']:,} tokens of {result['data']} "
+                              f"(seq-len {result['seq_len']}, perplexity {result['perplexity']:.3f})"))
     if not result["converted"]:
         console.print(f"{model} is not converted (gate activation {result['activation']}): active means gate "
                       "pre-activation > 0, and no kernel setting applies; "

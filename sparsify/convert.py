@@ -40,8 +40,8 @@ from .errors import ConfigError, DataError
 from .export import ARTIFACTS, export_checkpoint
 from .load import (check_device, check_weight_files, load_config, load_model, load_tokenizer, mlp_parameter_count,
                    parameter_count, require_cuda, require_tokenizer, resolve_dtype)
-from .locations import (DATA_REQUIRED, PASSES_NEED_LOCAL_TEXT, check_hub_dataset, check_hub_repo, check_output_dir,
-                        demo_corpus_path, resolve_data, resolve_source)
+from .locations import (DATA_REQUIRED, check_data, check_hub_repo, check_output_dir, demo_corpus_path,
+                        resolve_source)
 from .measure import measure, perplexity
 from .plan import choose_measure, plan_model
 from .tune import capture_mlp_inputs
@@ -216,10 +216,7 @@ def _check_inputs(source: str, config: TrainConfig, options: RunOptions, process
     if fit_seq_len:
         config = _fit_positions(source, config, positions)
     config.validate(positions)
-    if isinstance(resolve_data(data).train, str):  # a `datasets` name (a path missing, empty or of no text raised)
-        if config.passes is not None:
-            raise ConfigError(PASSES_NEED_LOCAL_TEXT.format(data))
-        check_hub_dataset(data)
+    check_data(data, config.passes)
     text = None
     if config.passes is not None:
         text, config = _resolve_passes(source, data, config, options)

@@ -259,9 +259,10 @@ class TextData:
 
     def count_blocks(self, limit: int, exact_tokens: int | None = None) -> tuple[int, bool]:
         """(blocks, estimated): the training text's blocks, counted as far as `limit`. Its first `exact_tokens`
-        (TOKENS_SAMPLED unless given) tokens (and at least the held-out head and a block, so that an estimate leaves a block to train on) are
-        tokenized and counted; beyond, the rest of the text is only read (tokenizing it would delay the start), its
-        characters counted at the tokens per character of the part tokenized (estimated: True)."""
+        (TOKENS_SAMPLED unless given) tokens (and at least the held-out head and a block, so that an estimate leaves a
+        block to train on) are tokenized and counted; beyond, the rest of the text is only read (tokenizing it would
+        delay the start), its characters counted at the tokens per character of the part tokenized (estimated:
+        True)."""
         characters = 0
 
         def counted(docs: Iterator[str]) -> Iterator[str]:

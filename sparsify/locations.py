@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import DataError, OutputError, SourceError, UnsupportedModelError
+from .errors import ConfigError, DataError, OutputError, SourceError, UnsupportedModelError
 
 # The model_types of families.FAMILIES, here without torch, so that the CLI tells a supported source from its
 # config.json before importing it (tests/test_families.py checks that the two agree).
@@ -19,8 +19,6 @@ MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_interme
 
 DATA_REQUIRED = "--data is required (local .txt/.json/.jsonl/.parquet files or folder, or a datasets name)"
 HUB_TIMEOUT_S = 5  # how long the Hub may take to answer whether a model source or a dataset exists (one request)
-PASSES_NEED_LOCAL_TEXT = ("--passes counts the training text, and --data {} is a `datasets` name, streamed rather than "
-                          "counted: it needs local text; give --tokens instead")
 SAMPLE_DATA_REQUIRED = ("--data is required: the text whose training blocks give the prompts and whose held-out text "
                         "the folder keeps")
 
@@ -181,6 +179,18 @@ def resolve_data(spec: str | Path) -> DataSource:
     if not train:
         raise DataError(f"data {path} has only evaluation files ({', '.join(p.name for p in held_out)})")
     return DataSource(train=_by_builder(train), eval=_by_builder(held_out) if held_out else None)
+
+
+def check_data(spec: str | Path, passes: float | None = None) -> DataSource:
+    """resolve_data's DataSource of --data `spec` (DataError for a path that is not there or holds no text), and
+    for a `datasets` name: ConfigError where `passes` would count it (it is streamed), else check_hub_dataset."""
+    source = resolve_data(spec)
+    if isinstance(source.train, str):
+        if passes is not None:
+            raise ConfigError(f"--passes counts the training text, and --data {spec} is a `datasets` name, streamed "
+                              "rather than counted: it needs local text; give --tokens instead")
+        check_hub_dataset(str(spec))
+    return source
 
 
 @functools.cache  # once a run: the CLI checks before torch, the library again
