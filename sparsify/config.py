@@ -131,6 +131,11 @@ class TrainConfig:
         "costs less than per-pair gathers."))
     dead_window_tokens: int | None = _setting(None, (
         "A unit is dead when it has not fired in this many tokens."), unset="one optimizer step's tokens")
+    revive_dead_tokens: int | None = _setting(None, (
+        "At each log step but the last, revive each MLP unit that has not fired in this many tokens by splitting "
+        "into it a live unit of its layer (one that fired in the last step, chosen at random, each at most once): "
+        "the two share the live unit's output weights, so that the layer's output stays as it was but for a little "
+        "noise on the revived unit's gate, which then fires and trains again."), unset="off")
     shuffle_buffer: int = _setting(1024, (
         "Training blocks drawn at random from a buffer of this many (0: the data's own order)."))
     eval_tokens: int = _setting(65536, (
@@ -221,7 +226,8 @@ class TrainConfig:
 
     def validate(self, max_positions: int | None = None, world: int | None = None) -> None:
         """ConfigError for impossible settings, named by their options; with `max_positions`, a seq-len beyond the
-        model's; with `world` (processes), a ReLU swap that would not end within the run's steps."""
+        model's; with `world` (processes), a ReLU swap that would not end within the run's steps; a revival window
+        below a step's tokens on `world` processes, or one where not given."""
         def bad(name, problem):
             raise ConfigError(f"{option_name(name)} {problem}")
 
@@ -237,7 +243,7 @@ class TrainConfig:
                 f"{self.l1}; for the L1 term's initial weight in nats (recipes: 3.5) add --l1-relative")
         self._check_length()
         for name in ("steps", "tokens", "seq_len", "batch_size", "grad_accum", "log_every", "dead_window_tokens",
-                     "eval_tokens", "hybrid_max_nnz", "calibrate_tokens"):
+                     "revive_dead_tokens", "eval_tokens", "hybrid_max_nnz", "calibrate_tokens"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 bad(name, f"must be a positive integer, got {value}")
@@ -292,6 +298,8 @@ class TrainConfig:
             bad("seq_len", f"{self.seq_len} is beyond the model's maximum of {max_positions} positions")
         if world is not None:
             self.check_processes(world)
+        else:
+            self.check_revive(1)
 
     def _check_length(self) -> None:
         """ConfigError where the run's length is unset, or --passes is no count of passes or comes with --tokens."""
@@ -307,8 +315,10 @@ class TrainConfig:
 
     def check_processes(self, world: int) -> None:
         """ConfigError for what `world` processes cannot run: a ReLU swap that would not end within the run's steps,
-        calibration on several. Needs the run's length: --passes resolved into tokens."""
+        a revival window below a step's tokens, calibration on several. Needs the run's length: --passes resolved
+        into tokens."""
         self.check_swap(world)
+        self.check_revive(world)
         if self.calibrate_steps and world > 1:
             raise ConfigError(f"--calibrate-steps runs on one process, not {world}: calibrate in a single-process run")
 
@@ -316,6 +326,16 @@ class TrainConfig:
     def uses_teacher(self) -> bool:
         """Whether training reads a frozen copy of the source model (distillation of outputs or hidden states)."""
         return self.distill > 0 or self.distill_hidden > 0
+
+    def check_revive(self, world: int) -> None:
+        """ConfigError unless --revive-dead-tokens (if set) spans at least one optimizer step's tokens on `world`
+        processes: training counts each unit's firing per step, so a shorter window would stand for one step's."""
+        step_tokens = self.tokens_per_step(world)
+        if self.revive_dead_tokens is not None and self.revive_dead_tokens < step_tokens:
+            processes = f" x {world} processes" if world > 1 else ""
+            raise ConfigError(f"--revive-dead-tokens {self.revive_dead_tokens} is below one optimizer step's "
+                              f"{step_tokens:,} tokens (--seq-len x --batch-size x --grad-accum{processes}): units' "
+                              "firing is counted per step")
 
     def check_swap(self, world: int) -> None:
         """ConfigError unless the ReLU swap ends within the run's steps on `world` processes: the trained model

@@ -63,14 +63,16 @@ def pyplot():
 
 
 def plot(result: dict, path: Path) -> None:
-    """Three panels: training cross-entropy (smoothed) with the held-out points (the original at the start, each
+    """Four panels: training cross-entropy (smoothed) with the held-out points (the original at the start, each
     converted model and the control at their end), active units per token (smoothed, the held-out measurement at
-    the end), and the held-out sparsity / cross-entropy trade-off, its axes around the runs' points."""
+    the end), dead units (the training log's share of units silent for a step, smoothed; the held-out
+    measurement's deadest layer at the end), and the held-out sparsity / cross-entropy trade-off, its axes around
+    the runs' points."""
     plt = pyplot()
     runs, shares = result["conversions"], len(result["convert_shares"]) > 1
     common = tuple(shared_settings(runs))  # stated once, in the title
     units = result["pretraining"]["config"]["intermediate_size"]
-    fig, (ce, active, trade) = plt.subplots(1, 3, figsize=(16, 4.5))
+    fig, (ce, active, dead, trade) = plt.subplots(1, 4, figsize=(21, 4.5))
     original = runs[0]["cross_entropy"]["original"]
     for index, run in enumerate(runs):
         tokens = [e["tokens"] / 1e6 for e in run["log"]]
@@ -81,6 +83,8 @@ def plot(result: dict, path: Path) -> None:
                     label=run_label(run, common, share=shares),
                     color=line.get_color())
         active.plot(tokens[-1], run["mean_active"], "o", color=line.get_color())
+        dead.plot(tokens, smoothed([100 * e["dead_frac"] for e in run["log"]]), color=line.get_color())
+        dead.plot(tokens[-1], max(100 * layer["dead_frac"] for layer in run["layers"]), "o", color=line.get_color())
     for index, control in enumerate(controls(result)):
         tokens = [e["tokens"] / 1e6 for e in control["log"]]
         ce.plot(tokens, smoothed([e["cross_entropy"] for e in control["log"]]), color="black", linewidth=1,
@@ -95,6 +99,9 @@ def plot(result: dict, path: Path) -> None:
     active.axhline((1 - SPARSE) * units, color="gray", linestyle=":", linewidth=1, label=f"{SPARSE:.0%} sparse")
     active.set(xlabel="conversion tokens (M)", ylabel=f"mean active units per token (of {units})", yscale="log",
                title="active units: training (lines), held-out (points)")
+    dead.axhline(10, color="gray", linestyle=":", linewidth=1)
+    dead.set(xlabel="conversion tokens (M)", ylabel="dead units (%)",
+             title="dead: training, mean of layers (lines);\nheld-out, deadest layer (points)")
     ce.legend(fontsize=7)
     legend_below(active)
     curves = {}  # one curve per setting other than the L1 weight

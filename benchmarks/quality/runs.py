@@ -180,7 +180,7 @@ def convert(args, base: Path, corpus: Path, recipe: dict, out: Path, settings: d
         "l1_reference": log["log"][0].get("l1_reference"),
         "calibration": training.get("calibration"),  # each layer's fit, with --calibrate-steps
         "log": [{k: e[k] for k in ("step", "tokens", "cross_entropy", "kl", "l1", "mean_active", "dead_frac",
-                                   "source_share", "tokens_per_s") if k in e}
+                                   "revived", "source_share", "tokens_per_s") if k in e}
                 | {"hybrid_layers": sum(l["path"] == "hybrid" for l in e["layers"])} for e in log["log"]],
     }
 

@@ -112,6 +112,7 @@ def progress_text(e: dict) -> str:
         f"{e['tokens']:,} tok  {e['tokens_per_s']:,.0f} tok/s  loss {e['loss']:.3f}  " + shown_terms(e)
         + f"active {e['mean_active']:.1f}" + (f" of {e['allowed_active']:.1f}" if "allowed_active" in e else "")
         + f"  dead {100 * e['dead_frac']:.1f}%"
+        + (f"  revived {e['revived']}" if "revived" in e else "")
         + (f"  L1 x{e['l1_scale']:.2f}" if "l1_scale" in e else "")
         + (f"  hybrid {hybrid}/{len(e['layers'])}" if hybrid else "")
         + (f"  mem {e['max_memory_gib']:.1f} GiB" if "max_memory_gib" in e else "")

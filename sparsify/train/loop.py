@@ -1,5 +1,6 @@
 """The training loop, `train`: accelerate's setup (one process, DDP or FSDP2; AdamW with a cosine schedule), the
-optimizer steps over micro-batches, and at each log step the log entry and the routing that follows from it."""
+optimizer steps over micro-batches, and at each log step the log entry, the revival of dead units where it is on,
+and the routing that follows from the entry."""
 from __future__ import annotations
 
 import time
@@ -24,6 +25,7 @@ from .log import Window, log_entry, log_line, progress_bar, progress_text
 from .loss import L1_SCALE_RANGE, allowed_active, l1_coeff, loss_terms, source_share, steered_l1_scale, term_weights
 from .memory import on_cpu, slow_save_warning
 from .routing import Routing, apply_routing, decoder_kernels_run, hybrid_kernels_run, hybrid_paths, route, tracked
+from .revive import check_revive, revive_dead
 from .saving import Saver, StopRequest
 from .state import Run, RunState, StepOutcome, TrainingInterrupted, TrainResult
 from .trackers import new_run_name, tracker_values
@@ -154,6 +156,7 @@ def _prepare(accelerator: Accelerator, model, mlps: list, config: TrainConfig, t
     the teacher on this process's device."""
     total = config.total_steps(accelerator.num_processes)
     config.check_swap(accelerator.num_processes)
+    check_revive(config, accelerator)
     schedule = config.schedule(total)
     cpu = accelerator.device.type == "cpu"
     model.config.use_cache = False
@@ -264,10 +267,17 @@ def _step(run: Run, state: RunState, stream: Iterator[torch.Tensor], routing: Ro
 
 def _log_and_route(run: Run, state: RunState, window: Window, outcome: StepOutcome, routing: Routing,
                    progress, now: float) -> Routing:
-    """Logs the window's figures (its end: `now`) and shows them, and returns the routing until the next log
-    step: chosen from them where layers may move to the hybrid kernels, else `routing` unchanged."""
+    """Logs the window's figures (its end: `now`), revives the dead units (with `revive_dead_tokens`), shows the
+    figures, and returns the routing until the next log step: chosen from them where layers may move to the hybrid
+    kernels, else `routing` unchanged."""
     entry = log_entry(run, state, window, outcome, now)
     state.log.append(entry)
+    # The entry's figures are those before the revival, which it counts; none at the last step, where a copy would
+    # never train and would only hide a dead unit from the measurement that follows.
+    if run.config.revive_dead_tokens and state.step < run.total:
+        state.settled = False  # a failure within it leaves weights that no save may hold
+        revive_dead(run, state, outcome, entry)
+        state.settled = True
     _steer_l1(run, state)
     if run.routes:  # the same reduced figures on every rank: all ranks choose the same paths
         routing = route(run, entry, outcome.fired)
