@@ -13,13 +13,12 @@ from pathlib import Path
 
 import torch
 from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url, try_to_load_from_cache
-from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RemoteEntryNotFoundError, RepositoryNotFoundError
 from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from .errors import ConfigError, SourceError
 from .families import mlp_modules, spec_for
-from .locations import HUB_TIMEOUT_S, first_line, no_answer, resolve_source
+from .locations import GATED, HUB_TIMEOUT_S, ask_hub, first_line, no_answer, resolve_source
 
 
 DTYPES = {
@@ -65,21 +64,18 @@ def check_hub_source(repo_id: str, source) -> None:
     `repo_id` comes from resolve_source, which has refused an id the Hub cannot hold."""
     if constants.is_offline_mode() or isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
         return
-    try:
-        get_hf_file_metadata(hf_hub_url(repo_id, "config.json"), timeout=HUB_TIMEOUT_S)  # one request, no retries
-    except GatedRepoError:
-        raise SourceError(f"{source}: a gated model on the Hub: accept its terms on its page and log in "
-                          "(`hf auth login`)") from None
-    except RepositoryNotFoundError:
-        raise SourceError(f"{source}: no such model on the Hub (check the id; a private one needs `hf auth login`)"
-                          ) from None
-    except RemoteEntryNotFoundError:
-        raise SourceError(f"{source}: the Hub repository has no config.json, so it is no transformers model") from None
-    except HfHubHTTPError as error:
-        raise SourceError(f"{source}: the Hub did not give its config.json ({first_line(error)})") from None
-    except Exception as error:  # no response: the HTTP client's connection and timeout errors
-        raise SourceError(f"{source}: not a local folder, and {no_answer(error, HUB_TIMEOUT_S)} "
-                          f"({first_line(error)}); offline, HF_HUB_OFFLINE=1 reads models cached before") from None
+    failure = ask_hub(lambda: get_hf_file_metadata(hf_hub_url(repo_id, "config.json"), timeout=HUB_TIMEOUT_S))
+    if failure is None:
+        return
+    kind, error = failure
+    raise SourceError(f"{source}: " + {
+        "gated": GATED.format("model"),
+        "not found": "no such model on the Hub (check the id; a private one needs `hf auth login`)",
+        "no file": "the Hub repository has no config.json, so it is no transformers model",
+        "refused": f"the Hub did not give its config.json ({first_line(error)})",
+        "no answer": f"not a local folder, and {no_answer(error, HUB_TIMEOUT_S)} ({first_line(error)}); offline, "
+                     "HF_HUB_OFFLINE=1 reads models cached before",
+    }[kind])
 
 
 def require_cuda(device, what: str) -> torch.device:

@@ -19,6 +19,7 @@ MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_interme
 
 DATA_REQUIRED = "--data is required (local .txt/.json/.jsonl/.parquet files or folder, or a datasets name)"
 HUB_TIMEOUT_S = 5  # how long the Hub may take to answer whether a model source or a dataset exists (one request)
+GATED = "a gated {} on the Hub: accept its terms on its page and log in (`hf auth login`)"
 SAMPLE_DATA_REQUIRED = ("--data is required: the text whose training blocks give the prompts and whose held-out text "
                         "the folder keeps")
 
@@ -200,27 +201,48 @@ def check_hub_dataset(spec: str) -> None:
     request, no retries (datasets would retry for half a minute, then not say that no such local path exists). Asks
     nothing offline."""
     from huggingface_hub import HfApi, constants, try_to_load_from_cache  # no torch
-    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
 
     name = hub_arguments(spec)[0]
     if constants.is_offline_mode():
         return
+    failure = ask_hub(lambda: HfApi().dataset_info(name, timeout=HUB_TIMEOUT_S))
+    if failure is None:
+        return
+    kind, error = failure
+    if kind == "no answer" and isinstance(try_to_load_from_cache(name, "README.md", repo_type="dataset"), str):
+        return  # cached before: datasets may read it from the cache
     where = f"--data {spec}: no local file or folder of that name, and"
+    refused = f"{where} the Hub did not give dataset {name} ({first_line(error)})"
+    raise DataError({
+        "gated": f"--data {spec}: {GATED.format('dataset')}",
+        "not found": f"{where} no dataset {name} on the Hub (check the name; a private one needs `hf auth login`)",
+        "no file": refused,
+        "refused": refused,
+        "no answer": f"{where} {no_answer(error, HUB_TIMEOUT_S)} to find it as a dataset ({first_line(error)}); offline, "
+                     "HF_HUB_OFFLINE=1 reads datasets cached before",
+    }[kind])
+
+
+def ask_hub(request) -> tuple[str, BaseException] | None:
+    """None where the Hub answered `request` (one call, which sets its own timeout), else what went wrong and the
+    error: "gated", "not found" (no such repository, or a private one without a token), "no file" (the repository
+    has not the file asked for), "refused" (another HTTP error) or "no answer" (no response)."""
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, RemoteEntryNotFoundError,
+                                        RepositoryNotFoundError)
+
     try:
-        HfApi().dataset_info(name, timeout=HUB_TIMEOUT_S)
-    except GatedRepoError:
-        raise DataError(f"--data {spec}: a gated dataset on the Hub: accept its terms on its page and log in "
-                        "(`hf auth login`)") from None
-    except RepositoryNotFoundError:
-        raise DataError(f"{where} no dataset {name} on the Hub (check the name; a private one needs `hf auth login`)"
-                        ) from None
+        request()
+    except GatedRepoError as error:  # a RepositoryNotFoundError: asked first
+        return "gated", error
+    except RepositoryNotFoundError as error:
+        return "not found", error
+    except RemoteEntryNotFoundError as error:
+        return "no file", error
     except HfHubHTTPError as error:
-        raise DataError(f"{where} the Hub did not give dataset {name} ({first_line(error)})") from None
-    except Exception as error:  # no response
-        if isinstance(try_to_load_from_cache(name, "README.md", repo_type="dataset"), str):
-            return  # cached before: datasets may read it from the cache
-        raise DataError(f"{where} {no_answer(error, HUB_TIMEOUT_S)} to find it as a dataset ({first_line(error)}); "
-                        "offline, HF_HUB_OFFLINE=1 reads datasets cached before") from None
+        return "refused", error
+    except Exception as error:  # no response: the HTTP client's connection and timeout errors
+        return "no answer", error
+    return None
 
 
 def no_answer(error: BaseException, timeout: float) -> str:
