@@ -5,17 +5,29 @@ those modules (torch and transformers, slow to import), so that a mistyped comma
 from __future__ import annotations
 
 import functools
+import re
 import sys
 from dataclasses import MISSING, Field, fields
+from importlib.metadata import PackageNotFoundError, entry_points, version
+from importlib.util import find_spec
 from typing import get_args, get_origin, get_type_hints
 
 import click
 
 from sparsify.config import (TEXT_COLUMN_HELP, RunOptions, SampleOptions, TrainConfig, load_recipe, measure_help,
                              option_name, overlay, recipe_names, value_type)
-from sparsify.errors import ConfigError, DataError, SparsifyError
+from sparsify.errors import ConfigError, DataError, MissingDependencyError, SparsifyError
 from sparsify.locations import (DATA_REQUIRED, SAMPLE_DATA_REQUIRED, check_data, check_hub_repo, check_output_dir,
-                                family_config, resolve_source)
+                                family_config, no_saved_state, resolve_source, resume_dir_for, saved_state)
+
+# The device types torch.device takes (c10/core/Device.cpp's, which its error for any other lists: tests/test_cli.py
+# checks that they agree), so that a --device of none of them (gpu) is said before torch is imported.
+DEVICE_TYPES = frozenset({"cpu", "cuda", "ipu", "xpu", "mkldnn", "opengl", "opencl", "ideep", "hip", "ve", "fpga",
+                          "maia", "xla", "lazy", "vulkan", "mps", "meta", "hpu", "mtia", "privateuseone"})
+# The packages of accelerate's trackers, by --report-to name (accelerate.utils.imports' is_*_available: either
+# package serves tensorboard), so that a tracker not installed is said before torch is imported.
+TRACKER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboardX"), **{
+    name: (name,) for name in ("aim", "comet_ml", "mlflow", "wandb", "clearml", "dvclive", "swanlab", "trackio")}}
 
 
 def user_errors(command):
@@ -48,6 +60,42 @@ def _check_before_loading(source: str, data, data_required: str | None = None, p
     if family is not None and data is not None:
         check_data(data, passes)
     return family
+
+
+def _check_device(device: str | None) -> None:
+    """ConfigError for a --device that torch.device would not take (gpu, cuda:01), or a CUDA one where the installed
+    torch is a CPU build, told without importing torch; load.check_device judges the rest once it is imported (no GPU
+    visible, an index beyond the GPUs)."""
+    if device is None:
+        return
+    # torch.device's grammar (c10/core/Device.cpp). A type it does not build in may be a device backend's, which
+    # torch loads on import from an installed package's entry point (torch_npu's npu): torch judges that one.
+    syntax = re.fullmatch(r"([a-zA-Z_]+)(?::(?:[1-9][0-9]*|0))?", device)
+    if not syntax or syntax[1] not in DEVICE_TYPES and not entry_points(group="torch.backends"):
+        raise ConfigError(f"--device {device}: not a device (use cpu, cuda or cuda:N)")
+    if syntax[1] == "cuda" and _cpu_build_of_torch():
+        raise ConfigError(f"--device {device}: no CUDA GPU here (a CPU build of torch); use --device cpu or leave it "
+                          "out")
+
+
+def _cpu_build_of_torch() -> bool:
+    """Whether the installed torch is a CPU build, as its version's local tag says (2.13.0+cpu, 2.1.0+cpu.cxx11.abi:
+    the CPU wheels'), read from its metadata. False where no tag says so: a build without one may have CUDA or not,
+    which torch tells once imported."""
+    try:
+        return version("torch").partition("+")[2].split(".")[0] == "cpu"
+    except PackageNotFoundError:  # torch run from a source tree
+        return False
+
+
+def _check_trackers(report_to: str) -> None:
+    """MissingDependencyError for a tracker of --report-to (comma-separated names) none of whose packages
+    (TRACKER_PACKAGES) is installed, looked up without importing them; train.trackers checks the names again through
+    accelerate, and judges those the table lacks."""
+    for name in (name.strip() for name in report_to.split(",")):
+        if name in TRACKER_PACKAGES and not any(find_spec(package) for package in TRACKER_PACKAGES[name]):
+            raise MissingDependencyError(f"--report-to {name}: the {name} package is not installed (pip install "
+                                         f"{name})")
 
 
 def _quiet_loading() -> None:
@@ -160,9 +208,13 @@ def convert(source, recipe, **values):
     settings = overlay(load_recipe(recipe, source), {k: v for k, v in values.items() if v is not None})
     config = TrainConfig.from_dict(settings)
     config.validate()  # what needs no model config, at once (convert checks again against the source's config)
+    _check_device(options.device)
+    _check_trackers(options.report_to)
     if options.push_to_hub:
         check_hub_repo(options.push_to_hub)
     check_output_dir(options.out, options.overwrite)
+    if options.resume and saved_state(resume_dir := resume_dir_for(options.out)) is None:
+        raise ConfigError(no_saved_state(resume_dir))
     family = _check_before_loading(source, options.data, DATA_REQUIRED, config.passes)
     if family is not None and values["seq_len"] is not None:  # else convert fits the seq-len to the positions
         config.validate(family.get("max_position_embeddings"))
@@ -195,6 +247,7 @@ def convert(source, recipe, **values):
 def sample(source, **values):
     """Write a data folder of text sampled from SOURCE (a Hub id, a checkpoint folder, or `demo`), continuing prompts
     from --data, for a conversion with little text of its own: `sparsify convert SOURCE --data OUT ...`."""
+    _check_device(values["device"])
     check_output_dir(values["out"], values["overwrite"])
     family = _check_before_loading(source, values["data"], SAMPLE_DATA_REQUIRED)
     if family is not None:
@@ -241,6 +294,7 @@ def analyze(model, data, text_column, tokens, seq_len, batch_size, device, json_
     for option, value, least in (("--tokens", tokens, 1), ("--seq-len", seq_len, 2), ("--batch-size", batch_size, 1)):
         if value is not None and value < least:
             raise ConfigError(f"{option} must be at least {least}, got {value}")
+    _check_device(device)
     if not write_plan:  # --write-plan names a source that is no local checkpoint its own way (analyze)
         _check_before_loading(model, data)
     _quiet_loading()

@@ -41,7 +41,7 @@ from .export import ARTIFACTS, export_checkpoint
 from .load import (check_device, check_weight_files, load_config, load_model, load_tokenizer, mlp_parameter_count,
                    parameter_count, require_cuda, require_tokenizer, resolve_dtype)
 from .locations import (DATA_REQUIRED, check_data, check_hub_repo, check_output_dir, demo_corpus_path,
-                        resolve_source)
+                        logging_dir_for, resolve_source, resume_dir_for, saved_state)
 from .measure import measure, perplexity
 from .plan import choose_measure, plan_model
 from .tune import capture_mlp_inputs
@@ -85,21 +85,6 @@ def run_summary(parameters: int, config: TrainConfig, processes: int = 1, sharde
             + (f"{state / 2**30:.1f} GiB" if state >= 2**30 else f"{state / 2**20:.0f} MiB")
             + f" a process (fp32 weights, gradients, AdamW{', bf16 teacher' if config.uses_teacher else ''}; "
             "activations come on top)")
-
-
-def _beside(out: str | Path, suffix: str) -> Path:
-    out = Path(out).expanduser().resolve()
-    return out.with_name(out.name + suffix)
-
-
-def resume_dir_for(out: str | Path) -> Path:
-    return _beside(out, ".resume")
-
-
-def logging_dir_for(out: str | Path) -> Path:
-    """Where the trackers of --report-to that write files (tensorboard) write them: beside OUT, not in the
-    checkpoint."""
-    return _beside(out, ".logs")
 
 
 @dataclass
@@ -205,8 +190,8 @@ def _check_inputs(source: str, config: TrainConfig, options: RunOptions, process
     if options.measure_kernels:
         require_cuda(options.device, "--measure")
     resume_dir = resume_dir_for(out)
-    if not options.resume and not options.overwrite and (resume_dir / "state.json").is_file():
-        raise ConfigError(f"{resume_dir} holds the training state of an interrupted conversion to {out}: pass "
+    if not options.resume and not options.overwrite and (saved := saved_state(resume_dir)) is not None:
+        raise ConfigError(f"{saved} holds the training state of an interrupted conversion to {out}: pass "
                           f"--resume to continue it, or --overwrite to start over (deleting it)")
     model_config = load_config(source)[0]  # a wrong source named first: --data would not make it right
     if options.data is None and source != "demo":

@@ -1,6 +1,7 @@
 """Where a command reads and writes: the model source (the demo, a checkpoint folder or a Hub id), the demo's
-files, the data (local files or a `datasets` name) and the output folder. Imports no torch or transformers, so that
-the CLI checks these paths before it imports the modules that load models: a mistyped path fails at once."""
+files, the data (local files or a `datasets` name), the output folder and the training state beside it. Imports no
+torch or transformers, so that the CLI checks these paths before it imports the modules that load models: a mistyped
+path fails at once."""
 from __future__ import annotations
 
 import functools
@@ -9,6 +10,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .config import LAUNCHER_GRACE_S
 from .errors import ConfigError, DataError, OutputError, SourceError, UnsupportedModelError
 
 # The model_types of families.FAMILIES, here without torch, so that the CLI tells a supported source from its
@@ -218,8 +220,8 @@ def check_hub_dataset(spec: str) -> None:
         "not found": f"{where} no dataset {name} on the Hub (check the name; a private one needs `hf auth login`)",
         "no file": refused,
         "refused": refused,
-        "no answer": f"{where} {no_answer(error, HUB_TIMEOUT_S)} to find it as a dataset ({first_line(error)}); offline, "
-                     "HF_HUB_OFFLINE=1 reads datasets cached before",
+        "no answer": f"{where} {no_answer(error, HUB_TIMEOUT_S)} to find it as a dataset ({first_line(error)}); "
+                     "offline, HF_HUB_OFFLINE=1 reads datasets cached before",
     }[kind])
 
 
@@ -270,3 +272,46 @@ def _by_builder(files: list[Path]) -> dict[str, list[str]]:
     for p in files:
         groups.setdefault(FORMATS[p.suffix.lower()], []).append(str(p))
     return groups
+
+
+def _beside(out: str | Path, suffix: str) -> Path:
+    out = Path(out).expanduser().resolve()
+    return out.with_name(out.name + suffix)
+
+
+def resume_dir_for(out: str | Path) -> Path:
+    """Where a conversion to `out` keeps its training state (OUT.resume/: beside it, never taken for a checkpoint)."""
+    return _beside(out, ".resume")
+
+
+def logging_dir_for(out: str | Path) -> Path:
+    """Where the trackers of --report-to that write files (tensorboard) write them: beside OUT, not in the
+    checkpoint."""
+    return _beside(out, ".logs")
+
+
+def staging_dir(resume_dir) -> Path:
+    """Where a save is written before it replaces `resume_dir`: what a process killed while saving leaves."""
+    resume_dir = Path(resume_dir)
+    return resume_dir.with_name(resume_dir.name + ".tmp")
+
+
+def saved_state(resume_dir) -> Path | None:
+    """The folder of the training state that --resume continues in `resume_dir`: the staging folder of a save killed
+    after it was whole (state.json is written last) but before it replaced `resume_dir`, which
+    resume.recover_killed_save puts in place; else `resume_dir` where a save completed; else None. The staging
+    folder is looked at first, so that one renamed into place between the two looks is found all the same."""
+    for folder in (staging_dir(resume_dir), Path(resume_dir)):
+        if (folder / "state.json").is_file():
+            return folder
+    return None
+
+
+def no_saved_state(resume_dir) -> str:
+    """--resume's message where `resume_dir` holds no state to resume from: said by the CLI before torch is imported
+    (saved_state: None) and by resume.check_resume after a killed save's recovery."""
+    staging = staging_dir(resume_dir) if resume_dir is not None else None
+    return f"--resume: no saved training state in {resume_dir}" + (
+        f" ({staging} holds a save that was killed before it finished, which cannot be resumed from: a "
+        f"launcher kills its processes {LAUNCHER_GRACE_S} s after a Ctrl-C; see --save-every)"
+        if staging is not None and staging.is_dir() else "")

@@ -13,8 +13,9 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
-from .config import LAUNCHER_GRACE_S, RunOptions, TrainConfig, option_name
+from .config import RunOptions, TrainConfig, option_name
 from .errors import ConfigError
+from .locations import no_saved_state, saved_state, staging_dir
 
 # Settings a resumed run may change: they touch no saved state (log and save cadence; fused_decoder, the kernels
 # that compute the norms and rotary, and chunked_loss, how the LM head and the loss are computed, differ only in
@@ -29,18 +30,12 @@ SAVED_KEYS = ("step", "batches", "log", "seconds", "l1_reference", "l1_scale", "
               "before_training", "run_name", "config")
 
 
-def _staging_dir(resume_dir) -> Path:
-    """Where a save is written before it replaces `resume_dir`: what a process killed while saving leaves."""
-    resume_dir = Path(resume_dir)
-    return resume_dir.with_name(resume_dir.name + ".tmp")
-
-
 def recover_killed_save(resume_dir) -> bool:
     """Where a save was killed after its staging folder was whole (state.json is written last) but before it
     replaced `resume_dir` (removed, or partly removed), the staging folder becomes the saved state. Returns
     whether it did. Main process only, before the others look at the state."""
-    staging = _staging_dir(resume_dir)
-    if not (staging / "state.json").is_file():
+    staging = staging_dir(resume_dir)
+    if saved_state(resume_dir) != staging:
         return False
     shutil.rmtree(resume_dir, ignore_errors=True)
     staging.rename(resume_dir)
@@ -49,7 +44,7 @@ def recover_killed_save(resume_dir) -> bool:
 
 def discard_saved_state(resume_dir) -> None:
     """Removes the saved training state and whatever a save killed midway left beside it."""
-    for folder in (resume_dir, _staging_dir(resume_dir)):
+    for folder in (resume_dir, staging_dir(resume_dir)):
         shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -80,7 +75,7 @@ def save_state(accelerator: Accelerator, resume_dir, state: dict, last_fired: to
     # Every process writes its part (its RNG state; under FSDP its shards): the main one alone clears the
     # folder before and renames it after all are done.
     resume_dir = Path(resume_dir)
-    tmp = _staging_dir(resume_dir)
+    tmp = staging_dir(resume_dir)
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
@@ -127,11 +122,7 @@ def check_resume(resume_dir, config: TrainConfig, processes: int, inputs: dict |
     the same `inputs` (see train.train). ConfigError naming what differs otherwise."""
     path = Path(resume_dir) / "state.json" if resume_dir is not None else None
     if path is None or not path.is_file():
-        staging = _staging_dir(resume_dir) if resume_dir is not None else None
-        raise ConfigError(f"--resume: no saved training state in {resume_dir}" + (
-            f" ({staging} holds a save that was killed before it finished, which cannot be resumed from: a "
-            f"launcher kills its processes {LAUNCHER_GRACE_S} s after a Ctrl-C; see --save-every)"
-            if staging is not None and staging.is_dir() else ""))
+        raise ConfigError(no_saved_state(resume_dir))
     state = json.loads(path.read_text())
     missing = [key for key in SAVED_KEYS if key not in state] + [
         name for name in ("last_fired.pt", "data_position.pt") if not (path.parent / name).is_file()]

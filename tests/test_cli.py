@@ -21,6 +21,7 @@ from huggingface_hub import ModelCard
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
+import cli
 from cli import main
 from helpers import (Killed, interrupt, on_read, raising, tiny_input_ids, tiny_model, tiny_tokenizer,
                      unwritable_folder)
@@ -29,9 +30,10 @@ from sparsify import data as data_module
 from sparsify import export
 from sparsify import load as load_module
 from sparsify.config import RunOptions, TrainConfig
-from sparsify.errors import DataError, OutputError
+from sparsify.errors import ConfigError, DataError, OutputError
 from sparsify.families import FAMILIES
 from sparsify.load import load_config
+from sparsify.locations import saved_state
 
 # Tiny runs: 32-token sequences, 256 held-out tokens; options on the command line override the recipe.
 RECIPE = "seq_len: 32\nbatch_size: 2\neval_tokens: 256\nlr: 1.0e-3\nl1: '1e-3'\nsteps: 50\nlog_every: 1\n"
@@ -334,6 +336,97 @@ def test_bad_settings_are_said_before_torch_is_imported(files, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def said_before_torch(code: str, **env) -> str:
+    """What `code` (after importing the CLI's main) prints in a fresh interpreter, which must not import torch."""
+    code = "import sys\nfrom click.testing import CliRunner\nfrom cli import main\n" + code + \
+        "\nassert 'torch' not in sys.modules"
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_device_errors_are_said_before_torch_is_imported(files, tmp_path):
+    """A --device that torch would not take, or a CUDA one where the installed torch is a CPU build (its version's
+    local tag; here a stand-in's metadata, found first), fails at once in each command that takes one."""
+    build = tmp_path / "cpu-build"
+    (build / "torch-2.13.0+cpu.dist-info").mkdir(parents=True)
+    (build / "torch-2.13.0+cpu.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\n"
+                                                                  "Version: 2.13.0+cpu\n")
+    source, out = str(model_folder(files, "llama")), str(tmp_path / "out")
+    commands = [["convert", source, "-o", out, "--data", str(files / "corpus")],
+                ["sample", source, "-o", out, "--tokens", "64"], ["analyze", source]]
+    shown = said_before_torch(f"for device in ('gpu', 'cuda:01', 'cuda:1'):\n    for command in {commands!r}:\n"
+                              "        print(CliRunner().invoke(main, [*command, '--device', device]).output)",
+                              PYTHONPATH=os.pathsep.join(filter(None, (str(build), os.environ.get("PYTHONPATH")))))
+    assert shown.count("error: --device gpu: not a device (use cpu, cuda or cuda:N)\n") == 3, shown
+    assert shown.count("error: --device cuda:01: not a device (use cpu, cuda or cuda:N)\n") == 3, shown
+    assert shown.count("error: --device cuda:1: no CUDA GPU here (a CPU build of torch); use --device cpu or leave it "
+                       "out\n") == 3, shown
+
+
+def test_the_device_check_before_torch_takes_what_torch_takes(monkeypatch):
+    """The CLI's --device check refuses what load.check_device (torch.device) refuses as no device, in its words,
+    and takes the rest; its device types are those that torch lists."""
+    with pytest.raises(RuntimeError) as refused:
+        torch.device("gpu")
+    assert set(re.search(r"Expected one of (.*) device type", str(refused.value))[1].split(", ")) == cli.DEVICE_TYPES
+
+    def refusal(check, device) -> str | None:
+        try:
+            check(device)
+        except ConfigError as error:
+            return str(error)
+        return None
+
+    monkeypatch.setattr(cli, "_cpu_build_of_torch", lambda: False)  # the syntax alone
+    for device in ("cpu", "cpu:0", "cuda", "cuda:0", "cuda:12", "mps", "xpu:1", "meta", "gpu", "CUDA", "cuda:01",
+                   "cuda:-1", "cuda:", "cuda:a", " cuda", "cuda:0:1", "tpu:x", ""):
+        late = refusal(load_module.check_device, device)  # its other refusals (no GPU, too few) wait for torch
+        assert refusal(cli._check_device, device) == (late if late and "not a device" in late else None), device
+
+
+def test_a_cpu_build_of_torch_is_told_by_its_version_tag(monkeypatch):
+    for installed, cpu in (("2.13.0+cpu", True), ("2.1.0+cpu.cxx11.abi", True), ("2.13.0", False),
+                           ("2.13.0+cu128", False), ("2.5.1+rocm6.2", False)):
+        monkeypatch.setattr(cli, "version", lambda name: installed)
+        assert cli._cpu_build_of_torch() == cpu, installed
+
+
+def test_a_tracker_not_installed_is_said_before_torch_is_imported(files, tmp_path):
+    command = ["convert", str(model_folder(files, "llama")), "-o", str(tmp_path / "out"), "--data",
+               str(files / "corpus"), "--report-to", "none,tensorboard"]
+    shown = said_before_torch("sys.modules['tensorboard'] = sys.modules['tensorboardX'] = None  # not installed\n"
+                              f"print(CliRunner().invoke(main, {command!r}).output)")
+    assert "error: --report-to tensorboard: the tensorboard package is not installed (pip install tensorboard)\n" \
+        in shown, shown
+
+
+def test_resume_without_a_state_is_said_before_torch_is_imported(files, tmp_path):
+    """--resume where OUT.resume/ holds no state to continue stops at once, in the words of the library's check, which
+    names what a save killed before it was whole left; a whole one left in the staging folder is continued
+    (test_a_save_killed_before_its_rename_resumes)."""
+    command = ["convert", str(model_folder(files, "llama")), "-o", str(tmp_path / "out"), "--data",
+               str(files / "corpus"), "--resume"]
+    shown = said_before_torch(f"print(CliRunner().invoke(main, {command!r}).output)\n"
+                              f"import os\nos.mkdir({str(tmp_path / 'out.resume.tmp')!r})\n"
+                              f"print(CliRunner().invoke(main, {command!r}).output)")
+    said = f"error: --resume: no saved training state in {tmp_path / 'out.resume'}"
+    assert f"{said}\n" in shown and f"{said} ({tmp_path / 'out.resume.tmp'} holds a save that was killed" in shown
+
+
+def test_the_state_to_resume_is_a_whole_save_or_a_killed_one_that_was_whole(tmp_path):
+    resume_dir, staging = tmp_path / "out.resume", tmp_path / "out.resume.tmp"
+    assert saved_state(resume_dir) is None
+    staging.mkdir()  # a save killed before it was whole
+    assert saved_state(resume_dir) is None
+    resume_dir.mkdir()
+    (resume_dir / "state.json").write_text("{}")
+    assert saved_state(resume_dir) == resume_dir
+    (staging / "state.json").write_text("{}")  # whole, killed before it replaced the older one
+    assert saved_state(resume_dir) == staging
+
+
 def no_hub_login(monkeypatch, tmp_path):
     for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
         monkeypatch.delenv(name, raising=False)
@@ -632,6 +725,9 @@ def test_a_save_killed_before_its_rename_resumes(files, tmp_path, monkeypatch):
     (tmp_path / "out.resume").rename(tmp_path / "out.resume.tmp")
     (tmp_path / "out.resume").mkdir()  # what a half-done removal of the old state leaves
     monkeypatch.setattr(data_module.TrainingBatches, "__next__", real)
+    # without --resume that save is not silently replaced either
+    assert_user_error(convert(files, "llama", out, "--steps", 3), "out.resume.tmp holds the training state of an "
+                                                                  "interrupted conversion")
     result = convert(files, "llama", out, "--steps", 3, "--resume")
     assert result.exit_code == 0, result.output
     assert "resuming from it" in result.output
