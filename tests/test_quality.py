@@ -235,6 +235,17 @@ def test_sampled_runs_read_the_base_s_samples_and_the_share_s_text(prepared, tmp
         assert run["ce_vs_control"] == pytest.approx(run["cross_entropy"]["after training"] / after - 1), run["name"]
 
 
+def test_a_mistyped_run_setting_stops_before_the_pretraining(tmp_path, capsys):
+    quality = load_script()
+    for option, value, said in (("--runs", "l1=3.5,revive_dead=5", "unknown training settings: revive_dead"),
+                                ("--runs", "l1=3.5,lr=-1", "--runs l1=3.5,lr=-1: "),
+                                ("--control-set", "batch_sizes=4", "--control-set batch_sizes=4: unknown")):
+        with pytest.raises(SystemExit):
+            quality.arguments(["--toy", "--work", str(tmp_path / "work"), option, value])
+        assert said in capsys.readouterr().err
+    assert not (tmp_path / "work").exists()
+
+
 def test_data_takes_sampled_with_sample_tokens(capsys):
     quality = load_script()
     for argv in (["--runs", "data=sampled"], ["--runs", "data=other", "--sample-tokens", "10"]):

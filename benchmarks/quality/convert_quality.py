@@ -204,6 +204,20 @@ def arguments(argv=None) -> argparse.Namespace:
     if args.metrics and args.seq_len < metrics.PROMPT_TOKENS + metrics.NEW_TOKENS:
         ap.error(f"--seq-len must be at least {metrics.PROMPT_TOKENS + metrics.NEW_TOKENS} for the greedy agreement "
                  "(prompts and continuations), or pass --no-metrics")
+    from sparsify.config import TrainConfig, load_recipe  # no torch
+    from sparsify.errors import ConfigError
+
+    try:  # a mistyped or impossible setting stops the pipeline here, not in a conversion after the pretraining
+        args.recipe_settings = {**load_recipe(args.recipe, "base"), **dict(args.recipe_overrides)}
+        for option, settings in [*(("--runs", run) for run in args.runs or []),
+                                 ("--control-set", dict(args.control_overrides))]:
+            training = {k: v for k, v in settings.items() if k not in runs.PIPELINE_SETTINGS}
+            try:
+                TrainConfig.from_dict({**args.recipe_settings, **training}).validate()
+            except ConfigError as error:
+                raise ConfigError(f"{option} {','.join(f'{k}={v}' for k, v in settings.items())}: {error}") from None
+    except ConfigError as error:
+        ap.error(str(error))
     if args.device is None:
         import torch
 
@@ -391,7 +405,6 @@ def main(argv=None) -> dict:
     args = arguments(argv)
     import torch
     from sparsify.bench import versions
-    from sparsify.config import load_recipe
 
     started = time.time()
     try:
@@ -400,7 +413,7 @@ def main(argv=None) -> dict:
         print(paused, flush=True)
         raise SystemExit(pretrain.PAUSED)
     tokens = {share: int(share * pretraining["tokens"]) for share in args.convert_share}
-    recipe = {**load_recipe(args.recipe, "base"), **dict(args.recipe_overrides)}
+    recipe = args.recipe_settings
     subsets = make_subsets(args, recipe, tokens)
     samples = make_samples(args, recipe, subsets)
     conversions, controls = train_all(args, recipe, tokens, subsets, samples)
