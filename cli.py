@@ -62,19 +62,25 @@ def _check_before_loading(source: str, data, data_required: str | None = None, p
     return family
 
 
-def _check_device(device: str | None) -> None:
+def _check_device(device: str | None, cuda_for: str | None = None) -> None:
     """ConfigError for a --device that torch.device would not take (gpu, cuda:01), or a CUDA one where the installed
-    torch is a CPU build, told without importing torch; load.check_device judges the rest once it is imported (no GPU
-    visible, an index beyond the GPUs)."""
-    if device is None:
-        return
-    # torch.device's grammar (c10/core/Device.cpp). A type it does not build in may be a device backend's, which
-    # torch loads on import from an installed package's entry point (torch_npu's npu): torch judges that one.
-    syntax = re.fullmatch(r"([a-zA-Z_]+)(?::(?:[1-9][0-9]*|0))?", device)
-    if not syntax or syntax[1] not in DEVICE_TYPES and not entry_points(group="torch.backends"):
-        raise ConfigError(f"--device {device}: not a device (use cpu, cuda or cuda:N)")
-    if syntax[1] == "cuda" and _cpu_build_of_torch():
-        raise ConfigError(f"--device {device}: no CUDA GPU here (a CPU build of torch); use --device cpu or leave it "
+    torch is a CPU build, told without importing torch; with `cuda_for` (what needs a GPU: --measure), also any other
+    device or a CPU build, in load.require_cuda's words. load.check_device and require_cuda judge the rest once torch
+    is imported (no GPU visible, an index beyond the GPUs)."""
+    kind = None
+    if device is not None:
+        # torch.device's grammar (c10/core/Device.cpp). A type it does not build in may be a device backend's, which
+        # torch loads on import from an installed package's entry point (torch_npu's npu): torch judges that one.
+        syntax = re.fullmatch(r"([a-zA-Z_]+)(?::(?:[1-9][0-9]*|0))?", device)
+        if not syntax or syntax[1] not in DEVICE_TYPES and not entry_points(group="torch.backends"):
+            raise ConfigError(f"--device {device}: not a device (use cpu, cuda or cuda:N)")
+        kind = syntax[1]
+    if cuda_for and kind not in (None, "cuda"):
+        raise ConfigError(f"{cuda_for} needs a CUDA GPU, not --device {device}")
+    if (cuda_for or kind == "cuda") and _cpu_build_of_torch():
+        raise ConfigError(f"{cuda_for} needs a CUDA GPU, and torch ({version('torch')}, a CPU build) sees none"
+                          if cuda_for else
+                          f"--device {device}: no CUDA GPU here (a CPU build of torch); use --device cpu or leave it "
                           "out")
 
 
@@ -208,7 +214,7 @@ def convert(source, recipe, **values):
     settings = overlay(load_recipe(recipe, source), {k: v for k, v in values.items() if v is not None})
     config = TrainConfig.from_dict(settings)
     config.validate()  # what needs no model config, at once (convert checks again against the source's config)
-    _check_device(options.device)
+    _check_device(options.device, "--measure" if options.measure_kernels else None)
     _check_trackers(options.report_to)
     if options.push_to_hub:
         check_hub_repo(options.push_to_hub)
@@ -294,7 +300,7 @@ def analyze(model, data, text_column, tokens, seq_len, batch_size, device, json_
     for option, value, least in (("--tokens", tokens, 1), ("--seq-len", seq_len, 2), ("--batch-size", batch_size, 1)):
         if value is not None and value < least:
             raise ConfigError(f"{option} must be at least {least}, got {value}")
-    _check_device(device)
+    _check_device(device, "--measure" if measure_kernels else None)
     if not write_plan:  # --write-plan names a source that is no local checkpoint its own way (analyze)
         _check_before_loading(model, data)
     _quiet_loading()
@@ -352,6 +358,7 @@ def bench(checkpoint, seq_len, prefill_batch, generate_batch, compiled_batch, no
     """Dense vs TwELL speed of a converted CHECKPOINT on a GPU, in one process, with a logits check: decoder
     prefill, eager generate, compiled static-cache generate and one decode step replayed as a CUDA graph,
     each with a per-component GPU time breakdown."""
+    _check_device(None, "sparsify bench")
     _quiet_loading()
     from sparsify.bench import bench_checkpoint, bench_table, write_json
     from sparsify.report import console

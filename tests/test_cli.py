@@ -348,7 +348,8 @@ def said_before_torch(code: str, **env) -> str:
 
 def test_device_errors_are_said_before_torch_is_imported(files, tmp_path):
     """A --device that torch would not take, or a CUDA one where the installed torch is a CPU build (its version's
-    local tag; here a stand-in's metadata, found first), fails at once in each command that takes one."""
+    local tag; here a stand-in's metadata, found first), fails at once in each command that takes one; so do
+    --measure and `sparsify bench`, which need a GPU, on a CPU build or another device."""
     build = tmp_path / "cpu-build"
     (build / "torch-2.13.0+cpu.dist-info").mkdir(parents=True)
     (build / "torch-2.13.0+cpu.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\n"
@@ -363,6 +364,14 @@ def test_device_errors_are_said_before_torch_is_imported(files, tmp_path):
     assert shown.count("error: --device cuda:01: not a device (use cpu, cuda or cuda:N)\n") == 3, shown
     assert shown.count("error: --device cuda:1: no CUDA GPU here (a CPU build of torch); use --device cpu or leave it "
                        "out\n") == 3, shown
+    needs_gpu = [["convert", source, "-o", out, "--data", str(files / "corpus"), "--measure"],
+                 ["analyze", source, "--measure"], ["bench", out]]
+    shown = said_before_torch(f"for command in {needs_gpu!r}:\n    print(CliRunner().invoke(main, command).output)\n"
+                              f"print(CliRunner().invoke(main, {needs_gpu[0]!r} + ['--device', 'cpu']).output)",
+                              PYTHONPATH=os.pathsep.join(filter(None, (str(build), os.environ.get("PYTHONPATH")))))
+    assert shown.count("error: --measure needs a CUDA GPU, and torch (2.13.0+cpu, a CPU build) sees none\n") == 2, shown
+    assert "error: sparsify bench needs a CUDA GPU, and torch (2.13.0+cpu, a CPU build) sees none\n" in shown
+    assert "error: --measure needs a CUDA GPU, not --device cpu\n" in shown
 
 
 def test_the_device_check_before_torch_takes_what_torch_takes(monkeypatch):
