@@ -132,10 +132,9 @@ class TrainConfig:
     dead_window_tokens: int | None = _setting(None, (
         "A unit is dead when it has not fired in this many tokens."), unset="one optimizer step's tokens")
     revive_dead_tokens: int | None = _setting(None, (
-        "At each log step but the last, revive each MLP unit that has not fired in this many tokens by splitting "
-        "into it a live unit of its layer (one that fired in the last step, chosen at random, each at most once): "
-        "the two share the live unit's output weights, so that the layer's output stays as it was but for a little "
-        "noise on the revived unit's gate, which then fires and trains again."), unset="off")
+        "At each log step but the last, split a live unit of its layer into each MLP unit silent for this many "
+        "tokens, keeping the layer's output, so that it trains again (docs/quality.md, \"Dead units revived\")."),
+        unset="off")
     shuffle_buffer: int = _setting(1024, (
         "Training blocks drawn at random from a buffer of this many (0: the data's own order)."))
     eval_tokens: int = _setting(65536, (
