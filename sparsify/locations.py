@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,8 +135,11 @@ def check_output_dir(out_dir: str | Path, overwrite: bool) -> Path:
         above = above.parent
     if not above.is_dir():
         raise OutputError(f"{out}: cannot be written, {above} is a file")
-    if not os.access(above, os.W_OK | os.X_OK):  # the checkpoint is staged beside OUT and renamed into place
-        raise OutputError(f"{out}: cannot be written, {above} is not writable")
+    try:  # the checkpoint is staged beside OUT and renamed into place: a folder made there and removed, since
+        # os.access says yes to root everywhere (a read-only mount, /proc) and a run would train, then fail to write
+        os.rmdir(tempfile.mkdtemp(prefix=f".{out.name}.", dir=above))
+    except OSError as error:
+        raise OutputError(f"{out}: cannot be written, {above} is not writable ({error.strerror or error})") from None
     return out
 
 

@@ -133,16 +133,21 @@ def load_benchmark(relative_path: str):
 @contextlib.contextmanager
 def unwritable_folder(where: Path, monkeypatch):
     """A folder `where`/locked that cannot be written (mode 0o555; as root, which writes anywhere, through
-    sparsify.locations' os.access answering as for another user), restored afterwards."""
+    sparsify.locations' write probe refused there as for another user), restored afterwards."""
     from sparsify import locations
 
     locked = where / "locked"
     locked.mkdir()
     locked.chmod(0o555)
     if os.geteuid() == 0:
-        real = os.access
-        monkeypatch.setattr(locations.os, "access", lambda path, mode, **kw:
-                            False if Path(path) == locked and mode & os.W_OK else real(path, mode, **kw))
+        real = locations.tempfile.mkdtemp
+
+        def mkdtemp(*args, dir=None, **kwargs):
+            if dir is not None and Path(dir) == locked:
+                raise PermissionError(13, "Permission denied")
+            return real(*args, dir=dir, **kwargs)
+
+        monkeypatch.setattr(locations.tempfile, "mkdtemp", mkdtemp)
     try:
         yield locked
     finally:

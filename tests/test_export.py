@@ -835,6 +835,13 @@ def test_an_unwritable_parent_is_refused_before_anything_is_written(tmp_path, mo
     assert check_output_dir(tmp_path / "out", overwrite=False) == tmp_path / "out"  # a writable parent: fine
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_a_folder_no_one_can_write_is_refused_as_root_too():
+    """/proc takes no new folder, whoever asks (os.access says root may write there)."""
+    with pytest.raises(OutputError, match="/proc/out: cannot be written, /proc is not writable"):
+        check_output_dir("/proc/out", overwrite=False)
+
+
 def test_an_old_output_that_cannot_be_put_back_is_named(tmp_path, monkeypatch):
     """Where the new checkpoint's rename into place and the old OUT's return both fail, the error names the
     hidden folder that holds the old OUT."""
