@@ -525,6 +525,7 @@ def test_measure_flag_reaches_convert_unset_by_default(files, tmp_path, monkeypa
         raise SystemExit(0)
 
     monkeypatch.setattr(convert_module, "convert", run)
+    monkeypatch.setattr(cli, "_cpu_build_of_torch", lambda: False)  # --measure on a CPU build stops before convert
     convert(files, "llama", tmp_path / "out", *flag)
     assert seen["measure_kernels"] is expected
 
