@@ -169,9 +169,7 @@ def plot_training(log: list[dict], path: str | Path) -> None:
     twin.set_ylabel("L1", color="tab:red")
     lines = right.get_lines() + twin.get_lines()
     right.legend(lines, [line.get_label() for line in lines], loc="upper right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_activity(layer_stats: list[dict], path: str | Path) -> None:
@@ -195,6 +193,12 @@ def plot_activity(layer_stats: list[dict], path: str | Path) -> None:
     right.legend(fontsize=8)
     for axis in (left, right):
         axis.yaxis.set_major_locator(MaxNLocator(integer=True))
+    _save(fig, path)
+
+
+def _save(fig, path) -> None:
+    """Writes the figure to `path`, its folder made where missing (as --json's is), and closes it."""
     fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _pyplot().close(fig)

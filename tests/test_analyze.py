@@ -21,7 +21,7 @@ def test_analyze_json_plot_and_table(tmp_path):
     (tmp_path / "text.txt").write_text("class A:\n    pass\n" * 200)
     result = CliRunner().invoke(main, ["analyze", str(tmp_path / "m"), "--data", str(tmp_path / "text.txt"),
                                        "--tokens", "256", "--seq-len", "64", "--json", str(tmp_path / "a.json"),
-                                       "--plot", str(tmp_path / "a.png")])
+                                       "--plot", str(tmp_path / "plots" / "a.png")])  # a folder made
     assert result.exit_code == 0, result.output
     assert "setting" in result.output and "sparsity" in result.output
     report = json.loads((tmp_path / "a.json").read_text())
@@ -45,7 +45,7 @@ def test_analyze_json_plot_and_table(tmp_path):
     assert f"\n{tmp_path / 'm'}: gate activity on 256 tokens of text.txt (seq-len 64, perplexity " in result.output
     assert ("is not converted (gate activation silu): active means gate pre-activation > 0, and no kernel setting "
             "applies; `sparsify convert` makes a sparse ReLU model.\n") in result.output
-    assert (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "plots" / "a.png").read_bytes()[:4] == b"\x89PNG"
     assert (report["model"], report["data"]) == ("m", "text.txt")  # no local path: the JSON may go into a checkpoint
     assert str(tmp_path) not in (tmp_path / "a.json").read_text()
 
