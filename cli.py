@@ -241,6 +241,9 @@ def convert(source, recipe, **values):
                                   hybrid_share=summary["hybrid_share"]))
         console.print(f"trained {t['steps']} steps, {t['tokens']:,} tokens in {t['seconds']:.0f} s; "
                       f"wrote {options.out}")
+        console.print(f"next: `sparsify analyze {options.out} --data TEXT` measures it on other text; "
+                      f"AutoModelForCausalLM.from_pretrained({str(options.out)!r}, trust_remote_code=True) loads it, "
+                      "its MLPs on the TwELL kernels on a GPU (docs/usage.md)", soft_wrap=True)
         if "url" in summary:
             console.print(f"pushed to {summary['url']}")
     _end_process_group()

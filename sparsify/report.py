@@ -110,10 +110,17 @@ def layer_table(layer_stats: list[dict], plan: list[LayerPlan | None], title: st
     show_hybrid = any(hybrid_share or [])
     units = layer_stats[0]["units"]
     mean = sum(s["mean_active"] for s in layer_stats) / len(layer_stats)
+    why_dense = {}  # the planner's reason for a dense layer, where it gives one (a shape its cost model lacks)
+    for i, p in enumerate(plan):
+        if p is not None and not p.is_sparse and p.stats.get("reason"):
+            why_dense.setdefault(p.stats["reason"], []).append(i)
     table = Table(title=f"{title}; active units per token of {units}",
                   caption=f"all layers: {mean:.1f} of {units} units active per token on average "
                           f"({100 * (1 - mean / units):.2f}% sparse); tile p99.9: a token's active units within "
-                          f"one tile of that width, 99.9th percentile (the slots a tile needs)")
+                          f"one tile of that width, 99.9th percentile (the slots a tile needs)" + "".join(
+                              "; dense " + ("everywhere" if len(layers) == len(plan) else
+                                            "in layers " + ", ".join(map(str, layers))) + f": {reason}"
+                              for reason, layers in why_dense.items()))
     for column in ("layer", "mean", "median", "p99", "max", "sparsity %", "dead %", "tile p99.9", "setting"):
         table.add_column(column, justify="right")
     if show_hybrid:
