@@ -36,7 +36,7 @@ from .calibrate import ROWS_PER_STEP, available_memory, calibrate, calibration_b
 from .card import is_hub_id, public_name, source_license
 from .config import RunOptions, TrainConfig, shown_value, steps_said
 from .data import TextData
-from .errors import ConfigError, DataError
+from .errors import ConfigError, DataError, Interrupted
 from .export import ARTIFACTS, export_checkpoint
 from .load import (check_device, check_weight_files, load_config, load_model, load_tokenizer, mlp_parameter_count,
                    parameter_count, require_cuda, require_tokenizer, resolve_dtype)
@@ -139,26 +139,35 @@ def convert(source: str, config: TrainConfig, options: RunOptions, fit_seq_len: 
     if options.overwrite and not options.resume and main:
         discard_saved_state(checked.resume_dir)
     shown = not options.quiet and main
-    loaded = _load_source(source, config, options, checked, launch)
-    measure_kernels = choose_measure(options.measure_kernels, loaded.model.config, options.device,
-                                     shown and console.print)
-    text = checked.text
-    if text is None:
-        text = TextData(checked.data, loaded.tokenizer, config.seq_len, config.eval_tokens, options.text_column)
-    if main:
-        _report_held_out(text, shown, config, launch.num_processes)
-    perplexities = _Perplexities(text, config.batch_size, shown)
-    result, mlps, calibration = _train(loaded.model, text, config, options, checked, perplexities)
+    try:
+        loaded = _load_source(source, config, options, checked, launch)
+        measure_kernels = choose_measure(options.measure_kernels, loaded.model.config, options.device,
+                                         shown and console.print)
+        text = checked.text
+        if text is None:
+            text = TextData(checked.data, loaded.tokenizer, config.seq_len, config.eval_tokens, options.text_column)
+        if main:
+            _report_held_out(text, shown, config, launch.num_processes)
+        perplexities = _Perplexities(text, config.batch_size, shown)
+        result, mlps, calibration = _train(loaded.model, text, config, options, checked, perplexities)
+    except KeyboardInterrupt:  # the training loop saves on Ctrl-C; before it (loading, calibration) there is none
+        raise Interrupted("interrupted before the first training step (loading, measuring the source, calibration):"
+                          " nothing was saved, so the same command starts over; from the first step on, Ctrl-C "
+                          "saves the state for --resume") from None
     # A failure from here on keeps the trained weights (where it came while writing, in the export's dtype: what
     # the checkpoint holds anyway); --resume goes straight to measuring them.
     try:
         summary = _measure_and_write(result, mlps, calibration, loaded, perplexities, config, options, checked,
                                      measure_kernels)
-    except (Exception, KeyboardInterrupt):
+    except (Exception, KeyboardInterrupt) as error:
         try:
             result.save()
-        except Exception as error:  # the first error is the one to report
-            warn(f"the trained state could not be saved either ({type(error).__name__}: {error})")
+        except Exception as failure:  # the first error is the one to report
+            warn(f"the trained state could not be saved either ({type(failure).__name__}: {failure})")
+            raise error from None
+        if isinstance(error, KeyboardInterrupt):
+            raise Interrupted(f"interrupted after training: its state is saved in {checked.resume_dir}; the same "
+                              "command with --resume measures and writes it") from None
         raise
     if main:
         discard_saved_state(checked.resume_dir)

@@ -28,3 +28,7 @@ class OutputError(SparsifyError):
 
 class MissingDependencyError(SparsifyError):
     """An optional package that an option needs is not installed (the tracker of --report-to)."""
+
+
+class Interrupted(SparsifyError):
+    """Ctrl-C outside the training loop (which saves its state and says so itself): what was kept, and how to go on."""

@@ -777,6 +777,26 @@ def test_failure_while_writing_leaves_no_output_but_the_trained_state(files, tmp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["again", "out"]
 
 
+def test_ctrl_c_outside_the_training_loop_says_what_was_kept(files, tmp_path, monkeypatch):
+    """Before the first step (here in calibration) nothing is saved, and the message says so; after the last
+    (measuring) the trained state is, and the message names it and --resume."""
+    def ctrl_c(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    real = convert_module.calibrate
+    monkeypatch.setattr(convert_module, "calibrate", ctrl_c)
+    assert_user_error(convert(files, "llama", tmp_path / "out", "--calibrate-steps", 1, "--swap-steps", 0),
+                      "interrupted before the first training step (loading, measuring the source, calibration): "
+                      "nothing was saved")
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(convert_module, "calibrate", real)
+    monkeypatch.setattr(convert_module, "measure", ctrl_c)
+    assert_user_error(convert(files, "llama", tmp_path / "out"),
+                      f"interrupted after training: its state is saved in {tmp_path / 'out.resume'}; the same command "
+                      "with --resume measures and writes it")
+    assert (tmp_path / "out.resume" / "state.json").is_file()
+
+
 def test_a_failure_while_measuring_keeps_the_trained_state(files, tmp_path, monkeypatch):
     def out_of_memory(*args, **kwargs):
         time.sleep(2)
