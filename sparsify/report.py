@@ -40,18 +40,38 @@ def describe(layer: LayerPlan | None) -> str:
     return f"T{layer.tile} C{layer.compression}{where}"
 
 
-LOGGED_SHARE = 0.1  # outside a terminal, a progress line is printed each time this share more of the items is done
+# Outside a terminal, a progress line is printed each time this share more of the items is done and at least
+# LOGGED_SECONDS have passed since the last line (a few seconds' evaluation: its last line alone), and at the end.
+LOGGED_SHARE = 0.1
+LOGGED_SECONDS = 10
+
+
+class _LogPace:
+    """When a progress line is due outside a terminal: at the end (once), else after LOGGED_SHARE more of the
+    `total` and LOGGED_SECONDS since the last line."""
+
+    def __init__(self, total: int):
+        self.total, self.shown, self.started = total, 0, time.perf_counter()
+        self.last = self.started
+
+    def due(self, done: int) -> bool:
+        now = time.perf_counter()
+        if self.shown >= self.total or not (done >= self.total or done - self.shown >= LOGGED_SHARE * self.total
+                                            and now - self.last >= LOGGED_SECONDS):
+            return False
+        self.shown, self.last = done, now
+        return True
 
 
 def batch_progress(items: list, label: str):
     """`items`, shown as a progress bar "label: i/n batches" while they are consumed (gone when done); where the
-    output is no terminal, as a timestamped line at every tenth of them instead."""
+    output is no terminal, as timestamped lines instead (_LogPace)."""
     if not console.is_terminal:
-        started, every = time.perf_counter(), max(1, round(LOGGED_SHARE * len(items)))
+        pace = _LogPace(len(items))
         for done, item in enumerate(items, 1):
             yield item
-            if done % every == 0 or done == len(items):
-                console.print(timestamped(f"{label}: {done}/{len(items)} batches", time.perf_counter() - started,
+            if pace.due(done):
+                console.print(timestamped(f"{label}: {done}/{len(items)} batches", time.perf_counter() - pace.started,
                                           done, len(items)), soft_wrap=True)
         return
     with Progress(TextColumn(f"[bold]{label}"), BarColumn(bar_width=None), MofNCompleteColumn(),
@@ -63,18 +83,19 @@ def batch_progress(items: list, label: str):
 @contextmanager
 def token_progress(total: int, label: str):
     """A function that advances a progress bar "label: done/total tokens, tokens/s" by its argument (gone when
-    done); where the output is no terminal, a timestamped line at every tenth of the total instead."""
-    started, done, shown = time.perf_counter(), 0, 0
+    done); where the output is no terminal, timestamped lines instead (_LogPace)."""
+    started, done = time.perf_counter(), 0
 
     def rate() -> str:
         return f"{done / max(time.perf_counter() - started, 1e-9):,.0f} tokens/s"
 
     if not console.is_terminal:
+        pace = _LogPace(total)
+
         def advance(tokens: int) -> None:
-            nonlocal done, shown
+            nonlocal done
             done += tokens
-            if shown < total and (done >= total or done - shown >= LOGGED_SHARE * total):  # the last line once
-                shown = done
+            if pace.due(done):
                 console.print(timestamped(f"{label}: {min(done, total):,}/{total:,} tokens, {rate()}",
                                           time.perf_counter() - started, min(done, total), total), soft_wrap=True)
 

@@ -225,13 +225,17 @@ def test_progress_advances_at_each_step_by_the_ids_kept():
     assert sum(calls) == sum(map(len, drawn)) and any(len(ids) < SEQ_LEN for ids in drawn)
 
 
-def test_token_progress_outside_a_terminal_logs_tenths_and_the_end_once(capsys):
-    """Where the output is no terminal: a line at each tenth of the total and one at the end, not one for each batch
-    drawn after it (a batch's last steps run on past the total)."""
-    from sparsify.report import token_progress
+def test_token_progress_outside_a_terminal_logs_tenths_and_the_end_once(capsys, monkeypatch):
+    """Where the output is no terminal: a line at each tenth of the total (at most one in LOGGED_SECONDS) and one at
+    the end, not one for each batch drawn after it (a batch's last steps run on past the total)."""
+    from sparsify import report
 
-    with token_progress(100, "sampling") as advance:
-        for _ in range(15):
-            advance(10)
-    counts = [int(line.split("sampling: ")[1].split("/")[0]) for line in capsys.readouterr().err.splitlines()]
-    assert counts == list(range(10, 101, 10))
+    def lines(seconds: float) -> list[int]:
+        monkeypatch.setattr(report, "LOGGED_SECONDS", seconds)
+        with report.token_progress(100, "sampling") as advance:
+            for _ in range(15):
+                advance(10)
+        return [int(line.split("sampling: ")[1].split("/")[0]) for line in capsys.readouterr().err.splitlines()]
+
+    assert lines(0) == list(range(10, 101, 10))
+    assert lines(60) == [100]  # a short run: its last line alone
