@@ -116,11 +116,13 @@ def _quiet_loading() -> None:
 def _unset_values() -> dict[str, str]:
     """Per training setting, the value it takes when not given, as --help shows it: the default recipe's
     (pretrained; demo for `demo`), or TrainConfig's where the recipe has none."""
-    unset = {setting.name: setting.metadata.get("unset") for setting in fields(TrainConfig)}
+    settings = {setting.name: setting for setting in fields(TrainConfig)}
 
-    def shown(name, value) -> str:  # as the command line takes it: a tuple's values apart
-        if value is None and unset[name]:
-            return unset[name]
+    def shown(name, value) -> str:  # as the command line takes it: a switch by its flag, a tuple's values apart
+        if value is None and settings[name].metadata.get("unset"):
+            return settings[name].metadata["unset"]
+        if isinstance(value, bool):
+            return _declarations(settings[name], switch=True)[-1].split("/")[not value]
         if isinstance(value, int) and not isinstance(value, bool) and value >= 10_000:
             return f"{value:_}"  # as recipes and the docs write counts
         return " ".join(map(str, value)) if isinstance(value, tuple) else str(value)
@@ -139,6 +141,14 @@ class TrainOption(click.Option):
         return super().get_help_record(ctx)
 
 
+def _declarations(setting: Field, switch: bool) -> list[str]:
+    """The option's declarations: its `flag` (default --NAME), a `switch`'s last one an --on/--off pair."""
+    declarations = setting.metadata.get("flag", option_name(setting.name)).split()
+    if switch and "/" not in declarations[-1]:
+        declarations[-1] += "/--no-" + declarations[-1][2:]
+    return declarations
+
+
 def _option(setting: Field, hint, *, recipe: bool = False):
     """The option of a TrainConfig or RunOptions field of type `hint`: its `flag` declarations (default
     --NAME), its help and metavar. A training setting (`recipe`) is None when not given, so that a recipe's value
@@ -150,9 +160,7 @@ def _option(setting: Field, hint, *, recipe: bool = False):
         kind = str  # a count or a share ("20%"): TrainConfig.from_dict reads either; or a path
     else:
         kind = value_type(hint)
-    declarations = setting.metadata.get("flag", option_name(setting.name)).split()
-    if recipe and kind is bool and "/" not in declarations[-1]:
-        declarations[-1] += "/--no-" + declarations[-1][2:]
+    declarations = _declarations(setting, switch=recipe and kind is bool)
     if setting.metadata.get("folder"):
         kind = click.Path(file_okay=False)
     if recipe:

@@ -119,6 +119,7 @@ def test_convert_help_shows_the_training_defaults_without_importing_torch():
     assert "--seq-len INTEGER Tokens per training sequence (packed blocks). [default: (1024; demo: 256)]" in text
     assert "--betas <FLOAT FLOAT>... AdamW betas. [default: (0.9 0.95)]" in text
     assert "[default: (one optimizer step's tokens)]" in text and "None" not in text  # a default of None, named
+    assert "[default: (--l1-relative; demo: --l1-absolute)]" in text and "(True" not in text  # a switch by its flag
     assert text.count("[default: (") == len(dataclasses.fields(TrainConfig))
     # --measure's help and the usage guide name the cost model's fitted shapes, which the CLI does not import
     from twell.cost_model import FITTED_MIN_HIDDEN, FITTED_MIN_INTERMEDIATE
