@@ -137,8 +137,9 @@ def layer_table(layer_stats: list[dict], plan: list[LayerPlan | None], title: st
             why_dense.setdefault(p.stats["reason"], []).append(i)
     table = Table(title=f"{title}; active units per token of {units}",
                   caption=f"all layers: {mean:.1f} of {units} units active per token on average "
-                          f"({100 * (1 - mean / units):.2f}% sparse); tile p99.9: a token's active units within "
-                          f"one tile of that width, 99.9th percentile (the slots a tile needs)" + "".join(
+                          f"({100 * (1 - mean / units):.2f}% sparse); dead: units that fire on none of these tokens; "
+                          f"tile p99.9: a token's active units within one tile of that width, 99.9th percentile "
+                          f"(the slots a tile needs)" + "".join(
                               "; dense " + ("everywhere" if len(layers) == len(plan) else
                                             "in layers " + ", ".join(map(str, layers))) + f": {reason}"
                               for reason, layers in why_dense.items()))

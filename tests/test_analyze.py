@@ -40,8 +40,8 @@ def test_analyze_json_plot_and_table(tmp_path):
     mean = sum(layer["mean_active"] for layer in report["layers"]) / 2  # the whole model's figure under the table
     # outside a terminal (a log file) the caption and the note under it are whole lines, however long
     assert (f"\nall layers: {mean:.1f} of 160 units active per token on average ({100 * (1 - mean / 160):.2f}% "
-            "sparse); tile p99.9: a token's active units within one tile of that width, 99.9th percentile (the slots "
-            "a tile needs)\n") in result.output
+            "sparse); dead: units that fire on none of these tokens; tile p99.9: a token's active units within one "
+            "tile of that width, 99.9th percentile (the slots a tile needs)\n") in result.output
     assert f"\n{tmp_path / 'm'}: gate activity on 256 tokens of text.txt (seq-len 64, perplexity " in result.output
     assert ("is not converted (gate activation silu): active means gate pre-activation > 0, and no kernel setting "
             "applies; `sparsify convert` makes a sparse ReLU model.\n") in result.output
