@@ -13,6 +13,7 @@ from twell.layer_plan import LayerPlan
 from .report import describe
 
 TAGS = ["sparsify", "twell", "relu", "activation-sparsity", "sparse"]
+WHERE = "<this repo or folder>"  # the card's name for the checkpoint in code, until a push names its repo
 
 
 def is_hub_id(name) -> bool:
@@ -140,7 +141,7 @@ def model_card(*, family: str, plan: list[LayerPlan], training: dict, intermedia
 
 Converted by sparsify from `{base}`: the MLP gate activation was replaced by ReLU
 and training continued with a sparsity penalty on the MLP hidden activations ({objective(training)}),
-so that almost all hidden units are zero for any token. The MLPs then run on TwELL sparse Triton kernels.
+so that most hidden units are zero for any token. The MLPs then run on TwELL sparse Triton kernels.
 
 {overall}## Per-layer sparsity and kernel setting
 
@@ -160,10 +161,10 @@ and compression factor chosen from the measured statistics.
 from transformers import AutoModelForCausalLM
 
 # TwELL kernels on CUDA (dense ReLU math where they cannot run); needs `triton` for the kernels
-model = AutoModelForCausalLM.from_pretrained("<this repo or folder>", trust_remote_code=True)
+model = AutoModelForCausalLM.from_pretrained("{WHERE}", trust_remote_code=True)
 
 # or: the same weights as a plain dense ReLU model, same logits
-model = AutoModelForCausalLM.from_pretrained("<this repo or folder>")
+model = AutoModelForCausalLM.from_pretrained("{WHERE}")
 ```
 
 `model.generate` (and `pipeline("text-generation", ...)`) decodes with no Python between tokens where the
@@ -181,3 +182,10 @@ model.generate_graphed(input_ids, max_new_tokens=64, compile=True)
 The per-layer plan and statistics are in `config.json` under `"twell"`.
 """
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}")
+
+
+def name_repo(folder: Path, repo_id: str) -> None:
+    """The card of the checkpoint in `folder` loads it from `repo_id` (its code named it WHERE until pushed)."""
+    card = folder / "README.md"
+    if card.is_file():
+        card.write_text(card.read_text().replace(f'"{WHERE}"', f'"{repo_id}"'))

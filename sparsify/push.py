@@ -8,6 +8,7 @@ from pathlib import Path
 
 from huggingface_hub import HfApi
 
+from .card import name_repo
 from .errors import OutputError
 
 
@@ -16,6 +17,7 @@ def push_to_hub(out_dir: str | Path, repo_id: str, *, private: bool = False, tok
     folder = Path(out_dir)
     if not (folder / "config.json").is_file():
         raise OutputError(f"{folder}: not a checkpoint folder (no config.json), nothing to push")
+    name_repo(folder, repo_id)
     api = HfApi(token=token)
     try:
         url = api.create_repo(repo_id, private=private, repo_type="model", exist_ok=True)

@@ -701,8 +701,10 @@ def test_push_to_hub_creates_the_repo_and_uploads_once(tmp_path, monkeypatch):
 
     monkeypatch.setattr(push, "HfApi", FakeHfApi)
     (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "README.md").write_text('x = AutoModelForCausalLM.from_pretrained("<this repo or folder>")\n')
     url = push.push_to_hub(tmp_path, "me/sparse", private=True, token="tok")
     assert url == "https://huggingface.co/me/sparse"
+    assert (tmp_path / "README.md").read_text() == 'x = AutoModelForCausalLM.from_pretrained("me/sparse")\n'  # its id
     (_, token), (_, repo, create), (_, upload) = FakeHfApi.calls
     assert token == "tok" and repo == "me/sparse"
     assert create == {"private": True, "repo_type": "model", "exist_ok": True}
