@@ -359,7 +359,8 @@ class TrainConfig:
         for name, what in (("warmup_steps", "the learning rate"), ("l1_warmup_steps", "the L1 weight")):
             if getattr(resolved, name) >= total:
                 found.append(f"{option_name(name)} {getattr(self, name)} is not below the run's {steps_said(total)}: "
-                             f"{what} never reaches its set value")
+                             f"{what} never reaches its set value (a share of the run, such as "
+                             f"{option_name(name)} 12.5%, scales with it)")
         return found
 
     def schedule(self, total: int) -> TrainConfig:

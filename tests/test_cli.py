@@ -185,10 +185,10 @@ def test_dry_run_prints_the_resolved_settings_and_stops(files, tmp_path, monkeyp
             "(--steps 16 trains on all of them)\n" in output)
     output = convert(files, "llama", tmp_path / "out", "--dry-run", "--l1-warmup-steps", 5, "--warmup-steps", 2).output
     # outside a terminal each warning is one whole line (a log file), however long
-    assert ("warning: --l1-warmup-steps 5 is not below the run's 2 steps: the L1 weight never reaches its set value\n"
-            in output)
-    assert ("warning: --warmup-steps 2 is not below the run's 2 steps: the learning rate never reaches its set value\n"
-            in output)
+    assert ("warning: --l1-warmup-steps 5 is not below the run's 2 steps: the L1 weight never reaches its set value "
+            "(a share of the run, such as --l1-warmup-steps 12.5%, scales with it)\n" in output)
+    assert ("warning: --warmup-steps 2 is not below the run's 2 steps: the learning rate never reaches its set value "
+            "(a share of the run, such as --warmup-steps 12.5%, scales with it)\n" in output)
 
 
 def test_defaults_fit_the_model_and_the_data(files, tmp_path, monkeypatch):
