@@ -39,7 +39,7 @@ from twell.training import sparsity_penalty
 from .errors import ConfigError
 from .families import mlp_modules, spec_for
 from .relufy import ReluGatedMLP, original_mlps
-from .report import console
+from .report import console, timestamped
 from .train.loss import activity_error
 
 # Families whose decoder layers normalize the MLP's output before the residual add: the norm's attribute of a
@@ -336,8 +336,10 @@ def calibrate(model: nn.Module, mlps: list[ReluGatedMLP], blocks: list[torch.Ten
         mlp.l1_log_scale, mlp.l1_eps = l1_log_scale, None
     if shown and sparsity:
         console.print(f"sparse calibration: each layer's ReLU MLP fitted to the source's until {sparsity:.0%} of its "
-                      "units are silent; its error against the source rises from the dense swap's, and training "
-                      "brings the model back")
+                      "units are silent" + ("" if sequential else " (the last layer first: each reads the source's "
+                                                                   "stream, which the layers below it still give)")
+                      + "; its error against the source rises from the dense swap's, and training brings the model "
+                      "back", soft_wrap=True)
     source = SourceProjections(mlps)
     for layer in range(len(mlps)) if sequential else reversed(range(len(mlps))):
         mlp = mlps[layer]
@@ -355,9 +357,11 @@ def calibrate(model: nn.Module, mlps: list[ReluGatedMLP], blocks: list[torch.Ten
         del x, y
         if shown:
             units = mlp.weights()[0].shape[0]
-            console.print(f"calibrated layer {layer} (layers 0-{len(mlps) - 1}): relative error of its MLP "
-                          f"{fit.before:.4f} (swapped) -> {fit.after:.4f}, {fit.active:.1f} of {units} units "
-                          f"active ({1 - fit.active / units:.2%} sparse)")
+            line = (f"calibrated layer {layer} (layers 0-{len(mlps) - 1}): relative error of its MLP "
+                    f"{fit.before:.4f} (swapped) -> {fit.after:.4f}, {fit.active:.1f} of {units} units "
+                    f"active ({1 - fit.active / units:.2%} sparse)")
+            console.print(line if console.is_terminal else timestamped(  # in a log, with the time and the time left
+                line, time.perf_counter() - started, len(fits), len(mlps)), soft_wrap=True)
     tokens = sum(block.numel() for block in blocks)
     return CalibrationResult(tokens, steps, lr, sparsity, time.perf_counter() - started,
                              [fits[layer] for layer in range(len(mlps))], sequential)
