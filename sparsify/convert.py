@@ -143,9 +143,7 @@ def convert(source: str, config: TrainConfig, options: RunOptions, fit_seq_len: 
         loaded = _load_source(source, config, options, checked, launch)
         measure_kernels = choose_measure(options.measure_kernels, loaded.model.config, options.device,
                                          shown and console.print)
-        text = checked.text
-        if text is None:
-            text = TextData(checked.data, loaded.tokenizer, config.seq_len, config.eval_tokens, options.text_column)
+        text = checked.text or _read_text(checked.data, loaded.tokenizer, config, options)
         if main:
             _report_held_out(text, shown, config, launch.num_processes)
         perplexities = _Perplexities(text, config.batch_size, shown)
@@ -220,6 +218,11 @@ def _check_inputs(source: str, config: TrainConfig, options: RunOptions, process
     return _Checked(config, out, data, inputs, saved, model_config, text, trackers(options.report_to), *fsdp_launch())
 
 
+def _read_text(data, tokenizer, config: TrainConfig, options: RunOptions) -> TextData:
+    """The run's text, cut into its training blocks and held-out head as the settings say."""
+    return TextData(data, tokenizer, config.seq_len, config.eval_tokens, options.text_column)
+
+
 def _resolve_passes(source: str, data: str | Path, config: TrainConfig, options: RunOptions
                     ) -> tuple[TextData, TrainConfig]:
     """The training text, read with the source's tokenizer before any weight, and `config` with its tokens set to
@@ -228,7 +231,7 @@ def _resolve_passes(source: str, data: str | Path, config: TrainConfig, options:
     again and finds the tokens it saved."""
     tokenizer = load_tokenizer(resolve_source(source))
     require_tokenizer(tokenizer, source)
-    text = TextData(data, tokenizer, config.seq_len, config.eval_tokens, options.text_column)
+    text = _read_text(data, tokenizer, config, options)
     shown = PartialState().is_main_process and (options.dry_run or not options.quiet)
     with console.status(f"counting the training text's tokens for --passes ({data})") if shown else nullcontext():
         tokens, estimated = text.training_tokens()  # a large text is read whole
@@ -266,7 +269,7 @@ def _dry_run(source: str, config: TrainConfig, options: RunOptions, checked: _Ch
     if text is None:
         tokenizer = load_tokenizer(where)
         require_tokenizer(tokenizer, source)
-        text = TextData(checked.data, tokenizer, config.seq_len, config.eval_tokens, options.text_column)
+        text = _read_text(checked.data, tokenizer, config, options)
     _report_held_out(text, True, config, processes)
 
 
