@@ -1,7 +1,8 @@
 """The `sparsify` command: thin Click wrappers over sparsify.convert, sparsify.sample, sparsify.analyze and
 sparsify.bench. User errors (SparsifyError) print their message on stderr and exit with status 1, without a
-traceback. Each command checks what needs no model (its options, the paths it reads and writes) before it imports
-those modules (torch and transformers, slow to import), so that a mistyped command fails, and --help shows, at once."""
+traceback (130, the shell's status for Ctrl-C, where Ctrl-C stopped the command). Each command checks what needs no
+model (its options, the paths it reads and writes) before it imports those modules (torch and transformers, slow to
+import), so that a mistyped command fails, and --help shows, at once."""
 from __future__ import annotations
 
 import functools
@@ -16,7 +17,7 @@ import click
 
 from sparsify.config import (TEXT_COLUMN_HELP, RunOptions, SampleOptions, TrainConfig, load_recipe, measure_help,
                              option_name, overlay, recipe_names, value_type)
-from sparsify.errors import ConfigError, DataError, MissingDependencyError, SparsifyError
+from sparsify.errors import ConfigError, DataError, Interrupted, MissingDependencyError, SparsifyError
 from sparsify.locations import (DATA_REQUIRED, SAMPLE_DATA_REQUIRED, check_data, check_hub_repo, check_output_dir,
                                 family_config, no_saved_state, resolve_source, resume_dir_for, saved_state)
 
@@ -25,9 +26,11 @@ from sparsify.locations import (DATA_REQUIRED, SAMPLE_DATA_REQUIRED, check_data,
 DEVICE_TYPES = frozenset({"cpu", "cuda", "ipu", "xpu", "mkldnn", "opengl", "opencl", "ideep", "hip", "ve", "fpga",
                           "maia", "xla", "lazy", "vulkan", "mps", "meta", "hpu", "mtia", "privateuseone"})
 # The packages of accelerate's trackers, by --report-to name (accelerate.utils.imports' is_*_available: either
-# package serves tensorboard), so that a tracker not installed is said before torch is imported.
+# package serves tensorboard), so that an unknown name or a tracker not installed is said before torch is imported
+# (tests/test_cli.py checks that the names are accelerate's).
 TRACKER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboardX"), **{
     name: (name,) for name in ("aim", "comet_ml", "mlflow", "wandb", "clearml", "dvclive", "swanlab", "trackio")}}
+INTERRUPTED_STATUS = 130  # 128 + SIGINT: what a shell reports for a command that Ctrl-C stopped
 
 
 def user_errors(command):
@@ -37,9 +40,55 @@ def user_errors(command):
             return command(*args, **kwargs)
         except SparsifyError as e:
             click.echo(f"error: {e}", err=True)
-            sys.exit(1)
+            sys.exit(INTERRUPTED_STATUS if _interrupted(e) else 1)
+        except KeyboardInterrupt:
+            click.echo("\nAborted!", err=True)  # Click's words for it
+            sys.exit(INTERRUPTED_STATUS)
 
     return wrapper
+
+
+def _interrupted(error: SparsifyError) -> bool:
+    """Whether `error` says that the run was stopped: Interrupted (Ctrl-C), or the training loop's TrainingInterrupted
+    (Ctrl-C or SIGTERM), whose module imports torch (where that is not loaded, no error is one)."""
+    training = sys.modules.get("sparsify.train")
+    return isinstance(error, (Interrupted, training.TrainingInterrupted) if training else Interrupted)
+
+
+class CommandWithHints(click.Command):
+    """A command whose usage errors point to what was meant: a mistyped option's close options by shared words
+    (_close_options) where there are any, and a second positional argument (`convert demo demo-out`) as -o's."""
+
+    def parse_args(self, ctx, args):
+        try:
+            return super().parse_args(ctx, list(args))  # a copy: Click's parser consumes it, the hint reads it again
+        except click.NoSuchOption as error:
+            options = [name for param in self.get_params(ctx) for name in (*param.opts, *param.secondary_opts)
+                       if name.startswith("--")]
+            error.possibilities = _close_options(error.option_name, options) or error.possibilities
+            raise
+        except click.MissingParameter as error:
+            extra = self.make_parser(ctx).parse_args(list(args))[1]
+            if error.param is not None and error.param.name == "out" and len(extra) == 1:
+                raise click.UsageError(f"Got unexpected extra argument ({extra[0]}): the output folder is an option, "
+                                       f"-o {extra[0]}", ctx) from None
+            raise
+
+
+def _close_options(typed: str, options: list[str]) -> list[str]:
+    """The `options` whose words are closest to those of the mistyped option `typed` (the most shared against all
+    that either has: --lr-rate: --lr; --l1-weight: --l1; --calibrate-step: the --calibrate ones), where Click's
+    spelling match finds unrelated ones (--private, --weight-decay); none where no word is shared. Words are the
+    parts between dashes or underscores, a negation's "no" aside, and the initials of a typed name of several
+    (--learning-rate: lr)."""
+    def words(option: str) -> list[str]:
+        return [word for word in re.split(r"[-_]+", option.lstrip("-")) if word not in ("", "no")]
+
+    typed_words = words(typed)
+    wanted = {*typed_words, "".join(word[0] for word in typed_words)} if len(typed_words) > 1 else set(typed_words)
+    closeness = {option: len(wanted & set(words(option))) / len(wanted | set(words(option))) for option in options}
+    best = max(closeness.values(), default=0)
+    return sorted(option for option, close in closeness.items() if best and close == best)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -47,6 +96,9 @@ def user_errors(command):
 def main():
     """Convert gated-MLP Hugging Face language models to >99% activation sparsity (ReLU gate + L1
     penalty) and run them on TwELL Triton kernels."""
+
+
+main.command_class = CommandWithHints  # every command's usage errors point to what was meant
 
 
 def _check_before_loading(source: str, data, data_required: str | None = None, passes=None) -> dict | None:
@@ -95,10 +147,14 @@ def _cpu_build_of_torch() -> bool:
 
 
 def _check_trackers(report_to: str) -> None:
-    """MissingDependencyError for a tracker of --report-to (comma-separated names) none of whose packages
-    (TRACKER_PACKAGES) is installed, looked up without importing them; train.trackers checks the names again through
-    accelerate, and judges those the table lacks."""
+    """ConfigError for a name of --report-to (comma-separated) that is none of all, none and accelerate's trackers
+    (TRACKER_PACKAGES), in train.trackers' words; MissingDependencyError for a tracker none of whose packages is
+    installed, looked up without importing them. train.trackers checks the names again through accelerate."""
+    known = ["all", *TRACKER_PACKAGES]
     for name in (name.strip() for name in report_to.split(",")):
+        if name not in ("", "none", *known):
+            raise ConfigError(f"--report-to {name}: not a tracker; use none, or one or more of {', '.join(known)} "
+                              "separated by commas")
         if name in TRACKER_PACKAGES and not any(find_spec(package) for package in TRACKER_PACKAGES[name]):
             raise MissingDependencyError(f"--report-to {name}: the {name} package is not installed (pip install "
                                          f"{name})")

@@ -308,7 +308,8 @@ def _load_source(source: str, config: TrainConfig, options: RunOptions, checked:
     main = launch.is_main_process
     _check_source(config, options, checked, launch.num_processes, show=main and not options.quiet)
     model, tokenizer, spec = load_model(source, dtype=torch.float32, device="cpu" if checked.fsdp else options.device,
-                                        weights=main or not checked.rank0_loading, config=checked.model_config)
+                                        weights=main or not checked.rank0_loading, config=checked.model_config,
+                                        tokenizer=checked.text.tokenizer if checked.text is not None else None)
     require_tokenizer(tokenizer, source)
     origin = {"base_model": _base_model(source), "license": source_license(resolve_source(source))}
     return _Source(model, tokenizer, spec, origin)

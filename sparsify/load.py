@@ -104,29 +104,32 @@ def check_device(device: str | None) -> None:
 
 
 def load_model(source: str | Path, *, dtype: torch.dtype | str | None = None, device: str | torch.device | None = None,
-               weights: bool = True, config=None):
+               weights: bool = True, config=None, tokenizer=None):
     """(model, tokenizer or None, spec) for "demo", a checkpoint folder or a Hub id; the model in eval mode
     on `device` (default: CUDA if available). The tokenizer is None when the source has none that loads.
     weights=False builds the model from the config with its parameters uninitialized in CPU memory
     (torch.empty: no pages are used until written) and reads no weight file: for the processes of an FSDP
-    run that receive their shards from the main process. `config`: the source's, where the caller has read it
-    (load_config), which is then not asked for again."""
+    run that receive their shards from the main process. `config` and `tokenizer`: the source's, where the caller
+    has read them (load_config, load_tokenizer), which are then not asked for again."""
     where = resolve_source(source)
     config, spec = _load_config(where, source) if config is None else (config, spec_for(config))
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if not weights:
-        return _unloaded_model(config, resolve_dtype(dtype, torch.device("cpu"))), load_tokenizer(where), spec
-    check_weight_files(where, source)
-    try:
-        model, info = AutoModelForCausalLM.from_pretrained(
-            where, config=config, dtype=resolve_dtype(dtype, device), output_loading_info=True
-        )
-    except (OSError, ValueError, RuntimeError, SafetensorError) as error:
-        raise SourceError(f"{source}: cannot load the weights ({first_line(error)})") from error
-    if info["missing_keys"] or info["mismatched_keys"]:
-        missing = sorted(info["missing_keys"]) + sorted(str(k) for k in info["mismatched_keys"])
-        raise SourceError(f"{source}: the weights do not match the config (missing or mismatched: {missing[:5]} ...)")
-    return model.to(device).eval(), load_tokenizer(where), spec
+    if weights:
+        check_weight_files(where, source)
+        try:
+            model, info = AutoModelForCausalLM.from_pretrained(
+                where, config=config, dtype=resolve_dtype(dtype, device), output_loading_info=True
+            )
+        except (OSError, ValueError, RuntimeError, SafetensorError) as error:
+            raise SourceError(f"{source}: cannot load the weights ({first_line(error)})") from error
+        if info["missing_keys"] or info["mismatched_keys"]:
+            missing = sorted(info["missing_keys"]) + sorted(str(k) for k in info["mismatched_keys"])
+            raise SourceError(f"{source}: the weights do not match the config (missing or mismatched: "
+                              f"{missing[:5]} ...)")
+        model = model.to(device).eval()
+    else:
+        model = _unloaded_model(config, resolve_dtype(dtype, torch.device("cpu")))
+    return model, load_tokenizer(where) if tokenizer is None else tokenizer, spec
 
 
 def check_weight_files(where: str, source) -> None:

@@ -204,12 +204,17 @@ def check_data(spec: str | Path, passes: float | None = None) -> DataSource:
 def check_hub_dataset(spec: str) -> None:
     """DataError, within HUB_TIMEOUT_S, where --data `spec`, which names no local path (resolve_data took it for a
     `datasets` name), names no dataset the Hub holds, or the Hub cannot be asked and its files are not cached: one
-    request, no retries (datasets would retry for half a minute, then not say that no such local path exists). Asks
-    nothing offline."""
+    request, no retries (datasets would retry for half a minute, then not say that no such local path exists).
+    Offline, asks nothing: DataError where datasets' cache holds no copy of it either."""
     from huggingface_hub import HfApi, constants, try_to_load_from_cache  # no torch
 
-    name = hub_arguments(spec)[0]
+    name, config, _ = hub_arguments(spec)
     if constants.is_offline_mode():
+        if not _in_datasets_cache(name, config):
+            raise DataError(f"--data {spec}: no local file or folder of that name, and offline (HF_HUB_OFFLINE=1) the "
+                            "datasets cache holds no copy of it: download the dataset first (`hf download "
+                            f"{name} --repo-type dataset --local-dir DIR`) and give --data DIR, or give --data a local "
+                            "file or folder")
         return
     failure = ask_hub(lambda: HfApi().dataset_info(name, timeout=HUB_TIMEOUT_S))
     if failure is None:
@@ -218,15 +223,26 @@ def check_hub_dataset(spec: str) -> None:
     if kind == "no answer" and isinstance(try_to_load_from_cache(name, "README.md", repo_type="dataset"), str):
         return  # cached before: datasets may read it from the cache
     where = f"--data {spec}: no local file or folder of that name, and"
-    refused = f"{where} the Hub did not give dataset {name} ({first_line(error)})"
+    # any other kind is "refused", another HTTP error ("no file" answers a request for a file: this asks for none)
     raise DataError({
         "gated": f"--data {spec}: {GATED.format('dataset')}",
         "not found": f"{where} no dataset {name} on the Hub (check the name; a private one needs `hf auth login`)",
-        "no file": refused,
-        "refused": refused,
         "no answer": f"{where} {no_answer(error, HUB_TIMEOUT_S)} to find it as a dataset ({first_line(error)}); "
                      "offline, HF_HUB_OFFLINE=1 reads datasets cached before",
-    }[kind])
+    }.get(kind, f"{where} the Hub did not give dataset {name} ({first_line(error)})"))
+
+
+def _in_datasets_cache(name: str, config: str | None) -> bool:
+    """Whether datasets loads dataset `name` (`config`) offline, from a copy in its own cache: its own lookup, which
+    imports no torch."""
+    try:
+        import datasets
+
+        datasets.logging.set_verbosity_error()  # its warning that it reads the cache
+        datasets.load_dataset_builder(name, config)
+    except Exception:  # not in the cache (datasets says so in several kinds), or no datasets to read it
+        return False
+    return True
 
 
 def ask_hub(request) -> tuple[str, BaseException] | None:
@@ -306,9 +322,14 @@ def saved_state(resume_dir) -> Path | None:
     resume.recover_killed_save puts in place; else `resume_dir` where a save completed; else None. The staging
     folder is looked at first, so that one renamed into place between the two looks is found all the same."""
     for folder in (staging_dir(resume_dir), Path(resume_dir)):
-        if (folder / "state.json").is_file():
+        if holds_state(folder):
             return folder
     return None
+
+
+def holds_state(folder) -> bool:
+    """Whether `folder` holds a whole saved training state: a save writes its state.json last."""
+    return (Path(folder) / "state.json").is_file()
 
 
 def no_saved_state(resume_dir) -> str:

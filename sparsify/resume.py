@@ -15,7 +15,7 @@ from accelerate import Accelerator
 
 from .config import RunOptions, TrainConfig, option_name
 from .errors import ConfigError
-from .locations import no_saved_state, saved_state, staging_dir
+from .locations import holds_state, no_saved_state, saved_state, staging_dir
 
 # Settings a resumed run may change: they touch no saved state (log and save cadence; fused_decoder, the kernels
 # that compute the norms and rotary, and chunked_loss, how the LM head and the loss are computed, differ only in
@@ -99,8 +99,9 @@ def save_state(accelerator: Accelerator, resume_dir, state: dict, last_fired: to
 
 def saved_run_name(resume_dir) -> str | None:
     """The tracker run name saved with the state in `resume_dir` (None: no state)."""
-    path = Path(resume_dir) / "state.json" if resume_dir is not None else None
-    return json.loads(path.read_text()).get("run_name") if path is not None and path.is_file() else None
+    if resume_dir is None or not holds_state(resume_dir):
+        return None
+    return json.loads((Path(resume_dir) / "state.json").read_text()).get("run_name")
 
 
 def load_last_fired(resume_dir, device) -> torch.Tensor | None:
@@ -120,9 +121,9 @@ def check_resume(resume_dir, config: TrainConfig, processes: int, inputs: dict |
     settings it was saved with (but RESUME_FREE: another batch size, schedule or L1 would make a run that is
     neither), as many processes (under FSDP each holds its shards; the batches per step depend on it) and
     the same `inputs` (see train.train). ConfigError naming what differs otherwise."""
-    path = Path(resume_dir) / "state.json" if resume_dir is not None else None
-    if path is None or not path.is_file():
+    if resume_dir is None or not holds_state(resume_dir):
         raise ConfigError(no_saved_state(resume_dir))
+    path = Path(resume_dir) / "state.json"
     state = json.loads(path.read_text())
     missing = [key for key in SAVED_KEYS if key not in state] + [
         name for name in ("last_fired.pt", "data_position.pt") if not (path.parent / name).is_file()]

@@ -311,6 +311,33 @@ def test_missing_data_is_said_before_torch_is_imported(files, tmp_path):
                       "someone/not-cached: not a local folder, and not loadable from the Hub")
 
 
+def test_a_dataset_offline_that_the_cache_lacks_is_said_before_torch_is_imported(files, tmp_path):
+    """Offline, a --data that names no local path and no dataset in datasets' cache (here a mistyped folder) stops
+    each command at once, saying how to get the text."""
+    source, out = str(model_folder(files, "llama")), str(tmp_path / "out")
+    commands = [["convert", source, "-o", out], ["sample", source, "-o", out, "--tokens", "64"], ["analyze", source]]
+    shown = said_before_torch(f"for command in {commands!r}:\n"
+                              "    print(CliRunner().invoke(main, [*command, '--data', 'corpus']).output)",
+                              HF_HUB_OFFLINE="1", HF_DATASETS_CACHE=str(tmp_path / "datasets"))
+    message = ("error: --data corpus: no local file or folder of that name, and offline (HF_HUB_OFFLINE=1) the "
+               "datasets cache holds no copy of it: download the dataset first (`hf download corpus --repo-type "
+               "dataset --local-dir DIR`) and give --data DIR, or give --data a local file or folder\n")
+    assert shown.count(message) == 3, shown
+
+
+def test_a_dataset_offline_that_the_cache_holds_passes_the_check(monkeypatch):
+    """Offline, a dataset that datasets finds in its cache (its own lookup, here a stand-in) is left to it."""
+    import datasets
+
+    from sparsify import locations
+
+    looked_up = []
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets, "load_dataset_builder", lambda name, config: looked_up.append((name, config)))
+    locations.check_hub_dataset("someone/cached:en@validation")
+    assert looked_up == [("someone/cached", "en")]
+
+
 def test_bad_settings_are_said_before_torch_is_imported(files, tmp_path):
     """A setting impossible for any model fails at once, before torch is imported, named by its option, and so does
     a --seq-len beyond the positions of a supported source whose config.json is at hand."""
@@ -406,13 +433,22 @@ def test_a_cpu_build_of_torch_is_told_by_its_version_tag(monkeypatch):
         assert cli._cpu_build_of_torch() == cpu, installed
 
 
-def test_a_tracker_not_installed_is_said_before_torch_is_imported(files, tmp_path):
+def test_an_unknown_tracker_or_one_not_installed_is_said_before_torch_is_imported(files, tmp_path):
     command = ["convert", str(model_folder(files, "llama")), "-o", str(tmp_path / "out"), "--data",
-               str(files / "corpus"), "--report-to", "none,tensorboard"]
+               str(files / "corpus"), "--report-to"]
     shown = said_before_torch("sys.modules['tensorboard'] = sys.modules['tensorboardX'] = None  # not installed\n"
-                              f"print(CliRunner().invoke(main, {command!r}).output)")
+                              f"print(CliRunner().invoke(main, {command!r} + ['none,tensorboard']).output)\n"
+                              f"print(CliRunner().invoke(main, {command!r} + ['wandbb']).output)")
     assert "error: --report-to tensorboard: the tensorboard package is not installed (pip install tensorboard)\n" \
         in shown, shown
+    assert ("error: --report-to wandbb: not a tracker; use none, or one or more of all, tensorboard, aim, comet_ml, "
+            "mlflow, wandb, clearml, dvclive, swanlab, trackio separated by commas\n") in shown, shown
+
+
+def test_the_trackers_known_before_torch_are_accelerates():
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS
+
+    assert set(cli.TRACKER_PACKAGES) == set(LOGGER_TYPE_TO_CLASS)
 
 
 def test_resume_without_a_state_is_said_before_torch_is_imported(files, tmp_path):
@@ -471,8 +507,13 @@ def test_the_source_config_is_read_once(files, tmp_path, monkeypatch):
     assert len(reads) == 1
 
 
-def test_a_hub_source_is_asked_for_once(files, tmp_path, monkeypatch):
-    """A conversion of a Hub id asks the Hub for its config once: the checks' is the one loaded with the weights.
+@pytest.mark.parametrize("passes, asked_for", [
+    ((), ["config", "weights", "tokenizer"]),
+    (("--passes", 1), ["config", "tokenizer", "weights"]),  # the tokenizer that counted the text is the run's
+], ids=["tokens", "passes"])
+def test_a_hub_source_is_asked_for_once(files, tmp_path, monkeypatch, passes, asked_for):
+    """A conversion of a Hub id asks the Hub for its config once: the checks' is the one loaded with the weights;
+    and for its tokenizer once, also where --passes counted the text with it before the weights.
     (The Hub here: the tiny model's folder behind an id, each thing asked of it noted.)"""
     folder, repo_id, asked = model_folder(files, "llama"), "someone/tiny-llama", []
 
@@ -489,9 +530,9 @@ def test_a_hub_source_is_asked_for_once(files, tmp_path, monkeypatch):
                        ("tokenizer", load_module.AutoTokenizer)):
         monkeypatch.setattr(auto, "from_pretrained", served(auto.from_pretrained, what))
     result = run("convert", repo_id, "-o", tmp_path / "out", "--data", files / "corpus", "--recipe",
-                 files / "recipe.yaml", "--steps", 2)
+                 files / "recipe.yaml", "--steps", 2, *passes)
     assert result.exit_code == 0, result.output
-    assert asked == ["check", "config", "weights", "tokenizer"]
+    assert asked == ["check", *asked_for]
 
 
 def test_the_launch_is_read_once(files, tmp_path, monkeypatch):
@@ -586,6 +627,7 @@ def test_ctrl_c_then_resume(files, tmp_path, monkeypatch):
     monkeypatch.setattr(data_module.TrainingBatches, "__next__", on_read(real, 2, interrupt))
     result = convert(files, "llama", out, "--steps", 5)
     assert_user_error(result, "interrupted at step 3 of 5")
+    assert result.exit_code == cli.INTERRUPTED_STATUS == 130  # a shell's status for Ctrl-C
     assert "is saved in" not in result.output  # the error says where the state is, once
     assert not out.exists() and (tmp_path / "out.resume" / "state.json").is_file()
     assert torch.load(tmp_path / "out.resume" / "data_position.pt")["documents"]  # where the text stream stands
@@ -786,16 +828,28 @@ def test_ctrl_c_outside_the_training_loop_says_what_was_kept(files, tmp_path, mo
 
     real = convert_module.calibrate
     monkeypatch.setattr(convert_module, "calibrate", ctrl_c)
-    assert_user_error(convert(files, "llama", tmp_path / "out", "--calibrate-steps", 1, "--swap-steps", 0),
-                      "interrupted before the first training step (loading, measuring the source, calibration): "
-                      "nothing was saved")
+    result = convert(files, "llama", tmp_path / "out", "--calibrate-steps", 1, "--swap-steps", 0)
+    assert_user_error(result, "interrupted before the first training step (loading, measuring the source, "
+                              "calibration): nothing was saved")
+    assert result.exit_code == 130
     assert list(tmp_path.iterdir()) == []
     monkeypatch.setattr(convert_module, "calibrate", real)
     monkeypatch.setattr(convert_module, "measure", ctrl_c)
-    assert_user_error(convert(files, "llama", tmp_path / "out"),
-                      f"interrupted after training: its state is saved in {tmp_path / 'out.resume'}; the same command "
-                      "with --resume measures and writes it")
+    result = convert(files, "llama", tmp_path / "out")
+    assert_user_error(result, f"interrupted after training: its state is saved in {tmp_path / 'out.resume'}; the "
+                              "same command with --resume measures and writes it")
+    assert result.exit_code == 130
     assert (tmp_path / "out.resume" / "state.json").is_file()
+
+
+def test_ctrl_c_in_any_command_exits_with_130_and_other_errors_with_1(files, monkeypatch):
+    def ctrl_c():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_quiet_loading", ctrl_c)  # as the command imports torch
+    result = run("analyze", model_folder(files, "llama"), "--data", files / "corpus")
+    assert result.exit_code == 130 and result.output.endswith("\nAborted!\n"), result.output
+    assert run("analyze", model_folder(files, "llama"), "--tokens", 0).exit_code == 1
 
 
 def test_a_failure_while_measuring_keeps_the_trained_state(files, tmp_path, monkeypatch):
@@ -916,6 +970,26 @@ def test_bad_input(files, tmp_path, args, message):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("args, said", [
+    (["convert", "demo", "-o", "out", "--lr-rate", "1"], "No such option '--lr-rate'. Did you mean '--lr'?"),
+    (["convert", "demo", "-o", "out", "--learning-rate", "1"],
+     "No such option '--learning-rate'. Did you mean '--lr'?"),
+    (["convert", "demo", "-o", "out", "--l1-weight", "1"], "No such option '--l1-weight'. Did you mean '--l1'?"),
+    (["convert", "demo", "-o", "out", "--max-steps", "1"], "No such option '--max-steps'. Did you mean '--steps'?"),
+    (["analyze", "demo", "--seq_len", "8"], "No such option '--seq_len'. Did you mean '--seq-len'?"),
+    (["convert", "demo", "-o", "out", "--distil", "1"],  # no shared word: Click's spelling match
+     "No such option '--distil'. (Did you mean one of: '--distill', '--distill-hidden'?)"),
+    (["convert", "demo", "demo-out"], "Got unexpected extra argument (demo-out): the output folder is an option, "
+                                      "-o demo-out"),
+    (["sample", "demo", "samples"], "Got unexpected extra argument (samples): the output folder is an option, "
+                                    "-o samples"),
+    (["convert", "demo", "demo-out", "-o", "out"], "Got unexpected extra argument (demo-out)\n"),
+])
+def test_usage_errors_point_to_what_was_meant(args, said):
+    result = run(*args)
+    assert result.exit_code == 2 and said in result.output, result.output
+
+
 def test_distillation_from_the_source(files, tmp_path):
     """--distill trains against a frozen copy of the source: the log carries the KL term and the checkpoint's
     training record the weight."""
@@ -1000,6 +1074,7 @@ def test_report_to_sends_each_log_entry_to_accelerate_trackers(files, tmp_path, 
             self.finished = True
 
     monkeypatch.setitem(LOGGER_TYPE_TO_CLASS, "recorder", Recorder)
+    monkeypatch.setitem(cli.TRACKER_PACKAGES, "recorder", ("accelerate",))  # the names the CLI knows before torch
     result = convert(files, "llama", tmp_path / "out", "--report-to", "recorder", "--quiet")
     assert result.exit_code == 0, result.output
     [run] = Recorder.runs

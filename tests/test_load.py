@@ -263,6 +263,38 @@ def test_data_that_names_no_local_path_is_asked_of_the_hub_once(monkeypatch, tmp
     assert time.perf_counter() - started < locations.HUB_TIMEOUT_S
 
 
+class _Answering(BaseHTTPRequestHandler):
+    """A Hub that answers every request with the server's `answer`: (HTTP status, X-Error-Code or None)."""
+
+    def do_GET(self):
+        self.server.requests.append(self.path)
+        status, code = self.server.answer
+        self.send_response(status)
+        if code is not None:
+            self.send_header("X-Error-Code", code)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("answer", [(500, None), (404, "EntryNotFound")], ids=["refused", "no file"])
+def test_a_dataset_the_hub_does_not_give_is_said_with_its_error(monkeypatch, answer):
+    """An HTTP error other than a gated or missing dataset is said with the Hub's own line, after one request; so is
+    one that a dataset's query does not get (a missing file, the answer to a request for a file)."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Answering)
+    server.requests, server.answer = [], answer
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        _online_at(monkeypatch, f"http://127.0.0.1:{server.server_address[1]}")
+        with pytest.raises(DataError, match=r"--data owner/corpus: no local file or folder of that name, and the Hub "
+                                            rf"did not give dataset owner/corpus \(.*{answer[0]}.*\)$"):
+            locations.check_hub_dataset("owner/corpus")
+    finally:
+        server.shutdown()
+    assert [path.split("?")[0] for path in _of_repositories(server.requests)] == ["/api/datasets/owner/corpus"]
+
+
 @pytest.mark.parametrize("source", ["no such model!", "owner/x y", "a--b"])
 def test_id_the_hub_cannot_hold_fails_before_any_request(monkeypatch, source):
     """Online (here at a port nobody listens on, which a request would report as unreachable): the id is refused

@@ -17,6 +17,8 @@ from twell.training import sparsity_penalty
 from sparsify.errors import ConfigError, DataError
 from sparsify.relufy import relufy
 from sparsify.config import RunOptions, TrainConfig
+from sparsify.locations import saved_state
+from sparsify.resume import check_resume
 from sparsify.train import TrainingInterrupted, l1_coeff, slow_save_warning, source_share, train
 from sparsify.train.loss import L1_SCALE_RANGE, L1_STEER_EFOLDS, allowed_active, steered_l1_scale
 from sparsify.train.log import progress_text
@@ -699,6 +701,22 @@ def test_resume_needs_the_saved_settings_and_processes(tmp_path):
     with pytest.raises(ConfigError, match=r"--eval-tokens 65536 -> 128"):  # it moves where training starts
         resume(eval_tokens=128)
     assert resume(log_every=3, save_every_minutes=5.0).steps == 6  # logging and saving settings may change
+
+
+def test_resume_reads_a_state_only_where_a_save_completed_it(tmp_path):
+    """check_resume and saved_state follow one rule: a save writes its state.json last, so a folder without one (a
+    save killed midway) holds no state to continue, and one with it does."""
+    resume_dir = tmp_path / "r"
+    with pytest.raises(ConfigError, match="no saved training state"):
+        check_resume(resume_dir, config(), 1)
+    resume_dir.mkdir()
+    (resume_dir / "last_fired.pt").touch()
+    with pytest.raises(ConfigError, match="no saved training state"):
+        check_resume(resume_dir, config(), 1)
+    (resume_dir / "state.json").write_text("{}")
+    assert saved_state(resume_dir) == resume_dir
+    with pytest.raises(ConfigError, match="lacks step"):  # found, and read
+        check_resume(resume_dir, config(), 1)
 
 
 def test_gradient_checkpointing_trains_the_same():
