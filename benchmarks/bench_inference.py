@@ -9,6 +9,7 @@ Grid "decode_dense": decode with every unit active (k = I: gate[:, 0] = 10, so e
 positive), so every (row, tile) overflows: the cost of the decode overflow fallback against dense.
 
   python benchmarks/bench_inference.py --grid main decode --json out.json
+  python benchmarks/bench_inference.py --grid main decode --fp8-gate --json out.json  # also the fp8 gate
   python benchmarks/bench_inference.py --grid decode_dense
   python benchmarks/bench_inference.py --grid window --json out.json  # speed-up against token count
   python benchmarks/bench_inference.py --grid tiles --tile 64 128 256 --compression 4 8 16  # per (tile, C)
@@ -45,11 +46,11 @@ from twell.batched import gate_config, gate_launch, out_launch
 from twell.decode import DECODE_TILE, HELD_ROWS, PART_BYTES, PART_STAGES, decode_out_config
 from twell.gated_mlp import LAUNCH_CACHE
 from twell.heavy import HEAVY_FEW_ROWS, heavy_launches
-from twell.paths import launch_path
+from twell.paths import reads_fp8_gate
 
 from inference_robustness import ROBUST_ACTIVE, ROBUST_KEY, ROBUST_TOKENS, robustness
-from synthetic_mlp import (HEAVY_K, HEAVY_TILE, LAYERS, dense, make_heavy, make_layer, make_x, per_layer_us, print_row,
-                           reference, rel_err, sparse)
+from synthetic_mlp import (HEAVY_K, HEAVY_TILE, LAYERS, dense, make_heavy, make_layer, make_x, per_layer_us,
+                           plan_launches, print_row, reference, rel_err, sparse)
 
 ROW_KEY = ("D", "I", "M", "k", "tile", "compression")  # what identifies a grid row (--resume)
 HEAVY_FIRST = 2000  # --host-time, --decode-*: active units of a sequence's first token
@@ -102,36 +103,6 @@ def twell_out(x, packed, w, cfg, packed_h=False):
     return out
 
 
-def plan_launches(x, layers, tile=128, compression=8):
-    """The gate launch and the out launch of twell.gated_mlp's plan for x, each a function of a layer copy,
-    launches and buffers made once (built at each call, the Hopper gate launch's host time would count in
-    do_bench's times at small token counts). The out launches start with the list pre-pass, which compacts
-    the TwELL in place: out calls repeated without a gate call between them do the same work on reshuffled
-    lists (fine for timing; their outputs mean nothing)."""
-    path = launch_path(x.shape[0], x.shape[1], layers[0]["gate"].shape[0])
-    plan = path.launches(x, layers[0]["gate"], layers[0]["up"], tile, compression, "default", None)
-    bufs = {}
-    for lw in layers:
-        tw = (torch.empty(plan.twell_shape, dtype=plan.vals_dtype, device=x.device),
-              torch.empty(plan.twell_shape, dtype=torch.int32, device=x.device),
-              torch.empty(plan.twell_shape[:2], dtype=torch.int32, device=x.device))
-        partials = tw[0] if plan.partials_shape is None else torch.empty(plan.partials_shape, device=x.device)
-        bufs[id(lw)] = tw, partials, torch.empty_like(x)
-
-    def gate(lw):
-        tw, partials, _ = bufs[id(lw)]
-        plan.gate(x, lw["gate"], lw["up"], lw["down_p"].t(), *tw, partials)
-
-    def out(lw):
-        tw, partials, o = bufs[id(lw)]
-        plan.out(x, *tw, partials, lw["gate"], lw["up"], lw["down_p"].t(), o, tw[2])
-
-    for lw in layers:
-        gate(lw)
-    torch.cuda.synchronize()
-    return gate, out
-
-
 def time_fn(fn, graphs):
     if graphs:
         return do_bench_cudagraph(fn, rep=50, return_mode="median") / LAYERS
@@ -168,7 +139,9 @@ def write_json(path, result):
 SHAPES = ((896, 4864), (2048, 5632), (2048, 8192), (3584, 18944), (4096, 14336))
 
 
-def bench_row(d, i, m, k, tile, compression, skew=0.0):
+def bench_row(d, i, m, k, tile, compression, skew=0.0, fp8=False):
+    """One grid row: dense against TwELL (with fp8, also TwELL with the fp8 gate: its error against the fp32
+    block and against the fp8 gate's reference, whose g is what the kernels compute from quantized x and gate)."""
     decode = m <= decode_rows(d, i)
     graphs = m <= GRAPH_ROWS
     layers = make_layers(d, i, k, skew, LAYERS if graphs else 1)
@@ -200,6 +173,16 @@ def bench_row(d, i, m, k, tile, compression, skew=0.0):
         row["gate_ms"] = time_fn(lambda: [gate(lw) for lw in layers], graphs)
         row["updown_ms"] = time_fn(lambda: [out(lw) for lw in layers], graphs)
         row["cublas_gate_ms"] = time_fn(lambda: [x @ lw["gate"].t() for lw in layers], graphs)
+    if fp8 and reads_fp8_gate(m, d, i):  # decode-size calls read the gate itself
+        fresh = make_x(m, d)[check]
+        out_fp8 = sparse(fresh, w, tile, compression, fp8=True)
+        fp8_ref = twell.gated_mlp_reference(fresh.float(), w["gate"], w["up"], w["down"], gate_fp8=w["gate_fp8"],
+                                            tile=tile, compression=compression)
+        t_fp8 = time_fn(lambda: [sparse(x, lw, tile, compression, fp8=True) for lw in layers], graphs)
+        row.update(twell_fp8_ms=t_fp8, speedup_fp8=t_dense / t_fp8, err_twell_fp8=rel_err(out_fp8, reference(fresh, w)),
+                   err_fp8_vs_its_reference=rel_err(out_fp8, fp8_ref))
+        gate, _ = plan_launches(x, layers, tile, compression, fp8=True)
+        row["gate_fp8_ms"] = time_fn(lambda: [gate(lw) for lw in layers], graphs)
     return row
 
 
@@ -487,19 +470,19 @@ def block_grid(args, result: dict, done: set) -> None:
             comp = compression if k < 200 else min(compression, 4)
             if (d, i, m, k, tile, comp) in done:
                 continue
-            rows.append(bench_row(d, i, m, k, tile, comp))
+            rows.append(bench_row(d, i, m, k, tile, comp, fp8=args.fp8_gate))
             print({key: round(v, 4) if isinstance(v, float) else v for key, v in rows[-1].items()}, flush=True)
             if args.json:  # after every row, so that a run cut short keeps what it measured
                 write_json(args.json, result)
-    print(f"\n{'D':>5} {'I':>6} {'M':>6} {'k':>4} {'mean':>6} {'max':>5} {'maxT':>4} {'ovf':>6} "
-          f"{'dense':>8} {'twell':>8} {'x':>5} {'gate':>7} {'updn':>7} {'cuBLAS':>7} {'errD':>7} {'errT':>7}")
+    print(f"\n{'D':>5} {'I':>6} {'M':>6} {'k':>4} {'mean':>6} {'max':>5} {'maxT':>4} {'ovf':>6} {'dense':>8} "
+          f"{'twell':>8} {'x':>5} {'gate':>7} {'updn':>7} {'cuBLAS':>7} {'errD':>7} {'errT':>7} {'x fp8':>6}")
     for r in rows:
         print(f"{r['D']:5d} {r['I']:6d} {r['M']:6d} {r['k']:4d} {r['mean_active']:6.1f} "
               f"{r['max_active']:5.0f} {r['max_tile_active']:4d} {r['overflow_tiles']:6d} "
               f"{r['dense_ms']:8.4f} {r['twell_ms']:8.4f} {r['speedup']:5.2f} "
               f"{r.get('gate_ms', float('nan')):7.4f} {r.get('updown_ms', float('nan')):7.4f} "
               f"{r.get('cublas_gate_ms', float('nan')):7.4f} "
-              f"{r['err_dense']:7.1e} {r['err_twell']:7.1e}")
+              f"{r['err_dense']:7.1e} {r['err_twell']:7.1e} {r.get('speedup_fp8', float('nan')):6.2f}")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -524,6 +507,9 @@ def parser() -> argparse.ArgumentParser:
                    help="--robustness: plan every layer from calibration inputs of K active units")
     p.add_argument("--tokens", type=int, nargs="+", default=ROBUST_TOKENS, help="--robustness: token counts")
     p.add_argument("--active", type=int, nargs="+", default=ROBUST_ACTIVE, help="--robustness: mean active units")
+    p.add_argument("--fp8-gate", action="store_true",
+                   help="block grid: each row of the batched path also with its gate pass in fp8 (twell.fp8_gate), "
+                        "timed and checked")
     p.add_argument("--json", default=None)
     p.add_argument("--resume", action="store_true",
                    help="block grid and --robustness: keep the rows already in --json (a run cut short) and "

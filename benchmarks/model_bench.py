@@ -129,6 +129,7 @@ def main(argv=None):
     parser.add_argument("--work", type=Path, help="Folder for the checkpoints (default: a temporary one).")
     parser.add_argument("--measure", action="store_true",
                         help="Plan by timing the kernel settings (as convert --measure).")
+    parser.add_argument("--fp8-gate", action="store_true", help="The TwELL load's gate pass in fp8 (sparsify bench's).")
     args = parser.parse_args(argv)
     for option in ("layers", "seq_len", "decode_tokens", "decode_context", "repeats", "generate_repeats"):
         if getattr(args, option) < 1:  # before any GPU work (bench_checkpoint checks them after the build)
@@ -153,7 +154,7 @@ def main(argv=None):
                                   generate_batches=args.generate_batch, compiled_batches=args.compiled_batch,
                                   compiled_prefill_batches=args.compiled_prefill_batch,
                                   decode_tokens=args.decode_tokens, decode_context=args.decode_context,
-                                  repeats=args.repeats, generate_repeats=args.generate_repeats)
+                                  repeats=args.repeats, generate_repeats=args.generate_repeats, fp8_gate=args.fp8_gate)
         twell_section = json.loads((path / "config.json").read_text())["twell"]
         result.update(command="python " + " ".join(sys.argv), target_active=active,
                       shape={"hidden": args.hidden, "intermediate": args.intermediate, "layers": args.layers},
@@ -162,7 +163,8 @@ def main(argv=None):
         console.print(bench_table(result))
         console.print(f"plan: {result['plan']['layers']}; mean active per layer on the bench input: "
                       f"{[round(a, 1) for a in result['mean_active']]}; seconds: {result['seconds']}")
-        name = f"model_bench_k{active:g}_l{args.layers}{'_measured' if args.measure else ''}.json"
+        suffix = ("_measured" if args.measure else "") + ("_fp8" if args.fp8_gate else "")
+        name = f"model_bench_k{active:g}_l{args.layers}{suffix}.json"
         console.print(f"wrote {write_json(result, args.out / name)}")
     console.print(f"versions: {versions()}")
 

@@ -9,6 +9,8 @@ import torch
 from triton.testing import do_bench_cudagraph
 
 import twell
+from twell.fp8_gate import quantize_weight
+from twell.paths import launch_path
 
 LAYERS = 8  # layer copies for graph-replay timing
 HEAVY_K, HEAVY_TILE = 29, 128  # --host-time, --decode-*: active units of the ordinary rows, tile
@@ -22,7 +24,7 @@ def make_layer(d, i, k, skew=0.0):
     down = torch.randn(d, i, device="cuda") / math.sqrt(k)
     gate, up, down = gate.bfloat16(), up.bfloat16(), down.bfloat16()
     return dict(gate=gate, up=up, down=down, down_p=twell.prepare_down(down),
-                gate_up=torch.cat([gate, up]).contiguous())
+                gate_up=torch.cat([gate, up]).contiguous(), gate_fp8=quantize_weight(gate))
 
 
 def make_x(m, d):
@@ -37,9 +39,10 @@ def dense(x, w):
     return (torch.relu(gu[:, :i]) * gu[:, i:]) @ w["down"].t()
 
 
-def sparse(x, w, tile, compression, precision="default"):
+def sparse(x, w, tile, compression, precision="default", fp8=False):
+    """The block through twell.gated_mlp; with fp8, its gate pass in fp8 (the layer's "gate_fp8" copy)."""
     return twell.gated_mlp(x, w["gate"], w["up"], w["down_p"], tile=tile, compression=compression,
-                           precision=precision)
+                           precision=precision, gate_fp8=w["gate_fp8"] if fp8 else None)
 
 
 def rel_err(out, ref):
@@ -63,3 +66,36 @@ def make_heavy(x, rows, units, i, k=HEAVY_K):
     """Sets the bias channel of x's `rows` so that each has about `units` active units (of i) under a
     make_layer(.., i, k) gate: a unit fires where z > bias * x0 (z about N(0, 1))."""
     x[rows, 0] = NormalDist().inv_cdf(1 - units / i) / NormalDist().inv_cdf(1 - k / i)
+
+
+def plan_launches(x, layers, tile=128, compression=8, fp8=False):
+    """The gate launch (with fp8: x's quantization, then the fp8 gate's launch) and the out launch of
+    twell.gated_mlp's plan for x, each a function of a layer copy,
+    launches and buffers made once (built at each call, the Hopper gate launch's host time would count in
+    do_bench's times at small token counts). The out launches start with the list pre-pass, which compacts
+    the TwELL in place: out calls repeated without a gate call between them do the same work on reshuffled
+    lists (fine for timing; their outputs mean nothing)."""
+    path = launch_path(x.shape[0], x.shape[1], layers[0]["gate"].shape[0])
+    plan = path.launches(x, layers[0]["gate"], layers[0]["up"], tile, compression, "default", None,
+                         layers[0]["gate_fp8"] if fp8 else None)
+    bufs = {}
+    for lw in layers:
+        tw = (torch.empty(plan.twell_shape, dtype=plan.vals_dtype, device=x.device),
+              torch.empty(plan.twell_shape, dtype=torch.int32, device=x.device),
+              torch.empty(plan.twell_shape[:2], dtype=torch.int32, device=x.device))
+        partials = tw[0] if plan.partials_shape is None else torch.empty(plan.partials_shape, device=x.device)
+        bufs[id(lw)] = tw, partials, torch.empty_like(x)
+
+    def gate(lw):
+        tw, partials, _ = bufs[id(lw)]
+        weight, quantized = plan.gate_inputs(x, lw["gate"], lw["gate_fp8"] if fp8 else None)
+        plan.gate(x, weight, lw["up"], lw["down_p"].t(), *tw, partials, *quantized)
+
+    def out(lw):
+        tw, partials, o = bufs[id(lw)]
+        plan.out(x, *tw, partials, lw["gate"], lw["up"], lw["down_p"].t(), o, tw[2])
+
+    for lw in layers:
+        gate(lw)
+    torch.cuda.synchronize()
+    return gate, out

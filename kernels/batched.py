@@ -69,7 +69,7 @@ def _tile_stride(tile: int, tile_stride) -> int:
 
 
 def gate_launch(x2, w, up, tile, s, vals_dtype, cfg, h_fp32=False, partials=False, tile_stride=None,
-                pdl=False, tile_out=False) -> Launch:
+                pdl=False, tile_out=False, fp8=False) -> Launch:
     """Launch of relu(x2 @ w^T) packed into TwELL, for x2 [M, D], w [I, D] (any strides). With `up`, the
     stored values are h = relu(x2 @ w^T) * (x2 @ up^T) at the same entries (up rows read only for active
     columns). With `partials`, each overflowing (row, tile) also gets the tile's share of the row's output,
@@ -79,6 +79,8 @@ def gate_launch(x2, w, up, tile, s, vals_dtype, cfg, h_fp32=False, partials=Fals
     where tma_ok; batched on an sm_90 GPU the Gluon kernel of gate_hopper.py runs instead (same TwELL).
     With `tile_out` (one-token gated decode: tile_out_launch) nothing is packed: every tile writes its share
     of the output to the partials buffer and its count of active units; values and indices are unused.
+    With `fp8`, w is the gate's e4m3 copy (fp8_gate.quantize_weight) and the matmul reads x quantized, as
+    fp8_gate.gate_reference computes g; called with (..., x quantized, its scales, w's scales) appended.
     Called with (x2, w, up or w, down_t or w, values, indices, counts, partials buffer or values)."""
     m, d = x2.shape
     width = w.shape[0]
@@ -94,20 +96,32 @@ def gate_launch(x2, w, up, tile, s, vals_dtype, cfg, h_fp32=False, partials=Fals
         raise ValueError(f"the tile-out decode path takes one row whose units' up and down rows fit in registers "
                          f"(M {m}, D {d})")
     ts = _tile_stride(tile, tile_stride)
-    hopper = hopper_gate_launch(x2, w, tile, s, vals_dtype) if up is None and not partials and ts == tile else None
+    if fp8 and (x2.element_size() != 2 or h_fp32):
+        raise ValueError(f"the fp8 gate takes 16-bit x at the default precision, got {x2.dtype}"
+                         + (" at precision 'highest'" if h_fp32 else ""))
+    hopper = (hopper_gate_launch(x2, w, tile, s, vals_dtype, fp8) if up is None and not partials and ts == tile
+              else None)
     if hopper is not None:
         return Launch(*hopper)
     upw = up if up is not None else w
     dot = "ieee" if vals_dtype == torch.float32 and x2.dtype == torch.float32 else "tf32"
-    tma = ts == tile and TensorDescriptor is not None and tma_ok(x2, w)
-    if tma:
-        def extra(x2, w, *_):
-            return TensorDescriptor.from_tensor(x2, [bm, bk]), TensorDescriptor.from_tensor(w, [tile, bk])
+    if fp8:  # a K block of the same bytes; the quantized x is made contiguous at each call
+        bk *= x2.element_size()
+        tma = ts == tile and TensorDescriptor is not None and tma_ok(w) and d % 16 == 0
     else:
-        def extra(x2, w, *_):
-            return x2, w  # placeholders of the descriptor arguments, unused
+        tma = ts == tile and TensorDescriptor is not None and tma_ok(x2, w)
+
+    def extra(x2, w, up, down, values, indices, counts, partials, *quantized):
+        # without fp8: the gate's x is x2 and the scales are unused placeholders; then the TMA descriptors
+        # (without TMA: placeholders)
+        head = () if fp8 else (x2, x2, x2)
+        gate_x = quantized[0] if fp8 else x2
+        if tma:
+            return *head, TensorDescriptor.from_tensor(gate_x, [bm, bk]), TensorDescriptor.from_tensor(w, [tile, bk])
+        return *head, gate_x, w
     return Launch(_gate_pack_kernel, (cdiv(m, bm) * cdiv(width, ts), 1, 1), dict(
-        M=m, N=width, K=d, stride_xm=x2.stride(0), stride_xk=x2.stride(1), stride_wn=w.stride(0),
+        M=m, N=width, K=d, stride_xm=x2.stride(0), stride_xk=x2.stride(1),
+        stride_gm=d if fp8 else x2.stride(0), stride_gk=1 if fp8 else x2.stride(1), stride_wn=w.stride(0),
         stride_wk=w.stride(1), stride_un=upw.stride(0), stride_uk=upw.stride(1), T=tile, S=s, BM=bm, BK=bk,
         EVEN_K=d % bk == 0, GROUP_M=cfg.pop("GROUP_M"), DOT_PRECISION=dot, FUSE_UP=up is not None,
         H_FP32=h_fp32, PARTIALS=partials, PART_STAGES=PART_STAGES,
@@ -115,7 +129,7 @@ def gate_launch(x2, w, up, tile, s, vals_dtype, cfg, h_fp32=False, partials=Fals
         PART_DOT="ieee" if vals_dtype == torch.float32 else "tf32",
         UP_BK=min(up_bk, triton.next_power_of_2(d)), UC=16, TS=ts,
         PDL=pdl, USE_TMA=tma, UP_STAGES=up_stages, UP_ROWS=up_rows, ROWS_UC=rows_uc,
-        ROWS_BK=triton.next_power_of_2(d), TILE_OUT=tile_out, UP_COMPACT_COLS=up_compact_cols), cfg, extra)
+        ROWS_BK=triton.next_power_of_2(d), TILE_OUT=tile_out, UP_COMPACT_COLS=up_compact_cols, FP8=fp8), cfg, extra)
 
 
 def out_launch(x2, width, tile, s, h_fp32, has_overflow, cfg, packed_h=False, tile_stride=None,
@@ -181,8 +195,9 @@ class _OutLaunches:
 if triton is not None:
 
     @triton.jit
-    def _gate_pack_kernel(x_ptr, w_ptr, up_ptr, down_ptr, vals_ptr, idx_ptr, cnt_ptr, part_ptr, x_desc, w_desc,
-                          M, N, K, stride_xm, stride_xk, stride_wn, stride_wk, stride_un, stride_uk,
+    def _gate_pack_kernel(x_ptr, w_ptr, up_ptr, down_ptr, vals_ptr, idx_ptr, cnt_ptr, part_ptr, xg_ptr, xs_ptr,
+                          ws_ptr, x_desc, w_desc, M, N, K, stride_xm, stride_xk, stride_gm, stride_gk, stride_wn,
+                          stride_wk, stride_un, stride_uk,
                           T: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
                           EVEN_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
                           FUSE_UP: tl.constexpr, H_FP32: tl.constexpr, PARTIALS: tl.constexpr,
@@ -190,7 +205,8 @@ if triton is not None:
                           UP_BK: tl.constexpr, UC: tl.constexpr, TS: tl.constexpr, PDL: tl.constexpr,
                           USE_TMA: tl.constexpr, UP_STAGES: tl.constexpr, UP_ROWS: tl.constexpr,
                           ROWS_UC: tl.constexpr, ROWS_BK: tl.constexpr, TILE_OUT: tl.constexpr,
-                          UP_COMPACT_COLS: tl.constexpr):
+                          UP_COMPACT_COLS: tl.constexpr, FP8: tl.constexpr):
+        # x as the gate reads it (xg: x itself, or its e4m3 copy with FP8, whose scales are xs and ws)
         if PDL:  # let the out kernel launch now; it waits for this grid before reading its results
             tl.extra.cuda.gdc_launch_dependents()
         pid = tl.program_id(0)
@@ -208,7 +224,7 @@ if triton is not None:
         rk = tl.arange(0, BK)
         # wrapped indices keep the main loop free of row/column masks; the epilogue masks instead
         x_rows = x_ptr + (rows % M)[:, None].to(tl.int64) * stride_xm
-        a_ptrs = x_rows + rk[None, :] * stride_xk
+        a_ptrs = xg_ptr + (rows % M)[:, None].to(tl.int64) * stride_gm + rk[None, :] * stride_gk
         b_ptrs = w_ptr + (cols % N)[None, :].to(tl.int64) * stride_wn + rk[:, None] * stride_wk
         in_tile = (local < TS)[None, :]
         acc = tl.zeros((BM, T), dtype=tl.float32)
@@ -226,8 +242,10 @@ if triton is not None:
                 a = tl.load(a_ptrs, mask=rk[None, :] < K - k * BK, other=0.0)
                 b = tl.load(b_ptrs, mask=(rk[:, None] < K - k * BK) & in_tile, other=0.0)
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-            a_ptrs += BK * stride_xk
+            a_ptrs += BK * stride_gk
             b_ptrs += BK * stride_wk
+        if FP8:
+            acc = acc * tl.load(xs_ptr + rows % M)[:, None] * tl.load(ws_ptr + cols % N)[None, :]
         if TILE_OUT:
             tile_out(acc, rows, cols, local, x_rows, pid_n, n_n, M, N, K, x_ptr, up_ptr, down_ptr, cnt_ptr,
                      part_ptr, stride_xk, stride_un, stride_uk, TS, UC, UP_BK, UP_STAGES, DOT_PRECISION, H_FP32,

@@ -2,8 +2,10 @@
 packing epilogue hidden behind the tensor cores' work. Each persistent program splits into warp groups: a
 producer warp streams x and gate-weight blocks through TMA into a ring of STAGES shared buffers, and two
 consumer warp groups take alternate output tiles, their main loops strictly alternating, so that one packs
-its tile (epilogues.pack_store's loop, on the MMA accumulator) while the other's MMAs run. Gluon is experimental
-and has no interpreter: where it is missing, or off an sm_90 GPU, the Triton kernel runs (the one CI tests).
+its tile (epilogues.pack_store's loop, on the MMA accumulator) while the other's MMAs run. With the fp8 gate
+(fp8_gate.py) x and the weight are e4m3, in K blocks of the same bytes, and the scales multiply the
+accumulator before the packing. Gluon is experimental and has no interpreter: where it is missing, or off an
+sm_90 GPU, the Triton kernel runs (the one CI tests).
 """
 import os
 import warnings
@@ -28,61 +30,72 @@ GROUP_M = 8  # row blocks that sweep the columns together, so x blocks stay in L
 MAXNREG = 168  # 12 warps (3 groups) x 32 x 168 fits the register file; the consumers take 232 each
 
 
-def usable(x2: torch.Tensor, w: torch.Tensor, tile: int, vals_dtype: torch.dtype) -> bool:
+def usable(x2: torch.Tensor, w: torch.Tensor, tile: int, vals_dtype: torch.dtype, fp8: bool = False) -> bool:
     """Whether this kernel can replace the Triton one: Gluon present, an sm_90 GPU (wgmma), a 128-unit
-    tile, 16-bit x, weight and stored values, and TMA-addressable x and weight."""
+    tile, 16-bit x and stored values, a weight of x's dtype (fp8: e4m3, and D a multiple of 16 for the
+    quantized x's rows), and TMA-addressable x and weight."""
     if gluon is None or not x2.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
         return False
-    return (torch.cuda.get_device_capability(x2.device) == (9, 0) and tile == BN
-            and x2.dtype == w.dtype == vals_dtype and vals_dtype in (torch.bfloat16, torch.float16)
-            and tma_ok(x2, w))
+    weight_ok = (w.dtype == torch.float8_e4m3fn and x2.shape[1] % 16 == 0 and tma_ok(w) if fp8
+                 else w.dtype == x2.dtype and tma_ok(x2, w))
+    return (torch.cuda.get_device_capability(x2.device) == (9, 0) and tile == BN and weight_ok
+            and x2.dtype == vals_dtype and vals_dtype in (torch.bfloat16, torch.float16))
 
 
-def hopper_gate_launch(x2: torch.Tensor, w: torch.Tensor, tile: int, s: int, vals_dtype: torch.dtype):
+def hopper_gate_launch(x2: torch.Tensor, w: torch.Tensor, tile: int, s: int, vals_dtype: torch.dtype,
+                       fp8: bool = False):
     """(kernel, grid, scalar arguments, options, per-call arguments) of this kernel in place of batched.py's
     batched gate launch, or None where the Triton kernel runs: where not usable, and below TILES_PER_SM
     output tiles an SM (each program takes a fixed share of the tiles; with few a program, the uneven
-    shares cost more than the ping-pong saves)."""
-    if not usable(x2, w, tile, vals_dtype):
+    shares cost more than the ping-pong saves). With `fp8` (w the gate's e4m3 copy) it is called as
+    batched.gate_launch's fp8 launch, with x quantized and the scales appended."""
+    if not usable(x2, w, tile, vals_dtype, fp8):
         return None
     (m, d), width = x2.shape, w.shape[0]
     sms = torch.cuda.get_device_properties(x2.device).multi_processor_count
     if cdiv(m, BM) * cdiv(width, BN) < TILES_PER_SM * sms:
         return None
-    dt = gl.bfloat16 if x2.dtype == torch.bfloat16 else gl.float16
-    x_layout = gl.NVMMASharedLayout.get_default_for([BM, BK], dt)  # made once: each costs host time
-    w_layout = gl.NVMMASharedLayout.get_default_for([BN, BK], dt)
+    dt = gl.float8e4nv if fp8 else gl.bfloat16 if x2.dtype == torch.bfloat16 else gl.float16
+    bk = BK * 2 if fp8 else BK  # the same bytes a K block
+    x_layout = gl.NVMMASharedLayout.get_default_for([BM, bk], dt)  # made once: each costs host time
+    w_layout = gl.NVMMASharedLayout.get_default_for([BN, bk], dt)
 
-    def descriptors(x2, w, *_):  # at each call: the pointers change
-        return (TensorDescriptor.from_tensor(x2, [BM, BK], x_layout),
-                TensorDescriptor.from_tensor(w, [BN, BK], w_layout))
+    def descriptors(x2, w, up, down, values, indices, counts, partials, *quantized):  # at each call: the
+        # pointers change. Without fp8 the gate reads x2 and the scales are unused placeholders
+        head = () if fp8 else (x2, x2, x2)
+        return (*head, TensorDescriptor.from_tensor(quantized[0] if fp8 else x2, [BM, bk], x_layout),
+                TensorDescriptor.from_tensor(w, [BN, bk], w_layout))
 
-    scalars = dict(M=m, N=width, K=d, S=s, RING=STAGES, GROUP=GROUP_M)
+    # wgmma's K: 16 for 16-bit operands, 32 for 8-bit ones
+    scalars = dict(M=m, N=width, K=d, S=s, RING=STAGES, GROUP=GROUP_M, FP8=fp8, INSTR_K=32 if fp8 else 16)
     options = dict(num_warps=4, maxnreg=MAXNREG)
-    if not _compiles(x2, w, descriptors, scalars, options, (sms, 1, 1)):
+    if not _compiles(x2, w, descriptors, scalars, options, (sms, 1, 1), fp8):
         return None
     return gate_pack_kernel, (sms, 1, 1), scalars, options, descriptors
 
 
-_failure = None  # why the kernel did not compile in this process, if it did not
+_failures = {}  # by fp8: None where the kernel compiled in this process, else why it did not
 
 
-def _compiles(x2, w, descriptors, scalars, options, grid) -> bool:
+def _compiles(x2, w, descriptors, scalars, options, grid, fp8: bool) -> bool:
     """Compile the kernel for this call's argument types (Triton caches it for the launch) and say whether
     that worked. Gluon's API changes between Triton releases (3.9 removed tma.async_copy_global_to_shared,
     the only name 3.6 has): on a release this file does not fit, the Triton kernel runs instead, with one
     warning."""
-    global _failure
-    if _failure is None:
+    if fp8 not in _failures:
         counts = torch.empty(1, dtype=torch.int32, device=x2.device)
+        tensors = (x2, w, w, w, x2, counts, counts, x2)
+        if fp8:  # x quantized and the two scales
+            scale = torch.empty(1, dtype=torch.float32, device=x2.device)
+            tensors += (torch.empty(x2.shape, dtype=w.dtype, device=x2.device), scale, scale)
         try:
-            gate_pack_kernel.warmup(x2, w, w, w, x2, counts, counts, x2, *descriptors(x2, w), *scalars.values(),
-                                    grid=grid, **options)
+            gate_pack_kernel.warmup(*tensors, *descriptors(*tensors), *scalars.values(), grid=grid, **options)
+            _failures[fp8] = None
         except Exception as error:  # noqa: BLE001 (any compiler error: the fallback is always correct)
-            _failure = error
-            warnings.warn(f"twell: the Hopper gate kernel does not compile with this Triton ({error!r:.300}); "
-                          "using the Triton kernel", RuntimeWarning)
-    return _failure is None
+            _failures[fp8] = error
+            warnings.warn(f"twell: the Hopper gate kernel{' (fp8)' if fp8 else ''} does not compile with this "
+                          f"Triton ({error!r:.300}); using the Triton kernel", RuntimeWarning)
+    return _failures[fp8] is None
 
 
 if gluon is not None:
@@ -141,14 +154,16 @@ if gluon is not None:
 
     @gluon.jit
     def _mma_partition(CONSUMER: gl.constexpr, a_bufs, b_bufs, ready, empty, turn, vals_ptr, idx_ptr, cnt_ptr,
-                       M, N, K, S: gl.constexpr, GROUP: gl.constexpr):
-        """Consumer CONSUMER (0 or 1): the program's tiles CONSUMER, CONSUMER + 2, ...: main loop, then pack."""
+                       xs_ptr, ws_ptr, M, N, K, S: gl.constexpr, GROUP: gl.constexpr, FP8: gl.constexpr,
+                       INSTR_K: gl.constexpr):
+        """Consumer CONSUMER (0 or 1): the program's tiles CONSUMER, CONSUMER + 2, ...: main loop, then pack
+        (with FP8, the accumulator times the rows' and the units' scales first, as batched.py's kernel)."""
         RING: gl.constexpr = a_bufs.type.shape[0]
         BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
         BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
         BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
         layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BLOCK_N, 16])
+                                                         instr_shape=[16, BLOCK_N, INSTR_K])
         n_m = gl.cdiv(M, BLOCK_M)
         n_n = gl.cdiv(N, BLOCK_N)
         k_steps = gl.cdiv(K, BLOCK_K)
@@ -171,13 +186,20 @@ if gluon is not None:
             mbarrier.arrive(turn.index(1 - CONSUMER))
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             mbarrier.arrive(empty.index((it + RING - 1) % RING))
+            if FP8:
+                rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+                cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+                acc = (acc * gl.expand_dims(gl.load(xs_ptr + rows % M), 1)
+                       * gl.expand_dims(gl.load(ws_ptr + cols % N), 0))
             _pack(acc, pid_m * BLOCK_M, pid_n, M, N, n_n, vals_ptr, idx_ptr, cnt_ptr, S)
 
     @gluon.jit
-    def gate_pack_kernel(x_ptr, w_ptr, up_ptr, down_ptr, vals_ptr, idx_ptr, cnt_ptr, part_ptr, x_desc, w_desc,
-                         M, N, K, S: gl.constexpr, RING: gl.constexpr, GROUP: gl.constexpr):
+    def gate_pack_kernel(x_ptr, w_ptr, up_ptr, down_ptr, vals_ptr, idx_ptr, cnt_ptr, part_ptr, xg_ptr, xs_ptr,
+                         ws_ptr, x_desc, w_desc, M, N, K, S: gl.constexpr, RING: gl.constexpr, GROUP: gl.constexpr,
+                         FP8: gl.constexpr, INSTR_K: gl.constexpr):
         """relu(x @ w^T) packed into TwELL (values, indices, counts), with batched.py's gate kernel's signature:
-        x_ptr, w_ptr, up_ptr, down_ptr and part_ptr are unused (x and w are read through the descriptors)."""
+        x_ptr, w_ptr, up_ptr, down_ptr, part_ptr and xg_ptr are unused (x and w are read through the
+        descriptors); xs_ptr and ws_ptr are the scales of the fp8 gate (FP8)."""
         dtype: gl.constexpr = x_desc.dtype
         a_bufs = gl.allocate_shared_memory(dtype, [RING] + x_desc.block_type.shape, x_desc.layout)
         b_bufs = gl.allocate_shared_memory(dtype, [RING] + w_desc.block_type.shape, w_desc.layout)
@@ -190,9 +212,9 @@ if gluon is not None:
         for i in gl.static_range(2):
             mbarrier.init(turn.index(i), count=1)
         gl.warp_specialize([
-            (_mma_partition, (0, a_bufs, b_bufs, ready, empty, turn, vals_ptr, idx_ptr, cnt_ptr, M, N, K, S,
-                              GROUP)),
-            (_mma_partition, (1, a_bufs, b_bufs, ready, empty, turn, vals_ptr, idx_ptr, cnt_ptr, M, N, K, S,
-                              GROUP)),
+            (_mma_partition, (0, a_bufs, b_bufs, ready, empty, turn, vals_ptr, idx_ptr, cnt_ptr, xs_ptr, ws_ptr,
+                              M, N, K, S, GROUP, FP8, INSTR_K)),
+            (_mma_partition, (1, a_bufs, b_bufs, ready, empty, turn, vals_ptr, idx_ptr, cnt_ptr, xs_ptr, ws_ptr,
+                              M, N, K, S, GROUP, FP8, INSTR_K)),
             (_load_partition, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP)),
         ], [4, 1], [232, 40])

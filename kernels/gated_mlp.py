@@ -5,7 +5,9 @@ through heavy.py). Calls of the same shapes, strides, dtypes and alignment reuse
 (LAUNCH_CACHE). CPU tensors without the Triton interpreter take reference.forward_reference. The down weight
 is read transposed: pass `prepare_down(down)` (made once at load time) to avoid a per-call transpose copy. A launch
 configuration beyond the GPU (Triton's OutOfResources: shared memory on a GPU with less than the H100's) makes
-calls of that shape run the dense block, with a warning, instead of failing."""
+calls of that shape run the dense block, with a warning, instead of failing. With `gate_fp8` (fp8_gate.py) the
+batched path's gate kernel reads the gate's e4m3 copy and x quantized a token at a time (paths.LaunchPath.fp8_gate:
+the paths where that wins)."""
 import hashlib
 import warnings
 from collections import OrderedDict
@@ -14,7 +16,8 @@ from typing import Optional
 import torch
 
 from .format import on_device, slots, use_triton
-from .paths import launch_path
+from .fp8_gate import E4M3
+from .paths import launch_path, reads_fp8_gate
 from .reference import forward_reference
 
 try:
@@ -35,20 +38,21 @@ LAUNCH_CACHE_SIZE = 256  # launch sets kept (layers of one shape share them; a n
 LAUNCH_CACHE = OrderedDict()  # recent launch sets by _launch_key, least recently used first
 
 
-def _launch_key(x2, gate, up, down_t, tile, compression, precision, overflow):
+def _launch_key(x2, gate, up, down_t, tile, compression, precision, overflow, gate_fp8):
     """Shapes, strides, dtypes, devices and each pointer's alignment: what the launches depend on (Triton
     specializes a kernel on every pointer argument's 16-byte alignment)."""
-    tensors = [t for t in (x2, gate, down_t, up, overflow) if t is not None]
-    return (tile, compression, precision, overflow is not None,
+    tensors = [t for t in (x2, gate, down_t, up, overflow, *(gate_fp8 or ())) if t is not None]
+    return (tile, compression, precision, overflow is not None, gate_fp8 is not None,
             *((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0) for t in tensors))
 
 
-def check_args(x, gate, up, down, tile, compression, precision, overflow):
+def check_args(x, gate, up, down, tile, compression, precision, overflow, gate_fp8=None):
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    devices = {str(t.device) for t in (x, gate, up, down, overflow) if t is not None}
+    devices = {str(t.device) for t in (x, gate, up, down, overflow, *(gate_fp8 or ())) if t is not None}
     if len(devices) > 1:
-        raise ValueError(f"x, the weights and overflow must be on one device, got {sorted(devices)}")
+        given = "x, the weights" + (", gate_fp8" if gate_fp8 is not None else "") + " and overflow"
+        raise ValueError(f"{given} must be on one device, got {sorted(devices)}")
     width, d = gate.shape
     if x.shape[-1] != d or down.shape != (d, width) or up.shape != gate.shape:
         raise ValueError(f"shape mismatch: x {tuple(x.shape)}, gate and up [I, D] = {tuple(gate.shape)} and "
@@ -60,6 +64,20 @@ def check_args(x, gate, up, down, tile, compression, precision, overflow):
     if overflow is not None and not overflow.is_contiguous():  # the kernels add to its elements by offset
         raise ValueError("overflow must be contiguous")
     slots(tile, compression)
+    if gate_fp8 is not None:
+        check_gate_fp8(x, gate, precision, gate_fp8)
+
+
+def check_gate_fp8(x, gate, precision, gate_fp8):
+    weight, scale = gate_fp8
+    if weight.dtype != E4M3 or weight.shape != gate.shape:
+        raise ValueError(f"gate_fp8's weight must be the gate's {E4M3} copy, shape {tuple(gate.shape)} "
+                         f"(fp8_gate.quantize_weight), got {weight.dtype} {tuple(weight.shape)}")
+    if scale.dtype != torch.float32 or scale.shape != (gate.shape[0],):
+        raise ValueError(f"gate_fp8's scale must be float32 [{gate.shape[0]}], a scale a unit, got {scale.dtype} "
+                         f"{tuple(scale.shape)}")
+    if x.dtype not in (torch.float16, torch.bfloat16) or precision != "default":
+        raise ValueError(f"the fp8 gate takes 16-bit x at precision 'default', got {x.dtype} at {precision!r}")
 
 
 def check_kernel_dtypes(x, gate, up, down):
@@ -69,41 +87,44 @@ def check_kernel_dtypes(x, gate, up, down):
                          f"{x.dtype}, gate {gate.dtype}, up {up.dtype}, down {down.dtype}")
 
 
-def forward(x, gate, up, down, tile, compression, precision, overflow=None):
+def forward(x, gate, up, down, tile, compression, precision, overflow=None, gate_fp8=None):
     """The block's body (gated_mlp, its custom ops, the modeling file's layers).
     Calls look their checked arguments and launches up by _launch_key instead of rebuilding them: building
     them and a first launch through Triton's JIT cost more host time than a whole block takes on the GPU at
     small token counts."""
+    if gate_fp8 is not None and not reads_fp8_gate(x.numel() // max(x.shape[-1], 1), x.shape[-1], gate.shape[0]):
+        check_gate_fp8(x, gate, precision, gate_fp8)
+        gate_fp8 = None
     if not use_triton(x):
-        check_args(x, gate, up, down, tile, compression, precision, overflow)
-        return forward_reference(x, gate, up, down, tile, compression, overflow)
+        check_args(x, gate, up, down, tile, compression, precision, overflow, gate_fp8)
+        return forward_reference(x, gate, up, down, tile, compression, overflow, gate_fp8)
     with on_device(x):
-        return _forward_triton(x, gate, up, down, tile, compression, precision, overflow)
+        return _forward_triton(x, gate, up, down, tile, compression, precision, overflow, gate_fp8)
 
 
-def _forward_triton(x, gate, up, down, tile, compression, precision, overflow):
+def _forward_triton(x, gate, up, down, tile, compression, precision, overflow, gate_fp8):
     if x.shape[-1] != gate.shape[1]:  # before the reshape, so that it fails as a ValueError
-        check_args(x, gate, up, down, tile, compression, precision, overflow)
+        check_args(x, gate, up, down, tile, compression, precision, overflow, gate_fp8)
     x2 = x.reshape(-1, x.shape[-1])
     down_t = down.t().contiguous()  # no copy when the weight came from prepare_down
     up = up.contiguous()
     gate = gate.contiguous()  # the overflow fallback reads contiguous rows; one copy serves both kernels
-    key = _launch_key(x2, gate, up, down_t, tile, compression, precision, overflow)
+    key = _launch_key(x2, gate, up, down_t, tile, compression, precision, overflow, gate_fp8)
     launches = LAUNCH_CACHE.get(key)
     if launches is None:
-        check_args(x, gate, up, down, tile, compression, precision, overflow)
+        check_args(x, gate, up, down, tile, compression, precision, overflow, gate_fp8)
         check_kernel_dtypes(x, gate, up, down)
         if x2.shape[0] == 0:
             return x.new_empty(x.shape)
         path = launch_path(x2.shape[0], x2.shape[1], gate.shape[0])
-        launches = LAUNCH_CACHE[key] = path.launches(x2, gate, up, tile, compression, precision, overflow)
+        launches = LAUNCH_CACHE[key] = path.launches(x2, gate, up, tile, compression, precision, overflow, gate_fp8)
         if len(LAUNCH_CACHE) > LAUNCH_CACHE_SIZE:
             LAUNCH_CACHE.popitem(last=False)
     else:
         LAUNCH_CACHE.move_to_end(key)
     if launches.unsupported is None:
         try:
-            return launches(x, x2, gate, up, down_t, overflow)
+            return launches(x, x2, gate, up, down_t, overflow, gate_fp8)
         except OutOfResources as error:  # a launch configuration beyond this GPU (shared memory, threads)
             launches.unsupported = str(error)
             name = torch.cuda.get_device_name(x.device) if x.is_cuda else x.device.type
@@ -122,35 +143,57 @@ def op_name(name: str) -> str:
     return f"{name}_{COPY}"
 
 
-def _custom_op(name, schema, mutates_args=()):
-    """This copy's custom op twell::<op_name(name)> around `forward` (inference only: no autograd), with its
+def _custom_op(name, body, schema, mutates_args=()):
+    """This copy's custom op twell::<op_name(name)> around `body` (inference only: no autograd), with its
     fake implementation."""
     try:
         return getattr(torch.ops.twell, op_name(name)).default
     except (AttributeError, RuntimeError):
         pass
-    op = torch.library.custom_op(f"twell::{op_name(name)}", forward, schema=schema, mutates_args=mutates_args)
+    op = torch.library.custom_op(f"twell::{op_name(name)}", body, schema=schema, mutates_args=mutates_args)
     op.register_fake(lambda x, *args: x.new_empty(x.shape))
     return op
 
 
+def _fp8_pair(weight, scale):
+    return None if weight is None else (weight, scale)
+
+
+def _op_body(x, gate, up, down, tile, compression, precision, gate_fp8_weight=None, gate_fp8_scale=None):
+    return forward(x, gate, up, down, tile, compression, precision, None, _fp8_pair(gate_fp8_weight, gate_fp8_scale))
+
+
+def _op_body_overflow(x, gate, up, down, tile, compression, precision, overflow, gate_fp8_weight=None,
+                      gate_fp8_scale=None):
+    return forward(x, gate, up, down, tile, compression, precision, overflow,
+                   _fp8_pair(gate_fp8_weight, gate_fp8_scale))
+
+
 _ARGS = "Tensor x, Tensor gate_weight, Tensor up_weight, Tensor down_weight, int tile, int compression, str precision"
-_gated_mlp_op = _custom_op("gated_mlp", f"({_ARGS}) -> Tensor")
-_gated_mlp_overflow_op = _custom_op("gated_mlp_overflow", f"({_ARGS}, Tensor(a!) overflow) -> Tensor", ("overflow",))
+_FP8 = "Tensor? gate_fp8_weight=None, Tensor? gate_fp8_scale=None"  # the fp8 gate's copy and scales (gate_fp8)
+_gated_mlp_op = _custom_op("gated_mlp", _op_body, f"({_ARGS}, {_FP8}) -> Tensor")
+_gated_mlp_overflow_op = _custom_op("gated_mlp_overflow", _op_body_overflow,
+                                    f"({_ARGS}, Tensor(a!) overflow, {_FP8}) -> Tensor", ("overflow",))
 
 
 def gated_mlp(x, gate_weight, up_weight, down_weight, *, tile: int = 128, compression: int = 8,
-              precision: str = "default", overflow: Optional[torch.Tensor] = None) -> torch.Tensor:
+              precision: str = "default", overflow: Optional[torch.Tensor] = None,
+              gate_fp8: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """down(relu(gate(x)) * up(x)) through TwELL. HF layouts: gate/up [I, D], down [D, I]; x [..., D].
 
     `overflow`, if given (int32/int64), gets the number of overflowing (row, tile) pairs added to its first
     element; a four-element one also gets, where the call takes the batched path, the active units of every
     UNIT_SAMPLE-th row that is not heavy added to the second, those rows' count to the third and the heavy
     rows' count to the fourth.
+
+    `gate_fp8`, if given: (the gate's e4m3 copy, its fp32 scale a unit) from fp8_gate.quantize_weight. Calls
+    of the batched path then compute g in fp8 (reference.gate_values); decode-size calls, where it does not
+    win, read the gate itself, and so do up, down and the dense fallbacks. x must be 16-bit, precision "default".
     """
     args = (x, gate_weight, up_weight, down_weight, tile, compression, precision)
     # eager calls skip the custom ops, whose dispatch costs about as much host time as the decode kernels
     # take on the GPU; what traces the call (compile, export, dispatch modes, tensor subclasses) needs them
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or type(x) is not torch.Tensor:
-        return _gated_mlp_op(*args) if overflow is None else _gated_mlp_overflow_op(*args, overflow)
-    return forward(*args, overflow)
+        fp8 = tuple(gate_fp8) if gate_fp8 is not None else (None, None)
+        return _gated_mlp_op(*args, *fp8) if overflow is None else _gated_mlp_overflow_op(*args, overflow, *fp8)
+    return forward(*args, overflow, gate_fp8)

@@ -73,6 +73,8 @@ def _static_copy(x):
 def _signature(value):
     if isinstance(value, torch.Tensor):
         return value.data_ptr(), value.shape, value.stride(), value.dtype
+    if isinstance(value, tuple):  # gated_mlp's gate_fp8
+        return tuple(map(_signature, value))
     return value
 
 
@@ -86,7 +88,8 @@ class DecodeGraphs:
         self._graphs = OrderedDict()  # signature -> _Graph, or None when seen once
 
     def graphable(self, x, *args) -> bool:
-        tensors = (x, *(a for a in args if isinstance(a, torch.Tensor)))
+        flat = [b for a in args for b in (a if isinstance(a, tuple) else (a,))]  # gated_mlp's gate_fp8 a tuple
+        tensors = (x, *(a for a in flat if isinstance(a, torch.Tensor)))
         return (x.is_cuda and 0 < x.numel() <= self.rows * x.shape[-1]
                 and all(type(t) in _PLAIN for t in tensors)
                 and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))

@@ -14,6 +14,7 @@ from .batched import gate_config, gate_launch, out_config, out_launch
 from .cost_model import batched_time, decode_time
 from .decode import DECODE_TILE, decode_tile_stride, tile_out_launch, tile_sum_launch
 from .format import cdiv, decode_rows, decode_slots, slots
+from .fp8_gate import quantize_rows
 from .launch import sm_count, use_pdl
 from .reference import forward_reference, tile_shares
 
@@ -31,9 +32,20 @@ def _geometry(x2, width, tile, compression, decode: bool):
 
 class Launches:
     """A path's launches for one launch-cache key: built from (x2, gate, up, tile, compression, precision,
-    overflow), called with (x, x2, gate, up, down_t, overflow), returning the block's output."""
+    overflow, gate_fp8), called with (x, x2, gate, up, down_t, overflow, gate_fp8), returning the block's
+    output. With the fp8 gate (paths whose LaunchPath.fp8_gate is set), the gate launch reads its e4m3 copy and x
+    quantized at each call."""
 
     unsupported = None  # why this GPU cannot run them (gated_mlp then runs the calls dense), once seen
+
+    @staticmethod
+    def gate_inputs(x2, gate, gate_fp8) -> tuple:
+        """(the gate launch's weight, the tensors its call appends): the e4m3 copy, x quantized and the two
+        scales with the fp8 gate; else the gate, nothing."""
+        if gate_fp8 is None:
+            return gate, ()
+        weight, scale = gate_fp8
+        return weight, (*quantize_rows(x2), scale)
 
 
 class PackedLaunches(Launches):
@@ -43,7 +55,7 @@ class PackedLaunches(Launches):
 
     decode = False
 
-    def __init__(self, x2, gate, up, tile, compression, precision, overflow):
+    def __init__(self, x2, gate, up, tile, compression, precision, overflow, gate_fp8=None):
         m, d = x2.shape
         width = gate.shape[0]
         tile, ts, s, pdl = _geometry(x2, width, tile, compression, self.decode)
@@ -51,22 +63,23 @@ class PackedLaunches(Launches):
         self.vals_dtype = torch.float32 if h_fp32 else x2.dtype
         self.twell_shape = (m, cdiv(width, ts), s)
         self.partials_shape = (m, cdiv(width, ts), d) if self.decode else None  # written only where overflowing
-        self.gate = gate_launch(x2, gate, up if self.decode else None, tile, s, self.vals_dtype,
-                                gate_config(m, tile, x2.element_size(), self.decode), h_fp32,
-                                partials=self.decode, tile_stride=ts, pdl=pdl)
+        self.gate = gate_launch(x2, gate if gate_fp8 is None else gate_fp8[0], up if self.decode else None, tile,
+                                s, self.vals_dtype, gate_config(m, tile, x2.element_size(), self.decode), h_fp32,
+                                partials=self.decode, tile_stride=ts, pdl=pdl, fp8=gate_fp8 is not None)
         self.out = out_launch(x2, width, tile, s, h_fp32, overflow is not None,
                               out_config(m, d, self.decode, cdiv(width, ts)), packed_h=self.decode,
                               tile_stride=ts, pdl=pdl, count_units=overflow is not None and overflow.numel() == 4)
 
-    def __call__(self, x, x2, gate, up, down_t, overflow):
+    def __call__(self, x, x2, gate, up, down_t, overflow, gate_fp8=None):
         device = x.device
+        gate_weight, quantized = self.gate_inputs(x2, gate, gate_fp8)
         tw = (torch.empty(self.twell_shape, dtype=self.vals_dtype, device=device),
               torch.empty(self.twell_shape, dtype=torch.int32, device=device),
               torch.empty(self.twell_shape[:2], dtype=torch.int32, device=device))
         partials = tw[0] if self.partials_shape is None else torch.empty(
             self.partials_shape, dtype=torch.float32, device=device)
         out = x.new_empty(x2.shape)
-        self.gate(x2, gate, up, down_t, *tw, partials)
+        self.gate(x2, gate_weight, up, down_t, *tw, partials, *quantized)
         self.out(x2, *tw, partials, gate, up, down_t, out, overflow if overflow is not None else tw[2])
         return out.view(x.shape)
 
@@ -81,7 +94,7 @@ class TileOutLaunches(Launches):
     """One gated token (decode.tile_out_launch): no TwELL; each gate program writes its tile's share of the
     output and its count of active units (epilogues.tile_out), and decode.py's tile sum adds the shares."""
 
-    def __init__(self, x2, gate, up, tile, compression, precision, overflow):
+    def __init__(self, x2, gate, up, tile, compression, precision, overflow, gate_fp8=None):
         m, d = x2.shape
         width = gate.shape[0]
         tile, ts, s, pdl = _geometry(x2, width, tile, compression, decode=True)
@@ -92,7 +105,7 @@ class TileOutLaunches(Launches):
                                 tile_stride=ts, pdl=pdl, tile_out=True)
         self.out = tile_sum_launch(m, d, cdiv(width, ts), s, overflow is not None, pdl)
 
-    def __call__(self, x, x2, gate, up, down_t, overflow):
+    def __call__(self, x, x2, gate, up, down_t, overflow, gate_fp8=None):
         counts = torch.empty(self.partials_shape[:2], dtype=torch.int32, device=x.device)
         partials = torch.empty(self.partials_shape, dtype=torch.float32, device=x.device)
         out = x.new_empty(x2.shape)
@@ -111,6 +124,9 @@ class LaunchPath:
     launches: type  # its Launches
     reference: Callable  # what its kernels write beside the output, in plain PyTorch (reference.py)
     cost: Callable  # its term of cost_model.twell_time, called as (mean_active, D, I, tokens, tile=tile)
+    # whether its gate pass reads the fp8 gate where a call gives one (gated_mlp's gate_fp8): where it was measured
+    # to win; elsewhere the gate itself
+    fp8_gate: bool = False
 
 
 def _one_token(d: int, width: int) -> int:
@@ -129,10 +145,15 @@ PATHS = (
     # the partial rows of the overflowing (row, tile) pairs
     LaunchPath("decode", _decode_tokens, DecodeLaunches, tile_shares, decode_time),
     # the four-element `overflow` counter's figures (overflowing pairs, the sampled rows' units, heavy rows)
-    LaunchPath("batched", lambda d, width: None, PackedLaunches, forward_reference, batched_time),
+    LaunchPath("batched", lambda d, width: None, PackedLaunches, forward_reference, batched_time, fp8_gate=True),
 )
 
 
 def launch_path(tokens: int, d: int, width: int) -> LaunchPath:
     """The path of a call of `tokens` tokens at D and I."""
     return next(path for path in PATHS if (most := path.max_tokens(d, width)) is None or tokens <= most)
+
+
+def reads_fp8_gate(tokens: int, d: int, width: int) -> bool:
+    """Whether a call of `tokens` tokens at D and I computes its gate with the fp8 gate it is given."""
+    return launch_path(tokens, d, width).fp8_gate

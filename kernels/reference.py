@@ -4,17 +4,38 @@ share of a row's output, which a decode gate program writes for an overflowing (
 tile-out path for every tile; `forward_reference`, the path of CPU tensors without Triton, which adds to
 `overflow` what the batched path's kernels add; `pack_reference` (the TwELL the gate kernels pack);
 `rms_norm_reference` and `rotary_reference`, transformers' modules op for op (rms_norm.py, rotary.py);
-`small_linear_reference` (small_linear.py)."""
+`small_linear_reference` (small_linear.py). With the fp8 gate (fp8_gate.py), `gate_values` gives g as the
+kernels compute it."""
 import torch
 
 from .format import HEAVY_UNITS, UNIT_SAMPLE, TwELL, cdiv, decode_rows, slots
+from .fp8_gate import gate_reference
 
 
-def gated_mlp_reference(x, gate_weight, up_weight, down_weight):
-    """fp32 reference of the block, returned in x's dtype."""
-    xf = x.float()
-    h = torch.relu(xf @ gate_weight.float().t()) * (xf @ up_weight.float().t())
-    return (h @ down_weight.float().t()).to(x.dtype)
+def gate_values(x2, gate, gate_fp8=None, tile=128, compression=8):
+    """The gate's pre-activation g [M, I] in fp32 as a call computes it: x2 @ gate^T; with `gate_fp8` (a call
+    of the batched path), the fp8 gate's (fp8_gate.gate_reference) where its packing gate pass serves, and
+    x2 @ gate^T again where its dense fallbacks recompute a row or tile from the weights: the (row, tile)
+    pairs beyond their slots and the heavy rows (more than HEAVY_UNITS units to walk, each overflowing tile
+    counted whole: heavy.py)."""
+    dense = x2.float() @ gate.float().t()
+    if gate_fp8 is None:
+        return dense
+    g = gate_reference(x2, *gate_fp8)
+    per_tile = tile_counts(g, tile)
+    over = per_tile > slots(tile, compression)
+    heavy = per_tile.masked_fill(over, 0).sum(-1) + over.sum(-1) * tile > HEAVY_UNITS
+    fallback = (over | heavy[:, None]).repeat_interleave(tile, dim=1)[:, :g.shape[1]]
+    return torch.where(fallback, dense, g)
+
+
+def gated_mlp_reference(x, gate_weight, up_weight, down_weight, gate_fp8=None, tile=128, compression=8):
+    """fp32 reference of the block, returned in x's dtype (with `gate_fp8`: g as gate_values computes it)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    xf = x2.float()
+    g = gate_values(x2, gate_weight, gate_fp8, tile, compression)
+    h = torch.relu(g) * (xf @ up_weight.float().t())
+    return (h @ down_weight.float().t()).to(x.dtype).view(x.shape)
 
 
 def tile_counts(g: torch.Tensor, tile: int) -> torch.Tensor:
@@ -33,12 +54,13 @@ def tile_shares(h: torch.Tensor, down: torch.Tensor, tile: int) -> torch.Tensor:
     return torch.einsum("mtu,dtu->mtd", h_tiles, down_tiles)
 
 
-def forward_reference(x, gate, up, down, tile, compression, overflow):
-    """gated_mlp's path for CPU tensors without the interpreter; counts overflow at the caller's tile."""
+def forward_reference(x, gate, up, down, tile, compression, overflow, gate_fp8=None):
+    """gated_mlp's path for CPU tensors without the interpreter (g as the batched path computes it); counts
+    overflow at the caller's tile."""
     width, d = gate.shape
     x2 = x.reshape(-1, d)
     xf = x2.float()
-    g = torch.relu(xf @ gate.float().t())
+    g = torch.relu(gate_values(x2, gate, gate_fp8, tile, compression))
     if overflow is not None:
         per_tile = tile_counts(g, tile)
         over = per_tile > slots(tile, compression)

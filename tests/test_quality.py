@@ -319,6 +319,28 @@ def test_metrics_split_by_kind_and_the_original_agrees_with_itself(tmp_path):
             assert other["by_kind"][kind]["accuracy"] == pytest.approx((predicted == b[:, 1:]).float().mean().item())
             assert other["by_kind"][kind]["tokens"] == 16 * 63
     assert other["cross_entropy"] == pytest.approx(sum(k["cross_entropy"] for k in other["by_kind"].values()) / 2)
+    assert "fp8_gate" not in original and 0 < abs(other["fp8_gate"]["cross_entropy"] / other["cross_entropy"] - 1) < 0.05
+
+
+def test_the_fp8_gate_metric_computes_each_gate_as_the_fp8_kernels_do():
+    """use_fp8_gate: every layer's gate projection gives fp8_gate.gate_reference of its input and weight (what the
+    kernels' gate pass computes with gate_fp8); the rest of the model is untouched."""
+    from twell.fp8_gate import gate_reference, quantize_weight
+
+    metrics = load_script().metrics
+    model, _ = tiny_model("llama", seed=1)
+    model.eval()
+    ids = tiny_input_ids(2, 16)
+    with torch.no_grad():
+        plain = model(ids).logits
+        projections = [layer.mlp.gate_proj for layer in model.model.layers]
+        h = torch.randn(3, 5, projections[0].in_features)
+        expected = [gate_reference(h.view(15, -1), *quantize_weight(p.weight)).view(3, 5, -1) for p in projections]
+        metrics.use_fp8_gate(model)
+        assert all(torch.equal(p(h), e) for p, e in zip(projections, expected))
+        assert not any("forward" in vars(m) for m in model.modules() if m not in projections)
+        fp8 = model(ids).logits
+    assert 0 < ((fp8 - plain).norm() / plain.norm()).item() < 0.05
 
 
 def test_greedy_decodes_with_the_cache_what_whole_forward_passes_give():

@@ -963,7 +963,7 @@ def test_gpu_hopper_gate_kernel_that_does_not_compile_falls_back(monkeypatch):
             raise RuntimeError("tma.async_copy_global_to_shared has been removed")
 
     monkeypatch.setattr(gh, "gate_pack_kernel", Broken())
-    monkeypatch.setattr(gh, "_failure", None)
+    monkeypatch.setattr(gh, "_failures", {})
     monkeypatch.setattr(gh, "TILES_PER_SM", 0)
     monkeypatch.setattr(gm, "LAUNCH_CACHE", type(gm.LAUNCH_CACHE)())
     x, gate, up, down = block(1000, 256, 768, k=29, dtype=torch.bfloat16)

@@ -5,7 +5,8 @@ config.json describes, without remote code (a converted checkpoint keeps the sta
 ReLU Llama), in bf16 on a GPU, and measured on the same held-out blocks of each kind of document (code, prose):
 next-token cross-entropy and top-1 accuracy. Greedy agreement with the original: from the same held-out prompts
 each model continues greedily, and the share of its tokens equal to the original's at the same position and the
-mean length of the prefix they share are reported.
+mean length of the prefix they share are reported. Each converted model is also measured with its gate projections
+computed as the opt-in fp8 gate computes them (`fp8_gate`: cross-entropy and accuracy).
 """
 from __future__ import annotations
 
@@ -65,6 +66,21 @@ def scores(model, blocks, batch: int, device: str) -> dict:
     return {"cross_entropy": total / count, "accuracy": correct / count, "tokens": count}
 
 
+def use_fp8_gate(model) -> None:
+    """Each decoder layer's gate projection computed, in place, as twell's fp8 gate computes it
+    (twell.fp8_gate.gate_reference: e4m3 x and weight, a scale a token and a unit, fp32 sums), on every token:
+    the numerics of a checkpoint's use_fp8_gate() where its kernels serve, its dense fallbacks included."""
+    from twell.fp8_gate import gate_reference, quantize_weight
+
+    for layer in model.model.layers:
+        projection = layer.mlp.gate_proj
+        weight, scale = quantize_weight(projection.weight)
+
+        def forward(x, weight=weight, scale=scale):
+            return gate_reference(x.reshape(-1, x.shape[-1]), weight, scale).to(x.dtype).view(*x.shape[:-1], -1)
+        projection.forward = forward
+
+
 def greedy(model, prompts, batch: int, device: str):
     """[prompts, NEW_TOKENS]: each prompt's greedy continuation (the argmax at each step, no end of text: the
     model's end-of-text token is a token like any other), decoded with the model's KV cache."""
@@ -106,6 +122,11 @@ def measure(path: Path, blocks: dict, prompts, reference, batch: int, device: st
         result.update(prompts=prompts.tolist(), generations=generated.tolist())
     else:
         result["greedy"] = agreement(generated, torch.tensor(reference))
+        use_fp8_gate(model)
+        with torch.no_grad():
+            fp8 = [scores(model, b, batch, device) for b in blocks.values()]
+        result["fp8_gate"] = {"cross_entropy": sum(k["cross_entropy"] * k["tokens"] for k in fp8) / count,
+                              "accuracy": sum(k["accuracy"] * k["tokens"] for k in fp8) / count}
     return result
 
 
@@ -116,4 +137,7 @@ def metrics_line(metrics: dict) -> str:
     if "greedy" in metrics:
         line += (f"  greedy agreement {100 * metrics['greedy']['agreement']:.1f}%, common prefix "
                  f"{metrics['greedy']['common_prefix']:.1f} of {NEW_TOKENS}")
+    if "fp8_gate" in metrics:
+        line += (f"  fp8 gate: CE {metrics['fp8_gate']['cross_entropy']:.4f} "
+                 f"top-1 {100 * metrics['fp8_gate']['accuracy']:.2f}%")
     return line

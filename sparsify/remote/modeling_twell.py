@@ -6,7 +6,8 @@ say they win and they can run (CUDA; CPU fp32/fp16 under TRITON_INTERPRET=1); ot
 gradients are needed or the projections are wrapped (adapters), hooked or offloaded, the same ReLU math
 runs through the projections' own forward. Eager decode steps replay CUDA graphs (graphs.py);
 traced calls use this checkpoint's own custom op (gated_mlp.op_name). `generate` decodes through
-generation.py's graphed loop where the call fits it.
+generation.py's graphed loop where the call fits it. `use_fp8_gate()` opts in to the fp8 gate (fp8_gate.py) on
+the batched path's calls.
 The decoder's elementwise work runs fused where the family is in DECODER_FUSIONS (fuse_decoder): its RMSNorm
 modules on rms_norm.py's kernel and the attention's rotary embedding on rotary.py's (decoder.py, differentiable);
 so do the attention's projections at decode size on small_linear.py's (q, k and v in one launch), under CUDA-graph
@@ -25,6 +26,7 @@ from torch import nn
 from transformers import GenerationMixin
 
 from .format import use_triton
+from .fp8_gate import quantize_weight
 from .gated_mlp import KERNEL_DTYPES, gated_mlp, prepare_down
 from .graphs import DecodeGraphs
 from .routing import ActivityRouter, eager, eager_dense, short_prefill
@@ -63,6 +65,8 @@ class TwellGatedMLP(nn.Module):
         # the dense block's cuBLAS calls, the graph far less (graphs.py)
         self.graphs = DecodeGraphs()
         self.router = None  # ActivityRouter of eager batched calls, made at the first one on each device
+        self.fp8_gate = False  # whether the kernels' gate pass reads an e4m3 copy of the gate (use_fp8_gate)
+        self._gate_fp8 = None  # (the gate weight's address, device and version, the copy made from it)
         self.prepare_kernel_layout()  # models built from a config; from_pretrained again once loaded
 
     def _plain_weights(self):
@@ -124,6 +128,23 @@ class TwellGatedMLP(nn.Module):
             with torch.inference_mode(False):  # a normal tensor even when first called in inference mode
                 down.data = prepare_down(down.data)
 
+    def use_fp8_gate(self, enabled: bool = True):
+        """Whether the kernels' gate pass reads an e4m3 copy of the gate weight (fp8_gate.py; 16-bit x only),
+        made at the next kernel call and again after the weight changes. The weight itself stays, for up, down
+        and every dense path."""
+        self.fp8_gate, self._gate_fp8 = enabled, None
+
+    def _gate_fp8_copy(self, gate):
+        """The e4m3 copy of `gate` (fp8_gate.quantize_weight), remade where the weight moved or changed (traced:
+        the copy made by an eager call, else made in the traced graph)."""
+        if torch.compiler.is_compiling():
+            return self._gate_fp8[1] if self._gate_fp8 is not None else quantize_weight(gate)
+        key = (gate.data_ptr(), gate.device, gate._version)
+        if self._gate_fp8 is None or self._gate_fp8[0] != key:
+            with torch.no_grad():
+                self._gate_fp8 = (key, quantize_weight(gate))
+        return self._gate_fp8[1]
+
     def forward(self, x):
         tokens = x.numel() // x.shape[-1]
         if not self.use_kernel(x, tokens):
@@ -132,6 +153,8 @@ class TwellGatedMLP(nn.Module):
         down = getattr(self, self.down_name).weight
         kernel = dict(tile=self.plan.tile, compression=self.plan.compression,
                       precision="highest" if x.dtype == torch.float32 else "default")
+        if self.fp8_gate and x.dtype in (torch.float16, torch.bfloat16):
+            kernel["gate_fp8"] = self._gate_fp8_copy(gate)
         if not eager(x):  # traced (the custom op) or captured: no host time, no activity routing
             return gated_mlp(x, gate, up, down, **kernel)
         if x.shape[-2] == 1:  # a decode step: replayed as a CUDA graph (graphs.py says where it can)
@@ -273,6 +296,14 @@ class TwellForCausalLM(_import(BASE_MODEL), GenerationMixin):
         for layer, plan in zip(layers, plans):
             setattr(layer, layout["mlp"], TwellGatedMLP(getattr(layer, layout["mlp"]), layout, plan))
         fuse_decoder(self, layers)
+
+    def use_fp8_gate(self, enabled: bool = True) -> None:
+        """Runs the sparse layers' gate pass in fp8 (e4m3, a scale a unit and a token; fp8_gate.py) where the
+        kernels serve a 16-bit call, or, enabled=False, in the weights' dtype again. Opt-in: it changes the
+        model's numerics; the weights and the checkpoint stay as they are."""
+        for module in self.modules():
+            if isinstance(module, TwellGatedMLP):
+                module.use_fp8_gate(enabled)
 
     def fuse_projections(self, enabled: bool = True) -> None:
         """Runs the attention projections' captured decode-size calls on small_linear (as loaded) or,
