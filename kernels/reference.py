@@ -61,8 +61,8 @@ def forward_reference(x, gate, up, down, tile, compression, overflow, gate_fp8=N
     x2 = x.reshape(-1, d)
     xf = x2.float()
     g = torch.relu(gate_values(x2, gate, gate_fp8, tile, compression))
-    if overflow is not None:
-        per_tile = tile_counts(g, tile)
+    if overflow is not None:  # counted as the gate kernel packs them: from the fp8 gate's g where given
+        per_tile = tile_counts(g if gate_fp8 is None else gate_reference(x2, *gate_fp8), tile)
         over = per_tile > slots(tile, compression)
         overflow[0] += over.sum().to(overflow.dtype)
         if overflow.numel() == 4 and x2.shape[0] > decode_rows(d, width):  # the batched path's activity counts
