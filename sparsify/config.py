@@ -45,7 +45,8 @@ def _setting(default, help_text: str, **cli):
     """A field of TrainConfig or RunOptions: its default (MISSING: a required option), its help, and how the
     command line spells it where the field's name and type do not say (`flag`: the option's declarations,
     space-separated, as "-o --out" or a boolean's "--on/--off"; `metavar`; `unset`: what a default of None
-    stands for, as --help shows it; `folder`: the value names a folder)."""
+    stands for, as --help shows it; `folder`: the value names a folder; `section`: where `sparsify convert --help`
+    lists the option: "io", "run" or "main", cli.HELP_SECTIONS' keys, where not among the advanced settings)."""
     return field(default=default, metadata={"help": help_text, **cli})
 
 
