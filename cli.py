@@ -14,6 +14,7 @@ from importlib.util import find_spec
 from typing import get_args, get_origin, get_type_hints
 
 import click
+from click.formatting import term_len
 
 from sparsify.config import (TEXT_COLUMN_HELP, RunOptions, SampleOptions, TrainConfig, load_recipe, measure_help,
                              option_name, overlay, recipe_names, value_type)
@@ -89,6 +90,43 @@ def _close_options(typed: str, options: list[str]) -> list[str]:
     closeness = {option: len(wanted & set(words(option))) / len(wanted | set(words(option))) for option in options}
     best = max(closeness.values(), default=0)
     return sorted(option for option, close in closeness.items() if best and close == best)
+
+
+# convert --help's sections by key, most used first. An option is listed under the one that its field's `section`
+# metadata (sparsify/config.py) names, or convert's table for the options without a field; any other under the
+# advanced settings, so that no option (a setting added to TrainConfig without a section, say) goes unlisted.
+HELP_SECTIONS = {"io": "Input and output", "run": "Run", "budget": "Recipe and training budget",
+                 "main": "Main training settings", "advanced": "Advanced settings"}
+
+
+class SectionedCommand(CommandWithHints):
+    """A command whose --help lists its options under HELP_SECTIONS' titles: `sections` names an option's section
+    by the option's name; the options it does not name go to the advanced settings."""
+
+    def __init__(self, *args, sections: dict[str, str], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.sections = sections
+
+    def format_options(self, ctx, formatter):
+        listed = {section: [] for section in HELP_SECTIONS}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)  # None for a hidden option
+            if record is not None and not isinstance(param, click.Argument):  # arguments: the usage line names them
+                listed[self.sections.get(param.name, "advanced")].append(record)
+        listed = {section: records for section, records in listed.items() if records}
+        # write_dl starts the help after a section's longest option (30 characters at most: longer ones take a line
+        # of their own): each section's padded to the longest of all, so that the help of all sections lines up
+        widest = {section: min(max(term_len(option) for option, _ in records), 30)
+                  for section, records in listed.items()}
+        for section, records in listed.items():
+            with formatter.section(HELP_SECTIONS[section]):
+                formatter.write_dl(records, col_spacing=2 + max(widest.values()) - widest[section])
+
+
+def _sections(*config_classes) -> dict[str, str]:
+    """Per option made from the `config_classes`' fields, the --help section that its `section` metadata names."""
+    return {setting.name: setting.metadata["section"] for config_class in config_classes
+            for setting in fields(config_class) if "section" in setting.metadata}
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -261,7 +299,7 @@ def measure_option(what: str):
     return click.option("--measure/--no-measure", "measure_kernels", default=None, help=measure_help(what))
 
 
-@main.command()
+@main.command(cls=SectionedCommand, sections={**_sections(RunOptions, TrainConfig), "recipe": "budget"})
 @click.argument("source")
 @with_options(RUN_OPTIONS)
 @click.option("--recipe", help=("Training settings YAML: a path, or a name in recipes/ (" + ", ".join(recipe_names())

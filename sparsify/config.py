@@ -45,8 +45,8 @@ def _setting(default, help_text: str, **cli):
     """A field of TrainConfig or RunOptions: its default (MISSING: a required option), its help, and how the
     command line spells it where the field's name and type do not say (`flag`: the option's declarations,
     space-separated, as "-o --out" or a boolean's "--on/--off"; `metavar`; `unset`: what a default of None
-    stands for, as --help shows it; `folder`: the value names a folder; `section`: where `sparsify convert --help`
-    lists the option: "io", "run" or "main", cli.HELP_SECTIONS' keys, where not among the advanced settings)."""
+    stands for, as --help shows it; `folder`: the value names a folder; `section`: the part of `sparsify convert
+    --help` that lists the option, a key of cli.HELP_SECTIONS; without one, the advanced settings)."""
     return field(default=default, metadata={"help": help_text, **cli})
 
 
@@ -56,14 +56,15 @@ class TrainConfig:
 
     l1: float = _setting(2e-5, (
         "L1 weight on the MLP hidden activations: with --l1-relative (the pretrained recipe, the default) the "
-        "penalty's initial weight in nats (recipe: 3.5); with --l1-absolute the coefficient (paper: 2e-5)."))
+        "penalty's initial weight in nats (recipe: 3.5); with --l1-absolute the coefficient (paper: 2e-5)."),
+        section="main")
     l1_relative: bool = _setting(False, (
         "Read --l1 as the weight of L1 / L1_0, L1_0 the L1 term of the first micro-batch (mean over processes): "
         "the penalty's weight in nats at the start, the same for any width and activation scale; or as the "
         "absolute coefficient."), flag="--l1-relative/--l1-absolute")
     l1_warmup_steps: int | str = _setting(0, (
         "Raise the L1 coefficient linearly from 0 over this many optimizer steps, or this share of them (50%)."),
-        metavar="STEPS|P%")
+        metavar="STEPS|P%", section="main")
     target_sparsity: float = _setting(0.0, (
         "Steer the L1 weight so that the share of the MLP units not firing for a token (the mean over layers) "
         "reaches this (such as 0.99) at the end of the L1 warm-up and holds it: the units allowed to fire fall "
@@ -71,33 +72,34 @@ class TrainConfig:
         "is multiplied up while the model fires more and down while it fires fewer, by up to e-fold in a tenth of "
         "the run, between a tenth of --l1 and 10 times it. A fixed weight holds less sparsity on a better-trained "
         "model; a short L1 warm-up (12.5%) suits it (docs/quality.md). 0: --l1 throughout."),
-        metavar="SHARE")
+        metavar="SHARE", section="main")
     l1_log_scale: float = _setting(0.0, (
         "The penalty's shape. 0: L1, the sum over the MLP units of |h|. S > 0: the log penalty, the sum of "
         "eps * log(1 + |h| / eps), eps S times the layer's mean |h| over its firing units at the first step (with "
         "--calibrate-steps, on the swapped layer before its fit): it pushes activations small against eps to zero "
-        "as L1 does and the large ones, which carry the layer's output, far less."), metavar="SCALE")
+        "as L1 does and the large ones, which carry the layer's output, far less."), metavar="SCALE", section="main")
     swap_steps: int | str = _setting(0, (
         "Move the gate activation linearly from the source's (SiLU) to ReLU over this many optimizer steps, or "
         "this share of them (20%), instead of swapping it at once (0). Layers train dense until the swap is "
         "complete."), metavar="STEPS|P%")
-    steps: int | None = _setting(None, "Optimizer steps; with --tokens, whichever ends first.", unset="no limit")
+    steps: int | None = _setting(None, "Optimizer steps; with --tokens, whichever ends first.", unset="no limit",
+                                  section="budget")
     tokens: int | None = _setting(None, (
         "Training tokens; with --steps, whichever ends first; more than the text holds trains on it again (--passes "
         "counts them for you). What a conversion needs follows the share of the source's pretraining tokens it "
         "trains on, not a count: the default recipe keeps quality on a quarter of them; on a few percent, --recipe "
         "small-budget with --passes (README's table; the figures: docs/quality.md)."),
-        unset="no limit")
+        unset="no limit", section="budget")
     passes: float | None = _setting(None, (
         "Training tokens as passes over the training text (the text after its held-out part): N times its tokens, "
         "such as 2 or 1.5, in place of --tokens (and of a recipe's tokens); with --steps (also a recipe's: the demo "
         "recipe sets 400), whichever ends first. Local text only, counted before training: beyond its first 4.2M "
         "tokens its length is read and its tokens estimated from it, and the count is said as \"about\"."),
-        metavar="N", unset="off")
-    seq_len: int = _setting(1024, "Tokens per training sequence (packed blocks).")
-    batch_size: int = _setting(8, "Sequences per micro-batch and device.")
-    grad_accum: int = _setting(1, "Micro-batches accumulated per optimizer step.")
-    lr: float = _setting(2e-5, "Peak learning rate (AdamW, cosine schedule).")
+        metavar="N", unset="off", section="budget")
+    seq_len: int = _setting(1024, "Tokens per training sequence (packed blocks).", section="main")
+    batch_size: int = _setting(8, "Sequences per micro-batch and device.", section="main")
+    grad_accum: int = _setting(1, "Micro-batches accumulated per optimizer step.", section="main")
+    lr: float = _setting(2e-5, "Peak learning rate (AdamW, cosine schedule).", section="main")
     mlp_lr: float | None = _setting(None, (
         "Peak learning rate of the MLP weights (gate, up and down projections) where it differs from --lr: the "
         "MLPs sparsify at a high rate while the rest of the model stays near its trained minimum at a low one."),
@@ -106,7 +108,7 @@ class TrainConfig:
     betas: tuple[float, float] = _setting((0.9, 0.95), "AdamW betas.")
     warmup_steps: int = _setting(0, "Linear learning-rate warm-up steps before the cosine decay.")
     max_grad_norm: float = _setting(1.0, "Gradient clipping norm.")
-    grad_checkpointing: bool = _setting(False, "Recompute activations in the backward to save memory.")
+    grad_checkpointing: bool = _setting(False, "Recompute activations in the backward to save memory.", section="main")
     fused_decoder: bool = _setting(True, (
         "On CUDA, run the decoder's RMSNorms and rotary embedding on twell's kernels (forward and backward: the "
         "checkpoint's own at inference), which keep less for the backward than transformers' modules; "
@@ -146,7 +148,8 @@ class TrainConfig:
     distill: float = _setting(0.0, (
         "Fit the source model's next-token distributions too: (1 - WEIGHT) * CE + WEIGHT * KL(source || "
         "trained) at every position, the source a frozen copy of the original model (one more forward a "
-        "micro-batch; its weights whole in bf16 on each GPU, also under FSDP). 0: off."), metavar="WEIGHT")
+        "micro-batch; its weights whole in bf16 on each GPU, also under FSDP). 0: off."),
+        metavar="WEIGHT", section="main")
     distill_temperature: float = _setting(1.0, (
         "Temperature of both distributions in --distill's KL term, the term scaled by its square so that its "
         "gradients keep their size: above 1 weighs the source's less likely tokens more. 1: as they are."))
@@ -383,33 +386,35 @@ def measure_help(what: str) -> str:
 class RunOptions:
     """How a conversion runs besides its training settings: `sparsify convert`'s other options, one field each."""
 
-    out: str | Path = _setting(MISSING, "Output checkpoint folder.", flag="-o --out", folder=True)
+    out: str | Path = _setting(MISSING, "Output checkpoint folder.", flag="-o --out", folder=True, section="io")
     data: str | None = _setting(None, (
         "Training text: .txt/.json/.jsonl/.parquet file(s) or folder, or a `datasets` name as NAME[:CONFIG][@SPLIT]. "
-        "Default for demo: the demo corpus."))
-    text_column: str = _setting("text", TEXT_COLUMN_HELP + ".", metavar="NAME")
+        "Default for demo: the demo corpus."), section="io")
+    text_column: str = _setting("text", TEXT_COLUMN_HELP + ".", metavar="NAME", section="io")
     device: str | None = _setting(None, (
-        "cpu or cuda (default: cuda if available). Several GPUs: `accelerate launch -m cli convert ...`."))
-    resume: bool = _setting(False, "Continue an interrupted conversion from OUT.resume/.")
+        "cpu or cuda (default: cuda if available). Several GPUs: `accelerate launch -m cli convert ...`."),
+        section="run")
+    resume: bool = _setting(False, "Continue an interrupted conversion from OUT.resume/.", section="run")
     overwrite: bool = _setting(False, (
-        "Replace OUT if it exists and is not empty, and start over where OUT.resume/ holds an interrupted run."))
-    max_shard_size: str = _setting("5GB", "Largest safetensors shard.")
+        "Replace OUT if it exists and is not empty, and start over where OUT.resume/ holds an interrupted run."),
+        section="run")
+    max_shard_size: str = _setting("5GB", "Largest safetensors shard.", section="io")
     push_to_hub: str | None = _setting(None, (
         "Upload OUT to this Hub repository (created if needed; files of an earlier upload that OUT lacks are "
-        "deleted). Needs a Hub login: `hf auth login`, or a token in HF_TOKEN."), metavar="REPO_ID")
-    private: bool = _setting(False, "With --push-to-hub: make a new repository private.")
+        "deleted). Needs a Hub login: `hf auth login`, or a token in HF_TOKEN."), metavar="REPO_ID", section="io")
+    private: bool = _setting(False, "With --push-to-hub: make a new repository private.", section="io")
     measure_kernels: bool | None = _setting(None, measure_help("Choose each layer's kernel setting"),
                                             flag="--measure/--no-measure")
     dry_run: bool = _setting(False, (
         "Check everything a run checks before reading weights (OUT, the data, the settings against the model's "
         "config, its weight files' sizes, its tokenizer, the GPUs' memory), print the resolved settings, the "
-        "training state's size and the held-out text, and stop."))
+        "training state's size and the held-out text, and stop."), section="run")
     report_to: str = _setting("none", (
         "Send the training log's figures at each log step to these accelerate trackers, separated by commas: "
         "tensorboard (into OUT.logs/, a folder per run; pip install tensorboard), wandb (pip install wandb), any "
-        "other that accelerate supports, all (those installed) or none."), metavar="TRACKERS")
+        "other that accelerate supports, all (those installed) or none."), metavar="TRACKERS", section="run")
     quiet: bool = _setting(False, "No progress bars, log lines or settings: only warnings, errors and the final "
-                                  "summary.", flag="-q --quiet")
+                                  "summary.", flag="-q --quiet", section="run")
 
 
 @dataclass

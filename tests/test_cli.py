@@ -1,6 +1,7 @@
 """The `sparsify` command end to end on tiny random models (CliRunner, CPU): convert for a few steps for
 every family and reload both ways, Ctrl-C and --resume, and every bad input: a clear message, exit code
 non-zero, no traceback, nothing that looks like a complete OUT."""
+import copy
 import dataclasses
 import json
 import os
@@ -13,6 +14,7 @@ import sys
 from pathlib import Path
 
 import accelerate
+import click
 import huggingface_hub.constants
 import pytest
 import torch
@@ -105,6 +107,44 @@ def test_every_run_option_is_an_option_with_its_help():
     assert options["resume"].is_flag and not options["resume"].secondary_opts
     assert (options["measure_kernels"].opts == ["--measure"]
             and options["measure_kernels"].secondary_opts == ["--no-measure"])
+
+
+def help_sections(command) -> dict[str, list[list[str]]]:
+    """Per section title of `command`'s --help, in order, the option names of each of its rows."""
+    result = CliRunner().invoke(command, ["--help"])
+    assert result.exit_code == 0, result.output
+    sections = {}
+    for line in result.output.splitlines():
+        if line.endswith(":") and not line.startswith(" "):
+            rows = sections[line[:-1]] = []
+        elif line.startswith("  -"):  # a row (its help's further lines are indented deeper)
+            option = re.split(r"\s{2,}", line.strip())[0]  # "-o, --out DIRECTORY", "--resume", "--a / --no-a"
+            rows.append([word for word in option.replace(",", " ").split() if word.startswith("-")])
+    return sections
+
+
+def test_convert_help_lists_every_option_once_in_sections_most_used_first():
+    command = main.commands["convert"]
+    sections = help_sections(command)
+    assert list(sections) == ["Input and output", "Run", "Recipe and training budget", "Main training settings",
+                              "Advanced settings"]
+    options = [[*param.opts, *param.secondary_opts] for param in command.get_params(click.Context(command))
+               if isinstance(param, click.Option)]
+    assert sorted(row for rows in sections.values() for row in rows) == sorted(options)
+    assert sections["Input and output"][:2] == [["-o", "--out"], ["--data"]]
+    assert {"--device", "--resume", "--dry-run"} <= {name for row in sections["Run"] for name in row}
+    assert sections["Recipe and training budget"] == [["--recipe"], ["--steps"], ["--tokens"], ["--passes"]]
+
+
+def test_a_setting_added_without_a_section_is_listed_under_the_advanced_settings():
+    @dataclasses.dataclass
+    class Extended(TrainConfig):
+        added_setting: int = dataclasses.field(default=0, metadata={"help": "A setting given no section."})
+
+    added = cli._option(dataclasses.fields(Extended)[-1], int, recipe=True)  # a decorator, as convert's options
+    command = copy.copy(main.commands["convert"])
+    command.params = [*command.params, *click.command()(added(lambda **values: None)).params]
+    assert ["--added-setting"] in help_sections(command)["Advanced settings"]
 
 
 def test_convert_help_shows_the_training_defaults_without_importing_torch():
