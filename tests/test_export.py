@@ -93,6 +93,31 @@ def test_export_reloads_both_ways_with_the_same_logits(family, tmp_path, monkeyp
     assert torch.equal(generated, plain.generate(ids[:1, :5], max_new_tokens=4, do_sample=False))
 
 
+def test_use_fp8_gate_hands_the_sparse_layers_the_gates_fp8_copy(tmp_path, monkeypatch):
+    """model.use_fp8_gate(): each kernel call of a sparse layer gets gate_fp8, the e4m3 copy of that layer's
+    gate weight as fp8_gate.quantize_weight makes it (16-bit calls only; fp32 ones cannot take it), the
+    logits move by the quantization only; use_fp8_gate(False) ends it."""
+    model, tokenizer, spec = _relufied("llama")
+    out = export_checkpoint(model, tokenizer, tmp_path / "ckpt-fp8", spec=spec, plan=PLAN, training=TRAINING)
+    remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float16)
+    module = _remote_module(remote)
+    calls = []
+    kernel = module.gated_mlp
+    monkeypatch.setattr(module, "gated_mlp", lambda *a, **k: calls.append(k) or kernel(*a, **k))
+    monkeypatch.setattr(module.ActivityRouter, "loses", lambda self, *measured: False)  # every call on the kernels
+    ids = tiny_input_ids(1, 80)  # past the 64 decode rows: the batched path, which reads the fp8 gate
+    with torch.no_grad():
+        plain = remote(ids).logits.float()
+        remote.use_fp8_gate()
+        fp8 = remote(ids).logits.float()
+        remote.use_fp8_gate(False)
+        again = remote(ids).logits.float()
+    assert [("gate_fp8" in call) for call in calls] == [False, True, False]
+    weight, scale = module.quantize_weight(remote.model.layers[0].mlp.gate_proj.weight)
+    assert torch.equal(calls[1]["gate_fp8"][0].float(), weight.float()) and torch.equal(calls[1]["gate_fp8"][1], scale)
+    assert torch.equal(again, plain) and 0 < ((fp8 - plain).norm() / plain.norm()).item() < 0.05
+
+
 def test_router_per_device_and_kernel_dtypes(tmp_path):
     """A layer's ActivityRouter belongs to one device (its counter, the stream its event waits on): a call on
     another device starts a new one. Inputs in a dtype the kernels do not take, or in another dtype than the
