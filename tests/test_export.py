@@ -352,8 +352,8 @@ def test_modeling_file_needs_only_torch_and_transformers():
                  if isinstance(node, ast.ImportFrom) and node.level == 0}
     assert absolute == {"functools", "importlib", "torch", "transformers", "warnings"}
     relative = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 1}
-    assert relative == {"decoder", "format", "fp8_gate", "gated_mlp", "graphs", "routing", "generation", "layer_plan",
-                        "small_linear"}
+    assert relative == {"decoder", "format", "fp8_gate", "gated_mlp", "graphs", "paths", "routing", "generation",
+                        "layer_plan", "small_linear"}
     generation = ast.parse(GENERATION_FILE.read_text())  # shipped beside it: torch, transformers and the stdlib
     assert {alias.name for node in ast.walk(generation) if isinstance(node, ast.Import) for alias in node.names} \
         | {node.module.split(".")[0] for node in ast.walk(generation) if isinstance(node, ast.ImportFrom)} \

@@ -29,6 +29,7 @@ from .format import use_triton
 from .fp8_gate import quantize_weight
 from .gated_mlp import KERNEL_DTYPES, gated_mlp, prepare_down
 from .graphs import DecodeGraphs
+from .paths import reads_fp8_gate
 from .routing import ActivityRouter, eager, eager_dense, short_prefill
 from .generation import LoopUnsupported, generate_graphed, graphed_call, release_graphed
 from .layer_plan import LayerPlan, layer_plans
@@ -153,7 +154,7 @@ class TwellGatedMLP(nn.Module):
         down = getattr(self, self.down_name).weight
         kernel = dict(tile=self.plan.tile, compression=self.plan.compression,
                       precision="highest" if x.dtype == torch.float32 else "default")
-        if self.fp8_gate and x.dtype in (torch.float16, torch.bfloat16):
+        if self.fp8_gate and x.dtype in (torch.float16, torch.bfloat16) and reads_fp8_gate(tokens, self.d, self.width):
             kernel["gate_fp8"] = self._gate_fp8_copy(gate)
         if not eager(x):  # traced (the custom op) or captured: no host time, no activity routing
             return gated_mlp(x, gate, up, down, **kernel)
