@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from .format import on_device, slots, use_triton
-from .fp8_gate import E4M3
+from .fp8_gate import E4M3, check_device
 from .paths import launch_path, reads_fp8_gate
 from .reference import forward_reference
 
@@ -78,6 +78,7 @@ def check_gate_fp8(x, gate, precision, gate_fp8):
                          f"{tuple(scale.shape)}")
     if x.dtype not in (torch.float16, torch.bfloat16) or precision != "default":
         raise ValueError(f"the fp8 gate takes 16-bit x at precision 'default', got {x.dtype} at {precision!r}")
+    check_device(x.device)
 
 
 def check_kernel_dtypes(x, gate, up, down):

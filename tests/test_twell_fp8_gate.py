@@ -126,6 +126,19 @@ def test_the_fp8_gate_is_checked():
         twell.gated_mlp(x.float(), gate.float(), up.float(), down.float(), tile=16, gate_fp8=(weight, scale))
 
 
+def test_a_gpu_without_fp8_tensor_cores_is_refused(monkeypatch):
+    """Triton has no e4m3 dot below compute capability 8.9: such a GPU gets a clear error, not a compiler's."""
+    from twell import fp8_gate
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(ValueError, match=r"fp8 tensor cores .*A100-SXM4-80GB is 8\.0"):
+        fp8_gate.check_device(torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    fp8_gate.check_device(torch.device("cuda", 0))
+    fp8_gate.check_device(torch.device("cpu"))
+
+
 def test_custom_ops_take_the_fp8_gate():
     """The traced path: both custom ops take the fp8 gate's tensors (their fake implementation; opcheck's schema
     test compares fp8 tensors with an op that CPU torch lacks), and give the eager call's output."""
