@@ -49,8 +49,8 @@ from twell.heavy import HEAVY_FEW_ROWS, heavy_launches
 from twell.paths import reads_fp8_gate
 
 from inference_robustness import ROBUST_ACTIVE, ROBUST_KEY, ROBUST_TOKENS, robustness
-from synthetic_mlp import (HEAVY_K, HEAVY_TILE, LAYERS, dense, make_heavy, make_layer, make_x, per_layer_us,
-                           plan_launches, print_row, reference, rel_err, sparse)
+from synthetic_mlp import (HEAVY_K, HEAVY_TILE, LAYERS, add_fp8_gate, dense, make_heavy, make_layer, make_x,
+                           per_layer_us, plan_launches, print_row, reference, rel_err, sparse)
 
 ROW_KEY = ("D", "I", "M", "k", "tile", "compression")  # what identifies a grid row (--resume)
 HEAVY_FIRST = 2000  # --host-time, --decode-*: active units of a sequence's first token
@@ -174,6 +174,7 @@ def bench_row(d, i, m, k, tile, compression, skew=0.0, fp8=False):
         row["updown_ms"] = time_fn(lambda: [out(lw) for lw in layers], graphs)
         row["cublas_gate_ms"] = time_fn(lambda: [x @ lw["gate"].t() for lw in layers], graphs)
     if fp8 and reads_fp8_gate(m, d, i):  # decode-size calls read the gate itself
+        add_fp8_gate(layers)
         fresh = make_x(m, d)[check]
         out_fp8 = sparse(fresh, w, tile, compression, fp8=True)
         fp8_ref = twell.gated_mlp_reference(fresh.float(), w["gate"], w["up"], w["down"], gate_fp8=w["gate_fp8"],

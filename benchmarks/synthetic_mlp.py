@@ -24,7 +24,14 @@ def make_layer(d, i, k, skew=0.0):
     down = torch.randn(d, i, device="cuda") / math.sqrt(k)
     gate, up, down = gate.bfloat16(), up.bfloat16(), down.bfloat16()
     return dict(gate=gate, up=up, down=down, down_p=twell.prepare_down(down),
-                gate_up=torch.cat([gate, up]).contiguous(), gate_fp8=quantize_weight(gate))
+                gate_up=torch.cat([gate, up]).contiguous())
+
+
+def add_fp8_gate(layers):
+    """Each layer's "gate_fp8": its gate's e4m3 copy (twell.fp8_gate), made once, where a row times the fp8 gate."""
+    for w in layers:
+        if "gate_fp8" not in w:
+            w["gate_fp8"] = quantize_weight(w["gate"])
 
 
 def make_x(m, d):

@@ -237,11 +237,16 @@ def _in_datasets_cache(name: str, config: str | None) -> bool:
     imports no torch."""
     try:
         import datasets
-
-        datasets.logging.set_verbosity_error()  # its warning that it reads the cache
-        datasets.load_dataset_builder(name, config)
-    except Exception:  # not in the cache (datasets says so in several kinds), or no datasets to read it
+    except ImportError:
         return False
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity_error()  # its warning that it reads the cache, for this lookup only
+    try:
+        datasets.load_dataset_builder(name, config)
+    except Exception:  # not in the cache (datasets says so in several kinds)
+        return False
+    finally:
+        datasets.logging.set_verbosity(verbosity)
     return True
 
 
