@@ -320,6 +320,9 @@ def test_metrics_split_by_kind_and_the_original_agrees_with_itself(tmp_path):
             assert other["by_kind"][kind]["tokens"] == 16 * 63
     assert other["cross_entropy"] == pytest.approx(sum(k["cross_entropy"] for k in other["by_kind"].values()) / 2)
     assert "fp8_gate" not in original and 0 < abs(other["fp8_gate"]["cross_entropy"] / other["cross_entropy"] - 1) < 0.05
+    for result in (other, other["fp8_gate"]):
+        assert len(result["active_units"]) == len(model.model.layers) and min(result["active_units"]) > 0
+    assert "active" in metrics.metrics_line(other)
 
 
 def test_the_fp8_gate_metric_computes_each_gate_as_the_fp8_kernels_do():
@@ -341,6 +344,34 @@ def test_the_fp8_gate_metric_computes_each_gate_as_the_fp8_kernels_do():
         assert not any("forward" in vars(m) for m in model.modules() if m not in projections)
         fp8 = model(ids).logits
     assert 0 < ((fp8 - plain).norm() / plain.norm()).item() < 0.05
+
+
+def test_active_units_count_each_layers_positive_gate_outputs_a_token_bf16_and_fp8():
+    """active_units: a layer's mean count a token of units whose gate output is positive, from the gate as the
+    model computes it (after use_fp8_gate, the fp8 gate's), counted from each MLP's own input."""
+    from twell.fp8_gate import gate_reference, quantize_weight
+
+    metrics = load_script().metrics
+    model, _ = tiny_model("llama", seed=1)
+    model.eval()
+    ids = tiny_input_ids(3, 16)
+    inputs = []
+    handles = [layer.mlp.register_forward_pre_hook(lambda m, args: inputs.append(args[0].reshape(-1, args[0].shape[-1])))
+               for layer in model.model.layers]
+    weights = [layer.mlp.gate_proj.weight for layer in model.model.layers]
+    with torch.no_grad():
+        for fp8 in (False, True):
+            inputs.clear()
+            if fp8:
+                metrics.use_fp8_gate(model)
+            with metrics.active_units(model) as active:
+                model(ids)
+            gates = [gate_reference(x, *quantize_weight(w)) if fp8 else x @ w.t() for x, w in zip(inputs, weights)]
+            assert active == pytest.approx([(g > 0).sum().item() / 48 for g in gates])
+            assert 0 < min(active) and max(active) < weights[0].shape[0]
+            assert not any(m._forward_hooks for m in model.modules())  # counting ends with the block
+    for handle in handles:
+        handle.remove()
 
 
 def test_greedy_decodes_with_the_cache_what_whole_forward_passes_give():

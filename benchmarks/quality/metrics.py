@@ -5,12 +5,17 @@ config.json describes, without remote code (a converted checkpoint keeps the sta
 ReLU Llama), in bf16 on a GPU, and measured on the same held-out blocks of each kind of document (code, prose):
 next-token cross-entropy and top-1 accuracy. Greedy agreement with the original: from the same held-out prompts
 each model continues greedily, and the share of its tokens equal to the original's at the same position and the
-mean length of the prefix they share are reported. Each converted model is also measured with its gate projections
-computed as the opt-in fp8 gate computes them (`fp8_gate`: cross-entropy and accuracy).
+mean length of the prefix they share are reported. Each layer's active units a token (positive gate outputs) are
+counted over the held-out blocks. Each converted model is also measured with its gate projections computed as the
+opt-in fp8 gate computes them (`fp8_gate`: cross-entropy, accuracy and active units: the fp8 gate's error moves
+units across zero, and the kernels' time follows the active units).
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
+from statistics import mean
 
 from corpus import read_documents
 from pretrain import make_demo
@@ -66,6 +71,26 @@ def scores(model, blocks, batch: int, device: str) -> dict:
     return {"cross_entropy": total / count, "accuracy": correct / count, "tokens": count}
 
 
+@contextmanager
+def active_units(model):
+    """Yields a list that on exit holds each decoder layer's mean count a token of units whose gate output is
+    positive (a ReLU model's active units) over the forward passes made inside."""
+    layers = model.model.layers
+    active, tokens, counts = [0] * len(layers), [0] * len(layers), []
+
+    def count(i, module, args, out):
+        active[i] += (out > 0).sum().item()
+        tokens[i] += out[..., 0].numel()
+
+    handles = [layer.mlp.gate_proj.register_forward_hook(partial(count, i)) for i, layer in enumerate(layers)]
+    try:
+        yield counts
+    finally:
+        for handle in handles:
+            handle.remove()
+    counts.extend(a / t for a, t in zip(active, tokens))
+
+
 def use_fp8_gate(model) -> None:
     """Each decoder layer's gate projection computed, in place, as twell's fp8 gate computes it
     (twell.fp8_gate.gate_reference: e4m3 x and weight, a scale a token and a unit, fp32 sums), on every token:
@@ -111,22 +136,24 @@ def measure(path: Path, blocks: dict, prompts, reference, batch: int, device: st
     import torch
 
     model = load(path, device)
-    with torch.no_grad():
+    with torch.no_grad(), active_units(model) as active:
         kinds = {kind: scores(model, b, batch, device) for kind, b in blocks.items()}
+    with torch.no_grad():
         generated = greedy(model, prompts, batch, device)
     count = sum(k["tokens"] for k in kinds.values())
     result = {"cross_entropy": sum(k["cross_entropy"] * k["tokens"] for k in kinds.values()) / count,
               "accuracy": sum(k["accuracy"] * k["tokens"] for k in kinds.values()) / count, "tokens": count,
-              "by_kind": kinds}
+              "by_kind": kinds, "active_units": active}
     if reference is None:
         result.update(prompts=prompts.tolist(), generations=generated.tolist())
     else:
         result["greedy"] = agreement(generated, torch.tensor(reference))
         use_fp8_gate(model)
-        with torch.no_grad():
+        with torch.no_grad(), active_units(model) as fp8_active:
             fp8 = [scores(model, b, batch, device) for b in blocks.values()]
         result["fp8_gate"] = {"cross_entropy": sum(k["cross_entropy"] * k["tokens"] for k in fp8) / count,
-                              "accuracy": sum(k["accuracy"] * k["tokens"] for k in fp8) / count}
+                              "accuracy": sum(k["accuracy"] * k["tokens"] for k in fp8) / count,
+                              "active_units": fp8_active}
     return result
 
 
@@ -134,10 +161,14 @@ def metrics_line(metrics: dict) -> str:
     kinds = "  ".join(f"{kind} CE {k['cross_entropy']:.4f} acc {100 * k['accuracy']:.2f}%"
                       for kind, k in metrics["by_kind"].items())
     line = f"held-out top-1 {100 * metrics['accuracy']:.2f}%  CE {metrics['cross_entropy']:.4f}  {kinds}"
+    if "active_units" in metrics:
+        line += f"  active {mean(metrics['active_units']):.1f} a token"
     if "greedy" in metrics:
         line += (f"  greedy agreement {100 * metrics['greedy']['agreement']:.1f}%, common prefix "
                  f"{metrics['greedy']['common_prefix']:.1f} of {NEW_TOKENS}")
     if "fp8_gate" in metrics:
-        line += (f"  fp8 gate: CE {metrics['fp8_gate']['cross_entropy']:.4f} "
-                 f"top-1 {100 * metrics['fp8_gate']['accuracy']:.2f}%")
+        fp8 = metrics["fp8_gate"]
+        line += f"  fp8 gate: CE {fp8['cross_entropy']:.4f} top-1 {100 * fp8['accuracy']:.2f}%"
+        if "active_units" in fp8:
+            line += f" active {mean(fp8['active_units']):.1f}"
     return line
