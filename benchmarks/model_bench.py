@@ -162,7 +162,9 @@ def main(argv=None):
                       plan_stats=twell_section["layers"], cost_model_plan=twell_section["training"]["cost_model_plan"])
         console.print(bench_table(result))
         console.print(f"plan: {result['plan']['layers']}; mean active per layer on the bench input: "
-                      f"{[round(a, 1) for a in result['mean_active']]}; seconds: {result['seconds']}")
+                      f"{[round(a, 1) for a in result['mean_active']]}"
+                      + (f"; with the fp8 gate: {[round(a, 1) for a in result['fp8_gate_mean_active']]}"
+                         if args.fp8_gate else "") + f"; seconds: {result['seconds']}")
         suffix = ("_measured" if args.measure else "") + ("_fp8" if args.fp8_gate else "")
         name = f"model_bench_k{active:g}_l{args.layers}{suffix}.json"
         console.print(f"wrote {write_json(result, args.out / name)}")

@@ -11,6 +11,7 @@ each path and the breakdown are measured.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import platform
 import statistics
@@ -18,10 +19,12 @@ import time
 from pathlib import Path
 
 import torch
+from twell.fp8_gate import quantize_weight
 from twell.layer_plan import layer_plans
+from twell.reference import gate_values
 
 from .errors import ConfigError
-from .families import mlp_modules, spec_for
+from .families import gate_weight, mlp_modules, spec_for
 from .data import TextData
 from .load import load_config, load_tokenizer, require_cuda, require_tokenizer
 from .locations import resolve_data, resolve_source
@@ -325,6 +328,37 @@ def mean_active(model, ids) -> list[float]:
     return [torch.stack(s).mean().item() for s in sums]
 
 
+FP8_COUNT_ROWS = 8192  # rows of an MLP input whose fp32 gate values are made at once
+
+
+@torch.inference_mode()
+def fp8_gate_mean_active(model, ids) -> list[float]:
+    """Mean active units per token of each layer of a TwELL load whose gate pass reads fp8 (use_fp8_gate), on
+    `ids`: g as its batched kernel call computes it (twell.reference.gate_values: the fp8 gate where its packing
+    pass serves, bf16 where the dense fallbacks recompute) on each MLP's input in the load's own forward, so that
+    the fp8 error the layers before carry counts too; layers whose kernels never serve count their bf16 gate."""
+    spec = spec_for(model.config)
+    mlps = mlp_modules(model, spec)
+    counts = [[0, 0] for _ in mlps]
+
+    def count(tally, mlp, args):
+        x2 = args[0].reshape(-1, args[0].shape[-1])
+        gate = gate_weight(mlp, spec)
+        fp8 = quantize_weight(gate) if mlp.fp8_gate and mlp.kernel_ready else None
+        for rows in x2.split(FP8_COUNT_ROWS):
+            g = gate_values(rows, gate, fp8, mlp.plan.tile, mlp.plan.compression)
+            tally[0] += (g > 0).sum().item()
+        tally[1] += len(x2)
+
+    handles = [mlp.register_forward_pre_hook(functools.partial(count, tally)) for mlp, tally in zip(mlps, counts)]
+    try:
+        model.get_decoder()(input_ids=ids, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [active / tokens for active, tokens in counts]
+
+
 RANDOM_IDS_WARNING = ("no --data: the inputs are random token ids, on which a trained model's layers are more "
                       "active than on text, so the figures misstate its speed; pass --data with text")
 
@@ -409,6 +443,7 @@ def bench_checkpoint(path: str | Path, *, seq_len: int = 2048, prefill_batches=(
         prompts = ids(CHECK_BATCH, PROMPT_TOKENS)
         check = logits_agreement(*last, *(_generate(m, prompts, CHECK_NEW) for m in models.values()))
         active = mean_active(models["dense"], largest)
+        fp8_active = fp8_gate_mean_active(models["twell"], largest) if fp8_gate else None
     rows, start = [], time.perf_counter()
 
     def add(row):  # progress: each row as it is done
@@ -438,6 +473,8 @@ def bench_checkpoint(path: str | Path, *, seq_len: int = 2048, prefill_batches=(
         "prompt_tokens": PROMPT_TOKENS, "repeats": repeats, "generate_repeats": generate_repeats, "paths": PATHS,
         "rows": rows, "component_time": "union", "check": check, "plan": plan_summary(config), "fp8_gate": fp8_gate,
         "mean_active": active, "mean_active_all_layers": statistics.fmean(active),
+        **({"fp8_gate_mean_active": fp8_active, "fp8_gate_mean_active_all_layers": statistics.fmean(fp8_active)}
+           if fp8_gate else {}),
     }
 
 
@@ -449,7 +486,8 @@ def bench_table(result: dict):
     c = result["check"]
     title = (f"{result['checkpoint']} on {result['device']}: mean active units {result['mean_active_all_layers']:.1f}, "
              f"{result['plan']['sparse_layers']}/{len(result['plan']['layers'])} layers sparse"
-             + (", TwELL's gate pass in fp8" if result.get("fp8_gate") else ""))
+             + (f", TwELL's gate pass in fp8 (its mean active units {result['fp8_gate_mean_active_all_layers']:.1f})"
+                if result.get("fp8_gate") else ""))
     rows = Table(title=title, caption=f"logits rel. err {c['logits_rel_err']:.1e}; greedy tokens agreeing "
                                       f"{100 * c['greedy_match']:.0f}% (common prefix {c['greedy_common_prefix']:.1f} "
                                       f"of {CHECK_NEW}); paths: {'; '.join(f'{k}: {v}' for k, v in PATHS.items())}")

@@ -5,6 +5,7 @@ import pytest
 import torch
 from rich.console import Console
 
+from sparsify import bench
 from sparsify.bench import (MAX_ROUNDS, MIN_TIMED_S, PATHS, TORCH_PROJECTIONS, _median_seconds, bench_checkpoint,
                             bench_table, logits_agreement, path_row, plan_summary, write_json)
 from sparsify.profiling import (COMPONENTS, RANGE, _range_of, busy_us, component_split, device_kernels,
@@ -391,3 +392,36 @@ def test_prefill_shapes_take_a_batch_or_batch_x_length():
     for bad in ("64x", "x64", "8y2", "0x64", "4x0"):
         with pytest.raises(ConfigError, match="prefill row"):
             prefill_shapes([bad], 2048)
+
+
+def test_fp8_gate_mean_active_counts_g_as_the_fp8_load_computes_it(tmp_path):
+    """fp8_gate_mean_active: each layer's mean active units a token from g as its kernel call computes it
+    (reference.gate_values: the fp8 gate, bf16 where the dense fallbacks recompute) on the MLP inputs of the
+    fp8 load's own forward; a layer the kernels never serve counts its bf16 gate."""
+    from transformers import AutoModelForCausalLM
+
+    from sparsify.export import export_checkpoint
+    from sparsify.relufy import relufy
+    from twell.fp8_gate import quantize_weight
+    from twell.reference import gate_values
+
+    model, tokenizer = tiny_model("llama")
+    relufy(model)
+    spec = spec_for(model.config)
+    plan = [LayerPlan(Mode.SPARSE, 64, 2, ALL_TOKENS, {"mean_active": 70.5}), LayerPlan(stats={"mean_active": 80.0})]
+    out = export_checkpoint(model, tokenizer, tmp_path / "ckpt", spec=spec, plan=plan,
+                            training={"base_model": "tiny", "tokens": 1, "steps": 1})
+    remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float16).eval()
+    remote.use_fp8_gate()
+    mlps = [layer.mlp for layer in remote.model.layers]
+    inputs = []
+    handles = [m.register_forward_pre_hook(lambda m, a: inputs.append(a[0].reshape(-1, a[0].shape[-1]))) for m in mlps]
+    ids = tiny_input_ids(2, 40)
+    active = bench.fp8_gate_mean_active(remote, ids)
+    for handle in handles:
+        handle.remove()
+    gates = [m.gate_proj.weight for m in mlps]
+    sparse = gate_values(inputs[0], gates[0], quantize_weight(gates[0]), 64, 2)
+    assert active[0] == pytest.approx((sparse > 0).sum().item() / 80)
+    assert active[1] == pytest.approx((inputs[1].float() @ gates[1].float().t() > 0).sum().item() / 80)
+    assert active[0] != pytest.approx((inputs[0].float() @ gates[0].float().t() > 0).sum().item() / 80)
