@@ -85,9 +85,9 @@ def _compiles(x2, w, descriptors, scalars, options, grid, fp8: bool) -> bool:
     if fp8 not in _failures:
         counts = torch.empty(1, dtype=torch.int32, device=x2.device)
         tensors = (x2, w, w, w, x2, counts, counts, x2)
-        if fp8:  # x quantized and the two scales
+        if fp8:  # x quantized (one row block: the compile needs its type and row stride, not the call's rows)
             scale = torch.empty(1, dtype=torch.float32, device=x2.device)
-            tensors += (torch.empty(x2.shape, dtype=w.dtype, device=x2.device), scale, scale)
+            tensors += (torch.empty((BM, x2.shape[1]), dtype=w.dtype, device=x2.device), scale, scale)
         try:
             gate_pack_kernel.warmup(*tensors, *descriptors(*tensors), *scalars.values(), grid=grid, **options)
             _failures[fp8] = None
