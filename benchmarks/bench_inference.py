@@ -510,7 +510,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--active", type=int, nargs="+", default=ROBUST_ACTIVE, help="--robustness: mean active units")
     p.add_argument("--fp8-gate", action="store_true",
                    help="block grid: each row of the batched path also with its gate pass in fp8 (twell.fp8_gate), "
-                        "timed and checked")
+                        "timed and checked; --robustness: the kernel layers with use_fp8_gate()")
     p.add_argument("--json", default=None)
     p.add_argument("--resume", action="store_true",
                    help="block grid and --robustness: keep the rows already in --json (a run cut short) and "
@@ -538,6 +538,8 @@ def main(argv=None):
             p.error(f"--resume: {args.json} is not a {kind} result ({error!r})")
         if args.robustness and earlier is not None and earlier.get("runtime") != runtime_name:
             p.error(f"--resume: {args.json} timed the runtime {earlier.get('runtime')!r}, not {runtime_name!r}")
+        if args.robustness and earlier is not None and earlier.get("fp8_gate", False) != args.fp8_gate:
+            p.error(f"--resume: {args.json} ran {'with' if earlier.get('fp8_gate') else 'without'} --fp8-gate")
         measured_on = (earlier or {}).get("device")
         if measured_on is not None and measured_on != torch.cuda.get_device_name():
             p.error(f"--resume: {args.json} was measured on {measured_on}, not on this {torch.cuda.get_device_name()}")
@@ -548,8 +550,8 @@ def main(argv=None):
     if args.sweep:
         result = dict(meta, sweep=sweep())
     elif args.robustness:
-        result = dict(meta, runtime=runtime_name, heavy_cost=twell.cost_model.HEAVY, rows=rows)
-        for row in robustness(args.runtime, args.plan_active, args.tokens, args.active, done):
+        result = dict(meta, runtime=runtime_name, heavy_cost=twell.cost_model.HEAVY, fp8_gate=args.fp8_gate, rows=rows)
+        for row in robustness(args.runtime, args.plan_active, args.tokens, args.active, done, args.fp8_gate):
             rows.append(row)
             if args.json:  # after every row, so that a run cut short keeps what it measured
                 write_json(args.json, result)

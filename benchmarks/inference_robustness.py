@@ -125,7 +125,7 @@ def robustness_cells(k, plan_k, tokens, done=()):
     return [(m, heavy) for m, heavy in cells if (d, i, m, k, plan_k or k, heavy) not in done]
 
 
-def robustness(folder=None, plan_k=None, tokens=ROBUST_TOKENS, actives=ROBUST_ACTIVE, done=()):
+def robustness(folder=None, plan_k=None, tokens=ROBUST_TOKENS, actives=ROBUST_ACTIVE, done=(), fp8_gate=False):
     """The layer exactly as the modeling file runs it (its plan and token windows, TwellGatedMLP.forward)
     against the same layer planned dense, in one process, on a grid: tokens x heavy rows (half the units
     active, like a sequence's first token; at the start of the call and then evenly spread) x mean active
@@ -136,8 +136,9 @@ def robustness(folder=None, plan_k=None, tokens=ROBUST_TOKENS, actives=ROBUST_AC
     decode step of M sequences [M, 1, D] ("step_graph"). The plan is made from each layer's
     own activity (or `plan_k` units, when the inputs are more or less active than the calibration); each
     cell checks the output against fp32 in the same run and names the layer's path for each timing
-    (`eager_path`, `graph_path`, `step_graph_path`: call_path). Yields the rows of the cells whose ROBUST_KEY
-    is not in `done` (a run cut short: its rows' keys)."""
+    (`eager_path`, `graph_path`, `step_graph_path`: call_path). With `fp8_gate` the kernel layers run as a
+    checkpoint's use_fp8_gate() makes them (err_twell then holds the fp8 gate's error too). Yields the rows of
+    the cells whose ROBUST_KEY is not in `done` (a run cut short: its rows' keys)."""
     d, i = ROBUST_SHAPE
     modeling = runtime(folder)
     for k in actives:
@@ -146,6 +147,8 @@ def robustness(folder=None, plan_k=None, tokens=ROBUST_TOKENS, actives=ROBUST_AC
             continue
         layers = [make_layer(d, i, k) for _ in range(LAYERS)]
         mlps = [planned_mlp(modeling, w, d, i, k, plan_k or k, i // 2) for w in layers]
+        for sparse_mlp, _ in mlps:
+            sparse_mlp.use_fp8_gate(fp8_gate)
         plan = plan_of(mlps[0][0])
         for m, heavy in cells:
             x = make_x(m, d)
