@@ -1,12 +1,13 @@
 """The `sparsify` command: thin Click wrappers over sparsify.convert, sparsify.sample, sparsify.analyze and
 sparsify.bench. User errors (SparsifyError) print their message on stderr and exit with status 1, without a
-traceback (130, the shell's status for Ctrl-C, where Ctrl-C stopped the command). Each command checks what needs no
-model (its options, the paths it reads and writes) before it imports those modules (torch and transformers, slow to
-import), so that a mistyped command fails, and --help shows, at once."""
+traceback (where a signal stopped the command, a shell's status for it: 130 for Ctrl-C, 143 for SIGTERM). Each command
+checks what needs no model (its options, the paths it reads and writes) before it imports those modules (torch and
+transformers, slow to import), so that a mistyped command fails, and --help shows, at once."""
 from __future__ import annotations
 
 import functools
 import re
+import signal
 import sys
 from dataclasses import MISSING, Field, fields
 from importlib.metadata import PackageNotFoundError, entry_points, version
@@ -16,8 +17,8 @@ from typing import get_args, get_origin, get_type_hints
 import click
 from click.formatting import term_len
 
-from sparsify.config import (TEXT_COLUMN_HELP, RunOptions, SampleOptions, TrainConfig, load_recipe, measure_help,
-                             option_name, overlay, recipe_names, value_type)
+from sparsify.config import (TEXT_COLUMN_HELP, RunOptions, SampleOptions, TrainConfig, close_names, load_recipe,
+                             measure_help, option_name, overlay, recipe_names, value_type)
 from sparsify.errors import ConfigError, DataError, Interrupted, MissingDependencyError, SparsifyError
 from sparsify.locations import (DATA_REQUIRED, SAMPLE_DATA_REQUIRED, check_data, check_hub_repo, check_output_dir,
                                 family_config, no_saved_state, resolve_source, resume_dir_for, saved_state)
@@ -31,7 +32,11 @@ DEVICE_TYPES = frozenset({"cpu", "cuda", "ipu", "xpu", "mkldnn", "opengl", "open
 # (tests/test_cli.py checks that the names are accelerate's).
 TRACKER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboardX"), **{
     name: (name,) for name in ("aim", "comet_ml", "mlflow", "wandb", "clearml", "dvclive", "swanlab", "trackio")}}
-INTERRUPTED_STATUS = 130  # 128 + SIGINT: what a shell reports for a command that Ctrl-C stopped
+
+
+def signal_status(signum: int) -> int:
+    """What a shell reports for a command that signal `signum` stopped: 130 for Ctrl-C (SIGINT), 143 for SIGTERM."""
+    return 128 + signum
 
 
 def user_errors(command):
@@ -41,24 +46,17 @@ def user_errors(command):
             return command(*args, **kwargs)
         except SparsifyError as e:
             click.echo(f"error: {e}", err=True)
-            sys.exit(INTERRUPTED_STATUS if _interrupted(e) else 1)
+            sys.exit(signal_status(e.signum) if isinstance(e, Interrupted) else 1)
         except KeyboardInterrupt:
             click.echo("\nAborted!", err=True)  # Click's words for it
-            sys.exit(INTERRUPTED_STATUS)
+            sys.exit(signal_status(signal.SIGINT))
 
     return wrapper
 
 
-def _interrupted(error: SparsifyError) -> bool:
-    """Whether `error` says that the run was stopped: Interrupted (Ctrl-C), or the training loop's TrainingInterrupted
-    (Ctrl-C or SIGTERM), whose module imports torch (where that is not loaded, no error is one)."""
-    training = sys.modules.get("sparsify.train")
-    return isinstance(error, (Interrupted, training.TrainingInterrupted) if training else Interrupted)
-
-
 class CommandWithHints(click.Command):
     """A command whose usage errors point to what was meant: a mistyped option's close options by shared words
-    (_close_options) where there are any, and a second positional argument (`convert demo demo-out`) as -o's."""
+    (close_names) where there are any, and a second positional argument (`convert demo demo-out`) as -o's."""
 
     def parse_args(self, ctx, args):
         try:
@@ -66,7 +64,7 @@ class CommandWithHints(click.Command):
         except click.NoSuchOption as error:
             options = [name for param in self.get_params(ctx) for name in (*param.opts, *param.secondary_opts)
                        if name.startswith("--")]
-            error.possibilities = _close_options(error.option_name, options) or error.possibilities
+            error.possibilities = close_names(error.option_name, options) or error.possibilities
             raise
         except click.MissingParameter as error:
             extra = self.make_parser(ctx).parse_args(list(args))[1]
@@ -74,22 +72,6 @@ class CommandWithHints(click.Command):
                 raise click.UsageError(f"Got unexpected extra argument ({extra[0]}): the output folder is an option, "
                                        f"-o {extra[0]}", ctx) from None
             raise
-
-
-def _close_options(typed: str, options: list[str]) -> list[str]:
-    """The `options` whose words are closest to those of the mistyped option `typed` (the most shared against all
-    that either has: --lr-rate: --lr; --l1-weight: --l1; --calibrate-step: the --calibrate ones), where Click's
-    spelling match finds unrelated ones (--private, --weight-decay); none where no word is shared. Words are the
-    parts between dashes or underscores, a negation's "no" aside, and the initials of a typed name of several
-    (--learning-rate: lr)."""
-    def words(option: str) -> list[str]:
-        return [word for word in re.split(r"[-_]+", option.lstrip("-")) if word not in ("", "no")]
-
-    typed_words = words(typed)
-    wanted = {*typed_words, "".join(word[0] for word in typed_words)} if len(typed_words) > 1 else set(typed_words)
-    closeness = {option: len(wanted & set(words(option))) / len(wanted | set(words(option))) for option in options}
-    best = max(closeness.values(), default=0)
-    return sorted(option for option, close in closeness.items() if best and close == best)
 
 
 # convert --help's sections by key, most used first. An option is listed under the one that its field's `section`
@@ -330,7 +312,9 @@ def convert(source, recipe, **values):
     from sparsify.convert import convert as run
     from sparsify.report import console, layer_table, perplexity_table
 
-    summary = run(source, config, options, fit_seq_len=values["seq_len"] is None)
+    # --steps alone on the command line ends the run before a recipe's tokens by the user's choice
+    tokens_asked = values["steps"] is None or values["tokens"] is not None or values["passes"] is not None
+    summary = run(source, config, options, fit_seq_len=values["seq_len"] is None, tokens_asked=tokens_asked)
     if options.dry_run:
         if _is_main():
             console.print("dry run: the checks passed; no weight was read and nothing was written")

@@ -5,7 +5,8 @@ writes, the device, what it reports). Imports no torch, so that the command star
 from __future__ import annotations
 
 import math
-from dataclasses import MISSING, dataclass, field, replace
+import re
+from dataclasses import MISSING, dataclass, field, fields, replace
 from importlib.resources import files
 from pathlib import Path
 from typing import get_args, get_origin, get_type_hints
@@ -26,6 +27,22 @@ MIN_L1_RELATIVE = 0.01
 # whose activity hovers around the threshold does not flip at every check.
 HYBRID_EXIT = 1.25
 LAUNCHER_GRACE_S = 30  # accelerate launch and torchrun kill their processes this long after a Ctrl-C
+
+
+def close_names(typed: str, names: list[str]) -> list[str]:
+    """The `names` whose words are closest to those of the mistyped `typed` (the most shared against all that
+    either has: --lr-rate: --lr; --l1-weight: --l1; learning_rate: lr; --calibrate-step: the --calibrate ones),
+    where a spelling match finds unrelated ones (--private, --weight-decay); none where no word is shared. Words
+    are the parts between dashes or underscores, a negation's "no" aside, and the initials of a typed name of
+    several (--learning-rate: lr)."""
+    def words(name: str) -> list[str]:
+        return [word for word in re.split(r"[-_]+", name.lstrip("-")) if word not in ("", "no")]
+
+    typed_words = words(typed)
+    wanted = {*typed_words, "".join(word[0] for word in typed_words)} if len(typed_words) > 1 else set(typed_words)
+    closeness = {name: len(wanted & set(words(name))) / len(wanted | set(words(name))) for name in names}
+    best = max(closeness.values(), default=0)
+    return sorted(name for name, close in closeness.items() if best and close == best)
 
 
 def value_type(hint) -> type:
@@ -191,10 +208,8 @@ class TrainConfig:
         """From a recipe's or the command line's values, with YAML's quirks mended ("2e-5" reads as a
         string in YAML 1.1, "1e9" tokens as a float)."""
         hints = get_type_hints(cls)
-        unknown = set(values) - set(hints)
-        if unknown:
-            raise ConfigError(f"unknown training settings: {', '.join(sorted(unknown))} "
-                              f"(known: {', '.join(sorted(hints))})")
+        if problem := unknown_settings(values):
+            raise ConfigError(problem)
         config = {}
         for name, value in values.items():
             kind = value_type(hints[name])
@@ -347,14 +362,15 @@ class TrainConfig:
         if self.schedule(total).swap_steps >= total:
             raise ConfigError(f"--swap-steps {self.swap_steps} must be below the {total} training steps")
 
-    def warnings(self, world: int) -> list[str]:
+    def warnings(self, world: int, tokens_asked: bool = True) -> list[str]:
         """Settings that run but defeat themselves on `world` processes: a token count that the steps cut short
-        (--tokens on a recipe that sets steps), a warm-up that does not end within the run (a short run with a
-        recipe's warm-ups, say)."""
+        (--tokens on a recipe that sets steps; none where not `tokens_asked`: a recipe's count under --steps given,
+        which the user chose to end first), a warm-up that does not end within the run (a short run with a recipe's
+        warm-ups, say)."""
         total = self.total_steps(world)
         resolved = self.schedule(total)
         found = []
-        if self.tokens is not None and total * self.tokens_per_step(world) < self.tokens:
+        if tokens_asked and self.tokens is not None and total * self.tokens_per_step(world) < self.tokens:
             asked = (f"--passes {self.passes:g} ({self.tokens:,} tokens)" if self.passes is not None
                      else f"--tokens {self.tokens:,}")
             needed = math.ceil(self.tokens / self.tokens_per_step(world))
@@ -362,9 +378,11 @@ class TrainConfig:
                          f"{total * self.tokens_per_step(world):,} tokens (--steps {needed} trains on all of them)")
         for name, what in (("warmup_steps", "the learning rate"), ("l1_warmup_steps", "the L1 weight")):
             if getattr(resolved, name) >= total:
-                found.append(f"{option_name(name)} {getattr(self, name)} is not below the run's {steps_said(total)}: "
-                             f"{what} never reaches its set value (a share of the run, such as "
-                             f"{option_name(name)} 12.5%, scales with it)")
+                flag = option_name(name)
+                fix = (f"a share of the run, such as {flag} 12.5%, scales with it" if name in SHARE_OF_STEPS
+                       else f"fewer steps, such as {flag} {total // 8}")  # it takes a count only, no share
+                found.append(f"{flag} {getattr(self, name)} is not below the run's {steps_said(total)}: "
+                             f"{what} never reaches its set value ({fix})")
         return found
 
     def schedule(self, total: int) -> TrainConfig:
@@ -505,6 +523,19 @@ def recipe_names() -> list[str]:
     return sorted(p.name[:-len(".yaml")] for p in RECIPES.iterdir() if p.name.endswith(".yaml"))
 
 
+def unknown_settings(names) -> str | None:
+    """What says which of `names` are no training setting, each with the settings close to it (learning_rate: lr),
+    and all of them where one has none close; None where all are settings."""
+    known = sorted(setting.name for setting in fields(TrainConfig))
+    unknown = sorted(set(names) - set(known))
+    if not unknown:
+        return None
+    close = {name: close_names(name, known) for name in unknown}
+    said = ", ".join(f"{name} (did you mean {' or '.join(close[name])}?)" if close[name] else name for name in unknown)
+    listed = "" if all(close.values()) else f" (known: {', '.join(known)})"
+    return f"unknown training settings: {said}{listed}"
+
+
 def load_recipe(recipe: str | Path | None, source: str, _extended: tuple = ()) -> dict:
     """Training settings of a recipe: a YAML path, or a name in recipes/ ("small" or "small.yaml" ->
     recipes/small.yaml).
@@ -521,13 +552,16 @@ def load_recipe(recipe: str | Path | None, source: str, _extended: tuple = ()) -
     if not path.is_file():
         names = recipe_names()
         known = f"one of: {', '.join(names)}" if names else f"no named recipes are installed at {RECIPES}"
-        raise ConfigError(f"recipe {recipe} not found (a YAML file, or {known})")
+        extending = f"recipe {_extended[-1]}: extends {recipe}, which is" if _extended else f"recipe {recipe}"
+        raise ConfigError(f"{extending} not found (a YAML file, or {known})")
     try:
         values = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"recipe {path}: not valid YAML ({e})") from None
     if not isinstance(values, dict):
         raise ConfigError(f"recipe {path}: expected a mapping of training settings")
+    if problem := unknown_settings(set(values) - {"extends"}):
+        raise ConfigError(f"recipe {path}: {problem}")
     if "extends" not in values:
         return values
     base = values.pop("extends")

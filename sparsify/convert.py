@@ -116,12 +116,14 @@ class _Source(NamedTuple):
     origin: dict  # the base model and its license, as the checkpoint records them
 
 
-def convert(source: str, config: TrainConfig, options: RunOptions, fit_seq_len: bool = False) -> dict | None:
+def convert(source: str, config: TrainConfig, options: RunOptions, fit_seq_len: bool = False,
+            tokens_asked: bool = True) -> dict | None:
     """Convert `source` into a sparse checkpoint at `options.out`; returns the summary (perplexities, per-layer
     statistics and plan, training log), or None for a dry run (`options.dry_run`: every check that reads no
     weight, the settings, the training state's size and the held-out text printed). `fit_seq_len`: the config's
     seq-len is no choice of the user's (a recipe's or the default): lower it to the source's positions where it
-    is beyond them, with a warning."""
+    is beyond them, with a warning. `tokens_asked`: the config's token count is the user's, not only a recipe's
+    under steps the user gave (TrainConfig.warnings)."""
     check_device(options.device)
     launch = PartialState(cpu=on_cpu(options.device))
     main = launch.is_main_process
@@ -130,7 +132,7 @@ def convert(source: str, config: TrainConfig, options: RunOptions, fit_seq_len: 
     launch.wait_for_everyone()
     checked = _check_inputs(source, config, options, launch.num_processes, fit_seq_len)
     config = checked.config
-    for warning in config.warnings(launch.num_processes) if main else ():
+    for warning in config.warnings(launch.num_processes, tokens_asked) if main else ():
         warn(warning)
     if options.dry_run:
         _dry_run(source, config, options, checked, launch.num_processes)

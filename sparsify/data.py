@@ -66,7 +66,8 @@ class Documents:
 
     def _with_datasets(self, datasets) -> Iterator[str]:
         self._check_reader("datasets")
-        datasets.logging.set_verbosity_error()
+        # critical: its builders log each read error that they then raise, which DataError says below
+        datasets.logging.set_verbosity(datasets.logging.CRITICAL)
         datasets.disable_progress_bars()
         streams = self._streams(datasets)
         first = self.position.get("stream", 0)
@@ -98,7 +99,10 @@ class Documents:
         for builder, files in self.source.items():
             options = {"sample_by": "document"} if builder == "text" else {}
             # the text builder makes each .txt file one row, whose only column is "text"
-            stream = datasets.load_dataset(builder, data_files=files, split="train", streaming=True, **options)
+            try:
+                stream = datasets.load_dataset(builder, data_files=files, split="train", streaming=True, **options)
+            except Exception as e:  # a parquet file's schema is read here: a corrupt one fails at once
+                raise DataError(f"cannot read {', '.join(files)}: {e}") from None
             streams.append((", ".join(files), stream, "text" if builder == "text" else self.text_column))
         return streams
 

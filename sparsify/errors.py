@@ -1,5 +1,6 @@
 """User-facing errors. The CLI prints their message and exits non-zero, without a traceback;
 anything else escaping is a bug and keeps its traceback."""
+import signal
 
 
 class SparsifyError(Exception):
@@ -31,4 +32,9 @@ class MissingDependencyError(SparsifyError):
 
 
 class Interrupted(SparsifyError):
-    """Ctrl-C outside the training loop (which saves its state and says so itself): what was kept, and how to go on."""
+    """A run stopped by a signal (Ctrl-C's SIGINT; in training also SIGTERM): what was kept, and how to go on. The
+    CLI exits with 128 + `signum`, as a shell reports a command that the signal stopped."""
+
+    def __init__(self, message: str, signum: int = signal.SIGINT):
+        super().__init__(message)
+        self.signum = signum

@@ -121,7 +121,8 @@ def plan_layer(stats: dict, *, hidden_size: int | None = None, tokens: int = TOK
     if outside_cost_model(d, units):
         return LayerPlan(stats=summary | {"reason": (
             f"D {d} / I {units} is narrower than the cost model's shapes (from D {FITTED_MIN_HIDDEN} / I "
-            f"{FITTED_MIN_INTERMEDIATE}): --measure times the kernels at any width")})
+            f"{FITTED_MIN_INTERMEDIATE}): on a GPU, convert and analyze time the kernels at any width instead "
+            "(--measure)")})
     heaviest = stats.get("max_active")
 
     def speedup_at(n: int, tile: int, compression: int) -> float:

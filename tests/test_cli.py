@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import stat
 import subprocess
 import time
@@ -223,12 +224,21 @@ def test_dry_run_prints_the_resolved_settings_and_stops(files, tmp_path, monkeyp
     output = convert(files, "llama", tmp_path / "out", "--dry-run", "--tokens", 1000).output
     assert ("warning: --tokens 1,000: the run stops at its 2 steps first, after 128 tokens "
             "(--steps 16 trains on all of them)\n" in output)
+    # --steps alone ends the run before a recipe's tokens by choice: no warning about tokens never asked for
+    (tmp_path / "tokens.yaml").write_text(RECIPE.replace("steps: 50", "tokens: 100_000"))
+    output = run("convert", model_folder(files, "llama"), "-o", tmp_path / "out", "--data", files / "corpus",
+                 "--recipe", tmp_path / "tokens.yaml", "--steps", 2, "--dry-run").output
+    assert "2 steps of 64 tokens" in output and "stops at its" not in output, output
     output = convert(files, "llama", tmp_path / "out", "--dry-run", "--l1-warmup-steps", 5, "--warmup-steps", 2).output
     # outside a terminal each warning is one whole line (a log file), however long
     assert ("warning: --l1-warmup-steps 5 is not below the run's 2 steps: the L1 weight never reaches its set value "
             "(a share of the run, such as --l1-warmup-steps 12.5%, scales with it)\n" in output)
     assert ("warning: --warmup-steps 2 is not below the run's 2 steps: the learning rate never reaches its set value "
-            "(a share of the run, such as --warmup-steps 12.5%, scales with it)\n" in output)
+            "(fewer steps, such as --warmup-steps 0)\n" in output)
+    # each warning's suggestion is a value its option takes (--warmup-steps takes no share of the run)
+    for suggested in re.findall(r"such as (--\S+ \S+)\)", output):
+        result = convert(files, "llama", tmp_path / "out", "--dry-run", *suggested.split())
+        assert result.exit_code == 0 and "never reaches its set value" not in result.output, result.output
 
 
 def test_defaults_fit_the_model_and_the_data(files, tmp_path, monkeypatch):
@@ -605,7 +615,7 @@ def test_measure_flag_reaches_convert_unset_by_default(files, tmp_path, monkeypa
     """Unset, convert decides (it times the kernels on a GPU where the cost model does not reach)."""
     seen = {}
 
-    def run(source, config, options, fit_seq_len=False):
+    def run(source, config, options, fit_seq_len=False, tokens_asked=True):
         seen.update(vars(options))
         raise SystemExit(0)
 
@@ -667,7 +677,7 @@ def test_ctrl_c_then_resume(files, tmp_path, monkeypatch):
     monkeypatch.setattr(data_module.TrainingBatches, "__next__", on_read(real, 2, interrupt))
     result = convert(files, "llama", out, "--steps", 5)
     assert_user_error(result, "interrupted at step 3 of 5")
-    assert result.exit_code == cli.INTERRUPTED_STATUS == 130  # a shell's status for Ctrl-C
+    assert result.exit_code == 130  # a shell's status for Ctrl-C: 128 + SIGINT
     assert "is saved in" not in result.output  # the error says where the state is, once
     assert not out.exists() and (tmp_path / "out.resume" / "state.json").is_file()
     assert torch.load(tmp_path / "out.resume" / "data_position.pt")["documents"]  # where the text stream stands
@@ -689,6 +699,17 @@ def test_ctrl_c_then_resume(files, tmp_path, monkeypatch):
     log = json.loads((out / "training_log.json").read_text())["log"]
     assert [e["step"] for e in log] == [1, 2, 3, 4, 5]
     assert not (tmp_path / "out.resume").exists()
+
+
+def test_sigterm_in_training_saves_and_exits_with_143(files, tmp_path, monkeypatch):
+    """SIGTERM (a job scheduler's stop) saves as Ctrl-C does, and the status is a shell's for SIGTERM, not Ctrl-C's."""
+    terminate = lambda: os.kill(os.getpid(), signal.SIGTERM)
+    monkeypatch.setattr(data_module.TrainingBatches, "__next__", on_read(data_module.TrainingBatches.__next__, 0,
+                                                                         terminate))
+    result = convert(files, "llama", tmp_path / "out")
+    assert_user_error(result, "interrupted at step 1 of 2")
+    assert result.exit_code == 143  # 128 + SIGTERM
+    assert (tmp_path / "out.resume" / "state.json").is_file()
 
 
 def test_ctrl_c_in_the_last_step_stops_and_resume_writes_the_checkpoint(files, tmp_path, monkeypatch):

@@ -4,11 +4,15 @@ import itertools
 import json
 import random
 import re
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 
+from cli import main
 from helpers import CountingTokenizer, tiny_tokenizer
 from sparsify import data as data_module
 from sparsify.data import Documents, TextData, blocks
@@ -325,3 +329,23 @@ def test_small_data_holds_out_a_tenth_and_keeps_blocks_to_train_on(tmp_path, n_b
     assert data.skip == held_out and len(data.eval_blocks) == held_out
     assert all(torch.equal(a, b) for a, b in zip(data.eval_blocks, all_blocks[:held_out], strict=True))
     assert batch.shape == (1, 16) and torch.equal(batch[0], all_blocks[held_out])  # training starts after them
+
+
+def test_a_corrupt_parquet_file_is_said_without_a_traceback(tmp_path):
+    (tmp_path / "train.parquet").write_bytes(b"PAR1 not a parquet file")
+    result = CliRunner().invoke(main, ["convert", "demo", "-o", str(tmp_path / "out"), "--data",
+                                       str(tmp_path / "train.parquet"), "--steps", "2", "--dry-run"])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.exception
+    assert f"error: cannot read {tmp_path / 'train.parquet'}: Parquet magic bytes not found" in result.output
+
+
+def test_malformed_json_lines_are_said_once(tmp_path):
+    # a process of its own: the `datasets` reader logs to the stderr it found when first imported
+    (tmp_path / "train.jsonl").write_text("not json\n")
+    done = subprocess.run([sys.executable, "-m", "cli", "convert", "demo", "-o", tmp_path / "out", "--data",
+                           tmp_path / "train.jsonl", "--dry-run"], cwd=Path(__file__).parents[1],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert "Failed to load JSON" not in done.stderr, done.stderr
+    assert done.stderr.endswith(f"\nerror: cannot read {tmp_path / 'train.jsonl'}: JSON parse error: Invalid value. "
+                                "in row 0\n"), done.stderr

@@ -202,3 +202,10 @@ def test_convert_times_the_kernels_unasked_only_where_the_cost_model_does_not_re
     assert not choose_measure(False, narrow, None, False) and choose_measure(True, wide, None, False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert not choose_measure(None, narrow, None, False)
+
+
+def test_a_narrow_layers_reason_says_that_timing_its_kernels_needs_a_gpu():
+    plan = plan_layer({"units": 528, "mean_active": 19.4, "p99_active": 60, "max_active": 300}, hidden_size=192)
+    assert not plan.is_sparse
+    assert plan.stats["reason"].endswith(": on a GPU, convert and analyze time the kernels at any width instead "
+                                         "(--measure)")

@@ -1,10 +1,13 @@
 """Named recipes: found from the checkout (editable install) and shipped in the wheel (pyproject maps
 recipes/ to sparsify/recipes with its YAMLs, and the accelerate launch configs in recipes/accelerate/, as
-package data; sparsify.config.recipes_dir finds either)."""
+package data; sparsify.config.recipes_dir finds either); a recipe's mistyped setting or missing parent named
+with its file, as the command line's mistyped options are."""
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
+from cli import main
 from sparsify.config import load_recipe, overlay, recipe_names
 from sparsify.errors import ConfigError
 
@@ -65,3 +68,39 @@ def test_pyproject_ships_every_recipe():
                    for package, folder in (("sparsify", "sparsify"), ("twell", "kernels"))
                    for p in (ROOT / folder).glob("*/**/__init__.py")}
     assert "twell.training" in subpackages and subpackages <= set(setuptools["packages"])
+
+
+def convert_with(recipe):
+    return CliRunner().invoke(main, ["convert", "demo", "-o", str(recipe.parent / "out"), "--recipe", str(recipe),
+                                     "--dry-run"])
+
+
+def test_a_mistyped_recipe_setting_names_its_file_and_the_setting_meant(tmp_path):
+    (tmp_path / "mine.yaml").write_text("extends: demo\nlearning_rate: 1.0e-3\nl1_warmup: 5\n")
+    result = convert_with(tmp_path / "mine.yaml")
+    assert result.exit_code == 1
+    assert result.output == (f"error: recipe {tmp_path / 'mine.yaml'}: unknown training settings: l1_warmup (did you "
+                             "mean l1_warmup_steps?), learning_rate (did you mean lr?)\n")
+
+
+def test_a_mistyped_setting_in_an_extended_recipe_names_that_recipe(tmp_path):
+    (tmp_path / "base.yaml").write_text("extends: demo\nwarmup: 5\n")
+    (tmp_path / "child.yaml").write_text("extends: base.yaml\nlr: 1.0e-3\n")
+    result = convert_with(tmp_path / "child.yaml")
+    assert result.exit_code == 1
+    assert f"error: recipe {tmp_path / 'base.yaml'}: unknown training settings: warmup (did you mean" in result.output
+
+
+def test_a_setting_close_to_none_lists_them_all(tmp_path):
+    (tmp_path / "mine.yaml").write_text("extends: demo\nfoo: 1\n")
+    result = convert_with(tmp_path / "mine.yaml")
+    assert result.exit_code == 1
+    assert "unknown training settings: foo (known: batch_size, betas," in result.output
+
+
+def test_a_recipe_that_extends_a_missing_one_is_named(tmp_path):
+    (tmp_path / "mine.yaml").write_text("extends: pretrainde\nlr: 1.0e-3\n")
+    result = convert_with(tmp_path / "mine.yaml")
+    assert result.exit_code == 1
+    assert result.output.startswith(f"error: recipe {tmp_path / 'mine.yaml'}: extends pretrainde, which is not found "
+                                    "(a YAML file, or one of: "), result.output

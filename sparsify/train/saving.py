@@ -55,13 +55,13 @@ class Saver:
         due = bool(config.save_every_minutes) and time.perf_counter() - self.last_save >= 60 * config.save_every_minutes
         # a stop asked for in the last step stops too: a second Ctrl-C during the measuring and export that
         # follow would lose the run, where --resume from this state goes straight to them
-        stopping, due = stop.agreed(due)
-        if stopping:
+        stopped_by, due = stop.agreed(due)
+        if stopped_by:
             if self.resume_dir is None:
                 raise KeyboardInterrupt
             self.save(state)
             raise TrainingInterrupted(f"interrupted at step {state.step} of {total}; the training state is in "
-                                      f"{self.resume_dir}: run the same command with --resume to continue")
+                                      f"{self.resume_dir}: run the same command with --resume to continue", stopped_by)
         periodic = due or config.save_every and state.step % config.save_every == 0
         periodic_on = bool(config.save_every or config.save_every_minutes)
         last = state.step == total and periodic_on and not self.saves_after_training
@@ -106,28 +106,28 @@ class StopRequest:
     note the signal; at each step's end the processes agree (a two-int all-reduce over a CPU process group,
     no GPU sync), so that all of them stop after the same step even when the signal reaches them at
     different points of it, or reaches only some of them. Further signals while the state is saved are
-    noted and ignored."""
+    noted and ignored. Where both came, SIGTERM is the one the run stops by (the higher number)."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self, world: int):
-        self.requested = False
+        self.signum = 0  # the signal noted, 0: none
         self.group = torch.distributed.new_group(backend="gloo") if world > 1 else None
         # handlers can be set only from the main thread; elsewhere signals keep their own effect
         main = threading.current_thread() is threading.main_thread()
         self.previous = {sig: signal.signal(sig, self._note) for sig in self.SIGNALS} if main else {}
 
     def _note(self, signum, frame) -> None:
-        self.requested = True
+        self.signum = max(self.signum, signum)
 
-    def agreed(self, save_due: bool = False) -> tuple[bool, bool]:
-        """(stop, save): whether any process has been asked to stop, and whether the main process finds a
-        periodic save due (collective: every process calls it at each step)."""
+    def agreed(self, save_due: bool = False) -> tuple[int, bool]:
+        """(signal, save): the signal that asked any process to stop (0: none), and whether the main process
+        finds a periodic save due (collective: every process calls it at each step)."""
         if self.group is None:
-            return self.requested, save_due
-        flags = torch.tensor([int(self.requested), int(save_due) if torch.distributed.get_rank() == 0 else 0])
+            return self.signum, save_due
+        flags = torch.tensor([self.signum, int(save_due) if torch.distributed.get_rank() == 0 else 0])
         torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=self.group)
-        return bool(flags[0]), bool(flags[1])
+        return int(flags[0]), bool(flags[1])
 
     def close(self) -> None:
         for sig, handler in self.previous.items():

@@ -10,12 +10,12 @@ import torch
 from accelerate import Accelerator
 
 from ..config import TrainConfig
-from ..errors import SparsifyError
+from ..errors import Interrupted
 from ..resume import load_last_fired
 
 
-class TrainingInterrupted(SparsifyError):
-    """Ctrl-C during training: the state was saved and `--resume` continues from it."""
+class TrainingInterrupted(Interrupted):
+    """Ctrl-C or SIGTERM during training: the state was saved and `--resume` continues from it."""
 
 
 @dataclass
