@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import copy
 import json
+import signal
 import tempfile
-from contextlib import nullcontext
+import threading
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import NamedTuple
@@ -157,8 +159,9 @@ def convert(source: str, config: TrainConfig, options: RunOptions, fit_seq_len: 
     # A failure from here on keeps the trained weights (where it came while writing, in the export's dtype: what
     # the checkpoint holds anyway); --resume goes straight to measuring them.
     try:
-        summary = _measure_and_write(result, mlps, calibration, loaded, perplexities, config, options, checked,
-                                     measure_kernels)
+        with _terminate_as_interrupt():
+            summary = _measure_and_write(result, mlps, calibration, loaded, perplexities, config, options, checked,
+                                         measure_kernels)
     except (Exception, KeyboardInterrupt) as error:
         try:
             result.save()
@@ -167,7 +170,8 @@ def convert(source: str, config: TrainConfig, options: RunOptions, fit_seq_len: 
             raise error from None
         if isinstance(error, KeyboardInterrupt):
             raise Interrupted(f"interrupted after training: its state is saved in {checked.resume_dir}; the same "
-                              "command with --resume measures and writes it") from None
+                              "command with --resume measures and writes it",
+                              getattr(error, "signum", signal.SIGINT)) from None
         raise
     if main:
         discard_saved_state(checked.resume_dir)
@@ -176,6 +180,30 @@ def convert(source: str, config: TrainConfig, options: RunOptions, fit_seq_len: 
 
             summary["url"] = push(checked.out, options.push_to_hub, private=options.private)
     return summary
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM raised as Ctrl-C's KeyboardInterrupt (_terminate_as_interrupt)."""
+
+    signum = signal.SIGTERM
+
+
+@contextmanager
+def _terminate_as_interrupt():
+    """Inside (in the main thread), SIGTERM stops the run as Ctrl-C does, so that the trained state is saved
+    before the process ends (a job scheduler's stop while the checkpoint is measured or written)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise _Terminated
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _check_inputs(source: str, config: TrainConfig, options: RunOptions, processes: int,

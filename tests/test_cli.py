@@ -903,6 +903,30 @@ def test_ctrl_c_outside_the_training_loop_says_what_was_kept(files, tmp_path, mo
     assert (tmp_path / "out.resume" / "state.json").is_file()
 
 
+def test_sigterm_after_training_saves_the_trained_state_and_exits_with_143(files, tmp_path, monkeypatch):
+    """A SIGTERM while the checkpoint is measured (a job scheduler's stop) keeps the trained state as Ctrl-C does;
+    the status is SIGTERM's, and SIGTERM's own handler is back after the run."""
+    real = convert_module.measure
+
+    def terminated(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    def past_the_run(signum, frame):  # what a SIGTERM the run does not take would meet (not the test's death)
+        raise RuntimeError("SIGTERM went past the run")
+
+    monkeypatch.setattr(convert_module, "measure", terminated)
+    before = signal.signal(signal.SIGTERM, past_the_run)
+    try:
+        result = convert(files, "llama", tmp_path / "out")
+        assert signal.getsignal(signal.SIGTERM) is past_the_run
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert_user_error(result, f"interrupted after training: its state is saved in {tmp_path / 'out.resume'}")
+    assert result.exit_code == 143
+    assert (tmp_path / "out.resume" / "state.json").is_file() and not (tmp_path / "out").exists()
+
+
 def test_ctrl_c_in_any_command_exits_with_130_and_other_errors_with_1(files, monkeypatch):
     def ctrl_c():
         raise KeyboardInterrupt
