@@ -28,15 +28,25 @@ def is_hub_id(name) -> bool:
     return True
 
 
-def source_license(where: str) -> str | None:
+def source_license(where: str) -> str | dict | None:
     """The license that the model card of `where` (a local checkpoint folder, or a Hub id) declares in its
-    metadata, which a checkpoint converted from it keeps; None where it has no card, declares none, or the card
-    cannot be read (no network)."""
+    metadata, which a checkpoint converted from it keeps: its id, or for `license: other` a dict of it with the
+    card's license_name and license_link (the Hub's metadata names a custom license by these; a link relative to
+    a Hub source's repository made absolute, the checkpoint not holding that file); None where it has no card,
+    declares none, or the card cannot be read (no network)."""
     try:
         readme = Path(where) / "README.md" if Path(where).is_dir() else Path(hf_hub_download(where, "README.md"))
-        return (metadata_load(readme) or {}).get("license") if readme.is_file() else None  # a card may have none
+        metadata = (metadata_load(readme) or {}) if readme.is_file() else {}  # a card may have none
     except Exception:  # unreachable Hub, unparsable metadata: the checkpoint records none rather than fail
         return None
+    license = metadata.get("license")
+    if license != "other":
+        return license
+    terms = {key: metadata[key] for key in ("license", "license_name", "license_link") if metadata.get(key)}
+    link = terms.get("license_link")
+    if isinstance(link, str) and "://" not in link and is_hub_id(where):
+        terms["license_link"] = f"https://huggingface.co/{where}/blob/main/{link.removeprefix('./')}"
+    return terms
 
 
 def public_name(where: str | Path) -> str:
@@ -117,13 +127,77 @@ def layer_table(plan: list[LayerPlan], intermediate_size: int) -> str:
     return "\n".join(rows)
 
 
-def model_card(*, family: str, plan: list[LayerPlan], training: dict, intermediate_size: int,
+def kernel_summary(plan: list[LayerPlan]) -> str:
+    """Which layers' MLPs the checkpoint's own code runs on the kernels, as the card says it."""
+    sparse = sum(layer.is_sparse for layer in plan)
+    if not sparse:
+        return (f"None of its {len(plan)} layers is planned on the TwELL sparse kernels (the plan found no token count "
+                "at which they gain; table below): every MLP runs the dense ReLU math, with or without its remote "
+                "code.")
+    return (f"On a CUDA GPU, {sparse} of its {len(plan)} layers' MLPs run on TwELL sparse Triton kernels at the "
+            "token counts where their plan says the kernels gain (table below), the others dense; on a CPU every "
+            "MLP runs the dense ReLU math.")
+
+
+def license_summary(license, base) -> str:
+    """The card's license section: `license` as source_license recorded it, of the base model `base`."""
+    if license is None:
+        return (f"`{base}` declares no license in its model card metadata: its own terms hold for these weights, "
+                "which are trained from it.")
+    if isinstance(license, dict):
+        name = license.get("license_name", license["license"])
+        link = license.get("license_link")
+        license = f"{name} ({link})" if link else name
+    return f"`{license}`, the license of `{base}`, whose weights these are trained from."
+
+
+def loading_section(architecture: str) -> str:
+    """The card's "How to load": both loads of a checkpoint of transformers' class `architecture`, what remote code
+    runs, and how `generate` decodes."""
+    return f"""## How to load
+
+```python
+from transformers import AutoModelForCausalLM
+
+# the planned layers' MLPs on the TwELL kernels on a CUDA GPU with `triton`; the others the dense ReLU math
+model = AutoModelForCausalLM.from_pretrained("{WHERE}", trust_remote_code=True)
+
+# or, running none of this repository's code: the same weights as transformers' own {architecture} with a ReLU
+# gate (`hidden_act: relu`), a dense model with the same logits up to float rounding
+model = AutoModelForCausalLM.from_pretrained("{WHERE}")
+```
+
+`trust_remote_code=True` runs the Python files beside the weights: `modeling_twell.py` (the model class:
+{architecture} with each MLP swapped for one that keeps its projections, so the weights load unchanged),
+`generation.py` (the decode loop of `generate`) and the TwELL kernel files. They import torch, transformers and
+triton only; without triton the MLPs run dense. `save_pretrained` from that load writes them beside the new
+weights again; a folder saved from the plain load lacks them, and loads without `trust_remote_code` only.
+
+`model.generate` (and `pipeline("text-generation", ...)`) decodes with no Python between tokens where the
+call fits (greedy, or `do_sample=True` with `temperature`, `top_k`, `top_p`; prompts padded on the left; a
+streamer): on a GPU each token is one CUDA-graph replay of the decode step (the first call of a batch size
+captures it; later calls that fit its cache reuse it). Other calls (beam search, logits processors, ...) and
+`graphed=False` run transformers' own `generate`. With `cache_implementation="static"`, or through
+`generate_graphed` (generation.py), the step is compiled too, the fastest:
+
+```python
+model.generate(input_ids, max_new_tokens=64, cache_implementation="static")
+model.generate_graphed(input_ids, max_new_tokens=64, compile=True)
+```
+
+"""
+
+
+def model_card(*, family: str, architecture: str, plan: list[LayerPlan], training: dict, intermediate_size: int,
                artifacts: tuple[str, ...] = ()) -> ModelCard:
-    """The card of a checkpoint of `family` with per-layer `plan` and `training` dict."""
+    """The card of a checkpoint of `family` (transformers' class `architecture`, such as LlamaForCausalLM) with
+    per-layer `plan` and `training` dict."""
     base = training.get("base_model")
     hub_base = base if is_hub_id(base) else None
+    license = training.get("license")
     data = ModelCardData(
-        license=training.get("license"),  # the base model's: its terms hold for the weights trained from it
+        # the base model's: its terms hold for the weights trained from it (a custom one by name and link)
+        **(license if isinstance(license, dict) else {"license": license}),
         base_model=hub_base,
         base_model_relation="finetune" if hub_base else None,  # its weights, trained further
         library_name="transformers",
@@ -136,12 +210,16 @@ def model_card(*, family: str, plan: list[LayerPlan], training: dict, intermedia
         f"token on average ({_percent(1 - sum(means) / len(means) / intermediate_size)}% sparsity).\n\n"
         if means else ""
     )
+    perplexity = training.get("perplexity") or {}
+    if {"original", "after training"} <= set(perplexity):
+        overall += (f"Perplexity on that text: {perplexity['original']:.2f} for `{base}`, "
+                    f"{perplexity['after training']:.2f} for this model.\n\n")
     plots = "".join(f"![{name}]({name})\n\n" for name in artifacts if name.endswith(".png"))
     body = f"""# {family.capitalize()} with ReLU-gated, activation-sparse MLPs (TwELL)
 
 Converted by sparsify from `{base}`: the MLP gate activation was replaced by ReLU
 and training continued with a sparsity penalty on the MLP hidden activations ({objective(training)}),
-so that most hidden units are zero for any token. The MLPs then run on TwELL sparse Triton kernels.
+so that most hidden units are zero for any token. {kernel_summary(plan)}
 
 {overall}## Per-layer sparsity and kernel setting
 
@@ -155,31 +233,11 @@ and compression factor chosen from the measured statistics.
 
 {training_table(training)}
 
-## How to load
+{loading_section(architecture)}The per-layer plan and statistics are in `config.json` under `"twell"`.
 
-```python
-from transformers import AutoModelForCausalLM
+## License
 
-# TwELL kernels on CUDA (dense ReLU math where they cannot run); needs `triton` for the kernels
-model = AutoModelForCausalLM.from_pretrained("{WHERE}", trust_remote_code=True)
-
-# or: the same weights as a plain dense ReLU model, same logits
-model = AutoModelForCausalLM.from_pretrained("{WHERE}")
-```
-
-`model.generate` (and `pipeline("text-generation", ...)`) decodes with no Python between tokens where the
-call fits (greedy, or `do_sample=True` with `temperature`, `top_k`, `top_p`; prompts padded on the left; a
-streamer): each token is one CUDA-graph replay of the decode step (the first call of a batch size captures
-it; later calls that fit its cache reuse it). Other calls (beam search, logits processors, ...) and
-`graphed=False` run transformers' own `generate`. With `cache_implementation="static"`, or through
-`generate_graphed` (generation.py), the step is compiled too, the fastest:
-
-```python
-model.generate(input_ids, max_new_tokens=64, cache_implementation="static")
-model.generate_graphed(input_ids, max_new_tokens=64, compile=True)
-```
-
-The per-layer plan and statistics are in `config.json` under `"twell"`.
+{license_summary(license, base)}
 """
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}")
 

@@ -107,8 +107,8 @@ def _card(config: dict, plan: list[LayerPlan], artifacts: tuple[str, ...]):
     """The model card of a converted checkpoint: `config` (its config.json, twell section included) with `plan`,
     naming the files `artifacts` beside it."""
     section = config["twell"]
-    return model_card(family=section["family"], plan=plan, training=section["training"],
-                      intermediate_size=config["intermediate_size"], artifacts=artifacts)
+    return model_card(family=section["family"], architecture=config["architectures"][0], plan=plan,
+                      training=section["training"], intermediate_size=config["intermediate_size"], artifacts=artifacts)
 
 
 ARTIFACTS = ("training_log.json", "sparsity.png")  # files of a conversion that the card shows or names
@@ -130,12 +130,14 @@ def converted_config(folder: str | Path) -> dict:
                           "`sparsify convert`")
     try:
         layer_plans(config["twell"])  # its layers, in a format version this runtime reads
-        complete = {"family", "training"} <= set(config["twell"]) and "intermediate_size" in config
+        complete = ({"family", "training"} <= set(config["twell"])
+                    and {"intermediate_size", "architectures"} <= set(config))
     except (KeyError, TypeError, ValueError) as error:
         raise OutputError(f"{folder} is not a converted checkpoint this version reads "
                           f"(config.json: {error!r})") from error
     if not complete:
-        raise OutputError(f"{folder}: config.json lacks twell.family, twell.training or intermediate_size")
+        raise OutputError(f"{folder}: config.json lacks twell.family, twell.training, intermediate_size or "
+                          "architectures")
     return config
 
 

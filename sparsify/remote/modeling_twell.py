@@ -70,6 +70,16 @@ class TwellGatedMLP(nn.Module):
         self._gate_fp8 = None  # (the gate weight's address, device and version, the copy made from it)
         self.prepare_kernel_layout()  # models built from a config; from_pretrained again once loaded
 
+    def extra_repr(self) -> str:
+        """The layer's plan in print(model): whether and where it runs on the kernels."""
+        if not self.plan.is_sparse:
+            return "plan: dense"
+        windows = ", ".join(f"{lo}+" if hi is None else f"{lo}" if lo == hi else f"{lo}-{hi}"
+                            for lo, hi in self.plan.sparse_tokens)
+        plan = (f"plan: TwELL kernels at {windows} tokens a call, tile {self.plan.tile}, "
+                f"compression {self.plan.compression}")
+        return plan if self.kernel_ready else f"{plan}; runs dense: its projections have biases"
+
     def _plain_weights(self):
         """The projections' weights (down last) where the projections are still plain nn.Linear layers whose
         weights the kernels may read in place of their forward: not wrapped (LoRA adapters, quantized layers),
@@ -301,10 +311,24 @@ class TwellForCausalLM(_import(BASE_MODEL), GenerationMixin):
     def use_fp8_gate(self, enabled: bool = True) -> None:
         """Runs the sparse layers' gate pass in fp8 (e4m3, a scale a unit and a token; fp8_gate.py) where the
         kernels serve a 16-bit call, or, enabled=False, in the weights' dtype again. Opt-in: it changes the
-        model's numerics; the weights and the checkpoint stay as they are."""
-        for module in self.modules():
-            if isinstance(module, TwellGatedMLP):
-                module.use_fp8_gate(enabled)
+        model's numerics; the weights and the checkpoint stay as they are. Warns where, as the model is now, no
+        call would read it."""
+        layers = [module for module in self.modules() if isinstance(module, TwellGatedMLP)]
+        for module in layers:
+            module.use_fp8_gate(enabled)
+        if not enabled:
+            return
+        idle = []
+        if not any(module.kernel_ready for module in layers):
+            idle.append("no layer of this checkpoint is planned on the sparse kernels, which alone read it")
+        if self.device.type != "cuda" and not INTERPRET:
+            idle.append(f"the model is on {self.device.type}, where the MLPs run dense: the kernels run on a CUDA GPU "
+                        "(the fp8 gate on one of compute capability 8.9 or newer)")
+        if self.dtype not in (torch.float16, torch.bfloat16):
+            idle.append(f"the model is {str(self.dtype).removeprefix('torch.')}: the fp8 gate serves 16-bit calls "
+                        "(load it with dtype=torch.bfloat16)")
+        if idle:
+            warnings.warn(f"use_fp8_gate() changes nothing as the model is now: {'; '.join(idle)}", stacklevel=2)
 
     def fuse_projections(self, enabled: bool = True) -> None:
         """Runs the attention projections' captured decode-size calls on small_linear (as loaded) or,
