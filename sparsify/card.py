@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from huggingface_hub import ModelCard, ModelCardData, hf_hub_download
+from huggingface_hub import HfApi, ModelCard, ModelCardData, hf_hub_download
 from huggingface_hub.repocard import metadata_load
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
@@ -47,6 +47,29 @@ def source_license(where: str) -> str | dict | None:
     if isinstance(link, str) and "://" not in link and is_hub_id(where):
         terms["license_link"] = f"https://huggingface.co/{where}/blob/main/{link.removeprefix('./')}"
     return terms
+
+
+# files at the top of a model repository that state its terms; licenses such as Llama's ask that a redistribution
+# carry them
+LICENSE_FILES = ("LICENSE", "LICENCE", "NOTICE", "USE_POLICY", "COPYING")
+
+
+def is_license_file(name: str) -> bool:
+    return "/" not in name and name.upper().startswith(LICENSE_FILES)
+
+
+def source_license_files(where: str) -> dict[str, bytes] | None:
+    """The license and notice files at the top of the source `where` (a local folder, or a Hub id), by name, which
+    a checkpoint trained from it carries; None where a Hub source's files cannot be listed (no network)."""
+    try:
+        if Path(where).is_dir():
+            paths = [path for path in Path(where).iterdir() if path.is_file() and is_license_file(path.name)]
+        else:
+            paths = [Path(hf_hub_download(where, name)) for name in HfApi().list_repo_files(where)
+                     if is_license_file(name)]
+        return {path.name: path.read_bytes() for path in sorted(paths)}
+    except Exception:  # unreachable Hub: the conversion goes on and says so
+        return None
 
 
 def public_name(where: str | Path) -> str:
@@ -139,16 +162,18 @@ def kernel_summary(plan: list[LayerPlan]) -> str:
             "MLP runs the dense ReLU math.")
 
 
-def license_summary(license, base) -> str:
-    """The card's license section: `license` as source_license recorded it, of the base model `base`."""
+def license_summary(license, base, files: list[str]) -> str:
+    """The card's license section: `license` as source_license recorded it, of the base model `base`, and the
+    base's license `files` this folder carries."""
+    carried = f" Its files of terms are beside the weights: {', '.join(f'`{name}`' for name in files)}." if files else ""
     if license is None:
         return (f"`{base}` declares no license in its model card metadata: its own terms hold for these weights, "
-                "which are trained from it.")
+                f"which are trained from it.{carried}")
     if isinstance(license, dict):
         name = license.get("license_name", license["license"])
         link = license.get("license_link")
         license = f"{name} ({link})" if link else name
-    return f"`{license}`, the license of `{base}`, whose weights these are trained from."
+    return f"`{license}`, the license of `{base}`, whose weights these are trained from.{carried}"
 
 
 def loading_section(architecture: str) -> str:
@@ -237,7 +262,7 @@ and compression factor chosen from the measured statistics.
 
 ## License
 
-{license_summary(license, base)}
+{license_summary(license, base, sorted(name for name in artifacts if is_license_file(name)))}
 """
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}")
 

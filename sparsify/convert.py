@@ -35,7 +35,7 @@ from accelerate import PartialState
 from transformers.utils.hub import convert_file_size_to_int
 
 from .calibrate import ROWS_PER_STEP, available_memory, calibrate, calibration_blocks, check_kept_memory
-from .card import is_hub_id, public_name, source_license
+from .card import is_hub_id, public_name, source_license, source_license_files
 from .config import RunOptions, TrainConfig, shown_value, steps_said
 from .data import TextData
 from .errors import ConfigError, DataError, Interrupted
@@ -116,6 +116,7 @@ class _Source(NamedTuple):
     tokenizer: object
     spec: object  # its family's FamilySpec
     origin: dict  # the base model and its license, as the checkpoint records them
+    license_files: dict  # the source's files of terms by name, which the checkpoint carries
 
 
 def convert(source: str, config: TrainConfig, options: RunOptions, fit_seq_len: bool = False,
@@ -341,8 +342,13 @@ def _load_source(source: str, config: TrainConfig, options: RunOptions, checked:
                                         weights=main or not checked.rank0_loading, config=checked.model_config,
                                         tokenizer=checked.text.tokenizer if checked.text is not None else None)
     require_tokenizer(tokenizer, source)
-    origin = {"base_model": _base_model(source), "license": source_license(resolve_source(source))}
-    return _Source(model, tokenizer, spec, origin)
+    where = resolve_source(source)
+    origin = {"base_model": _base_model(source), "license": source_license(where)}
+    license_files = source_license_files(where)
+    if license_files is None and main:
+        warn(f"{source}: its license files could not be listed (offline?); a checkpoint shared from OUT should carry "
+             "them: copy the source's LICENSE and similar files into OUT")
+    return _Source(model, tokenizer, spec, origin, license_files or {})
 
 
 class _Perplexities:
@@ -453,7 +459,7 @@ def _measure_and_write(result: TrainResult, mlps: list, calibration: dict | None
         warn(warning)
     if main:
         model.to(_compute_dtype(options.device))  # as trained
-        _write(model, loaded.tokenizer, checked.out, spec, plan, training, result.log, options)
+        _write(model, loaded.tokenizer, checked.out, spec, plan, training, result.log, options, loaded.license_files)
     return summary
 
 
@@ -491,12 +497,16 @@ def _training_record(origin: dict, options: RunOptions, config: TrainConfig, res
     }
 
 
-def _write(model, tokenizer, out: Path, spec, plan, training: dict, log: list[dict], options: RunOptions) -> None:
-    """Exports the checkpoint to OUT with training_log.json and the sparsity plot of the `log`."""
+def _write(model, tokenizer, out: Path, spec, plan, training: dict, log: list[dict], options: RunOptions,
+           license_files: dict[str, bytes]) -> None:
+    """Exports the checkpoint to OUT with training_log.json, the sparsity plot of the `log` and the source's
+    `license_files`."""
     with tempfile.TemporaryDirectory() as tmp:
-        artifacts = {name: Path(tmp) / name for name in ARTIFACTS}
+        artifacts = {name: Path(tmp) / name for name in (*ARTIFACTS, *license_files)}
         artifacts["training_log.json"].write_text(json.dumps({"training": training, "log": log}, indent=1))
         plot_training(log, artifacts["sparsity.png"])
+        for name, content in license_files.items():
+            artifacts[name].write_bytes(content)
         export_checkpoint(
             model, tokenizer, out, spec=spec, plan=plan, training=training,
             artifacts=artifacts, max_shard_size=options.max_shard_size, overwrite=options.overwrite,

@@ -24,7 +24,7 @@ from torch import nn
 
 from twell.layer_plan import FORMAT_VERSION, LayerPlan, layer_plans
 
-from .card import model_card
+from .card import is_license_file, model_card
 from .errors import OutputError
 from .families import FamilySpec
 from .locations import check_output_dir
@@ -152,7 +152,8 @@ def replace_plan(folder: str | Path, plan: list[LayerPlan]) -> Path:
     if len(plan) != len(section["layers"]):
         raise ValueError(f"the plan has {len(plan)} layers, the checkpoint {len(section['layers'])}")
     section["layers"] = [layer.to_json() for layer in plan]
-    card = _card(config, plan, tuple(name for name in ARTIFACTS if (folder / name).is_file()))
+    card = _card(config, plan, tuple(sorted(path.name for path in folder.iterdir()
+                                            if path.name in ARTIFACTS or is_license_file(path.name))))
     files = {"README.md": str(card), "config.json": _config_text(config)}  # renamed in this order
     staged = {name: folder / f".{name}.partial" for name in files}
     try:
@@ -220,7 +221,7 @@ def export_checkpoint(model: nn.Module, tokenizer, out_dir: str | Path, *, spec:
                       max_shard_size: str | int = "5GB", overwrite: bool = False) -> Path:
     """Write the relufied `model` (its MLPs keep the original parameter names) with `plan` (one LayerPlan per
     decoder layer) and `training` (settings and tokens used) to `out_dir`; returns it.
-    `artifacts` maps file names in OUT to files to copy there (training log, plots)."""
+    `artifacts` maps file names in OUT to files to copy there (training log, plots, the source's license files)."""
     out = check_output_dir(out_dir, overwrite)
     _check_layout(model, spec, plan)
     artifacts = {name: Path(path) for name, path in (artifacts or {}).items()}

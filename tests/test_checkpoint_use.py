@@ -141,3 +141,20 @@ def test_the_remote_code_load_trains_and_saves_a_folder_that_loads_again(tmp_pat
     assert {path.name for path in out.glob("*.py")} <= saved
     trained = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")  # the plain load reads the new weights
     assert not torch.equal(trained.model.layers[0].mlp.gate_proj.weight, model.model.layers[0].mlp.gate_proj.weight)
+
+
+def test_a_hub_sources_license_files_are_fetched_and_an_unreachable_hub_gives_none(tmp_path, monkeypatch):
+    """source_license_files lists a Hub source's top-level files of terms and downloads those; where the Hub
+    cannot be reached it returns None (the conversion warns) rather than failing."""
+    (tmp_path / "LICENSE.txt").write_text("terms")
+    listed = ["config.json", "LICENSE.txt", "original/LICENSE", "model.safetensors"]
+    monkeypatch.setattr(card.HfApi, "list_repo_files", lambda self, repo: listed)
+    fetched = []
+    monkeypatch.setattr(card, "hf_hub_download", lambda repo, name: fetched.append(name) or str(tmp_path / name))
+    assert card.source_license_files("someone/base") == {"LICENSE.txt": b"terms"} and fetched == ["LICENSE.txt"]
+
+    def offline(self, repo):
+        raise OSError("offline")
+
+    monkeypatch.setattr(card.HfApi, "list_repo_files", offline)
+    assert card.source_license_files("someone/base") is None

@@ -804,15 +804,22 @@ def test_a_local_source_is_named_without_local_paths(files, tmp_path, name_or_pa
 
 def test_the_source_cards_license_carries_over(files, tmp_path):
     """The license the source's model card declares is the converted checkpoint's (its weights are the
-    source's, trained further), in the card's metadata and the training record."""
+    source's, trained further), in the card's metadata and the training record; the source's files of terms
+    (LICENSE, USE_POLICY.md, ...) are copied beside the weights and named in the card."""
     source = tmp_path / "licensed"
     shutil.copytree(model_folder(files, "llama"), source)
     (source / "README.md").write_text("---\nlicense: apache-2.0\n---\n# a base model\n")
+    terms = {"LICENSE": b"the terms\n", "USE_POLICY.md": b"# use policy\n"}
+    for name, content in terms.items():
+        (source / name).write_bytes(content)
     result = run("convert", source, "-o", tmp_path / "out", "--data", files / "corpus",
                  "--recipe", files / "recipe.yaml", "--steps", 1)
     assert result.exit_code == 0, result.output
-    assert ModelCard.load(tmp_path / "out" / "README.md").data.license == "apache-2.0"
+    card = ModelCard.load(tmp_path / "out" / "README.md")
+    assert card.data.license == "apache-2.0"
     assert json.loads((tmp_path / "out" / "config.json").read_text())["twell"]["training"]["license"] == "apache-2.0"
+    assert {name: (tmp_path / "out" / name).read_bytes() for name in terms} == terms
+    assert "Its files of terms are beside the weights: `LICENSE`, `USE_POLICY.md`." in card.text
 
 
 def test_push_to_hub_uploads_the_finished_folder(files, tmp_path, monkeypatch):
