@@ -331,9 +331,10 @@ def pretrain_llama(config, tok, train, valid, out, *, steps: int, minutes: float
     model.load_state_dict(run["best_state"])
     out = Path(out)
     model.to(torch.float32).save_pretrained(out)
-    # greedy: the same text at every call (pass do_sample=True to generate for variety)
-    GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                     max_new_tokens=100).save_pretrained(out)
+    # greedy: the same text at every call (pass do_sample=True to generate for variety); no length, which would
+    # override a caller's max_length
+    GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                     pad_token_id=tok.pad_token_id).save_pretrained(out)
     tok.save_pretrained(out)
     if state_path is not None:
         Path(state_path).unlink(missing_ok=True)

@@ -84,7 +84,8 @@ def test_lm_eval_runs_a_converted_checkpoint(demo_sparse, monkeypatch):
 
 
 def test_demo_generates_the_same_text_at_every_call():
-    """The README's `generate` on the demo: greedy by its generation config, so two calls agree."""
+    """The README's `generate` on the demo: greedy by its generation config, so two calls agree; the config sets no
+    length, so a caller's max_length holds."""
     from sparsify.load import load_model
 
     model, tokenizer, _ = load_model("demo", device="cpu")
@@ -92,3 +93,4 @@ def test_demo_generates_the_same_text_at_every_call():
     ids = tokenizer("def main(", return_tensors="pt").input_ids
     first, second = (model.generate(ids, max_new_tokens=12) for _ in range(2))
     assert torch.equal(first, second)
+    assert model.generate(ids, max_length=ids.shape[1] + 5).shape[1] == ids.shape[1] + 5
