@@ -176,6 +176,34 @@ def test_the_modeling_layer_reads_the_fp8_copy_and_remakes_it_after_the_weight_c
         assert_rows_close(mlp(x), twell.gated_mlp_reference(x.float(), *weights), 3e-3)
 
 
+@pytest.mark.gpu
+def test_gpu_the_modeling_layers_copy_is_made_outside_cuda_graph_captures():
+    """use_fp8_gate() on a GPU makes the layer's e4m3 copy at once; a captured call finds it made; a copy gone stale
+    (the weight changed) is not remade inside a capture, whose memory pool would hold it (that call reads the gate
+    itself), but by the next eager call."""
+    modeling = load_benchmark("inference_robustness.py").runtime()
+    original = torch.nn.Module()
+    for name, shape in (("gate_proj", (5632, 2048)), ("up_proj", (5632, 2048)), ("down_proj", (2048, 5632))):
+        original.add_module(name, torch.nn.Linear(shape[1], shape[0], bias=False, dtype=torch.bfloat16, device="cuda"))
+    mlp = modeling.TwellGatedMLP(original, {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"},
+                                 modeling.LayerPlan("sparse", 128, 8, ((1, None),)))
+    mlp.use_fp8_gate()
+    made = mlp._gate_fp8
+    assert made is not None and made[0][0] == mlp.gate_proj.weight.data_ptr()
+    x = torch.randn(1, 512, 2048, dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        mlp.gate_proj.weight.mul_(0.5)  # stale
+        graph = torch.cuda.CUDAGraph()
+        mlp(x)  # eager: remade
+        remade = mlp._gate_fp8
+        assert remade is not made
+        mlp.gate_proj.weight.mul_(2.0)  # stale again, then a capture (its plain launches compiled before it)
+        modeling.gated_mlp(x, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, tile=128, compression=8)
+        with torch.cuda.graph(graph):
+            mlp(x)
+        assert mlp._gate_fp8 is remade  # not remade inside the capture
+
+
 # GPU: bf16 at real sizes
 
 def real_block(m, k=29, d=2048, i=5632):

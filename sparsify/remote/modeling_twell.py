@@ -141,17 +141,24 @@ class TwellGatedMLP(nn.Module):
 
     def use_fp8_gate(self, enabled: bool = True):
         """Whether the kernels' gate pass reads an e4m3 copy of the gate weight (fp8_gate.py; 16-bit x only),
-        made at the next kernel call and again after the weight changes. The weight itself stays, for up, down
-        and every dense path."""
+        made now where the weight is on a GPU, else at the next kernel call, and again after the weight changes.
+        The weight itself stays, for up, down and every dense path."""
         self.fp8_gate, self._gate_fp8 = enabled, None
+        gate = self._gate_up_weights()[0]
+        if enabled and self.kernel_ready and gate.is_cuda:
+            self._gate_fp8_copy(gate)
 
     def _gate_fp8_copy(self, gate):
         """The e4m3 copy of `gate` (fp8_gate.quantize_weight), remade where the weight moved or changed (traced:
-        the copy made by an eager call, else made in the traced graph)."""
+        the copy made by an eager call, else made in the traced graph); None where it would be made while a CUDA
+        graph is captured (in the graph's memory pool, freed with it; and every replay would quantize the weight
+        again): that call reads the gate itself."""
         if torch.compiler.is_compiling():
             return self._gate_fp8[1] if self._gate_fp8 is not None else quantize_weight(gate)
         key = (gate.data_ptr(), gate.device, gate._version)
         if self._gate_fp8 is None or self._gate_fp8[0] != key:
+            if gate.is_cuda and torch.cuda.is_current_stream_capturing():
+                return None
             with torch.no_grad():
                 self._gate_fp8 = (key, quantize_weight(gate))
         return self._gate_fp8[1]
@@ -165,7 +172,9 @@ class TwellGatedMLP(nn.Module):
         kernel = dict(tile=self.plan.tile, compression=self.plan.compression,
                       precision="highest" if x.dtype == torch.float32 else "default")
         if self.fp8_gate and x.dtype in (torch.float16, torch.bfloat16) and reads_fp8_gate(tokens, self.d, self.width):
-            kernel["gate_fp8"] = self._gate_fp8_copy(gate)
+            copy = self._gate_fp8_copy(gate)
+            if copy is not None:
+                kernel["gate_fp8"] = copy
         if not eager(x):  # traced (the custom op) or captured: no host time, no activity routing
             return gated_mlp(x, gate, up, down, **kernel)
         if x.shape[-2] == 1:  # a decode step: replayed as a CUDA graph (graphs.py says where it can)
