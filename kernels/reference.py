@@ -18,15 +18,19 @@ def gate_values(x2, gate, gate_fp8=None, tile=128, compression=8):
     x2 @ gate^T again where its dense fallbacks recompute a row or tile from the weights: the (row, tile)
     pairs beyond their slots and the heavy rows (more than HEAVY_UNITS units to walk, each overflowing tile
     counted whole: heavy.py)."""
-    dense = x2.float() @ gate.float().t()
     if gate_fp8 is None:
-        return dense
-    g = gate_reference(x2, *gate_fp8)
+        return x2.float() @ gate.float().t()
+    return with_fallbacks(x2, gate, gate_reference(x2, *gate_fp8), tile, compression)
+
+
+def with_fallbacks(x2, gate, g, tile, compression):
+    """`g`, the fp8 gate's as the packing gate pass computes it, with x2 @ gate^T in the (row, tile) pairs that
+    the batched path's dense fallbacks recompute (gate_values)."""
     per_tile = tile_counts(g, tile)
     over = per_tile > slots(tile, compression)
     heavy = per_tile.masked_fill(over, 0).sum(-1) + over.sum(-1) * tile > HEAVY_UNITS
     fallback = (over | heavy[:, None]).repeat_interleave(tile, dim=1)[:, :g.shape[1]]
-    return torch.where(fallback, dense, g)
+    return torch.where(fallback, x2.float() @ gate.float().t(), g)
 
 
 def gated_mlp_reference(x, gate_weight, up_weight, down_weight, gate_fp8=None, tile=128, compression=8):
@@ -60,9 +64,10 @@ def forward_reference(x, gate, up, down, tile, compression, overflow, gate_fp8=N
     width, d = gate.shape
     x2 = x.reshape(-1, d)
     xf = x2.float()
-    g = torch.relu(gate_values(x2, gate, gate_fp8, tile, compression))
+    packed = xf @ gate.float().t() if gate_fp8 is None else gate_reference(x2, *gate_fp8)  # g as the gate pass packs
+    g = torch.relu(packed if gate_fp8 is None else with_fallbacks(x2, gate, packed, tile, compression))
     if overflow is not None:  # counted as the gate kernel packs them: from the fp8 gate's g where given
-        per_tile = tile_counts(g if gate_fp8 is None else gate_reference(x2, *gate_fp8), tile)
+        per_tile = tile_counts(packed, tile)
         over = per_tile > slots(tile, compression)
         overflow[0] += over.sum().to(overflow.dtype)
         if overflow.numel() == 4 and x2.shape[0] > decode_rows(d, width):  # the batched path's activity counts

@@ -344,8 +344,8 @@ def _load_source(source: str, config: TrainConfig, options: RunOptions, checked:
     require_tokenizer(tokenizer, source)
     where = resolve_source(source)
     origin = {"base_model": _base_model(source), "license": source_license(where)}
-    license_files = source_license_files(where)
-    if license_files is None and main:
+    license_files = source_license_files(where) if main else {}  # the main process writes the checkpoint
+    if license_files is None:
         warn(f"{source}: its license files could not be listed (offline?); a checkpoint shared from OUT should carry "
              "them: copy the source's LICENSE and similar files into OUT")
     return _Source(model, tokenizer, spec, origin, license_files or {})
