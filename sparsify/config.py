@@ -104,8 +104,9 @@ class TrainConfig:
     tokens: int | None = _setting(None, (
         "Training tokens; with --steps, whichever ends first; more than the text holds trains on it again (--passes "
         "counts them for you). What a conversion needs follows the share of the source's pretraining tokens it "
-        "trains on, not a count: the default recipe keeps quality on a quarter of them; on a few percent, --recipe "
-        "small-budget with --passes (README's table; the figures: docs/quality.md)."),
+        "trains on, not a count: the default recipe keeps quality on a quarter of them (a source trained longer: "
+        "--recipe small-budget --passes 3); on a few percent, --recipe small-budget with --passes 4 to 8 over the text "
+        "and three times as much sampled from the source (README's table; the figures: docs/quality.md)."),
         unset="no limit", section="budget")
     passes: float | None = _setting(None, (
         "Training tokens as passes over the training text (the text after its held-out part): N times its tokens, "
