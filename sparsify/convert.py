@@ -366,13 +366,15 @@ class _Perplexities:
         self.values["after calibration"] = perplexity(model, self.text.eval_blocks, self.batch_size,
                                                       label=self.labels[3])
 
-    def of_source(self, model, sharded: bool = False) -> None:
-        """The source's perplexity (its original MLPs) and after the swap, of a relufied `model`."""
+    def of_source(self, model, record: dict, sharded: bool = False) -> None:
+        """The source's perplexity (its original MLPs) and after the swap, of a relufied `model`; also into
+        `record` (the saved state's, so that a resumed run does not measure them again)."""
         with original_mlps(model):
             self.values["original"] = perplexity(model, self.text.eval_blocks, self.batch_size, sharded,
                                                  label=self.labels[0])
         self.values["after swap"] = perplexity(model, self.text.eval_blocks, self.batch_size, sharded,
                                                label=self.labels[1])
+        record.update({key: self.values[key] for key in ("original", "after swap")})
 
 
 def _compute_dtype(device: str | None) -> torch.dtype:
@@ -385,17 +387,20 @@ def _train(model, text: TextData, config: TrainConfig, options: RunOptions, chec
     """Relufies `model`, calibrates its MLPs (--calibrate-steps, unless resuming: the saved state holds them, with
     the calibration's record and the perplexity after it) and trains it on `text`; returns train.train's result,
     the model's ReluGatedMLPs and the calibration's record (CalibrationResult.record; None without). The source's
-    perplexities are measured after the swap: here, or under FSDP on the sharded model before the first step; the
-    log's figures go to the trackers of --report-to. Running out of GPU memory is a ConfigError naming what lowers
-    it."""
+    perplexities are measured after the swap (unless the saved state holds them): here, or under FSDP on the
+    sharded model before the first step; the log's figures go to the trackers of --report-to. Running out of GPU
+    memory is a ConfigError naming what lowers it."""
     # the distillation teacher: the source model as loaded, frozen; under FSDP (loaded into CPU memory) whole
     # on every process, train broadcasting the main process's weights
     teacher = copy.deepcopy(model).to(_compute_dtype(options.device)) if config.uses_teacher else None
     mlps = relufy(model)
-    if not checked.fsdp:
-        perplexities.of_source(model)
-    if checked.saved is not None:
-        before_training = checked.saved["before_training"]
+    saved = checked.saved["before_training"] if checked.saved is not None else None
+    measure_source = saved is None or "original" not in saved["perplexity"]
+    source_record = {}
+    if measure_source and not checked.fsdp:
+        perplexities.of_source(model, source_record)
+    if saved is not None:
+        before_training = saved
         perplexities.values.update(before_training["perplexity"])
     elif config.calibrate_steps:
         blocks = calibration_blocks(text.train_batches(config.batch_size, shuffle_buffer=config.shuffle_buffer,
@@ -408,13 +413,15 @@ def _train(model, text: TextData, config: TrainConfig, options: RunOptions, chec
                            "perplexity": {"after calibration": perplexities.values["after calibration"]}}
     else:
         before_training = {"calibration": None, "perplexity": {}}
+    before_training["perplexity"].update(source_record)
     try:
         result = train(
             model, mlps, lambda start, rank, world: text.train_batches(
                 config.batch_size, start, rank, world, shuffle_buffer=config.shuffle_buffer, seed=config.seed), config,
             resume_dir=checked.resume_dir, resume=checked.saved, device=options.device,
             show_progress=perplexities.shown,
-            evaluate=(lambda prepared: perplexities.of_source(prepared, sharded=True)) if checked.fsdp else None,
+            evaluate=(lambda prepared: perplexities.of_source(prepared, before_training["perplexity"], sharded=True))
+            if checked.fsdp and measure_source else None,
             inputs=checked.inputs, before_training=before_training, teacher=teacher,
             l1_reference=(before_training["calibration"] or {}).get("l1_reference"),
             l1_eps=(before_training["calibration"] or {}).get("l1_eps"), report_to=checked.trackers,

@@ -701,6 +701,24 @@ def test_ctrl_c_then_resume(files, tmp_path, monkeypatch):
     assert not (tmp_path / "out.resume").exists()
 
 
+def test_a_resumed_run_reports_the_source_perplexities_it_saved(files, tmp_path, monkeypatch):
+    """The saved state holds the source's perplexities (and after the swap): resuming does not measure them again."""
+    out = tmp_path / "out"
+    real = data_module.TrainingBatches.__next__
+    monkeypatch.setattr(data_module.TrainingBatches, "__next__", on_read(real, 1, interrupt))
+    assert_user_error(convert(files, "llama", out, "--steps", 3), "interrupted at step 2 of 3")
+    saved = json.loads((tmp_path / "out.resume" / "state.json").read_text())["before_training"]["perplexity"]
+    assert set(saved) == {"original", "after swap"}
+    monkeypatch.setattr(data_module.TrainingBatches, "__next__", real)
+    measured = []
+    monkeypatch.setattr(convert_module, "perplexity", lambda *args, **kwargs: measured.append(args))
+    result = convert(files, "llama", out, "--steps", 3, "--resume")
+    assert result.exit_code == 0, result.output
+    assert not measured
+    record = json.loads((out / "config.json").read_text())["twell"]["training"]["perplexity"]
+    assert {key: record[key] for key in saved} == saved
+
+
 def test_sigterm_in_training_saves_and_exits_with_143(files, tmp_path, monkeypatch):
     """SIGTERM (a job scheduler's stop) saves as Ctrl-C does, and the status is a shell's for SIGTERM, not Ctrl-C's."""
     terminate = lambda: os.kill(os.getpid(), signal.SIGTERM)

@@ -118,11 +118,16 @@ def test_fsdp_ctrl_c_then_resume_from_the_sharded_state(files, fsdp_out, tmp_pat
     done = launch_fsdp(files, out, interrupt_at=1)  # Ctrl-C to the main process during step 2: 2 steps done
     assert done.returncode != 0 and "interrupted at step 2 of 3" in done.stdout + done.stderr
     resume = tmp_path / "out.resume"
-    assert json.loads((resume / "state.json").read_text())["step"] == 2 and not out.exists()
+    state = json.loads((resume / "state.json").read_text())
+    assert state["step"] == 2 and not out.exists()
+    saved = state["before_training"]["perplexity"]  # measured on the sharded model before the first step
+    assert set(saved) == {"original", "after swap"}
     assert (resume / "pytorch_model_fsdp_0").is_dir()  # the sharded weights (torch.distributed.checkpoint)
     done = launch_fsdp(files, out, "--resume")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert [e["step"] for e in json.loads((out / "training_log.json").read_text())["log"]] == [1, 2, 3]
+    record = json.loads((out / "config.json").read_text())["twell"]["training"]["perplexity"]
+    assert {key: record[key] for key in saved} == saved
     assert_same_weights(weights(out), weights(fsdp_out))
     assert not resume.exists()
 
