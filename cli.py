@@ -17,8 +17,8 @@ from typing import get_args, get_origin, get_type_hints
 import click
 from click.formatting import term_len
 
-from sparsify.config import (TEXT_COLUMN_HELP, RunOptions, SampleOptions, TrainConfig, close_names, load_recipe,
-                             measure_help, option_name, overlay, recipe_names, value_type)
+from sparsify.config import (BENCH_ON_CPU, TEXT_COLUMN_HELP, RunOptions, SampleOptions, TrainConfig, close_names,
+                             load_recipe, measure_help, option_name, overlay, recipe_names, value_type)
 from sparsify.errors import ConfigError, DataError, Interrupted, MissingDependencyError, SparsifyError
 from sparsify.locations import (DATA_REQUIRED, SAMPLE_DATA_REQUIRED, check_data, check_hub_repo, check_output_dir,
                                 family_config, no_saved_state, resolve_source, resume_dir_for, saved_state)
@@ -134,11 +134,11 @@ def _check_before_loading(source: str, data, data_required: str | None = None, p
     return family
 
 
-def _check_device(device: str | None, cuda_for: str | None = None) -> None:
+def _check_device(device: str | None, cuda_for: str | None = None, instead: str = "") -> None:
     """ConfigError for a --device that torch.device would not take (gpu, cuda:01), or a CUDA one where the installed
     torch is a CPU build, told without importing torch; with `cuda_for` (what needs a GPU: --measure), also any other
-    device or a CPU build, in load.require_cuda's words. load.check_device and require_cuda judge the rest once torch
-    is imported (no GPU visible, an index beyond the GPUs)."""
+    device or a CPU build, in load.require_cuda's words (and `instead`, what a CPU can do). load.check_device and
+    require_cuda judge the rest once torch is imported (no GPU visible, an index beyond the GPUs)."""
     kind = None
     if device is not None:
         # torch.device's grammar (c10/core/Device.cpp). A type it does not build in may be a device backend's, which
@@ -148,10 +148,10 @@ def _check_device(device: str | None, cuda_for: str | None = None) -> None:
             raise ConfigError(f"--device {device}: not a device (use cpu, cuda or cuda:N)")
         kind = syntax[1]
     if cuda_for and kind not in (None, "cuda"):
-        raise ConfigError(f"{cuda_for} needs a CUDA GPU, not --device {device}")
+        raise ConfigError(f"{cuda_for} needs a CUDA GPU, not --device {device}" + instead)
     if (cuda_for or kind == "cuda") and _cpu_build_of_torch():
         raise ConfigError(f"{cuda_for} needs a CUDA GPU, and torch ({version('torch')}, a CPU build) sees none"
-                          if cuda_for else
+                          + instead if cuda_for else
                           f"--device {device}: no CUDA GPU here (a CPU build of torch); use --device cpu or leave it "
                           "out")
 
@@ -450,7 +450,7 @@ def bench(checkpoint, seq_len, prefill_batch, generate_batch, compiled_batch, no
     """Dense vs TwELL speed of a converted CHECKPOINT on a GPU, in one process, with a logits check: decoder
     prefill, eager generate, compiled static-cache generate and one decode step replayed as a CUDA graph,
     each with a per-component GPU time breakdown."""
-    _check_device(None, "sparsify bench")
+    _check_device(None, "sparsify bench", BENCH_ON_CPU)
     _quiet_loading()
     from sparsify.bench import bench_checkpoint, bench_table, write_json
     from sparsify.report import console

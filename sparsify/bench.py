@@ -23,6 +23,7 @@ from twell.fp8_gate import quantize_weight
 from twell.layer_plan import layer_plans
 from twell.reference import gate_values
 
+from .config import BENCH_ON_CPU
 from .errors import ConfigError
 from .families import gate_weight, mlp_modules, spec_for
 from .data import TextData
@@ -409,7 +410,7 @@ def bench_checkpoint(path: str | Path, *, seq_len: int = 2048, prefill_batches=(
     `repeats` timed calls a load, `generate_repeats` for the generate rows; inputs from the text of `data`
     (rows read from `text_column`; None: random token ids, with a warning). `fp8_gate`: the TwELL load's gate pass
     in fp8 (its use_fp8_gate())."""
-    device = require_cuda(device, "sparsify bench")
+    device = require_cuda(device, "sparsify bench", BENCH_ON_CPU)
     shapes = prefill_shapes(prefill_batches, seq_len)
     sizes = (seq_len, decode_tokens, decode_context, repeats, generate_repeats, *generate_batches,
              *compiled_batches, *compiled_prefill_batches)

@@ -392,6 +392,8 @@ class TrainConfig:
 
 
 TEXT_COLUMN_HELP = "The column of .jsonl/.parquet rows and `datasets` rows that holds the text"
+# what `sparsify bench` says a CPU can do instead (before torch is imported, and after)
+BENCH_ON_CPU = " (a CPU runs every layer dense: `sparsify analyze CHECKPOINT --data TEXT` measures its sparsity there)"
 
 
 def measure_help(what: str) -> str:

@@ -78,13 +78,13 @@ def check_hub_source(repo_id: str, source) -> None:
     }[kind])
 
 
-def require_cuda(device, what: str) -> torch.device:
-    """The CUDA device to run on; ConfigError naming `what` when there is none."""
+def require_cuda(device, what: str, instead: str = "") -> torch.device:
+    """The CUDA device to run on; ConfigError naming `what` (and `instead`, what a CPU can do) when there is none."""
     if device is not None and torch.device(device).type != "cuda":
-        raise ConfigError(f"{what} needs a CUDA GPU, not --device {device}")
+        raise ConfigError(f"{what} needs a CUDA GPU, not --device {device}" + instead)
     if not torch.cuda.is_available():
         build = "a CPU build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
-        raise ConfigError(f"{what} needs a CUDA GPU, and torch ({torch.__version__}, {build}) sees none")
+        raise ConfigError(f"{what} needs a CUDA GPU, and torch ({torch.__version__}, {build}) sees none" + instead)
     return torch.device(device or "cuda")
 
 

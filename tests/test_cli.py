@@ -451,7 +451,8 @@ def test_device_errors_are_said_before_torch_is_imported(files, tmp_path):
                               f"print(CliRunner().invoke(main, {needs_gpu[0]!r} + ['--device', 'cpu']).output)",
                               PYTHONPATH=os.pathsep.join(filter(None, (str(build), os.environ.get("PYTHONPATH")))))
     assert shown.count("error: --measure needs a CUDA GPU, and torch (2.13.0+cpu, a CPU build) sees none\n") == 2, shown
-    assert "error: sparsify bench needs a CUDA GPU, and torch (2.13.0+cpu, a CPU build) sees none\n" in shown
+    assert ("error: sparsify bench needs a CUDA GPU, and torch (2.13.0+cpu, a CPU build) sees none (a CPU runs every "
+            "layer dense: `sparsify analyze CHECKPOINT --data TEXT` measures its sparsity there)\n") in shown
     assert "error: --measure needs a CUDA GPU, not --device cpu\n" in shown
 
 
