@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench_cudagraph
 
-import twell.small_linear  # noqa: F401  (the module, for its launch settings)
 from twell import small_linear, small_linear_grouped
 
 from sparsify.bench import versions, write_json

@@ -93,7 +93,7 @@ def test_with_data_spreads_the_training_documents_among_the_samples_by_tokens(fi
         assert 0.3 < first / sum(t for t, r in zip(tokens, written) if r["source"] == kind) < 0.7, kind
 
 
-def test_a_single_file_keeps_its_held_out_head_out_of_the_samples_and_the_documents(files, tmp_path):
+def test_a_single_file_keeps_its_held_out_head_out_of_the_samples_and_the_documents(files):
     """Without a valid* file the head of the text is held out: its blocks give no prompt, its documents are not
     written (the one it cuts keeps its tail), and valid.jsonl holds it."""
     tokenizer = tiny_model("llama")[1]

@@ -5,7 +5,6 @@ import torch
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-import twell.rms_norm  # noqa: F401  (the module, beside the function of the same name)
 from twell.reference import rms_norm_reference
 from twell.rms_norm import FORMS, MAX_WIDTH, rms_norm, rms_norm_fits
 

@@ -5,7 +5,6 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-import twell.rotary  # noqa: F401  (the module, beside the function of the same name)
 from twell.reference import rotary_reference
 from twell.rotary import rotary, rotary_fits
 

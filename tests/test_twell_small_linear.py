@@ -4,7 +4,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import twell.small_linear  # noqa: F401  (the module, beside the function of the same name)
 from twell.reference import small_linear_reference
 from twell.small_linear import (MAX_GROUP, MAX_ROWS, small_linear, small_linear_fits, small_linear_grouped,
                                 small_linear_grouped_fits)
