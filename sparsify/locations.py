@@ -115,8 +115,11 @@ def check_hub_repo(repo_id: str) -> None:
     with: said before training, not after it."""
     if problem := hub_id_problem(repo_id):
         raise OutputError(f"--push-to-hub {repo_id}: not a Hub repository id ({problem})")
-    from huggingface_hub import get_token  # HF_TOKEN, else the file `hf auth login` writes
+    from huggingface_hub import constants, get_token  # HF_TOKEN, else the file `hf auth login` writes
 
+    if constants.is_offline_mode():  # the upload would fail only after the whole run
+        raise OutputError(f"--push-to-hub {repo_id}: offline (HF_HUB_OFFLINE=1) nothing can be uploaded; unset it, "
+                          "or convert without --push-to-hub and upload OUT later with `hf upload`")
     if get_token() is None:
         raise OutputError(f"--push-to-hub {repo_id}: not logged in to the Hub: run `hf auth login`, or set HF_TOKEN "
                           "to a token with write access")

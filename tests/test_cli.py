@@ -528,6 +528,7 @@ def test_the_state_to_resume_is_a_whole_save_or_a_killed_one_that_was_whole(tmp_
 
 
 def no_hub_login(monkeypatch, tmp_path):
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # online: a login is what is missing
     for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
@@ -547,6 +548,16 @@ def test_push_to_hub_without_a_login_stops_before_any_weight_is_read(files, tmp_
     monkeypatch.setenv("HF_TOKEN", "hf_test")
     result = convert(files, "llama", tmp_path / "out", "--push-to-hub", "me/tiny-sparse", "--dry-run")
     assert result.exit_code == 0, result.output
+
+
+def test_push_to_hub_offline_stops_before_any_weight_is_read(files, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_test")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(convert_module, "load_model", None)
+    for dry_run in ((), ("--dry-run",)):
+        assert_user_error(convert(files, "llama", tmp_path / "out", "--push-to-hub", "me/tiny-sparse", *dry_run),
+                          "--push-to-hub me/tiny-sparse: offline (HF_HUB_OFFLINE=1) nothing can be uploaded")
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_source_config_is_read_once(files, tmp_path, monkeypatch):
@@ -852,6 +863,7 @@ def test_push_to_hub_uploads_the_finished_folder(files, tmp_path, monkeypatch):
 
     monkeypatch.setattr(sparsify.push, "push_to_hub", push)
     monkeypatch.setenv("HF_TOKEN", "hf_test")  # a login, which a push needs before training
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # and the Hub within reach
     result = convert(files, "llama", tmp_path / "out", "--push-to-hub", "me/tiny-sparse", "--private")
     assert result.exit_code == 0, result.output
     assert calls == [(tmp_path / "out", "me/tiny-sparse", True, True)]
