@@ -105,7 +105,7 @@ def analyze(
         except (OutputError, SourceError) as error:
             raise ConfigError(f"--write-plan: {source} is not a local converted checkpoint ({error})") from None
     model, tokenizer, spec = load_model(source, device=device)
-    require_tokenizer(tokenizer, source)
+    require_tokenizer(tokenizer, source, model.config)
     seq_len = seq_len or default_seq_len(model.config, source)
     seq_len = min(seq_len, getattr(model.config, "max_position_embeddings", seq_len))
     head = held_out_head(model.config, data, seq_len)

@@ -423,7 +423,7 @@ def bench_checkpoint(path: str | Path, *, seq_len: int = 2048, prefill_batches=(
         raise ConfigError(f"{path}: not a sparsify checkpoint (config.json has no twell section)")
     if data is not None:
         tokenizer = load_tokenizer(str(path))
-        require_tokenizer(tokenizer, path)
+        require_tokenizer(tokenizer, path, config)
         resolve_data(data)  # missing / empty / unknown format: before loading any weight
     models = _loads(path, device, fp8_gate)
     if data is None:

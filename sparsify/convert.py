@@ -242,7 +242,7 @@ def _check_inputs(source: str, config: TrainConfig, options: RunOptions, process
     check_data(data, config.passes)
     text = None
     if config.passes is not None:
-        text, config = _resolve_passes(source, data, config, options)
+        text, config = _resolve_passes(source, data, config, options, model_config)
     config.check_processes(processes)
     inputs = {"source": _identity(source), "data": _identity(data), "text_column": options.text_column}
     saved = check_resume(resume_dir, config, processes, inputs) if options.resume else None
@@ -254,14 +254,14 @@ def _read_text(data, tokenizer, config: TrainConfig, options: RunOptions) -> Tex
     return TextData(data, tokenizer, config.seq_len, config.eval_tokens, options.text_column)
 
 
-def _resolve_passes(source: str, data: str | Path, config: TrainConfig, options: RunOptions
+def _resolve_passes(source: str, data: str | Path, config: TrainConfig, options: RunOptions, model_config
                     ) -> tuple[TextData, TrainConfig]:
     """The training text, read with the source's tokenizer before any weight, and `config` with its tokens set to
     --passes times the text's (counted, or estimated from its length beyond its head), said by the main process.
     Every process counts the same text the same way, so that they agree on the run's steps; a resumed run counts
     again and finds the tokens it saved."""
     tokenizer = load_tokenizer(resolve_source(source))
-    require_tokenizer(tokenizer, source)
+    require_tokenizer(tokenizer, source, model_config)
     text = _read_text(data, tokenizer, config, options)
     shown = PartialState().is_main_process and (options.dry_run or not options.quiet)
     with console.status(f"counting the training text's tokens for --passes ({data})") if shown else nullcontext():
@@ -299,7 +299,7 @@ def _dry_run(source: str, config: TrainConfig, options: RunOptions, checked: _Ch
     text = checked.text
     if text is None:
         tokenizer = load_tokenizer(where)
-        require_tokenizer(tokenizer, source)
+        require_tokenizer(tokenizer, source, checked.model_config)
         text = _read_text(checked.data, tokenizer, config, options)
     _report_held_out(text, True, config, processes)
 
@@ -341,7 +341,7 @@ def _load_source(source: str, config: TrainConfig, options: RunOptions, checked:
     model, tokenizer, spec = load_model(source, dtype=torch.float32, device="cpu" if checked.fsdp else options.device,
                                         weights=main or not checked.rank0_loading, config=checked.model_config,
                                         tokenizer=checked.text.tokenizer if checked.text is not None else None)
-    require_tokenizer(tokenizer, source)
+    require_tokenizer(tokenizer, source, checked.model_config)
     where = resolve_source(source)
     origin = {"base_model": _base_model(source), "license": source_license(where)}
     license_files = source_license_files(where) if main else {}  # the main process writes the checkpoint

@@ -204,7 +204,20 @@ def load_tokenizer(where: str):
         return None
 
 
-def require_tokenizer(tokenizer, source) -> None:
-    """Stop with a clear message where a tokenizer is needed (tokenizing text) and the source has none."""
+def require_tokenizer(tokenizer, source, config=None) -> None:
+    """Stop with a clear message where a tokenizer is needed (tokenizing text) and the source has none, or (with the
+    model's `config`) where its ids reach beyond the model's embeddings: a tokenizer of another model, which would
+    fail at the first forward with an index error. Its added tokens (a pad token added without resizing the
+    embeddings) are left out: text does not hold them."""
     if tokenizer is None:
         raise SourceError(f"{source}: no tokenizer could be loaded from it (tokenizer.json / tokenizer_config.json)")
+    embeddings = getattr(config, "vocab_size", None)
+    if embeddings is None:
+        return
+    separator = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.bos_token_id
+    for what, size in (("its vocabulary", getattr(tokenizer, "vocab_size", None)),
+                       ("the EOS/BOS id that separates documents", None if separator is None else separator + 1)):
+        if size is not None and size > embeddings:
+            raise SourceError(f"{source}: the tokenizer does not fit the model: {what} reaches id {size - 1:,}, and "
+                              f"the model has {embeddings:,} token embeddings (config.json's vocab_size); give the "
+                              f"model's own tokenizer")

@@ -119,7 +119,7 @@ def sample(source: str, options: SampleOptions) -> dict:
     options = options.fit_seq_len(positions)
     options.validate(positions)
     model, tokenizer, _ = load_model(source, device=options.device, config=config)
-    require_tokenizer(tokenizer, source)
+    require_tokenizer(tokenizer, source, config)
     on_gpu = model.device.type == "cuda"
     free = torch.cuda.mem_get_info(model.device)[0] if on_gpu else None
     options = replace(options, batch_size=fitted_batch(config, options, model.dtype, free))

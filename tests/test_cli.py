@@ -560,6 +560,18 @@ def test_push_to_hub_offline_stops_before_any_weight_is_read(files, tmp_path, mo
     assert not (tmp_path / "out").exists()
 
 
+def test_a_tokenizer_of_another_model_stops_before_training(files, tmp_path, monkeypatch):
+    folder = tmp_path / "small-vocab"
+    tiny_model("llama", vocab_size=200, bos_token_id=1, eos_token_id=2, pad_token_id=3)[0].save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)  # ids up to 258
+    for extra in ((), ("--dry-run",), ("--passes", "1")):
+        result = run("convert", folder, "-o", tmp_path / "out", "--data", files / "corpus", "--recipe",
+                     files / "recipe.yaml", *extra)
+        assert_user_error(result, "the tokenizer does not fit the model")
+        monkeypatch.setattr(convert_module, "load_model", None)  # the dry run and --passes read no weight
+    assert not (tmp_path / "out").exists()
+
+
 def test_the_source_config_is_read_once(files, tmp_path, monkeypatch):
     """Fitting the seq-len and checking the settings read the source's config once (a Hub source: one request)."""
     reads = []

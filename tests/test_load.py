@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import GPT2Config
 
-from helpers import tiny_input_ids, tiny_model
+from helpers import tiny_config, tiny_input_ids, tiny_model, tiny_tokenizer
 from sparsify import load, locations
 from sparsify.errors import ConfigError, DataError, SourceError, UnsupportedModelError
 from sparsify.load import load_config, load_model, require_tokenizer
@@ -72,6 +72,16 @@ def test_missing_tokenizer_is_none_until_needed(saved, tmp_path):
     assert tokenizer is None
     with pytest.raises(SourceError, match="no tokenizer"):
         require_tokenizer(tokenizer, folder)
+
+
+def test_a_tokenizer_beyond_the_embeddings_stops_before_a_forward():
+    tokenizer = tiny_tokenizer()
+    require_tokenizer(tokenizer, "m", tiny_config("llama"))
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<extra>"]})  # added, not resized: no text holds it
+    require_tokenizer(tokenizer, "m", tiny_config("llama"))
+    with pytest.raises(SourceError, match="its vocabulary reaches id 258, and the model has 200 token embeddings"):
+        require_tokenizer(tokenizer, "m", tiny_config("llama", vocab_size=200, bos_token_id=1, eos_token_id=2,
+                                                     pad_token_id=3))
 
 
 def _break_config(folder):
