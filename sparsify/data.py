@@ -96,14 +96,21 @@ class Documents:
             except Exception as e:  # the Hub client raises many kinds; all mean "cannot use this name"
                 raise DataError(f"cannot load dataset {self.source!r}: {e}") from None
         streams = []
-        for builder, files in self.source.items():
-            options = {"sample_by": "document"} if builder == "text" else {}
-            # the text builder makes each .txt file one row, whose only column is "text"
-            try:
-                stream = datasets.load_dataset(builder, data_files=files, split="train", streaming=True, **options)
-            except Exception as e:  # a parquet file's schema is read here: a corrupt one fails at once
-                raise DataError(f"cannot read {', '.join(files)}: {e}") from None
-            streams.append((", ".join(files), stream, "text" if builder == "text" else self.text_column))
+        # Each load of a builder pings the Hub to count a download (up to 3 s where the network is cut off), and every
+        # epoch loads the files again: local files are no download.
+        counts, datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = datasets.config.HF_UPDATE_DOWNLOAD_COUNTS, False
+        try:
+            for builder, files in self.source.items():
+                options = {"sample_by": "document"} if builder == "text" else {}
+                # the text builder makes each .txt file one row, whose only column is "text"
+                try:
+                    stream = datasets.load_dataset(builder, data_files=files, split="train", streaming=True,
+                                                   **options)
+                except Exception as e:  # a parquet file's schema is read here: a corrupt one fails at once
+                    raise DataError(f"cannot read {', '.join(files)}: {e}") from None
+                streams.append((", ".join(files), stream, "text" if builder == "text" else self.text_column))
+        finally:
+            datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = counts
         return streams
 
     def _without_datasets(self) -> Iterator[str]:

@@ -69,6 +69,18 @@ def test_batches_resume_position_and_ranks(tmp_path):
     assert torch.equal(next(rank1), first[3]) and torch.equal(next(rank1), first[5])
 
 
+def test_local_files_are_read_without_asking_the_hub(tmp_path, monkeypatch):
+    """datasets counts a load of its builders with a request to the Hub; every epoch loads the files again."""
+    import datasets
+
+    (tmp_path / "a.txt").write_text("hello world")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_UPDATE_DOWNLOAD_COUNTS", True)
+    monkeypatch.setattr(datasets.load, "get_session", lambda: pytest.fail("a request to the Hub"))
+    assert list(Documents(resolve_data(tmp_path).train)) == ["hello world"]
+    assert datasets.config.HF_UPDATE_DOWNLOAD_COUNTS
+
+
 def test_parquet_and_mixed_folder(tmp_path):
     datasets = pytest.importorskip("datasets")
     datasets.Dataset.from_dict({"text": ["parquet row " * 10] * 5}).to_parquet(str(tmp_path / "p.parquet"))
