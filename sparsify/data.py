@@ -96,9 +96,10 @@ class Documents:
             except Exception as e:  # the Hub client raises many kinds; all mean "cannot use this name"
                 raise DataError(f"cannot load dataset {self.source!r}: {e}") from None
         streams = []
-        # Each load of a builder pings the Hub to count a download (up to 3 s where the network is cut off), and every
-        # epoch loads the files again: local files are no download.
-        counts, datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = datasets.config.HF_UPDATE_DOWNLOAD_COUNTS, False
+        # Each load of a builder asks the Hub to count a download (where the network is cut off, it waits for that
+        # request to time out), and every epoch loads the files again: local files are no download.
+        counts = getattr(datasets.config, "HF_UPDATE_DOWNLOAD_COUNTS", False)
+        datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = False
         try:
             for builder, files in self.source.items():
                 options = {"sample_by": "document"} if builder == "text" else {}
