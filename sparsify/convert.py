@@ -462,8 +462,10 @@ def _measure_and_write(result: TrainResult, mlps: list, calibration: dict | None
         training["calibration"] = calibration
     summary = {"perplexity": ppl, "layers": stats["layers"], "plan": plan, "training": training,
                "log": result.log, "hybrid_share": hybrid_share(result.log)}
-    if main and (warning := _sparsity_hint(stats["layers"], config)):
-        warn(warning)
+    if main:
+        for hint in (_sparsity_hint, _dead_units_hint):
+            if warning := hint(stats["layers"], config):
+                warn(warning)
     if main:
         model.to(_compute_dtype(options.device))  # as trained
         _write(model, loaded.tokenizer, checked.out, spec, plan, training, result.log, options, loaded.license_files)
@@ -482,6 +484,26 @@ def _sparsity_hint(layers: list[dict], config: TrainConfig) -> str | None:
         return None
     return (f"the model ends {sparsity:.2%} sparse on the held-out text: the sparse kernels pay near 99%, so most of "
             "its layers are planned dense; more tokens, a larger --l1, or --target-sparsity 0.99 take it further")
+
+
+# A layer with more of its units dead than this has lost most of its capacity (docs/quality.md, "Dead units revived":
+# up to 46% dead cost nothing measurable)
+DEAD_HINT_ABOVE = 0.75
+
+
+def _dead_units_hint(layers: list[dict], config: TrainConfig) -> str | None:
+    """What to say where layers end with more than DEAD_HINT_ABOVE of their units dead (silent on all the held-out
+    text), and the option that revives them; else None."""
+    dead = [f"{index} ({layer['dead_frac']:.1%})" for index, layer in enumerate(layers)
+            if layer["dead_frac"] > DEAD_HINT_ABOVE]
+    if not dead:
+        return None
+    fix = ("" if config.revive_dead_tokens else
+           f"; --revive-dead-tokens {10 * config.tokens_per_step(1)} (about ten optimizer steps' tokens) gives silent "
+           "units a live unit's weights to train again")
+    which = (f"layers {', '.join(dead)} ended with most of their" if len(dead) > 1 else
+             f"layer {dead[0]} ended with most of its")
+    return f"{which} units dead, silent on all the held-out text: that capacity is lost{fix}"
 
 
 def _training_record(origin: dict, options: RunOptions, config: TrainConfig, result: TrainResult,

@@ -851,3 +851,15 @@ def test_a_run_that_ends_far_from_sparse_says_what_to_change():
     layers[0] = layer(100.0)  # 89.58%
     assert _sparsity_hint(layers, config()).startswith("the model ends 89.58% sparse on the held-out text")
     assert _sparsity_hint(layers, config(target_sparsity=0.99)) is None  # the trainer says that shortfall
+
+
+def test_a_layer_that_ends_mostly_dead_is_named_with_the_option_that_revives():
+    from sparsify.convert import _dead_units_hint
+
+    layers = [{"dead_frac": 0.988}, {"dead_frac": 0.46}, {"dead_frac": 0.80}]
+    assert _dead_units_hint(layers, config(batch_size=4, seq_len=32)) == (
+        "layers 0 (98.8%), 2 (80.0%) ended with most of their units dead, silent on all the held-out text: that "
+        "capacity is lost; --revive-dead-tokens 1280 (about ten optimizer steps' tokens) gives silent units a live "
+        "unit's weights to train again")
+    assert _dead_units_hint(layers[1:2], config()) is None  # 46% dead: no measurable cost
+    assert _dead_units_hint(layers[:1], config(revive_dead_tokens=4096)).endswith("that capacity is lost")
