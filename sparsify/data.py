@@ -241,9 +241,10 @@ class TextData:
         tokens = len(self.eval_blocks) * self.seq_len
         warnings = []
         if tokens < min(MIN_EVAL_TOKENS, self.eval_tokens):
+            more = ("give more held-out text" if self.source.eval is not None else
+                    "give more text, or a folder with a valid* file")
             warnings.append(f"only {tokens:,} held-out tokens (of --eval-tokens {self.eval_tokens:,}): the "
-                            f"perplexities and sparsity measured on them are noisy (give more text, or a folder with "
-                            f"a valid* file)")
+                            f"perplexities and sparsity measured on them are noisy ({more})")
         if self.source.eval is not None:
             what = f"held out: {tokens:,} tokens of {self.source.description_of(self.source.eval)}"
         else:

@@ -238,6 +238,9 @@ def test_held_out_text_is_reported_with_its_share_and_size(tmp_path):
     (folder / "valid.txt").write_text("abcdefgh" * 4096)
     what, warnings = TextData(str(folder), tok, 64, eval_tokens=32768).held_out()
     assert what == f"held out: 32,768 tokens of {folder / 'valid.txt'}" and warnings == []
+    (folder / "valid.txt").write_text("abcdefgh" * 64)  # a short held-out file: asks for more of it
+    _, warnings = TextData(str(folder), tok, 64, eval_tokens=32768).held_out()
+    assert warnings[0].endswith("are noisy (give more held-out text)")
 
 
 def test_a_run_longer_than_the_text_is_told_its_passes(tmp_path, monkeypatch):
