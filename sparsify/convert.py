@@ -367,14 +367,16 @@ class _Perplexities:
                                                       label=self.labels[3])
 
     def of_source(self, model, record: dict, sharded: bool = False) -> None:
-        """The source's perplexity (its original MLPs) and after the swap, of a relufied `model`; also into
-        `record` (the saved state's, so that a resumed run does not measure them again)."""
+        """The source's perplexity (its original MLPs) and after the swap, of a relufied `model`, ahead of any
+        figure already in `values` (under FSDP it is measured after calibration); also into `record` (the saved
+        state's, so that a resumed run does not measure them again)."""
         with original_mlps(model):
-            self.values["original"] = perplexity(model, self.text.eval_blocks, self.batch_size, sharded,
-                                                 label=self.labels[0])
-        self.values["after swap"] = perplexity(model, self.text.eval_blocks, self.batch_size, sharded,
-                                               label=self.labels[1])
-        record.update({key: self.values[key] for key in ("original", "after swap")})
+            original = perplexity(model, self.text.eval_blocks, self.batch_size, sharded, label=self.labels[0])
+        swapped = perplexity(model, self.text.eval_blocks, self.batch_size, sharded, label=self.labels[1])
+        for figures in (self.values, record):  # in the order of the run's stages
+            later = dict(figures)
+            figures.clear()
+            figures.update({"original": original, "after swap": swapped, **later})
 
 
 def _compute_dtype(device: str | None) -> torch.dtype:
@@ -413,7 +415,7 @@ def _train(model, text: TextData, config: TrainConfig, options: RunOptions, chec
                            "perplexity": {"after calibration": perplexities.values["after calibration"]}}
     else:
         before_training = {"calibration": None, "perplexity": {}}
-    before_training["perplexity"].update(source_record)
+    before_training["perplexity"] = {**source_record, **before_training["perplexity"]}  # in the stages' order
     try:
         result = train(
             model, mlps, lambda start, rank, world: text.train_batches(
