@@ -18,7 +18,8 @@ import click
 from click.formatting import term_len
 
 from sparsify.config import (BENCH_ON_CPU, TEXT_COLUMN_HELP, RunOptions, SampleOptions, TrainConfig, close_names,
-                             load_recipe, measure_help, option_name, overlay, recipe_names, value_type)
+                             load_recipe, measure_help, option_name, overlay, recipe_gaps, recipe_names,
+                             value_type)
 from sparsify.errors import ConfigError, DataError, Interrupted, MissingDependencyError, SparsifyError
 from sparsify.locations import (DATA_REQUIRED, SAMPLE_DATA_REQUIRED, check_data, check_hub_repo, check_output_dir,
                                 family_config, no_saved_state, resolve_source, resume_dir_for, saved_state)
@@ -314,7 +315,9 @@ def convert(source, recipe, **values):
 
     # --steps alone on the command line ends the run before a recipe's tokens by the user's choice
     tokens_asked = values["steps"] is None or values["tokens"] is not None or values["passes"] is not None
-    summary = run(source, config, options, fit_seq_len=values["seq_len"] is None, tokens_asked=tokens_asked)
+    gaps = recipe_gaps(recipe, source, settings)
+    summary = run(source, config, options, fit_seq_len=values["seq_len"] is None, tokens_asked=tokens_asked,
+                  warnings=(gaps,) if gaps else ())
     if options.dry_run:
         if _is_main():
             console.print("dry run: the checks passed; no weight was read and nothing was written")

@@ -576,6 +576,29 @@ def load_recipe(recipe: str | Path | None, source: str, _extended: tuple = ()) -
     return overlay(load_recipe(base, source, (*_extended, path.resolve())), values)
 
 
+def recipe_gaps(recipe: str | Path | None, source: str, given) -> str | None:
+    """Where `recipe` is a YAML file of the user's (not one in recipes/) that extends no recipe: what says which of
+    the settings it leaves out (nor `given`, the run's settings, sets) take sparsify's defaults where the source's
+    default recipe sets them otherwise, both values beside each; else None. (A file read by load_recipe already.)"""
+    path = Path(recipe) if recipe is not None else None
+    if path is None or not path.is_file() or path.resolve().parent == RECIPES.resolve():
+        return None
+    if "extends" in (yaml.safe_load(path.read_text()) or {}):
+        return None
+    name = "demo" if source == "demo" else "pretrained"
+    ours, theirs = TrainConfig(), TrainConfig.from_dict(load_recipe(None, source))
+    shown = lambda value: "unset" if value is None else shown_value(value)  # noqa: E731
+    if {"steps", *LENGTHS} & set(given):  # the run's length is set
+        given = {*given, *LENGTHS}
+    gaps = [f"{setting} {shown(getattr(ours, setting))} ({name}.yaml: {shown(getattr(theirs, setting))})"
+            for setting in load_recipe(None, source)
+            if setting not in given and getattr(ours, setting) != getattr(theirs, setting)]
+    if not gaps:
+        return None
+    return (f"recipe {path} extends no recipe: the settings it leaves out are sparsify's defaults, not the {name} "
+            f"recipe's: {', '.join(gaps)}; add `extends: {name}` to the file to start from that recipe")
+
+
 LENGTHS = ("tokens", "passes")  # either sets the run's training tokens
 
 

@@ -120,13 +120,14 @@ class _Source(NamedTuple):
 
 
 def convert(source: str, config: TrainConfig, options: RunOptions, fit_seq_len: bool = False,
-            tokens_asked: bool = True) -> dict | None:
+            tokens_asked: bool = True, warnings: tuple[str, ...] = ()) -> dict | None:
     """Convert `source` into a sparse checkpoint at `options.out`; returns the summary (perplexities, per-layer
     statistics and plan, training log), or None for a dry run (`options.dry_run`: every check that reads no
     weight, the settings, the training state's size and the held-out text printed). `fit_seq_len`: the config's
     seq-len is no choice of the user's (a recipe's or the default): lower it to the source's positions where it
     is beyond them, with a warning. `tokens_asked`: the config's token count is the user's, not only a recipe's
-    under steps the user gave (TrainConfig.warnings)."""
+    under steps the user gave (TrainConfig.warnings). `warnings`: the caller's about the settings, said with
+    TrainConfig's by the main process."""
     check_device(options.device)
     launch = PartialState(cpu=on_cpu(options.device))
     main = launch.is_main_process
@@ -135,7 +136,7 @@ def convert(source: str, config: TrainConfig, options: RunOptions, fit_seq_len: 
     launch.wait_for_everyone()
     checked = _check_inputs(source, config, options, launch.num_processes, fit_seq_len)
     config = checked.config
-    for warning in config.warnings(launch.num_processes, tokens_asked) if main else ():
+    for warning in (*warnings, *config.warnings(launch.num_processes, tokens_asked)) if main else ():
         warn(warning)
     if options.dry_run:
         _dry_run(source, config, options, checked, launch.num_processes)

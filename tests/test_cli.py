@@ -39,7 +39,9 @@ from sparsify.load import load_config
 from sparsify.locations import saved_state
 
 # Tiny runs: 32-token sequences, 256 held-out tokens; options on the command line override the recipe.
-RECIPE = "seq_len: 32\nbatch_size: 2\neval_tokens: 256\nlr: 1.0e-3\nl1: '1e-3'\nsteps: 50\nlog_every: 1\n"
+# every setting that pretrained.yaml sets otherwise than sparsify's defaults, stated (a recipe that extends none)
+RECIPE = ("seq_len: 32\nbatch_size: 2\neval_tokens: 256\nlr: 1.0e-3\nl1: '1e-3'\nsteps: 50\nlog_every: 1\n"
+          "l1_relative: false\nl1_warmup_steps: 0\nswap_steps: 0\ndistill: 0\nwarmup_steps: 0\n")
 
 
 @pytest.fixture(scope="module")
@@ -639,7 +641,7 @@ def test_measure_flag_reaches_convert_unset_by_default(files, tmp_path, monkeypa
     """Unset, convert decides (it times the kernels on a GPU where the cost model does not reach)."""
     seen = {}
 
-    def run(source, config, options, fit_seq_len=False, tokens_asked=True):
+    def run(source, config, options, **kwargs):
         seen.update(vars(options))
         raise SystemExit(0)
 
@@ -741,6 +743,26 @@ def test_a_resumed_run_reports_the_source_perplexities_it_saved(files, tmp_path,
     assert not measured
     record = json.loads((out / "config.json").read_text())["twell"]["training"]["perplexity"]
     assert {key: record[key] for key in saved} == saved
+
+
+def test_a_recipe_file_that_extends_none_is_told_what_it_leaves_to_the_defaults(files, tmp_path):
+    """A user's recipe without `extends` runs on sparsify's defaults where it is silent, not the default recipe's:
+    the run says which settings differ and how to start from that recipe; with `extends`, nothing."""
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("lr: 3.0e-4\ntokens: 5_000\n")
+    result = run("convert", model_folder(files, "llama"), "-o", tmp_path / "out", "--data", files / "corpus",
+                 "--recipe", mine, "--batch-size", 16, "--dry-run")
+    said = " ".join(result.output.split())
+    assert result.exit_code == 0, result.output
+    assert (f"recipe {mine} extends no recipe: the settings it leaves out are sparsify's defaults, not the pretrained "
+            "recipe's: l1 2e-05 (pretrained.yaml: 3.5), l1_relative False (pretrained.yaml: True), l1_warmup_steps 0 "
+            "(pretrained.yaml: 50%), swap_steps 0 (pretrained.yaml: 20%), distill 0 (pretrained.yaml: 0.5), "
+            "warmup_steps 0 (pretrained.yaml: 30), eval_tokens 65,536 (pretrained.yaml: 262,144); add `extends: "
+            "pretrained` to the file to start from that recipe") in said  # batch_size, lr, tokens given
+    mine.write_text("extends: pretrained\nlr: 3.0e-4\ntokens: 5_000\n")
+    result = run("convert", model_folder(files, "llama"), "-o", tmp_path / "out", "--data", files / "corpus",
+                 "--recipe", mine, "--dry-run")
+    assert result.exit_code == 0 and "extends no recipe" not in result.output, result.output
 
 
 def test_sigterm_in_training_saves_and_exits_with_143(files, tmp_path, monkeypatch):
