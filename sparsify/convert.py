@@ -469,7 +469,6 @@ def _measure_and_write(result: TrainResult, mlps: list, calibration: dict | None
         for hint in (_sparsity_hint, _dead_units_hint):
             if warning := hint(stats["layers"], config):
                 warn(warning)
-    if main:
         model.to(_compute_dtype(options.device))  # as trained
         _write(model, loaded.tokenizer, checked.out, spec, plan, training, result.log, options, loaded.license_files)
     return summary
