@@ -18,9 +18,9 @@ import click
 from click.formatting import term_len
 
 from sparsify.config import (BENCH_ON_CPU, TEXT_COLUMN_HELP, RunOptions, SampleOptions, TrainConfig, close_names,
-                             load_recipe, measure_help, option_name, overlay, recipe_gaps, recipe_names,
-                             value_type)
+                             measure_help, option_name, overlay, value_type)
 from sparsify.errors import ConfigError, DataError, Interrupted, MissingDependencyError, SparsifyError
+from sparsify.recipe import load_recipe, recipe_gaps, recipe_names
 from sparsify.locations import (DATA_REQUIRED, SAMPLE_DATA_REQUIRED, check_data, check_hub_repo, check_output_dir,
                                 family_config, no_saved_state, resolve_source, resume_dir_for, saved_state)
 

@@ -31,7 +31,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the GPU machine has no network: 
 
 import torch  # noqa: E402
 
-from sparsify.config import RunOptions, load_recipe  # noqa: E402
+from sparsify.config import RunOptions  # noqa: E402
+from sparsify.recipe import load_recipe  # noqa: E402
 from sparsify.convert import convert  # noqa: E402
 from sparsify.train import TrainConfig, hybrid_kernels_run, on_cpu  # noqa: E402
 

@@ -64,7 +64,7 @@ def held_out_head(config, data, seq_len: int) -> int | None:
 def default_seq_len(config, source: str) -> int:
     """The sequence length to analyze `source` (of `config`) at when --seq-len is not given: the one a
     converted checkpoint was trained at, else the one `convert` would use (its default recipe)."""
-    from .config import load_recipe
+    from .recipe import load_recipe
 
     trained = training_record(config).get("seq_len")
     return trained or load_recipe(None, source).get("seq_len", 1024)

@@ -1,6 +1,6 @@
 """Named recipes: found from the checkout (editable install) and shipped in the wheel (pyproject maps
 recipes/ to sparsify/recipes with its YAMLs, and the accelerate launch configs in recipes/accelerate/, as
-package data; sparsify.config.recipes_dir finds either); a recipe's mistyped setting or missing parent named
+package data; sparsify.recipe.recipes_dir finds either); a recipe's mistyped setting or missing parent named
 with its file, as the command line's mistyped options are."""
 from pathlib import Path
 
@@ -8,7 +8,8 @@ import pytest
 from click.testing import CliRunner
 
 from cli import main
-from sparsify.config import load_recipe, overlay, recipe_names
+from sparsify.config import overlay
+from sparsify.recipe import load_recipe, recipe_names
 from sparsify.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent

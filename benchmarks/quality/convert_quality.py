@@ -204,7 +204,8 @@ def arguments(argv=None) -> argparse.Namespace:
     if args.metrics and args.seq_len < metrics.PROMPT_TOKENS + metrics.NEW_TOKENS:
         ap.error(f"--seq-len must be at least {metrics.PROMPT_TOKENS + metrics.NEW_TOKENS} for the greedy agreement "
                  "(prompts and continuations), or pass --no-metrics")
-    from sparsify.config import TrainConfig, load_recipe  # no torch
+    from sparsify.config import TrainConfig  # no torch
+    from sparsify.recipe import load_recipe
     from sparsify.errors import ConfigError
 
     try:  # a mistyped or impossible setting stops the pipeline here, not in a conversion after the pretraining
