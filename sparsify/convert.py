@@ -489,7 +489,7 @@ def _sparsity_hint(layers: list[dict], config: TrainConfig) -> str | None:
 
 
 # A layer with more of its units dead than this has lost most of its capacity (docs/quality.md, "Dead units revived":
-# up to 46% dead cost nothing measurable)
+# the deadest layers measured, under half dead, cost nothing measurable)
 DEAD_HINT_ABOVE = 0.75
 
 

@@ -76,12 +76,13 @@ def recipe_gaps(recipe: str | Path | None, source: str, given) -> str | None:
     if "extends" in (yaml.safe_load(path.read_text()) or {}):
         return None
     name = "demo" if source == "demo" else "pretrained"
-    ours, theirs = TrainConfig(), TrainConfig.from_dict(load_recipe(None, source))
+    default = load_recipe(None, source)
+    ours, theirs = TrainConfig(), TrainConfig.from_dict(default)
     shown = lambda value: "unset" if value is None else shown_value(value)  # noqa: E731
     if {"steps", *LENGTHS} & set(given):  # the run's length is set
         given = {*given, *LENGTHS}
     gaps = [f"{setting} {shown(getattr(ours, setting))} ({name}.yaml: {shown(getattr(theirs, setting))})"
-            for setting in load_recipe(None, source)
+            for setting in default
             if setting not in given and getattr(ours, setting) != getattr(theirs, setting)]
     if not gaps:
         return None
