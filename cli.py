@@ -446,10 +446,13 @@ def analyze(model, data, text_column, tokens, seq_len, batch_size, device, json_
 @click.option("--fp8-gate", is_flag=True,
               help="Time the TwELL load with its gate pass in fp8 (model.use_fp8_gate(): e4m3 weights and inputs, "
                    "a scale a unit and a token); the dense load stays as it is.")
+@click.option("--fp8-up-down", is_flag=True,
+              help="Time the TwELL load with its out pass on e4m3 up and down rows (model.use_fp8_up_down(): a scale a "
+                   "unit; the larger batched calls: prefill); with --fp8-gate, both.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write all figures to this JSON file.")
 @user_errors
 def bench(checkpoint, seq_len, prefill_batch, generate_batch, compiled_batch, no_compiled, compiled_prefill_batch,
-          decode_tokens, decode_context, repeats, generate_repeats, data, text_column, fp8_gate, json_path):
+          decode_tokens, decode_context, repeats, generate_repeats, data, text_column, fp8_gate, fp8_up_down, json_path):
     """Dense vs TwELL speed of a converted CHECKPOINT on a GPU, in one process, with a logits check: decoder
     prefill, eager generate, compiled static-cache generate and one decode step replayed as a CUDA graph,
     each with a per-component GPU time breakdown."""
@@ -462,7 +465,8 @@ def bench(checkpoint, seq_len, prefill_batch, generate_batch, compiled_batch, no
                               generate_batches=generate_batch, compiled_batches=() if no_compiled else compiled_batch,
                               compiled_prefill_batches=compiled_prefill_batch,
                               decode_tokens=decode_tokens, decode_context=decode_context, repeats=repeats,
-                              generate_repeats=generate_repeats, data=data, text_column=text_column, fp8_gate=fp8_gate)
+                              generate_repeats=generate_repeats, data=data, text_column=text_column, fp8_gate=fp8_gate,
+                              fp8_up_down=fp8_up_down)
     result["command"] = " ".join(["sparsify", *sys.argv[1:]])
     console.print(bench_table(result))
     if json_path:

@@ -10,6 +10,7 @@ positive), so every (row, tile) overflows: the cost of the decode overflow fallb
 
   python benchmarks/bench_inference.py --grid main decode --json out.json
   python benchmarks/bench_inference.py --grid main decode --fp8-gate --json out.json  # also the fp8 gate
+  python benchmarks/bench_inference.py --grid main --fp8-up-down --json out.json  # also e4m3 up/down rows
   python benchmarks/bench_inference.py --grid decode_dense
   python benchmarks/bench_inference.py --grid window --json out.json  # speed-up against token count
   python benchmarks/bench_inference.py --grid tiles --tile 64 128 256 --compression 4 8 16  # per (tile, C)
@@ -31,7 +32,6 @@ import json
 import os
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -44,13 +44,12 @@ from twell.format import empty_twell, slots
 from twell.format import decode_rows
 from twell.batched import gate_config, gate_launch, out_launch
 from twell.decode import DECODE_TILE, HELD_ROWS, PART_BYTES, PART_STAGES, decode_out_config
-from twell.gated_mlp import LAUNCH_CACHE
 from twell.heavy import HEAVY_FEW_ROWS, heavy_launches
-from twell.paths import reads_fp8_gate
+from twell.paths import UP_DOWN_FP8_MIN_TOKENS, reads_fp8_gate, reads_fp8_up_down
 
 from inference_robustness import ROBUST_ACTIVE, ROBUST_KEY, ROBUST_TOKENS, robustness
-from synthetic_mlp import (HEAVY_K, HEAVY_TILE, LAYERS, add_fp8_gate, dense, make_heavy, make_layer, make_x,
-                           per_layer_us, plan_launches, print_row, reference, rel_err, sparse)
+from synthetic_mlp import (HEAVY_K, HEAVY_TILE, LAYERS, add_fp8_gate, add_fp8_up_down, dense, launch_rules, make_heavy,
+                           make_layer, make_x, per_layer_us, plan_launches, print_row, reference, rel_err, sparse)
 
 ROW_KEY = ("D", "I", "M", "k", "tile", "compression")  # what identifies a grid row (--resume)
 HEAVY_FIRST = 2000  # --host-time, --decode-*: active units of a sequence's first token
@@ -58,6 +57,10 @@ GRAPH_ROWS = 4096  # up to this many tokens: CUDA-graph replays (the launches ar
 GRIDS = {
     "main": [(2048, 5632, m, k) for m in (4096, 16384, 65536) for k in (29, 100, 300)],
     "decode": [(2048, 5632, m, k) for m in (1, 8, 64) for k in (29, 100)],
+    # where the batched path's e4m3 up/down walk starts to win (run with --fp8-up-down)
+    "ud8_window": [(d, i, m, 29) for d, i, ms in ((2048, 5632, (128, 160, 192, 224, 256, 384)),
+                                                 (896, 4864, (96, 128, 256, 512, 1024)), (3584, 18944, (96, 256, 1024)))
+                   for m in ms],
     # between decode and the batched sizes
     "mid": [(d, i, m, 29) for d, i in ((2048, 5632), (4096, 14336)) for m in (96, 256, 512, 1024)],
     "real": [(d, i, m, 29) for d, i in ((896, 4864), (2048, 8192), (3584, 18944), (4096, 14336))
@@ -109,25 +112,6 @@ def time_fn(fn, graphs):
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-@contextmanager
-def launch_rules(**rules):
-    """The kernel launch paths' module-level launch rules (gate_config, out_config, decode_rows, HELD_ROWS, ...)
-    replaced inside the block, in every launch-path module that holds them, the cached launches dropped on the
-    way in and out."""
-    modules = [sys.modules[f"twell.{name}"] for name in ("paths", "batched", "decode", "heavy")]
-    saved = [(module, name, getattr(module, name)) for module in modules for name in rules if hasattr(module, name)]
-    assert {name for _, name, _ in saved} == set(rules), "no launch path holds these rules"
-    for module, name, _ in saved:
-        setattr(module, name, rules[name])
-    LAUNCH_CACHE.clear()
-    try:
-        yield
-    finally:
-        for module, name, rule in saved:
-            setattr(module, name, rule)
-        LAUNCH_CACHE.clear()
-
-
 def write_json(path, result):
     """result as JSON at path, replaced whole (a run killed mid-write leaves the previous file)."""
     with open(path + ".tmp", "w") as f:
@@ -139,9 +123,10 @@ def write_json(path, result):
 SHAPES = ((896, 4864), (2048, 5632), (2048, 8192), (3584, 18944), (4096, 14336))
 
 
-def bench_row(d, i, m, k, tile, compression, skew=0.0, fp8=False):
+def bench_row(d, i, m, k, tile, compression, skew=0.0, fp8=False, fp8_up_down=False):
     """One grid row: dense against TwELL (with fp8, also TwELL with the fp8 gate: its error against the fp32
-    block and against the fp8 gate's reference, whose g is what the kernels compute from quantized x and gate)."""
+    block and against the fp8 gate's reference, whose g is what the kernels compute from quantized x and gate;
+    with fp8_up_down, also TwELL on e4m3 up and down rows, and with both, both)."""
     decode = m <= decode_rows(d, i)
     graphs = m <= GRAPH_ROWS
     layers = make_layers(d, i, k, skew, LAYERS if graphs else 1)
@@ -173,18 +158,43 @@ def bench_row(d, i, m, k, tile, compression, skew=0.0, fp8=False):
         row["gate_ms"] = time_fn(lambda: [gate(lw) for lw in layers], graphs)
         row["updown_ms"] = time_fn(lambda: [out(lw) for lw in layers], graphs)
         row["cublas_gate_ms"] = time_fn(lambda: [x @ lw["gate"].t() for lw in layers], graphs)
-    if fp8 and reads_fp8_gate(m, d, i):  # decode-size calls read the gate itself
-        add_fp8_gate(layers)
-        fresh = make_x(m, d)[check]
-        out_fp8 = sparse(fresh, w, tile, compression, fp8=True)
-        fp8_ref = twell.gated_mlp_reference(fresh.float(), w["gate"], w["up"], w["down"], gate_fp8=w["gate_fp8"],
-                                            tile=tile, compression=compression)
-        t_fp8 = time_fn(lambda: [sparse(x, lw, tile, compression, fp8=True) for lw in layers], graphs)
-        row.update(twell_fp8_ms=t_fp8, speedup_fp8=t_dense / t_fp8, err_twell_fp8=rel_err(out_fp8, reference(fresh, w)),
-                   err_fp8_vs_its_reference=rel_err(out_fp8, fp8_ref))
-        gate, _ = plan_launches(x, layers, tile, compression, fp8=True)
-        row["gate_fp8_ms"] = time_fn(lambda: [gate(lw) for lw in layers], graphs)
+    # the fp8 variants: "fp8" (the gate pass), "ud8" (e4m3 up and down rows), "all8" (both); decode-size calls
+    # read neither, and the e4m3 rows are timed below the rule's token threshold too, to check where it lies
+    variants = [(name, gate8, ud8) for name, gate8, ud8 in (("fp8", True, False), ("ud8", False, True),
+                                                            ("all8", True, True))
+                if (fp8 or not gate8) and (fp8_up_down or not ud8)]
+    with launch_rules(UP_DOWN_FP8_MIN_TOKENS=0):
+        if variants and reads_fp8_gate(m, d, i) and reads_fp8_up_down(m, d, i):  # the same paths read both
+            row.update(fp8_columns(x, layers, tile, compression, graphs, t_dense, check, variants))
+    if "speedup_ud8" in row:
+        row["ud8_by_default"] = m >= UP_DOWN_FP8_MIN_TOKENS  # the rule's threshold, as imported
     return row
+
+
+def fp8_columns(x, layers, tile, compression, graphs, t_dense, check, variants):
+    """A grid row's columns of the block in each fp8 variant (name, fp8 gate, e4m3 up and down rows): time,
+    speed-up, error against the fp32 block and against the reference of what the kernels compute (g from quantized
+    x and gate, the up and down rows mixed as the kernels read them); the gate pass alone with the fp8 gate, the
+    out pass alone on the e4m3 rows."""
+    add_fp8_gate(layers)
+    add_fp8_up_down(layers)
+    w = layers[0]
+    fresh = make_x(x.shape[0], x.shape[1])[check]
+    columns = {}
+    for name, gate8, ud8 in variants:
+        out = sparse(fresh, w, tile, compression, fp8=gate8, fp8_up_down=ud8)
+        its_reference = twell.gated_mlp_reference(
+            fresh.float(), w["gate"], w["up"], w["down"], tile=tile, compression=compression,
+            gate_fp8=w["gate_fp8"] if gate8 else None, up_down_fp8=w["up_down_fp8"] if ud8 else None)
+        t = time_fn(lambda: [sparse(x, lw, tile, compression, fp8=gate8, fp8_up_down=ud8) for lw in layers], graphs)
+        columns.update({f"twell_{name}_ms": t, f"speedup_{name}": t_dense / t,
+                        f"err_twell_{name}": rel_err(out, reference(fresh, w)),
+                        f"err_{name}_vs_its_reference": rel_err(out, its_reference.float())})
+        if name in ("fp8", "ud8"):  # the pass it changes, alone
+            gate, out_pass = plan_launches(x, layers, tile, compression, fp8=gate8, fp8_up_down=ud8)
+            passes = {"gate_fp8_ms": gate} if gate8 else {"updown_ud8_ms": out_pass}
+            columns.update({key: time_fn(lambda: [fn(lw) for lw in layers], graphs) for key, fn in passes.items()})
+    return columns
 
 
 def sweep():
@@ -471,19 +481,22 @@ def block_grid(args, result: dict, done: set) -> None:
             comp = compression if k < 200 else min(compression, 4)
             if (d, i, m, k, tile, comp) in done:
                 continue
-            rows.append(bench_row(d, i, m, k, tile, comp, fp8=args.fp8_gate))
+            rows.append(bench_row(d, i, m, k, tile, comp, fp8=args.fp8_gate, fp8_up_down=args.fp8_up_down))
             print({key: round(v, 4) if isinstance(v, float) else v for key, v in rows[-1].items()}, flush=True)
             if args.json:  # after every row, so that a run cut short keeps what it measured
                 write_json(args.json, result)
     print(f"\n{'D':>5} {'I':>6} {'M':>6} {'k':>4} {'mean':>6} {'max':>5} {'maxT':>4} {'ovf':>6} {'dense':>8} "
-          f"{'twell':>8} {'x':>5} {'gate':>7} {'updn':>7} {'cuBLAS':>7} {'errD':>7} {'errT':>7} {'x fp8':>6}")
+          f"{'twell':>8} {'x':>5} {'gate':>7} {'updn':>7} {'cuBLAS':>7} {'errD':>7} {'errT':>7} {'x fp8':>6} "
+          f"{'x ud8':>6} {'x all8':>6} {'updn8':>7}")
     for r in rows:
         print(f"{r['D']:5d} {r['I']:6d} {r['M']:6d} {r['k']:4d} {r['mean_active']:6.1f} "
               f"{r['max_active']:5.0f} {r['max_tile_active']:4d} {r['overflow_tiles']:6d} "
               f"{r['dense_ms']:8.4f} {r['twell_ms']:8.4f} {r['speedup']:5.2f} "
               f"{r.get('gate_ms', float('nan')):7.4f} {r.get('updown_ms', float('nan')):7.4f} "
               f"{r.get('cublas_gate_ms', float('nan')):7.4f} "
-              f"{r['err_dense']:7.1e} {r['err_twell']:7.1e} {r.get('speedup_fp8', float('nan')):6.2f}")
+              f"{r['err_dense']:7.1e} {r['err_twell']:7.1e} {r.get('speedup_fp8', float('nan')):6.2f} "
+              f"{r.get('speedup_ud8', float('nan')):6.2f} {r.get('speedup_all8', float('nan')):6.2f} "
+              f"{r.get('updown_ud8_ms', float('nan')):7.4f}")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -511,6 +524,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--fp8-gate", action="store_true",
                    help="block grid: each row of the batched path also with its gate pass in fp8 (twell.fp8_gate), "
                         "timed and checked; --robustness: the kernel layers with use_fp8_gate()")
+    p.add_argument("--fp8-up-down", action="store_true",
+                   help="block grid: each row of the batched path also with its out pass on e4m3 up and down rows "
+                        "(twell.fp8_gate.quantize_up_down), and with --fp8-gate also with both, timed and checked")
     p.add_argument("--json", default=None)
     p.add_argument("--resume", action="store_true",
                    help="block grid and --robustness: keep the rows already in --json (a run cut short) and "

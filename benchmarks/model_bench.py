@@ -130,6 +130,8 @@ def main(argv=None):
     parser.add_argument("--measure", action="store_true",
                         help="Plan by timing the kernel settings (as convert --measure).")
     parser.add_argument("--fp8-gate", action="store_true", help="The TwELL load's gate pass in fp8 (sparsify bench's).")
+    parser.add_argument("--fp8-up-down", action="store_true",
+                        help="The TwELL load's out pass on e4m3 up and down rows (sparsify bench's).")
     args = parser.parse_args(argv)
     for option in ("layers", "seq_len", "decode_tokens", "decode_context", "repeats", "generate_repeats"):
         if getattr(args, option) < 1:  # before any GPU work (bench_checkpoint checks them after the build)
@@ -154,7 +156,8 @@ def main(argv=None):
                                   generate_batches=args.generate_batch, compiled_batches=args.compiled_batch,
                                   compiled_prefill_batches=args.compiled_prefill_batch,
                                   decode_tokens=args.decode_tokens, decode_context=args.decode_context,
-                                  repeats=args.repeats, generate_repeats=args.generate_repeats, fp8_gate=args.fp8_gate)
+                                  repeats=args.repeats, generate_repeats=args.generate_repeats, fp8_gate=args.fp8_gate,
+                                  fp8_up_down=args.fp8_up_down)
         twell_section = json.loads((path / "config.json").read_text())["twell"]
         result.update(command="python " + " ".join(sys.argv), target_active=active,
                       shape={"hidden": args.hidden, "intermediate": args.intermediate, "layers": args.layers},
@@ -165,7 +168,7 @@ def main(argv=None):
                       f"{[round(a, 1) for a in result['mean_active']]}"
                       + (f"; with the fp8 gate: {[round(a, 1) for a in result['fp8_gate_mean_active']]}"
                          if args.fp8_gate else "") + f"; seconds: {result['seconds']}")
-        suffix = ("_measured" if args.measure else "") + ("_fp8" if args.fp8_gate else "")
+        suffix = ("_measured" if args.measure else "") + ("_fp8" if args.fp8_gate else "") + ("_ud8" if args.fp8_up_down else "")
         name = f"model_bench_k{active:g}_l{args.layers}{suffix}.json"
         console.print(f"wrote {write_json(result, args.out / name)}")
     console.print(f"versions: {versions()}")

@@ -1,15 +1,19 @@
 """Synthetic MLP layers for the inference benchmarks (bench_inference.py, inference_robustness.py), by the method
 of docs/performance.md: x ~ N(0, 1) with x[:, 0] = 1 (bias channel), gate ~ N(0, 1/D) with
 gate[:, 0] = -Phi^-1(1 - k/I), so each unit fires with probability k/I; the dense bf16 block they are timed
-against, the fp32 reference they are checked against, and the timing helpers they share."""
+against, the fp32 reference they are checked against, and the timing helpers they share (launch_rules: the
+kernels' launch rules replaced for a measurement)."""
 import math
+import sys
+from contextlib import contextmanager
 from statistics import NormalDist
 
 import torch
 from triton.testing import do_bench_cudagraph
 
 import twell
-from twell.fp8_gate import quantize_weight
+from twell.gated_mlp import LAUNCH_CACHE
+from twell.fp8_gate import quantize_up_down, quantize_weight
 from twell.paths import launch_path
 
 LAYERS = 8  # layer copies for graph-replay timing
@@ -34,6 +38,14 @@ def add_fp8_gate(layers):
             w["gate_fp8"] = quantize_weight(w["gate"])
 
 
+def add_fp8_up_down(layers):
+    """Each layer's "up_down_fp8": its up and down rows' e4m3 copies (twell.fp8_gate), made once, where a row
+    times them."""
+    for w in layers:
+        if "up_down_fp8" not in w:
+            w["up_down_fp8"] = quantize_up_down(w["up"], w["down"])
+
+
 def make_x(m, d):
     x = torch.randn(m, d, device="cuda")
     x[:, 0] = 1.0
@@ -46,10 +58,12 @@ def dense(x, w):
     return (torch.relu(gu[:, :i]) * gu[:, i:]) @ w["down"].t()
 
 
-def sparse(x, w, tile, compression, precision="default", fp8=False):
-    """The block through twell.gated_mlp; with fp8, its gate pass in fp8 (the layer's "gate_fp8" copy)."""
+def sparse(x, w, tile, compression, precision="default", fp8=False, fp8_up_down=False):
+    """The block through twell.gated_mlp; with fp8, its gate pass in fp8 (the layer's "gate_fp8" copy); with
+    fp8_up_down, its out pass on e4m3 up and down rows (the layer's "up_down_fp8")."""
     return twell.gated_mlp(x, w["gate"], w["up"], w["down_p"], tile=tile, compression=compression,
-                           precision=precision, gate_fp8=w["gate_fp8"] if fp8 else None)
+                           precision=precision, gate_fp8=w["gate_fp8"] if fp8 else None,
+                           up_down_fp8=w["up_down_fp8"] if fp8_up_down else None)
 
 
 def rel_err(out, ref):
@@ -75,7 +89,7 @@ def make_heavy(x, rows, units, i, k=HEAVY_K):
     x[rows, 0] = NormalDist().inv_cdf(1 - units / i) / NormalDist().inv_cdf(1 - k / i)
 
 
-def plan_launches(x, layers, tile=128, compression=8, fp8=False):
+def plan_launches(x, layers, tile=128, compression=8, fp8=False, fp8_up_down=False):
     """The gate launch (with fp8: x's quantization, then the fp8 gate's launch) and the out launch of
     twell.gated_mlp's plan for x, each a function of a layer copy,
     launches and buffers made once (built at each call, the Hopper gate launch's host time would count in
@@ -84,7 +98,7 @@ def plan_launches(x, layers, tile=128, compression=8, fp8=False):
     lists (fine for timing; their outputs mean nothing)."""
     path = launch_path(x.shape[0], x.shape[1], layers[0]["gate"].shape[0])
     plan = path.launches(x, layers[0]["gate"], layers[0]["up"], tile, compression, "default", None,
-                         layers[0]["gate_fp8"] if fp8 else None)
+                         layers[0]["gate_fp8"] if fp8 else None, layers[0]["up_down_fp8"] if fp8_up_down else None)
     bufs = {}
     for lw in layers:
         tw = (torch.empty(plan.twell_shape, dtype=plan.vals_dtype, device=x.device),
@@ -100,9 +114,29 @@ def plan_launches(x, layers, tile=128, compression=8, fp8=False):
 
     def out(lw):
         tw, partials, o = bufs[id(lw)]
-        plan.out(x, *tw, partials, lw["gate"], lw["up"], lw["down_p"].t(), o, tw[2])
+        plan.out(x, *tw, partials, lw["gate"], lw["up"], lw["down_p"].t(), o, tw[2],
+                 lw["up_down_fp8"] if fp8_up_down else None)
 
     for lw in layers:
         gate(lw)
     torch.cuda.synchronize()
     return gate, out
+
+
+@contextmanager
+def launch_rules(**rules):
+    """The kernel launch paths' module-level launch rules (gate_config, out_config, decode_rows, HELD_ROWS, ...)
+    replaced inside the block, in every launch-path module that holds them, the cached launches dropped on the
+    way in and out."""
+    modules = [sys.modules[f"twell.{name}"] for name in ("paths", "batched", "decode", "heavy")]
+    saved = [(module, name, getattr(module, name)) for module in modules for name in rules if hasattr(module, name)]
+    assert {name for _, name, _ in saved} == set(rules), "no launch path holds these rules"
+    for module, name, _ in saved:
+        setattr(module, name, rules[name])
+    LAUNCH_CACHE.clear()
+    try:
+        yield
+    finally:
+        for module, name, rule in saved:
+            setattr(module, name, rule)
+        LAUNCH_CACHE.clear()

@@ -133,7 +133,7 @@ def gate_launch(x2, w, up, tile, s, vals_dtype, cfg, h_fp32=False, partials=Fals
 
 
 def out_launch(x2, width, tile, s, h_fp32, has_overflow, cfg, packed_h=False, tile_stride=None,
-               pdl=False, count_units=False) -> "_OutLaunches":
+               pdl=False, count_units=False, fp8_up_down=False) -> "_OutLaunches":
     """Launches of out [M, D] = sum over active units j of h_j * down_t[j], h_j = g_j * (x . up[j]). With
     packed_h (decode path), the TwELL already holds h and overflowing tiles read their partial rows from
     the buffer that gate_launch(partials=True) wrote; otherwise they are recomputed from gate and up.
@@ -142,7 +142,9 @@ def out_launch(x2, width, tile, s, h_fp32, has_overflow, cfg, packed_h=False, ti
     or counts); gate, up and down_t contiguous.
     Batched (one program a whole row), a heavy row posts its index for the dense block (heavy_launches), and
     with count_units every UNIT_SAMPLE-th row it walks adds its units and itself to overflow[1] and [2], and
-    each posted row adds itself to overflow[3]."""
+    each posted row adds itself to overflow[3].
+    With `fp8_up_down` (batched only), the walk reads the up and down rows' e4m3 copies
+    (fp8_gate.quantize_up_down), passed at each call; the dense fallbacks read up and down_t."""
     m, d = x2.shape
     ts = _tile_stride(tile, tile_stride)
     nt = cdiv(width, ts)
@@ -153,6 +155,8 @@ def out_launch(x2, width, tile, s, h_fp32, has_overflow, cfg, packed_h=False, ti
     # fallback units a step: recomputing reduces [FB_CH, BLOCK_D] gate/up tiles, so few
     fb_ch = min(ch, 4)
     split = not packed_h and bd == block_d
+    if fp8_up_down and not split:
+        raise ValueError("e4m3 up and down rows are read by the batched path's out kernel alone")
     nt_pad, s_pad = max(2, triton.next_power_of_2(nt)), triton.next_power_of_2(s)
     row_slots = triton.next_power_of_2(nt * s)
     held = row_slots if packed_h and m <= HELD_ROWS and row_slots <= HELD_SLOTS else 0
@@ -168,8 +172,14 @@ def out_launch(x2, width, tile, s, h_fp32, has_overflow, cfg, packed_h=False, ti
         OT=max(1, min(nt_pad, 4096 // bd)), BLOCK_D=block_d, BD=bd, LIST_UP=not packed_h, H_FP32=h_fp32,
         HAS_OVF=has_overflow, PARTIALS=packed_h, TS=ts, PDL=pdl, POST=split,
         COUNT_UNITS=UNIT_SAMPLE if count_units and split else 0,
-        HELD=held, COMPACT_TC=tc if fused else 0, S_PAD=s_pad), cfg)
+        HELD=held, COMPACT_TC=tc if fused else 0, S_PAD=s_pad, FP8_UD=fp8_up_down), cfg,
+        None if fp8_up_down else _no_up_down_fp8)
     return _OutLaunches(compact, out, heavy_launches(x2, width, h_fp32) if split else None)
+
+
+def _no_up_down_fp8(x2, values, indices, counts, partials, gate, up, down_t, out, overflow, workspace):
+    """The out kernel's e4m3 rows and scales where it reads none: placeholders, never read."""
+    return up, down_t, gate, gate
 
 
 class _OutLaunches:
@@ -181,14 +191,15 @@ class _OutLaunches:
     def __init__(self, compact: Optional[Launch], out: Launch, heavy: Optional[HeavyBlock]):
         self.compact, self.out, self.heavy = compact, out, heavy
 
-    def __call__(self, x2, values, indices, counts, partials, gate, up, down_t, out, overflow):
+    def __call__(self, x2, values, indices, counts, partials, gate, up, down_t, out, overflow, up_down_fp8=None):
         if self.compact is not None:
             self.compact(indices, values, counts)
+        fp8 = () if up_down_fp8 is None else tuple(up_down_fp8)  # the walk's e4m3 rows and scales
         if self.heavy is None:
-            self.out(x2, values, indices, counts, partials, gate, up, down_t, out, overflow, counts)
+            self.out(x2, values, indices, counts, partials, gate, up, down_t, out, overflow, counts, *fp8)
             return
         workspace = torch.zeros(1 + x2.shape[0], dtype=torch.int32, device=x2.device)
-        self.out(x2, values, indices, counts, partials, gate, up, down_t, out, overflow, workspace)
+        self.out(x2, values, indices, counts, partials, gate, up, down_t, out, overflow, workspace, *fp8)
         self.heavy(x2, gate, up, down_t, workspace, out)
 
 
@@ -285,19 +296,27 @@ if triton is not None:
 
     @triton.jit
     def _accumulate_units(acc, x, j, g, active, d, dmask, do, omask, up_ptr, down_ptr, D,
-                          TIMES_UP: tl.constexpr, H_FP32: tl.constexpr):
+                          TIMES_UP: tl.constexpr, H_FP32: tl.constexpr, FP8_UD: tl.constexpr = False,
+                          hdt_ptr=None, su_ptr=None, sd_ptr=None):
         """acc += sum over the CH units j (where active) of h_j * down_t[j, do]: h_j = g_j * (x . up[j, :])
-        with TIMES_UP, else g_j (the decode path packs h)."""
+        with TIMES_UP, else g_j (the decode path packs h). With FP8_UD, up and down_t are the e4m3 copies and
+        su_ptr and sd_ptr their scales a unit: h_j = g_j * su_j * (x . q(up[j])), rounded to hdt_ptr's dtype
+        (x's), then acc += h_j * sd_j * q(down_t[j])."""
         rows = j[:, None].to(tl.int64) * D
         dw = tl.load(down_ptr + rows + do[None, :], mask=active[:, None] & omask[None, :], other=0.0,
                      eviction_policy="evict_last")
+        if FP8_UD:
+            su = tl.load(su_ptr + j, mask=active, other=0.0)
+            sd = tl.load(sd_ptr + j, mask=active, other=0.0)
         if TIMES_UP:  # the down rows above are already in flight while this reduction waits
             uw = tl.load(up_ptr + rows + d[None, :], mask=active[:, None] & dmask[None, :], other=0.0,
                          eviction_policy="evict_last")
             h = g * tl.sum(uw.to(tl.float32) * x[None, :], axis=1)
         else:
             h = g
-        if not H_FP32:
+        if FP8_UD:
+            h = (h * su).to(hdt_ptr.dtype.element_ty).to(tl.float32) * sd
+        elif not H_FP32:
             h = h.to(down_ptr.dtype.element_ty).to(tl.float32)  # h in the weights' precision, like dense
         return acc + tl.sum(h[:, None] * dw.to(tl.float32), axis=0)
 
@@ -333,7 +352,8 @@ if triton is not None:
     @triton.jit
     def _walk_list(acc, x, lo, hi, incl, fits, row, NT, S: tl.constexpr, CH: tl.constexpr, idx_ptr, vals_ptr,
                    row_j, row_g, HELD: tl.constexpr,
-                   d, dmask, do, omask, up_ptr, down_ptr, D, TIMES_UP: tl.constexpr, H_FP32: tl.constexpr):
+                   d, dmask, do, omask, up_ptr, down_ptr, D, TIMES_UP: tl.constexpr, H_FP32: tl.constexpr,
+                   FP8_UD: tl.constexpr, hdt_ptr, su_ptr, sd_ptr):
         """acc += the units of list entries lo..hi - 1, CH a step; the next step's units are fetched before
         this step's weights are consumed."""
         e = tl.arange(0, CH)
@@ -342,7 +362,7 @@ if triton is not None:
             j_next, g_next, active_next = _list_entries(e + e0 + CH, incl, fits, hi, row, NT, S, idx_ptr,
                                                         vals_ptr, row_j, row_g, HELD)
             acc = _accumulate_units(acc, x, j, g, active, d, dmask, do, omask, up_ptr, down_ptr, D, TIMES_UP,
-                                    H_FP32)
+                                    H_FP32, FP8_UD, hdt_ptr, su_ptr, sd_ptr)
             j, g, active = j_next, g_next, active_next
         return acc
 
@@ -407,14 +427,15 @@ if triton is not None:
 
     @triton.jit
     def _twell_out_kernel(x_ptr, vals_ptr, idx_ptr, cnt_ptr, part_ptr, gate_ptr, up_ptr, down_ptr, out_ptr,
-                          ovf_ptr, ws_ptr, D, I, NT, HEAVY, stride_xm, stride_xk,
+                          ovf_ptr, ws_ptr, up8_ptr, down8_ptr, su_ptr, sd_ptr, D, I, NT, HEAVY, stride_xm, stride_xk,
                           T: tl.constexpr, S: tl.constexpr, NT_PAD: tl.constexpr, CH: tl.constexpr,
                           FB_CH: tl.constexpr, OT: tl.constexpr, BLOCK_D: tl.constexpr, BD: tl.constexpr,
                           LIST_UP: tl.constexpr, H_FP32: tl.constexpr, HAS_OVF: tl.constexpr,
                           PARTIALS: tl.constexpr, TS: tl.constexpr, PDL: tl.constexpr, POST: tl.constexpr,
                           HELD: tl.constexpr, COMPACT_TC: tl.constexpr, S_PAD: tl.constexpr,
-                          COUNT_UNITS: tl.constexpr):
-        # program (row, output chunk): u needs the whole row of x and up, down only BD output columns
+                          COUNT_UNITS: tl.constexpr, FP8_UD: tl.constexpr):
+        # program (row, output chunk): u needs the whole row of x and up, down only BD output columns; with
+        # FP8_UD the walk reads up8 and down8 (e4m3 rows, scales su and sd), the dense fallbacks up and down
         row = tl.program_id(0).to(tl.int64)
         if COMPACT_TC > 0:  # the row's program compacts its list itself (no pre-pass launch), then a barrier:
             # every thread's moves land before any thread's walk reads them
@@ -452,8 +473,14 @@ if triton is not None:
                 tl.atomic_add(ovf_ptr + 2, tl.full((), 1, ovf_ptr.dtype.element_ty))
         acc = tl.zeros((BD,), dtype=tl.float32)
         if own:
-            acc = _walk_list(acc, x, 0, total, incl, fits, row, NT, S, CH, idx_ptr, vals_ptr, row_j, row_g,
-                             HELD > 0, d, dmask, do, omask, up_ptr, down_ptr, D, LIST_UP, H_FP32)
+            if FP8_UD:
+                acc = _walk_list(acc, x, 0, total, incl, fits, row, NT, S, CH, idx_ptr, vals_ptr, row_j, row_g,
+                                 HELD > 0, d, dmask, do, omask, up8_ptr, down8_ptr, D, LIST_UP, H_FP32,
+                                 True, up_ptr, su_ptr, sd_ptr)
+            else:
+                acc = _walk_list(acc, x, 0, total, incl, fits, row, NT, S, CH, idx_ptr, vals_ptr, row_j, row_g,
+                                 HELD > 0, d, dmask, do, omask, up_ptr, down_ptr, D, LIST_UP, H_FP32, False, None, None,
+                                 None)
         if n_over > 0:
             if HAS_OVF:
                 tl.atomic_add(ovf_ptr, n_over.to(ovf_ptr.dtype.element_ty), mask=pid_d == 0)

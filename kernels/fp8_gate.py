@@ -3,8 +3,11 @@ cores, at twice the bf16 rate and half its weight bytes. The weight is quantized
 scale a unit, its row's largest magnitude at 448, e4m3's largest value), x at each call (`quantize_rows`: one
 scale a token), and the gate kernels compute g = (q(x) . q(w)) * scale_x * scale_w, accumulated in fp32.
 Only the gate pass reads the fp8 copy: up, down and every dense path (heavy rows, overflowing tiles the out
-kernel recomputes, calls that run dense) read the bf16 weights. References: quantize_rows_reference,
-gate_reference."""
+kernel recomputes, calls that run dense) read the bf16 weights. Apart from it, e4m3 up and down rows
+(`quantize_up_down`, a scale a unit) halve the bytes the batched out kernel gathers for each active unit.
+References: quantize_rows_reference, gate_reference, up_down_reference."""
+from typing import NamedTuple
+
 import torch
 
 from .format import cdiv, use_triton
@@ -42,6 +45,54 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # a tensor over a tensor: correctly rounded, as the kernel's division (a number over a tensor is a
     # reciprocal times the number in torch, rounded twice)
     return (w * (torch.full_like(amax, E4M3_MAX) / amax)[:, None]).to(E4M3), amax / E4M3_MAX
+
+
+class UpDownE4m3(NamedTuple):
+    """e4m3 copies of a block's up rows and down columns, with fp32 scales a unit (quantize_weight's)."""
+
+    up: torch.Tensor  # [I, D]
+    down_t: torch.Tensor  # [I, D]: row j is unit j's column of down
+    up_scale: torch.Tensor  # [I]
+    down_scale: torch.Tensor  # [I]
+
+
+def quantize_up_down(up: torch.Tensor, down: torch.Tensor) -> UpDownE4m3:
+    """The e4m3 copies of up [I, D] and down [D, I] that gated_mlp's `up_down_fp8` takes."""
+    if up.dim() != 2 or down.shape != (up.shape[1], up.shape[0]):
+        raise ValueError(f"up must be [I, D] and down [D, I], got {tuple(up.shape)} and {tuple(down.shape)}")
+    up_q, up_scale = quantize_weight(up)
+    down_q, down_scale = quantize_weight(down.t())
+    return UpDownE4m3(up_q.contiguous(), down_q.contiguous(), up_scale, down_scale)  # the out kernel reads rows
+
+
+def up_down_reference(up_down: UpDownE4m3) -> tuple[torch.Tensor, torch.Tensor]:
+    """(up [I, D], down [D, I]) in fp32 as the e4m3 copies hold them."""
+    return up_down.up.float() * up_down.up_scale[:, None], (up_down.down_t.float() * up_down.down_scale[:, None]).t()
+
+
+class E4m3Copy:
+    """A layer's e4m3 copy of some weights, made by `make(*weights)` (quantize_weight, quantize_up_down) and held
+    for its calls: remade where the weights moved or changed; under torch.compile the copy made by an eager call
+    (else made in the traced graph); None where it would be made while a CUDA graph is captured (it would live in
+    the graph's memory pool, freed with it, and every replay would quantize the weights again): that call reads
+    the weights themselves."""
+
+    def __init__(self, make):
+        self.make, self.held = make, None  # held: (the weights' addresses, devices and versions, the copy)
+
+    def __call__(self, *weights):
+        if torch.compiler.is_compiling():
+            return self.held[1] if self.held is not None else self.make(*weights)
+        key = tuple((w.data_ptr(), w.device, w._version) for w in weights)
+        if self.held is None or self.held[0] != key:
+            if weights[0].is_cuda and torch.cuda.is_current_stream_capturing():
+                return None
+            with torch.no_grad():
+                self.held = (key, self.make(*weights))
+        return self.held[1]
+
+    def drop(self) -> None:
+        self.held = None
 
 
 def quantize_rows_reference(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

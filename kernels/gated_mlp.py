@@ -7,7 +7,8 @@ is read transposed: pass `prepare_down(down)` (made once at load time) to avoid 
 configuration beyond the GPU (Triton's OutOfResources: shared memory on a GPU with less than the H100's) makes
 calls of that shape run the dense block, with a warning, instead of failing. With `gate_fp8` (fp8_gate.py) the
 batched path's gate kernel reads the gate's e4m3 copy and x quantized a token at a time (paths.LaunchPath.fp8_gate:
-the paths where that wins)."""
+the paths where that wins); with `up_down_fp8` its out kernel walks e4m3 up and down rows
+(paths.LaunchPath.fp8_up_down)."""
 import hashlib
 import warnings
 from collections import OrderedDict
@@ -16,8 +17,8 @@ from typing import Optional
 import torch
 
 from .format import on_device, slots, use_triton
-from .fp8_gate import E4M3, check_device
-from .paths import launch_path, reads_fp8_gate
+from .fp8_gate import E4M3, UpDownE4m3, check_device
+from .paths import launch_path, reads_fp8_gate, reads_fp8_up_down
 from .reference import forward_reference
 
 try:
@@ -38,20 +39,22 @@ LAUNCH_CACHE_SIZE = 256  # launch sets kept (layers of one shape share them; a n
 LAUNCH_CACHE = OrderedDict()  # recent launch sets by _launch_key, least recently used first
 
 
-def _launch_key(x2, gate, up, down_t, tile, compression, precision, overflow, gate_fp8):
+def _launch_key(x2, gate, up, down_t, tile, compression, precision, overflow, gate_fp8, up_down_fp8):
     """Shapes, strides, dtypes, devices and each pointer's alignment: what the launches depend on (Triton
     specializes a kernel on every pointer argument's 16-byte alignment)."""
-    tensors = [t for t in (x2, gate, down_t, up, overflow, *(gate_fp8 or ())) if t is not None]
-    return (tile, compression, precision, overflow is not None, gate_fp8 is not None,
+    tensors = [t for t in (x2, gate, down_t, up, overflow, *(gate_fp8 or ()), *(up_down_fp8 or ())) if t is not None]
+    return (tile, compression, precision, overflow is not None, gate_fp8 is not None, up_down_fp8 is not None,
             *((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0) for t in tensors))
 
 
-def check_args(x, gate, up, down, tile, compression, precision, overflow, gate_fp8=None):
+def check_args(x, gate, up, down, tile, compression, precision, overflow, gate_fp8=None, up_down_fp8=None):
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    devices = {str(t.device) for t in (x, gate, up, down, overflow, *(gate_fp8 or ())) if t is not None}
+    fp8 = (*(gate_fp8 or ()), *(up_down_fp8 or ()))
+    devices = {str(t.device) for t in (x, gate, up, down, overflow, *fp8) if t is not None}
     if len(devices) > 1:
-        given = "x, the weights" + (", gate_fp8" if gate_fp8 is not None else "") + " and overflow"
+        given = ("x, the weights" + (", gate_fp8" if gate_fp8 is not None else "")
+                 + (", up_down_fp8" if up_down_fp8 is not None else "") + " and overflow")
         raise ValueError(f"{given} must be on one device, got {sorted(devices)}")
     width, d = gate.shape
     if x.shape[-1] != d or down.shape != (d, width) or up.shape != gate.shape:
@@ -66,19 +69,39 @@ def check_args(x, gate, up, down, tile, compression, precision, overflow, gate_f
     slots(tile, compression)
     if gate_fp8 is not None:
         check_gate_fp8(x, gate, precision, gate_fp8)
+    if up_down_fp8 is not None:
+        check_up_down_fp8(x, gate, precision, up_down_fp8)
+
+
+def _check_e4m3_copy(name, of, weight, scale, shape, made_by, contiguous=False):
+    if weight.dtype != E4M3 or weight.shape != shape or (contiguous and not weight.is_contiguous()):
+        raise ValueError(f"{name} must be {of} {E4M3} copy, {'contiguous, ' if contiguous else ''}shape "
+                         f"{tuple(shape)} ({made_by}), got {weight.dtype} {tuple(weight.shape)}")
+    if scale.dtype != torch.float32 or scale.shape != shape[:1] or not scale.is_contiguous():
+        raise ValueError(f"{name}'s scale must be contiguous float32 [{shape[0]}], a scale a unit, got {scale.dtype} "
+                         f"{tuple(scale.shape)}")
+
+
+def _check_fp8_input(x, precision, what):
+    if x.dtype not in (torch.float16, torch.bfloat16) or precision != "default":
+        raise ValueError(f"{what} takes 16-bit x at precision 'default', got {x.dtype} at {precision!r}")
+    check_device(x.device)
 
 
 def check_gate_fp8(x, gate, precision, gate_fp8):
-    weight, scale = gate_fp8
-    if weight.dtype != E4M3 or weight.shape != gate.shape:
-        raise ValueError(f"gate_fp8's weight must be the gate's {E4M3} copy, shape {tuple(gate.shape)} "
-                         f"(fp8_gate.quantize_weight), got {weight.dtype} {tuple(weight.shape)}")
-    if scale.dtype != torch.float32 or scale.shape != (gate.shape[0],):
-        raise ValueError(f"gate_fp8's scale must be float32 [{gate.shape[0]}], a scale a unit, got {scale.dtype} "
-                         f"{tuple(scale.shape)}")
-    if x.dtype not in (torch.float16, torch.bfloat16) or precision != "default":
-        raise ValueError(f"the fp8 gate takes 16-bit x at precision 'default', got {x.dtype} at {precision!r}")
-    check_device(x.device)
+    _check_e4m3_copy("gate_fp8's weight", "the gate's", *gate_fp8, gate.shape, "fp8_gate.quantize_weight")
+    _check_fp8_input(x, precision, "the fp8 gate")
+
+
+def check_up_down_fp8(x, gate, precision, up_down_fp8):
+    if not isinstance(up_down_fp8, UpDownE4m3):
+        raise ValueError(f"up_down_fp8 must be fp8_gate.quantize_up_down(up, down)'s UpDownE4m3, got "
+                         f"{type(up_down_fp8).__name__}")
+    made_by = "fp8_gate.quantize_up_down"
+    _check_e4m3_copy("up_down_fp8.up", "up's", up_down_fp8.up, up_down_fp8.up_scale, gate.shape, made_by, True)
+    _check_e4m3_copy("up_down_fp8.down_t", "down's transposed", up_down_fp8.down_t, up_down_fp8.down_scale,
+                     gate.shape, made_by, True)
+    _check_fp8_input(x, precision, "e4m3 up and down rows")
 
 
 def check_kernel_dtypes(x, gate, up, down):
@@ -88,44 +111,49 @@ def check_kernel_dtypes(x, gate, up, down):
                          f"{x.dtype}, gate {gate.dtype}, up {up.dtype}, down {down.dtype}")
 
 
-def forward(x, gate, up, down, tile, compression, precision, overflow=None, gate_fp8=None):
+def forward(x, gate, up, down, tile, compression, precision, overflow=None, gate_fp8=None, up_down_fp8=None):
     """The block's body (gated_mlp, its custom ops, the modeling file's layers).
     Calls look their checked arguments and launches up by _launch_key instead of rebuilding them: building
     them and a first launch through Triton's JIT cost more host time than a whole block takes on the GPU at
     small token counts."""
-    if gate_fp8 is not None and not reads_fp8_gate(x.numel() // max(x.shape[-1], 1), x.shape[-1], gate.shape[0]):
+    tokens = x.numel() // max(x.shape[-1], 1)
+    if gate_fp8 is not None and not reads_fp8_gate(tokens, x.shape[-1], gate.shape[0]):
         check_gate_fp8(x, gate, precision, gate_fp8)
         gate_fp8 = None
+    if up_down_fp8 is not None and not reads_fp8_up_down(tokens, x.shape[-1], gate.shape[0]):
+        check_up_down_fp8(x, gate, precision, up_down_fp8)
+        up_down_fp8 = None
     if not use_triton(x):
-        check_args(x, gate, up, down, tile, compression, precision, overflow, gate_fp8)
-        return forward_reference(x, gate, up, down, tile, compression, overflow, gate_fp8)
+        check_args(x, gate, up, down, tile, compression, precision, overflow, gate_fp8, up_down_fp8)
+        return forward_reference(x, gate, up, down, tile, compression, overflow, gate_fp8, up_down_fp8)
     with on_device(x):
-        return _forward_triton(x, gate, up, down, tile, compression, precision, overflow, gate_fp8)
+        return _forward_triton(x, gate, up, down, tile, compression, precision, overflow, gate_fp8, up_down_fp8)
 
 
-def _forward_triton(x, gate, up, down, tile, compression, precision, overflow, gate_fp8):
+def _forward_triton(x, gate, up, down, tile, compression, precision, overflow, gate_fp8, up_down_fp8):
     if x.shape[-1] != gate.shape[1]:  # before the reshape, so that it fails as a ValueError
-        check_args(x, gate, up, down, tile, compression, precision, overflow, gate_fp8)
+        check_args(x, gate, up, down, tile, compression, precision, overflow, gate_fp8, up_down_fp8)
     x2 = x.reshape(-1, x.shape[-1])
     down_t = down.t().contiguous()  # no copy when the weight came from prepare_down
     up = up.contiguous()
     gate = gate.contiguous()  # the overflow fallback reads contiguous rows; one copy serves both kernels
-    key = _launch_key(x2, gate, up, down_t, tile, compression, precision, overflow, gate_fp8)
+    key = _launch_key(x2, gate, up, down_t, tile, compression, precision, overflow, gate_fp8, up_down_fp8)
     launches = LAUNCH_CACHE.get(key)
     if launches is None:
-        check_args(x, gate, up, down, tile, compression, precision, overflow, gate_fp8)
+        check_args(x, gate, up, down, tile, compression, precision, overflow, gate_fp8, up_down_fp8)
         check_kernel_dtypes(x, gate, up, down)
         if x2.shape[0] == 0:
             return x.new_empty(x.shape)
         path = launch_path(x2.shape[0], x2.shape[1], gate.shape[0])
-        launches = LAUNCH_CACHE[key] = path.launches(x2, gate, up, tile, compression, precision, overflow, gate_fp8)
+        launches = LAUNCH_CACHE[key] = path.launches(x2, gate, up, tile, compression, precision, overflow, gate_fp8,
+                                                     up_down_fp8)
         if len(LAUNCH_CACHE) > LAUNCH_CACHE_SIZE:
             LAUNCH_CACHE.popitem(last=False)
     else:
         LAUNCH_CACHE.move_to_end(key)
     if launches.unsupported is None:
         try:
-            return launches(x, x2, gate, up, down_t, overflow, gate_fp8)
+            return launches(x, x2, gate, up, down_t, overflow, gate_fp8, up_down_fp8)
         except OutOfResources as error:  # a launch configuration beyond this GPU (shared memory, threads)
             launches.unsupported = str(error)
             name = torch.cuda.get_device_name(x.device) if x.is_cuda else x.device.type
@@ -156,22 +184,29 @@ def _custom_op(name, body, schema, mutates_args=()):
     return op
 
 
-def _fp8_pair(weight, scale):
-    return None if weight is None else (weight, scale)
+def _fp8_copies(gate_fp8_weight, gate_fp8_scale, up_fp8, down_t_fp8, up_fp8_scale, down_fp8_scale):
+    """The custom ops' flat optional tensors as forward's (gate_fp8, up_down_fp8)."""
+    gate_fp8 = None if gate_fp8_weight is None else (gate_fp8_weight, gate_fp8_scale)
+    up_down = None if up_fp8 is None else UpDownE4m3(up_fp8, down_t_fp8, up_fp8_scale, down_fp8_scale)
+    return gate_fp8, up_down
 
 
-def _op_body(x, gate, up, down, tile, compression, precision, gate_fp8_weight=None, gate_fp8_scale=None):
-    return forward(x, gate, up, down, tile, compression, precision, None, _fp8_pair(gate_fp8_weight, gate_fp8_scale))
+def _op_body(x, gate, up, down, tile, compression, precision, gate_fp8_weight=None, gate_fp8_scale=None,
+             up_fp8=None, down_t_fp8=None, up_fp8_scale=None, down_fp8_scale=None):
+    return forward(x, gate, up, down, tile, compression, precision, None,
+                   *_fp8_copies(gate_fp8_weight, gate_fp8_scale, up_fp8, down_t_fp8, up_fp8_scale, down_fp8_scale))
 
 
 def _op_body_overflow(x, gate, up, down, tile, compression, precision, overflow, gate_fp8_weight=None,
-                      gate_fp8_scale=None):
+                      gate_fp8_scale=None, up_fp8=None, down_t_fp8=None, up_fp8_scale=None, down_fp8_scale=None):
     return forward(x, gate, up, down, tile, compression, precision, overflow,
-                   _fp8_pair(gate_fp8_weight, gate_fp8_scale))
+                   *_fp8_copies(gate_fp8_weight, gate_fp8_scale, up_fp8, down_t_fp8, up_fp8_scale, down_fp8_scale))
 
 
 _ARGS = "Tensor x, Tensor gate_weight, Tensor up_weight, Tensor down_weight, int tile, int compression, str precision"
-_FP8 = "Tensor? gate_fp8_weight=None, Tensor? gate_fp8_scale=None"  # the fp8 gate's copy and scales (gate_fp8)
+# the fp8 gate's copy and scales (gate_fp8), then the e4m3 up and down rows and their scales (up_down_fp8)
+_FP8 = ", ".join(f"Tensor? {name}=None" for name in ("gate_fp8_weight", "gate_fp8_scale", "up_fp8", "down_t_fp8",
+                                                      "up_fp8_scale", "down_fp8_scale"))
 _gated_mlp_op = _custom_op("gated_mlp", _op_body, f"({_ARGS}, {_FP8}) -> Tensor")
 _gated_mlp_overflow_op = _custom_op("gated_mlp_overflow", _op_body_overflow,
                                     f"({_ARGS}, Tensor(a!) overflow, {_FP8}) -> Tensor", ("overflow",))
@@ -179,7 +214,8 @@ _gated_mlp_overflow_op = _custom_op("gated_mlp_overflow", _op_body_overflow,
 
 def gated_mlp(x, gate_weight, up_weight, down_weight, *, tile: int = 128, compression: int = 8,
               precision: str = "default", overflow: Optional[torch.Tensor] = None,
-              gate_fp8: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+              gate_fp8: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+              up_down_fp8: Optional[UpDownE4m3] = None) -> torch.Tensor:
     """down(relu(gate(x)) * up(x)) through TwELL. HF layouts: gate/up [I, D], down [D, I]; x [..., D].
 
     `overflow`, if given (int32/int64), gets the number of overflowing (row, tile) pairs added to its first
@@ -190,11 +226,16 @@ def gated_mlp(x, gate_weight, up_weight, down_weight, *, tile: int = 128, compre
     `gate_fp8`, if given: (the gate's e4m3 copy, its fp32 scale a unit) from fp8_gate.quantize_weight. Calls
     of the batched path then compute g in fp8 (reference.gate_values); decode-size calls, where it does not
     win, read the gate itself, and so do up, down and the dense fallbacks. x must be 16-bit, precision "default".
+
+    `up_down_fp8`, if given: fp8_gate.quantize_up_down(up, down). The batched path's out kernel then reads the
+    active units' up and down rows in e4m3 (reference.gated_mlp_reference); decode-size calls, heavy rows and
+    overflowing tiles read up and down themselves. x must be 16-bit, precision "default".
     """
     args = (x, gate_weight, up_weight, down_weight, tile, compression, precision)
     # eager calls skip the custom ops, whose dispatch costs about as much host time as the decode kernels
     # take on the GPU; what traces the call (compile, export, dispatch modes, tensor subclasses) needs them
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or type(x) is not torch.Tensor:
-        fp8 = tuple(gate_fp8) if gate_fp8 is not None else (None, None)
+        fp8 = (*(gate_fp8 if gate_fp8 is not None else (None, None)),
+               *(up_down_fp8 if up_down_fp8 is not None else (None,) * 4))
         return _gated_mlp_op(*args, *fp8) if overflow is None else _gated_mlp_overflow_op(*args, overflow, *fp8)
-    return forward(*args, overflow, gate_fp8)
+    return forward(*args, overflow, gate_fp8, up_down_fp8)

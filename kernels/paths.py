@@ -18,6 +18,10 @@ from .fp8_gate import quantize_rows
 from .launch import sm_count, use_pdl
 from .reference import forward_reference, tile_shares
 
+# Fewest tokens from which a path that can (LaunchPath.fp8_up_down) walks the e4m3 up and down rows a call
+# gives: below, at D 896 and 2048, the e4m3 walk was measured slower than the bf16 one
+UP_DOWN_FP8_MIN_TOKENS = 1024
+
 
 def _geometry(x2, width, tile, compression, decode: bool):
     """(tile, tile stride, slots, programmatic dependent launch) of a call: decode takes tiles of at most
@@ -32,9 +36,10 @@ def _geometry(x2, width, tile, compression, decode: bool):
 
 class Launches:
     """A path's launches for one launch-cache key: built from (x2, gate, up, tile, compression, precision,
-    overflow, gate_fp8), called with (x, x2, gate, up, down_t, overflow, gate_fp8), returning the block's
-    output. With the fp8 gate (paths whose LaunchPath.fp8_gate is set), the gate launch reads its e4m3 copy and x
-    quantized at each call."""
+    overflow, gate_fp8, up_down_fp8), called with (x, x2, gate, up, down_t, overflow, gate_fp8, up_down_fp8),
+    returning the block's output. With the fp8 gate (paths whose LaunchPath.fp8_gate is set), the gate launch
+    reads its e4m3 copy and x quantized at each call; with e4m3 up and down rows (LaunchPath.fp8_up_down), the
+    out launch walks them."""
 
     unsupported = None  # why this GPU cannot run them (gated_mlp then runs the calls dense), once seen
 
@@ -55,7 +60,7 @@ class PackedLaunches(Launches):
 
     decode = False
 
-    def __init__(self, x2, gate, up, tile, compression, precision, overflow, gate_fp8=None):
+    def __init__(self, x2, gate, up, tile, compression, precision, overflow, gate_fp8=None, up_down_fp8=None):
         m, d = x2.shape
         width = gate.shape[0]
         tile, ts, s, pdl = _geometry(x2, width, tile, compression, self.decode)
@@ -68,9 +73,10 @@ class PackedLaunches(Launches):
                                 partials=self.decode, tile_stride=ts, pdl=pdl, fp8=gate_fp8 is not None)
         self.out = out_launch(x2, width, tile, s, h_fp32, overflow is not None,
                               out_config(m, d, self.decode, cdiv(width, ts)), packed_h=self.decode,
-                              tile_stride=ts, pdl=pdl, count_units=overflow is not None and overflow.numel() == 4)
+                              tile_stride=ts, pdl=pdl, count_units=overflow is not None and overflow.numel() == 4,
+                              fp8_up_down=up_down_fp8 is not None)
 
-    def __call__(self, x, x2, gate, up, down_t, overflow, gate_fp8=None):
+    def __call__(self, x, x2, gate, up, down_t, overflow, gate_fp8=None, up_down_fp8=None):
         device = x.device
         gate_weight, quantized = self.gate_inputs(x2, gate, gate_fp8)
         tw = (torch.empty(self.twell_shape, dtype=self.vals_dtype, device=device),
@@ -80,7 +86,7 @@ class PackedLaunches(Launches):
             self.partials_shape, dtype=torch.float32, device=device)
         out = x.new_empty(x2.shape)
         self.gate(x2, gate_weight, up, down_t, *tw, partials, *quantized)
-        self.out(x2, *tw, partials, gate, up, down_t, out, overflow if overflow is not None else tw[2])
+        self.out(x2, *tw, partials, gate, up, down_t, out, overflow if overflow is not None else tw[2], up_down_fp8)
         return out.view(x.shape)
 
 
@@ -94,7 +100,7 @@ class TileOutLaunches(Launches):
     """One gated token (decode.tile_out_launch): no TwELL; each gate program writes its tile's share of the
     output and its count of active units (epilogues.tile_out), and decode.py's tile sum adds the shares."""
 
-    def __init__(self, x2, gate, up, tile, compression, precision, overflow, gate_fp8=None):
+    def __init__(self, x2, gate, up, tile, compression, precision, overflow, gate_fp8=None, up_down_fp8=None):
         m, d = x2.shape
         width = gate.shape[0]
         tile, ts, s, pdl = _geometry(x2, width, tile, compression, decode=True)
@@ -105,7 +111,7 @@ class TileOutLaunches(Launches):
                                 tile_stride=ts, pdl=pdl, tile_out=True)
         self.out = tile_sum_launch(m, d, cdiv(width, ts), s, overflow is not None, pdl)
 
-    def __call__(self, x, x2, gate, up, down_t, overflow, gate_fp8=None):
+    def __call__(self, x, x2, gate, up, down_t, overflow, gate_fp8=None, up_down_fp8=None):
         counts = torch.empty(self.partials_shape[:2], dtype=torch.int32, device=x.device)
         partials = torch.empty(self.partials_shape, dtype=torch.float32, device=x.device)
         out = x.new_empty(x2.shape)
@@ -127,6 +133,9 @@ class LaunchPath:
     # whether its gate pass reads the fp8 gate where a call gives one (gated_mlp's gate_fp8): where it was measured
     # to win; elsewhere the gate itself
     fp8_gate: bool = False
+    # whether its out pass reads e4m3 up and down rows where a call gives them (gated_mlp's up_down_fp8); elsewhere
+    # up and down themselves
+    fp8_up_down: bool = False
 
 
 def _one_token(d: int, width: int) -> int:
@@ -145,7 +154,8 @@ PATHS = (
     # the partial rows of the overflowing (row, tile) pairs
     LaunchPath("decode", _decode_tokens, DecodeLaunches, tile_shares, decode_time),
     # the four-element `overflow` counter's figures (overflowing pairs, the sampled rows' units, heavy rows)
-    LaunchPath("batched", lambda d, width: None, PackedLaunches, forward_reference, batched_time, fp8_gate=True),
+    LaunchPath("batched", lambda d, width: None, PackedLaunches, forward_reference, batched_time, fp8_gate=True,
+               fp8_up_down=True),
 )
 
 
@@ -157,3 +167,9 @@ def launch_path(tokens: int, d: int, width: int) -> LaunchPath:
 def reads_fp8_gate(tokens: int, d: int, width: int) -> bool:
     """Whether a call of `tokens` tokens at D and I computes its gate with the fp8 gate it is given."""
     return launch_path(tokens, d, width).fp8_gate
+
+
+def reads_fp8_up_down(tokens: int, d: int, width: int) -> bool:
+    """Whether a call of `tokens` tokens at D and I walks the e4m3 up and down rows it is given (read at each
+    call: a benchmark or test may replace UP_DOWN_FP8_MIN_TOKENS in this module)."""
+    return tokens >= UP_DOWN_FP8_MIN_TOKENS and launch_path(tokens, d, width).fp8_up_down

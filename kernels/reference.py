@@ -5,11 +5,11 @@ tile-out path for every tile; `forward_reference`, the path of CPU tensors witho
 `overflow` what the batched path's kernels add; `pack_reference` (the TwELL the gate kernels pack);
 `rms_norm_reference` and `rotary_reference`, transformers' modules op for op (rms_norm.py, rotary.py);
 `small_linear_reference` (small_linear.py). With the fp8 gate (fp8_gate.py), `gate_values` gives g as the
-kernels compute it."""
+kernels compute it; with e4m3 up and down rows, `block_output` mixes them as the kernels do."""
 import torch
 
 from .format import HEAVY_UNITS, UNIT_SAMPLE, TwELL, cdiv, decode_rows, slots
-from .fp8_gate import gate_reference
+from .fp8_gate import gate_reference, up_down_reference
 
 
 def gate_values(x2, gate, gate_fp8=None, tile=128, compression=8):
@@ -23,23 +23,46 @@ def gate_values(x2, gate, gate_fp8=None, tile=128, compression=8):
     return with_fallbacks(x2, gate, gate_reference(x2, *gate_fp8), tile, compression)
 
 
-def with_fallbacks(x2, gate, g, tile, compression):
-    """`g`, the fp8 gate's as the packing gate pass computes it, with x2 @ gate^T in the (row, tile) pairs that
-    the batched path's dense fallbacks recompute (gate_values)."""
+def fallbacks(g, tile, compression):
+    """[M, I] bool: the units of g (as the packing gate pass computes it) that the batched path's dense
+    fallbacks compute from the weights: the (row, tile) pairs beyond their slots and the heavy rows (more than
+    HEAVY_UNITS units to walk, each overflowing tile counted whole: heavy.py)."""
     per_tile = tile_counts(g, tile)
     over = per_tile > slots(tile, compression)
     heavy = per_tile.masked_fill(over, 0).sum(-1) + over.sum(-1) * tile > HEAVY_UNITS
-    fallback = (over | heavy[:, None]).repeat_interleave(tile, dim=1)[:, :g.shape[1]]
-    return torch.where(fallback, x2.float() @ gate.float().t(), g)
+    return (over | heavy[:, None]).repeat_interleave(tile, dim=1)[:, :g.shape[1]]
 
 
-def gated_mlp_reference(x, gate_weight, up_weight, down_weight, gate_fp8=None, tile=128, compression=8):
-    """fp32 reference of the block, returned in x's dtype (with `gate_fp8`: g as gate_values computes it)."""
-    x2 = x.reshape(-1, x.shape[-1])
+def with_fallbacks(x2, gate, g, tile, compression):
+    """`g`, the fp8 gate's as the packing gate pass computes it, with x2 @ gate^T in the (row, tile) pairs that
+    the batched path's dense fallbacks recompute (gate_values)."""
+    return torch.where(fallbacks(g, tile, compression), x2.float() @ gate.float().t(), g)
+
+
+def block_output(x2, g, up, down, packed=None, up_down_fp8=None, tile=128, compression=8):
+    """The block's output in fp32 from its gate pre-activation g [M, I]. With `up_down_fp8` (a call of the
+    batched path), the units the out kernel walks take up and down from the e4m3 copies, h in x's dtype
+    between them, as the kernel rounds it; the fallbacks' units (from `packed`, g as the gate pass packs
+    it) take up and down themselves."""
     xf = x2.float()
+    h = torch.relu(g) * (xf @ up.float().t())
+    if up_down_fp8 is None:
+        return h @ down.float().t()
+    walked = ~fallbacks(g if packed is None else packed, tile, compression)
+    up_q, down_q = up_down_reference(up_down_fp8)
+    h_q = (torch.relu(g) * (xf @ up_q.t())).to(x2.dtype).float()
+    return torch.where(walked, 0.0, h) @ down.float().t() + torch.where(walked, h_q, 0.0) @ down_q.t()
+
+
+def gated_mlp_reference(x, gate_weight, up_weight, down_weight, gate_fp8=None, tile=128, compression=8,
+                        up_down_fp8=None):
+    """fp32 reference of the block, returned in x's dtype (with `gate_fp8`: g as gate_values computes it; with
+    `up_down_fp8`: up and down as block_output reads them)."""
+    x2 = x.reshape(-1, x.shape[-1])
     g = gate_values(x2, gate_weight, gate_fp8, tile, compression)
-    h = torch.relu(g) * (xf @ up_weight.float().t())
-    return (h @ down_weight.float().t()).to(x.dtype).view(x.shape)
+    packed = None if gate_fp8 is None or up_down_fp8 is None else gate_reference(x2, *gate_fp8)
+    out = block_output(x2, g, up_weight, down_weight, packed, up_down_fp8, tile, compression)
+    return out.to(x.dtype).view(x.shape)
 
 
 def tile_counts(g: torch.Tensor, tile: int) -> torch.Tensor:
@@ -58,9 +81,9 @@ def tile_shares(h: torch.Tensor, down: torch.Tensor, tile: int) -> torch.Tensor:
     return torch.einsum("mtu,dtu->mtd", h_tiles, down_tiles)
 
 
-def forward_reference(x, gate, up, down, tile, compression, overflow, gate_fp8=None):
-    """gated_mlp's path for CPU tensors without the interpreter (g as the batched path computes it); counts
-    overflow at the caller's tile."""
+def forward_reference(x, gate, up, down, tile, compression, overflow, gate_fp8=None, up_down_fp8=None):
+    """gated_mlp's path for CPU tensors without the interpreter (g, up and down as the batched path reads
+    them); counts overflow at the caller's tile."""
     width, d = gate.shape
     x2 = x.reshape(-1, d)
     xf = x2.float()
@@ -75,7 +98,8 @@ def forward_reference(x, gate, up, down, tile, compression, overflow, gate_fp8=N
             heavy = units + over.sum(-1) * tile > HEAVY_UNITS
             sampled = (torch.arange(x2.shape[0]) % UNIT_SAMPLE == 0) & ~heavy
             overflow[1:] += torch.stack([units[sampled].sum(), sampled.sum(), heavy.sum()]).to(overflow.dtype)
-    return ((g * (xf @ up.float().t())) @ down.float().t()).to(x.dtype).view(x.shape)
+    out = block_output(x2, g, up, down, packed, up_down_fp8, tile, compression)
+    return out.to(x.dtype).view(x.shape)
 
 
 def pack_reference(g: torch.Tensor, tile: int = 128, compression: int = 8) -> TwELL:

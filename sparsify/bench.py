@@ -381,19 +381,20 @@ def text_inputs(data, tokenizer, device="cpu", text_column: str = "text"):
     return ids
 
 
-def _loads(path, device, fp8_gate: bool) -> dict:
-    """{"dense": the checkpoint's plain load, "twell": its remote-code load (its gate pass in fp8 with `fp8_gate`)},
-    bf16, in eval mode on `device`."""
+def _loads(path, device, fp8_gate: bool, fp8_up_down: bool = False) -> dict:
+    """{"dense": the checkpoint's plain load, "twell": its remote-code load (its gate pass in fp8 with `fp8_gate`,
+    its out pass on e4m3 up and down rows with `fp8_up_down`)}, bf16, in eval mode on `device`."""
     from transformers import AutoModelForCausalLM
 
     load = dict(dtype=torch.bfloat16)
     models = {"dense": AutoModelForCausalLM.from_pretrained(path, **load).to(device).eval(),
               "twell": AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, **load).to(device).eval()}
-    if fp8_gate:
-        if not hasattr(models["twell"], "use_fp8_gate"):
-            raise ConfigError(f"{path}: its modeling file predates the fp8 gate (a checkpoint of an earlier sparsify: "
+    for method, wanted in (("use_fp8_gate", fp8_gate), ("use_fp8_up_down", fp8_up_down)):
+        if wanted and not hasattr(models["twell"], method):
+            raise ConfigError(f"{path}: its modeling file predates {method}() (a checkpoint of an earlier sparsify: "
                               "a conversion by this one writes a modeling file that has it)")
-        models["twell"].use_fp8_gate()
+        if wanted:
+            getattr(models["twell"], method)()
     return models
 
 
@@ -401,7 +402,7 @@ def bench_checkpoint(path: str | Path, *, seq_len: int = 2048, prefill_batches=(
                      compiled_batches=(1, 8), compiled_prefill_batches=(), decode_tokens: int = 64,
                      decode_context: int = 512, repeats: int = 3, generate_repeats: int = 7,
                      device: str = "cuda", data: str | None = None, text_column: str = "text",
-                     fp8_gate: bool = False) -> dict:
+                     fp8_gate: bool = False, fp8_up_down: bool = False) -> dict:
     """All rows (PATHS) for the dense and the TwELL load of the checkpoint at `path`: prefill at each of
     `prefill_batches` (prefill_shapes: B sequences of seq_len tokens, or "BxS"; compiled: at each of
     `compiled_prefill_batches` x seq_len), eager generate and the
@@ -409,7 +410,7 @@ def bench_checkpoint(path: str | Path, *, seq_len: int = 2048, prefill_batches=(
     each of `compiled_batches` (empty: none);
     `repeats` timed calls a load, `generate_repeats` for the generate rows; inputs from the text of `data`
     (rows read from `text_column`; None: random token ids, with a warning). `fp8_gate`: the TwELL load's gate pass
-    in fp8 (its use_fp8_gate())."""
+    in fp8 (its use_fp8_gate()); `fp8_up_down`: its out pass on e4m3 up and down rows (its use_fp8_up_down())."""
     device = require_cuda(device, "sparsify bench", BENCH_ON_CPU)
     shapes = prefill_shapes(prefill_batches, seq_len)
     sizes = (seq_len, decode_tokens, decode_context, repeats, generate_repeats, *generate_batches,
@@ -425,7 +426,7 @@ def bench_checkpoint(path: str | Path, *, seq_len: int = 2048, prefill_batches=(
         tokenizer = load_tokenizer(str(path))
         require_tokenizer(tokenizer, path, config)
         resolve_data(data)  # missing / empty / unknown format: before loading any weight
-    models = _loads(path, device, fp8_gate)
+    models = _loads(path, device, fp8_gate, fp8_up_down)
     if data is None:
         warn(RANDOM_IDS_WARNING)
         gen = torch.Generator().manual_seed(0)
@@ -473,6 +474,7 @@ def bench_checkpoint(path: str | Path, *, seq_len: int = 2048, prefill_batches=(
         "seq_len": seq_len, "decode_tokens": decode_tokens, "decode_context": decode_context,
         "prompt_tokens": PROMPT_TOKENS, "repeats": repeats, "generate_repeats": generate_repeats, "paths": PATHS,
         "rows": rows, "component_time": "union", "check": check, "plan": plan_summary(config), "fp8_gate": fp8_gate,
+        "fp8_up_down": fp8_up_down,
         "mean_active": active, "mean_active_all_layers": statistics.fmean(active),
         **({"fp8_gate_mean_active": fp8_active, "fp8_gate_mean_active_all_layers": statistics.fmean(fp8_active)}
            if fp8_gate else {}),
@@ -488,7 +490,8 @@ def bench_table(result: dict):
     title = (f"{result['checkpoint']} on {result['device']}: mean active units {result['mean_active_all_layers']:.1f}, "
              f"{result['plan']['sparse_layers']}/{len(result['plan']['layers'])} layers sparse"
              + (f", TwELL's gate pass in fp8 (its mean active units {result['fp8_gate_mean_active_all_layers']:.1f})"
-                if result.get("fp8_gate") else ""))
+                if result.get("fp8_gate") else "")
+             + (", its out pass on e4m3 up and down rows" if result.get("fp8_up_down") else ""))
     rows = Table(title=title, caption=f"logits rel. err {c['logits_rel_err']:.1e}; greedy tokens agreeing "
                                       f"{100 * c['greedy_match']:.0f}% (common prefix {c['greedy_common_prefix']:.1f} "
                                       f"of {CHECK_NEW}); paths: {'; '.join(f'{k}: {v}' for k, v in PATHS.items())}")

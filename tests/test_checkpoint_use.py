@@ -78,24 +78,28 @@ def test_printed_model_shows_each_layers_plan(tmp_path):
     assert plans == ["plan: TwELL kernels at 1+ tokens a call, tile 64, compression 2", "plan: dense"]
 
 
-def test_use_fp8_gate_warns_where_no_call_would_read_it(tmp_path, monkeypatch):
-    """use_fp8_gate() on a model whose calls would never read the fp8 gate (no sparse layer, fp32, off the
-    GPU) says why; on one whose kernels read it (fp16 under the interpreter) it says nothing."""
+@pytest.mark.parametrize("method", ["use_fp8_gate", "use_fp8_up_down"])
+def test_use_fp8_warns_where_no_call_would_read_it(tmp_path, monkeypatch, method):
+    """use_fp8_gate() and use_fp8_up_down() on a model whose calls would never read the e4m3 copies (no sparse
+    layer, fp32, off the GPU) say why, naming themselves; on one whose kernels read them (fp16 under the
+    interpreter) they say nothing."""
     _, out = _export(tmp_path, "dense", plan=DENSE_PLAN)
     dense = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
     module = sys.modules[type(dense).__module__]
     monkeypatch.setattr(module, "INTERPRET", False)  # a CPU user's process
-    with pytest.warns(UserWarning, match=r"changes nothing as the model is now: no layer of this checkpoint is planned "
-                                         r"on the sparse kernels.*; the model is on cpu.*; the model is float32"):
-        dense.use_fp8_gate()
+    with pytest.warns(UserWarning, match=rf"{method}\(\) changes nothing as the model is now: no layer of this "
+                                         r"checkpoint is planned on the sparse kernels.*; the model is on cpu.*; the "
+                                         r"model is float32") as caught:
+        getattr(dense, method)()
+    assert caught[0].filename == __file__  # the user's line
     monkeypatch.undo()
     _, out = _export(tmp_path, "sparse")
     sparse = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float16)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        sparse.use_fp8_gate()
-        sparse.use_fp8_gate(False)
-        dense.use_fp8_gate(False)  # turning it off is never idle
+        getattr(sparse, method)()
+        getattr(sparse, method)(False)
+        getattr(dense, method)(False)  # turning it off is never idle
 
 
 # A user's script: sparsify and twell are not importable (as where only the checkpoint was downloaded); the

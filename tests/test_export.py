@@ -118,6 +118,34 @@ def test_use_fp8_gate_hands_the_sparse_layers_the_gates_fp8_copy(tmp_path, monke
     assert torch.equal(again, plain) and 0 < ((fp8 - plain).norm() / plain.norm()).item() < 0.05
 
 
+def test_use_fp8_up_down_hands_the_sparse_layers_the_e4m3_rows(tmp_path, monkeypatch):
+    """model.use_fp8_up_down(): each kernel call of a sparse layer from paths.UP_DOWN_FP8_MIN_TOKENS tokens on (80
+    here) gets up_down_fp8, the e4m3 copies of that layer's up and down weights as fp8_gate.quantize_up_down makes
+    them, one token fewer does not; the logits move by the quantization only; use_fp8_up_down(False) ends it."""
+    model, tokenizer, spec = _relufied("llama")
+    out = export_checkpoint(model, tokenizer, tmp_path / "ckpt-ud8", spec=spec, plan=PLAN, training=TRAINING)
+    remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float16)
+    module = _remote_module(remote)
+    monkeypatch.setitem(module.reads_fp8_up_down.__globals__, "UP_DOWN_FP8_MIN_TOKENS", 80)
+    calls = []
+    kernel = module.gated_mlp
+    monkeypatch.setattr(module, "gated_mlp", lambda *a, **k: calls.append(k) or kernel(*a, **k))
+    monkeypatch.setattr(module.ActivityRouter, "loses", lambda self, *measured: False)  # every call on the kernels
+    ids = tiny_input_ids(1, 80)
+    with torch.no_grad():
+        plain = remote(ids).logits.float()
+        remote.use_fp8_up_down()
+        ud8 = remote(ids).logits.float()
+        remote(ids[:, :79])
+        remote.use_fp8_up_down(False)
+        again = remote(ids).logits.float()
+    assert [("up_down_fp8" in call) for call in calls] == [False, True, False, False]
+    mlp = remote.model.layers[0].mlp
+    copies = module.quantize_up_down(mlp.up_proj.weight, mlp.down_proj.weight)
+    assert all(torch.equal(a.float(), b.float()) for a, b in zip(calls[1]["up_down_fp8"], copies))
+    assert torch.equal(again, plain) and 0 < ((ud8 - plain).norm() / plain.norm()).item() < 0.05
+
+
 def test_router_per_device_and_kernel_dtypes(tmp_path):
     """A layer's ActivityRouter belongs to one device (its counter, the stream its event waits on): a call on
     another device starts a new one. Inputs in a dtype the kernels do not take, or in another dtype than the

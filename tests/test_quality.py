@@ -319,8 +319,11 @@ def test_metrics_split_by_kind_and_the_original_agrees_with_itself(tmp_path):
             assert other["by_kind"][kind]["accuracy"] == pytest.approx((predicted == b[:, 1:]).float().mean().item())
             assert other["by_kind"][kind]["tokens"] == 16 * 63
     assert other["cross_entropy"] == pytest.approx(sum(k["cross_entropy"] for k in other["by_kind"].values()) / 2)
-    assert "fp8_gate" not in original and 0 < abs(other["fp8_gate"]["cross_entropy"] / other["cross_entropy"] - 1) < 0.05
-    for result in (other, other["fp8_gate"]):
+    variants = ("fp8_gate", "fp8_up_down", "fp8_gate_and_up_down")
+    assert not any(name in original for name in variants)
+    assert all(0 < abs(other[name]["cross_entropy"] / other["cross_entropy"] - 1) < 0.05 for name in variants)
+    assert len({other[name]["cross_entropy"] for name in variants}) == 3
+    for result in (other, *(other[name] for name in variants)):
         assert len(result["active_units"]) == len(model.model.layers) and min(result["active_units"]) > 0
     assert "active" in metrics.metrics_line(other)
 
@@ -344,6 +347,30 @@ def test_the_fp8_gate_metric_computes_each_gate_as_the_fp8_kernels_do():
         assert not any("forward" in vars(m) for m in model.modules() if m not in projections)
         fp8 = model(ids).logits
     assert 0 < ((fp8 - plain).norm() / plain.norm()).item() < 0.05
+
+
+def test_the_fp8_up_down_metric_computes_up_and_down_from_their_e4m3_rows():
+    """use_fp8_up_down: every layer's up and down projections give their input times the dequantized e4m3 copies
+    (fp8_gate.up_down_reference); plain_projections undoes it and use_fp8_gate alike."""
+    from twell.fp8_gate import quantize_up_down, up_down_reference
+
+    metrics = load_script().metrics
+    model, _ = tiny_model("llama", seed=1)
+    model.eval()
+    ids = tiny_input_ids(2, 16)
+    with torch.no_grad():
+        plain = model(ids).logits
+        mlp = model.model.layers[1].mlp
+        up, down = up_down_reference(quantize_up_down(mlp.up_proj.weight, mlp.down_proj.weight))
+        h = torch.randn(3, 5, mlp.up_proj.in_features)
+        metrics.use_fp8_up_down(model)
+        assert torch.equal(mlp.up_proj(h), h @ up.t())
+        assert torch.equal(mlp.down_proj(h @ up.t()), h @ up.t() @ down.t())
+        assert 0 < ((model(ids).logits - plain).norm() / plain.norm()).item() < 0.05
+        metrics.use_fp8_gate(model)
+        metrics.plain_projections(model)
+        assert not any("forward" in vars(m) for m in model.modules())
+        assert torch.equal(model(ids).logits, plain)
 
 
 def test_active_units_count_each_layers_positive_gate_outputs_a_token_bf16_and_fp8():

@@ -188,20 +188,20 @@ def test_gpu_the_modeling_layers_copy_is_made_outside_cuda_graph_captures():
     mlp = modeling.TwellGatedMLP(original, {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"},
                                  modeling.LayerPlan("sparse", 128, 8, ((1, None),)))
     mlp.use_fp8_gate()
-    made = mlp._gate_fp8
-    assert made is not None and made[0][0] == mlp.gate_proj.weight.data_ptr()
+    made = mlp._gate_e4m3.held
+    assert made is not None and made[0][0][0] == mlp.gate_proj.weight.data_ptr()
     x = torch.randn(1, 512, 2048, dtype=torch.bfloat16, device="cuda")
     with torch.no_grad():
         mlp.gate_proj.weight.mul_(0.5)  # stale
         graph = torch.cuda.CUDAGraph()
         mlp(x)  # eager: remade
-        remade = mlp._gate_fp8
+        remade = mlp._gate_e4m3.held
         assert remade is not made
         mlp.gate_proj.weight.mul_(2.0)  # stale again, then a capture (its plain launches compiled before it)
         modeling.gated_mlp(x, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, tile=128, compression=8)
         with torch.cuda.graph(graph):
             mlp(x)
-        assert mlp._gate_fp8 is remade  # not remade inside the capture
+        assert mlp._gate_e4m3.held is remade  # not remade inside the capture
 
 
 # GPU: bf16 at real sizes

@@ -8,7 +8,8 @@ each model continues greedily, and the share of its tokens equal to the original
 mean length of the prefix they share are reported. Each layer's active units a token (positive gate outputs) are
 counted over the held-out blocks. Each converted model is also measured with its gate projections computed as the
 opt-in fp8 gate computes them (`fp8_gate`: cross-entropy, accuracy and active units: the fp8 gate's error moves
-units across zero, and the kernels' time follows the active units).
+units across zero, and the kernels' time follows the active units), with its up and down projections on the opt-in
+e4m3 up and down rows (`fp8_up_down`) and with both (`fp8_gate_and_up_down`).
 """
 from __future__ import annotations
 
@@ -106,6 +107,32 @@ def use_fp8_gate(model) -> None:
         projection.forward = forward
 
 
+def use_fp8_up_down(model) -> None:
+    """Each decoder layer's up and down projections computed, in place, from the e4m3 copies of their rows
+    (twell.fp8_gate.quantize_up_down, dequantized: up_down_reference; fp32 sums), on every token: the numerics of a
+    checkpoint's use_fp8_up_down() up to the bf16 rounding of u (the kernels round h = g * u once), as if its
+    kernels walked every row (they read the bf16 weights for heavy rows, overflowing tiles and smaller calls)."""
+    from twell.fp8_gate import quantize_up_down, up_down_reference
+
+    for layer in model.model.layers:
+        mlp = layer.mlp
+        up, down = up_down_reference(quantize_up_down(mlp.up_proj.weight, mlp.down_proj.weight))
+        for projection, weight in ((mlp.up_proj, up), (mlp.down_proj, down)):
+            def forward(x, weight=weight):
+                return (x.float() @ weight.t()).to(x.dtype)
+            projection.forward = forward
+
+
+FP8_VARIANTS = {"fp8_gate": (use_fp8_gate,), "fp8_up_down": (use_fp8_up_down,),
+                "fp8_gate_and_up_down": (use_fp8_gate, use_fp8_up_down)}
+
+
+def plain_projections(model) -> None:
+    """Undoes use_fp8_gate and use_fp8_up_down: the projections' own forward again."""
+    for module in model.modules():
+        vars(module).pop("forward", None)
+
+
 def greedy(model, prompts, batch: int, device: str):
     """[prompts, NEW_TOKENS]: each prompt's greedy continuation (the argmax at each step, no end of text: the
     model's end-of-text token is a token like any other), decoded with the model's KV cache."""
@@ -148,12 +175,15 @@ def measure(path: Path, blocks: dict, prompts, reference, batch: int, device: st
         result.update(prompts=prompts.tolist(), generations=generated.tolist())
     else:
         result["greedy"] = agreement(generated, torch.tensor(reference))
-        use_fp8_gate(model)
-        with torch.no_grad(), active_units(model) as fp8_active:
-            fp8 = [scores(model, b, batch, device) for b in blocks.values()]
-        result["fp8_gate"] = {"cross_entropy": sum(k["cross_entropy"] * k["tokens"] for k in fp8) / count,
-                              "accuracy": sum(k["accuracy"] * k["tokens"] for k in fp8) / count,
-                              "active_units": fp8_active}
+        for name, variant in FP8_VARIANTS.items():
+            for use in variant:
+                use(model)
+            with torch.no_grad(), active_units(model) as fp8_active:
+                fp8 = [scores(model, b, batch, device) for b in blocks.values()]
+            plain_projections(model)
+            result[name] = {"cross_entropy": sum(k["cross_entropy"] * k["tokens"] for k in fp8) / count,
+                            "accuracy": sum(k["accuracy"] * k["tokens"] for k in fp8) / count,
+                            "active_units": fp8_active}
     return result
 
 
@@ -166,9 +196,10 @@ def metrics_line(metrics: dict) -> str:
     if "greedy" in metrics:
         line += (f"  greedy agreement {100 * metrics['greedy']['agreement']:.1f}%, common prefix "
                  f"{metrics['greedy']['common_prefix']:.1f} of {NEW_TOKENS}")
-    if "fp8_gate" in metrics:
-        fp8 = metrics["fp8_gate"]
-        line += f"  fp8 gate: CE {fp8['cross_entropy']:.4f} top-1 {100 * fp8['accuracy']:.2f}%"
-        if "active_units" in fp8:
-            line += f" active {mean(fp8['active_units']):.1f}"
+    for name, label in (("fp8_gate", "fp8 gate"), ("fp8_up_down", "e4m3 up/down"), ("fp8_gate_and_up_down", "both")):
+        if name in metrics:
+            fp8 = metrics[name]
+            line += f"  {label}: CE {fp8['cross_entropy']:.4f} top-1 {100 * fp8['accuracy']:.2f}%"
+            if "active_units" in fp8:
+                line += f" active {mean(fp8['active_units']):.1f}"
     return line

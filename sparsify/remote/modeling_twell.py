@@ -7,7 +7,7 @@ gradients are needed or the projections are wrapped (adapters), hooked or offloa
 runs through the projections' own forward. Eager decode steps replay CUDA graphs (graphs.py);
 traced calls use this checkpoint's own custom op (gated_mlp.op_name). `generate` decodes through
 generation.py's graphed loop where the call fits it. `use_fp8_gate()` opts in to the fp8 gate (fp8_gate.py) on
-the batched path's calls.
+the batched path's calls, `use_fp8_up_down()` to e4m3 up and down rows on its larger ones.
 The decoder's elementwise work runs fused where the family is in DECODER_FUSIONS (fuse_decoder): its RMSNorm
 modules on rms_norm.py's kernel and the attention's rotary embedding on rotary.py's (decoder.py, differentiable);
 so do the attention's projections at decode size on small_linear.py's (q, k and v in one launch), under CUDA-graph
@@ -26,10 +26,10 @@ from torch import nn
 from transformers import GenerationMixin
 
 from .format import use_triton
-from .fp8_gate import quantize_weight
+from .fp8_gate import E4m3Copy, quantize_up_down, quantize_weight
 from .gated_mlp import KERNEL_DTYPES, gated_mlp, prepare_down
 from .graphs import DecodeGraphs
-from .paths import reads_fp8_gate
+from .paths import reads_fp8_gate, reads_fp8_up_down
 from .routing import ActivityRouter, eager, eager_dense, short_prefill
 from .generation import LoopUnsupported, generate_graphed, graphed_call, release_graphed
 from .layer_plan import LayerPlan, layer_plans
@@ -67,7 +67,8 @@ class TwellGatedMLP(nn.Module):
         self.graphs = DecodeGraphs()
         self.router = None  # ActivityRouter of eager batched calls, made at the first one on each device
         self.fp8_gate = False  # whether the kernels' gate pass reads an e4m3 copy of the gate (use_fp8_gate)
-        self._gate_fp8 = None  # (the gate weight's address, device and version, the copy made from it)
+        self.fp8_up_down = False  # whether their out pass reads e4m3 up and down rows (use_fp8_up_down)
+        self._gate_e4m3, self._up_down_e4m3 = E4m3Copy(quantize_weight), E4m3Copy(quantize_up_down)
         self.prepare_kernel_layout()  # models built from a config; from_pretrained again once loaded
 
     def extra_repr(self) -> str:
@@ -141,27 +142,25 @@ class TwellGatedMLP(nn.Module):
 
     def use_fp8_gate(self, enabled: bool = True):
         """Whether the kernels' gate pass reads an e4m3 copy of the gate weight (fp8_gate.py; 16-bit x only),
-        made now where the weight is on a GPU, else at the next kernel call, and again after the weight changes.
-        The weight itself stays, for up, down and every dense path."""
-        self.fp8_gate, self._gate_fp8 = enabled, None
-        gate = self._gate_up_weights()[0]
-        if enabled and self.kernel_ready and gate.is_cuda:
-            self._gate_fp8_copy(gate)
+        made now where the weight is on a GPU, else at the next kernel call, and again after the weight changes
+        (fp8_gate.E4m3Copy). The weight itself stays, for up, down and every dense path."""
+        self.fp8_gate = enabled
+        self._hold_e4m3(self._gate_e4m3, enabled, self._gate_up_weights()[0])
 
-    def _gate_fp8_copy(self, gate):
-        """The e4m3 copy of `gate` (fp8_gate.quantize_weight), remade where the weight moved or changed (traced:
-        the copy made by an eager call, else made in the traced graph); None where it would be made while a CUDA
-        graph is captured (in the graph's memory pool, freed with it; and every replay would quantize the weight
-        again): that call reads the gate itself."""
-        if torch.compiler.is_compiling():
-            return self._gate_fp8[1] if self._gate_fp8 is not None else quantize_weight(gate)
-        key = (gate.data_ptr(), gate.device, gate._version)
-        if self._gate_fp8 is None or self._gate_fp8[0] != key:
-            if gate.is_cuda and torch.cuda.is_current_stream_capturing():
-                return None
-            with torch.no_grad():
-                self._gate_fp8 = (key, quantize_weight(gate))
-        return self._gate_fp8[1]
+    def use_fp8_up_down(self, enabled: bool = True):
+        """Whether the kernels' out pass reads e4m3 copies of the up and down rows (fp8_gate.quantize_up_down;
+        16-bit x, batched calls of paths.UP_DOWN_FP8_MIN_TOKENS tokens or more), made and remade as use_fp8_gate's.
+        The weights themselves stay, for every dense path (heavy rows and overflowing tiles included)."""
+        self.fp8_up_down = enabled
+        self._hold_e4m3(self._up_down_e4m3, enabled, *self._up_down_weights())
+
+    def _hold_e4m3(self, copy: E4m3Copy, enabled: bool, *weights):
+        copy.drop()
+        if enabled and self.kernel_ready and weights[0].is_cuda:
+            copy(*weights)
+
+    def _up_down_weights(self):
+        return self._gate_up_weights()[1], getattr(self, self.down_name).weight
 
     def forward(self, x):
         tokens = x.numel() // x.shape[-1]
@@ -171,10 +170,11 @@ class TwellGatedMLP(nn.Module):
         down = getattr(self, self.down_name).weight
         kernel = dict(tile=self.plan.tile, compression=self.plan.compression,
                       precision="highest" if x.dtype == torch.float32 else "default")
-        if self.fp8_gate and x.dtype in (torch.float16, torch.bfloat16) and reads_fp8_gate(tokens, self.d, self.width):
-            copy = self._gate_fp8_copy(gate)
-            if copy is not None:
-                kernel["gate_fp8"] = copy
+        if (self.fp8_gate or self.fp8_up_down) and x.dtype in (torch.float16, torch.bfloat16):
+            if self.fp8_gate and reads_fp8_gate(tokens, self.d, self.width):
+                kernel["gate_fp8"] = self._gate_e4m3(gate)
+            if self.fp8_up_down and reads_fp8_up_down(tokens, self.d, self.width):
+                kernel["up_down_fp8"] = self._up_down_e4m3(up, down)
         if not eager(x):  # traced (the custom op) or captured: no host time, no activity routing
             return gated_mlp(x, gate, up, down, **kernel)
         if x.shape[-2] == 1:  # a decode step: replayed as a CUDA graph (graphs.py says where it can)
@@ -320,11 +320,22 @@ class TwellForCausalLM(_import(BASE_MODEL), GenerationMixin):
     def use_fp8_gate(self, enabled: bool = True) -> None:
         """Runs the sparse layers' gate pass in fp8 (e4m3, a scale a unit and a token; fp8_gate.py) where the
         kernels serve a 16-bit call, or, enabled=False, in the weights' dtype again. Opt-in: it changes the
-        model's numerics; the weights and the checkpoint stay as they are. Warns where, as the model is now, no
-        call would read it."""
+        model's numerics; the weights and the checkpoint stay as they are (the e4m3 copies take half the gate
+        weights' bytes beside them). Warns where, as the model is now, no call would read it."""
+        self._use_e4m3(TwellGatedMLP.use_fp8_gate, "the fp8 gate", enabled)
+
+    def use_fp8_up_down(self, enabled: bool = True) -> None:
+        """Runs the sparse layers' out pass on e4m3 copies of the up and down rows (a scale a unit; fp8_gate.py)
+        where the kernels serve a 16-bit batched call of paths.UP_DOWN_FP8_MIN_TOKENS tokens or more (prefill, long
+        prompts), or, enabled=False, on the weights again. Opt-in: it changes the model's numerics; the weights
+        and the checkpoint stay as they are (the copies take half the up and down weights' bytes beside them).
+        Warns where, as the model is now, no call would read them."""
+        self._use_e4m3(TwellGatedMLP.use_fp8_up_down, "e4m3 up and down rows", enabled)
+
+    def _use_e4m3(self, layer_method, what: str, enabled: bool) -> None:
         layers = [module for module in self.modules() if isinstance(module, TwellGatedMLP)]
         for module in layers:
-            module.use_fp8_gate(enabled)
+            layer_method(module, enabled)
         if not enabled:
             return
         idle = []
@@ -332,12 +343,13 @@ class TwellForCausalLM(_import(BASE_MODEL), GenerationMixin):
             idle.append("no layer of this checkpoint is planned on the sparse kernels, which alone read it")
         if self.device.type != "cuda" and not INTERPRET:
             idle.append(f"the model is on {self.device.type}, where the MLPs run dense: the kernels run on a CUDA GPU "
-                        "(the fp8 gate on one of compute capability 8.9 or newer)")
+                        f"({what} on one of compute capability 8.9 or newer)")
         if self.dtype not in (torch.float16, torch.bfloat16):
-            idle.append(f"the model is {str(self.dtype).removeprefix('torch.')}: the fp8 gate serves 16-bit calls "
+            idle.append(f"the model is {str(self.dtype).removeprefix('torch.')}: only 16-bit calls take {what} "
                         "(load it with dtype=torch.bfloat16)")
         if idle:
-            warnings.warn(f"use_fp8_gate() changes nothing as the model is now: {'; '.join(idle)}", stacklevel=2)
+            warnings.warn(f"{layer_method.__name__}() changes nothing as the model is now: {'; '.join(idle)}",
+                          stacklevel=3)
 
     def fuse_projections(self, enabled: bool = True) -> None:
         """Runs the attention projections' captured decode-size calls on small_linear (as loaded) or,
