@@ -101,7 +101,7 @@ def check_up_down_fp8(x, gate, precision, up_down_fp8):
     _check_e4m3_copy("up_down_fp8.up", "up's", up_down_fp8.up, up_down_fp8.up_scale, gate.shape, made_by, True)
     _check_e4m3_copy("up_down_fp8.down_t", "down's transposed", up_down_fp8.down_t, up_down_fp8.down_scale,
                      gate.shape, made_by, True)
-    _check_fp8_input(x, precision, "e4m3 up and down rows")
+    _check_fp8_input(x, precision, "reading e4m3 up and down rows")
 
 
 def check_kernel_dtypes(x, gate, up, down):

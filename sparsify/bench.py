@@ -474,8 +474,7 @@ def bench_checkpoint(path: str | Path, *, seq_len: int = 2048, prefill_batches=(
         "seq_len": seq_len, "decode_tokens": decode_tokens, "decode_context": decode_context,
         "prompt_tokens": PROMPT_TOKENS, "repeats": repeats, "generate_repeats": generate_repeats, "paths": PATHS,
         "rows": rows, "component_time": "union", "check": check, "plan": plan_summary(config), "fp8_gate": fp8_gate,
-        "fp8_up_down": fp8_up_down,
-        "mean_active": active, "mean_active_all_layers": statistics.fmean(active),
+        "fp8_up_down": fp8_up_down, "mean_active": active, "mean_active_all_layers": statistics.fmean(active),
         **({"fp8_gate_mean_active": fp8_active, "fp8_gate_mean_active_all_layers": statistics.fmean(fp8_active)}
            if fp8_gate else {}),
     }

@@ -373,6 +373,33 @@ def test_the_fp8_up_down_metric_computes_up_and_down_from_their_e4m3_rows():
         assert torch.equal(model(ids).logits, plain)
 
 
+def test_fp8_quality_measures_a_checkpoint_on_text_under_each_variant(tmp_path):
+    """benchmarks/quality/fp8_quality.py: held-out CE, top-1 and active units of a saved model on a text file as it
+    is and under each fp8 variant, the change against it, written as JSON; the plain figures those of a forward
+    pass on the same blocks."""
+    fp8_quality = load_benchmark("quality/fp8_quality.py")
+    model, tok = tiny_model("llama", seed=2)
+    model.save_pretrained(tmp_path / "ckpt")
+    tok.save_pretrained(tmp_path / "ckpt")
+    (tmp_path / "text.txt").write_text((Path(__file__).parents[1] / "docs/quality.md").read_text()[:6000])
+    result = fp8_quality.main([str(tmp_path / "ckpt"), "--data", str(tmp_path / "text.txt"), "--tokens", "256",
+                               "--seq-len", "32", "--batch", "3", "--device", "cpu", "--json", str(tmp_path / "r.json")])
+    assert json.loads((tmp_path / "r.json").read_text()) == json.loads(json.dumps(result))
+    assert result["blocks"] == [8, 32] and result["device"] == "cpu" and "fp8_quality.py" in result["command"]
+    plain = result["plain"]
+    from sparsify.data import measured_blocks
+
+    blocks = torch.stack(measured_blocks(str(tmp_path / "text.txt"), tok, 32, 256)[0])
+    with torch.no_grad():
+        assert plain["cross_entropy"] == pytest.approx(model(blocks, labels=blocks).loss.item(), rel=1e-5)
+    names = ("fp8_gate", "fp8_up_down", "fp8_gate_and_up_down")
+    for name in names:
+        change = result[name]["cross_entropy"] / plain["cross_entropy"] - 1
+        assert result[name]["cross_entropy_change"] == pytest.approx(change) and 0 < abs(change) < 0.05
+        assert len(result[name]["active_units"]) == len(model.model.layers)
+    assert len({result[name]["cross_entropy"] for name in names}) == 3
+
+
 def test_active_units_count_each_layers_positive_gate_outputs_a_token_bf16_and_fp8():
     """active_units: a layer's mean count a token of units whose gate output is positive, from the gate as the
     model computes it (after use_fp8_gate, the fp8 gate's), counted from each MLP's own input."""
