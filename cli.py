@@ -452,7 +452,8 @@ def analyze(model, data, text_column, tokens, seq_len, batch_size, device, json_
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write all figures to this JSON file.")
 @user_errors
 def bench(checkpoint, seq_len, prefill_batch, generate_batch, compiled_batch, no_compiled, compiled_prefill_batch,
-          decode_tokens, decode_context, repeats, generate_repeats, data, text_column, fp8_gate, fp8_up_down, json_path):
+          decode_tokens, decode_context, repeats, generate_repeats, data, text_column, fp8_gate, fp8_up_down,
+          json_path):
     """Dense vs TwELL speed of a converted CHECKPOINT on a GPU, in one process, with a logits check: decoder
     prefill, eager generate, compiled static-cache generate and one decode step replayed as a CUDA graph,
     each with a per-component GPU time breakdown."""

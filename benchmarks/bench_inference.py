@@ -176,8 +176,10 @@ def fp8_columns(x, layers, tile, compression, graphs, t_dense, check, variants):
     speed-up, error against the fp32 block and against the reference of what the kernels compute (g from quantized
     x and gate, the up and down rows mixed as the kernels read them); the gate pass alone with the fp8 gate, the
     out pass alone on the e4m3 rows."""
-    add_fp8_gate(layers)
-    add_fp8_up_down(layers)
+    if any(gate8 for _, gate8, _ in variants):
+        add_fp8_gate(layers)
+    if any(ud8 for _, _, ud8 in variants):
+        add_fp8_up_down(layers)
     w = layers[0]
     fresh = make_x(x.shape[0], x.shape[1])[check]
     columns = {}

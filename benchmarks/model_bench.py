@@ -168,7 +168,8 @@ def main(argv=None):
                       f"{[round(a, 1) for a in result['mean_active']]}"
                       + (f"; with the fp8 gate: {[round(a, 1) for a in result['fp8_gate_mean_active']]}"
                          if args.fp8_gate else "") + f"; seconds: {result['seconds']}")
-        suffix = ("_measured" if args.measure else "") + ("_fp8" if args.fp8_gate else "") + ("_ud8" if args.fp8_up_down else "")
+        suffix = "".join(name for name, chosen in (("_measured", args.measure), ("_fp8", args.fp8_gate),
+                                                   ("_ud8", args.fp8_up_down)) if chosen)
         name = f"model_bench_k{active:g}_l{args.layers}{suffix}.json"
         console.print(f"wrote {write_json(result, args.out / name)}")
     console.print(f"versions: {versions()}")

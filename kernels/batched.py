@@ -178,7 +178,8 @@ def out_launch(x2, width, tile, s, h_fp32, has_overflow, cfg, packed_h=False, ti
 
 
 def _no_up_down_fp8(x2, values, indices, counts, partials, gate, up, down_t, out, overflow, workspace):
-    """The out kernel's e4m3 rows and scales where it reads none: placeholders, never read."""
+    """The rows the out kernel walks where it has no e4m3 copies: up and down_t themselves (the scales'
+    places hold placeholders, never read)."""
     return up, down_t, gate, gate
 
 
@@ -297,10 +298,10 @@ if triton is not None:
     @triton.jit
     def _accumulate_units(acc, x, j, g, active, d, dmask, do, omask, up_ptr, down_ptr, D,
                           TIMES_UP: tl.constexpr, H_FP32: tl.constexpr, FP8_UD: tl.constexpr = False,
-                          hdt_ptr=None, su_ptr=None, sd_ptr=None):
+                          h_dtype_ptr=None, su_ptr=None, sd_ptr=None):
         """acc += sum over the CH units j (where active) of h_j * down_t[j, do]: h_j = g_j * (x . up[j, :])
         with TIMES_UP, else g_j (the decode path packs h). With FP8_UD, up and down_t are the e4m3 copies and
-        su_ptr and sd_ptr their scales a unit: h_j = g_j * su_j * (x . q(up[j])), rounded to hdt_ptr's dtype
+        su_ptr and sd_ptr their scales a unit: h_j = g_j * su_j * (x . q(up[j])), rounded to h_dtype_ptr's dtype
         (x's), then acc += h_j * sd_j * q(down_t[j])."""
         rows = j[:, None].to(tl.int64) * D
         dw = tl.load(down_ptr + rows + do[None, :], mask=active[:, None] & omask[None, :], other=0.0,
@@ -315,7 +316,7 @@ if triton is not None:
         else:
             h = g
         if FP8_UD:
-            h = (h * su).to(hdt_ptr.dtype.element_ty).to(tl.float32) * sd
+            h = (h * su).to(h_dtype_ptr.dtype.element_ty).to(tl.float32) * sd
         elif not H_FP32:
             h = h.to(down_ptr.dtype.element_ty).to(tl.float32)  # h in the weights' precision, like dense
         return acc + tl.sum(h[:, None] * dw.to(tl.float32), axis=0)
@@ -353,7 +354,7 @@ if triton is not None:
     def _walk_list(acc, x, lo, hi, incl, fits, row, NT, S: tl.constexpr, CH: tl.constexpr, idx_ptr, vals_ptr,
                    row_j, row_g, HELD: tl.constexpr,
                    d, dmask, do, omask, up_ptr, down_ptr, D, TIMES_UP: tl.constexpr, H_FP32: tl.constexpr,
-                   FP8_UD: tl.constexpr, hdt_ptr, su_ptr, sd_ptr):
+                   FP8_UD: tl.constexpr, h_dtype_ptr, su_ptr, sd_ptr):
         """acc += the units of list entries lo..hi - 1, CH a step; the next step's units are fetched before
         this step's weights are consumed."""
         e = tl.arange(0, CH)
@@ -362,7 +363,7 @@ if triton is not None:
             j_next, g_next, active_next = _list_entries(e + e0 + CH, incl, fits, hi, row, NT, S, idx_ptr,
                                                         vals_ptr, row_j, row_g, HELD)
             acc = _accumulate_units(acc, x, j, g, active, d, dmask, do, omask, up_ptr, down_ptr, D, TIMES_UP,
-                                    H_FP32, FP8_UD, hdt_ptr, su_ptr, sd_ptr)
+                                    H_FP32, FP8_UD, h_dtype_ptr, su_ptr, sd_ptr)
             j, g, active = j_next, g_next, active_next
         return acc
 
@@ -427,15 +428,17 @@ if triton is not None:
 
     @triton.jit
     def _twell_out_kernel(x_ptr, vals_ptr, idx_ptr, cnt_ptr, part_ptr, gate_ptr, up_ptr, down_ptr, out_ptr,
-                          ovf_ptr, ws_ptr, up8_ptr, down8_ptr, su_ptr, sd_ptr, D, I, NT, HEAVY, stride_xm, stride_xk,
+                          ovf_ptr, ws_ptr, walk_up_ptr, walk_down_ptr, su_ptr, sd_ptr, D, I, NT, HEAVY, stride_xm,
+                          stride_xk,
                           T: tl.constexpr, S: tl.constexpr, NT_PAD: tl.constexpr, CH: tl.constexpr,
                           FB_CH: tl.constexpr, OT: tl.constexpr, BLOCK_D: tl.constexpr, BD: tl.constexpr,
                           LIST_UP: tl.constexpr, H_FP32: tl.constexpr, HAS_OVF: tl.constexpr,
                           PARTIALS: tl.constexpr, TS: tl.constexpr, PDL: tl.constexpr, POST: tl.constexpr,
                           HELD: tl.constexpr, COMPACT_TC: tl.constexpr, S_PAD: tl.constexpr,
                           COUNT_UNITS: tl.constexpr, FP8_UD: tl.constexpr):
-        # program (row, output chunk): u needs the whole row of x and up, down only BD output columns; with
-        # FP8_UD the walk reads up8 and down8 (e4m3 rows, scales su and sd), the dense fallbacks up and down
+        # program (row, output chunk): u needs the whole row of x and up, down only BD output columns. The walk
+        # reads walk_up and walk_down: with FP8_UD the e4m3 rows (scales su and sd), else up and down_t
+        # themselves; the dense fallbacks read up and down_t
         row = tl.program_id(0).to(tl.int64)
         if COMPACT_TC > 0:  # the row's program compacts its list itself (no pre-pass launch), then a barrier:
             # every thread's moves land before any thread's walk reads them
@@ -473,14 +476,9 @@ if triton is not None:
                 tl.atomic_add(ovf_ptr + 2, tl.full((), 1, ovf_ptr.dtype.element_ty))
         acc = tl.zeros((BD,), dtype=tl.float32)
         if own:
-            if FP8_UD:
-                acc = _walk_list(acc, x, 0, total, incl, fits, row, NT, S, CH, idx_ptr, vals_ptr, row_j, row_g,
-                                 HELD > 0, d, dmask, do, omask, up8_ptr, down8_ptr, D, LIST_UP, H_FP32,
-                                 True, up_ptr, su_ptr, sd_ptr)
-            else:
-                acc = _walk_list(acc, x, 0, total, incl, fits, row, NT, S, CH, idx_ptr, vals_ptr, row_j, row_g,
-                                 HELD > 0, d, dmask, do, omask, up_ptr, down_ptr, D, LIST_UP, H_FP32, False, None, None,
-                                 None)
+            acc = _walk_list(acc, x, 0, total, incl, fits, row, NT, S, CH, idx_ptr, vals_ptr, row_j, row_g,
+                             HELD > 0, d, dmask, do, omask, walk_up_ptr, walk_down_ptr, D, LIST_UP, H_FP32, FP8_UD,
+                             up_ptr, su_ptr, sd_ptr)
         if n_over > 0:
             if HAS_OVF:
                 tl.atomic_add(ovf_ptr, n_over.to(ovf_ptr.dtype.element_ty), mask=pid_d == 0)

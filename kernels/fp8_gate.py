@@ -27,12 +27,12 @@ ROW_BLOCK = 8192  # elements a quantize program takes: whole rows, several where
 FP8_CAPABILITY = (8, 9)  # fp8 tensor cores: Ada, Hopper and newer (Triton refuses e4m3 dots below)
 
 
-def check_device(device: torch.device) -> None:
-    """ValueError where `device` is a GPU without fp8 tensor cores (CPU tensors run the reference or the
-    interpreter)."""
+def check_device(device: torch.device, what: str = "the fp8 gate") -> None:
+    """ValueError where `device` is a GPU without fp8 tensor cores, which `what` needs (CPU tensors run the
+    reference or the interpreter)."""
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < FP8_CAPABILITY:
         major, minor = torch.cuda.get_device_capability(device)
-        raise ValueError(f"the fp8 gate needs a GPU with fp8 tensor cores (compute capability 8.9 or newer: Ada, "
+        raise ValueError(f"{what} needs a GPU with fp8 tensor cores (compute capability 8.9 or newer: Ada, "
                          f"Hopper); {torch.cuda.get_device_name(device)} is {major}.{minor}")
 
 

@@ -85,7 +85,7 @@ def _check_e4m3_copy(name, of, weight, scale, shape, made_by, contiguous=False):
 def _check_fp8_input(x, precision, what):
     if x.dtype not in (torch.float16, torch.bfloat16) or precision != "default":
         raise ValueError(f"{what} takes 16-bit x at precision 'default', got {x.dtype} at {precision!r}")
-    check_device(x.device)
+    check_device(x.device, what)
 
 
 def check_gate_fp8(x, gate, precision, gate_fp8):

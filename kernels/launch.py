@@ -22,7 +22,7 @@ class Launch:
         self.run = None
 
     def __call__(self, *tensors):
-        if self.extra is not None:  # arguments made from the tensors at each call (TMA descriptors)
+        if self.extra is not None:  # arguments made from the tensors at each call (TMA descriptors, placeholders)
             tensors = tensors + self.extra(*tensors)
         if self.run is not None:
             self.run(*tensors, *self.scalars)

@@ -383,7 +383,8 @@ def test_fp8_quality_measures_a_checkpoint_on_text_under_each_variant(tmp_path):
     tok.save_pretrained(tmp_path / "ckpt")
     (tmp_path / "text.txt").write_text((Path(__file__).parents[1] / "docs/quality.md").read_text()[:6000])
     result = fp8_quality.main([str(tmp_path / "ckpt"), "--data", str(tmp_path / "text.txt"), "--tokens", "256",
-                               "--seq-len", "32", "--batch", "3", "--device", "cpu", "--json", str(tmp_path / "r.json")])
+                               "--seq-len", "32", "--batch", "3", "--device", "cpu",
+                               "--json", str(tmp_path / "r.json")])
     assert json.loads((tmp_path / "r.json").read_text()) == json.loads(json.dumps(result))
     assert result["blocks"] == [8, 32] and result["device"] == "cpu" and "fp8_quality.py" in result["command"]
     plain = result["plain"]

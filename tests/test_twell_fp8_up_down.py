@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import twell
-from twell.fp8_gate import E4M3, UpDownE4m3, quantize_up_down, quantize_weight, up_down_reference
+from twell.fp8_gate import E4M3, quantize_up_down, quantize_weight, up_down_reference
 from twell.paths import launch_path, reads_fp8_up_down
 from twell.reference import forward_reference
 
@@ -77,20 +77,23 @@ def test_random_shapes_walk_the_e4m3_rows(draw, with_fp8_gate, poisoned, walk_ev
 
 
 def test_fallbacks_read_up_and_down_themselves(poisoned, walk_every_batched_call):
-    """A heavy row and a tile beyond its slots are computed from up and down in x's dtype: their rows equal the
-    plain block's reference; a walked row matches the e4m3 rows' and not the plain one."""
-    torch.manual_seed(3)
+    """The dense fallbacks read up and down in x's dtype: the heavy last row (every unit active) equals the plain
+    block's reference; row 2, with one tile beyond its slots and three units walked beyond it, matches the mixed
+    reference and neither the plain nor the all-e4m3 block; every row matches the mixed reference."""
     m, d, i, tile, comp = 70, 48, 300, 32, 4
-    x, gate, up, down = block(m, d, i, k=6, dtype=torch.float16)
-    x[5, 0] = -40.0  # every unit active: heavy
+    s = 8  # slots(32, 4)
+    torch.manual_seed(3)
+    x, gate, up, down = (v.to(torch.float16) for v in random_rows_block(m, d, i, tile, s, k=6))
     up_down = quantize_up_down(up, down)
     out = twell.gated_mlp(x, gate, up, down, tile=tile, compression=comp, up_down_fp8=up_down)
     mixed = expected(x, gate, up, down, tile, comp, up_down_fp8=up_down)
     plain = expected(x, gate, up, down, tile, comp)
+    up_q, down_q = up_down_reference(up_down)
+    all_e4m3 = (torch.relu(x.float() @ gate.float().t()) * (x.float() @ up_q.t())).half().float() @ down_q.t()
     assert_rows_close(out, mixed, 3e-3)
-    assert torch.equal(mixed[5], plain[5])
-    walked = next(r for r in range(1, m) if not torch.allclose(mixed[r], plain[r], rtol=1e-3, atol=1e-4))
-    assert_rows_close(out[walked:walked + 1], mixed[walked:walked + 1], 3e-3)
+    assert torch.equal(mixed[-1], plain[-1])
+    for other in (plain, all_e4m3):
+        assert not torch.allclose(mixed[2], other[2], rtol=1e-3, atol=1e-4)
 
 
 @pytest.mark.parametrize("path", ["tile-out", "decode 3-16", "decode 17-64"])
@@ -157,7 +160,6 @@ def test_custom_ops_take_the_e4m3_rows(walk_every_batched_call):
                                                                  **dict(zip(names, (*gate_fp8, *up_down))))
     assert torch.equal(by_name, eager)
     assert not torch.equal(eager, twell.gated_mlp(x, gate, up, down, tile=16, gate_fp8=gate_fp8))
-    assert isinstance(gm._fp8_copies(None, None, *up_down)[1], UpDownE4m3)
 
 
 def real_block(m, k=29):

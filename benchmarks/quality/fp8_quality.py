@@ -1,8 +1,9 @@
 """Held-out cross-entropy of a converted checkpoint with the opt-in fp8 numerics, on text of your own: its gate
 pass in fp8 (`use_fp8_gate`), its up and down rows in e4m3 (`use_fp8_up_down`) and both, against the checkpoint
 as it is (bf16 on a GPU, fp32 on a CPU), with each layer's active units a token. The projections are computed as
-the kernels compute them (metrics.py's FP8_VARIANTS) on every token of the plain dense load: an upper bound on
-the change, as the kernels read the weights themselves for heavy rows, overflowing tiles and smaller calls.
+the kernels compute them (metrics.py's FP8_VARIANTS) on every token of the plain dense load: likely an
+overestimate of the change, as the kernels read the weights themselves for heavy rows, overflowing tiles and
+smaller calls.
 Text as `sparsify convert --data` takes it (a file, a folder's held-out valid* files, a dataset name).
 
   python benchmarks/quality/fp8_quality.py CHECKPOINT --data TEXT [--tokens 262144] [--json result.json]
@@ -29,16 +30,12 @@ def measure(checkpoint: str, data: str, tokens: int, seq_len: int, batch: int, d
     found, read = measured_blocks(data, tokenizer, seq_len, tokens, text_column)
     blocks = torch.stack(found)
     model = metrics.load(Path(checkpoint), device)
-    result = {"text": read, "blocks": list(blocks.shape)}
-    for name, variant in {"plain": (), **metrics.FP8_VARIANTS}.items():
-        for use in variant:
-            use(model)
-        with torch.no_grad(), metrics.active_units(model) as active:
-            result[name] = dict(metrics.scores(model, blocks, batch, device), active_units=active)
-        metrics.plain_projections(model)
-        if name != "plain":
-            result[name]["cross_entropy_change"] = result[name]["cross_entropy"] / result["plain"]["cross_entropy"] - 1
-    return result
+    with torch.no_grad(), metrics.active_units(model) as active:
+        plain = dict(metrics.scores(model, blocks, batch, device), active_units=active)
+    variants = metrics.fp8_variant_scores(model, [blocks], batch, device)
+    for scores in variants.values():
+        scores["cross_entropy_change"] = scores["cross_entropy"] / plain["cross_entropy"] - 1
+    return {"text": read, "blocks": list(blocks.shape), "plain": plain, **variants}
 
 
 def main(argv: list[str] | None = None) -> dict:

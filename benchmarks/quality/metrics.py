@@ -111,7 +111,8 @@ def use_fp8_up_down(model) -> None:
     """Each decoder layer's up and down projections computed, in place, from the e4m3 copies of their rows
     (twell.fp8_gate.quantize_up_down, dequantized: up_down_reference; fp32 sums), on every token: the numerics of a
     checkpoint's use_fp8_up_down() up to the bf16 rounding of u (the kernels round h = g * u once), as if its
-    kernels walked every row (they read the bf16 weights for heavy rows, overflowing tiles and smaller calls)."""
+    kernels walked every row (they read the bf16 weights for heavy rows, overflowing tiles and smaller calls:
+    likely an overestimate of the change)."""
     from twell.fp8_gate import quantize_up_down, up_down_reference
 
     for layer in model.model.layers:
@@ -131,6 +132,28 @@ def plain_projections(model) -> None:
     """Undoes use_fp8_gate and use_fp8_up_down: the projections' own forward again."""
     for module in model.modules():
         vars(module).pop("forward", None)
+
+
+def pooled(parts: list) -> dict:
+    """scores() of several sets of blocks as one."""
+    count = sum(k["tokens"] for k in parts)
+    return {"cross_entropy": sum(k["cross_entropy"] * k["tokens"] for k in parts) / count,
+            "accuracy": sum(k["accuracy"] * k["tokens"] for k in parts) / count, "tokens": count}
+
+
+def fp8_variant_scores(model, blocks: list, batch: int, device: str) -> dict:
+    """{variant: pooled scores with each layer's active units} over `blocks` (tensors of blocks) under each of
+    FP8_VARIANTS in turn, the projections plain again after each."""
+    import torch
+
+    results = {}
+    for name, variant in FP8_VARIANTS.items():
+        for use in variant:
+            use(model)
+        with torch.no_grad(), active_units(model) as active:
+            results[name] = dict(pooled([scores(model, b, batch, device) for b in blocks]), active_units=active)
+        plain_projections(model)
+    return results
 
 
 def greedy(model, prompts, batch: int, device: str):
@@ -167,23 +190,12 @@ def measure(path: Path, blocks: dict, prompts, reference, batch: int, device: st
         kinds = {kind: scores(model, b, batch, device) for kind, b in blocks.items()}
     with torch.no_grad():
         generated = greedy(model, prompts, batch, device)
-    count = sum(k["tokens"] for k in kinds.values())
-    result = {"cross_entropy": sum(k["cross_entropy"] * k["tokens"] for k in kinds.values()) / count,
-              "accuracy": sum(k["accuracy"] * k["tokens"] for k in kinds.values()) / count, "tokens": count,
-              "by_kind": kinds, "active_units": active}
+    result = dict(pooled(list(kinds.values())), by_kind=kinds, active_units=active)
     if reference is None:
         result.update(prompts=prompts.tolist(), generations=generated.tolist())
     else:
         result["greedy"] = agreement(generated, torch.tensor(reference))
-        for name, variant in FP8_VARIANTS.items():
-            for use in variant:
-                use(model)
-            with torch.no_grad(), active_units(model) as fp8_active:
-                fp8 = [scores(model, b, batch, device) for b in blocks.values()]
-            plain_projections(model)
-            result[name] = {"cross_entropy": sum(k["cross_entropy"] * k["tokens"] for k in fp8) / count,
-                            "accuracy": sum(k["accuracy"] * k["tokens"] for k in fp8) / count,
-                            "active_units": fp8_active}
+        result.update(fp8_variant_scores(model, list(blocks.values()), batch, device))
     return result
 
 
