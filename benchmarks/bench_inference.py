@@ -45,7 +45,7 @@ from twell.format import decode_rows
 from twell.batched import gate_config, gate_launch, out_launch
 from twell.decode import DECODE_TILE, HELD_ROWS, PART_BYTES, PART_STAGES, decode_out_config
 from twell.heavy import HEAVY_FEW_ROWS, heavy_launches
-from twell.paths import UP_DOWN_FP8_MIN_TOKENS, reads_fp8_gate, reads_fp8_up_down
+from twell.paths import reads_fp8_gate, reads_fp8_up_down
 
 from inference_robustness import ROBUST_ACTIVE, ROBUST_KEY, ROBUST_TOKENS, robustness
 from synthetic_mlp import (HEAVY_K, HEAVY_TILE, LAYERS, add_fp8_gate, add_fp8_up_down, dense, launch_rules, make_heavy,
@@ -159,15 +159,16 @@ def bench_row(d, i, m, k, tile, compression, skew=0.0, fp8=False, fp8_up_down=Fa
         row["updown_ms"] = time_fn(lambda: [out(lw) for lw in layers], graphs)
         row["cublas_gate_ms"] = time_fn(lambda: [x @ lw["gate"].t() for lw in layers], graphs)
     # the fp8 variants: "fp8" (the gate pass), "ud8" (e4m3 up and down rows), "all8" (both); decode-size calls
-    # read neither, and the e4m3 rows are timed below the rule's token threshold too, to check where it lies
+    # read neither, and the e4m3 rows are timed where reads_fp8_up_down refuses them too, to check the rule
     variants = [(name, gate8, ud8) for name, gate8, ud8 in (("fp8", True, False), ("ud8", False, True),
                                                             ("all8", True, True))
                 if (fp8 or not gate8) and (fp8_up_down or not ud8)]
-    with launch_rules(UP_DOWN_FP8_MIN_TOKENS=0):
+    ud8_by_default = reads_fp8_up_down(m, d, i)
+    with launch_rules(UP_DOWN_FP8_MIN_ROW_BYTES=0):
         if variants and reads_fp8_gate(m, d, i) and reads_fp8_up_down(m, d, i):  # the same paths read both
             row.update(fp8_columns(x, layers, tile, compression, graphs, t_dense, check, variants))
     if "speedup_ud8" in row:
-        row["ud8_by_default"] = m >= UP_DOWN_FP8_MIN_TOKENS  # the rule's threshold, as imported
+        row["ud8_by_default"] = ud8_by_default
     return row
 
 

@@ -54,10 +54,16 @@ def out_config(m: int, d: int, decode: bool, tiles: int = 1) -> dict:
     registers), twice as many up to 128 rows, and are at least 4 up to 512 rows."""
     if decode:
         return decode_out_config(m, d, tiles)
-    block_d = triton.next_power_of_2(d)
+    block_d = 1 << (d - 1).bit_length()  # triton.next_power_of_2 (walk_row_bytes runs without Triton too)
     ch = min(out_units_per_step(m), max(2, 32768 // block_d))
     per_warp = 2048 if m <= 128 else 4096  # fewer rows than SMs: one program an SM, so more warps each
     return dict(CH=ch, BD=block_d, num_warps=min(8, max(4 if m <= 512 else 1, ch * block_d // per_warp)))
+
+
+def walk_row_bytes(m: int, d: int) -> int:
+    """Contiguous bytes of each e4m3 row that a thread of the batched out kernel loads in its walk: the row's
+    BLOCK_D elements over the program's threads (out_config)."""
+    return (1 << (d - 1).bit_length()) // (32 * out_config(m, d, decode=False)["num_warps"])
 
 
 def _tile_stride(tile: int, tile_stride) -> int:

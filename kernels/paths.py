@@ -10,7 +10,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .batched import gate_config, gate_launch, out_config, out_launch
+from .batched import gate_config, gate_launch, out_config, out_launch, walk_row_bytes
 from .cost_model import batched_time, decode_time
 from .decode import DECODE_TILE, decode_tile_stride, tile_out_launch, tile_sum_launch
 from .format import cdiv, decode_rows, decode_slots, slots
@@ -18,9 +18,10 @@ from .fp8_gate import quantize_rows
 from .launch import sm_count, use_pdl
 from .reference import forward_reference, tile_shares
 
-# Fewest tokens from which a path that can (LaunchPath.fp8_up_down) walks the e4m3 up and down rows a call
-# gives: below, the e4m3 walk was measured slower than the bf16 one at D 896 (and at D 2048 below 160 tokens)
-UP_DOWN_FP8_MIN_TOKENS = 1024
+# A path that can (LaunchPath.fp8_up_down) walks the e4m3 up and down rows a call gives where each thread of its
+# out kernel loads at least this many bytes of a row (batched.walk_row_bytes): every call measured below it
+# walked them slower than the bf16 rows, every one at or above it as fast or faster
+UP_DOWN_FP8_MIN_ROW_BYTES = 16
 
 
 def _geometry(x2, width, tile, compression, decode: bool):
@@ -171,5 +172,6 @@ def reads_fp8_gate(tokens: int, d: int, width: int) -> bool:
 
 def reads_fp8_up_down(tokens: int, d: int, width: int) -> bool:
     """Whether a call of `tokens` tokens at D and I walks the e4m3 up and down rows it is given (read at each
-    call: a benchmark or test may replace UP_DOWN_FP8_MIN_TOKENS in this module)."""
-    return tokens >= UP_DOWN_FP8_MIN_TOKENS and launch_path(tokens, d, width).fp8_up_down
+    call: a benchmark or test may replace UP_DOWN_FP8_MIN_ROW_BYTES in this module)."""
+    return (launch_path(tokens, d, width).fp8_up_down
+            and walk_row_bytes(tokens, d) >= UP_DOWN_FP8_MIN_ROW_BYTES)

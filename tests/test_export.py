@@ -119,14 +119,15 @@ def test_use_fp8_gate_hands_the_sparse_layers_the_gates_fp8_copy(tmp_path, monke
 
 
 def test_use_fp8_up_down_hands_the_sparse_layers_the_e4m3_rows(tmp_path, monkeypatch):
-    """model.use_fp8_up_down(): each kernel call of a sparse layer from paths.UP_DOWN_FP8_MIN_TOKENS tokens on (80
-    here) gets up_down_fp8, the e4m3 copies of that layer's up and down weights as fp8_gate.quantize_up_down makes
-    them, one token fewer does not; the logits move by the quantization only; use_fp8_up_down(False) ends it."""
+    """model.use_fp8_up_down(): each kernel call of a sparse layer that paths.reads_fp8_up_down takes gets
+    up_down_fp8, the e4m3 copies of that layer's up and down weights as fp8_gate.quantize_up_down makes them, a
+    call it refuses does not; the logits move by the quantization only; use_fp8_up_down(False) ends it."""
     model, tokenizer, spec = _relufied("llama")
     out = export_checkpoint(model, tokenizer, tmp_path / "ckpt-ud8", spec=spec, plan=PLAN, training=TRAINING)
     remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float16)
     module = _remote_module(remote)
-    monkeypatch.setitem(module.reads_fp8_up_down.__globals__, "UP_DOWN_FP8_MIN_TOKENS", 80)
+    rule = module.reads_fp8_up_down.__globals__
+    monkeypatch.setitem(rule, "UP_DOWN_FP8_MIN_ROW_BYTES", 0)  # the interpreter's tiny shapes: taken
     calls = []
     kernel = module.gated_mlp
     monkeypatch.setattr(module, "gated_mlp", lambda *a, **k: calls.append(k) or kernel(*a, **k))
@@ -136,7 +137,8 @@ def test_use_fp8_up_down_hands_the_sparse_layers_the_e4m3_rows(tmp_path, monkeyp
         plain = remote(ids).logits.float()
         remote.use_fp8_up_down()
         ud8 = remote(ids).logits.float()
-        remote(ids[:, :79])
+        monkeypatch.setitem(rule, "UP_DOWN_FP8_MIN_ROW_BYTES", 1 << 20)  # refused
+        remote(ids)
         remote.use_fp8_up_down(False)
         again = remote(ids).logits.float()
     assert [("up_down_fp8" in call) for call in calls] == [False, True, False, False]

@@ -1,15 +1,19 @@
 """e4m3 up and down rows (fp8_gate.quantize_up_down, gated_mlp's up_down_fp8) against their references. CPU:
 Triton interpreter, fp16 x (the interpreter has no bf16 arithmetic), tiny shapes off the block sizes, the batched
 path with empty, heavy and overflowing rows, with and without the fp8 gate, NaN-poisoned buffers (from any token
-count: `walk_every_batched_call`); decode sizes and batched calls below paths.UP_DOWN_FP8_MIN_TOKENS read up and down
-themselves. GPU (-m gpu): bf16 at real sizes, CUDA graphs and torch.compile."""
+count: `walk_every_batched_call`); decode sizes and batched calls where paths.reads_fp8_up_down says the e4m3 walk
+loses read up and down themselves. GPU (-m gpu): bf16 at real sizes, CUDA graphs and torch.compile."""
+import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import twell
 from twell.fp8_gate import E4M3, quantize_up_down, quantize_weight, up_down_reference
+from twell.batched import walk_row_bytes
+from twell.format import HEAVY_UNITS
 from twell.paths import launch_path, reads_fp8_up_down
 from twell.reference import forward_reference
 
@@ -24,8 +28,8 @@ paths = sys.modules["twell.paths"]
 
 @pytest.fixture
 def walk_every_batched_call(monkeypatch):
-    """The batched path walks the e4m3 rows at the interpreter's small token counts too."""
-    monkeypatch.setattr(paths, "UP_DOWN_FP8_MIN_TOKENS", 0)
+    """The batched path walks the e4m3 rows at the interpreter's small shapes too."""
+    monkeypatch.setattr(paths, "UP_DOWN_FP8_MIN_ROW_BYTES", 0)
 
 
 def test_quantize_up_down_keeps_a_scale_a_unit():
@@ -107,20 +111,41 @@ def test_decode_sizes_read_up_and_down_themselves(path, poisoned):
     assert torch.equal(out, twell.gated_mlp(x, gate, up, down, tile=tile, compression=comp))
 
 
-def test_below_the_threshold_batched_calls_read_up_and_down_themselves(monkeypatch):
-    """A batched call of fewer tokens than UP_DOWN_FP8_MIN_TOKENS gives the plain call's output; from it on, the
-    mixed reference's."""
+def test_batched_calls_the_rule_refuses_read_up_and_down_themselves(monkeypatch):
+    """A batched call whose out kernel's threads would load fewer than UP_DOWN_FP8_MIN_ROW_BYTES of a row gives the
+    plain call's output; with the rule's bound at its row bytes, the mixed reference's."""
     torch.manual_seed(2)
     x, gate, up, down = block(80, 40, 200, k=5, dtype=torch.float16)
     up_down = quantize_up_down(up, down)
-    assert launch_path(80, 40, 200).name == "batched" and paths.UP_DOWN_FP8_MIN_TOKENS > 80
-    assert not reads_fp8_up_down(80, 40, 200)
+    assert launch_path(80, 40, 200).name == "batched" and not reads_fp8_up_down(80, 40, 200)
     out = twell.gated_mlp(x, gate, up, down, tile=32, up_down_fp8=up_down)
     assert torch.equal(out, twell.gated_mlp(x, gate, up, down, tile=32))
-    monkeypatch.setattr(paths, "UP_DOWN_FP8_MIN_TOKENS", 80)
-    assert reads_fp8_up_down(80, 40, 200) and not reads_fp8_up_down(79, 40, 200)
+    monkeypatch.setattr(paths, "UP_DOWN_FP8_MIN_ROW_BYTES", walk_row_bytes(80, 40))
+    assert reads_fp8_up_down(80, 40, 200)
     out = twell.gated_mlp(x, gate, up, down, tile=32, up_down_fp8=up_down)
     assert_rows_close(out, expected(x, gate, up, down, 32, 8, up_down_fp8=up_down), 3e-3)
+
+
+def measured_cells():
+    """(tokens, D, I, the block's speed-up with e4m3 up and down rows, with bf16 ones) of every committed H200 run of
+    bench_inference.py --fp8-up-down whose rows the out kernel walks (fewer than HEAVY_UNITS units a row)."""
+    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    for name in ("inference_fp8_up_down_h200.json", "inference_fp8_up_down_h200_repeat1.json",
+                 "inference_mid_fp8_up_down_h200.json", "inference_real_fp8_up_down_h200.json",
+                 "inference_ud8_threshold_h200.json"):
+        for row in json.loads((results / name).read_text())["rows"]:
+            if "speedup_ud8" in row and row["k"] < HEAVY_UNITS:
+                yield row["M"], row["D"], row["I"], row["speedup_ud8"], row["speedup"]
+
+
+def test_the_rule_reads_e4m3_rows_where_they_were_measured_to_win():
+    """paths.reads_fp8_up_down against the measurements: every cell it takes walked the e4m3 rows at least as fast
+    as the bf16 ones (within 1%), every cell it refuses slower; cells on both sides at D 896 and 2048."""
+    cells = list(measured_cells())
+    taken = [cell for cell in cells if reads_fp8_up_down(*cell[:3])]
+    refused = [cell for cell in cells if not reads_fp8_up_down(*cell[:3])]
+    assert all(ud8 >= 0.99 * bf16 for *_, ud8, bf16 in taken) and all(ud8 < bf16 for *_, ud8, bf16 in refused)
+    assert {cell[1] for cell in refused} == {896, 2048} and {cell[1] for cell in taken} >= {896, 2048, 3584, 4096}
 
 
 def test_e4m3_rows_are_checked():
@@ -210,7 +235,7 @@ def test_the_modeling_layer_reads_both_copies_and_remakes_them_after_the_weights
     again, the plain kernels."""
     modeling = load_benchmark("inference_robustness.py").runtime()  # the files a checkpoint carries
     runtime_paths = sys.modules[modeling.reads_fp8_up_down.__module__]
-    monkeypatch.setattr(runtime_paths, "UP_DOWN_FP8_MIN_TOKENS", 0)  # walk at the interpreter's token counts
+    monkeypatch.setattr(runtime_paths, "UP_DOWN_FP8_MIN_ROW_BYTES", 0)  # walk at the interpreter's shapes
     monkeypatch.setattr(modeling.ActivityRouter, "loses", lambda self, *measured: False)  # half the units fire
     original = torch.nn.Module()
     for name, shape in (("gate_proj", (96, 40)), ("up_proj", (96, 40)), ("down_proj", (40, 96))):

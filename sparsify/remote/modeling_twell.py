@@ -149,7 +149,7 @@ class TwellGatedMLP(nn.Module):
 
     def use_fp8_up_down(self, enabled: bool = True):
         """Whether the kernels' out pass reads e4m3 copies of the up and down rows (fp8_gate.quantize_up_down;
-        16-bit x, batched calls of paths.UP_DOWN_FP8_MIN_TOKENS tokens or more), made and remade as use_fp8_gate's.
+        16-bit x, the batched calls where paths.reads_fp8_up_down says they win), made and remade as use_fp8_gate's.
         The weights themselves stay, for every dense path (heavy rows and overflowing tiles included)."""
         self.fp8_up_down = enabled
         self._hold_e4m3(self._up_down_e4m3, enabled, *self._up_down_weights())
@@ -326,8 +326,8 @@ class TwellForCausalLM(_import(BASE_MODEL), GenerationMixin):
 
     def use_fp8_up_down(self, enabled: bool = True) -> None:
         """Runs the sparse layers' out pass on e4m3 copies of the up and down rows (a scale a unit; fp8_gate.py)
-        where the kernels serve a 16-bit batched call of paths.UP_DOWN_FP8_MIN_TOKENS tokens or more (prefill, long
-        prompts), or, enabled=False, on the weights again. Opt-in: it changes the model's numerics; the weights
+        where the kernels serve a 16-bit batched call on which they win (paths.reads_fp8_up_down: from 65 to 513
+        tokens on, by the layers' width), or, enabled=False, on the weights again. Opt-in: it changes the model's numerics; the weights
         and the checkpoint stay as they are (the copies take half the up and down weights' bytes beside them).
         Warns where, as the model is now, no call would read them."""
         self._use_e4m3(TwellGatedMLP.use_fp8_up_down, "e4m3 up and down rows", enabled)
