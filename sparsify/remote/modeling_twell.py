@@ -327,9 +327,9 @@ class TwellForCausalLM(_import(BASE_MODEL), GenerationMixin):
     def use_fp8_up_down(self, enabled: bool = True) -> None:
         """Runs the sparse layers' out pass on e4m3 copies of the up and down rows (a scale a unit; fp8_gate.py)
         where the kernels serve a 16-bit batched call on which they win (paths.reads_fp8_up_down: from 65 to 513
-        tokens on, by the layers' width), or, enabled=False, on the weights again. Opt-in: it changes the model's numerics; the weights
-        and the checkpoint stay as they are (the copies take half the up and down weights' bytes beside them).
-        Warns where, as the model is now, no call would read them."""
+        tokens on, by the layers' width), or, enabled=False, on the weights again. Opt-in: it changes the model's
+        numerics; the weights and the checkpoint stay as they are (the copies take half the up and down weights'
+        bytes beside them). Warns where, as the model is now, no call would read them."""
         self._use_e4m3(TwellGatedMLP.use_fp8_up_down, "e4m3 up and down rows", enabled)
 
     def _use_e4m3(self, layer_method, what: str, enabled: bool) -> None:
