@@ -79,7 +79,9 @@ def test_chunked_head_in_the_model_equals_its_loss_and_gradients(rows, tied, mon
     assert "forward" not in vars(model.lm_head)  # the head's own forward again after the call
     output = model(input_ids=ids, labels=labels)
     whole = torch.stack([output.loss, distillation_kl(output.logits, teacher_logits, 2.0)])
-    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=0)
+    # fp32 sums over the chunks in another order than over the whole logits (whose last bits depend on the CPU's
+    # vector instructions)
+    torch.testing.assert_close(chunked, whole, rtol=3e-5, atol=0)
     for mine, reference in zip(weighted_grads(chunked, params), weighted_grads(whole, params)):
         torch.testing.assert_close(mine, reference, rtol=1e-4, atol=1e-6)
 
