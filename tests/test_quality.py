@@ -373,7 +373,7 @@ def test_the_fp8_up_down_metric_computes_up_and_down_from_their_e4m3_rows():
         assert torch.equal(model(ids).logits, plain)
 
 
-def test_fp8_quality_measures_a_checkpoint_on_text_under_each_variant(tmp_path):
+def test_fp8_quality_measures_a_checkpoint_on_text_under_each_variant(tmp_path, capsys):
     """benchmarks/quality/fp8_quality.py: held-out CE, top-1 and active units of a saved model on a text file as it
     is and under each fp8 variant, the change against it, written as JSON; the plain figures those of a forward
     pass on the same blocks."""
@@ -399,6 +399,11 @@ def test_fp8_quality_measures_a_checkpoint_on_text_under_each_variant(tmp_path):
         assert result[name]["cross_entropy_change"] == pytest.approx(change) and 0 < abs(change) < 0.05
         assert len(result[name]["active_units"]) == len(model.model.layers)
     assert len({result[name]["cross_entropy"] for name in names}) == 3
+    for argv, message in (([str(tmp_path / "nowhere"), "--data", str(tmp_path / "text.txt")], "no config.json"),
+                          ([str(tmp_path / "ckpt"), "--data", str(tmp_path / "missing.txt")], "missing.txt")):
+        with pytest.raises(SystemExit):
+            fp8_quality.main([*argv, "--device", "cpu"])
+        assert message in capsys.readouterr().err
 
 
 def test_active_units_count_each_layers_positive_gate_outputs_a_token_bf16_and_fp8():

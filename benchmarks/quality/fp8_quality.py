@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     from sparsify.bench import versions
+    from sparsify.errors import SparsifyError
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("checkpoint", help="a converted checkpoint's folder")
@@ -55,8 +56,14 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if min(args.tokens, args.seq_len, args.batch) < 1:
         ap.error("--tokens, --seq-len and --batch must be positive")
-    result = dict(measure(args.checkpoint, args.data, args.tokens, args.seq_len, args.batch, args.device,
-                          args.text_column),
+    if not (Path(args.checkpoint) / "config.json").is_file():
+        ap.error(f"{args.checkpoint}: no config.json there (give a converted checkpoint's folder)")
+    try:
+        measured = measure(args.checkpoint, args.data, args.tokens, args.seq_len, args.batch, args.device,
+                           args.text_column)
+    except SparsifyError as error:  # the data: missing, empty, shorter than one block
+        ap.error(str(error))
+    result = dict(measured,
                   checkpoint=args.checkpoint, device=torch.cuda.get_device_name(args.device)
                   if args.device.startswith("cuda") else "cpu", versions=versions(),
                   command="python " + " ".join(sys.argv if argv is None else ["fp8_quality.py", *argv]))
