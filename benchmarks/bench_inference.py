@@ -529,7 +529,8 @@ def parser() -> argparse.ArgumentParser:
                         "timed and checked; --robustness: the kernel layers with use_fp8_gate()")
     p.add_argument("--fp8-up-down", action="store_true",
                    help="block grid: each row of the batched path also with its out pass on e4m3 up and down rows "
-                        "(twell.fp8_gate.quantize_up_down), and with --fp8-gate also with both, timed and checked")
+                        "(twell.fp8_gate.quantize_up_down), and with --fp8-gate also with both, timed and checked; "
+                        "--robustness: the kernel layers with use_fp8_up_down()")
     p.add_argument("--json", default=None)
     p.add_argument("--resume", action="store_true",
                    help="block grid and --robustness: keep the rows already in --json (a run cut short) and "
@@ -557,8 +558,10 @@ def main(argv=None):
             p.error(f"--resume: {args.json} is not a {kind} result ({error!r})")
         if args.robustness and earlier is not None and earlier.get("runtime") != runtime_name:
             p.error(f"--resume: {args.json} timed the runtime {earlier.get('runtime')!r}, not {runtime_name!r}")
-        if args.robustness and earlier is not None and earlier.get("fp8_gate", False) != args.fp8_gate:
-            p.error(f"--resume: {args.json} ran {'with' if earlier.get('fp8_gate') else 'without'} --fp8-gate")
+        for option in ("fp8_gate", "fp8_up_down") if args.robustness and earlier is not None else ():
+            if earlier.get(option, False) != getattr(args, option):
+                flag = "--" + option.replace("_", "-")
+                p.error(f"--resume: {args.json} ran {'with' if earlier.get(option) else 'without'} {flag}")
         measured_on = (earlier or {}).get("device")
         if measured_on is not None and measured_on != torch.cuda.get_device_name():
             p.error(f"--resume: {args.json} was measured on {measured_on}, not on this {torch.cuda.get_device_name()}")
@@ -569,8 +572,10 @@ def main(argv=None):
     if args.sweep:
         result = dict(meta, sweep=sweep())
     elif args.robustness:
-        result = dict(meta, runtime=runtime_name, heavy_cost=twell.cost_model.HEAVY, fp8_gate=args.fp8_gate, rows=rows)
-        for row in robustness(args.runtime, args.plan_active, args.tokens, args.active, done, args.fp8_gate):
+        result = dict(meta, runtime=runtime_name, heavy_cost=twell.cost_model.HEAVY, fp8_gate=args.fp8_gate,
+                      fp8_up_down=args.fp8_up_down, rows=rows)
+        for row in robustness(args.runtime, args.plan_active, args.tokens, args.active, done, args.fp8_gate,
+                              args.fp8_up_down):
             rows.append(row)
             if args.json:  # after every row, so that a run cut short keeps what it measured
                 write_json(args.json, result)

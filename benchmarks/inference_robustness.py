@@ -125,7 +125,8 @@ def robustness_cells(k, plan_k, tokens, done=()):
     return [(m, heavy) for m, heavy in cells if (d, i, m, k, plan_k or k, heavy) not in done]
 
 
-def robustness(folder=None, plan_k=None, tokens=ROBUST_TOKENS, actives=ROBUST_ACTIVE, done=(), fp8_gate=False):
+def robustness(folder=None, plan_k=None, tokens=ROBUST_TOKENS, actives=ROBUST_ACTIVE, done=(), fp8_gate=False,
+               fp8_up_down=False):
     """The layer exactly as the modeling file runs it (its plan and token windows, TwellGatedMLP.forward)
     against the same layer planned dense, in one process, on a grid: tokens x heavy rows (half the units
     active, like a sequence's first token; at the start of the call and then evenly spread) x mean active
@@ -137,7 +138,8 @@ def robustness(folder=None, plan_k=None, tokens=ROBUST_TOKENS, actives=ROBUST_AC
     own activity (or `plan_k` units, when the inputs are more or less active than the calibration); each
     cell checks the output against fp32 in the same run and names the layer's path for each timing
     (`eager_path`, `graph_path`, `step_graph_path`: call_path). With `fp8_gate` the kernel layers run as a
-    checkpoint's use_fp8_gate() makes them (err_twell then holds the fp8 gate's error too). Yields the rows of
+    checkpoint's use_fp8_gate() makes them (err_twell then holds the fp8 gate's error too), with `fp8_up_down` as
+    its use_fp8_up_down() does (likewise). Yields the rows of
     the cells whose ROBUST_KEY is not in `done` (a run cut short: its rows' keys)."""
     d, i = ROBUST_SHAPE
     modeling = runtime(folder)
@@ -149,6 +151,7 @@ def robustness(folder=None, plan_k=None, tokens=ROBUST_TOKENS, actives=ROBUST_AC
         mlps = [planned_mlp(modeling, w, d, i, k, plan_k or k, i // 2) for w in layers]
         for sparse_mlp, _ in mlps:
             sparse_mlp.use_fp8_gate(fp8_gate)
+            sparse_mlp.use_fp8_up_down(fp8_up_down)
         plan = plan_of(mlps[0][0])
         for m, heavy in cells:
             x = make_x(m, d)

@@ -48,15 +48,15 @@ def test_resume_continues_a_robustness_run(bench, robust, tmp_path, monkeypatch)
     path = write(tmp_path / "r.json", dict(runtime="this tree", rows=earlier))
     seen = {}
 
-    def robustness(folder, plan_k, tokens, actives, done, fp8_gate):
-        seen.update(done=done, tokens=tokens, actives=actives, fp8_gate=fp8_gate)
+    def robustness(folder, plan_k, tokens, actives, done, fp8_gate, fp8_up_down):
+        seen.update(done=done, tokens=tokens, actives=actives, fp8_gate=fp8_gate, fp8_up_down=fp8_up_down)
         yield robust_row(robust, 64, 29, 0)
 
     monkeypatch.setattr(bench, "robustness", robustness)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "no GPU")
     bench.main(["--robustness", "--tokens", "1", "64", "--active", "29", "--json", path, "--resume"])
     assert seen == dict(done={tuple(row[key] for key in robust.ROBUST_KEY) for row in earlier}, tokens=[1, 64],
-                        actives=[29], fp8_gate=False)
+                        actives=[29], fp8_gate=False, fp8_up_down=False)
     result = json.loads(Path(path).read_text())
     assert result["rows"] == earlier + [robust_row(robust, 64, 29, 0)] and result["runtime"] == "this tree"
 
@@ -69,6 +69,9 @@ def test_resume_continues_a_robustness_run(bench, robust, tmp_path, monkeypatch)
     (["--robustness"], dict(runtime="/elsewhere/ckpt", rows=[]), "timed the runtime '/elsewhere/ckpt'"),
     (["--robustness", "--fp8-gate"], dict(runtime="this tree", rows=[]), "ran without --fp8-gate"),
     (["--robustness"], dict(runtime="this tree", fp8_gate=True, rows=[]), "ran with --fp8-gate"),
+    (["--robustness", "--fp8-up-down"], dict(runtime="this tree", rows=[]), "ran without --fp8-up-down"),
+    (["--robustness", "--fp8-gate"], dict(runtime="this tree", fp8_gate=True, fp8_up_down=True, rows=[]),
+     "ran with --fp8-up-down"),
     (["--heavy-block"], dict(rows=[]), "continues the block grid and --robustness only"),
     (["--decode-rules"], dict(rows=[]), "continues the block grid and --robustness only"),  # all rules: no names
 ])
