@@ -54,12 +54,17 @@ DECODER_FUSIONS = {
 
 def serves(x) -> bool:
     """Whether the decoder's kernels serve a call on x: eager or captured (traced code runs transformers'
-    modules, which the compiler fuses itself), a plain tensor, Triton there (CUDA; CPU under the interpreter), a
-    dtype they take (the interpreter has no bf16 arithmetic)."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or type(x) is not torch.Tensor:
+    modules, which the compiler fuses itself) and `takes` x."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
         return False
+    return takes(x)
+
+
+def takes(x) -> bool:
+    """Whether the kernels take a call on x: a plain tensor (not a subclass such as a DTensor shard), Triton there
+    (CUDA; CPU under the interpreter), a dtype they compute in (the interpreter has no bf16 arithmetic)."""
     kernel_dtypes = KERNEL_DTYPES if x.is_cuda else (torch.float32, torch.float16) if INTERPRET else ()
-    return x.dtype in kernel_dtypes and use_triton(x)
+    return type(x) is torch.Tensor and x.dtype in kernel_dtypes and use_triton(x)
 
 
 def norm_forward(norm, form: str, eps: str, hidden_states):

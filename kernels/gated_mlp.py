@@ -9,7 +9,6 @@ calls of that shape run the dense block, with a warning, instead of failing. Wit
 batched path's gate kernel reads the gate's e4m3 copy and x quantized a token at a time (paths.LaunchPath.fp8_gate:
 the paths where that wins); with `up_down_fp8` its out kernel walks e4m3 up and down rows
 (paths.LaunchPath.fp8_up_down)."""
-import hashlib
 import warnings
 from collections import OrderedDict
 from typing import Optional
@@ -18,6 +17,7 @@ import torch
 
 from .format import on_device, slots, use_triton
 from .fp8_gate import E4M3, UpDownE4m3, check_device
+from .launch import custom_op
 from .paths import launch_path, reads_fp8_gate, reads_fp8_up_down
 from .reference import forward_reference
 
@@ -162,28 +162,6 @@ def _forward_triton(x, gate, up, down, tile, compression, precision, overflow, g
     return ((torch.relu(x2 @ gate.t()) * (x2 @ up.t())) @ down_t).view(x.shape)
 
 
-# Each copy of these files (the installed package, each exported checkpoint's, possibly of other versions)
-# registers ops of its own, named after its module: a copy loaded again reuses them
-COPY = hashlib.sha1(__name__.encode()).hexdigest()[:10]
-
-
-def op_name(name: str) -> str:
-    """The name under torch.ops.twell of this copy's op `name` ("gated_mlp", "gated_mlp_overflow")."""
-    return f"{name}_{COPY}"
-
-
-def _custom_op(name, body, schema, mutates_args=()):
-    """This copy's custom op twell::<op_name(name)> around `body` (inference only: no autograd), with its
-    fake implementation."""
-    try:
-        return getattr(torch.ops.twell, op_name(name)).default
-    except (AttributeError, RuntimeError):
-        pass
-    op = torch.library.custom_op(f"twell::{op_name(name)}", body, schema=schema, mutates_args=mutates_args)
-    op.register_fake(lambda x, *args: x.new_empty(x.shape))
-    return op
-
-
 def _fp8_copies(gate_fp8_weight, gate_fp8_scale, up_fp8, down_t_fp8, up_fp8_scale, down_fp8_scale):
     """The custom ops' flat optional tensors as forward's (gate_fp8, up_down_fp8)."""
     gate_fp8 = None if gate_fp8_weight is None else (gate_fp8_weight, gate_fp8_scale)
@@ -207,9 +185,10 @@ _ARGS = "Tensor x, Tensor gate_weight, Tensor up_weight, Tensor down_weight, int
 # the fp8 gate's copy and scales (gate_fp8), then the e4m3 up and down rows and their scales (up_down_fp8)
 _FP8 = ", ".join(f"Tensor? {name}=None" for name in ("gate_fp8_weight", "gate_fp8_scale", "up_fp8", "down_t_fp8",
                                                       "up_fp8_scale", "down_fp8_scale"))
-_gated_mlp_op = _custom_op("gated_mlp", _op_body, f"({_ARGS}, {_FP8}) -> Tensor")
-_gated_mlp_overflow_op = _custom_op("gated_mlp_overflow", _op_body_overflow,
-                                    f"({_ARGS}, Tensor(a!) overflow, {_FP8}) -> Tensor", ("overflow",))
+_gated_mlp_op = custom_op("gated_mlp", _op_body, f"({_ARGS}, {_FP8}) -> Tensor", lambda x, *args: x.new_empty(x.shape))
+_gated_mlp_overflow_op = custom_op("gated_mlp_overflow", _op_body_overflow,
+                                   f"({_ARGS}, Tensor(a!) overflow, {_FP8}) -> Tensor", lambda x, *args: x.new_empty(x.shape),
+                                   ("overflow",))
 
 
 def gated_mlp(x, gate_weight, up_weight, down_weight, *, tile: int = 128, compression: int = 8,

@@ -1,5 +1,8 @@
-"""What every launch path of gated_mlp shares: a kernel bound to a fixed grid and scalar arguments
-(`Launch`), the device's SM count and whether it takes programmatic dependent launches."""
+"""What the kernels' launchers share: a kernel bound to a fixed grid and scalar arguments (`Launch`), the device's
+SM count, whether it takes programmatic dependent launches, and the custom ops through which traced calls
+(torch.compile, export, dispatch modes) reach the kernels (`custom_op`)."""
+import hashlib
+
 import torch
 
 try:
@@ -42,3 +45,25 @@ def use_pdl(device: torch.device) -> bool:
     runs and waits for it on the device, which hides its launch latency (decode)."""
     return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
             and hasattr(tl.extra.cuda, "gdc_wait"))  # Triton >= 3.4
+
+
+# Each copy of these files (the installed package, each exported checkpoint's, possibly of other versions)
+# registers ops of its own, named after its module: a copy loaded again reuses them
+COPY = hashlib.sha1(__name__.encode()).hexdigest()[:10]
+
+
+def op_name(name: str) -> str:
+    """The name under torch.ops.twell of this copy's op `name` ("gated_mlp", "gated_mlp_overflow", "small_linear")."""
+    return f"{name}_{COPY}"
+
+
+def custom_op(name: str, body, schema: str, fake, mutates_args=()):
+    """This copy's custom op twell::<op_name(name)> around `body` (inference only: no autograd), with its fake
+    implementation `fake` (the outputs' shapes from the arguments')."""
+    try:
+        return getattr(torch.ops.twell, op_name(name)).default
+    except (AttributeError, RuntimeError):
+        pass
+    op = torch.library.custom_op(f"twell::{op_name(name)}", body, schema=schema, mutates_args=mutates_args)
+    op.register_fake(fake)
+    return op

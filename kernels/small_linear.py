@@ -10,7 +10,8 @@ a split needs a second kernel (the sum of fp32 partials, or the zeroing and the 
 whose launch and dependency cost about what a projection takes at decode, while the projections that run here
 (an attention's q, k and v in one launch, its o) have N = hidden size or more rows. Weights that share x (q, k
 and v) run in one launch (`small_linear_grouped`): the grid is the concatenation of their row blocks and a
-program finds its weight, bias and output by its block, so the weights stay separate tensors.
+program finds its weight, bias and output by its block, so the weights stay separate tensors. Traced calls
+(torch.compile, export, dispatch modes) reach the kernel through this copy's custom op.
 reference.small_linear_reference is the same math in PyTorch."""
 import itertools
 import math
@@ -18,7 +19,7 @@ import math
 import torch
 
 from .format import cdiv, on_device, use_triton
-from .launch import sm_count
+from .launch import custom_op, sm_count
 from .reference import small_linear_reference
 
 try:
@@ -63,7 +64,8 @@ def small_linear_grouped_fits(x, weights, biases=None) -> bool:
 def small_linear(x, weight, bias=None):
     """x @ weight.T (+ bias), [..., N] in x's dtype, accumulated in fp32 (small_linear_fits says what it takes).
     CPU tensors without the Triton interpreter take the reference."""
-    return small_linear_grouped(x, [weight], None if bias is None else [bias])[0]
+    _check(x, [weight], [bias])
+    return small_linear_fitted(x, weight, bias)
 
 
 def small_linear_fitted(x, weight, bias=None):
@@ -76,18 +78,30 @@ def small_linear_grouped(x, weights, biases=None):
     """[small_linear(x, w, b) for each weight w and bias b] in one launch (small_linear_grouped_fits says what it
     takes)."""
     biases = _bias_list(weights, biases)
+    _check(x, weights, biases)
+    return small_linear_grouped_fitted(x, weights, biases)
+
+
+def _check(x, weights, biases):
     if not small_linear_grouped_fits(x, weights, biases):
         described = [f"weight {tuple(w.shape)} {w.dtype}" for w in weights]
         described += [f"bias {tuple(b.shape)} {b.dtype}" for b in biases if b is not None]
         raise ValueError(f"small_linear: x {tuple(x.shape)} {x.dtype}, {', '.join(described)} (x [..., K] of at most "
                          f"{MAX_ROWS} rows with a unit last stride; 1 to {MAX_GROUP} contiguous weights [N, K], each "
                          f"with a bias [N] or none; one dtype of {[str(t) for t in DTYPES]}, one device)")
-    return small_linear_grouped_fitted(x, weights, biases)
 
 
 def small_linear_grouped_fitted(x, weights, biases):
     """`small_linear_grouped` of arguments that small_linear_grouped_fits has accepted (`biases` a list, of Nones
     where there is none), not checked again: for a caller that checks them itself."""
+    # eager calls skip the custom op, whose dispatch costs more host time than the kernel takes on the GPU at
+    # decode; what traces the call (compile, export, dispatch modes, tensor subclasses) needs it
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or type(x) is not torch.Tensor:
+        return _small_linear_op(x, weights, biases)
+    return _launch(x, weights, biases)
+
+
+def _launch(x, weights, biases):
     if not use_triton(x):
         return [small_linear_reference(x, w, b) for w, b in zip(weights, biases)]
     k = x.shape[-1]
@@ -114,6 +128,12 @@ def small_linear_grouped_fitted(x, weights, biases):
 
 def _bias_list(weights, biases):
     return [None] * len(weights) if biases is None else list(biases)
+
+
+_small_linear_op = custom_op(
+    "small_linear", lambda x, weights, biases: _launch(x, list(weights), list(biases)),
+    "(Tensor x, Tensor[] weights, Tensor?[] biases) -> Tensor[]",
+    lambda x, weights, biases: [x.new_empty(*x.shape[:-1], w.shape[0]) for w in weights])
 
 
 if triton is not None:

@@ -27,7 +27,7 @@ LAUNCH_CALL = re.compile(r"cu(da)?(Graph)?Launch")
 KERNEL_NAMES = (("mlp", ("gate_pack", "twell", "compact_list", "relu")),
                 ("attention", ("flash", "fmha", "attention", "sdpa", "softmax")),
                 ("norm", ("rsqrt", "norm")),
-                ("matmul", ("gemm", "xmma", "cutlass", "cublas", "nvjet")))
+                ("matmul", ("gemm", "xmma", "cutlass", "cublas", "nvjet", "small_linear")))
 
 
 def module_component(class_name: str, *, is_mlp: bool = False, is_head: bool = False) -> str | None:

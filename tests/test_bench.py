@@ -113,7 +113,7 @@ def test_component_classification():
              "flash_fwd_kernel": "attention", "fmha_cutlassF_bf16_aligned_64x64_rf_sm80": "attention",
              "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_1": "norm",
              "nvjet_tst_128x64_64x8_1x1_v_bz_coopA_TNT": "matmul", "sm90_xmma_gemm_bf16bf16_bf16f32": "matmul",
-             "void at::native::elementwise_kernel<128, 2>": "other"}
+             "_small_linear_kernel": "matmul", "void at::native::elementwise_kernel<128, 2>": "other"}
     assert {name: kernel_component(name) for name in names} == names
 
 

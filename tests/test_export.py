@@ -785,7 +785,8 @@ def test_push_to_hub_creates_the_repo_and_uploads_once(tmp_path, monkeypatch):
 def test_compiled_decode_step_runs_the_kernel_in_one_graph(tmp_path):
     """The down weight is laid out for the kernels at load (the dense layer's left alone), so that a fresh
     model's one-token step over a static cache compiles with fullgraph=True (no graph break) around the
-    checkpoint's own gated_mlp op (not the installed package's), with the uncompiled model's logits."""
+    checkpoint's own gated_mlp op (not the installed package's) and its small_linear op for the attention's
+    projections, with the uncompiled model's logits."""
     from transformers import StaticCache
 
     model, tokenizer, spec = _relufied("llama")
@@ -817,9 +818,13 @@ def test_compiled_decode_step_runs_the_kernel_in_one_graph(tmp_path):
         expected = step(remote)
     assert len(graphs) == 2  # prefill and decode shapes, one graph each
     decode_ops = [node.target for node in graphs[1].graph.nodes if node.op == "call_function"]
-    name = sys.modules[_remote_module(remote).gated_mlp.__module__].op_name("gated_mlp")
-    assert name != sys.modules["twell.gated_mlp"].op_name("gated_mlp")
+    copy_launch = sys.modules[_remote_module(remote).gated_mlp.__module__.rpartition(".")[0] + ".launch"]
+    name = copy_launch.op_name("gated_mlp")
+    assert name != sys.modules["twell.launch"].op_name("gated_mlp")
     assert decode_ops.count(getattr(torch.ops.twell, name).default) == 1  # layer 0 only
+    # the attention's projections on small_linear: q, k and v in one launch, o in another, in every layer
+    projections = getattr(torch.ops.twell, copy_launch.op_name("small_linear")).default
+    assert decode_ops.count(projections) == 2 * len(layers)
     _close(compiled, expected)
 
 

@@ -11,7 +11,7 @@ import torch
 import twell
 from twell.fp8_gate import E4M3, gate_reference, quantize_rows, quantize_rows_reference, quantize_weight
 from twell.format import slots
-from twell.launch import sm_count
+from twell.launch import op_name, sm_count
 from twell.decode import decode_tile_stride
 from twell.paths import launch_path
 from twell.reference import forward_reference, gate_values, tile_counts
@@ -20,7 +20,6 @@ from helpers import PoisonedTorch, load_benchmark
 from test_twell_gated_mlp import DEV, assert_rows_close, block, random_case, random_rows_block
 from test_twell_gated_mlp import poisoned_outputs  # noqa: F401  (a fixture: `poisoned` extends it)
 
-gm = sys.modules["twell.gated_mlp"]
 gh = sys.modules["twell.gate_hopper"]
 
 
@@ -146,11 +145,11 @@ def test_custom_ops_take_the_fp8_gate():
     x, gate, up, down = block(3, 16, 32, k=5, dtype=torch.float16)
     weight, scale = quantize_weight(gate)
     overflow = torch.zeros(1, dtype=torch.int64, device=DEV)
-    op = getattr(torch.ops.twell, gm.op_name("gated_mlp_overflow"))
+    op = getattr(torch.ops.twell, op_name("gated_mlp_overflow"))
     torch.library.opcheck(op, (x, gate, up, down, 16, 4, "default", overflow, weight, scale),
                           test_utils=("test_faketensor",))
     eager = twell.gated_mlp(x, gate, up, down, tile=16, gate_fp8=(weight, scale))
-    assert torch.equal(getattr(torch.ops.twell, gm.op_name("gated_mlp"))(x, gate, up, down, 16, 8, "default", weight,
+    assert torch.equal(getattr(torch.ops.twell, op_name("gated_mlp"))(x, gate, up, down, 16, 8, "default", weight,
                                                                           scale), eager)
 
 

@@ -14,6 +14,7 @@ import twell
 from twell.fp8_gate import E4M3, quantize_up_down, quantize_weight, up_down_reference
 from twell.batched import walk_row_bytes
 from twell.format import HEAVY_UNITS
+from twell.launch import op_name
 from twell.paths import launch_path, reads_fp8_up_down
 from twell.reference import forward_reference
 
@@ -22,7 +23,6 @@ from test_twell_gated_mlp import DEV, assert_rows_close, block, random_case, ran
 from test_twell_gated_mlp import poisoned_outputs  # noqa: F401  (a fixture: `poisoned` extends it)
 from test_twell_fp8_gate import poisoned  # noqa: F401  (a fixture)
 
-gm = sys.modules["twell.gated_mlp"]
 paths = sys.modules["twell.paths"]
 
 
@@ -173,15 +173,15 @@ def test_custom_ops_take_the_e4m3_rows(walk_every_batched_call):
     x, gate, up, down = block(65, 16, 32, k=5, dtype=torch.float16)  # the fewest tokens of the batched path
     gate_fp8, up_down = quantize_weight(gate), quantize_up_down(up, down)
     overflow = torch.zeros(1, dtype=torch.int64, device=DEV)
-    op = getattr(torch.ops.twell, gm.op_name("gated_mlp_overflow"))
+    op = getattr(torch.ops.twell, op_name("gated_mlp_overflow"))
     torch.library.opcheck(op, (x, gate, up, down, 16, 4, "default", overflow, *gate_fp8, *up_down),
                           test_utils=("test_faketensor",))
     eager = twell.gated_mlp(x, gate, up, down, tile=16, gate_fp8=gate_fp8, up_down_fp8=up_down)
-    traced = getattr(torch.ops.twell, gm.op_name("gated_mlp"))(x, gate, up, down, 16, 8, "default", *gate_fp8,
+    traced = getattr(torch.ops.twell, op_name("gated_mlp"))(x, gate, up, down, 16, 8, "default", *gate_fp8,
                                                                 *up_down)
     assert torch.equal(traced, eager)
     names = ("gate_fp8_weight", "gate_fp8_scale", "up_fp8", "down_t_fp8", "up_fp8_scale", "down_fp8_scale")
-    by_name = getattr(torch.ops.twell, gm.op_name("gated_mlp"))(x, gate, up, down, 16, 8, "default",
+    by_name = getattr(torch.ops.twell, op_name("gated_mlp"))(x, gate, up, down, 16, 8, "default",
                                                                  **dict(zip(names, (*gate_fp8, *up_down))))
     assert torch.equal(by_name, eager)
 

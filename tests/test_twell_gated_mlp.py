@@ -18,7 +18,7 @@ from twell.cost_model import twell_time
 from twell.decode import HELD_ROWS, TILE_OUT_MAX_D, decode_tile_stride, tile_out_launch, tile_sum_launch
 from twell.format import DECODE_SLOTS, HEAVY_UNITS, TILES, UNIT_SAMPLE, decode_slots, empty_twell, slots, tma_ok
 from twell.heavy import HEAVY_FEW_ROWS
-from twell.launch import sm_count
+from twell.launch import op_name, sm_count
 from twell.paths import PATHS, PackedLaunches, launch_path
 from twell.reference import forward_reference, tile_counts, tile_shares
 
@@ -758,7 +758,7 @@ def test_custom_op_schema_and_fake():
     torch.manual_seed(0)
     x, gate, up, down = block(3, 16, 32, k=5)
     overflow = torch.zeros(1, dtype=torch.int64, device=DEV)
-    torch.library.opcheck(getattr(torch.ops.twell, gm.op_name("gated_mlp_overflow")),
+    torch.library.opcheck(getattr(torch.ops.twell, op_name("gated_mlp_overflow")),
                           (x, gate, up, down, 16, 4, "default", overflow),
                           test_utils=("test_schema", "test_faketensor"))
 
@@ -771,7 +771,7 @@ def test_eager_calls_skip_the_custom_op_and_traced_calls_use_it():
         second = twell.gated_mlp(x, gate, up, down, tile=16)  # from the cached plan
     assert not [e.name for e in prof.events() if e.name.startswith("twell::")]
     assert torch.equal(first, second)
-    assert torch.equal(first, getattr(torch.ops.twell, gm.op_name("gated_mlp"))(x, gate, up, down, 16, 8, "default"))
+    assert torch.equal(first, getattr(torch.ops.twell, op_name("gated_mlp"))(x, gate, up, down, 16, 8, "default"))
     with torch._subclasses.FakeTensorMode() as mode:  # a dispatch mode must see the op (fake kernel)
         fake = twell.gated_mlp(*map(mode.from_tensor, (x, gate, up, down)), tile=16)
     assert fake.shape == x.shape

@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from twell.launch import op_name
 from twell.reference import small_linear_reference
 from twell.small_linear import (MAX_GROUP, MAX_ROWS, small_linear, small_linear_fits, small_linear_grouped,
                                 small_linear_grouped_fits)
@@ -79,6 +80,38 @@ def test_row_stride_and_empty_calls():
     assert small_linear(x, weight[:0], b[:0]).shape == (4, 0)
     no_k = small_linear(x[:, :0], weight[:, :0], b)  # K = 0: the bias alone
     assert torch.equal(no_k, b.expand(4, 24))
+
+
+def test_traced_calls_take_the_custom_op_and_eager_calls_skip_it():
+    """The op's schema and fake outputs check out (opcheck); eager calls launch without it (its dispatch is host
+    time), while a call under torch.compile (fullgraph: no graph break) and one under a dispatch mode go through
+    it, with the eager outputs."""
+    x, _, _ = operands((3,), 1, 40, torch.float32, False)
+    weights, biases = zip(*(operands((1,), n, 40, torch.float32, True, seed=i + 1)[1:] for i, n in enumerate((24, 8))))
+    weights, biases = list(weights), list(biases)
+    op = getattr(torch.ops.twell, op_name("small_linear"))
+    torch.library.opcheck(op, (x, weights, biases), test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(op, (x, weights[:1], [None]), test_utils=("test_schema", "test_faketensor"))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        eager = small_linear_grouped(x, weights, biases)
+    assert not [e.name for e in prof.events() if e.name.startswith("twell::")]
+    graphs = []
+
+    def backend(gm, example_inputs):  # records the graph, runs it as traced
+        graphs.append(gm)
+        return gm
+
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(lambda x: small_linear_grouped(x, weights, biases), backend=backend, fullgraph=True)(x)
+    finally:
+        torch._dynamo.reset()
+    assert [node.target for node in graphs[0].graph.nodes if node.op == "call_function"].count(op.default) == 1
+    for out, ref in zip(compiled, eager):
+        assert torch.equal(out, ref)
+    with torch._subclasses.FakeTensorMode() as mode:  # a dispatch mode must see the op (fake kernel)
+        fake = small_linear(mode.from_tensor(x), mode.from_tensor(weights[0]))
+    assert fake.shape == (3, 24)
 
 
 def test_small_linear_refuses_what_it_does_not_take():

@@ -11,10 +11,10 @@ the batched path's calls, `use_fp8_up_down()` to e4m3 up and down rows on its la
 The decoder's elementwise work runs fused where the family is in DECODER_FUSIONS (fuse_decoder): its RMSNorm
 modules on rms_norm.py's kernel and the attention's rotary embedding on rotary.py's (decoder.py, differentiable);
 so do the attention's projections at decode size on small_linear.py's (q, k and v in one launch), under CUDA-graph
-capture (ProjectionGroup.signature), where no gradient is recorded. An installed forward runs transformers'
-forward instead under torch.compile (which fuses that code itself), on CPU without the Triton interpreter, or for
-inputs the kernels do not take. The modules, their classes and the weights stay transformers'. Imports torch,
-transformers and the files beside it only.
+capture (ProjectionGroup.signature) and under torch.compile (its custom op), where no gradient is recorded. The
+norms and rotary run transformers' forward instead under torch.compile (which fuses that code itself); every
+installed forward does on CPU without the Triton interpreter, or for inputs the kernels do not take. The modules,
+their classes and the weights stay transformers'. Imports torch, transformers and the files beside it only.
 """
 import functools
 import importlib
@@ -33,7 +33,7 @@ from .paths import reads_fp8_gate, reads_fp8_up_down
 from .routing import ActivityRouter, eager, eager_dense, short_prefill
 from .generation import LoopUnsupported, generate_graphed, graphed_call, release_graphed
 from .layer_plan import LayerPlan, layer_plans
-from .decoder import DECODER_FUSIONS, INTERPRET, fuse_norms_and_rotary, serves
+from .decoder import DECODER_FUSIONS, INTERPRET, fuse_norms_and_rotary, serves, takes
 from .small_linear import MAX_ROWS as SMALL_LINEAR_ROWS
 from .small_linear import small_linear_fits, small_linear_fitted, small_linear_grouped_fits, small_linear_grouped_fitted
 
@@ -199,11 +199,14 @@ class TwellGatedMLP(nn.Module):
 
 
 def fused(x, *tensors) -> bool:
-    """Whether the attention projections' kernel serves a call on x (and `tensors`, None among them ignored): where
-    the decoder's kernels do (decoder.serves) and no gradient is recorded (small_linear has no backward)."""
+    """Whether the attention projections' kernel serves a call on x (and `tensors`, None among them ignored): no
+    gradient is recorded (small_linear has no backward), and where the decoder's kernels do (decoder.serves), or
+    for a call traced by torch.compile where they take x (decoder.takes: the trace calls small_linear's custom op;
+    the compiler's own code for a decode-size product reads the weights no faster than cuBLAS, three launches
+    where the group makes one)."""
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *tensors)):
         return False
-    return serves(x)
+    return takes(x) if torch.compiler.is_compiling() else serves(x)
 
 
 class ProjectionGroup:
@@ -271,8 +274,8 @@ class ProjectionGroup:
 
 def projection_forward(group, linear, x):
     """An attention projection's forward (installed on the nn.Linear): small_linear where it serves the call (at
-    most its MAX_ROWS tokens; on a GPU, captured), through the projection's group; else the module's own. The row
-    count goes first: it turns a prefill's calls away before any other check."""
+    most its MAX_ROWS tokens; on a GPU, captured or traced), through the projection's group; else the module's own.
+    The row count goes first: it turns a prefill's calls away before any other check."""
     if x.numel() <= SMALL_LINEAR_ROWS * x.shape[-1]:
         return group(linear, x)
     return type(linear).forward(linear, x)
