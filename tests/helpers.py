@@ -198,3 +198,18 @@ class CountingTokenizer:
     def __call__(self, texts, **kwargs):
         self.texts += texts
         return self.tokenizer(texts, **kwargs)
+
+
+def batched_from(monkeypatch, module_name: str, tokens: int) -> None:
+    """The kernels of the package holding module `module_name` (a checkpoint's copy of the files) take the batched
+    path from `tokens` tokens a call (its paths.decode_rows): the interpreter runs a batched program a row, about
+    half a second each at the tests' shapes, so that fewer rows make a faster test."""
+    paths = sys.modules[module_name.rpartition(".")[0] + ".paths"]
+    monkeypatch.setattr(paths, "decode_rows", lambda d, width: tokens - 1)
+
+
+def decoder_unfused(monkeypatch, module_name: str) -> None:
+    """The norms, rotary and attention projections of the package holding module `module_name` (a checkpoint's
+    copy of the files) run transformers' modules, as where Triton is missing: for tests of the MLPs, which the
+    interpreter's norms (a program a token) would slow down."""
+    monkeypatch.setattr(sys.modules[module_name.rpartition(".")[0] + ".decoder"], "use_triton", lambda x: False)

@@ -12,7 +12,7 @@ import torch
 from huggingface_hub import ModelCard
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from helpers import INTERMEDIATE, tiny_input_ids, tiny_model, unwritable_folder
+from helpers import INTERMEDIATE, batched_from, decoder_unfused, tiny_input_ids, tiny_model, unwritable_folder
 from sparsify import export
 from sparsify.remote.generation import cache_arguments
 from sparsify.errors import OutputError
@@ -105,7 +105,9 @@ def test_use_fp8_gate_hands_the_sparse_layers_the_gates_fp8_copy(tmp_path, monke
     kernel = module.gated_mlp
     monkeypatch.setattr(module, "gated_mlp", lambda *a, **k: calls.append(k) or kernel(*a, **k))
     monkeypatch.setattr(module.ActivityRouter, "loses", lambda self, *measured: False)  # every call on the kernels
-    ids = tiny_input_ids(1, 80)  # past the 64 decode rows: the batched path, which reads the fp8 gate
+    batched_from(monkeypatch, type(remote).__module__, 4)
+    decoder_unfused(monkeypatch, type(remote).__module__)
+    ids = tiny_input_ids(1, 5)  # the batched path, which reads the fp8 gate
     with torch.no_grad():
         plain = remote(ids).logits.float()
         remote.use_fp8_gate()
@@ -132,7 +134,9 @@ def test_use_fp8_up_down_hands_the_sparse_layers_the_e4m3_rows(tmp_path, monkeyp
     kernel = module.gated_mlp
     monkeypatch.setattr(module, "gated_mlp", lambda *a, **k: calls.append(k) or kernel(*a, **k))
     monkeypatch.setattr(module.ActivityRouter, "loses", lambda self, *measured: False)  # every call on the kernels
-    ids = tiny_input_ids(1, 80)
+    batched_from(monkeypatch, type(remote).__module__, 4)
+    decoder_unfused(monkeypatch, type(remote).__module__)
+    ids = tiny_input_ids(1, 5)
     with torch.no_grad():
         plain = remote(ids).logits.float()
         remote.use_fp8_up_down()

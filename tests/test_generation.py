@@ -16,7 +16,7 @@ from sparsify.remote.generation import (CACHE_ROUND, CHECK_EVERY, Sampling, _com
                                         generate_graphed, graphed_call, padded_length)
 from twell.layer_plan import ALL_TOKENS, LayerPlan, Mode
 
-from helpers import tiny_input_ids, tiny_model
+from helpers import decoder_unfused, tiny_input_ids, tiny_model
 
 PLAN = [LayerPlan(Mode.SPARSE, 64, 2, ALL_TOKENS), LayerPlan()]
 TRAINING = {"base_model": "someone/tiny-base", "tokens": 0, "steps": 0}
@@ -342,7 +342,8 @@ def converted_checkpoint(tmp_path, monkeypatch):
     out = export_checkpoint(model, tokenizer, tmp_path / "ckpt", spec=spec_for(model.config), plan=dense,
                             training=TRAINING)
     remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
-    monkeypatch.setattr(sys.modules[type(remote).__module__], "use_triton", lambda x: False)
+    monkeypatch.setattr(sys.modules[type(remote).__module__], "use_triton", lambda x: False)  # the MLPs
+    decoder_unfused(monkeypatch, type(remote).__module__)
     return remote, tokenizer, out
 
 

@@ -16,7 +16,7 @@ from twell.decode import decode_tile_stride
 from twell.paths import launch_path
 from twell.reference import forward_reference, gate_values, tile_counts
 
-from helpers import PoisonedTorch, load_benchmark
+from helpers import PoisonedTorch, batched_from, load_benchmark
 from test_twell_gated_mlp import DEV, assert_rows_close, block, random_case, random_rows_block
 from test_twell_gated_mlp import poisoned_outputs  # noqa: F401  (a fixture: `poisoned` extends it)
 
@@ -153,7 +153,7 @@ def test_custom_ops_take_the_fp8_gate():
                                                                           scale), eager)
 
 
-def test_the_modeling_layer_reads_the_fp8_copy_and_remakes_it_after_the_weight_changes():
+def test_the_modeling_layer_reads_the_fp8_copy_and_remakes_it_after_the_weight_changes(monkeypatch):
     """TwellGatedMLP.use_fp8_gate: a batched kernel call computes g as the fp8 gate does from the current weight;
     the copy is remade once the weight changes in place; off again, the plain kernels."""
     modeling = load_benchmark("inference_robustness.py").runtime()  # the files a checkpoint carries
@@ -162,7 +162,8 @@ def test_the_modeling_layer_reads_the_fp8_copy_and_remakes_it_after_the_weight_c
         original.add_module(name, torch.nn.Linear(shape[1], shape[0], bias=False, dtype=torch.float16))
     mlp = modeling.TwellGatedMLP(original, {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"},
                                  modeling.LayerPlan("sparse", 32, 4, ((1, 128),)))
-    x = torch.randn(1, 80, 40, dtype=torch.float16)  # more than decode_rows: the batched path
+    batched_from(monkeypatch, modeling.__name__, 8)
+    x = torch.randn(1, 12, 40, dtype=torch.float16)  # the batched path
     weights = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
     with torch.no_grad():
         mlp.use_fp8_gate()

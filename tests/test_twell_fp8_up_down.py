@@ -18,7 +18,7 @@ from twell.launch import op_name
 from twell.paths import launch_path, reads_fp8_up_down
 from twell.reference import forward_reference
 
-from helpers import load_benchmark
+from helpers import batched_from, load_benchmark
 from test_twell_gated_mlp import DEV, assert_rows_close, block, random_case, random_rows_block
 from test_twell_gated_mlp import poisoned_outputs  # noqa: F401  (a fixture: `poisoned` extends it)
 from test_twell_fp8_gate import poisoned  # noqa: F401  (a fixture)
@@ -241,7 +241,8 @@ def test_the_modeling_layer_reads_both_copies_and_remakes_them_after_the_weights
     # compression 1: no tile overflows, so no unit near zero can move a tile between the walk and the fallback
     mlp = modeling.TwellGatedMLP(original, {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"},
                                  modeling.LayerPlan("sparse", 32, 1, ((1, 128),)))
-    x = torch.randn(65, 40, dtype=torch.float16)  # more than decode_rows: the batched path
+    batched_from(monkeypatch, modeling.__name__, 8)
+    x = torch.randn(12, 40, dtype=torch.float16)  # the batched path
     weights = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
     with torch.no_grad():
         mlp.use_fp8_gate()
