@@ -281,7 +281,12 @@ def test_batched_calls_follow_the_activity_router(tmp_path, monkeypatch):
     monkeypatch.setattr(module.ActivityRouter, "PROBE_EVERY", 3)
     monkeypatch.setattr(module.ActivityRouter, "loses",
                         lambda self, *measured: verdicts.append(measured) or True)
-    ids = tiny_input_ids(1, 65)  # past the 64 decode rows, where the kernels count activity; rows 0 and 64 sampled
+    # the batched path, where the kernels count activity, from 9 tokens; rows 0 and 8 sampled (the reference too)
+    batched_from(monkeypatch, type(remote).__module__, 9)
+    monkeypatch.setattr(sys.modules[type(remote).__module__.rpartition(".")[0] + ".batched"], "UNIT_SAMPLE", 8)
+    monkeypatch.setattr(sys.modules["twell.reference"], "UNIT_SAMPLE", 8)
+    monkeypatch.setattr(sys.modules["twell.reference"], "decode_rows", lambda d, width: 8)
+    ids = tiny_input_ids(1, 9, seed=4)  # two heavy rows; rows 0 and 8 not
     short = tiny_input_ids(2, 5)  # the calls after the window, each routed by the window's verdict
     mlp = remote.model.layers[0].mlp
     inputs = []
