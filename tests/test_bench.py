@@ -17,7 +17,7 @@ from sparsify.plan import measure_plan, timed_layer_plan
 from sparsify.tune import WINDOW, capture_mlp_inputs
 from twell.layer_plan import ALL_TOKENS, LayerPlan, Mode
 
-from helpers import load_benchmark, tiny_input_ids, tiny_model, tiny_tokenizer
+from helpers import batched_from, load_benchmark, tiny_input_ids, tiny_model, tiny_tokenizer
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU error")
 
@@ -394,7 +394,7 @@ def test_prefill_shapes_take_a_batch_or_batch_x_length():
             prefill_shapes([bad], 2048)
 
 
-def test_fp8_gate_mean_active_counts_g_as_the_fp8_load_computes_it(tmp_path):
+def test_fp8_gate_mean_active_counts_g_as_the_fp8_load_computes_it(tmp_path, monkeypatch):
     """fp8_gate_mean_active: each layer's mean active units a token from g as its kernel call computes it
     (reference.gate_values: the fp8 gate, bf16 where the dense fallbacks recompute) on the MLP inputs of the
     fp8 load's own forward; a layer the kernels never serve counts its bf16 gate."""
@@ -416,12 +416,13 @@ def test_fp8_gate_mean_active_counts_g_as_the_fp8_load_computes_it(tmp_path):
     mlps = [layer.mlp for layer in remote.model.layers]
     inputs = []
     handles = [m.register_forward_pre_hook(lambda m, a: inputs.append(a[0].reshape(-1, a[0].shape[-1]))) for m in mlps]
-    ids = tiny_input_ids(2, 40)
+    batched_from(monkeypatch, type(remote).__module__, 9)  # the batched path, which reads the fp8 gate
+    ids = tiny_input_ids(2, 8)
     active = bench.fp8_gate_mean_active(remote, ids)
     for handle in handles:
         handle.remove()
     gates = [m.gate_proj.weight for m in mlps]
     sparse = gate_values(inputs[0], gates[0], quantize_weight(gates[0]), 64, 2)
-    assert active[0] == pytest.approx((sparse > 0).sum().item() / 80)
-    assert active[1] == pytest.approx((inputs[1].float() @ gates[1].float().t() > 0).sum().item() / 80)
-    assert active[0] != pytest.approx((inputs[0].float() @ gates[0].float().t() > 0).sum().item() / 80)
+    assert active[0] == pytest.approx((sparse > 0).sum().item() / 16)
+    assert active[1] == pytest.approx((inputs[1].float() @ gates[1].float().t() > 0).sum().item() / 16)
+    assert active[0] != pytest.approx((inputs[0].float() @ gates[0].float().t() > 0).sum().item() / 16)
