@@ -152,6 +152,32 @@ def test_use_fp8_up_down_hands_the_sparse_layers_the_e4m3_rows(tmp_path, monkeyp
     assert torch.equal(again, plain) and 0 < ((ud8 - plain).norm() / plain.norm()).item() < 0.05
 
 
+class _Shard(torch.Tensor):
+    """A tensor subclass, as a tensor-parallel plan's DTensor shards are."""
+
+
+@pytest.mark.interpreter  # the kernels on CPU tensors
+def test_weights_that_are_tensor_subclasses_run_their_modules_forward(tmp_path, monkeypatch):
+    """A layer whose weights are tensor subclasses (DTensor shards under a tensor-parallel plan) runs its MLP's and
+    attention projections' own forward: the kernels read plain tensors. The layer before it keeps the kernels."""
+    model, tokenizer, spec = _relufied("llama")
+    out = export_checkpoint(model, tokenizer, tmp_path / "ckpt-shards", spec=spec, plan=[PLAN[0], PLAN[0]],
+                            training=TRAINING)
+    remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    module = _remote_module(remote)
+    calls = _record_fused_kernels(remote, monkeypatch)
+    kernel = module.gated_mlp
+    monkeypatch.setattr(module, "gated_mlp", lambda *a, **k: calls.append(("gated_mlp",)) or kernel(*a, **k))
+    layer = remote.model.layers[1]  # the last: the subclass reaches no later layer's inputs
+    attention = [getattr(layer.self_attn, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    for linear in (*layer.mlp.children(), *attention):
+        linear.weight = torch.nn.Parameter(linear.weight.detach().as_subclass(_Shard), requires_grad=False)
+    short = tiny_input_ids()[:, :8]  # 16 tokens: the projections' decode size
+    _close(_logits(remote, short), _logits(model, short))
+    launches = [call for call in calls if call[0] in ("gated_mlp", "small_linear", "small_linear_grouped")]
+    assert sorted(launches) == [("gated_mlp",), ("small_linear",), ("small_linear_grouped",)]  # layer 0's
+
+
 def test_router_per_device_and_kernel_dtypes(tmp_path):
     """A layer's ActivityRouter belongs to one device (its counter, the stream its event waits on): a call on
     another device starts a new one. Inputs in a dtype the kernels do not take, or in another dtype than the

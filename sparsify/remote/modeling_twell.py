@@ -38,6 +38,7 @@ from .small_linear import MAX_ROWS as SMALL_LINEAR_ROWS
 from .small_linear import small_linear_fits, small_linear_fitted, small_linear_grouped_fits, small_linear_grouped_fitted
 
 BASE_MODEL = "transformers.models.llama.modeling_llama.LlamaForCausalLM"
+PLAIN_TENSORS = (nn.Parameter, torch.Tensor)  # weights the kernels read; not subclasses such as DTensor
 
 
 def _import(path):
@@ -84,15 +85,16 @@ class TwellGatedMLP(nn.Module):
     def _plain_weights(self):
         """The projections' weights (down last) where the projections are still plain nn.Linear layers whose
         weights the kernels may read in place of their forward: not wrapped (LoRA adapters, quantized layers),
-        hooked or offloaded (weights on the meta device until accelerate's hook brings them in); else None. At
-        every call, so through the modules' dicts."""
+        hooked or offloaded (weights on the meta device until accelerate's hook brings them in), not tensor
+        subclasses (a tensor-parallel plan's DTensor shards); else None. At every call, so through the modules'
+        dicts."""
         modules, weights = self._modules, []
         for name in self.projection_names:
             p = modules[name]
             if p.__class__ is not nn.Linear or p._forward_hooks or p._forward_pre_hooks:
                 return None
             weight = p._parameters["weight"]
-            if weight.is_meta:
+            if type(weight) not in PLAIN_TENSORS or weight.is_meta:
                 return None
             weights.append(weight)
         return weights
@@ -199,11 +201,14 @@ class TwellGatedMLP(nn.Module):
 
 
 def fused(x, *tensors) -> bool:
-    """Whether the attention projections' kernel serves a call on x (and `tensors`, None among them ignored): no
-    gradient is recorded (small_linear has no backward), and where the decoder's kernels do (decoder.serves), or
+    """Whether the attention projections' kernel serves a call on x (and `tensors`, None among them ignored): none
+    of them a tensor subclass (a tensor-parallel plan's DTensor shards), no gradient is recorded (small_linear has
+    no backward), and where the decoder's kernels do (decoder.serves), or
     for a call traced by torch.compile where they take x (decoder.takes: the trace calls small_linear's custom op;
     the compiler's own code for a decode-size product reads the weights no faster than cuBLAS, three launches
     where the group makes one)."""
+    if any(t is not None and type(t) not in PLAIN_TENSORS for t in tensors):
+        return False
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *tensors)):
         return False
     return takes(x) if torch.compiler.is_compiling() else serves(x)
