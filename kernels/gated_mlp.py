@@ -185,10 +185,15 @@ _ARGS = "Tensor x, Tensor gate_weight, Tensor up_weight, Tensor down_weight, int
 # the fp8 gate's copy and scales (gate_fp8), then the e4m3 up and down rows and their scales (up_down_fp8)
 _FP8 = ", ".join(f"Tensor? {name}=None" for name in ("gate_fp8_weight", "gate_fp8_scale", "up_fp8", "down_t_fp8",
                                                       "up_fp8_scale", "down_fp8_scale"))
-_gated_mlp_op = custom_op("gated_mlp", _op_body, f"({_ARGS}, {_FP8}) -> Tensor", lambda x, *args: x.new_empty(x.shape))
+
+
+def _fake_out(x, *args):
+    return x.new_empty(x.shape)
+
+
+_gated_mlp_op = custom_op("gated_mlp", _op_body, f"({_ARGS}, {_FP8}) -> Tensor", _fake_out)
 _gated_mlp_overflow_op = custom_op("gated_mlp_overflow", _op_body_overflow,
-                                   f"({_ARGS}, Tensor(a!) overflow, {_FP8}) -> Tensor", lambda x, *args: x.new_empty(x.shape),
-                                   ("overflow",))
+                                   f"({_ARGS}, Tensor(a!) overflow, {_FP8}) -> Tensor", _fake_out, ("overflow",))
 
 
 def gated_mlp(x, gate_weight, up_weight, down_weight, *, tile: int = 128, compression: int = 8,

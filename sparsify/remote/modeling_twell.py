@@ -203,10 +203,9 @@ class TwellGatedMLP(nn.Module):
 def fused(x, *tensors) -> bool:
     """Whether the attention projections' kernel serves a call on x (and `tensors`, None among them ignored): none
     of them a tensor subclass (a tensor-parallel plan's DTensor shards), no gradient is recorded (small_linear has
-    no backward), and where the decoder's kernels do (decoder.serves), or
-    for a call traced by torch.compile where they take x (decoder.takes: the trace calls small_linear's custom op;
-    the compiler's own code for a decode-size product reads the weights no faster than cuBLAS, three launches
-    where the group makes one)."""
+    no backward), and where the decoder's kernels do (decoder.serves), or for a call traced by torch.compile where
+    they take x (decoder.takes: the trace calls small_linear's custom op; the compiler's own code for a decode-size
+    product reads the weights no faster than cuBLAS, in three launches where the group makes one)."""
     if any(t is not None and type(t) not in PLAIN_TENSORS for t in tensors):
         return False
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *tensors)):
