@@ -45,28 +45,29 @@ def test_kernels_run_on_cpu_only_under_the_interpreter(monkeypatch):
 
 @pytest.mark.interpreter
 def test_layers_switch_by_activity_and_the_log_records_paths_and_backup_rows():
-    model, _ = tiny_model("llama")
+    model, _ = tiny_model("llama", hidden_size=16, intermediate_size=32, head_dim=8)
     mlps = relufy(model)
     layer0 = mlps[0].gate_proj.weight
     original = layer0.detach().clone()
-    with torch.no_grad():  # 140 of 160 gate rows at 0: at most 20 active units (no gradient revives them)
-        layer0[20:] = 0
+    with torch.no_grad():  # 26 of 32 gate rows at 0: at most 6 active units (no gradient revives them)
+        layer0[6:] = 0
 
     def batches(start, rank, world):
         for i, b in enumerate(batches_from()(start, rank, world)):
-            if i == 3:  # before step 4: layer 0 dense again (~80 active units of 160)
+            if i == 3:  # before step 4: layer 0 dense again (~16 active units of 32)
                 with torch.no_grad():
-                    layer0[20:] = original[20:]
+                    layer0[6:] = original[6:]
             yield b
 
-    # Layer 1 has ~80 active units: dense throughout. max_nnz 4: rows of layer 0 above 4 active units
+    # Layer 1 has ~16 active units: dense throughout. max_nnz 2: rows of layer 0 above 2 active units
     # go to the dense backup.
-    log = train(model, mlps, batches, config(steps=5, l1=0.0, hybrid_below=50, hybrid_max_nnz=4, hybrid_hot_rate=1.0),
-                device="cpu", show_progress=False).log
+    below = 10
+    log = train(model, mlps, batches, config(steps=5, l1=0.0, hybrid_below=below, hybrid_max_nnz=2,
+                                             hybrid_hot_rate=1.0), device="cpu", show_progress=False).log
     paths = [[l["path"] for l in e["layers"]] for e in log]
     active = [[l["active"] for l in e["layers"]] for e in log]
-    assert all(a0 <= 20 for a0, _ in active[:3]) and all(a0 > 60 for a0, _ in active[3:])
-    assert all(a1 > HYBRID_EXIT * 50 for _, a1 in active)
+    assert all(a0 <= 6 for a0, _ in active[:3]) and all(a0 > HYBRID_EXIT * below for a0, _ in active[3:])
+    assert all(a1 > HYBRID_EXIT * below for _, a1 in active)
     # Step 1 dense (nothing measured yet), steps 2-3 hybrid, step 4 hybrid (chosen after step 3) with
     # its measured activity high, so step 5 is dense again.
     assert [p0 for p0, _ in paths] == ["dense", "hybrid", "hybrid", "hybrid", "dense"]
@@ -74,7 +75,7 @@ def test_layers_switch_by_activity_and_the_log_records_paths_and_backup_rows():
     backup = [[l["backup_rows"] for l in e["layers"]] for e in log]
     assert all(b0 > 0 for b0, _ in backup[1:4]) and backup[0][0] == backup[4][0] == 0
     assert all(b1 == 0 for _, b1 in backup)
-    assert backup[3][0] == SEQ * BATCH  # every row of the dense step 4 has more than 4 active units
+    assert backup[3][0] == SEQ * BATCH  # every row of the dense step 4 has more than 2 active units
     assert hybrid_share(log) == [0.6, 0.0]
     assert all(not m.use_hybrid for m in mlps)
     assert all(l["hot_units"] == 0 for e in log for l in e["layers"])
@@ -138,14 +139,14 @@ def test_mlps_with_bias_stay_dense_in_the_log():
 
 @pytest.mark.interpreter
 def test_resume_continues_on_the_paths_chosen_before_the_interrupt(tmp_path):
-    def sparse_layer0(seed=0):  # layer 0 at most 20 active units: hybrid from step 2 on
-        model, _ = tiny_model("llama", seed=seed)
+    def sparse_layer0(seed=0):  # layer 0 at most 8 active units: hybrid from step 2 on
+        model, _ = tiny_model("llama", seed=seed, hidden_size=16, intermediate_size=32, head_dim=8)
         mlps = relufy(model)
         with torch.no_grad():
-            mlps[0].gate_proj.weight[20:] = 0
+            mlps[0].gate_proj.weight[8:] = 0
         return model, mlps
 
-    cfg = config(steps=3, hybrid_below=50, hybrid_max_nnz=4)
+    cfg = config(steps=3, hybrid_below=12, hybrid_max_nnz=4)
     straight, mlps = sparse_layer0()
     expected = train(straight, mlps, batches_from(), cfg, device="cpu", show_progress=False).log
     interrupted, mlps = sparse_layer0()
