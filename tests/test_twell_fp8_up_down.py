@@ -166,17 +166,19 @@ def test_e4m3_rows_are_checked():
         twell.gated_mlp(x, gate, up, down, tile=16, precision="highest", up_down_fp8=good)
 
 
-def test_custom_ops_take_the_e4m3_rows(walk_every_batched_call):
+def test_custom_ops_take_the_e4m3_rows(walk_every_batched_call, monkeypatch):
     """The traced path: both custom ops take the e4m3 rows beside the fp8 gate's tensors, positional or by name
     (as torch.compile's graphs call them), and give the eager call's output."""
     torch.manual_seed(0)
-    x, gate, up, down = block(65, 16, 32, k=5, dtype=torch.float16)  # the fewest tokens of the batched path
+    batched_from(monkeypatch, "twell.gated_mlp", 9)
+    x, gate, up, down = block(9, 16, 32, k=5, dtype=torch.float16)  # the batched path
     gate_fp8, up_down = quantize_weight(gate), quantize_up_down(up, down)
     overflow = torch.zeros(1, dtype=torch.int64, device=DEV)
     op = getattr(torch.ops.twell, op_name("gated_mlp_overflow"))
     torch.library.opcheck(op, (x, gate, up, down, 16, 4, "default", overflow, *gate_fp8, *up_down),
                           test_utils=("test_faketensor",))
     eager = twell.gated_mlp(x, gate, up, down, tile=16, gate_fp8=gate_fp8, up_down_fp8=up_down)
+    assert not torch.equal(eager, twell.gated_mlp(x, gate, up, down, tile=16, gate_fp8=gate_fp8))  # rows read
     traced = getattr(torch.ops.twell, op_name("gated_mlp"))(x, gate, up, down, 16, 8, "default", *gate_fp8,
                                                                 *up_down)
     assert torch.equal(traced, eager)
