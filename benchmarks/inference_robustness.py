@@ -139,8 +139,8 @@ def robustness(folder=None, plan_k=None, tokens=ROBUST_TOKENS, actives=ROBUST_AC
     cell checks the output against fp32 in the same run and names the layer's path for each timing
     (`eager_path`, `graph_path`, `step_graph_path`: call_path). With `fp8_gate` the kernel layers run as a
     checkpoint's use_fp8_gate() makes them (err_twell then holds the fp8 gate's error too), with `fp8_up_down` as
-    its use_fp8_up_down() does (likewise). Yields the rows of
-    the cells whose ROBUST_KEY is not in `done` (a run cut short: its rows' keys)."""
+    its use_fp8_up_down() does (likewise). Yields the rows of the cells whose ROBUST_KEY is not in `done` (a run
+    cut short: its rows' keys)."""
     d, i = ROBUST_SHAPE
     modeling = runtime(folder)
     for k in actives:

@@ -200,16 +200,19 @@ class CountingTokenizer:
         return self.tokenizer(texts, **kwargs)
 
 
+def sibling(module_name: str, name: str):
+    """The module `name` beside module `module_name` in its package (a checkpoint's copy of the files, or twell)."""
+    return sys.modules[f"{module_name.rpartition('.')[0]}.{name}"]
+
+
 def batched_from(monkeypatch, module_name: str, tokens: int) -> None:
-    """The kernels of the package holding module `module_name` (a checkpoint's copy of the files) take the batched
-    path from `tokens` tokens a call (its paths.decode_rows): the interpreter runs a batched program a row, about
-    half a second each at the tests' shapes, so that fewer rows make a faster test."""
-    paths = sys.modules[module_name.rpartition(".")[0] + ".paths"]
-    monkeypatch.setattr(paths, "decode_rows", lambda d, width: tokens - 1)
+    """The kernels of the package holding module `module_name` take the batched path from `tokens` tokens a call
+    (its paths.decode_rows): the interpreter runs a batched program a row, so that fewer rows make a faster test."""
+    monkeypatch.setattr(sibling(module_name, "paths"), "decode_rows", lambda d, width: tokens - 1)
 
 
 def decoder_unfused(monkeypatch, module_name: str) -> None:
-    """The norms, rotary and attention projections of the package holding module `module_name` (a checkpoint's
-    copy of the files) run transformers' modules, as where Triton is missing: for tests of the MLPs, which the
-    interpreter's norms (a program a token) would slow down."""
-    monkeypatch.setattr(sys.modules[module_name.rpartition(".")[0] + ".decoder"], "use_triton", lambda x: False)
+    """The norms, rotary and attention projections of the package holding module `module_name` run transformers'
+    modules, as where Triton is missing: for tests of the MLPs, which the interpreter's norms (a program a token)
+    would slow down."""
+    monkeypatch.setattr(sibling(module_name, "decoder"), "use_triton", lambda x: False)

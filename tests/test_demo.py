@@ -59,7 +59,7 @@ def test_lm_eval_runs_a_converted_checkpoint(demo_sparse, monkeypatch):
     """What `lm_eval run --model hf --model_args pretrained=demo-sparse,trust_remote_code=True --include_path
     tests/eval_task --tasks sparsify_demo_next_line` runs, on the local task's first question (four choices of
     other lengths, in one padded batch; the checkpoint's decoder kernels answering as where Triton is missing, as
-    on a CPU user's machine, since the interpreter takes a second or so a norm): the checkpoint's own modeling file,
+    on a CPU user's machine, not through the interpreter, a program a token): the checkpoint's own modeling file,
     scoring every choice as the plain dense load of the same weights does."""
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM

@@ -12,7 +12,7 @@ import torch
 from huggingface_hub import ModelCard
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from helpers import INTERMEDIATE, batched_from, decoder_unfused, tiny_input_ids, tiny_model, unwritable_folder
+from helpers import INTERMEDIATE, batched_from, decoder_unfused, sibling, tiny_input_ids, tiny_model, unwritable_folder
 from sparsify import export
 from sparsify.remote.generation import cache_arguments
 from sparsify.errors import OutputError
@@ -309,7 +309,7 @@ def test_batched_calls_follow_the_activity_router(tmp_path, monkeypatch):
                         lambda self, *measured: verdicts.append(measured) or True)
     # the batched path, where the kernels count activity, from 9 tokens; rows 0 and 8 sampled (the reference too)
     batched_from(monkeypatch, type(remote).__module__, 9)
-    monkeypatch.setattr(sys.modules[type(remote).__module__.rpartition(".")[0] + ".batched"], "UNIT_SAMPLE", 8)
+    monkeypatch.setattr(sibling(type(remote).__module__, "batched"), "UNIT_SAMPLE", 8)
     monkeypatch.setattr(sys.modules["twell.reference"], "UNIT_SAMPLE", 8)
     monkeypatch.setattr(sys.modules["twell.reference"], "decode_rows", lambda d, width: 8)
     ids = tiny_input_ids(1, 9, seed=4)  # two heavy rows; rows 0 and 8 not
@@ -853,7 +853,7 @@ def test_compiled_decode_step_runs_the_kernel_in_one_graph(tmp_path):
         expected = step(remote)
     assert len(graphs) == 2  # prefill and decode shapes, one graph each
     decode_ops = [node.target for node in graphs[1].graph.nodes if node.op == "call_function"]
-    copy_launch = sys.modules[_remote_module(remote).gated_mlp.__module__.rpartition(".")[0] + ".launch"]
+    copy_launch = sibling(type(remote).__module__, "launch")
     name = copy_launch.op_name("gated_mlp")
     assert name != sys.modules["twell.launch"].op_name("gated_mlp")
     assert decode_ops.count(getattr(torch.ops.twell, name).default) == 1  # layer 0 only

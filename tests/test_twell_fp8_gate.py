@@ -150,7 +150,7 @@ def test_custom_ops_take_the_fp8_gate():
                           test_utils=("test_faketensor",))
     eager = twell.gated_mlp(x, gate, up, down, tile=16, gate_fp8=(weight, scale))
     assert torch.equal(getattr(torch.ops.twell, op_name("gated_mlp"))(x, gate, up, down, 16, 8, "default", weight,
-                                                                          scale), eager)
+                                                                       scale), eager)
 
 
 def test_the_modeling_layer_reads_the_fp8_copy_and_remakes_it_after_the_weight_changes(monkeypatch):

@@ -180,11 +180,11 @@ def test_custom_ops_take_the_e4m3_rows(walk_every_batched_call, monkeypatch):
     eager = twell.gated_mlp(x, gate, up, down, tile=16, gate_fp8=gate_fp8, up_down_fp8=up_down)
     assert not torch.equal(eager, twell.gated_mlp(x, gate, up, down, tile=16, gate_fp8=gate_fp8))  # rows read
     traced = getattr(torch.ops.twell, op_name("gated_mlp"))(x, gate, up, down, 16, 8, "default", *gate_fp8,
-                                                                *up_down)
+                                                             *up_down)
     assert torch.equal(traced, eager)
     names = ("gate_fp8_weight", "gate_fp8_scale", "up_fp8", "down_t_fp8", "up_fp8_scale", "down_fp8_scale")
     by_name = getattr(torch.ops.twell, op_name("gated_mlp"))(x, gate, up, down, 16, 8, "default",
-                                                                 **dict(zip(names, (*gate_fp8, *up_down))))
+                                                              **dict(zip(names, (*gate_fp8, *up_down))))
     assert torch.equal(by_name, eager)
 
 
