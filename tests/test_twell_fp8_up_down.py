@@ -232,7 +232,8 @@ def test_gpu_e4m3_rows_under_cuda_graphs_and_compile():
 
 def test_the_modeling_layer_reads_both_copies_and_remakes_them_after_the_weights_change(monkeypatch):
     """TwellGatedMLP with use_fp8_gate() and use_fp8_up_down(): a batched kernel call computes the block as the two
-    references mix them, from the current weights: the copies are remade once a weight changes in place."""
+    references mix them, from the current weights; the copies are remade once up or down change in place; off
+    again, the plain kernels."""
     modeling = load_benchmark("inference_robustness.py").runtime()  # the files a checkpoint carries
     runtime_paths = sys.modules[modeling.reads_fp8_up_down.__module__]
     monkeypatch.setattr(runtime_paths, "UP_DOWN_FP8_MIN_ROW_BYTES", 0)  # walk at the interpreter's shapes
@@ -249,8 +250,11 @@ def test_the_modeling_layer_reads_both_copies_and_remakes_them_after_the_weights
     with torch.no_grad():
         mlp.use_fp8_gate()
         mlp.use_fp8_up_down()
-        for changed in (mlp.down_proj.weight, None):
+        for changed in (mlp.up_proj.weight, mlp.down_proj.weight, None):
             mixed = expected(x, *weights, 32, 1, quantize_weight(weights[0]), quantize_up_down(weights[1], weights[2]))
             assert_rows_close(mlp(x[None])[0], mixed, 3e-3)
             if changed is not None:
                 changed.mul_(-1.5)
+        mlp.use_fp8_up_down(False)
+        mlp.use_fp8_gate(False)
+        assert_rows_close(mlp(x[None])[0], expected(x, *weights, 32, 1), 3e-3)
