@@ -3,15 +3,17 @@ the output in x's dtype.
 
 A decode step's projection is a matrix-vector product whose time is the read of the weight; cuBLAS's kernels for
 such shapes can take 64 weight rows a CTA, fewer CTAs than the GPU has SMs at N = 2048. A program here takes BN
-rows of the weight (BN output columns, BN = 16 or 32) and streams them along K, STAGES - 1 steps of STEP_BYTES
-in flight, against the call's rows of x, which make one tl.dot tile (rows beyond M masked: no memory traffic):
-each weight element is read once, and N / BN programs cover the SMs from N = 16 * SMs rows on. K is not split:
-a split needs a second kernel (the sum of fp32 partials, or the zeroing and the cast around fp32 atomics),
-whose launch and dependency cost about what a projection takes at decode, while the projections that run here
-(an attention's q, k and v in one launch, its o) have N = hidden size or more rows. Weights that share x (q, k
-and v) run in one launch (`small_linear_grouped`): the grid is the concatenation of their row blocks and a
-program finds its weight, bias and output by its block, so the weights stay separate tensors. Traced calls
-(torch.compile, export, dispatch modes) reach the kernel through this copy's custom op.
+rows of the weight (BN output columns, BN = 16 or 32) and streams them along K, STAGES - 1 steps of STEP_BYTES in
+flight, against the call's rows of x, which make one tl.dot tile (rows beyond M masked: no memory traffic): each
+weight element is read once, and N / BN programs cover the SMs from N = 16 * SMs rows on. K is not split: a split
+needs a second kernel (the sum of fp32 partials, or the zeroing and the cast around fp32 atomics), whose launch and
+dependency cost about what a projection takes at decode, while the projections that run here (an attention's q, k
+and v in one launch, its o) have N = hidden size or more rows. A call of one row (batch-1 decode) takes no tl.dot
+tile, whose 16 rows would be 15 of padding: a program takes ROW_BLOCK_N weight rows and reduces their products with
+x in fp32 FMAs, so that twice as many programs stream the weight. Weights that share x (q, k and v) run in one
+launch (`small_linear_grouped`): the grid is the concatenation of their row blocks and a program finds its weight,
+bias and output by its block, so the weights stay separate tensors. Traced calls (torch.compile, export, dispatch
+modes) reach the kernel through this copy's custom op.
 reference.small_linear_reference is the same math in PyTorch."""
 import itertools
 import math
@@ -40,6 +42,9 @@ WIDE_BLOCK_N, WIDE_PROGRAMS_PER_SM = 32, 2
 # so that one program an SM has about the memory's bandwidth-latency product in flight; with its x tiles at
 # most 48 KB of shared memory, which any GPU Triton targets holds (a Hopper SM several such programs)
 STEP_BYTES, STAGES, WARPS = 8192, 4, 4
+# One row of x: 8 weight rows a program; twice the warps where the grid has fewer than ROW_WIDE_WARPS_BELOW
+# programs an SM (each program's K loop is then longer)
+ROW_BLOCK_N, ROW_WIDE_WARPS_BELOW = 8, 2
 
 
 def small_linear_fits(x, weight, bias=None) -> bool:
@@ -110,7 +115,13 @@ def _launch(x, weights, biases):
     outs = [torch.empty((m, w.shape[0]), dtype=x.dtype, device=x.device) for w in weights]
     rows = sum(w.shape[0] for w in weights)
     if m and rows:
-        bn = WIDE_BLOCK_N if cdiv(rows, WIDE_BLOCK_N) >= WIDE_PROGRAMS_PER_SM * sm_count(x.device) else BLOCK_N
+        sms = sm_count(x.device)
+        if m == 1:
+            bn = ROW_BLOCK_N
+            warps = 2 * WARPS if cdiv(rows, bn) < ROW_WIDE_WARPS_BELOW * sms else WARPS
+        else:
+            bn = WIDE_BLOCK_N if cdiv(rows, WIDE_BLOCK_N) >= WIDE_PROGRAMS_PER_SM * sms else BLOCK_N
+            warps = WARPS
         ends = list(itertools.accumulate(cdiv(w.shape[0], bn) for w in weights))  # of each weight's row blocks
         has_bias = biases[0] is not None
 
@@ -121,8 +132,8 @@ def _launch(x, weights, biases):
             _small_linear_kernel[(ends[-1],)](
                 x2, *slots(weights), *slots(biases if has_bias else weights), *slots(outs), m, k, x2.stride(0),
                 *slots([w.shape[0] for w in weights]), *slots(ends)[:2], HAS_BIAS=has_bias, BM=MAX_ROWS, BN=bn,
-                BK=max(16, min(STEP_BYTES // (bn * x.element_size()), triton.next_power_of_2(k))),
-                PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=WARPS, num_stages=STAGES)
+                BK=max(16, min(STEP_BYTES // (bn * x.element_size()), triton.next_power_of_2(k))), ROW=m == 1,
+                PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=STAGES)
     return [out.view(*x.shape[:-1], w.shape[0]) for out, w in zip(outs, weights)]
 
 
@@ -141,9 +152,10 @@ if triton is not None:
     @triton.jit
     def _small_linear_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, out0_ptr, out1_ptr, out2_ptr,
                              M, K, x_stride, N0, N1, N2, END0, END1, HAS_BIAS: tl.constexpr, BM: tl.constexpr,
-                             BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
+                             BN: tl.constexpr, BK: tl.constexpr, ROW: tl.constexpr, PRECISION: tl.constexpr):
         """Program p: BN rows of the weight whose row blocks hold block p of the grid (weight 0's blocks
-        [0, END0), weight 1's [END0, END1), weight 2's the rest) into its output, contiguous [M, N]."""
+        [0, END0), weight 1's [END0, END1), weight 2's the rest) into its output, contiguous [M, N]. With ROW
+        (M = 1) the products are summed in FMAs instead of a tl.dot tile."""
         block = tl.program_id(0)
         second, third = block >= END0, block >= END1
         w_ptr = tl.where(third, w2_ptr, tl.where(second, w1_ptr, w0_ptr))
@@ -157,12 +169,21 @@ if triton is not None:
         x_rows = x_ptr + rows[:, None].to(tl.int64) * x_stride
         w_rows = w_ptr + cols[:, None].to(tl.int64) * K
         live_rows, live_cols = (rows < M)[:, None], (cols < n)[:, None]
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k in range(0, K, BK):
-            ks = (k + steps)[None, :]
-            x = tl.load(x_rows + ks, mask=live_rows & (ks < K), other=0.0)
-            w = tl.load(w_rows + ks, mask=live_cols & (ks < K), other=0.0)
-            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        if ROW:  # acc's rows all hold x's one row times the weight rows
+            products = tl.zeros((BN, BK), dtype=tl.float32)
+            for k in range(0, K, BK):
+                ks = k + steps
+                x = tl.load(x_ptr + ks, mask=ks < K, other=0.0)
+                w = tl.load(w_rows + ks[None, :], mask=live_cols & (ks < K)[None, :], other=0.0)
+                products += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            acc = tl.broadcast_to(tl.sum(products, axis=1)[None, :], (BM, BN))
+        else:
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for k in range(0, K, BK):
+                ks = (k + steps)[None, :]
+                x = tl.load(x_rows + ks, mask=live_rows & (ks < K), other=0.0)
+                w = tl.load(w_rows + ks, mask=live_cols & (ks < K), other=0.0)
+                acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)[None, :]
         out = out_ptr + rows[:, None].to(tl.int64) * n + cols[None, :]

@@ -36,7 +36,8 @@ def assert_matches(out, ref):
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("lead,n,k,dtype", [
-    ((1,), 64, 64, torch.float32),  # one token
+    ((1,), 64, 64, torch.float32),  # one token: products summed in FMAs, no tl.dot tile
+    ((1, 1), 37, 1000, torch.float16),  # one token, N off the 8-row block, K over steps with a ragged last one
     ((MAX_ROWS,), 40, 100, torch.float32),  # the bound; N and K not multiples of the blocks
     ((2, 8), 300, 300, torch.float32),  # leading dimensions; wide blocks (300 rows fill the grid), K over 3 steps
     ((3,), 7, 5, torch.float16),  # fewer rows than a block, K under the dot's 16
