@@ -84,31 +84,24 @@ def test_fsdp_trains_and_exports_like_one_process_with_both_batches(files, fsdp_
             k: v for k, v in one_layer.items() if k != "stats"}
 
 
-def test_fsdp_with_tied_embeddings(files, tmp_path):
-    """Tied input and output embeddings (Qwen2.5 0.5B-3B and others): one parameter in two modules, which
-    the processes that read no weights tie as the main one does."""
+def test_fsdp_distillation_with_tied_embeddings_like_one_process(files, tmp_path):
+    """--distill under FSDP on a source with tied input and output embeddings (Qwen2.5 0.5B-3B and others: one
+    parameter in two modules, which the processes that read no weights tie as the main one does): each process
+    holds the whole teacher, the main process's weights broadcast to the other (which read none), so the run
+    equals one process with both batches, and the export is saved tied, as the source."""
     model, tokenizer = tiny_model("qwen2", tie_word_embeddings=True)
     source = tmp_path / "tied"
     model.save_pretrained(source)
     tokenizer.save_pretrained(source)
-    done = launch_fsdp(files, tmp_path / "two", source=source)
+    done = launch_fsdp(files, tmp_path / "two", "--distill", 0.5, source=source)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     one = run("convert", source, "-o", tmp_path / "one", "--data", files / "corpus", "--recipe", files / "recipe.yaml",
-              "--steps", STEPS, "--batch-size", 4)
+              "--steps", STEPS, "--batch-size", 4, "--distill", 0.5)
     assert one.exit_code == 0, one.output
     assert_same_weights(weights(tmp_path / "two"), weights(tmp_path / "one"))
-    assert "lm_head.weight" not in weights(tmp_path / "two")  # saved tied, as the source
-
-
-def test_fsdp_distillation_like_one_process(files, tmp_path):
-    """--distill under FSDP: each process holds the whole teacher, the main process's weights broadcast to the
-    other (which read none), so the run equals one process with both batches."""
-    done = launch_fsdp(files, tmp_path / "two", "--distill", 0.5)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    one = tmp_path / "one"
-    assert convert(files, "llama", one, "--steps", STEPS, "--batch-size", 4, "--distill", 0.5).exit_code == 0
-    assert_same_weights(weights(tmp_path / "two"), weights(one))
-    two_log, one_log = (json.loads((o / "training_log.json").read_text())["log"] for o in (tmp_path / "two", one))
+    assert "lm_head.weight" not in weights(tmp_path / "two")
+    two_log, one_log = (json.loads((o / "training_log.json").read_text())["log"] for o in (tmp_path / "two",
+                                                                                           tmp_path / "one"))
     assert [e["kl"] for e in two_log] == pytest.approx([e["kl"] for e in one_log], rel=1e-5)
 
 

@@ -9,6 +9,8 @@ import itertools
 import json
 import math
 import shutil
+import subprocess
+import types
 from collections import Counter
 from pathlib import Path
 
@@ -137,16 +139,32 @@ def test_budget_curve_runs_every_setting_and_the_control_at_every_share(prepared
     assert report.with_name("budget_budget.png").stat().st_size > 10_000
 
 
-def test_epochs_pass_over_the_head_of_the_train_split_several_times(prepared, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def passes_and_samples(prepared, tmp_path_factory):
+    """One pipeline run that the two tests below read (each run of the toy pipeline starts processes that take
+    most of their time importing): the head of the train split once and twice, and three passes over the base's
+    samples mixed with that head and alone. Returns (work folder, report path, result)."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        tmp_path = tmp_path_factory.mktemp("passes")
+        work, report = prepared_work(prepared, tmp_path, monkeypatch), tmp_path / "epochs.json"
+        result = load_script().main([
+            "--toy", "--work", str(work), "--json", str(report), "--runs", "l1=3.5", "l1=3.5,data=sampled",
+            "l1=3.5,data=sampled_alone", "--jobs", "2", "--convert-epochs", "1", "2", "--set", "shuffle_buffer=8",
+            "--sample-tokens", "3000", "--sample-batch", "8", "--sampled-epochs", "3", "--no-metrics"])
+    return work, report, result
+
+
+def by_name(runs: list[dict], *names: str) -> list[dict]:
+    return [next(run for run in runs if run["name"] == name) for name in names]
+
+
+def test_epochs_pass_over_the_head_of_the_train_split_several_times(passes_and_samples):
     from transformers import AutoTokenizer
 
     from sparsify.data import Documents, TextData, blocks
     from sparsify.locations import resolve_data
 
-    quality = load_script()
-    work, report = prepared_work(prepared, tmp_path, monkeypatch), tmp_path / "epochs.json"
-    result = quality.main(["--toy", "--work", str(work), "--json", str(report), "--runs", "l1=3.5", "--jobs", "2",
-                           "--convert-epochs", "1", "2", "--set", "shuffle_buffer=8", "--no-metrics"])
+    work, report, result = passes_and_samples
     # the head: the train split's first documents, the last cut, packed into the blocks of its first tokens
     subset, asked = result["convert_subsets"], result["convert_tokens"]
     assert [(s["share"], s["folder"], s["tokens_asked"]) for s in subset] == [(0.25, "corpus_share0.25", asked)]
@@ -168,8 +186,7 @@ def test_epochs_pass_over_the_head_of_the_train_split_several_times(prepared, tm
             and asked <= distinct < asked + seq_len)
     assert pass_blocks == packed(corpus, len(pass_blocks))  # the blocks the one-pass run reads first
 
-    once, twice = result["conversions"]
-    assert [c["name"] for c in result["conversions"]] == ["l1_3.5", "l1_3.5_epochs2"]
+    once, twice = by_name(result["conversions"], "l1_3.5", "l1_3.5_epochs2")
     assert (once["epochs"], once["distinct_tokens"]) == (1, once["tokens"]) and twice["epochs"] == 2
     assert twice["distinct_tokens"] == distinct == once["tokens"]
     assert (twice["tokens"], twice["steps"]) == (2 * once["tokens"], 2 * once["steps"])
@@ -183,10 +200,10 @@ def test_epochs_pass_over_the_head_of_the_train_split_several_times(prepared, tm
     drawn = Counter(tuple(b.tolist()) for _ in range(twice["steps"]) for b in next(stream))
     assert drawn.keys() == set(pass_blocks) and sum(drawn.values()) == 2 * len(pass_blocks) and max(drawn.values()) <= 3
     # the control at each number of passes, on its conversions' text and tokens; all measured on the same held-out
-    controls = result["control"]
+    controls = by_name(result["control"], "control", "control_epochs2")
     assert [(c["name"], c["epochs"], c["tokens"], c["distinct_tokens"]) for c in controls] == [
         ("control", 1, once["tokens"], once["tokens"]), ("control_epochs2", 2, twice["tokens"], distinct)]
-    for c, control in zip(result["conversions"], controls):
+    for c, control in zip((once, twice), controls):
         assert c["ce_vs_control"] == pytest.approx(c["cross_entropy"]["after training"]
                                                    / control["cross_entropy"]["after training"] - 1)
     assert len({round(c["cross_entropy"]["original"], 6) for c in (*controls, once, twice)}) == 1
@@ -195,13 +212,8 @@ def test_epochs_pass_over_the_head_of_the_train_split_several_times(prepared, tm
                                                               "control_epochs2"))
 
 
-def test_sampled_runs_read_the_base_s_samples_and_the_share_s_text(prepared, tmp_path, monkeypatch):
-    quality = load_script()
-    work = prepared_work(prepared, tmp_path, monkeypatch)
-    result = quality.main(["--toy", "--work", str(work), "--runs", "l1=3.5", "l1=3.5,data=sampled",
-                           "l1=3.5,data=sampled_alone", "--jobs", "2",
-                           "--convert-epochs", "1", "2", "--sample-tokens", "3000", "--sample-batch", "8",
-                           "--sampled-epochs", "3", "--no-metrics"])
+def test_sampled_runs_read_the_base_s_samples_and_the_share_s_text(passes_and_samples):
+    work, _, result = passes_and_samples
     (made,) = result["samples"]
     assert made["folder"] == "sampled_share0.25" and 3000 <= made["sampled_tokens"] < 3000 + 64
     distinct = result["convert_subsets"][0]["distinct_tokens"]
@@ -615,11 +627,24 @@ def test_frontier_keeps_the_runs_no_other_beats_on_sparsity_and_cost(tmp_path, c
     assert "99.20% | +9.50% | distill 1 | b" in printed and (tmp_path / "frontier.png").stat().st_size > 0
 
 
+def cli_in_process(command, cwd=None):
+    """subprocess.run of `python -m cli ...` run in this process through click's runner: the same command line and
+    CLI code without a new process's imports (most of a tiny conversion's time). The exit status as the process's."""
+    from click.testing import CliRunner
+
+    from cli import main
+
+    assert command[1:3] == ["-m", "cli"], command
+    return subprocess.CompletedProcess(command, CliRunner().invoke(main, command[3:]).exit_code)
+
+
 def test_target_sparsity_report_converts_each_setting_once_and_reads_it_back(tmp_path, monkeypatch):
-    """benchmarks/target_sparsity.py: a fixed weight and a steered one through the real CLI on a tiny source; the
-    steered run's L1 factor moves, the fixed one's stays 1; run again, it reads the checkpoints without converting."""
+    """benchmarks/target_sparsity.py: fixed weights and steered ones through the CLI (in this process; the next test
+    runs it as the script does, in its own) on a tiny source; the steered runs' L1 factor moves, the fixed one's
+    stays 1; run again, it reads the checkpoints without converting."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # as the script runs on a CPU
     script = load_benchmark("target_sparsity.py")
+    monkeypatch.setattr(script, "subprocess", types.SimpleNamespace(run=cli_in_process))
     model, tokenizer = tiny_model("llama")
     model.save_pretrained(tmp_path / "source")
     tokenizer.save_pretrained(tmp_path / "source")
