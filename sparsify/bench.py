@@ -344,7 +344,7 @@ def fp8_gate_mean_active(model, ids) -> list[float]:
     def count(tally, mlp, args):
         x2 = args[0].reshape(-1, args[0].shape[-1])
         gate = gate_weight(mlp, spec)
-        fp8 = mlp._gate_e4m3(gate) if mlp.fp8_gate and mlp.kernel_ready else None  # the copy its kernels read
+        fp8 = mlp.gate_e4m3()  # the copy its kernels read
         for rows in x2.split(FP8_COUNT_ROWS):
             g = gate_values(rows, gate, fp8, mlp.plan.tile, mlp.plan.compression)
             tally[0] += (g > 0).sum().item()

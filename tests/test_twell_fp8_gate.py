@@ -155,7 +155,8 @@ def test_custom_ops_take_the_fp8_gate():
 
 def test_the_modeling_layer_reads_the_fp8_copy_and_remakes_it_after_the_weight_changes(monkeypatch):
     """TwellGatedMLP.use_fp8_gate: a batched kernel call computes g as the fp8 gate does from the current weight;
-    the copy is remade once the weight changes in place; off again, the plain kernels."""
+    the copy is remade once the weight changes in place (gate_e4m3() gives the one it reads); off again, none and
+    the plain kernels."""
     modeling = load_benchmark("inference_robustness.py").runtime()  # the files a checkpoint carries
     original = torch.nn.Module()
     for name, shape in (("gate_proj", (96, 40)), ("up_proj", (96, 40)), ("down_proj", (40, 96))):
@@ -171,8 +172,10 @@ def test_the_modeling_layer_reads_the_fp8_copy_and_remakes_it_after_the_weight_c
             expected = twell.gated_mlp_reference(x.float(), *weights, gate_fp8=quantize_weight(weights[0]), tile=32,
                                                  compression=4)
             assert_rows_close(mlp(x), expected, 3e-3)
+            assert all(torch.equal(a, b) for a, b in zip(mlp.gate_e4m3(), quantize_weight(weights[0])))
             mlp.gate_proj.weight.mul_(-1.5)
         mlp.use_fp8_gate(False)
+        assert mlp.gate_e4m3() is None
         assert_rows_close(mlp(x), twell.gated_mlp_reference(x.float(), *weights), 3e-3)
 
 

@@ -156,6 +156,11 @@ class TwellGatedMLP(nn.Module):
         self.fp8_up_down = enabled
         self._hold_e4m3(self._up_down_e4m3, enabled, *self._up_down_weights())
 
+    def gate_e4m3(self):
+        """(e4m3 weight, row scales): the copy of the gate that the kernels' gate pass reads with use_fp8_gate,
+        made now if not held; None where they read the gate itself (fp8 gate off, or a layer planned dense)."""
+        return self._gate_e4m3(self._gate_up_weights()[0]) if self.fp8_gate and self.kernel_ready else None
+
     def _hold_e4m3(self, copy: E4m3Copy, enabled: bool, *weights):
         copy.drop()
         if enabled and self.kernel_ready and weights[0].is_cuda:
