@@ -189,6 +189,18 @@ def blocks(docs: Iterator[str], tokenizer, seq_len: int) -> Iterator[torch.Tenso
     return Packer(tokenizer, seq_len).blocks(docs)
 
 
+def too_short(description: str, part, text_column: str, tokenizer, wanted: str) -> DataError:
+    """The error for text that packs into fewer blocks than `wanted` ("one sequence of 256 tokens"): its documents
+    and tokens as packing counts them (a separator after each), and whether all of it is whitespace."""
+    texts = list(Documents(part, text_column))
+    packer = Packer(tokenizer, 2 ** 62)  # one block that never fills: pending ends holding every id
+    for _ in packer.blocks(iter(texts)):
+        pass
+    blank = ", all of it whitespace" if texts and not any(text.strip() for text in texts) else ""
+    return DataError(f"data {description} holds {len(texts):,} document{'s' * (len(texts) != 1)} of "
+                     f"{len(packer.pending):,} tokens{blank}: shorter than {wanted}")
+
+
 def measured_blocks(spec: str | Path, tokenizer, seq_len: int, tokens: int, text_column: str = "text"
                     ) -> tuple[list[torch.Tensor], str]:
     """Blocks of up to `tokens` (whole blocks: rounded up) to measure a model on, and the files (or Hub name) they
@@ -200,7 +212,7 @@ def measured_blocks(spec: str | Path, tokenizer, seq_len: int, tokens: int, text
                                   max(1, -(-tokens // seq_len))))
     read = source.description_of(part)
     if not found:
-        raise DataError(f"data {read} is shorter than one sequence of {seq_len} tokens")
+        raise too_short(read, part, text_column, tokenizer, f"one sequence of {seq_len} tokens")
     return found, read
 
 
@@ -217,17 +229,14 @@ class TextData:
             self.eval_blocks = list(itertools.islice(self._blocks(self.source.eval), n_eval))
             self.skip = 0
             if not self.eval_blocks:
-                raise DataError(f"evaluation data is shorter than one sequence of {seq_len} tokens")
+                raise self._too_short(self.source.eval, f"one sequence of {seq_len} tokens")
             if next(self._blocks(self.source.train), None) is None:
-                raise DataError(f"data {self.source.description} is shorter than one sequence of {seq_len} tokens")
+                raise self._too_short(self.source.train, f"one sequence of {seq_len} tokens")
         else:
             head = list(itertools.islice(self._blocks(self.source.train), n_eval + 1))
             if len(head) < 2:
-                raise DataError(
-                    f"data {self.source.description} is shorter than "
-                    f"{'one sequence' if not head else 'two sequences (one is held out for evaluation)'}"
-                    f" of {seq_len} tokens"
-                )
+                wanted = "one sequence" if not head else "two sequences (one is held out for evaluation)"
+                raise self._too_short(self.source.train, f"{wanted} of {seq_len} tokens")
             # Small data: hold out a tenth, at least one block, and train on the rest.
             self.skip = n_eval if len(head) > n_eval else max(1, len(head) // 10)
             self.eval_blocks = head[: self.skip]
@@ -336,6 +345,9 @@ class TextData:
             head += [self.tokenizer.decode(before)] if before else []
             return head, itertools.chain([self.tokenizer.decode(after)] if after else [], docs)
         return head, iter(())
+
+    def _too_short(self, part, wanted: str) -> DataError:
+        return too_short(self.source.description_of(part), part, self.text_column, self.tokenizer, wanted)
 
     def _blocks(self, source) -> Iterator[torch.Tensor]:
         return blocks(iter(Documents(source, self.text_column)), self.tokenizer, self.seq_len)
