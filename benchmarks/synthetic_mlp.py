@@ -18,6 +18,7 @@ from twell.paths import launch_path
 
 LAYERS = 8  # layer copies for graph-replay timing
 HEAVY_K, HEAVY_TILE = 29, 128  # --host-time, --decode-*: active units of the ordinary rows, tile
+HEAVY_FIRST = 2000  # --host-time, --decode-*: active units of a sequence's first token
 
 
 def make_layer(d, i, k, skew=0.0):
