@@ -4,7 +4,7 @@ the layer copies, per layer; each checked against fp32)."""
 import torch
 
 from twell.decode import DECODE_TILE, HELD_ROWS, PART_BYTES, PART_STAGES, decode_out_config
-from twell.format import slots
+from twell.format import cdiv, slots
 
 from synthetic_mlp import (HEAVY_FIRST, HEAVY_K, LAYERS, dense, launch_rules, make_heavy, make_layer, make_x,
                            per_layer_us, print_row, reference, rel_err, sparse)
@@ -112,7 +112,7 @@ def tile_stride_rows():
     programs, 88 at I = 5632), against I / #SMs units a program (one program an SM, as above 16 rows) and
     I / (2 #SMs); at one token each program writes a partial output row, so narrower tiles write more of them."""
     def stride(programs_per_sm):
-        return lambda width, tile, m, sms: tile if sms is None else min(tile, -(-width // (programs_per_sm * sms)))
+        return lambda width, tile, m, sms: tile if sms is None else min(tile, cdiv(width, programs_per_sm * sms))
 
     return rule_rows("tile_stride", [(m, 0) for m in (1, 2, 8, 16)], {
         "new": {}, "one_a_sm": dict(decode_tile_stride=stride(1)), "two_a_sm": dict(decode_tile_stride=stride(2))})
