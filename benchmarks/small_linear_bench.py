@@ -9,10 +9,14 @@ second; and launched eagerly one call after another (`eager_*_us`: the host's la
 step that is not captured). The check: each op's relative error against the fp32 product of the same bf16 inputs;
 small_linear passes where it is within 1.5x (+1e-4) of F.linear's (both round an fp32 sum to bf16). --sweep also
 times the launch settings of twell/small_linear.py (block rows, bytes a step, pipeline stages, warps) around the
-defaults, at M = 1 and 16, for an attention's projections (SWEEP_SHAPES). Exits with status 1 if a check fails.
+defaults, at M = 1 and 16, for an attention's projections (SWEEP_SHAPES). --families times the projections of the
+supported families' published sizes instead (FAMILY_SHAPES, 1 to 16 tokens), each row marked `served` where the
+modeling file launches small_linear for it (small_linear_wins; elsewhere it calls F.linear). Exits with status 1
+if a check fails.
 
   python benchmarks/small_linear_bench.py --json small_linear_h200.json
   python benchmarks/small_linear_bench.py --sweep --json small_linear_sweep_h200.json
+  python benchmarks/small_linear_bench.py --families --json small_linear_families_h200.json
 """
 import argparse
 import itertools
@@ -26,11 +30,14 @@ import torch.nn.functional as F
 from triton.testing import do_bench_cudagraph
 
 from twell import small_linear, small_linear_grouped
+from twell.launch import sm_count
+from twell.small_linear import small_linear_wins
 
 from sparsify.bench import versions, write_json
 
 ROWS = (1, 8, 16)
-LINEAR_SHAPES = ((2048, 2048), (256, 2048), (8960, 1536), (1536, 8960))  # (N, K)
+# (N, K): o_proj-size and up/down-size weights; (3072, 4096) an o_proj whose heads x head_dim exceed the hidden size
+LINEAR_SHAPES = ((2048, 2048), (256, 2048), (3072, 4096), (8960, 1536), (1536, 8960))
 # (rows of q, k and v, K, bias): the 1.5B-shape Llama of model_bench.py; Qwen2-1.5B's grouped-query attention
 GROUPED_SHAPES = (((2048, 2048, 2048), 2048, False), ((1536, 256, 256), 1536, True))
 COPY_BYTES = 256 << 20  # weight bytes a timed graph walks: several times any GPU's L2
@@ -38,6 +45,22 @@ EAGER_CALLS = 200  # eager calls timed a row
 SWEEP = dict(BN=(16, 32), STEP_BYTES=(4096, 8192, 16384), STAGES=(3, 4, 5), WARPS=(4, 8))
 SWEEP_ROWS = (1, 16)
 SWEEP_SHAPES = (((2048,), 2048, False), *GROUPED_SHAPES)  # an attention's o, and its q, k and v
+# --families: the projections the modeling file routes (q, k and v grouped; o, or Phi-3's fused qkv, alone) of
+# the supported families' published sizes, (rows, K, bias) by model, at FAMILY_ROWS tokens
+FAMILY_SHAPES = {
+    "Llama-3.2-1B o": ((2048,), 2048, False), "Llama-3.2-1B qkv": ((2048, 512, 512), 2048, False),
+    "Llama-3.2-3B o": ((3072,), 3072, False), "Llama-3.2-3B qkv": ((3072, 1024, 1024), 3072, False),
+    "Llama-3.1-8B o": ((4096,), 4096, False), "Llama-3.1-8B qkv": ((4096, 1024, 1024), 4096, False),
+    "Qwen2-0.5B o": ((896,), 896, False), "Qwen2-0.5B qkv": ((896, 128, 128), 896, True),
+    "Qwen2-1.5B o": ((1536,), 1536, False), "Qwen2-7B o": ((3584,), 3584, False),
+    "Qwen2-7B qkv": ((3584, 512, 512), 3584, True),
+    "Qwen3-0.6B o": ((1024,), 2048, False), "Qwen3-0.6B qkv": ((2048, 1024, 1024), 1024, False),
+    "Qwen3-4B o": ((2560,), 4096, False), "Qwen3-4B qkv": ((4096, 1024, 1024), 2560, False),
+    "Gemma-7B o": ((3072,), 4096, False), "Gemma-7B qkv": ((4096, 4096, 4096), 3072, False),
+    "Gemma-2-2B o": ((2304,), 2048, False), "Gemma-2-2B qkv": ((2048, 1024, 1024), 2304, False),
+    "Gemma-2-9B o": ((3584,), 4096, False), "Phi-3-mini qkv": ((9216,), 3072, False),
+}
+FAMILY_ROWS = (1, 2, 4, 8, 16)
 MODULE = sys.modules["twell.small_linear"]
 
 
@@ -141,6 +164,9 @@ def print_row(result):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sweep", action="store_true", help="also time the launch settings around the defaults")
+    parser.add_argument("--families", action="store_true",
+                        help="time the supported families' attention projections (FAMILY_SHAPES) instead, each row "
+                             "with whether the modeling file launches small_linear for it (small_linear_wins)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -150,15 +176,27 @@ def main(argv=None):
                   copy_bytes=COPY_BYTES, settings={name: getattr(MODULE, name) for name in
                                                    ("MAX_ROWS", "BLOCK_N", "WIDE_BLOCK_N", "WIDE_PROGRAMS_PER_SM",
                                                     "STEP_BYTES", "STAGES", "WARPS")}, rows=[])
-    for rows, k, bias in shapes():
+    sms = sm_count(torch.device("cuda"))
+    timed = ([(model, *shape) for model, shape in FAMILY_SHAPES.items()] if args.families
+             else [(None, *shape) for shape in shapes()])
+    for model, rows, k, bias in timed:
         copies = copies_of(rows, k, bias)
-        for m in ROWS:
-            result["rows"].append(row(m, rows, k, bias, copies))
-            print_row(result["rows"][-1])
+        for m in FAMILY_ROWS if args.families else ROWS:
+            timed_row = row(m, rows, k, bias, copies)
+            if args.families:
+                timed_row = dict(model=model, served=small_linear_wins(m, rows, k, sms), **timed_row)
+            result["rows"].append(timed_row)
+            print_row(timed_row)
         if args.sweep and (rows, k, bias) in SWEEP_SHAPES:
             result.setdefault("sweep", []).extend(sweep_rows(rows, k, bias, copies))
         del copies
         torch.cuda.empty_cache()
+    if args.families:
+        for served in (True, False):
+            speedups = [r["speedup"] for r in result["rows"] if r["served"] is served]
+            if speedups:
+                print(f"small_linear against F.linear where the modeling file {'launches' if served else 'skips'} "
+                      f"it: {min(speedups):.2f}x to {max(speedups):.2f}x over {len(speedups)} rows")
     if args.json:
         print(f"wrote {write_json(result, args.json)}")
     failed = [r for r in result["rows"] + result.get("sweep", []) if r.get("ok") is False]

@@ -45,6 +45,10 @@ STEP_BYTES, STAGES, WARPS = 8192, 4, 4
 # One row of x: 8 weight rows a program; twice the warps where the grid has fewer than ROW_WIDE_WARPS_BELOW
 # programs an SM (each program's K loop is then longer)
 ROW_BLOCK_N, ROW_WIDE_WARPS_BELOW = 8, 2
+# Where the launch beats cuBLAS (small_linear_wins): K is not split, so a weight whose K exceeds MAX_K_PER_N x N
+# streams long rows on few programs; at several rows of x a grid of more than one round of programs per SM is
+# slower where its last round leaves SMs idle, and one that fills LAST_ROUND_FILL of them keeps pace
+MAX_K_PER_N, LAST_ROUND_FILL = 2, 0.8
 
 
 def small_linear_fits(x, weight, bias=None) -> bool:
@@ -64,6 +68,27 @@ def small_linear_grouped_fits(x, weights, biases=None) -> bool:
     biases = _bias_list(weights, biases)
     return (0 < len(weights) <= MAX_GROUP and len(biases) == len(weights) and len({b is None for b in biases}) == 1
             and all(small_linear_fits(x, w, b) for w, b in zip(weights, biases)))
+
+
+def small_linear_wins(m: int, rows, k: int, sms: int) -> bool:
+    """Whether small_linear's launch of m rows of x through weights of `rows` rows each (K = k) takes less GPU
+    time than F.linear's on a GPU of `sms` SMs, as timed at the supported families' attention projections: a
+    grouped launch, which replaces one cuBLAS launch a weight, does; a single weight does where its K is at most
+    MAX_K_PER_N x N, at one row, or where its grid is one round of programs or fills LAST_ROUND_FILL of the SMs in
+    its last."""
+    if len(rows) > 1:
+        return True
+    if k > MAX_K_PER_N * rows[0]:
+        return False
+    programs = cdiv(rows[0], _block_rows(m, rows[0], sms))
+    return m == 1 or programs <= sms or programs / (cdiv(programs, sms) * sms) >= LAST_ROUND_FILL
+
+
+def _block_rows(m: int, rows: int, sms: int) -> int:
+    """Weight rows a program takes for m rows of x through `rows` weight rows in all."""
+    if m == 1:
+        return ROW_BLOCK_N
+    return WIDE_BLOCK_N if cdiv(rows, WIDE_BLOCK_N) >= WIDE_PROGRAMS_PER_SM * sms else BLOCK_N
 
 
 def small_linear(x, weight, bias=None):
@@ -116,12 +141,8 @@ def _launch(x, weights, biases):
     rows = sum(w.shape[0] for w in weights)
     if m and rows:
         sms = sm_count(x.device)
-        if m == 1:
-            bn = ROW_BLOCK_N
-            warps = 2 * WARPS if cdiv(rows, bn) < ROW_WIDE_WARPS_BELOW * sms else WARPS
-        else:
-            bn = WIDE_BLOCK_N if cdiv(rows, WIDE_BLOCK_N) >= WIDE_PROGRAMS_PER_SM * sms else BLOCK_N
-            warps = WARPS
+        bn = _block_rows(m, rows, sms)
+        warps = 2 * WARPS if m == 1 and cdiv(rows, bn) < ROW_WIDE_WARPS_BELOW * sms else WARPS
         ends = list(itertools.accumulate(cdiv(w.shape[0], bn) for w in weights))  # of each weight's row blocks
         has_bias = biases[0] is not None
 

@@ -415,10 +415,10 @@ def test_modeling_file_needs_only_torch_and_transformers():
                 for alias in node.names}
     absolute |= {node.module.split(".")[0] for node in ast.walk(tree)
                  if isinstance(node, ast.ImportFrom) and node.level == 0}
-    assert absolute == {"functools", "importlib", "torch", "transformers", "warnings"}
+    assert absolute == {"functools", "importlib", "math", "torch", "transformers", "warnings"}
     relative = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 1}
     assert relative == {"decoder", "format", "fp8_gate", "gated_mlp", "graphs", "paths", "routing", "generation",
-                        "layer_plan", "small_linear"}
+                        "launch", "layer_plan", "small_linear"}
     generation = ast.parse(GENERATION_FILE.read_text())  # shipped beside it: torch, transformers and the stdlib
     assert {alias.name for node in ast.walk(generation) if isinstance(node, ast.Import) for alias in node.names} \
         | {node.module.split(".")[0] for node in ast.walk(generation) if isinstance(node, ast.ImportFrom)} \
@@ -569,6 +569,25 @@ def test_attention_projections_share_one_launch_and_can_be_turned_off(tmp_path, 
         calls.clear()
         _close(remote(ids).logits, fused_logits)
         assert calls.count(("small_linear_grouped",)) == calls.count(("small_linear",)) == 2
+
+
+@pytest.mark.interpreter
+def test_a_projection_runs_its_own_forward_where_cublas_wins(tmp_path, monkeypatch):
+    """A single projection's decode-size call launches small_linear where small_linear_wins on the device's SM
+    count, else runs the module's own forward (cuBLAS); the grouped q, k and v launch either way."""
+    model, tokenizer, spec = _relufied("llama")
+    out = export_checkpoint(model, tokenizer, tmp_path / "ckpt-routed", spec=spec, plan=PLAN, training=TRAINING)
+    remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    module, attention = _remote_module(remote), remote.model.layers[0].self_attn
+    calls = _record_fused_kernels(remote, monkeypatch)
+    x = torch.randn(2, 8, attention.o_proj.in_features)  # 16 rows: 64 output rows are 4 programs of 16
+    with torch.no_grad():
+        for sms, launched in ((4, True), (3, False)):  # one round; 3 SMs: one busy in the second
+            monkeypatch.setattr(module, "device_sms", lambda device: sms)
+            calls.clear()
+            _close(attention.o_proj(x), torch.nn.functional.linear(x, attention.o_proj.weight))
+            attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)
+            assert (("small_linear",) in calls) is launched and calls.count(("small_linear_grouped",)) == 1
 
 
 class _CudaInput:

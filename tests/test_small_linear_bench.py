@@ -1,5 +1,7 @@
 """benchmarks/small_linear_bench.py: its launch-settings sweep and failed checks on CPU (the timings need a GPU);
 one row timed and checked on a GPU."""
+import json
+
 import pytest
 import torch
 
@@ -36,16 +38,35 @@ def test_sweep_sets_and_restores_the_launch_settings(bench, monkeypatch):
     assert set(bench.SWEEP_SHAPES) <= set(bench.shapes())
 
 
-def test_a_failed_check_fails_the_run(bench, monkeypatch, tmp_path):
+def _no_gpu(bench, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "no GPU")
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(bench, "sm_count", lambda device: 132)
     monkeypatch.setattr(bench, "copies_of", lambda rows, k, bias: None)
+
+
+def test_a_failed_check_fails_the_run(bench, monkeypatch, tmp_path):
+    _no_gpu(bench, monkeypatch)
     monkeypatch.setattr(bench, "row", lambda m, rows, k, bias, copies: dict(M=m, N=list(rows), K=k,
                                                                           ok=not (m == 8 and k == 8960)))
     with pytest.raises(SystemExit) as exited:
         bench.main(["--json", str(tmp_path / "out.json")])
     assert exited.value.code == 1 and (tmp_path / "out.json").is_file()
+
+
+def test_families_rows_say_where_the_modeling_file_launches_small_linear(bench, monkeypatch, tmp_path, capsys):
+    _no_gpu(bench, monkeypatch)
+    monkeypatch.setattr(bench, "row", lambda m, rows, k, bias, copies: dict(M=m, N=list(rows), K=k, ok=True,
+                                                                          speedup=2.0 if len(rows) > 1 else 0.9))
+    bench.main(["--families", "--json", str(tmp_path / "out.json")])
+    rows = json.loads((tmp_path / "out.json").read_text())["rows"]
+    assert len(rows) == len(bench.FAMILY_SHAPES) * len(bench.FAMILY_ROWS)
+    assert {r["model"] for r in rows} == set(bench.FAMILY_SHAPES)
+    qwen3_o = {r["M"]: r["served"] for r in rows if r["model"] == "Qwen3-4B o"}
+    assert qwen3_o == {1: True, 2: False, 4: False, 8: False, 16: False}  # 160 programs of 16 rows on 132 SMs
+    assert all(r["served"] for r in rows if len(r["N"]) > 1)
+    assert "where the modeling file launches it: 0.90x to 2.00x" in capsys.readouterr().out
 
 
 @pytest.mark.gpu

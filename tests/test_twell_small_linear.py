@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from twell.launch import op_name
 from twell.reference import small_linear_reference
 from twell.small_linear import (MAX_GROUP, MAX_ROWS, small_linear, small_linear_fits, small_linear_grouped,
-                                small_linear_grouped_fits)
+                                small_linear_grouped_fits, small_linear_wins)
 
 from helpers import poison_allocations
 
@@ -138,6 +138,20 @@ def test_small_linear_refuses_what_it_does_not_take():
         assert not small_linear_grouped_fits(x, weights, biases)
         with pytest.raises(ValueError, match="small_linear"):
             small_linear_grouped(x, weights, biases)
+
+
+@pytest.mark.parametrize("m,rows,k,wins", [
+    (8, [2560, 1024, 1024], 2560, True),  # a grouped launch replaces three of cuBLAS's
+    (1, [1536], 8960, False), (1, [1024], 2048, True),  # K at most twice N
+    (1, [2560], 4096, True),  # one row: 320 programs of 8 rows
+    (8, [2560], 4096, False),  # 160 programs of 16 rows on 132 SMs: 28 SMs busy in the last round
+    (8, [4096], 4096, True), (16, [3584], 3584, True),  # last rounds of 124 and 92 programs on 132 SMs
+    (8, [2048], 2048, True), (2, [896], 896, True),  # one round
+    (8, [9216], 3072, False),  # 288 programs of 32 rows: 24 in the last round
+])
+def test_small_linear_wins_where_its_grid_fills_the_gpu(m, rows, k, wins):
+    """The rule the modeling file routes a decode-size projection by, on a GPU of 132 SMs."""
+    assert small_linear_wins(m, rows, k, sms=132) is wins
 
 
 GPU_SHAPES = [(2048, 2048), (256, 2048), (8960, 1536), (1536, 8960), (1000, 1000)]  # (N, K)

@@ -18,6 +18,7 @@ their classes and the weights stay transformers'. Imports torch, transformers an
 """
 import functools
 import importlib
+import math
 import warnings
 
 import torch
@@ -35,7 +36,9 @@ from .generation import LoopUnsupported, generate_graphed, graphed_call, release
 from .layer_plan import LayerPlan, layer_plans
 from .decoder import DECODER_FUSIONS, INTERPRET, fuse_norms_and_rotary, serves, takes
 from .small_linear import MAX_ROWS as SMALL_LINEAR_ROWS
-from .small_linear import small_linear_fits, small_linear_fitted, small_linear_grouped_fits, small_linear_grouped_fitted
+from .small_linear import (small_linear_fits, small_linear_fitted, small_linear_grouped_fits, small_linear_grouped_fitted,
+                           small_linear_wins)
+from .launch import sm_count
 
 BASE_MODEL = "transformers.models.llama.modeling_llama.LlamaForCausalLM"
 PLAIN_TENSORS = (nn.Parameter, torch.Tensor)  # weights the kernels read; not subclasses such as DTensor
@@ -218,6 +221,12 @@ def fused(x, *tensors) -> bool:
     return takes(x) if torch.compiler.is_compiling() else serves(x)
 
 
+@torch.compiler.assume_constant_result
+def device_sms(device) -> int:
+    """The device's SM count, a constant to torch.compile's trace of a projection's call."""
+    return sm_count(device)
+
+
 class ProjectionGroup:
     """nn.Linear projections of one attention that take the same input (its q, k and v). A call of the first on
     a tensor x launches small_linear_grouped for all and keeps the others' outputs, which their calls on that same
@@ -254,8 +263,8 @@ class ProjectionGroup:
         return output
 
     def launch(self, index, linear, x):
-        """The group's launch (for the first projection) or the projection's own where fused() serves the call
-        and small_linear takes its arguments; None where it does not."""
+        """The group's launch (for the first projection) or the projection's own where fused() serves the call,
+        small_linear takes its arguments and beats cuBLAS there (small_linear_wins); None where it does not."""
         weights, biases = [p.weight for p in self.linears], [p.bias for p in self.linears]
         if not fused(x, *weights, *biases):
             return None
@@ -263,7 +272,9 @@ class ProjectionGroup:
             outputs = small_linear_grouped_fitted(x, weights, biases)
             self.kept = (x, dict(enumerate(outputs[1:], 1)))
             return outputs[0]
-        if small_linear_fits(x, linear.weight, linear.bias):
+        rows, k = linear.weight.shape
+        if (small_linear_fits(x, linear.weight, linear.bias)
+                and small_linear_wins(math.prod(x.shape[:-1]), [rows], k, device_sms(x.device))):
             return small_linear_fitted(x, linear.weight, linear.bias)
         return None
 
