@@ -3,7 +3,7 @@ tokens, and the kernels' decode launch rules against what they replace, in one p
 the layer copies, per layer; each checked against fp32)."""
 import torch
 
-from twell.decode import DECODE_TILE, HELD_ROWS, PART_BYTES, PART_STAGES, decode_out_config
+from twell.decode import DECODE_TILE, HELD_ROWS, PART_BYTES, PART_STAGES, decode_gate_config, decode_out_config
 from twell.format import cdiv, slots
 
 from synthetic_mlp import (HEAVY_FIRST, HEAVY_K, LAYERS, dense, launch_rules, make_heavy, make_layer, make_x,
@@ -64,11 +64,11 @@ def tile_out_rows():
     return rows
 
 
-def rule_rows(rule, cells, rules, compression=16, heavy_units=HEAVY_FIRST):
-    """Rows of `rule` at D 2048 / I 5632, 29 active units: for each (tokens, heavy rows) of `cells`, heavy rows
+def rule_rows(rule, cells, rules, compression=16, heavy_units=HEAVY_FIRST, shape=(2048, 5632)):
+    """Rows of `rule` at `shape` (D, I), 29 active units: for each (tokens, heavy rows) of `cells`, heavy rows
     of `heavy_units` units (None: half of them) spread over the tokens from the first, the block under each
     of `rules` (name -> launch_rules arguments) against dense."""
-    d, i = 2048, 5632
+    d, i = shape
     layers = [make_layer(d, i, HEAVY_K) for _ in range(LAYERS)]
     rows = []
     for m, heavy in cells:
@@ -118,5 +118,18 @@ def tile_stride_rows():
         "new": {}, "one_a_sm": dict(decode_tile_stride=stride(1)), "two_a_sm": dict(decode_tile_stride=stride(2))})
 
 
+def gate_rounds_rows():
+    """Decode calls of 1-16 rows whose gate grid has more tiles than the GPU has SMs (1536 / 8960: 140 tiles,
+    4096 / 14336: 224, against 132 SMs on an H100 or H200) and one whose grid does not (2048 / 5632: 88): K blocks
+    of 2 * block_k where crowded, so that two programs share an SM (decode_gate_config), against 4 * block_k
+    at every grid."""
+    def uncrowded(m, block_k, crowded=False):
+        return decode_gate_config(m, block_k)
+
+    return [row for shape in ((1536, 8960), (4096, 14336), (2048, 5632)) for row in rule_rows(
+        "gate_rounds", [(m, 0) for m in (1, 2, 8, 16)], {"new": {}, "old": dict(decode_gate_config=uncrowded)},
+        shape=shape)]
+
+
 DECODE_RULES = {"tile_out": tile_out_rows, "partial_rows": partial_rows_rows, "heavy_tiles": heavy_tile_rows,
-                "tile_stride": tile_stride_rows}
+                "tile_stride": tile_stride_rows, "gate_rounds": gate_rounds_rows}

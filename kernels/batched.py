@@ -34,11 +34,12 @@ COMPACT_SLOTS = 2048  # TwELL slots a list pre-pass program holds at once (16 a 
 FUSED_COMPACT_ROWS = 1024
 
 
-def gate_config(m: int, tile: int, element_size: int, decode: bool) -> dict:
-    """Gate-matmul launch configuration per shape class (tile is the matmul's column block)."""
+def gate_config(m: int, tile: int, element_size: int, decode: bool, crowded: bool = False) -> dict:
+    """Gate-matmul launch configuration per shape class (tile is the matmul's column block; `crowded`: a decode
+    grid of more programs than the GPU has SMs, decode_gate_config)."""
     block_k = 64 if element_size <= 2 else 32
     if decode:
-        return decode_gate_config(m, block_k)
+        return decode_gate_config(m, block_k, crowded)
     if tile == 128:  # 4 warps: two programs share an SM, one's packing epilogue beside the other's matmul
         if m <= 256:  # few row blocks: half-height ones, twice the programs, a deeper pipeline
             return dict(BM=64, BK=block_k, GROUP_M=8, num_warps=4, num_stages=4)

@@ -37,15 +37,17 @@ TILE_SUM_BD = 32  # output columns a program of the one-token decode's tile sum 
 DECODE_WALK_BUDGET = 48 * 1024
 
 
-def decode_gate_config(m: int, block_k: int) -> dict:
+def decode_gate_config(m: int, block_k: int, crowded: bool = False) -> dict:
     """Decode gate-matmul launch configuration (batched.gate_config): streams the gate matrix, deep K blocks,
-    few rows."""
+    few rows. `crowded`: the grid has more programs than the GPU has SMs; up to 16 rows its K blocks are then
+    half as deep, so that two programs' pipelines share an SM's shared memory and the grid runs in one round
+    instead of leaving a second round's few programs alone on the GPU."""
     bm = max(16, triton.next_power_of_2(m))
     if bm <= 16:
         # up rows of the active columns read 8 * block_k deep, 3 blocks in flight; up to 4 rows, tiles
         # with up to 8 active columns read whole rows instead, 4 at a time, where they fit (gate_launch)
-        cfg = dict(BM=bm, BK=4 * block_k, GROUP_M=1, num_warps=4, num_stages=4, UP_BK=8 * block_k,
-                   UP_STAGES=3, UP_COMPACT_COLS=UP_COMPACT_COLS)
+        cfg = dict(BM=bm, BK=(2 if crowded else 4) * block_k, GROUP_M=1, num_warps=4, num_stages=4,
+                   UP_BK=8 * block_k, UP_STAGES=3, UP_COMPACT_COLS=UP_COMPACT_COLS)
         return dict(cfg, UP_ROWS=triton.next_power_of_2(m), ROWS_UC=4) if m <= 4 else cfg
     if bm <= 32:  # up rows of the active columns compacted too, 4 * block_k deep, 4 blocks in flight: fewer
         # dependent loads than the masked K loop, which pays a memory latency for every K block

@@ -35,6 +35,12 @@ def _geometry(x2, width, tile, compression, decode: bool):
     return tile, decode_tile_stride(width, tile, x2.shape[0], sms), decode_slots(tile, compression), use_pdl(x2.device)
 
 
+def _crowded(x2, width, ts) -> bool:
+    """Whether a decode gate launch has more tiles (programs, up to 16 rows) than the device has SMs (sm_count: a
+    few under the interpreter, so that its tests take both of decode_gate_config's configurations)."""
+    return cdiv(width, ts) > sm_count(x2.device)
+
+
 class Launches:
     """A path's launches for one launch-cache key: built from (x2, gate, up, tile, compression, precision,
     overflow, gate_fp8, up_down_fp8), called with (x, x2, gate, up, down_t, overflow, gate_fp8, up_down_fp8),
@@ -70,7 +76,8 @@ class PackedLaunches(Launches):
         self.twell_shape = (m, cdiv(width, ts), s)
         self.partials_shape = (m, cdiv(width, ts), d) if self.decode else None  # written only where overflowing
         self.gate = gate_launch(x2, gate if gate_fp8 is None else gate_fp8[0], up if self.decode else None, tile,
-                                s, self.vals_dtype, gate_config(m, tile, x2.element_size(), self.decode), h_fp32,
+                                s, self.vals_dtype, gate_config(m, tile, x2.element_size(), self.decode,
+                                                                self.decode and _crowded(x2, width, ts)), h_fp32,
                                 partials=self.decode, tile_stride=ts, pdl=pdl, fp8=gate_fp8 is not None)
         self.out = out_launch(x2, width, tile, s, h_fp32, overflow is not None,
                               out_config(m, d, self.decode, cdiv(width, ts)), packed_h=self.decode,
@@ -108,8 +115,8 @@ class TileOutLaunches(Launches):
         h_fp32 = precision == "highest"
         self.partials_shape = (m, cdiv(width, ts), d)
         self.gate = gate_launch(x2, gate, up, tile, s, torch.float32 if h_fp32 else x2.dtype,
-                                gate_config(m, tile, x2.element_size(), True), h_fp32, partials=True,
-                                tile_stride=ts, pdl=pdl, tile_out=True)
+                                gate_config(m, tile, x2.element_size(), True, _crowded(x2, width, ts)), h_fp32,
+                                partials=True, tile_stride=ts, pdl=pdl, tile_out=True)
         self.out = tile_sum_launch(m, d, cdiv(width, ts), s, overflow is not None, pdl)
 
     def __call__(self, x, x2, gate, up, down_t, overflow, gate_fp8=None, up_down_fp8=None):

@@ -19,7 +19,7 @@ from twell.decode import HELD_ROWS, TILE_OUT_MAX_D, decode_tile_stride, tile_out
 from twell.format import DECODE_SLOTS, HEAVY_UNITS, TILES, UNIT_SAMPLE, decode_slots, empty_twell, slots, tma_ok
 from twell.heavy import HEAVY_FEW_ROWS
 from twell.launch import op_name, sm_count
-from twell.paths import PATHS, PackedLaunches, launch_path
+from twell.paths import PATHS, DecodeLaunches, PackedLaunches, TileOutLaunches, launch_path
 from twell.reference import forward_reference, tile_counts, tile_shares
 
 from helpers import poison, poison_allocations
@@ -128,6 +128,7 @@ def reference(x, gate, up, down):
     (1, 40, 100, 32, torch.float32, "highest"),
     (6, 33, 70, 16, torch.float16, "default"),
     (13, 150, 200, 64, torch.float16, "default"),  # 9-16 decode rows: 64-column output chunks, the last partial
+    (3, 300, 330, 64, torch.float16, "default"),  # 6 decode tiles, more than the interpreter's SMs: 128-deep K
     (70, 24, 80, 64, torch.float32, "default"),  # > 64 rows: batched configuration
     (100, 40, 300, 128, torch.float16, "default"),  # tile 128, up to 256 rows: 64-row gate blocks
     # D a power of two (no partial column block) at the decode and batched sizes
@@ -659,6 +660,18 @@ def test_decode_whole_up_rows_match_the_k_loop(m):
     scale = 1e-6 * (h.abs().max() * down.abs().max()).item() * 64
     for partials in (parts_a, parts_b, parts_c):
         assert torch.allclose(partials[written], expected[written], rtol=1e-5, atol=scale)
+
+
+def test_a_crowded_decode_grid_halves_the_gate_k_blocks():
+    """Up to 16 rows, a decode gate grid of more tiles than SMs (sm_count: 4 under the interpreter) takes K blocks
+    half as deep, so that two programs share an SM; above 16 rows the configuration does not change."""
+    for m in (1, 16):
+        assert 2 * gate_config(m, 64, 2, True, crowded=True)["BK"] == gate_config(m, 64, 2, True)["BK"]
+    assert gate_config(17, 64, 2, True, crowded=True) == gate_config(17, 64, 2, True)
+    for i, crowded in ((4 * 64, False), (4 * 64 + 1, True)):
+        x, gate = torch.zeros(1, 256, dtype=torch.float16), torch.zeros(i, 256, dtype=torch.float16)
+        for launches in (DecodeLaunches, TileOutLaunches):
+            assert launch_scalar(launches(x, gate, gate, 64, 8, "default", None).gate, "BK") == (2 if crowded else 4) * 64
 
 
 def test_whole_up_rows_only_where_they_fit_in_registers():
