@@ -50,6 +50,7 @@ ROWS_PER_STEP = 4096  # token rows a step: enough that a step's error is close t
 # [-1, 1], so that it moves by at most e^RATE a step and settles where the layer meets its target.
 L1_WEIGHT_START = 1e-2
 L1_WEIGHT_RATE = 0.05
+LAYER_SEEDS = 1_000_003  # a layer's generator: seed * LAYER_SEEDS + layer, distinct over any model's layers
 
 
 @dataclass
@@ -316,15 +317,48 @@ def fit_layer(mlp: ReluGatedMLP, x: torch.Tensor, y: torch.Tensor, steps: int, l
     return LayerFit(before, after, active, l1_swap, mlp.l1_eps if mlp.l1_log_scale else None)
 
 
+def share_fits(mlps: list[ReluGatedMLP], fits: dict[int, LayerFit], world: int) -> dict[int, LayerFit]:
+    """Every process's fits ({layer: LayerFit}, layer l fitted by process l % world), with each layer's parameters
+    and log-penalty eps made its fitting process's on every process."""
+    import torch.distributed as dist
+
+    gathered = [None] * world
+    dist.all_gather_object(gathered, fits)
+    fits = {layer: fit for part in gathered for layer, fit in part.items()}
+    for layer, mlp in enumerate(mlps):
+        for param in mlp.parameters():
+            dist.broadcast(param.data, src=layer % world)
+        if mlp.l1_log_scale:
+            mlp.l1_eps = fits[layer].l1_eps
+    return fits
+
+
+def _report(layer: int, fit: LayerFit, mlps: list[ReluGatedMLP], world: int, started: float, done: int,
+            total: int) -> None:
+    """The line of a fitted layer; in a log with the time and the time left (`done` of this process's `total`)."""
+    units = mlps[layer].weights()[0].shape[0]
+    where = f", process {layer % world}" if world > 1 else ""
+    line = (f"calibrated layer {layer} (layers 0-{len(mlps) - 1}{where}): relative error of its MLP "
+            f"{fit.before:.4f} (swapped) -> {fit.after:.4f}, {fit.active:.1f} of {units} units "
+            f"active ({1 - fit.active / units:.2%} sparse)")
+    console.print(line if console.is_terminal else timestamped(line, time.perf_counter() - started, done, total),
+                  soft_wrap=True)
+
+
 def calibrate(model: nn.Module, mlps: list[ReluGatedMLP], blocks: list[torch.Tensor], steps: int, lr: float,
               seed: int = 0, shown: bool = True, sparsity: float = 0.0, sequential: bool = False,
-              l1_log_scale: float = 0.0) -> CalibrationResult:
+              l1_log_scale: float = 0.0, rank: int = 0, world: int = 1) -> CalibrationResult:
     """Fits each of `mlps` (the relufied `model`'s, in layer order) on `blocks`, one layer at a time, towards
     `sparsity` (0: a dense fit) under the penalty (`l1_log_scale` > 0: the log penalty, its eps measured here): to
     the source's MLP on its inputs, or `sequential`ly to the source's residual stream (module docstring); the other
-    parameters are left as they are. The result lists the layers in order."""
+    parameters are left as they are. The result lists the layers in order. Each layer draws its rows from a
+    generator of its own (seed, layer), so that the fits do not depend on which process makes them: of `world`
+    processes (torch.distributed, each holding the whole model and the same blocks; independent fits only) process
+    `rank` fits every world-th layer from layer `rank`, and each layer's fitted parameters are then broadcast from
+    its process."""
+    if sequential and world > 1:
+        raise ConfigError(f"--calibrate-sequential runs on one process, not {world}")
     started = time.perf_counter()
-    generator = torch.Generator().manual_seed(seed)
     fits = {}
     # Independent: last layer first, since the source's MLPs share their projections with the ReLU MLPs, so a
     # layer's source inputs are the source's only while the layers below it are not fitted yet. Sequential: each
@@ -341,7 +375,8 @@ def calibrate(model: nn.Module, mlps: list[ReluGatedMLP], blocks: list[torch.Ten
                       + "; its error against the source rises from the dense swap's, and training brings the model "
                       "back", soft_wrap=True)
     source = SourceProjections(mlps)
-    for layer in range(len(mlps)) if sequential else reversed(range(len(mlps))):
+    layers = range(len(mlps)) if sequential else list(reversed(range(rank, len(mlps), world)))
+    for layer in layers:
         mlp = mlps[layer]
         if sequential:
             with source.in_place():
@@ -352,16 +387,17 @@ def calibrate(model: nn.Module, mlps: list[ReluGatedMLP], blocks: list[torch.Ten
         else:
             x, y = source_rows(model, blocks, layer)
         with console.status(f"calibrating layer {layer} (layers 0-{len(mlps) - 1})") if shown else nullcontext():
-            fits[layer] = fit = fit_layer(mlp, x, y, steps, lr, generator, sparsity,
-                                          output_norm(model, layer) if sequential else None)
+            generator = torch.Generator().manual_seed(seed * LAYER_SEEDS + layer)
+            fits[layer] = fit_layer(mlp, x, y, steps, lr, generator, sparsity,
+                                    output_norm(model, layer) if sequential else None)
         del x, y
         if shown:
-            units = mlp.weights()[0].shape[0]
-            line = (f"calibrated layer {layer} (layers 0-{len(mlps) - 1}): relative error of its MLP "
-                    f"{fit.before:.4f} (swapped) -> {fit.after:.4f}, {fit.active:.1f} of {units} units "
-                    f"active ({1 - fit.active / units:.2%} sparse)")
-            console.print(line if console.is_terminal else timestamped(  # in a log, with the time and the time left
-                line, time.perf_counter() - started, len(fits), len(mlps)), soft_wrap=True)
+            _report(layer, fits[layer], mlps, world, started, len(fits), len(layers))
+    if world > 1:
+        fitted_here = set(fits)
+        fits = share_fits(mlps, fits, world)
+        for layer in sorted(set(fits) - fitted_here) if shown else ():
+            _report(layer, fits[layer], mlps, world, started, len(layers), len(layers))
     tokens = sum(block.numel() for block in blocks)
     return CalibrationResult(tokens, steps, lr, sparsity, time.perf_counter() - started,
                              [fits[layer] for layer in range(len(mlps))], sequential)

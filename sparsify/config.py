@@ -134,7 +134,7 @@ class TrainConfig:
         "forward and backward, so that no [tokens, vocabulary] logits or gradient exist whole (each fp32 copy "
         "3.2 GB at 8 x 2048 tokens and a vocabulary of 49152; the whole-logits loss keeps several, more with "
         "--distill), for one more head matmul a step (two with --distill). Models whose forward changes the "
-        "logits after the head (Gemma 2/3's soft-capping) take the whole logits. --no-chunked-loss: the whole "
+        "logits after the head (Gemma 2's soft-capping) take the whole logits. --no-chunked-loss: the whole "
         "logits, as transformers computes them."),
         flag="--chunked-loss/--no-chunked-loss")
     hybrid_below: float = _setting(40.0, (
@@ -157,8 +157,8 @@ class TrainConfig:
     shuffle_buffer: int = _setting(1024, (
         "Training blocks drawn at random from a buffer of this many (0: the data's own order)."))
     eval_tokens: int = _setting(65536, (
-        "Held-out tokens to measure perplexity and sparsity on: a folder's valid* files, else the head of the "
-        "training text, never trained on."))
+        "Held-out tokens to measure perplexity and sparsity on: a folder's valid* / eval* / test* files, else the "
+        "head of the training text, never trained on."))
     seed: int = _setting(0, "Random seed.")
     log_every: int = _setting(10, "Log (JSON and progress line) every this many optimizer steps.")
     distill: float = _setting(0.0, (
@@ -332,12 +332,13 @@ class TrainConfig:
 
     def check_processes(self, world: int) -> None:
         """ConfigError for what `world` processes cannot run: a ReLU swap that would not end within the run's steps,
-        a revival window below a step's tokens, calibration on several. Needs the run's length: --passes resolved
+        a revival window below a step's tokens, sequential calibration on several. Needs the run's length: --passes resolved
         into tokens."""
         self.check_swap(world)
         self.check_revive(world)
-        if self.calibrate_steps and world > 1:
-            raise ConfigError(f"--calibrate-steps runs on one process, not {world}: calibrate in a single-process run")
+        if self.calibrate_steps and self.calibrate_sequential and world > 1:
+            raise ConfigError(f"--calibrate-sequential runs on one process, not {world}: each layer's fit needs the "
+                              "ones below it (without it, calibration spreads the layers over the processes)")
 
     @property
     def uses_teacher(self) -> bool:
@@ -459,7 +460,7 @@ class SampleOptions:
         "Also write --data's training documents, spread evenly among the samples by tokens, so that a conversion "
         "trains on both."))
     eval_tokens: int = _setting(65536, (
-        "Held-out tokens of --data to keep where it has no valid* file (as for convert)."))
+        "Held-out tokens of --data to keep where it has no valid* / eval* / test* file (as for convert)."))
     seed: int = _setting(0, "Random seed of the sampling.")
     device: str | None = _setting(None, "cpu or cuda (default: cuda if available).")
     overwrite: bool = _setting(False, "Replace OUT if it exists and is not empty.")

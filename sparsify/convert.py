@@ -245,9 +245,15 @@ def _check_inputs(source: str, config: TrainConfig, options: RunOptions, process
     if config.passes is not None:
         text, config = _resolve_passes(source, data, config, options, model_config)
     config.check_processes(processes)
+    fsdp, rank0_loading = fsdp_launch()
+    if fsdp and config.calibrate_steps:
+        raise ConfigError("--calibrate-steps under FSDP: calibration runs on the whole model on each process's GPU; "
+                          "launch without the FSDP config (DDP) where the model's training fits a GPU, else set "
+                          "--calibrate-steps 0")
     inputs = {"source": _identity(source), "data": _identity(data), "text_column": options.text_column}
     saved = check_resume(resume_dir, config, processes, inputs) if options.resume else None
-    return _Checked(config, out, data, inputs, saved, model_config, text, trackers(options.report_to), *fsdp_launch())
+    return _Checked(config, out, data, inputs, saved, model_config, text, trackers(options.report_to), fsdp,
+                    rank0_loading)
 
 
 def _read_text(data, tokenizer, config: TrainConfig, options: RunOptions) -> TextData:
@@ -408,9 +414,11 @@ def _train(model, text: TextData, config: TrainConfig, options: RunOptions, chec
     elif config.calibrate_steps:
         blocks = calibration_blocks(text.train_batches(config.batch_size, shuffle_buffer=config.shuffle_buffer,
                                                        seed=config.seed), config.calibrate_tokens)
+        processes = PartialState()
         calibration = calibrate(model, mlps, blocks, config.calibrate_steps, config.calibrate_lr or config.lr,
                                 config.seed, perplexities.shown, config.calibrate_sparsity,
-                                config.calibrate_sequential, config.l1_log_scale)
+                                config.calibrate_sequential, config.l1_log_scale, processes.process_index,
+                                processes.num_processes)
         perplexities.after_calibration(model)
         before_training = {"calibration": calibration.record(),
                            "perplexity": {"after calibration": perplexities.values["after calibration"]}}

@@ -207,7 +207,7 @@ def test_calibration_blocks_take_whole_batches_up_to_the_tokens():
     ({"calibrate_sparsity": 1.0}, None, "--calibrate-sparsity must be in [0, 1)"),
     ({"calibrate_sparsity": 0.99, "calibrate_steps": 0}, None, "set --calibrate-steps too"),
     ({"calibrate_sequential": True, "calibrate_steps": 0}, None, "--calibrate-sequential sets how calibration fits"),
-    ({}, 2, "--calibrate-steps runs on one process, not 2"),
+    ({"calibrate_sequential": True}, 2, "--calibrate-sequential runs on one process, not 2"),
 ])
 def test_impossible_calibration_settings(settings, world, message):
     config = TrainConfig.from_dict({"steps": 100, "calibrate_steps": 10, **settings})

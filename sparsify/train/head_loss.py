@@ -15,7 +15,7 @@ Where it runs: under FSDP2 the head's weight is whole only within the call of th
 gather it and put the backward's hooks (the gather where resharded, the gradient's reduce-scatter) on the
 unit's outputs. So `chunked_head` makes the head's own forward compute the terms, returned in place of the
 logits: every FSDP2 hook runs as for the logits, and a tied weight (the embeddings') gets its gradient once,
-through the one parameter. A forward that changes the logits after the head (`whole_logits`: Gemma 2/3's
+through the one parameter. A forward that changes the logits after the head (`whole_logits`: Gemma 2's
 soft-capping, a head with a bias) needs the whole logits instead.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from twell.training.head_loss import IGNORE_INDEX, head_losses
 
-# config keys of a forward that transforms the logits after the head: Gemma 2/3's soft-capping, Cohere's and
+# config keys of a forward that transforms the logits after the head (where set): Gemma 2's soft-capping, Cohere's and
 # Granite's scales
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
