@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass
 from typing import Iterable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from twell.training import sparsity_penalty
@@ -320,8 +321,6 @@ def fit_layer(mlp: ReluGatedMLP, x: torch.Tensor, y: torch.Tensor, steps: int, l
 def share_fits(mlps: list[ReluGatedMLP], fits: dict[int, LayerFit], world: int) -> dict[int, LayerFit]:
     """Every process's fits ({layer: LayerFit}, layer l fitted by process l % world), with each layer's parameters
     and log-penalty eps made its fitting process's on every process."""
-    import torch.distributed as dist
-
     gathered = [None] * world
     dist.all_gather_object(gathered, fits)
     fits = {layer: fit for part in gathered for layer, fit in part.items()}

@@ -332,8 +332,8 @@ class TrainConfig:
 
     def check_processes(self, world: int) -> None:
         """ConfigError for what `world` processes cannot run: a ReLU swap that would not end within the run's steps,
-        a revival window below a step's tokens, sequential calibration on several. Needs the run's length: --passes resolved
-        into tokens."""
+        a revival window below a step's tokens, sequential calibration on several. Needs the run's length: --passes
+        resolved into tokens."""
         self.check_swap(world)
         self.check_revive(world)
         if self.calibrate_steps and self.calibrate_sequential and world > 1:

@@ -671,7 +671,8 @@ def test_a_crowded_decode_grid_halves_the_gate_k_blocks():
     for i, crowded in ((4 * 64, False), (4 * 64 + 1, True)):
         x, gate = torch.zeros(1, 256, dtype=torch.float16), torch.zeros(i, 256, dtype=torch.float16)
         for launches in (DecodeLaunches, TileOutLaunches):
-            assert launch_scalar(launches(x, gate, gate, 64, 8, "default", None).gate, "BK") == (2 if crowded else 4) * 64
+            launched = launches(x, gate, gate, 64, 8, "default", None).gate
+            assert launch_scalar(launched, "BK") == (2 if crowded else 4) * 64
 
 
 def test_whole_up_rows_only_where_they_fit_in_registers():
