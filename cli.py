@@ -33,6 +33,9 @@ DEVICE_TYPES = frozenset({"cpu", "cuda", "ipu", "xpu", "mkldnn", "opengl", "open
 # (tests/test_cli.py checks that the names are accelerate's).
 TRACKER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboardX"), **{
     name: (name,) for name in ("aim", "comet_ml", "mlflow", "wandb", "clearml", "dvclive", "swanlab", "trackio")}}
+# Recipes (by name) whose lr is their 120M test bases' choice: a conversion of another source on them without --lr
+# warns (a published model was pretrained at another peak)
+TEST_BASE_LR_RECIPES = ("pretrained", "small-budget")
 
 
 def signal_status(signum: int) -> int:
@@ -315,9 +318,14 @@ def convert(source, recipe, **values):
 
     # --steps alone on the command line ends the run before a recipe's tokens by the user's choice
     tokens_asked = values["steps"] is None or values["tokens"] is not None or values["passes"] is not None
-    gaps = recipe_gaps(recipe, source, settings)
+    warnings = [gaps] if (gaps := recipe_gaps(recipe, source, settings)) else []
+    if source != "demo" and values["lr"] is None and (recipe or "pretrained") in TEST_BASE_LR_RECIPES:
+        warnings.append(f"--lr not given: the {recipe or 'pretrained'} recipe's {config.lr:g} is its 120M test "
+                        "bases' choice; a source pretrained at another peak learning rate wants its own (about that "
+                        "peak with pretrained, a third of it with small-budget on a few percent of its pretraining "
+                        "tokens: README, \"Convert your own model\")")
     summary = run(source, config, options, fit_seq_len=values["seq_len"] is None, tokens_asked=tokens_asked,
-                  warnings=(gaps,) if gaps else ())
+                  warnings=tuple(warnings))
     if options.dry_run:
         if _is_main():
             console.print("dry run: the checks passed; no weight was read and nothing was written")

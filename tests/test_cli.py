@@ -212,6 +212,19 @@ def test_checkpoint_is_readable_and_held_out_text_is_named(files, tmp_path):
         assert stat.S_IMODE(path.stat().st_mode) == (0o777 if path.is_dir() else 0o666) & ~umask, path
 
 
+@pytest.mark.parametrize("recipe,lr,warned", [(None, None, True), ("small-budget", None, True),
+                                               ("small-budget", "1e-4", False)])
+def test_a_bundled_recipes_lr_on_another_source_warns(files, tmp_path, monkeypatch, recipe, lr, warned):
+    """The pretrained and small-budget recipes' lr is their 120M test bases' choice: without --lr a conversion of
+    another source says so (the demo's own recipe, or a recipe file of the user's, does not)."""
+    monkeypatch.setattr(convert_module, "load_model", None)  # no weight is read
+    options = ["--recipe", recipe] * (recipe is not None) + ["--lr", lr] * (lr is not None)
+    output = run("convert", model_folder(files, "llama"), "-o", tmp_path / "out", "--data", files / "corpus",
+                 "--steps", 2, "--dry-run", *options).output
+    name = recipe or "pretrained"
+    assert (f"--lr not given: the {name} recipe's" in " ".join(output.split())) is warned, output
+
+
 def test_dry_run_prints_the_resolved_settings_and_stops(files, tmp_path, monkeypatch):
     monkeypatch.setattr(convert_module, "load_model", None)  # no weight is read
     result = convert(files, "llama", tmp_path / "out", "--dry-run", "--lr", "3e-4", "--swap-steps", "20%")
