@@ -289,3 +289,38 @@ def test_a_resumed_conversion_reports_the_calibration_without_calibrating_again(
     assert training["calibration"] == calibrated[0].record()
     assert training["perplexity"]["after calibration"] == after[0]
     assert list(training["perplexity"]) == ["original", "after swap", "after calibration", "after training"]
+
+
+def _calibrate_as_process(rank, world, init_file, out):
+    """Process `rank` of `world` (gloo): calibrates a 3-layer model and saves what the last process holds."""
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        model, _ = tiny_model("llama", num_hidden_layers=3)
+        mlps = relufy(model)
+        blocks = [tiny_input_ids(4, 32, seed=s) for s in range(2)]
+        result = calibrate(model, mlps, blocks, steps=5, lr=3e-3, shown=False, sparsity=0.5, l1_log_scale=0.2,
+                           rank=rank, world=world)
+        if rank == world - 1:  # it fitted layer 1 alone
+            torch.save({"weights": model.state_dict(), "record": result.record(),
+                        "eps": [mlp.l1_eps for mlp in mlps]}, out)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_processes_share_their_layers_fits(tmp_path):
+    """Three layers over two processes (process 0 fits layers 2 and 0, process 1 layer 1): a process ends with every
+    layer fitted, the weights, record and log-penalty eps of one process's calibration."""
+    torch.multiprocessing.spawn(_calibrate_as_process, args=(2, tmp_path / "init", tmp_path / "two.pt"), nprocs=2)
+    two = torch.load(tmp_path / "two.pt")
+    model, _ = tiny_model("llama", num_hidden_layers=3)
+    mlps = relufy(model)
+    source = {name: p.clone() for name, p in model.named_parameters()}
+    blocks = [tiny_input_ids(4, 32, seed=s) for s in range(2)]
+    one = calibrate(model, mlps, blocks, steps=5, lr=3e-3, shown=False, sparsity=0.5, l1_log_scale=0.2).record()
+    for name, weight in model.state_dict().items():
+        torch.testing.assert_close(two["weights"][name], weight, rtol=1e-4, atol=1e-6, msg=name)
+        if ".mlp." in name:
+            assert not torch.equal(weight, source[name]), name  # every layer's MLP fitted
+    assert two["eps"] == pytest.approx(one["l1_eps"], rel=1e-5) and len(one["layers"]) == 3
+    for two_layer, one_layer in zip(two["record"]["layers"], one["layers"]):
+        assert two_layer == pytest.approx(one_layer, rel=1e-4)
