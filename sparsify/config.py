@@ -177,7 +177,8 @@ class TrainConfig:
     calibrate_steps: int = _setting(0, (
         "Before training, fit each layer's ReLU MLP alone to the source's MLP (their inputs and outputs on the first "
         "--calibrate-tokens of the training text) by this many Adam steps, so that training starts near the source "
-        "instead of recovering from the swap. 0: off. The swap is then done when training starts: --swap-steps 0."),
+        "instead of recovering from the swap. 0: off. The swap is then done when training starts: --swap-steps 0. "
+        "Several processes (DDP) share the layers; not under FSDP."),
         metavar="STEPS")
     calibrate_tokens: int = _setting(65536, (
         "Tokens whose MLP inputs and outputs calibration fits: the first blocks of the training text, trained on "
