@@ -697,8 +697,8 @@ def test_two_processes_calibrate_and_train_like_one_with_both_batches(files, tmp
     # torchrun (what `accelerate launch` starts) with 2 CPU processes of batch 2 == 1 process of batch 4:
     # calibration fits layer l on process l % 2 (the log penalty's eps too) and shares the fits; then rank r reads
     # batches r, r+2, ...; DDP averages the two ranks' gradients.
-    calibration = ["--calibrate-steps", "3", "--calibrate-sparsity", "0.5", "--l1-log-scale", "0.2", "--swap-steps",
-                   "0"]
+    calibration = ["--calibrate-steps", "3", "--calibrate-tokens", "512", "--calibrate-sparsity", "0.5",
+                   "--l1-log-scale", "0.2", "--swap-steps", "0"]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "cli",
                "convert", model_folder(files, "llama"), "-o", tmp_path / "two", "--data", files / "corpus",
                "--recipe", files / "recipe.yaml", "--steps", "2", "--batch-size", "2", *calibration]
