@@ -49,8 +49,9 @@ from twell.paths import reads_fp8_gate, reads_fp8_up_down
 
 from decode_rules import DECODE_RULES, decode_paths, decode_rules
 from inference_robustness import ROBUST_ACTIVE, ROBUST_KEY, ROBUST_TOKENS, robustness
-from synthetic_mlp import (HEAVY_FIRST, HEAVY_K, HEAVY_TILE, LAYERS, add_fp8_gate, add_fp8_up_down, dense, launch_rules, make_heavy,
-                           make_layer, make_x, per_layer_us, plan_launches, print_row, reference, rel_err, sparse)
+from synthetic_mlp import (HEAVY_FIRST, HEAVY_K, HEAVY_TILE, LAYERS, add_fp8_gate, add_fp8_up_down, dense, launch_rules,
+                           make_heavy, make_x, make_layer, per_layer_us, plan_launches, print_row, reference, rel_err,
+                           sparse)
 
 ROW_KEY = ("D", "I", "M", "k", "tile", "compression")  # what identifies a grid row (--resume)
 GRAPH_ROWS = 4096  # up to this many tokens: CUDA-graph replays (the launches are short enough for host time to show)
@@ -117,9 +118,6 @@ def write_json(path, result):
     with open(path + ".tmp", "w") as f:
         json.dump(result, f, indent=1)
     os.replace(path + ".tmp", path)
-
-
-# the paper's shape and real-model shapes
 
 
 def bench_row(d, i, m, k, tile, compression, skew=0.0, fp8=False, fp8_up_down=False):
