@@ -122,13 +122,13 @@ def gate_rounds_rows():
     """Decode calls of 1-16 rows whose gate grid has more tiles than the GPU has SMs (1536 / 8960: 140 tiles,
     4096 / 14336: 224, against 132 SMs on an H100 or H200) and one whose grid does not (2048 / 5632: 88): K blocks
     of 2 * block_k where crowded, so that two programs share an SM (decode_gate_config), against 4 * block_k
-    at every grid."""
+    at every grid; also with a heavy first token (its tiles overflow: the worst case)."""
     def uncrowded(m, block_k, crowded=False):
         return decode_gate_config(m, block_k)
 
+    cells = [(m, 0) for m in (1, 2, 8, 16)] + [(1, 1), (16, 1)]
     return [row for shape in ((1536, 8960), (4096, 14336), (2048, 5632)) for row in rule_rows(
-        "gate_rounds", [(m, 0) for m in (1, 2, 8, 16)], {"new": {}, "old": dict(decode_gate_config=uncrowded)},
-        shape=shape)]
+        "gate_rounds", cells, {"new": {}, "old": dict(decode_gate_config=uncrowded)}, shape=shape)]
 
 
 DECODE_RULES = {"tile_out": tile_out_rows, "partial_rows": partial_rows_rows, "heavy_tiles": heavy_tile_rows,

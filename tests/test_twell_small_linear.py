@@ -171,11 +171,12 @@ def test_gpu_bf16_small_linear_against_torch(n, k, m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows,k", [((2048, 2048, 2048), 2048), ((1536, 256, 256), 1536)])
-def test_gpu_grouped_launch_replays_in_a_cuda_graph(rows, k):
+@pytest.mark.parametrize("m", [1, 8])
+@pytest.mark.parametrize("rows,k", [((2048, 2048, 2048), 2048), ((1536, 256, 256), 1536), ((1536, 1536, 1536), 1536)])
+def test_gpu_grouped_launch_replays_in_a_cuda_graph(rows, k, m):
     """q, k and v in one launch, captured in a CUDA graph (warmed up first, as a decode step is): its replays
     follow new values of the captured input, as close to the reference as F.linear's."""
-    x, _, _ = operands((8,), 1, k, torch.bfloat16, False)
+    x, _, _ = operands((m,), 1, k, torch.bfloat16, False)
     weights, biases = zip(*(operands((1,), n, k, torch.bfloat16, True, seed=i + 1)[1:] for i, n in enumerate(rows)))
     small_linear_grouped(x, weights, biases)  # compiles
     torch.cuda.synchronize()
@@ -183,7 +184,7 @@ def test_gpu_grouped_launch_replays_in_a_cuda_graph(rows, k):
     with torch.cuda.graph(graph):
         outs = small_linear_grouped(x, weights, biases)
     for seed in (1, 2):
-        x.copy_(operands((8,), 1, k, torch.bfloat16, False, seed=100 + seed)[0])
+        x.copy_(operands((m,), 1, k, torch.bfloat16, False, seed=100 + seed)[0])
         graph.replay()
         for out, weight, b in zip(outs, weights, biases):
             exact = x.float() @ weight.float().t() + b.float()
