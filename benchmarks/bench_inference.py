@@ -40,12 +40,13 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 import twell
 import twell.cost_model
-from twell.format import empty_twell, slots
-from twell.format import decode_rows
+from twell.format import decode_rows, empty_twell, slots
 from twell.batched import gate_config, gate_launch, out_launch
 from twell.decode import DECODE_TILE
 from twell.heavy import HEAVY_FEW_ROWS, heavy_launches
 from twell.paths import reads_fp8_gate, reads_fp8_up_down
+
+from sparsify.bench import write_json
 
 from decode_rules import DECODE_RULES, decode_paths, decode_rules
 from inference_robustness import ROBUST_ACTIVE, ROBUST_KEY, ROBUST_TOKENS, robustness
@@ -111,13 +112,6 @@ def time_fn(fn, graphs):
     if graphs:
         return do_bench_cudagraph(fn, rep=50, return_mode="median") / LAYERS
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def write_json(path, result):
-    """result as JSON at path, replaced whole (a run killed mid-write leaves the previous file)."""
-    with open(path + ".tmp", "w") as f:
-        json.dump(result, f, indent=1)
-    os.replace(path + ".tmp", path)
 
 
 def bench_row(d, i, m, k, tile, compression, skew=0.0, fp8=False, fp8_up_down=False):
@@ -386,7 +380,7 @@ def block_grid(args, result: dict, done: set) -> None:
             rows.append(bench_row(d, i, m, k, tile, comp, fp8=args.fp8_gate, fp8_up_down=args.fp8_up_down))
             print({key: round(v, 4) if isinstance(v, float) else v for key, v in rows[-1].items()}, flush=True)
             if args.json:  # after every row, so that a run cut short keeps what it measured
-                write_json(args.json, result)
+                write_json(result, args.json)
     print(f"\n{'D':>5} {'I':>6} {'M':>6} {'k':>4} {'mean':>6} {'max':>5} {'maxT':>4} {'ovf':>6} {'dense':>8} "
           f"{'twell':>8} {'x':>5} {'gate':>7} {'updn':>7} {'cuBLAS':>7} {'errD':>7} {'errT':>7} {'x fp8':>6} "
           f"{'x ud8':>6} {'x all8':>6} {'updn8':>7}")
@@ -477,7 +471,7 @@ def main(argv=None):
                               args.fp8_up_down):
             rows.append(row)
             if args.json:  # after every row, so that a run cut short keeps what it measured
-                write_json(args.json, result)
+                write_json(result, args.json)
     elif args.heavy_block:
         result = dict(meta, rows=heavy_block())
     elif args.host_time:
@@ -492,7 +486,7 @@ def main(argv=None):
         result = dict(meta, rows=rows)
         block_grid(args, result, done)
     if args.json:
-        write_json(args.json, result)
+        write_json(result, args.json)
 
 
 if __name__ == "__main__":

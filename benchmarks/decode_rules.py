@@ -4,7 +4,7 @@ the layer copies, per layer; each checked against fp32)."""
 import torch
 
 from twell.decode import DECODE_TILE, HELD_ROWS, PART_BYTES, PART_STAGES, decode_gate_config, decode_out_config
-from twell.format import cdiv, slots
+from twell.format import DECODE_ROWS, LARGE_LAYER, cdiv, slots
 
 from synthetic_mlp import (HEAVY_FIRST, HEAVY_K, LAYERS, dense, launch_rules, make_heavy, make_layer, make_x,
                            per_layer_us, print_row, reference, rel_err, sparse)
@@ -131,5 +131,17 @@ def gate_rounds_rows():
         "gate_rounds", cells, {"new": {}, "old": dict(decode_gate_config=uncrowded)}, shape=shape)]
 
 
+def wide_layer_rows():
+    """Calls of 24-64 rows at a layer wider than a decode tile an SM (1536 / 8960: 140 tiles against 132 SMs),
+    whose decode path ends at 32 rows (format.decode_rows), against the decode path up to 64 rows, and the
+    same at narrower layers (2048 / 8192, 1024 / 3072), which the rule leaves alone; also with a heavy token."""
+    def old(d, width):
+        return DECODE_ROWS if d * width <= LARGE_LAYER else 16
+
+    cells = [(m, 0) for m in (24, 32, 48, 64)] + [(64, 1)]
+    return [row for shape in ((1536, 8960), (2048, 8192), (1024, 3072)) for row in rule_rows(
+        "wide_layers", cells, {"new": {}, "old": dict(decode_rows=old)}, shape=shape)]
+
+
 DECODE_RULES = {"tile_out": tile_out_rows, "partial_rows": partial_rows_rows, "heavy_tiles": heavy_tile_rows,
-                "tile_stride": tile_stride_rows, "gate_rounds": gate_rounds_rows}
+                "tile_stride": tile_stride_rows, "gate_rounds": gate_rounds_rows, "wide_layers": wide_layer_rows}

@@ -61,16 +61,23 @@ def decode_slots(tile: int, compression: int) -> int:
     return min(slots(tile, compression), DECODE_SLOTS)
 
 
-DECODE_ROWS = 64  # at most this many tokens take the decode path (16 for large layers: decode_rows)
+DECODE_ROWS = 64  # at most this many tokens take the decode path (16 or 32 for large or wide layers: decode_rows)
 LARGE_LAYER = 1 << 24  # D * I above which the decode path ends at 16 rows
+# I above which the decode path ends at 32 rows: a decode tile (decode.DECODE_TILE, 64 units) a program on each
+# of an H100's or H200's 132 SMs
+WIDE_LAYER = 64 * 132
 
 
 def decode_rows(d: int, width: int) -> int:
     """Most tokens that take the decode path. Above 16 rows its gate kernel runs one program per SM, each
-    streaming I / #SMs gate rows and then reading its active columns' up rows, which at D * I > 2^24 loses
-    to the batched path from about 24 rows: such layers end the decode path at 16 rows, giving up the few
-    rows above it where decode still wins. Smaller layers take it up to 64 rows, where it is faster."""
-    return DECODE_ROWS if d * width <= LARGE_LAYER else 16
+    streaming I / #SMs gate rows (at most a decode tile) and then reading its active columns' up rows, which
+    at D * I > 2^24 loses to the batched path from about 24 rows: such layers end the decode path at 16 rows,
+    giving up the few rows above it where decode still wins. A layer wider than a decode tile an SM
+    (WIDE_LAYER) runs a second round of a few programs, which loses from about 48 rows: it ends at 32.
+    Smaller layers take it up to 64 rows, where it is faster."""
+    if d * width > LARGE_LAYER:
+        return 16
+    return 32 if width > WIDE_LAYER else DECODE_ROWS
 
 
 # A batched row with more units than this to walk (list entries, plus T per overflowing tile) is not walked

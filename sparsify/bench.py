@@ -527,7 +527,10 @@ def bench_table(result: dict):
 
 
 def write_json(result: dict, path: str | Path) -> Path:
+    """`result` as JSON at `path`, replaced whole (a run killed mid-write leaves the previous file)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1) + "\n")
+    partial = path.with_name(path.name + ".tmp")
+    partial.write_text(json.dumps(result, indent=1) + "\n")
+    partial.replace(path)
     return path

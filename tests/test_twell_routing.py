@@ -124,6 +124,15 @@ def test_short_prefills_run_dense_and_decode_steps_keep_the_kernels():
     assert not short_prefill(torch.Size([1, decode_rows(*large) + 1, 8]), *large)
 
 
+def test_decode_path_ends_earlier_at_large_and_wide_layers():
+    """Up to 64 rows; 16 where D * I > 2^24; 32 where I holds more decode tiles than an H100 or H200 has SMs (a
+    second round of gate programs above 16 rows)."""
+    from twell.format import decode_rows
+
+    assert [decode_rows(*shape) for shape in ((2048, 5632), (2048, 8192), (1536, 8448), (1536, 8960),
+                                              (1024, 16384), (4096, 14336), (2048, 8448))] == [64, 64, 64, 32, 32, 16, 16]
+
+
 def test_router_judges_a_window_without_sampled_rows_at_the_planned_activity(monkeypatch):
     """Where every row of a window was heavy, no row was sampled for its units: the verdict takes the plan's
     mean active units for the others."""
