@@ -1,7 +1,7 @@
 """`accelerate launch --config_file recipes/accelerate/fsdp.yaml` on 2 CPU processes (gloo): FSDP2 training
 equals one process with both processes' batches, so do the perplexities and held-out statistics measured on
 the sharded model, the export gathered from the shards equals that process's export file for file, and
-Ctrl-C -> --resume from the sharded state continues to the same weights.
+Ctrl-C -> --resume from the sharded state, and a failure after training -> --resume, continue to the same weights.
 
 accelerate runs CPU processes as DDP whatever the config says; tests/fsdp_on_cpu.py makes them FSDP (its
 docstring says where and why) and checks inside every MLP forward that the weights are whole tensors.
@@ -106,16 +106,26 @@ def test_fsdp_distillation_with_tied_embeddings_like_one_process(files, tmp_path
 
 
 @pytest.mark.slow
-def test_fsdp_ctrl_c_then_resume_from_the_sharded_state(files, fsdp_out, tmp_path):
-    out = tmp_path / "out"
+def test_fsdp_ctrl_c_then_a_failure_after_training_each_resume_from_the_sharded_state(files, fsdp_out, tmp_path):
+    """Ctrl-C during step 2 saves the sharded state of the steps done; --resume continues from it.
+    That resumed run then fails after training: with several processes an error after training cannot save (the
+    others have gone on or finished), so the last step was saved when training ended (periodic saves on, as by
+    default), and --resume from it trains nothing, then measures and writes the uninterrupted run's checkpoint."""
+    out, resume = tmp_path / "out", tmp_path / "out.resume"
     done = launch_fsdp(files, out, interrupt_at=1)  # Ctrl-C to the main process during step 2: 2 steps done
     assert done.returncode != 0 and "interrupted at step 2 of 3" in done.stdout + done.stderr
-    resume = tmp_path / "out.resume"
     state = json.loads((resume / "state.json").read_text())
     assert state["step"] == 2 and not out.exists()
     saved = state["before_training"]["perplexity"]  # measured on the sharded model before the first step
     assert set(saved) == {"original", "after swap"}
     assert (resume / "pytorch_model_fsdp_0").is_dir()  # the sharded weights (torch.distributed.checkpoint)
+
+    done = launch_fsdp(files, out, "--resume", fail_write=True)
+    output = " ".join((done.stdout + done.stderr).split())
+    assert done.returncode != 0 and "No space left on device" in output
+    assert f"the training state of step {STEPS} of {STEPS} is saved in {resume}" in output
+    assert json.loads((resume / "state.json").read_text())["step"] == STEPS and not out.exists()
+
     done = launch_fsdp(files, out, "--resume")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert [e["step"] for e in json.loads((out / "training_log.json").read_text())["log"]] == [1, 2, 3]
@@ -123,20 +133,3 @@ def test_fsdp_ctrl_c_then_resume_from_the_sharded_state(files, fsdp_out, tmp_pat
     assert {key: record[key] for key in saved} == saved
     assert_same_weights(weights(out), weights(fsdp_out))
     assert not resume.exists()
-
-
-def test_fsdp_saves_its_last_step_so_a_failure_after_training_resumes(files, fsdp_out, tmp_path):
-    """With several processes an error after training cannot save (the others have gone on or finished):
-    the last step was saved when training ended (periodic saves on, as by default), and --resume from it
-    trains nothing, then measures and writes the same checkpoint."""
-    out = tmp_path / "out"
-    done = launch_fsdp(files, out, fail_write=True)
-    output = " ".join((done.stdout + done.stderr).split())
-    assert done.returncode != 0 and "No space left on device" in output
-    assert f"the training state of step {STEPS} of {STEPS} is saved in {tmp_path / 'out.resume'}" in output
-    assert json.loads((tmp_path / "out.resume" / "state.json").read_text())["step"] == STEPS and not out.exists()
-    done = launch_fsdp(files, out, "--resume")
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    assert [e["step"] for e in json.loads((out / "training_log.json").read_text())["log"]] == [1, 2, 3]
-    assert_same_weights(weights(out), weights(fsdp_out))
-    assert not (tmp_path / "out.resume").exists()

@@ -99,12 +99,13 @@ def test_busy_units_of_hybrid_layers_run_as_dense_columns():
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("hot_rate, log_scale", [(1.0, 0.0), (0.5, 0.0), (1.0, 0.2), (0.5, 0.2)])
+@pytest.mark.parametrize("hot_rate, log_scale", [(1.0, 0.2), (0.5, 0.0)])
 def test_training_on_the_hybrid_kernels_matches_dense(hot_rate, log_scale):
     # 32 units, ~16 active per token, E = 16: about half the rows go through the ELL kernels, the rest
     # through the dense backup (the interpreter's time grows with E and D: small ones keep this fast).
     # hot_rate 0.5: the units firing in over half the tokens run as dense columns instead. log_scale 0.2:
-    # the log penalty, its eps measured on the first (dense) step, in every kernel that computes the penalty.
+    # the log penalty, its eps measured on the first (dense) step, in every kernel that computes the penalty
+    # (each kernel with and without it: test_twell_hybrid.py).
     dense, _ = tiny_model("qwen3", hidden_size=16, intermediate_size=32, head_dim=8)
     hybrid = copy.deepcopy(dense)
     runs = []
