@@ -368,9 +368,11 @@ def sample(source, **values):
     texts = f"{record['samples']:,} text" + ("s" if record["samples"] != 1 else "")
     console.print(f"sampled {texts}, {record['sampled_tokens']:,} tokens{data} in "
                   f"{record['seconds']:.0f} s ({record['sampled_tokens_per_s']:,.0f} tokens/s); wrote {values['out']}")
-    console.print("next, four passes over it with the small-budget recipe, --lr about a third of the source's "
-                  f"pretraining peak (docs/usage.md): sparsify convert {source} "
-                  f"-o OUT --data {values['out']} --recipe small-budget --passes 4", soft_wrap=True)  # copyable
+    # the demo's recipe lr is its own; any other source's is a third of its pretraining peak (convert warns without)
+    lr = ("", "") if source == "demo" else (", LR about a third of the source's pretraining peak", " --lr LR")
+    console.print(f"next, four passes over it with the small-budget recipe (docs/usage.md){lr[0]}: sparsify convert "
+                  f"{source} -o OUT --data {values['out']} --recipe small-budget --passes 4{lr[1]}",
+                  soft_wrap=True)  # copyable
 
 
 @main.command()

@@ -59,11 +59,15 @@ def _load_config(where: str, source):
 def check_hub_source(repo_id: str, source) -> None:
     """SourceError, within HUB_TIMEOUT_S, where the Hub model `repo_id` cannot be read: no such repository (a typo,
     or a private one without a token), a gated one, no config.json, or no connection or answer (no network). Asks
-    nothing where its config.json is in the local cache or offline mode is on: transformers then reads the cache at
-    once.
+    nothing where its config.json is in the local cache (transformers then reads the cache at once) or offline mode
+    is on (then a model the cache lacks is said so).
     `repo_id` comes from resolve_source, which has refused an id the Hub cannot hold."""
-    if constants.is_offline_mode() or isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+    if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
         return
+    if constants.is_offline_mode():
+        raise SourceError(f"{source}: not a local folder, and offline (HF_HUB_OFFLINE=1) the Hugging Face cache holds "
+                          f"no copy of it: download it first (`hf download {repo_id} --local-dir DIR`) and give DIR, "
+                          "or give a local folder")
     failure = ask_hub(lambda: get_hf_file_metadata(hf_hub_url(repo_id, "config.json"), timeout=HUB_TIMEOUT_S))
     if failure is None:
         return

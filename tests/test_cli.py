@@ -373,7 +373,8 @@ def test_missing_data_is_said_before_torch_is_imported(files, tmp_path):
     assert done.stdout.count("error: --data is required") == 2, done.stdout
     assert done.stdout.count(f"error: data path {missing} does not exist") == 3, done.stdout
     assert_user_error(run("convert", "someone/not-cached", "-o", tmp_path / "out"),
-                      "someone/not-cached: not a local folder, and not loadable from the Hub")
+                      "someone/not-cached: not a local folder, and offline (HF_HUB_OFFLINE=1) the Hugging Face "
+                      "cache holds no copy of it")
 
 
 def test_a_dataset_offline_that_the_cache_lacks_is_said_before_torch_is_imported(files, tmp_path):

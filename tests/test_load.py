@@ -166,7 +166,9 @@ def test_unsupported_architecture_fails_before_reading_weights(tmp_path):
 def test_unknown_hub_id_offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(SourceError, match="not loadable from the Hub"):
+    with pytest.raises(SourceError, match=r"nobody-here/no-such-model: not a local folder, and offline \(HF_HUB_OFFLINE=1\) "
+                                          r"the Hugging Face cache holds no copy of it: download it first \(`hf download "
+                                          r"nobody-here/no-such-model --local-dir DIR`\)"):
         load_model("nobody-here/no-such-model")
 
 

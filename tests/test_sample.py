@@ -82,7 +82,8 @@ def test_with_data_spreads_the_training_documents_among_the_samples_by_tokens(fi
     written, tokenizer = rows(tmp_path / "out"), tiny_model("llama")[1]
     record = yaml.safe_load((tmp_path / "out" / "sample.yaml").read_text())
     # the conversion it is for: four passes over the folder's tokens, samples and --data's
-    assert f"--data {tmp_path / 'out'} --recipe small-budget --passes 4\n" in result.output
+    # with the lr it needs (a source other than the demo)
+    assert f"--data {tmp_path / 'out'} --recipe small-budget --passes 4 --lr LR\n" in result.output
     documents = [json.loads(line)["text"] for line in open(files / "corpus" / "train.jsonl")]
     assert [r["text"] for r in written if r["source"] == "data"] == documents  # each once, in order
     tokens = [len(tokenizer(r["text"], add_special_tokens=False)["input_ids"]) for r in written]
