@@ -369,10 +369,11 @@ def sample(source, **values):
     console.print(f"sampled {texts}, {record['sampled_tokens']:,} tokens{data} in "
                   f"{record['seconds']:.0f} s ({record['sampled_tokens_per_s']:,.0f} tokens/s); wrote {values['out']}")
     # the demo's recipe lr is its own; any other source's is a third of its pretraining peak (convert warns without)
-    lr = ("", "") if source == "demo" else (", LR about a third of the source's pretraining peak", " --lr LR")
-    console.print(f"next, four passes over it with the small-budget recipe (docs/usage.md){lr[0]}: sparsify convert "
-                  f"{source} -o OUT --data {values['out']} --recipe small-budget --passes 4{lr[1]}",
-                  soft_wrap=True)  # copyable
+    own_lr = source != "demo"
+    lr_meaning = ", LR about a third of the source's pretraining peak" if own_lr else ""
+    console.print(f"next, four passes over it with the small-budget recipe (docs/usage.md){lr_meaning}: sparsify "
+                  f"convert {source} -o OUT --data {values['out']} --recipe small-budget --passes 4"
+                  + (" --lr LR" if own_lr else ""), soft_wrap=True)  # copyable
 
 
 @main.command()
