@@ -133,9 +133,9 @@ class TrainConfig:
         "Compute the LM head's logits, the cross-entropy and the distillation KL a chunk of tokens at a time, "
         "forward and backward, so that no [tokens, vocabulary] logits or gradient exist whole (each fp32 copy "
         "3.2 GB at 8 x 2048 tokens and a vocabulary of 49152; the whole-logits loss keeps several, more with "
-        "--distill), for one more head matmul a step (two with --distill). Models whose forward changes the "
-        "logits after the head (Gemma 2's soft-capping) take the whole logits. --no-chunked-loss: the whole "
-        "logits, as transformers computes them."),
+        "--distill), for one more head matmul a step (two with --distill). A micro-batch whose fp32 logits fit in "
+        "one chunk (256 MiB) takes the whole logits, as do models whose forward changes the logits after the "
+        "head (Gemma 2's soft-capping). --no-chunked-loss: the whole logits, as transformers computes them."),
         flag="--chunked-loss/--no-chunked-loss")
     hybrid_below: float = _setting(40.0, (
         "Train a layer's MLP on the TwELL hybrid kernels while its mean active units per token are below this "

@@ -19,6 +19,9 @@ from sparsify.families import FAMILIES
 # 256 byte tokens, then the specials: ids 256, 257, 258.
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 VOCAB_SIZE = 260
+# twell.training.head_loss.CHUNK_BYTES where a test's micro-batches must take the chunked LM head: 5 tokens a chunk
+# (the default's 256 MiB would hold a test's whole logits, which then take transformers' loss)
+SMALL_CHUNK_BYTES = 4 * VOCAB_SIZE * 5
 HIDDEN, INTERMEDIATE, LAYERS = 64, 160, 2
 
 

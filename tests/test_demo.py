@@ -22,11 +22,10 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def demo_sparse(tmp_path_factory):
     """The demo converted for two steps into a folder named as the README names it, its held-out figures on the
-    first 8,192 tokens of the held-out text; the loss on the whole logits (the chunked head loss is a Triton
-    kernel, which the interpreter runs a program a row; tests/test_head_loss.py checks it in training)."""
+    first 8,192 tokens of the held-out text."""
     out = tmp_path_factory.mktemp("demo") / "demo-sparse"
     result = CliRunner().invoke(main, ["convert", "demo", "-o", str(out), "--steps", "2", "--batch-size", "4",
-                                       "--eval-tokens", "8192", "--no-chunked-loss"])
+                                       "--eval-tokens", "8192"])
     assert result.exit_code == 0, result.output
     return out
 

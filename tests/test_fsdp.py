@@ -4,7 +4,8 @@ the sharded model, the export gathered from the shards equals that process's exp
 Ctrl-C -> --resume from the sharded state, and a failure after training -> --resume, continue to the same weights.
 
 accelerate runs CPU processes as DDP whatever the config says; tests/fsdp_on_cpu.py makes them FSDP (its
-docstring says where and why) and checks inside every MLP forward that the weights are whole tensors.
+docstring says where and why) and checks inside every MLP forward that the weights are whole tensors; both runs
+take the LM head and loss in chunks of 5 tokens.
 Tolerance: the same tokens pass through the same fp32 arithmetic in both runs; only the sums differ in
 order (gradients reduce-scattered over 2 processes against accumulated over one batch of 4), which moves
 fp32 results by a few ulps per step: rtol 1e-5 on the logged losses, rtol 1e-4 / atol 1e-6 on the
@@ -20,8 +21,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import tiny_model
+from helpers import SMALL_CHUNK_BYTES, tiny_model
 from test_cli import convert, files, model_folder, run  # noqa: F401 (files: the module's fixture)
+from twell.training import head_loss as fused
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 3
@@ -36,6 +38,14 @@ def launch_fsdp(files, out, *extra, interrupt_at=None, source=None, fail_write=F
     env = {**os.environ, **({"SPARSIFY_TEST_INTERRUPT": str(interrupt_at)} if interrupt_at is not None else {}),
            **({"SPARSIFY_TEST_FAIL_WRITE": "1"} if fail_write else {})}
     return subprocess.run([str(c) for c in command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def small_chunks():
+    """The one-process runs take the chunked LM head as fsdp_on_cpu.py's processes do."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fused, "CHUNK_BYTES", SMALL_CHUNK_BYTES)
+        yield
 
 
 def weights(out):

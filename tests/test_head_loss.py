@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import head_loss_inputs_on_gpu, tiny_model
+from helpers import SMALL_CHUNK_BYTES, VOCAB_SIZE, head_loss_inputs_on_gpu, tiny_model
 from sparsify.config import TrainConfig
 from sparsify.relufy import relufy
 from sparsify.train import head_loss, train
@@ -63,7 +63,7 @@ def test_chunked_head_in_the_model_equals_its_loss_and_gradients(rows, tied, mon
     """Through a tiny Llama's own forward (the head's forward replaced for the call): the CE equals transformers'
     loss of the same labels (-100 among them), the KL distillation_kl of the whole logits, and every parameter's
     gradient the whole-logits one; a tied head's weight (the embeddings') gets both its gradients once."""
-    monkeypatch.setattr(fused, "CHUNK_BYTES", 4 * 260 * rows)  # `rows` tokens of the tiny vocabulary (260)
+    monkeypatch.setattr(fused, "CHUNK_BYTES", 4 * VOCAB_SIZE * rows)  # `rows` tokens of the tiny vocabulary
     model, _ = tiny_model("llama", tie_word_embeddings=tied)
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
     teacher, _ = tiny_model("llama", seed=1)
@@ -86,11 +86,15 @@ def test_chunked_head_in_the_model_equals_its_loss_and_gradients(rows, tied, mon
         torch.testing.assert_close(mine, reference, rtol=1e-4, atol=1e-6)
 
 
-def test_logits_transformed_after_the_head_take_the_whole_logits(monkeypatch):
+def test_logits_transformed_after_the_head_or_in_one_chunk_take_the_whole_logits(monkeypatch):
     """Gemma 2's soft-capping (and a head with a bias) needs the whole logits: loss_terms takes them with
-    chunked_loss on, the same terms as with it off; a model without takes the chunks."""
+    chunked_loss on, the same terms as with it off; a model without takes the chunks where its micro-batch's fp32
+    logits exceed one chunk, the whole logits where they fit in one."""
     calls = []
     monkeypatch.setattr(head_loss, "head_losses", lambda *args: calls.append(1) or head_losses(*args))
+    ids = next(batches_from()(0, 0, 1))
+    one_chunk = 4 * ids.numel() * VOCAB_SIZE
+    monkeypatch.setattr(fused, "CHUNK_BYTES", one_chunk - 1)
     gemma, _ = tiny_model("gemma2")
     assert gemma.config.final_logit_softcapping and whole_logits(gemma)
     llama, _ = tiny_model("llama")
@@ -98,7 +102,6 @@ def test_logits_transformed_after_the_head_take_the_whole_logits(monkeypatch):
     llama.lm_head.bias = torch.nn.Parameter(torch.zeros(llama.config.vocab_size))
     assert whole_logits(llama)
     teacher = copy.deepcopy(gemma)
-    ids = next(batches_from()(0, 0, 1))
     mlps = relufy(gemma)
     with tracked(mlps, 128):
         terms = [loss_terms(gemma, mlps, ids, teacher, config(distill=0.5, distill_temperature=2.0,
@@ -110,7 +113,10 @@ def test_logits_transformed_after_the_head_take_the_whole_logits(monkeypatch):
         mlps = relufy(model)
     with tracked(mlps, 128):
         loss_terms(model, mlps, ids, None, config())
-    assert calls
+        assert calls == [1]
+        monkeypatch.setattr(fused, "CHUNK_BYTES", one_chunk)
+        loss_terms(model, mlps, ids, None, config())
+    assert calls == [1]
 
 
 @pytest.mark.parametrize("family, tied, settings", [
@@ -123,7 +129,7 @@ def test_chunked_loss_trains_as_the_whole_logits(family, tied, settings, monkeyp
     nats: its rounding is absolute, about 1e-7). The kernels' softmaxes round otherwise than torch's, and Adam's
     first steps (about lr * g / |g|) turn that rounding in a gradient near 0 into a weight's difference of a few
     1e-6 (of steps of 1e-3): atol 1e-5 on the weights."""
-    monkeypatch.setattr(fused, "CHUNK_BYTES", 4 * 260 * 5)
+    monkeypatch.setattr(fused, "CHUNK_BYTES", SMALL_CHUNK_BYTES)
     calls = []
     monkeypatch.setattr(head_loss, "head_losses", lambda *args: calls.append(1) or head_losses(*args))
     runs = []

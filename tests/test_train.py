@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from helpers import CountingTokenizer, Killed, interrupt, on_read, raising, tiny_model
+from helpers import SMALL_CHUNK_BYTES, CountingTokenizer, Killed, interrupt, on_read, raising, tiny_model
 from twell.training import sparsity_penalty
 from sparsify.errors import ConfigError, DataError
 from sparsify.relufy import relufy
@@ -235,9 +235,11 @@ def test_hidden_state_distillation_matches_hand_computation():
 def test_hidden_state_distillation_runs_no_teacher_logits(monkeypatch):
     """distill-hidden alone reads the teacher's hidden states: its LM head (a vocabulary-wide output a token) does
     not run; with distill it does, as its module with the whole logits (--no-chunked-loss), else its weight in
-    the chunks of head_loss."""
+    the chunks of head_loss (chunks of 5 tokens here)."""
     from sparsify.train import head_loss
+    from twell.training import head_loss as fused
 
+    monkeypatch.setattr(fused, "CHUNK_BYTES", SMALL_CHUNK_BYTES)
     chunks = []  # each chunked call: whether it took the teacher's head
     real = head_loss.head_losses
     monkeypatch.setattr(head_loss, "head_losses", lambda *args: chunks.append(args[4] is not None) or real(*args))

@@ -16,7 +16,8 @@ gather it and put the backward's hooks (the gather where resharded, the gradient
 unit's outputs. So `chunked_head` makes the head's own forward compute the terms, returned in place of the
 logits: every FSDP2 hook runs as for the logits, and a tied weight (the embeddings') gets its gradient once,
 through the one parameter. A forward that changes the logits after the head (`whole_logits`: Gemma 2's
-soft-capping, a head with a bias) needs the whole logits instead.
+soft-capping, a head with a bias) needs the whole logits instead, and a micro-batch whose fp32 logits fit in one
+chunk (`spans_chunks`) takes them too: there the chunks save no memory and cost the backward's head matmul.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 from torch import nn
+from twell.training import head_loss as fused
 from twell.training.head_loss import IGNORE_INDEX, head_losses
 
 # config keys of a forward that transforms the logits after the head (where set): Gemma 2's soft-capping, Cohere's and
@@ -38,6 +40,11 @@ def whole_logits(model) -> bool:
     head = model.get_output_embeddings()
     return (not isinstance(head, nn.Linear) or head.bias is not None
             or any(getattr(model.config, key, None) is not None for key in LOGIT_TRANSFORMS))
+
+
+def spans_chunks(model, ids: torch.Tensor) -> bool:
+    """Whether `model`'s fp32 logits on `ids` exceed one chunk of head_losses (CHUNK_BYTES)."""
+    return 4 * ids.numel() * model.get_output_embeddings().weight.shape[0] > fused.CHUNK_BYTES
 
 
 @contextmanager

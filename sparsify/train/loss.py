@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import TrainConfig
-from .head_loss import chunked_head, whole_logits
+from .head_loss import chunked_head, spans_chunks, whole_logits
 
 
 def distillation_kl(logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -133,10 +133,12 @@ def loss_terms(model, mlps: list, ids: torch.Tensor, teacher: torch.nn.Module | 
                config: TrainConfig) -> tuple[LossTerms, torch.Tensor]:
     """A micro-batch's loss terms from the model's forward on `ids` (the distillation terms that `config` weighs
     from the `teacher`'s), and the per-layer L1 [layers] that `l1` averages. With `chunked_loss` the LM head and
-    the CE and KL run in chunks of tokens (head_loss), except where a model's forward transforms the logits."""
+    the CE and KL run in chunks of tokens (head_loss) where the logits span more than one, except where a model's
+    forward transforms them."""
     hidden = config.distill_hidden > 0
     core = getattr(model, "module", model)  # DDP's wrapper holds the model as `module`
-    chunked = config.chunked_loss and not whole_logits(core) and not (config.distill and whole_logits(teacher))
+    chunked = (config.chunked_loss and not whole_logits(core) and spans_chunks(core, ids)
+               and not (config.distill and whole_logits(teacher)))
     if teacher is not None:  # no KV cache, and the LM head's logits only where the KL takes them whole
         source = teacher if config.distill and not chunked else teacher.base_model
         with torch.no_grad():
