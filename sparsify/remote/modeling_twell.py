@@ -214,11 +214,14 @@ def fused(x, *tensors) -> bool:
     no backward), and where the decoder's kernels do (decoder.serves), or for a call traced by torch.compile where
     they take x (decoder.takes: the trace calls small_linear's custom op; the compiler's own code for a decode-size
     product reads the weights no faster than cuBLAS, in three launches where the group makes one)."""
-    if any(t is not None and type(t) not in PLAIN_TENSORS for t in tensors):
-        return False
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *tensors)):
+    if any(t is not None and type(t) not in PLAIN_TENSORS for t in tensors) or records_grad(x, *tensors):
         return False
     return takes(x) if torch.compiler.is_compiling() else serves(x)
+
+
+def records_grad(*tensors) -> bool:
+    """Whether autograd records a call on `tensors` (None among them ignored)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 @torch.compiler.assume_constant_result
@@ -238,11 +241,13 @@ class ProjectionGroup:
     def __init__(self, linears):
         self.linears = tuple(linears)
         self.kept = None  # (x, {index: output}) of the last grouped launch, until each output is taken
-        self.loaded = set()  # signatures of the uncaptured CUDA calls that launched (`signature`)
+        # signatures of uncaptured CUDA calls (`signature`) that take the module's own forward from now on: those
+        # that launched once (the kernel is loaded) and those that the kernel does not serve
+        self.settled = set()
 
     def __call__(self, linear, x):
-        """linear(x): a kept output, else the kernel where its signature is not loaded and `launch` serves it, else
-        the module's own forward. The cheap checks go first: they turn a warm uncaptured call away."""
+        """linear(x): a kept output, else the kernel where its signature is not settled and `launch` serves it,
+        else the module's own forward. The cheap checks go first: they turn a warm uncaptured call away."""
         index = self.linears.index(linear)
         kept = self.kept  # read once: a launch on another thread replaces it whole
         signature = self.signature(index, x)
@@ -251,16 +256,18 @@ class ProjectionGroup:
             if not kept[1]:
                 self.kept = None
             if signature is not None:  # its calls of this signature take the group's launch, already loaded
-                self.loaded.add(signature)
+                self.settled.add(signature)
             return output
-        if signature in self.loaded:
+        if signature in self.settled:
             return type(linear).forward(linear, x)
         output = self.launch(index, linear, x)
-        if output is None:
-            return type(linear).forward(linear, x)
-        if signature is not None:
-            self.loaded.add(signature)
-        return output
+        # a call declined while gradients are recorded settles nothing: the same signature without them is served
+        if signature is not None and (output is not None or not self.records_grad(x)):
+            self.settled.add(signature)
+        return type(linear).forward(linear, x) if output is None else output
+
+    def records_grad(self, x) -> bool:
+        return records_grad(x, *(p.weight for p in self.linears), *(p.bias for p in self.linears))
 
     def launch(self, index, linear, x):
         """The group's launch (for the first projection) or the projection's own where fused() serves the call,
@@ -280,7 +287,7 @@ class ProjectionGroup:
 
     @staticmethod
     def signature(index, x):
-        """What marks an uncaptured CUDA call of projection `index` on x as loaded once it launched; None for the
+        """What marks an uncaptured CUDA call of projection `index` on x as settled once it ran; None for the
         calls that always launch: on CPU (the interpreter, the tests' setup, has no host launch time to weigh) and
         under CUDA-graph capture. The kernel's GPU time beats cuBLAS's at decode shapes, but its Triton launcher
         takes several times cuBLAS's host time a call, which an uncaptured decode step waits for; a graph's replay
@@ -289,7 +296,7 @@ class ProjectionGroup:
         the kernel which the capture then launches."""
         if not x.is_cuda or not eager(x):
             return None
-        return index, x.shape, x.stride(), x.dtype, x.device
+        return index, type(x), x.shape, x.stride(), x.dtype, x.device
 
 
 def projection_forward(group, linear, x):
