@@ -606,36 +606,36 @@ def test_projections_launch_on_a_gpu_only_under_capture(tmp_path, monkeypatch):
     """On a GPU, small_linear serves the projections' captured calls; an uncaptured call runs the module's own
     forward (the Triton launcher's host time would lose to cuBLAS's) but for the first of each signature that the
     kernel serves (the warm-up before a capture), which loads the kernel that the capture launches. On CPU (the
-    interpreter) every call launches. A call the kernel declines settles its signature too, unless gradients were
-    recorded (the same signature without them may be served). A group that does not launch leaves every projection
-    its own forward."""
+    interpreter) every call launches. A call whose arguments the kernel declines (shape, dtype, the cost rule)
+    settles its signature too; one that fused() turns away (recorded gradients) settles nothing. A group that does
+    not launch leaves every projection its own forward."""
     model, tokenizer, spec = _relufied("qwen2")  # q, k and v with biases
     out = export_checkpoint(model, tokenizer, tmp_path / "ckpt-captured", spec=spec, plan=PLAN, training=TRAINING)
     remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
     attention = remote.model.layers[0].self_attn
     q, k = attention.q_proj, attention.k_proj
     group = q.forward.args[0]
-    capturing, serves, grads = False, True, False
+    capturing, served, takes = False, True, True
     launched = []  # the row counts of the calls that reached `launch`
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
     monkeypatch.setattr(torch.nn.Linear, "forward", lambda linear, x: "own")
+    monkeypatch.setattr(group, "fused", lambda x: takes)
     monkeypatch.setattr(group, "launch", lambda index, linear, x: launched.append(x.shape[0]) or (
-        "kernel" if serves else None))
-    monkeypatch.setattr(group, "records_grad", lambda x: grads)
+        "kernel" if served else None))
     one, eight = _CudaInput(1), _CudaInput(8)
     assert [group(q, one) for _ in range(3)] == ["kernel", "own", "own"]
     assert [group(q, eight) for _ in range(2)] == ["kernel", "own"]  # another signature: loaded once too
     assert [group(k, one) for _ in range(2)] == ["kernel", "own"]  # k_proj's own launch: another kernel
     capturing = True
     assert all(group(p, x) == "kernel" for p in (q, k) for x in (one, eight) for _ in range(2))
-    capturing, serves, grads = False, False, True  # declined while gradients are recorded: checked each call
+    capturing, takes = False, False  # turned away by fused() (gradients recorded): checked each call
     assert [group(attention.v_proj, one) for _ in range(2)] == ["own", "own"]
-    serves, grads = True, False
+    takes = True
     assert group(attention.v_proj, one) == "kernel" and group(q, one) == "own"
-    serves, four = False, _CudaInput(4)  # declined otherwise (shape, dtype, the cost rule): checked once
+    served, four = False, _CudaInput(4)  # declined by launch (shape, dtype, the cost rule): checked once
     launched.clear()
     assert [group(q, four) for _ in range(3)] == ["own"] * 3 and launched == [4]
-    serves = True
+    served = True
     assert all(group(q, torch.randn(1, 1, 64)) == "kernel" for _ in range(2))  # CPU tensors: the interpreter
     monkeypatch.undo()
 

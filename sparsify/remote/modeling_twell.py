@@ -214,14 +214,11 @@ def fused(x, *tensors) -> bool:
     no backward), and where the decoder's kernels do (decoder.serves), or for a call traced by torch.compile where
     they take x (decoder.takes: the trace calls small_linear's custom op; the compiler's own code for a decode-size
     product reads the weights no faster than cuBLAS, in three launches where the group makes one)."""
-    if any(t is not None and type(t) not in PLAIN_TENSORS for t in tensors) or records_grad(x, *tensors):
+    if any(t is not None and type(t) not in PLAIN_TENSORS for t in tensors):
+        return False
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *tensors)):
         return False
     return takes(x) if torch.compiler.is_compiling() else serves(x)
-
-
-def records_grad(*tensors) -> bool:
-    """Whether autograd records a call on `tensors` (None among them ignored)."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 @torch.compiler.assume_constant_result
@@ -260,21 +257,22 @@ class ProjectionGroup:
             return output
         if signature in self.settled:
             return type(linear).forward(linear, x)
+        # what fused() turns away (recorded gradients, a dispatch mode, sharded weights) is a state of the call,
+        # not of its signature, which a later call may bring served: it settles nothing
+        if not self.fused(x):
+            return type(linear).forward(linear, x)
         output = self.launch(index, linear, x)
-        # a call declined while gradients are recorded settles nothing: the same signature without them is served
-        if signature is not None and (output is not None or not self.records_grad(x)):
+        if signature is not None:
             self.settled.add(signature)
         return type(linear).forward(linear, x) if output is None else output
 
-    def records_grad(self, x) -> bool:
-        return records_grad(x, *(p.weight for p in self.linears), *(p.bias for p in self.linears))
+    def fused(self, x) -> bool:
+        return fused(x, *(p.weight for p in self.linears), *(p.bias for p in self.linears))
 
     def launch(self, index, linear, x):
-        """The group's launch (for the first projection) or the projection's own where fused() serves the call,
-        small_linear takes its arguments and beats cuBLAS there (small_linear_wins); None where it does not."""
+        """The group's launch (for the first projection) or the projection's own where small_linear takes its
+        arguments and beats cuBLAS there (small_linear_wins), on a call that fused() serves; None elsewhere."""
         weights, biases = [p.weight for p in self.linears], [p.bias for p in self.linears]
-        if not fused(x, *weights, *biases):
-            return None
         if index == 0 and len(weights) > 1 and small_linear_grouped_fits(x, weights, biases):
             outputs = small_linear_grouped_fitted(x, weights, biases)
             self.kept = (x, dict(enumerate(outputs[1:], 1)))
