@@ -10,8 +10,8 @@ recipes/accelerate/fsdp.yaml --num_processes 2 tests/fsdp_on_cpu.py convert ...`
 
 Checks ride along: every ReluGatedMLP forward asserts that the weights the hybrid kernels would take are
 whole plain tensors (FSDP has unsharded its layer), and the chunked LM head (train.head_loss, in chunks of 5 tokens
-here, as test_fsdp's one-process runs, so that the tests' micro-batches take it) that it computes on the whole head weight (its forward runs inside
-its FSDP unit's call); only the main process reads the source
+as tests/chunked_cli.py sets them, which also prints each process's count of chunked calls) that it computes on the
+whole head weight (its forward runs inside its FSDP unit's call); only the main process reads the source
 weights (the config's fsdp_cpu_ram_efficient_loading: the others get theirs from it in accelerate's preparation); and
 SPARSIFY_TEST_INTERRUPT=N sends SIGINT (Ctrl-C) to the main process alone when it reads its N-th training
 batch (0-based): the other process must stop after the same step; SPARSIFY_TEST_FAIL_WRITE makes the
@@ -19,22 +19,17 @@ main process's export fail after training.
 """
 import functools
 import os
-import sys
-from pathlib import Path
 
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType
 from torch.distributed.tensor import DTensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's cli.py, not tests/
-from cli import main  # noqa: E402
-from sparsify import convert  # noqa: E402
-from sparsify.data import TrainingBatches  # noqa: E402
-
-from helpers import SMALL_CHUNK_BYTES, VOCAB_SIZE, interrupt, on_read  # noqa: E402  (tests/, this script's folder)
-from sparsify.relufy import ReluGatedMLP  # noqa: E402
-from sparsify.train import head_loss  # noqa: E402
-from twell.training import head_loss as fused  # noqa: E402
+from chunked_cli import main  # tests/, this script's folder: the repository's cli, chunks of 5 tokens, counted
+from helpers import VOCAB_SIZE, interrupt, on_read
+from sparsify import convert
+from sparsify.data import TrainingBatches
+from sparsify.relufy import ReluGatedMLP
+from sparsify.train import head_loss
 
 init = AcceleratorState.__init__
 
@@ -82,7 +77,6 @@ def load_on_main_only(*args, weights=True, **kwargs):
 AcceleratorState.__init__ = fsdp_on_cpu
 ReluGatedMLP.forward = forward_on_whole_weights
 head_loss.head_losses = head_losses_on_whole_weight
-fused.CHUNK_BYTES = SMALL_CHUNK_BYTES
 convert.load_model = load_on_main_only
 if "SPARSIFY_TEST_INTERRUPT" in os.environ:
     # Ctrl-C to the main process when it reads its batch at this index (the stream itself unchanged: the state

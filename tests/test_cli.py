@@ -26,8 +26,8 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 import cli
 from cli import main
-from helpers import (Killed, interrupt, on_read, raising, tiny_input_ids, tiny_model, tiny_tokenizer,
-                     unwritable_folder)
+from helpers import (SMALL_CHUNK_BYTES, Killed, chunked_calls, interrupt, on_read, raising, tiny_input_ids, tiny_model,
+                     tiny_tokenizer, unwritable_folder)
 from sparsify import convert as convert_module
 from sparsify import data as data_module
 from sparsify import export
@@ -37,6 +37,7 @@ from sparsify.errors import ConfigError, DataError, OutputError
 from sparsify.families import FAMILIES
 from sparsify.load import load_config
 from sparsify.locations import saved_state
+from twell.training import head_loss as head_loss_op
 
 # Tiny runs: 32-token sequences, 256 held-out tokens; options on the command line override the recipe.
 # every setting that pretrained.yaml sets otherwise than sparsify's defaults, stated (a recipe that extends none)
@@ -694,19 +695,22 @@ def test_device_and_out_of_memory_errors_are_one_line(files, tmp_path, monkeypat
     assert not (tmp_path / "out").exists()
 
 
-def test_two_processes_calibrate_and_train_like_one_with_both_batches(files, tmp_path):
+def test_two_processes_calibrate_and_train_like_one_with_both_batches(files, tmp_path, monkeypatch):
     # torchrun (what `accelerate launch` starts) with 2 CPU processes of batch 2 == 1 process of batch 4:
     # calibration fits layer l on process l % 2 (the log penalty's eps too) and shares the fits; then rank r reads
-    # batches r, r+2, ...; DDP averages the two ranks' gradients.
+    # batches r, r+2, ...; DDP averages the two ranks' gradients. Both runs take the LM head and loss in chunks of 5
+    # tokens (tests/chunked_cli.py), through DDP's wrapper in the two processes.
     calibration = ["--calibrate-steps", "3", "--calibrate-tokens", "512", "--calibrate-sparsity", "0.5",
                    "--l1-log-scale", "0.2", "--swap-steps", "0"]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "cli",
-               "convert", model_folder(files, "llama"), "-o", tmp_path / "two", "--data", files / "corpus",
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               Path(__file__).parent / "chunked_cli.py", "convert", model_folder(files, "llama"), "-o", tmp_path / "two", "--data", files / "corpus",
                "--recipe", files / "recipe.yaml", "--steps", "2", "--batch-size", "2", *calibration]
     done = subprocess.run([str(c) for c in command], cwd=Path(__file__).parents[1], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "calibrated layer 1 (layers 0-1, process 1)" in done.stderr
+    assert chunked_calls(done.stdout) == [2, 2]  # a micro-batch a step on each process
+    monkeypatch.setattr(head_loss_op, "CHUNK_BYTES", SMALL_CHUNK_BYTES)
     assert convert(files, "llama", tmp_path / "one", "--batch-size", "4", *calibration).exit_code == 0
     two, one = load_file(tmp_path / "two" / "model.safetensors"), load_file(tmp_path / "one" / "model.safetensors")
     for name in one:  # within rounding: torchrun runs a thread a process, and Adam's normalized steps carry it

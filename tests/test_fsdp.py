@@ -21,9 +21,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import SMALL_CHUNK_BYTES, tiny_model
+from helpers import SMALL_CHUNK_BYTES, chunked_calls, tiny_model
 from test_cli import convert, files, model_folder, run  # noqa: F401 (files: the module's fixture)
-from twell.training import head_loss as fused
+from twell.training import head_loss as head_loss_op
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 3
@@ -44,7 +44,7 @@ def launch_fsdp(files, out, *extra, interrupt_at=None, source=None, fail_write=F
 def small_chunks():
     """The one-process runs take the chunked LM head as fsdp_on_cpu.py's processes do."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(fused, "CHUNK_BYTES", SMALL_CHUNK_BYTES)
+        patch.setattr(head_loss_op, "CHUNK_BYTES", SMALL_CHUNK_BYTES)
         yield
 
 
@@ -63,6 +63,7 @@ def fsdp_out(files, tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp") / "two"
     done = launch_fsdp(files, out)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert chunked_calls(done.stdout) == [STEPS, STEPS]  # a micro-batch a step on each process
     return out
 
 
@@ -105,6 +106,7 @@ def test_fsdp_distillation_with_tied_embeddings_like_one_process(files, tmp_path
     tokenizer.save_pretrained(source)
     done = launch_fsdp(files, tmp_path / "two", "--distill", 0.5, source=source)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert chunked_calls(done.stdout) == [STEPS, STEPS]
     one = run("convert", source, "-o", tmp_path / "one", "--data", files / "corpus", "--recipe", files / "recipe.yaml",
               "--steps", STEPS, "--batch-size", 4, "--distill", 0.5)
     assert one.exit_code == 0, one.output

@@ -237,9 +237,9 @@ def test_hidden_state_distillation_runs_no_teacher_logits(monkeypatch):
     not run; with distill it does, as its module with the whole logits (--no-chunked-loss), else its weight in
     the chunks of head_loss (chunks of 5 tokens here)."""
     from sparsify.train import head_loss
-    from twell.training import head_loss as fused
+    from twell.training import head_loss as head_loss_op
 
-    monkeypatch.setattr(fused, "CHUNK_BYTES", SMALL_CHUNK_BYTES)
+    monkeypatch.setattr(head_loss_op, "CHUNK_BYTES", SMALL_CHUNK_BYTES)
     chunks = []  # each chunked call: whether it took the teacher's head
     real = head_loss.head_losses
     monkeypatch.setattr(head_loss, "head_losses", lambda *args: chunks.append(args[4] is not None) or real(*args))

@@ -17,7 +17,8 @@ unit's outputs. So `chunked_head` makes the head's own forward compute the terms
 logits: every FSDP2 hook runs as for the logits, and a tied weight (the embeddings') gets its gradient once,
 through the one parameter. A forward that changes the logits after the head (`whole_logits`: Gemma 2's
 soft-capping, a head with a bias) needs the whole logits instead, and a micro-batch whose fp32 logits fit in one
-chunk (`spans_chunks`) takes them too: there the chunks save no memory and cost the backward's head matmul.
+chunk (`spans_chunks`) takes them too: there the chunks would save at most the whole loss's few extra copies of
+logits under 256 MiB, for the backward's head matmul.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 from torch import nn
-from twell.training import head_loss as fused
+from twell.training import head_loss as head_loss_op
 from twell.training.head_loss import IGNORE_INDEX, head_losses
 
 # config keys of a forward that transforms the logits after the head (where set): Gemma 2's soft-capping, Cohere's and
@@ -43,8 +44,9 @@ def whole_logits(model) -> bool:
 
 
 def spans_chunks(model, ids: torch.Tensor) -> bool:
-    """Whether `model`'s fp32 logits on `ids` exceed one chunk of head_losses (CHUNK_BYTES)."""
-    return 4 * ids.numel() * model.get_output_embeddings().weight.shape[0] > fused.CHUNK_BYTES
+    """Whether `model`'s fp32 logits on `ids` exceed one chunk of head_losses (CHUNK_BYTES); its head a plain
+    matmul (not whole_logits). The head's weight shape is the whole vocabulary's under FSDP2 too (a DTensor's)."""
+    return 4 * ids.numel() * model.get_output_embeddings().weight.shape[0] > head_loss_op.CHUNK_BYTES
 
 
 @contextmanager
