@@ -11,12 +11,13 @@ small_linear passes where it is within 1.5x (+1e-4) of F.linear's (both round an
 times the launch settings of twell/small_linear.py (block rows, bytes a step, pipeline stages, warps) around the
 defaults, at M = 1 and 16, for an attention's projections (SWEEP_SHAPES). --families times the projections of the
 supported families' published sizes instead (FAMILY_SHAPES, 1 to 16 tokens), each row marked `served` where the
-modeling file launches small_linear for it (small_linear_wins; elsewhere it calls F.linear). Exits with status 1
-if a check fails.
+modeling file launches small_linear for it (small_linear_wins; elsewhere it calls F.linear); --grid times single
+weights of GRID_N x GRID_K at GRID_ROWS tokens, marked the same way. Exits with status 1 if a check fails.
 
   python benchmarks/small_linear_bench.py --json small_linear_h200.json
   python benchmarks/small_linear_bench.py --sweep --json small_linear_sweep_h200.json
   python benchmarks/small_linear_bench.py --families --json small_linear_families_h200.json
+  python benchmarks/small_linear_bench.py --grid --json small_linear_grid_h200.json
 """
 import argparse
 import itertools
@@ -59,8 +60,12 @@ FAMILY_SHAPES = {
     "Gemma-7B o": ((3072,), 4096, False), "Gemma-7B qkv": ((4096, 4096, 4096), 3072, False),
     "Gemma-2-2B o": ((2304,), 2048, False), "Gemma-2-2B qkv": ((2048, 1024, 1024), 2304, False),
     "Gemma-2-9B o": ((3584,), 4096, False), "Phi-3-mini qkv": ((9216,), 3072, False),
+    "Qwen2.5-14B o": ((5120,), 5120, False), "Phi-3-medium qkv": ((7680,), 5120, False),
+    "Llama-3.1-70B o": ((8192,), 8192, False),
 }
 FAMILY_ROWS = (1, 2, 4, 8, 16)
+# --grid: single weights of N x K rows and columns (K at most twice N) at GRID_ROWS tokens
+GRID_N, GRID_K, GRID_ROWS = (2048, 3072, 4096, 5120, 6144, 8192, 9216, 12288), (2048, 4096, 8192), (1, 2, 8, 16)
 MODULE = sys.modules["twell.small_linear"]
 
 
@@ -167,6 +172,9 @@ def main(argv=None):
     parser.add_argument("--families", action="store_true",
                         help="time the supported families' attention projections (FAMILY_SHAPES) instead, each row "
                              "with whether the modeling file launches small_linear for it (small_linear_wins)")
+    parser.add_argument("--grid", action="store_true",
+                        help="time single weights of GRID_N x GRID_K instead, each row with whether the modeling file "
+                             "would launch small_linear for it (small_linear_wins)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -177,13 +185,18 @@ def main(argv=None):
                                                    ("MAX_ROWS", "BLOCK_N", "WIDE_BLOCK_N", "WIDE_PROGRAMS_PER_SM",
                                                     "STEP_BYTES", "STAGES", "WARPS")}, rows=[])
     sms = sm_count(torch.device("cuda"))
-    timed = ([(model, *shape) for model, shape in FAMILY_SHAPES.items()] if args.families
-             else [(None, *shape) for shape in shapes()])
+    if args.families:
+        timed, counts = [(model, *shape) for model, shape in FAMILY_SHAPES.items()], FAMILY_ROWS
+    elif args.grid:
+        timed = [(f"{n} x {k}", (n,), k, False) for n in GRID_N for k in GRID_K if k <= 2 * n]
+        counts = GRID_ROWS
+    else:
+        timed, counts = [(None, *shape) for shape in shapes()], ROWS
     for model, rows, k, bias in timed:
         copies = copies_of(rows, k, bias)
-        for m in FAMILY_ROWS if args.families else ROWS:
+        for m in counts:
             timed_row = row(m, rows, k, bias, copies)
-            if args.families:
+            if model is not None:
                 timed_row = dict(model=model, served=small_linear_wins(m, rows, k, sms), **timed_row)
             result["rows"].append(timed_row)
             print_row(timed_row)
@@ -191,7 +204,7 @@ def main(argv=None):
             result.setdefault("sweep", []).extend(sweep_rows(rows, k, bias, copies))
         del copies
         torch.cuda.empty_cache()
-    if args.families:
+    if args.families or args.grid:
         for served in (True, False):
             speedups = [r["speedup"] for r in result["rows"] if r["served"] is served]
             if speedups:

@@ -46,9 +46,8 @@ STEP_BYTES, STAGES, WARPS = 8192, 4, 4
 # programs an SM (each program's K loop is then longer)
 ROW_BLOCK_N, ROW_WIDE_WARPS_BELOW = 8, 2
 # Where the launch beats cuBLAS (small_linear_wins): K is not split, so a weight whose K exceeds MAX_K_PER_N x N
-# streams long rows on few programs; at several rows of x a grid of more than one round of programs per SM is
-# slower where its last round leaves SMs idle, and one that fills LAST_ROUND_FILL of them keeps pace
-MAX_K_PER_N, LAST_ROUND_FILL = 2, 0.8
+# streams long rows on few programs; at several rows of x a grid of 16-row programs beyond one round is slower
+MAX_K_PER_N = 2
 
 
 def small_linear_fits(x, weight, bias=None) -> bool:
@@ -72,16 +71,16 @@ def small_linear_grouped_fits(x, weights, biases=None) -> bool:
 
 def small_linear_wins(m: int, rows, k: int, sms: int) -> bool:
     """Whether small_linear's launch of m rows of x through weights of `rows` rows each (K = k) takes less GPU
-    time than F.linear's on a GPU of `sms` SMs, as timed at the supported families' attention projections: a
-    grouped launch, which replaces one cuBLAS launch a weight, does; a single weight does where its K is at most
-    MAX_K_PER_N x N, at one row, or where its grid is one round of programs or fills LAST_ROUND_FILL of the SMs in
-    its last."""
+    time than F.linear's on a GPU of `sms` SMs, as timed at the supported families' attention projections and a
+    grid of single weights: a grouped launch, which replaces one cuBLAS launch a weight, does; a single weight
+    does where its K is at most MAX_K_PER_N x N, at one row, or where its grid is one round of programs or takes
+    WIDE_BLOCK_N rows a program (a grid of narrower programs beyond one round is slower)."""
     if len(rows) > 1:
         return True
     if k > MAX_K_PER_N * rows[0]:
         return False
-    programs = cdiv(rows[0], _block_rows(m, rows[0], sms))
-    return m == 1 or programs <= sms or programs / (cdiv(programs, sms) * sms) >= LAST_ROUND_FILL
+    block = _block_rows(m, rows[0], sms)
+    return m == 1 or cdiv(rows[0], block) <= sms or block == WIDE_BLOCK_N
 
 
 def _block_rows(m: int, rows: int, sms: int) -> int:

@@ -144,10 +144,10 @@ def test_small_linear_refuses_what_it_does_not_take():
     (8, [2560, 1024, 1024], 2560, True),  # a grouped launch replaces three of cuBLAS's
     (1, [1536], 8960, False), (1, [1024], 2048, True),  # K at most twice N
     (1, [2560], 4096, True),  # one row: 320 programs of 8 rows
-    (8, [2560], 4096, False),  # 160 programs of 16 rows on 132 SMs: 28 SMs busy in the last round
-    (8, [4096], 4096, True), (16, [3584], 3584, True),  # last rounds of 124 and 92 programs on 132 SMs
+    (8, [2560], 4096, False),  # 160 programs of 16 rows on 132 SMs: beyond one round
+    (8, [4096], 4096, False), (16, [5120], 5120, False), (2, [8192], 8192, False),  # 256, 320, 512 programs
     (8, [2048], 2048, True), (2, [896], 896, True),  # one round
-    (8, [9216], 3072, False),  # 288 programs of 32 rows: 24 in the last round
+    (8, [9216], 3072, True), (16, [12288], 4096, True),  # 288 and 384 programs of 32 rows
 ])
 def test_small_linear_wins_where_its_grid_fills_the_gpu(m, rows, k, wins):
     """The rule the modeling file routes a decode-size projection by, on a GPU of 132 SMs."""
