@@ -1,7 +1,7 @@
 """`python tests/chunked_cli.py ARGS` = `sparsify ARGS` with the LM head and loss in chunks of 5 tokens
 (helpers.SMALL_CHUNK_BYTES: a test's micro-batch would otherwise fit in one chunk and take the whole logits), for
 tests that start processes of their own (torchrun's, accelerate's). At exit each process prints how many
-micro-batches took the chunks (after CHUNKED_CALLS), which those tests check.
+micro-batches took the chunks (after helpers.CHUNKED_CALLS), which those tests read with helpers.chunked_calls.
 """
 import atexit
 import sys
@@ -10,11 +10,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's cli.py, not tests/
 from cli import main  # noqa: E402
 
-from helpers import SMALL_CHUNK_BYTES  # noqa: E402  (tests/, this script's folder)
+from helpers import CHUNKED_CALLS, SMALL_CHUNK_BYTES  # noqa: E402  (tests/, this script's folder)
 from sparsify.train import head_loss  # noqa: E402
 from twell.training import head_loss as head_loss_op  # noqa: E402
 
-CHUNKED_CALLS = "chunked LM-head calls:"
 calls = []
 head_losses = head_loss.head_losses
 

@@ -23,12 +23,13 @@ VOCAB_SIZE = 260
 # twell.training.head_loss.CHUNK_BYTES where a test's micro-batches must take the chunked LM head: 5 tokens a chunk
 # (the default's 256 MiB would hold a test's whole logits, which then take transformers' loss)
 SMALL_CHUNK_BYTES = 4 * VOCAB_SIZE * 5
+CHUNKED_CALLS = "chunked LM-head calls:"  # what tests/chunked_cli.py prints at exit before a process's count
+HIDDEN, INTERMEDIATE, LAYERS = 64, 160, 2
 
 
 def chunked_calls(stdout: str) -> list[int]:
     """Each process's count of chunked LM-head calls, as tests/chunked_cli.py prints them at exit."""
-    return [int(n) for n in re.findall(r"chunked LM-head calls: (\d+)", stdout)]
-HIDDEN, INTERMEDIATE, LAYERS = 64, 160, 2
+    return [int(n) for n in re.findall(re.escape(CHUNKED_CALLS) + r" (\d+)", stdout)]
 
 
 @functools.cache

@@ -703,8 +703,9 @@ def test_two_processes_calibrate_and_train_like_one_with_both_batches(files, tmp
     calibration = ["--calibrate-steps", "3", "--calibrate-tokens", "512", "--calibrate-sparsity", "0.5",
                    "--l1-log-scale", "0.2", "--swap-steps", "0"]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               Path(__file__).parent / "chunked_cli.py", "convert", model_folder(files, "llama"), "-o", tmp_path / "two", "--data", files / "corpus",
-               "--recipe", files / "recipe.yaml", "--steps", "2", "--batch-size", "2", *calibration]
+               Path(__file__).parent / "chunked_cli.py", "convert", model_folder(files, "llama"),
+               "-o", tmp_path / "two", "--data", files / "corpus", "--recipe", files / "recipe.yaml", "--steps", "2",
+               "--batch-size", "2", *calibration]
     done = subprocess.run([str(c) for c in command], cwd=Path(__file__).parents[1], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
