@@ -65,7 +65,8 @@ FAMILY_SHAPES = {
 }
 FAMILY_ROWS = (1, 2, 4, 8, 16)
 # --grid: single weights of N x K rows and columns (K at most twice N) at GRID_ROWS tokens
-GRID_N, GRID_K, GRID_ROWS = (2048, 3072, 4096, 5120, 6144, 8192, 9216, 12288), (2048, 4096, 8192), (1, 2, 8, 16)
+GRID_N = (2048, 3072, 4096, 5120, 6144, 7680, 8192, 9216, 10240, 12288, 14336, 16384)
+GRID_K, GRID_ROWS = (2048, 4096, 8192), (1, 2, 8, 16)
 MODULE = sys.modules["twell.small_linear"]
 
 
@@ -183,7 +184,8 @@ def main(argv=None):
     result = dict(device=torch.cuda.get_device_name(), versions=versions(), command="python " + " ".join(sys.argv),
                   copy_bytes=COPY_BYTES, settings={name: getattr(MODULE, name) for name in
                                                    ("MAX_ROWS", "BLOCK_N", "WIDE_BLOCK_N", "WIDE_PROGRAMS_PER_SM",
-                                                    "STEP_BYTES", "STAGES", "WARPS")}, rows=[])
+                                                    "STEP_BYTES", "STAGES", "WARPS", "ROW_BLOCK_N",
+                                                    "ROW_NARROW_PROGRAMS_PER_SM", "ROW_RESIDENT_PER_SM")}, rows=[])
     sms = sm_count(torch.device("cuda"))
     if args.families:
         timed, counts = [(model, *shape) for model, shape in FAMILY_SHAPES.items()], FAMILY_ROWS

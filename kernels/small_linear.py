@@ -9,10 +9,11 @@ weight element is read once, and N / BN programs cover the SMs from N = 16 * SMs
 needs a second kernel (the sum of fp32 partials, or the zeroing and the cast around fp32 atomics), whose launch and
 dependency cost about what a projection takes at decode, while the projections that run here (an attention's q, k
 and v in one launch, its o) have N = hidden size or more rows. A call of one row (batch-1 decode) takes no tl.dot
-tile, whose 16 rows would be 15 of padding: a program takes ROW_BLOCK_N weight rows and reduces their products with
-x in fp32 FMAs, so that twice as many programs stream the weight. Weights that share x (q, k and v) run in one
-launch (`small_linear_grouped`): the grid is the concatenation of their row blocks and a program finds its weight,
-bias and output by its block, so the weights stay separate tensors. Traced calls (torch.compile, export, dispatch
+tile, whose 16 rows would be 15 of padding: a program takes 8 or 16 weight rows (`_block_rows`) and reduces their
+products with x in fp32 FMAs, its K loop pipelined through shared memory like the tl.dot loop's (Triton pipelines a
+loop without a dot only where the loop asks for it). Weights that share x (q, k and v) run in one launch
+(`small_linear_grouped`): the grid is the concatenation of their row blocks and a program finds its weight, bias
+and output by its block, so the weights stay separate tensors. Traced calls (torch.compile, export, dispatch
 modes) reach the kernel through this copy's custom op.
 reference.small_linear_reference is the same math in PyTorch."""
 import itertools
@@ -42,11 +43,15 @@ WIDE_BLOCK_N, WIDE_PROGRAMS_PER_SM = 32, 2
 # so that one program an SM has about the memory's bandwidth-latency product in flight; with its x tiles at
 # most 48 KB of shared memory, which any GPU Triton targets holds (a Hopper SM several such programs)
 STEP_BYTES, STAGES, WARPS = 8192, 4, 4
-# One row of x: 8 weight rows a program; twice the warps where the grid has fewer than ROW_WIDE_WARPS_BELOW
-# programs an SM (each program's K loop is then longer)
-ROW_BLOCK_N, ROW_WIDE_WARPS_BELOW = 8, 2
+# One row of x: ROW_BLOCK_N weight rows a program, or half as many where the grid of those still has at most
+# ROW_NARROW_PROGRAMS_PER_SM programs an SM: more programs, each a shorter stream, where the grid is small
+ROW_BLOCK_N, ROW_NARROW_PROGRAMS_PER_SM = 16, 4
+# Programs of the one-row kernel an SM holds at once (72 registers a thread of 4 warps: 7 of an SM's 64K registers)
+ROW_RESIDENT_PER_SM = 7
 # Where the launch beats cuBLAS (small_linear_wins): K is not split, so a weight whose K exceeds MAX_K_PER_N x N
-# streams long rows on few programs; at several rows of x a grid of 16-row programs beyond one round is slower
+# streams long rows on few programs; at several rows of x a grid of 16-row programs beyond one round is slower, and
+# at one row a grid beyond one round of resident programs (ROW_RESIDENT_PER_SM an SM), whose last round leaves SMs
+# idle where cuBLAS's wider tiles do not
 MAX_K_PER_N = 2
 
 
@@ -73,20 +78,23 @@ def small_linear_wins(m: int, rows, k: int, sms: int) -> bool:
     """Whether small_linear's launch of m rows of x through weights of `rows` rows each (K = k) takes less GPU
     time than F.linear's on a GPU of `sms` SMs, as timed at the supported families' attention projections and a
     grid of single weights: a grouped launch, which replaces one cuBLAS launch a weight, does; a single weight
-    does where its K is at most MAX_K_PER_N x N, at one row, or where its grid is one round of programs or takes
-    WIDE_BLOCK_N rows a program (a grid of narrower programs beyond one round is slower)."""
+    does where its K is at most MAX_K_PER_N x N and its grid is one round: at one row, of resident programs
+    (ROW_RESIDENT_PER_SM an SM); at several, of programs (one an SM), or of WIDE_BLOCK_N-row programs."""
     if len(rows) > 1:
         return True
     if k > MAX_K_PER_N * rows[0]:
         return False
     block = _block_rows(m, rows[0], sms)
-    return m == 1 or cdiv(rows[0], block) <= sms or block == WIDE_BLOCK_N
+    if m == 1:
+        return cdiv(rows[0], block) <= ROW_RESIDENT_PER_SM * sms
+    return cdiv(rows[0], block) <= sms or block == WIDE_BLOCK_N
 
 
 def _block_rows(m: int, rows: int, sms: int) -> int:
     """Weight rows a program takes for m rows of x through `rows` weight rows in all."""
     if m == 1:
-        return ROW_BLOCK_N
+        narrow = ROW_BLOCK_N // 2
+        return narrow if cdiv(rows, narrow) <= ROW_NARROW_PROGRAMS_PER_SM * sms else ROW_BLOCK_N
     return WIDE_BLOCK_N if cdiv(rows, WIDE_BLOCK_N) >= WIDE_PROGRAMS_PER_SM * sms else BLOCK_N
 
 
@@ -141,7 +149,6 @@ def _launch(x, weights, biases):
     if m and rows:
         sms = sm_count(x.device)
         bn = _block_rows(m, rows, sms)
-        warps = 2 * WARPS if m == 1 and cdiv(rows, bn) < ROW_WIDE_WARPS_BELOW * sms else WARPS
         ends = list(itertools.accumulate(cdiv(w.shape[0], bn) for w in weights))  # of each weight's row blocks
         has_bias = biases[0] is not None
 
@@ -153,7 +160,8 @@ def _launch(x, weights, biases):
                 x2, *slots(weights), *slots(biases if has_bias else weights), *slots(outs), m, k, x2.stride(0),
                 *slots([w.shape[0] for w in weights]), *slots(ends)[:2], HAS_BIAS=has_bias, BM=MAX_ROWS, BN=bn,
                 BK=max(16, min(STEP_BYTES // (bn * x.element_size()), triton.next_power_of_2(k))), ROW=m == 1,
-                PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=STAGES)
+                STAGES=STAGES, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=WARPS,
+                num_stages=STAGES)
     return [out.view(*x.shape[:-1], w.shape[0]) for out, w in zip(outs, weights)]
 
 
@@ -172,7 +180,8 @@ if triton is not None:
     @triton.jit
     def _small_linear_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, out0_ptr, out1_ptr, out2_ptr,
                              M, K, x_stride, N0, N1, N2, END0, END1, HAS_BIAS: tl.constexpr, BM: tl.constexpr,
-                             BN: tl.constexpr, BK: tl.constexpr, ROW: tl.constexpr, PRECISION: tl.constexpr):
+                             BN: tl.constexpr, BK: tl.constexpr, ROW: tl.constexpr, STAGES: tl.constexpr,
+                             PRECISION: tl.constexpr):
         """Program p: BN rows of the weight whose row blocks hold block p of the grid (weight 0's blocks
         [0, END0), weight 1's [END0, END1), weight 2's the rest) into its output, contiguous [M, N]. With ROW
         (M = 1) the products are summed in FMAs instead of a tl.dot tile."""
@@ -191,7 +200,7 @@ if triton is not None:
         live_rows, live_cols = (rows < M)[:, None], (cols < n)[:, None]
         if ROW:  # acc's rows all hold x's one row times the weight rows
             products = tl.zeros((BN, BK), dtype=tl.float32)
-            for k in range(0, K, BK):
+            for k in tl.range(0, K, BK, num_stages=STAGES):
                 ks = k + steps
                 x = tl.load(x_ptr + ks, mask=ks < K, other=0.0)
                 w = tl.load(w_rows + ks[None, :], mask=live_cols & (ks < K)[None, :], other=0.0)

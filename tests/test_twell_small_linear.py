@@ -38,6 +38,7 @@ def assert_matches(out, ref):
 @pytest.mark.parametrize("lead,n,k,dtype", [
     ((1,), 64, 64, torch.float32),  # one token: products summed in FMAs, no tl.dot tile
     ((1, 1), 37, 1000, torch.float16),  # one token, N off the 8-row block, K over steps with a ragged last one
+    ((1,), 300, 700, torch.float16),  # one token, 16-row blocks (300 rows: beyond the narrow grid), N off them
     ((MAX_ROWS,), 40, 100, torch.float32),  # the bound; N and K not multiples of the blocks
     ((2, 8), 300, 300, torch.float32),  # leading dimensions; wide blocks (300 rows fill the grid), K over 3 steps
     ((3,), 7, 5, torch.float16),  # fewer rows than a block, K under the dot's 16
@@ -144,6 +145,7 @@ def test_small_linear_refuses_what_it_does_not_take():
     (8, [2560, 1024, 1024], 2560, True),  # a grouped launch replaces three of cuBLAS's
     (1, [1536], 8960, False), (1, [1024], 2048, True),  # K at most twice N
     (1, [2560], 4096, True),  # one row: 320 programs of 8 rows
+    (1, [14336], 8192, True), (1, [16384], 16384, False),  # 896 / 1024 programs of 16 rows: 924 resident at once
     (8, [2560], 4096, False),  # 160 programs of 16 rows on 132 SMs: beyond one round
     (8, [4096], 4096, False), (16, [5120], 5120, False), (2, [8192], 8192, False),  # 256, 320, 512 programs
     (8, [2048], 2048, True), (2, [896], 896, True),  # one round
