@@ -43,10 +43,10 @@ WIDE_BLOCK_N, WIDE_PROGRAMS_PER_SM = 32, 2
 # so that one program an SM has about the memory's bandwidth-latency product in flight; with its x tiles at
 # most 48 KB of shared memory, which any GPU Triton targets holds (a Hopper SM several such programs)
 STEP_BYTES, STAGES, WARPS = 8192, 4, 4
-# One row of x: ROW_BLOCK_N weight rows a program, or half as many where the grid of those still has at most
-# ROW_NARROW_PROGRAMS_PER_SM programs an SM: more programs, each a shorter stream, where the grid is small
+# One row of x: ROW_BLOCK_N weight rows a program, or half as many where a grid of such half-size programs has at
+# most ROW_NARROW_PROGRAMS_PER_SM an SM: more programs, each a shorter stream, where the grid is small
 ROW_BLOCK_N, ROW_NARROW_PROGRAMS_PER_SM = 16, 4
-# Programs of the one-row kernel an SM holds at once (72 registers a thread of 4 warps: 7 of an SM's 64K registers)
+# Programs of the one-row kernel an SM holds at once: 4 warps at its 72 registers a thread (sm_90) fit 7 times in 64K
 ROW_RESIDENT_PER_SM = 7
 # Where the launch beats cuBLAS (small_linear_wins): K is not split, so a weight whose K exceeds MAX_K_PER_N x N
 # streams long rows on few programs; at several rows of x a grid of 16-row programs beyond one round is slower, and
