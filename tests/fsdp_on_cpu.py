@@ -12,9 +12,8 @@ Checks ride along: every ReluGatedMLP forward asserts that the weights the hybri
 whole plain tensors (FSDP has unsharded its layer), and the chunked LM head (train.head_loss, in chunks of 5 tokens
 as tests/chunked_cli.py sets them, which also prints each process's count of chunked calls) that it computes on the
 whole head weight (its forward runs inside its FSDP unit's call); only the main process reads the source
-weights (the config's fsdp_cpu_ram_efficient_loading: the others get theirs from it in accelerate's preparation); and
-SPARSIFY_TEST_INTERRUPT=N sends SIGINT (Ctrl-C) to the main process alone when it reads its N-th training
-batch (0-based): the other process must stop after the same step; SPARSIFY_TEST_FAIL_WRITE makes the
+weights (the config's fsdp_cpu_ram_efficient_loading: the others get theirs from it in accelerate's preparation);
+chunked_cli.py's SPARSIFY_TEST_SIGNAL signals one process during training; and SPARSIFY_TEST_FAIL_WRITE makes the
 main process's export fail after training.
 """
 import functools
@@ -25,9 +24,8 @@ from accelerate.utils import DistributedType
 from torch.distributed.tensor import DTensor
 
 from chunked_cli import main  # tests/, this script's folder: the repository's cli, chunks of 5 tokens, counted
-from helpers import VOCAB_SIZE, interrupt, on_read
+from helpers import VOCAB_SIZE
 from sparsify import convert
-from sparsify.data import TrainingBatches
 from sparsify.relufy import ReluGatedMLP
 from sparsify.train import head_loss
 
@@ -78,12 +76,6 @@ AcceleratorState.__init__ = fsdp_on_cpu
 ReluGatedMLP.forward = forward_on_whole_weights
 head_loss.head_losses = head_losses_on_whole_weight
 convert.load_model = load_on_main_only
-if "SPARSIFY_TEST_INTERRUPT" in os.environ:
-    # Ctrl-C to the main process when it reads its batch at this index (the stream itself unchanged: the state
-    # saves its position)
-    TrainingBatches.__next__ = on_read(TrainingBatches.__next__, int(os.environ["SPARSIFY_TEST_INTERRUPT"]),
-                                       lambda: PartialState().is_main_process and interrupt())
-
 if "SPARSIFY_TEST_FAIL_WRITE" in os.environ:  # the main process's export fails after training
     convert._write = fail_to_write
 

@@ -35,7 +35,7 @@ def launch_fsdp(files, out, *extra, interrupt_at=None, source=None, fail_write=F
                "--num_processes", 2, "--main_process_port", 0, ROOT / "tests" / "fsdp_on_cpu.py",
                "convert", source or model_folder(files, "llama"), "-o", out, "--data", files / "corpus",
                "--recipe", files / "recipe.yaml", "--steps", STEPS, "--batch-size", 2, *extra]
-    env = {**os.environ, **({"SPARSIFY_TEST_INTERRUPT": str(interrupt_at)} if interrupt_at is not None else {}),
+    env = {**os.environ, **({"SPARSIFY_TEST_SIGNAL": f"0:{interrupt_at}:SIGINT"} if interrupt_at is not None else {}),
            **({"SPARSIFY_TEST_FAIL_WRITE": "1"} if fail_write else {})}
     return subprocess.run([str(c) for c in command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
