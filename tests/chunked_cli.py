@@ -3,7 +3,8 @@
 tests that start processes of their own (torchrun's, accelerate's). At exit each process prints how many
 micro-batches took the chunks (after helpers.CHUNKED_CALLS), which those tests read with helpers.chunked_calls.
 SPARSIFY_TEST_SIGNAL=RANK:N:NAME sends the signal NAME (SIGINT: Ctrl-C, SIGTERM: a job scheduler's stop) to the
-process of that rank alone when it reads its N-th training batch (0-based; the stream itself unchanged).
+process of that rank alone when it reads its N-th training batch (0-based; the stream itself unchanged), or, with N
+`measure`, as it starts measuring the trained model.
 """
 import atexit
 import os
@@ -15,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's
 from cli import main  # noqa: E402
 
 from helpers import CHUNKED_CALLS, SMALL_CHUNK_BYTES, on_read  # noqa: E402  (tests/, this script's folder)
+from sparsify import convert  # noqa: E402
 from sparsify.data import TrainingBatches  # noqa: E402
 from sparsify.train import head_loss  # noqa: E402
 from twell.training import head_loss as head_loss_op  # noqa: E402
@@ -34,8 +36,14 @@ atexit.register(lambda: print(CHUNKED_CALLS, len(calls), flush=True))
 if "SPARSIFY_TEST_SIGNAL" in os.environ:
     rank, at, name = os.environ["SPARSIFY_TEST_SIGNAL"].split(":")
     if os.environ.get("RANK", "0") == rank:  # the launchers (torchrun, accelerate's) set each process's RANK
-        TrainingBatches.__next__ = on_read(TrainingBatches.__next__, int(at),
-                                           lambda: os.kill(os.getpid(), getattr(signal, name)))
+        def send():
+            os.kill(os.getpid(), getattr(signal, name))
+
+        if at == "measure":
+            measure = convert.measure
+            convert.measure = lambda *args, **kwargs: (send(), measure(*args, **kwargs))[1]
+        else:
+            TrainingBatches.__next__ = on_read(TrainingBatches.__next__, int(at), send)
 
 if __name__ == "__main__":
     main()

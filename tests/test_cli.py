@@ -727,31 +727,41 @@ def test_two_processes_calibrate_and_train_like_one_with_both_batches(files, tmp
 
 
 @pytest.mark.slow
-def test_sigterm_to_one_of_two_processes_stops_both_after_the_same_step_then_resume(files, tmp_path):
-    """A job scheduler's SIGTERM that reaches only the second of two torchrun processes, while it reads its batch
-    of step 2: both stop after step 2 (they agree at each step's end) once the state is saved (a collective), with
-    SIGTERM's status (128 + 15; the launcher may end the main process by its own SIGTERM once the other has exited),
-    and that state resumes under two processes to the uninterrupted run's weights."""
+def test_sigterm_to_one_of_two_processes_in_training_then_after_it_each_resumes(files, tmp_path):
+    """A job scheduler's SIGTERM under two torchrun processes. To the second alone while it reads its batch of step
+    2: both stop after step 2 (they agree at each step's end) once the state is saved (a collective), with
+    SIGTERM's status (128 + 15; the launcher may end the main process by its own SIGTERM once the other has exited).
+    Resumed, to the main process alone as it starts measuring: with two processes nothing can be saved then, and the
+    state of the last step, saved as training ended, stands. Resumed again: the uninterrupted run's weights."""
     def two_processes(out, *extra, signal_at=None):
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                    Path(__file__).parent / "chunked_cli.py", "convert", model_folder(files, "llama"), "-o", out,
                    "--data", files / "corpus", "--recipe", files / "recipe.yaml", "--steps", "3", "--batch-size", "2",
                    *extra]
-        env = {**os.environ, **({"SPARSIFY_TEST_SIGNAL": f"1:{signal_at}:SIGTERM"} if signal_at is not None else {})}
-        return subprocess.run([str(c) for c in command], cwd=Path(__file__).parents[1], env=env, capture_output=True,
+        env = {**os.environ, **({"SPARSIFY_TEST_SIGNAL": f"{signal_at}:SIGTERM"} if signal_at is not None else {})}
+        done = subprocess.run([str(c) for c in command], cwd=Path(__file__).parents[1], env=env, capture_output=True,
                               text=True, timeout=300)
+        return done, set(re.findall(r"exitcode\s*:\s*(-?\d+)", done.stderr))  # torchrun's report of each process
 
     out, resume = tmp_path / "out", tmp_path / "out.resume"
-    stopped = two_processes(out, signal_at=1)
-    output = stopped.stdout + stopped.stderr
+    stopped, statuses = two_processes(out, signal_at="1:1")
+    output = " ".join((stopped.stdout + stopped.stderr).split())
     assert stopped.returncode != 0 and "interrupted at step 2 of 3" in output, output[-3000:]
-    statuses = set(re.findall(r"exitcode\s*:\s*(-?\d+)", output))  # torchrun's report of each process
     assert "143" in statuses and statuses <= {"143", "-15"}, output[-3000:]
     assert json.loads((resume / "state.json").read_text())["step"] == 2 and not out.exists()
-    resumed = two_processes(out, "--resume")
+
+    stopped, statuses = two_processes(out, "--resume", signal_at="0:measure")
+    output = " ".join((stopped.stdout + stopped.stderr).split())
+    assert stopped.returncode != 0 and "143" in statuses, output[-3000:]
+    assert f"the training state of step 3 of 3 is saved in {resume}" in output, output[-3000:]
+    assert chunked_calls(stopped.stdout) and set(chunked_calls(stopped.stdout)) == {1}  # each process that got to
+    # exit trained step 3 alone (the launcher may have ended the other)
+    assert json.loads((resume / "state.json").read_text())["step"] == 3 and not out.exists()
+
+    resumed, _ = two_processes(out, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert chunked_calls(resumed.stdout) == [1, 1]  # step 3 alone, on each process
-    whole = two_processes(tmp_path / "whole")
+    assert chunked_calls(resumed.stdout) == [0, 0]  # nothing left to train
+    whole, _ = two_processes(tmp_path / "whole")
     assert whole.returncode == 0, whole.stderr[-3000:]
     for name, weight in load_file(tmp_path / "whole" / "model.safetensors").items():
         torch.testing.assert_close(load_file(out / "model.safetensors")[name], weight, msg=name)
