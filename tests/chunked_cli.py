@@ -41,7 +41,12 @@ if "SPARSIFY_TEST_SIGNAL" in os.environ:
 
         if at == "measure":
             measure = convert.measure
-            convert.measure = lambda *args, **kwargs: (send(), measure(*args, **kwargs))[1]
+
+            def signalled_measure(*args, **kwargs):
+                send()
+                return measure(*args, **kwargs)
+
+            convert.measure = signalled_measure
         else:
             TrainingBatches.__next__ = on_read(TrainingBatches.__next__, int(at), send)
 
