@@ -85,9 +85,10 @@ def small_linear_wins(m: int, rows, k: int, sms: int) -> bool:
     if k > MAX_K_PER_N * rows[0]:
         return False
     block = _block_rows(m, rows[0], sms)
+    programs = cdiv(rows[0], block)
     if m == 1:
-        return cdiv(rows[0], block) <= ROW_RESIDENT_PER_SM * sms
-    return cdiv(rows[0], block) <= sms or block == WIDE_BLOCK_N
+        return programs <= ROW_RESIDENT_PER_SM * sms
+    return programs <= sms or block == WIDE_BLOCK_N
 
 
 def _block_rows(m: int, rows: int, sms: int) -> int:

@@ -695,6 +695,16 @@ def test_device_and_out_of_memory_errors_are_one_line(files, tmp_path, monkeypat
     assert not (tmp_path / "out").exists()
 
 
+def two_processes(files, out, *args, env=None):
+    """`sparsify convert` of the tiny Llama under torchrun, 2 CPU processes of batch 2, through tests/chunked_cli.py
+    (the LM head in chunks of 5 tokens; `env` may hold its SPARSIFY_TEST_SIGNAL)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               Path(__file__).parent / "chunked_cli.py", "convert", model_folder(files, "llama"), "-o", out,
+               "--data", files / "corpus", "--recipe", files / "recipe.yaml", "--batch-size", "2", *args]
+    return subprocess.run([str(c) for c in command], cwd=Path(__file__).parents[1], env={**os.environ, **(env or {})},
+                          capture_output=True, text=True, timeout=300)
+
+
 def test_two_processes_calibrate_and_train_like_one_with_both_batches(files, tmp_path, monkeypatch):
     # torchrun (what `accelerate launch` starts) with 2 CPU processes of batch 2 == 1 process of batch 4:
     # calibration fits layer l on process l % 2 (the log penalty's eps too) and shares the fits; then rank r reads
@@ -702,12 +712,7 @@ def test_two_processes_calibrate_and_train_like_one_with_both_batches(files, tmp
     # tokens (tests/chunked_cli.py), through DDP's wrapper in the two processes.
     calibration = ["--calibrate-steps", "3", "--calibrate-tokens", "512", "--calibrate-sparsity", "0.5",
                    "--l1-log-scale", "0.2", "--swap-steps", "0"]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               Path(__file__).parent / "chunked_cli.py", "convert", model_folder(files, "llama"),
-               "-o", tmp_path / "two", "--data", files / "corpus", "--recipe", files / "recipe.yaml", "--steps", "2",
-               "--batch-size", "2", *calibration]
-    done = subprocess.run([str(c) for c in command], cwd=Path(__file__).parents[1], capture_output=True, text=True,
-                          timeout=300)
+    done = two_processes(files, tmp_path / "two", "--steps", "2", *calibration)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "calibrated layer 1 (layers 0-1, process 1)" in done.stderr
     assert chunked_calls(done.stdout) == [2, 2]  # a micro-batch a step on each process
@@ -733,24 +738,19 @@ def test_sigterm_to_one_of_two_processes_in_training_then_after_it_each_resumes(
     SIGTERM's status (128 + 15; the launcher may end the main process by its own SIGTERM once the other has exited).
     Resumed, to the main process alone as it starts measuring: with two processes nothing can be saved then, and the
     state of the last step, saved as training ended, stands. Resumed again: the uninterrupted run's weights."""
-    def two_processes(out, *extra, signal_at=None):
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                   Path(__file__).parent / "chunked_cli.py", "convert", model_folder(files, "llama"), "-o", out,
-                   "--data", files / "corpus", "--recipe", files / "recipe.yaml", "--steps", "3", "--batch-size", "2",
-                   *extra]
-        env = {**os.environ, **({"SPARSIFY_TEST_SIGNAL": f"{signal_at}:SIGTERM"} if signal_at is not None else {})}
-        done = subprocess.run([str(c) for c in command], cwd=Path(__file__).parents[1], env=env, capture_output=True,
-                              text=True, timeout=300)
+    def three_steps(out, *extra, signal_at=None):
+        env = {"SPARSIFY_TEST_SIGNAL": f"{signal_at}:SIGTERM"} if signal_at is not None else {}
+        done = two_processes(files, out, "--steps", "3", *extra, env=env)
         return done, set(re.findall(r"exitcode\s*:\s*(-?\d+)", done.stderr))  # torchrun's report of each process
 
     out, resume = tmp_path / "out", tmp_path / "out.resume"
-    stopped, statuses = two_processes(out, signal_at="1:1")
+    stopped, statuses = three_steps(out, signal_at="1:1")
     output = " ".join((stopped.stdout + stopped.stderr).split())
     assert stopped.returncode != 0 and "interrupted at step 2 of 3" in output, output[-3000:]
     assert "143" in statuses and statuses <= {"143", "-15"}, output[-3000:]
     assert json.loads((resume / "state.json").read_text())["step"] == 2 and not out.exists()
 
-    stopped, statuses = two_processes(out, "--resume", signal_at="0:measure")
+    stopped, statuses = three_steps(out, "--resume", signal_at="0:measure")
     output = " ".join((stopped.stdout + stopped.stderr).split())
     assert stopped.returncode != 0 and "143" in statuses, output[-3000:]
     assert f"the training state of step 3 of 3 is saved in {resume}" in output, output[-3000:]
@@ -758,10 +758,10 @@ def test_sigterm_to_one_of_two_processes_in_training_then_after_it_each_resumes(
     # exit trained step 3 alone (the launcher may have ended the other)
     assert json.loads((resume / "state.json").read_text())["step"] == 3 and not out.exists()
 
-    resumed, _ = two_processes(out, "--resume")
+    resumed, _ = three_steps(out, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert chunked_calls(resumed.stdout) == [0, 0]  # nothing left to train
-    whole, _ = two_processes(tmp_path / "whole")
+    whole, _ = three_steps(tmp_path / "whole")
     assert whole.returncode == 0, whole.stderr[-3000:]
     for name, weight in load_file(tmp_path / "whole" / "model.safetensors").items():
         torch.testing.assert_close(load_file(out / "model.safetensors")[name], weight, msg=name)
