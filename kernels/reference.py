@@ -4,8 +4,9 @@ share of a row's output, which a decode gate program writes for an overflowing (
 tile-out path for every tile; `forward_reference`, the path of CPU tensors without Triton, which adds to
 `overflow` what the batched path's kernels add; `pack_reference` (the TwELL the gate kernels pack);
 `rms_norm_reference` and `rotary_reference`, transformers' modules op for op (rms_norm.py, rotary.py);
-`small_linear_reference` (small_linear.py). With the fp8 gate (fp8_gate.py), `gate_values` gives g as the
-kernels compute it; with e4m3 up and down rows, `block_output` mixes them as the kernels do."""
+`small_linear_reference` (small_linear.py); `decode_attention_reference` (decode_attention.py). With the fp8 gate
+(fp8_gate.py), `gate_values` gives g as the kernels compute it; with e4m3 up and down rows, `block_output` mixes
+them as the kernels do."""
 import torch
 
 from .format import HEAVY_UNITS, UNIT_SAMPLE, TwELL, cdiv, decode_rows, slots
@@ -141,3 +142,21 @@ def small_linear_reference(x, weight, bias=None):
     """x @ weight.T (+ bias) in fp32, cast to x's dtype."""
     out = x.float() @ weight.float().t()
     return (out if bias is None else out + bias.float()).to(x.dtype)
+
+
+def decode_attention_reference(query, key, value, mask=None, scale=None):
+    """softmax(q k^T * scale where the mask allows) v in fp32, each query head over its key/value head (H / Hkv query
+    heads a key/value head), the probabilities rounded to value's dtype as the kernel rounds them; [B, Q, H, D] in
+    query's dtype, zeros for a row whose mask allows nothing."""
+    b, h, q, d = query.shape
+    group = h // key.shape[1]
+    key = key.repeat_interleave(group, dim=1).float()
+    value = value.repeat_interleave(group, dim=1)
+    scores = query.float() @ key.transpose(-1, -2) * (d ** -0.5 if scale is None else scale)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    top = scores.amax(-1, keepdim=True)
+    p = torch.exp(scores - torch.where(top == float("-inf"), 0.0, top))
+    total = p.sum(-1, keepdim=True)
+    out = (p.to(value.dtype).float() @ value.float()) / torch.where(total == 0, 1.0, total)
+    return out.transpose(1, 2).to(query.dtype)

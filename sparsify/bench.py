@@ -50,7 +50,7 @@ PATHS = {
                         "default mode) and captured as one CUDA graph, one replay a token",
     "decode_step_graph": "one decode step over a static cache, captured as one CUDA graph and replayed (also run "
                          "directly: eager_step_ms; and the TwELL load with its attention projections on torch's "
-                         "linear: twell_torch_projections)",
+                         "linear: twell_torch_projections, with its attention on sdpa: twell_sdpa_attention)",
     "decode_step_compiled_graph": "one decode step over a static cache through torch.compile(fullgraph=True, "
                                   "dynamic=False) (inductor, default mode), captured as one CUDA graph and replayed",
 }
@@ -271,28 +271,31 @@ def capture_step(model, context: torch.Tensor, compiled: bool = False):
     return graph.replay, torch.inference_mode()(step), replayed.clone(), error
 
 
-# The TwELL load with its attention projections on their own forward (TwellForCausalLM.fuse_projections), beside
-# the two loads in the uncompiled decode-step rows: what the projections' small_linear kernel gives to the replayed
-# step, in one run (the step run directly takes their own forward either way: ProjectionGroup.signature)
-TORCH_PROJECTIONS = "twell_torch_projections"
+# The TwELL load with one of its modeling file's decoder kernels switched off (the TwellForCausalLM method, called
+# with False inside the block, then True), beside the two loads in the uncompiled decode-step rows: what the kernel
+# gives to the replayed step, in one run (the step run directly takes sdpa and the projections' own forward either
+# way: attention_signature, ProjectionGroup.signature). Load name: (method, the row's key of the load's time over the
+# TwELL load's, the row's key of its logits' error against the TwELL load's)
+SWITCHED_OFF = {"twell_torch_projections": ("fuse_projections", "small_linear_speedup", "torch_projections_rel_err"),
+                "twell_sdpa_attention": ("fuse_attention", "decode_attention_speedup", "sdpa_attention_rel_err")}
 
 
 @contextlib.contextmanager
-def torch_projections(model):
-    """`model` (a TwELL load) with its attention projections on their own forward inside the block."""
-    model.fuse_projections(False)
+def switched_off(model, method: str):
+    """`model` (a TwELL load) with the kernel that `method` switches off inside the block."""
+    getattr(model, method)(False)
     try:
         yield
     finally:
-        model.fuse_projections()
+        getattr(model, method)()
 
 
 def graph_step_row(models, context, compiled: bool = False) -> dict:
     """decode_step_graph (or, `compiled`, decode_step_compiled_graph): the replay's median time, and the
     breakdown of the step run directly (compiled: by kernel name, as module ranges cannot reach inside).
     Uncompiled, also each load's step run directly (`eager_step_ms`: the host's launches included), and the
-    replay of the TwELL load with its attention projections on their own forward (TORCH_PROJECTIONS;
-    `small_linear_speedup`: its time over the TwELL load's) where its modeling file has the switch."""
+    replays of the TwELL load with a decoder kernel switched off (SWITCHED_OFF) where its modeling file has the
+    switch."""
     from triton.testing import do_bench
 
     steps = {name: capture_step(model, context, compiled) for name, model in models.items()}
@@ -305,12 +308,13 @@ def graph_step_row(models, context, compiled: bool = False) -> dict:
     extra = {"eager_step_ms": eager_ms} if eager_ms else {}
     twell = models["twell"]
     # last: switching back gives the projections new groups, whose first uncaptured call launches small_linear
-    if not compiled and hasattr(twell, "fuse_projections"):
-        with torch_projections(twell):
-            steps[TORCH_PROJECTIONS] = capture_step(twell, context)
-        seconds[TORCH_PROJECTIONS] = do_bench(steps[TORCH_PROJECTIONS][0], return_mode="median") / 1e3
-        extra.update(small_linear_speedup=seconds[TORCH_PROJECTIONS] / seconds["twell"],
-                     torch_projections_rel_err=relative_error(steps["twell"][2], steps[TORCH_PROJECTIONS][2]))
+    for name, (method, speedup, error) in SWITCHED_OFF.items():
+        if not compiled and hasattr(twell, method):
+            with switched_off(twell, method):
+                steps[name] = capture_step(twell, context)
+            seconds[name] = do_bench(steps[name][0], return_mode="median") / 1e3
+            extra.update({speedup: seconds[name] / seconds["twell"],
+                          error: relative_error(steps["twell"][2], steps[name][2])})
     batch = context.shape[0]
     return path_row("decode_step_compiled_graph" if compiled else "decode_step_graph", batch, batch, seconds,
                     breakdown=split, context=context.shape[1],
@@ -509,9 +513,10 @@ def bench_table(result: dict):
             check += "; as generate " + "/".join(f"{100 * m:.0f}%" for m in row["matches_generate"].values())
         if "loop_speedup" in row:
             check += f"; vs dense loop {row['loop_speedup']:.2f}x"
-        if "small_linear_speedup" in row:
-            check += (f"; projections on small_linear {row['small_linear_speedup']:.2f}x "
-                      f"(rel. err {row['torch_projections_rel_err']:.1e})")
+        for what, (_, speedup, error) in zip(("projections on small_linear", "attention on its kernel"),
+                                             SWITCHED_OFF.values()):
+            if speedup in row:
+                check += f"; {what} {row[speedup]:.2f}x (rel. err {row[error]:.1e})"
         if "compile_s" in row:
             check += f"; compile {row['compile_s']['dense']:.0f}/{row['compile_s']['twell']:.0f} s"
         batch = f"{row['batch']}x{row['length']}" if "length" in row else str(row["batch"])  # prefill shapes

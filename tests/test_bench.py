@@ -6,7 +6,7 @@ import torch
 from rich.console import Console
 
 from sparsify import bench
-from sparsify.bench import (MAX_ROUNDS, MIN_TIMED_S, PATHS, TORCH_PROJECTIONS, _median_seconds, bench_checkpoint,
+from sparsify.bench import (MAX_ROUNDS, MIN_TIMED_S, PATHS, SWITCHED_OFF, _median_seconds, bench_checkpoint,
                             bench_table, logits_agreement, path_row, plan_summary, write_json)
 from sparsify.profiling import (COMPONENTS, RANGE, _range_of, busy_us, component_split, device_kernels,
                                 kernel_component, launch_ids, mlp_layers, module_component, module_ranges,
@@ -52,8 +52,10 @@ def result():
     compiled = path_row("generate_compiled", 1, 64, {"dense": 0.4, "twell": 0.25},
                         {"dense": [0.4, 0.5, 0.4], "twell": [0.25, 0.25, 0.2]}, greedy_match=1.0,
                         compile_s={"dense": 61.0, "twell": 58.0}, breakdown={"dense": split(), "twell": split()})
-    step = path_row("decode_step_graph", 8, 8, {"dense": 0.002, "twell": 0.00125, TORCH_PROJECTIONS: 0.00175},
+    step = path_row("decode_step_graph", 8, 8, {"dense": 0.002, "twell": 0.00125, "twell_torch_projections": 0.00175,
+                                                "twell_sdpa_attention": 0.0015},
                     logits_rel_err=5e-3, small_linear_speedup=1.4, torch_projections_rel_err=2e-3,
+                    decode_attention_speedup=1.2, sdpa_attention_rel_err=1e-3,
                     breakdown={"dense": split(), "twell": split()})
     return {"checkpoint": "ckpt", "device": "GPU", "versions": {}, "seq_len": 2048, "decode_tokens": 64,
             "decode_context": 512, "rows": [prefill, compiled, step], "mean_active_all_layers": 29.3,
@@ -100,7 +102,8 @@ def test_table_and_json(tmp_path):
     assert "1.25x" in text and "1.60x (2.00x)" in text and "29.3" in text and "1/2 layers sparse" in text
     assert "4.0e-03" in text and "rel. err 5.0e-03" in text and "compile 61/58 s" in text and "greedy 100%" in text
     assert "131072" in text and "6.00" in text  # the dense prefill's MLP ms in the breakdown
-    assert "projections on small_linear 1.40x (rel. err 2.0e-03)" in text  # the step's third load
+    assert "projections on small_linear 1.40x (rel. err 2.0e-03)" in text  # the step's third and fourth loads
+    assert "attention on its kernel 1.20x (rel. err 1.0e-03)" in text
     path = write_json(result(), tmp_path / "sub" / "bench.json")
     assert json.loads(path.read_text()) == result()
 
@@ -372,11 +375,12 @@ def test_bench_checkpoint_on_gpu(tmp_path):
     assert result["check"]["logits_rel_err"] < 2e-2 and rows["decode_step_graph"]["logits_rel_err"] < 2e-2
     assert rows["decode_step_compiled_graph"]["logits_rel_err"] < 2e-2
     assert max(rows["decode_step_compiled_graph"]["graph_vs_eager_rel_err"].values()) < 1e-2
-    step = rows["decode_step_graph"]  # beside it, the TwELL load with the projections on torch's linear
-    assert step["small_linear_speedup"] == pytest.approx(step[TORCH_PROJECTIONS]["ms"] / step["twell"]["ms"])
+    step = rows["decode_step_graph"]  # beside it, the TwELL load with the projections on torch's linear, on sdpa
+    for name, (_, speedup, error) in SWITCHED_OFF.items():
+        assert step[speedup] == pytest.approx(step[name]["ms"] / step["twell"]["ms"]) and step[error] < 2e-2
+        assert name not in rows["decode_step_compiled_graph"]
     assert set(step["eager_step_ms"]) == set(step["breakdown"]) == {"dense", "twell"}
-    assert step["torch_projections_rel_err"] < 2e-2 and max(step["graph_vs_eager_rel_err"].values()) < 1e-3
-    assert TORCH_PROJECTIONS not in rows["decode_step_compiled_graph"]
+    assert max(step["graph_vs_eager_rel_err"].values()) < 1e-3
     assert rows["generate_compiled"]["compile_s"]["twell"] > 0 and rows["generate_compiled"]["greedy_match"] > 0
     assert rows["prefill_compiled"]["compile_s"]["twell"] > 0
     graphed = rows["generate_graphed"]

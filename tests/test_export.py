@@ -35,9 +35,9 @@ TRAINING = {"base_model": "someone/tiny-base", "tokens": 4096, "steps": 2, "l1":
             "perplexity": {"original": 21.217893457, "after training": 20.651234}, "max_steps": 2,
             "max_tokens": 100_000}
 # The inference runtime: the files at the top of the kernel package (export.runtime_files)
-RUNTIME = {"batched.py", "cost_model.py", "decode.py", "decoder.py", "epilogues.py", "format.py", "fp8_gate.py",
-           "gate_hopper.py", "gated_mlp.py", "graphs.py", "heavy.py", "launch.py", "layer_plan.py", "paths.py",
-           "reference.py", "rms_norm.py", "rotary.py", "routing.py", "small_linear.py"}
+RUNTIME = {"batched.py", "cost_model.py", "decode.py", "decode_attention.py", "decoder.py", "epilogues.py",
+           "format.py", "fp8_gate.py", "gate_hopper.py", "gated_mlp.py", "graphs.py", "heavy.py", "launch.py",
+           "layer_plan.py", "paths.py", "reference.py", "rms_norm.py", "rotary.py", "routing.py", "small_linear.py"}
 
 
 def _relufied(family, **overrides):
@@ -415,10 +415,10 @@ def test_modeling_file_needs_only_torch_and_transformers():
                 for alias in node.names}
     absolute |= {node.module.split(".")[0] for node in ast.walk(tree)
                  if isinstance(node, ast.ImportFrom) and node.level == 0}
-    assert absolute == {"functools", "importlib", "math", "torch", "transformers", "warnings"}
+    assert absolute == {"collections", "functools", "importlib", "math", "torch", "transformers", "warnings"}
     relative = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 1}
-    assert relative == {"decoder", "format", "fp8_gate", "gated_mlp", "graphs", "paths", "routing", "generation",
-                        "launch", "layer_plan", "small_linear"}
+    assert relative == {"decode_attention", "decoder", "format", "fp8_gate", "gated_mlp", "graphs", "paths", "routing",
+                        "generation", "launch", "layer_plan", "small_linear"}
     generation = ast.parse(GENERATION_FILE.read_text())  # shipped beside it: torch, transformers and the stdlib
     assert {alias.name for node in ast.walk(generation) if isinstance(node, ast.Import) for alias in node.names} \
         | {node.module.split(".")[0] for node in ast.walk(generation) if isinstance(node, ast.ImportFrom)} \

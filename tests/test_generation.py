@@ -226,8 +226,6 @@ def test_converted_checkpoint_decodes_on_the_kernels(tmp_path, monkeypatch):
                             training=TRAINING)
     remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
     module = type(remote).__module__
-    import sys
-
     calls = []
     kernel = sys.modules[module].gated_mlp
     monkeypatch.setattr(sys.modules[module], "gated_mlp",
@@ -236,6 +234,41 @@ def test_converted_checkpoint_decodes_on_the_kernels(tmp_path, monkeypatch):
     generated = remote.generate_graphed(ids, 6, eos_token_id=[])
     assert calls and all(shape == (2, 1) for shape in calls[1:])  # the prefill, then one position a sequence
     assert torch.equal(generated, reference(model, ids, 6, eos_token_id=None, pad_token_id=0))
+
+
+@pytest.mark.interpreter
+def test_converted_checkpoint_attends_on_the_kernel_at_decode(tmp_path, monkeypatch):
+    """The checkpoint's attention is sdpa with its decode calls on decode_attention.py's kernel: the prefill's calls
+    take sdpa, the decode steps' the kernel, the tokens those of transformers' generate; fuse_attention(False) gives
+    sdpa back, and the saved config names neither. (The prompt is longer than the kernel's MAX_QUERIES tokens.)"""
+    model, tokenizer = tiny_model("llama")
+    relufy(model)
+    out = export_checkpoint(model, tokenizer, tmp_path / "ckpt", spec=spec_for(model.config), plan=PLAN,
+                            training=TRAINING)
+    remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    modeling = sys.modules[type(remote).__module__]
+    assert remote.config._attn_implementation == modeling.ATTENTION
+    calls = []
+    kernel = modeling.decode_attention_fitted
+    monkeypatch.setattr(modeling, "decode_attention_fitted", lambda q, *a: calls.append(q.shape) or kernel(q, *a))
+    ids = tiny_input_ids(2, 20)
+    generated = remote.generate_graphed(ids, 6, eos_token_id=[])
+    assert torch.equal(generated, reference(model, ids, 6, eos_token_id=None, pad_token_id=0))
+    heads, dim = model.config.num_attention_heads, model.config.hidden_size // model.config.num_attention_heads
+    assert calls and set(calls) == {(2, heads, 1, dim)}  # decode steps only: a prefill is SDPA's
+    calls.clear()
+    remote.fuse_attention(False)
+    assert remote.config._attn_implementation == "sdpa"
+    assert torch.equal(remote.generate_graphed(ids, 6, eos_token_id=[]), generated) and not calls
+    remote.fuse_attention()
+    remote.save_pretrained(tmp_path / "saved")
+    assert "twell_sdpa" not in (tmp_path / "saved" / "config.json").read_text()
+    # an uncaptured GPU call launches the kernel the first time its signature comes (it loads the kernel before a
+    # capture), the last SETTLED_SIGNATURES signatures kept; calls without one (CPU, captured) always launch
+    monkeypatch.setattr(modeling, "SETTLED_SIGNATURES", 2)
+    monkeypatch.setattr(modeling, "_SETTLED_ATTENTION", type(modeling._SETTLED_ATTENTION)())
+    assert [modeling.launches(s) for s in ("a", "a", "b", "c", "a", "c", None, None)] == [
+        True, False, True, True, True, False, True, True]
 
 
 def test_compiled_loops_count_their_own_recompiles():

@@ -11,7 +11,9 @@ the batched path's calls, `use_fp8_up_down()` to e4m3 up and down rows on its la
 The decoder's elementwise work runs fused where the family is in DECODER_FUSIONS (fuse_decoder): its RMSNorm
 modules on rms_norm.py's kernel and the attention's rotary embedding on rotary.py's (decoder.py, differentiable);
 so do the attention's projections at decode size on small_linear.py's (q, k and v in one launch), under CUDA-graph
-capture (ProjectionGroup.signature) and under torch.compile (its custom op), where no gradient is recorded. The
+capture (ProjectionGroup.signature) and under torch.compile (its custom op), where no gradient is recorded, and
+where the model's attention is transformers' sdpa, its decode-size calls on decode_attention.py's kernel under
+CUDA-graph capture (attention_forward, registered as the attention implementation ATTENTION). The
 norms and rotary run transformers' forward instead under torch.compile (which fuses that code itself); every
 installed forward does on CPU without the Triton interpreter, or for inputs the kernels do not take. The modules,
 their classes and the weights stay transformers'. Imports torch, transformers and the files beside it only.
@@ -20,6 +22,7 @@ import functools
 import importlib
 import math
 import warnings
+from collections import OrderedDict
 
 import torch
 import torch.nn.functional as F
@@ -34,11 +37,19 @@ from .paths import reads_fp8_gate, reads_fp8_up_down
 from .routing import ActivityRouter, eager, eager_dense, short_prefill
 from .generation import LoopUnsupported, generate_graphed, graphed_call, release_graphed
 from .layer_plan import LayerPlan, layer_plans
+from .decode_attention import decode_attention_fits, decode_attention_fitted, decode_attention_wins
 from .decoder import DECODER_FUSIONS, INTERPRET, fuse_norms_and_rotary, serves, takes
 from .small_linear import MAX_ROWS as SMALL_LINEAR_ROWS
 from .small_linear import (small_linear_fits, small_linear_fitted, small_linear_grouped_fits, small_linear_grouped_fitted,
                            small_linear_wins)
-from .launch import sm_count
+from .launch import op_name, sm_count
+
+try:
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+except ImportError:  # a transformers without attention functions: the model's own attention runs
+    AttentionInterface = None
 
 BASE_MODEL = "transformers.models.llama.modeling_llama.LlamaForCausalLM"
 PLAIN_TENSORS = (nn.Parameter, torch.Tensor)  # weights the kernels read; not subclasses such as DTensor
@@ -321,6 +332,75 @@ def fuse_attention_projections(attention, groups, enabled: bool = True) -> None:
                 del linear.forward
 
 
+# This copy's attention implementation: transformers' sdpa with decode-size calls on the kernel (attention_forward)
+ATTENTION = f"twell_{op_name('sdpa')}"
+# Arguments of an attention call under which it computes other than softmax(q k^T * scale, masked) v
+SDPA_ONLY = ("softcap", "s_aux", "position_bias")
+# Signatures of uncaptured CUDA calls (attention_signature) that launched the kernel once, which loaded it: their
+# later calls take sdpa, whose launch costs the host less; a CUDA graph's replay launches the kernel without it. The
+# last SETTLED_SIGNATURES settled are kept (a growing cache makes a signature a step): one dropped launches again
+SETTLED_SIGNATURES = 4096
+_SETTLED_ATTENTION = OrderedDict()
+
+
+def attention_signature(query, key, mask):
+    """What marks an uncaptured CUDA attention call as settled once it ran (None: on CPU, under capture, traced)."""
+    if not query.is_cuda or not eager(query):
+        return None
+    return (query.shape, query.stride(), key.shape, key.stride(), query.dtype, query.device,
+            None if mask is None else (mask.shape, mask.stride()))
+
+
+def launches(signature) -> bool:
+    """Whether a call of this attention_signature takes the kernel (and settles the signature): every call of None,
+    the first of any other."""
+    if signature is None:
+        return True
+    if signature in _SETTLED_ATTENTION:
+        return False
+    _SETTLED_ATTENTION[signature] = None
+    if len(_SETTLED_ATTENTION) > SETTLED_SIGNATURES:
+        _SETTLED_ATTENTION.popitem(last=False)
+    return True
+
+
+def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """transformers' sdpa attention function, with the calls that decode_attention.py's kernel takes and wins on
+    (decode_attention_wins) on it: a few query tokens (one, or more under a mask), no dropout, softcap, sink or
+    position bias, no gradient recorded, where the decoder's kernels serve (decoder.serves), under CUDA-graph
+    capture (and the first uncaptured call of each signature, which loads the kernel before a capture: CUDA cannot
+    load one during it)."""
+    if (dropout == 0.0 and not kwargs.get("output_attentions") and all(kwargs.get(k) is None for k in SDPA_ONLY)
+            and (query.shape[2] == 1 or attention_mask is not None) and serves(query)
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)))
+            and decode_attention_fits(query, key, value, attention_mask)
+            and decode_attention_wins(query.shape[0], key.shape[1], device_sms(query.device))):
+        if launches(attention_signature(query, key, attention_mask)):
+            return decode_attention_fitted(query, key, value, attention_mask, scaling), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  is_causal=is_causal, **kwargs)
+
+
+def use_decode_attention(model, enabled: bool = True) -> None:
+    """Makes the model's attention implementation ATTENTION where it is sdpa or, enabled=False, sdpa where it is
+    ATTENTION."""
+    if AttentionInterface is None:
+        return
+    current = model.config._attn_implementation
+    if enabled and current == "sdpa":
+        model.set_attn_implementation(ATTENTION)
+    elif not enabled and current == ATTENTION:
+        model.set_attn_implementation("sdpa")
+
+
+def _register_attention() -> None:
+    """Registers attention_forward as transformers' attention implementation ATTENTION, with sdpa's masks: at
+    import, so that a model unpickled or copied with ATTENTION in its config finds it."""
+    if AttentionInterface is not None:
+        AttentionInterface.register(ATTENTION, attention_forward)
+        AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+
+
 def fuse_decoder(model, layers) -> None:
     """Installs the fused forwards of the family's DECODER_FUSIONS entry on the model's norms and its decoder
     layers' attention (rotary: decoder.fuse_norms_and_rotary) and attention projections."""
@@ -344,6 +424,7 @@ class TwellForCausalLM(_import(BASE_MODEL), GenerationMixin):
         for layer, plan in zip(layers, plans):
             setattr(layer, layout["mlp"], TwellGatedMLP(getattr(layer, layout["mlp"]), layout, plan))
         fuse_decoder(self, layers)
+        use_decode_attention(self)
 
     def use_fp8_gate(self, enabled: bool = True) -> None:
         """Runs the sparse layers' gate pass in fp8 (e4m3, a scale a unit and a token; fp8_gate.py) where the
@@ -388,6 +469,13 @@ class TwellForCausalLM(_import(BASE_MODEL), GenerationMixin):
             release_graphed(self)
             for layer in self.get_submodule(self.config.twell["mlp"]["layers"]):
                 fuse_attention_projections(layer.self_attn, fusion.projections, enabled)
+
+    def fuse_attention(self, enabled: bool = True) -> None:
+        """Runs the captured decode-size attention calls on decode_attention.py's kernel (as loaded, where the
+        attention is sdpa) or, enabled=False, on sdpa (to time the two in one process); frees the graphed decode
+        loop, which captured one."""
+        release_graphed(self)
+        use_decode_attention(self, enabled)
 
     def generate_graphed(self, input_ids, max_new_tokens, **options):
         """Greedy or sampled continuation with one CUDA-graph replay a token, no Python loop on the host
@@ -452,3 +540,4 @@ def _register_causal_lm() -> None:
 
 
 _register_causal_lm()
+_register_attention()
