@@ -16,7 +16,7 @@ reference.decode_attention_reference is the same math in PyTorch."""
 import torch
 
 from .format import cdiv, on_device, use_triton
-from .launch import sm_count
+from .launch import custom_op, sm_count
 from .reference import decode_attention_reference
 
 try:
@@ -85,10 +85,18 @@ def splits(batch_heads: int, length: int, sms: int) -> int:
 
 def decode_attention_fitted(query, key, value, mask=None, scale=None, out=None):
     """`decode_attention` of arguments that decode_attention_fits has accepted, not checked again: for a caller that
-    checks them itself to choose between the kernel and another path."""
+    checks them itself to choose between the kernel and another path. Traced calls (torch.compile, export, dispatch
+    modes) reach the kernel through this copy's custom op."""
+    scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or type(query) is not torch.Tensor:
+        attended = _decode_attention_op(query, key, value, mask, scale)
+        return attended if out is None else out.copy_(attended)
+    return _launch(query, key, value, mask, scale, out)
+
+
+def _launch(query, key, value, mask, scale, out=None):
     b, h, q, d = query.shape
     hkv, length = key.shape[1], key.shape[2]
-    scale = d ** -0.5 if scale is None else float(scale)
     if out is None:
         out = torch.empty((b, q, h, d), dtype=query.dtype, device=query.device)
     if not use_triton(query):
@@ -117,6 +125,13 @@ def decode_attention_fitted(query, key, value, mask=None, scale=None, out=None):
                 partial, stats, out, n_split, *out.stride()[:3], **dims,
                 SP=max(2, triton.next_power_of_2(n_split)), num_warps=4)
     return out
+
+
+_decode_attention_op = custom_op(
+    "decode_attention", lambda query, key, value, mask, scale: _launch(query, key, value, mask, scale),
+    "(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor",
+    lambda query, key, value, mask, scale: query.new_empty(query.shape[0], query.shape[2], query.shape[1],
+                                                           query.shape[3]))
 
 
 if triton is not None:

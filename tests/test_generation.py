@@ -239,8 +239,9 @@ def test_converted_checkpoint_decodes_on_the_kernels(tmp_path, monkeypatch):
 @pytest.mark.interpreter
 def test_converted_checkpoint_attends_on_the_kernel_at_decode(tmp_path, monkeypatch):
     """The checkpoint's attention is sdpa with its decode calls on decode_attention.py's kernel: the prefill's calls
-    take sdpa, the decode steps' the kernel, the tokens those of transformers' generate; fuse_attention(False) gives
-    sdpa back, and the saved config names neither. (The prompt is longer than the kernel's MAX_QUERIES tokens.)"""
+    take sdpa, the decode steps' the kernel (traced too), the tokens those of transformers' generate;
+    fuse_attention(False) gives sdpa back, and the saved config names neither. (The prompt is longer than the
+    kernel's MAX_QUERIES tokens.)"""
     model, tokenizer = tiny_model("llama")
     relufy(model)
     out = export_checkpoint(model, tokenizer, tmp_path / "ckpt", spec=spec_for(model.config), plan=PLAN,
@@ -263,6 +264,12 @@ def test_converted_checkpoint_attends_on_the_kernel_at_decode(tmp_path, monkeypa
     remote.fuse_attention()
     remote.save_pretrained(tmp_path / "saved")
     assert "twell_sdpa" not in (tmp_path / "saved" / "config.json").read_text()
+    # traced, the decode steps reach the kernel through its custom op
+    kernels = sys.modules[f"{modeling.__name__.rsplit('.', 1)[0]}.decode_attention"]
+    launched, launch = [], kernels._launch
+    monkeypatch.setattr(kernels, "_launch", lambda q, *a: launched.append(q.shape) or launch(q, *a))
+    compiled = remote.generate_graphed(ids, 6, eos_token_id=[], compile=dict(backend="eager", fullgraph=True))
+    assert torch.equal(compiled, generated) and set(launched) == {(2, heads, 1, dim)}
     # an uncaptured GPU call launches the kernel the first time its signature comes (it loads the kernel before a
     # capture), the last SETTLED_SIGNATURES signatures kept; calls without one (CPU, captured) always launch
     monkeypatch.setattr(modeling, "SETTLED_SIGNATURES", 2)

@@ -12,8 +12,8 @@ The decoder's elementwise work runs fused where the family is in DECODER_FUSIONS
 modules on rms_norm.py's kernel and the attention's rotary embedding on rotary.py's (decoder.py, differentiable);
 so do the attention's projections at decode size on small_linear.py's (q, k and v in one launch), under CUDA-graph
 capture (ProjectionGroup.signature) and under torch.compile (its custom op), where no gradient is recorded, and
-where the model's attention is transformers' sdpa, its decode-size calls on decode_attention.py's kernel under
-CUDA-graph capture (attention_forward, registered as the attention implementation ATTENTION). The
+where the model's attention is transformers' sdpa, its decode-size calls on decode_attention.py's kernel, captured
+or traced (attention_forward, registered as the attention implementation ATTENTION). The
 norms and rotary run transformers' forward instead under torch.compile (which fuses that code itself); every
 installed forward does on CPU without the Triton interpreter, or for inputs the kernels do not take. The modules,
 their classes and the weights stay transformers'. Imports torch, transformers and the files beside it only.
@@ -220,11 +220,12 @@ class TwellGatedMLP(nn.Module):
 
 
 def fused(x, *tensors) -> bool:
-    """Whether the attention projections' kernel serves a call on x (and `tensors`, None among them ignored): none
-    of them a tensor subclass (a tensor-parallel plan's DTensor shards), no gradient is recorded (small_linear has
-    no backward), and where the decoder's kernels do (decoder.serves), or for a call traced by torch.compile where
-    they take x (decoder.takes: the trace calls small_linear's custom op; the compiler's own code for a decode-size
-    product reads the weights no faster than cuBLAS, in three launches where the group makes one)."""
+    """Whether the attention's kernels (its projections', its attention's) serve a call on x (and `tensors`, None
+    among them ignored): none of them a tensor subclass (a tensor-parallel plan's DTensor shards), no gradient is
+    recorded (neither kernel has a backward), and where the decoder's kernels do (decoder.serves), or for a call
+    traced by torch.compile where they take x (decoder.takes: the trace calls the kernel's custom op; the compiler's
+    own code for a decode-size product reads the weights no faster than cuBLAS, in three launches where the group
+    makes one, and it calls SDPA for the attention)."""
     if any(t is not None and type(t) not in PLAIN_TENSORS for t in tensors):
         return False
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *tensors)):
@@ -367,12 +368,11 @@ def launches(signature) -> bool:
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     """transformers' sdpa attention function, with the calls that decode_attention.py's kernel takes and wins on
     (decode_attention_wins) on it: a few query tokens (one, or more under a mask), no dropout, softcap, sink or
-    position bias, no gradient recorded, where the decoder's kernels serve (decoder.serves), under CUDA-graph
-    capture (and the first uncaptured call of each signature, which loads the kernel before a capture: CUDA cannot
-    load one during it)."""
+    position bias, where the attention's kernels serve (`fused`: traced calls through the kernel's custom op),
+    under CUDA-graph capture or traced (and the first uncaptured call of each signature, which loads the kernel
+    before a capture: CUDA cannot load one during it)."""
     if (dropout == 0.0 and not kwargs.get("output_attentions") and all(kwargs.get(k) is None for k in SDPA_ONLY)
-            and (query.shape[2] == 1 or attention_mask is not None) and serves(query)
-            and not (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)))
+            and (query.shape[2] == 1 or attention_mask is not None) and fused(query, key, value, attention_mask)
             and decode_attention_fits(query, key, value, attention_mask)
             and decode_attention_wins(query.shape[0], key.shape[1], device_sms(query.device))):
         if launches(attention_signature(query, key, attention_mask)):
