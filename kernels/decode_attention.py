@@ -32,7 +32,7 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BLOCK_N = 64  # cache positions a step: one tl.dot of the rows' queries against their keys
 STAGES = 3  # the steps' pipeline (Triton's num_stages): two steps' keys and values in flight while one is used
 PROGRAMS_PER_SM = 2  # programs the splits aim for on each SM
-WARPS = 4
+WARPS = 4  # a program's: 8 were slower
 
 
 def decode_attention_fits(query, key, value, mask=None) -> bool:
@@ -44,7 +44,7 @@ def decode_attention_fits(query, key, value, mask=None) -> bool:
         return False
     b, h, q, d = query.shape
     hkv, length = key.shape[1], key.shape[2]
-    fits = (key.shape[0] == b and key.shape[3] == d and 0 < hkv and h % hkv == 0 and 0 < q <= MAX_QUERIES
+    fits = (0 < b == key.shape[0] and key.shape[3] == d and 0 < hkv and h % hkv == 0 and 0 < q <= MAX_QUERIES
             and (h // hkv) * q <= MAX_ROWS and 0 < d <= MAX_HEAD_DIM and length > 0 and query.dtype in DTYPES
             and query.dtype == key.dtype == value.dtype and all(t.stride(-1) == 1 for t in (query, key, value))
             and query.device == key.device == value.device)
@@ -70,10 +70,10 @@ def decode_attention(query, key, value, mask=None, scale=None, out=None):
 
 
 def decode_attention_wins(batch: int, kv_heads: int, sms: int) -> bool:
-    """Whether the kernel takes less GPU time than SDPA's at decode on a GPU of `sms` SMs, as timed: where the
-    sequences' key/value heads are at most one an SM. There SDPA's grid (a program a head, or a key/value head where
-    the query heads are packed over it) leaves SMs idle, which the kernel's splits fill; on a fuller grid SDPA streams
-    the cache faster than the kernel's programs do."""
+    """Whether the kernel takes less GPU time than SDPA's at decode on a GPU of `sms` SMs, as timed
+    (benchmarks/decode_attention_bench.py): where the sequences' key/value heads are at most one an SM. There SDPA's
+    grid (a program a head, or a key/value head where the query heads are packed over it) leaves SMs idle, which the
+    kernel's splits fill; on a fuller grid SDPA streams the cache faster than the kernel's programs do."""
     return batch * kv_heads <= sms
 
 

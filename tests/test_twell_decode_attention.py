@@ -90,6 +90,7 @@ def test_what_the_kernel_takes():
         (query, key.transpose(-1, -2).contiguous().transpose(-1, -2), value, None),  # head dims not contiguous
         (query.double(), key.double(), value.double(), None),
         (*inputs(1, 4, 4, 1, 16, 512, torch.float32), None),  # head size
+        (*inputs(0, 4, 4, 1, 16, 32, torch.float32), None),  # no sequence
     ]
     for case in refused:
         assert not decode_attention_fits(*case)
