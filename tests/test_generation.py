@@ -278,6 +278,26 @@ def test_converted_checkpoint_attends_on_the_kernel_at_decode(tmp_path, monkeypa
         True, False, True, True, True, False, True, True]
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("family", ["mistral", "gemma3_text"])
+def test_sliding_window_checkpoints_attend_on_the_kernel_in_transformers_generate(family, tmp_path, monkeypatch):
+    """transformers' own generate (a dynamic cache, sliding-window layers' masks) over a converted checkpoint: its
+    decode steps' attention on the kernel, the tokens those of the source model's generate."""
+    model, tokenizer = tiny_model(family)
+    relufy(model)
+    out = export_checkpoint(model, tokenizer, tmp_path / "ckpt", spec=spec_for(model.config), plan=PLAN,
+                            training=TRAINING)
+    remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    modeling = sys.modules[type(remote).__module__]
+    calls = []
+    kernel = modeling.decode_attention_fitted
+    monkeypatch.setattr(modeling, "decode_attention_fitted", lambda q, *a: calls.append(q.shape) or kernel(q, *a))
+    ids = tiny_input_ids(2, 20)
+    options = dict(max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(remote.generate(ids, graphed=False, **options), model.generate(ids, **options))
+    assert len(calls) == 4 * model.config.num_hidden_layers  # every decode step's layers
+
+
 def test_compiled_loops_count_their_own_recompiles():
     """More loops of one model compiled with fullgraph in one process than dynamo's recompile limit allows a code
     object (a batch size each): each compiles under its own, so none fails on the count of those before it."""
