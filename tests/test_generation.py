@@ -274,7 +274,7 @@ def test_converted_checkpoint_attends_on_the_kernel_at_decode(tmp_path, monkeypa
     # capture), the last SETTLED_SIGNATURES signatures kept; calls without one (CPU, captured) always launch
     monkeypatch.setattr(modeling, "SETTLED_SIGNATURES", 2)
     monkeypatch.setattr(modeling, "_SETTLED_ATTENTION", type(modeling._SETTLED_ATTENTION)())
-    assert [modeling.launches(s) for s in ("a", "a", "b", "c", "a", "c", None, None)] == [
+    assert [modeling.takes_kernel(s) for s in ("a", "a", "b", "c", "a", "c", None, None)] == [
         True, False, True, True, True, False, True, True]
 
 

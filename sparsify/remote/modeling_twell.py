@@ -352,7 +352,7 @@ def attention_signature(query, key, mask):
             None if mask is None else (mask.shape, mask.stride()))
 
 
-def launches(signature) -> bool:
+def takes_kernel(signature) -> bool:
     """Whether a call of this attention_signature takes the kernel (and settles the signature): every call of None,
     the first of any other."""
     if signature is None:
@@ -375,7 +375,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
             and (query.shape[2] == 1 or attention_mask is not None) and fused(query, key, value, attention_mask)
             and decode_attention_fits(query, key, value, attention_mask)
             and decode_attention_wins(query.shape[0], key.shape[1], device_sms(query.device))):
-        if launches(attention_signature(query, key, attention_mask)):
+        if takes_kernel(attention_signature(query, key, attention_mask)):
             return decode_attention_fitted(query, key, value, attention_mask, scaling), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   is_causal=is_causal, **kwargs)
