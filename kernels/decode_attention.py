@@ -70,10 +70,10 @@ def decode_attention(query, key, value, mask=None, scale=None, out=None):
 
 
 def decode_attention_wins(batch: int, kv_heads: int, sms: int) -> bool:
-    """Whether the kernel takes less GPU time than SDPA's at decode on a GPU of `sms` SMs, as timed
-    (benchmarks/decode_attention_bench.py): where the sequences' key/value heads are at most one an SM. There SDPA's
-    grid (a program a head, or a key/value head where the query heads are packed over it) leaves SMs idle, which the
-    kernel's splits fill; on a fuller grid SDPA streams the cache faster than the kernel's programs do."""
+    """Whether the kernel takes less GPU time than SDPA's at decode on a GPU of `sms` SMs, as timed against
+    transformers' sdpa attention: where the sequences' key/value heads are at most one an SM. There SDPA's grid (a
+    program a head, or a key/value head where the query heads are packed over it) leaves SMs idle, which the kernel's
+    splits fill; on a fuller grid SDPA streams the cache faster than the kernel's programs do."""
     return batch * kv_heads <= sms
 
 
