@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One GPU run: GPU tests, the converted demo on the kernels, hybrid-routed vs dense conversion, small_linear
-# against F.linear, the model-level bench, and the FSDP check on one GPU; with two or more GPUs also the DDP
-# checks (plain, and with calibration: each process fits its share of the layers) and the FSDP check on two
-# (`sparsify convert demo` for 40 steps with every layer on the hybrid kernels, on N GPUs with batch 16 / N
-# each (torchrun: DDP; accelerate with recipes/accelerate/fsdp.yaml: FSDP2) against a plain run on 1 GPU with
-# batch 16: both logs, the weights' largest relative difference and any calibration records, in
+# against F.linear, decode attention against sdpa, the model-level bench, and the FSDP check on one GPU; with two
+# or more GPUs also the DDP checks (plain, and with calibration: each process fits its share of the layers) and the
+# FSDP check on two (`sparsify convert demo` for 40 steps with every layer on the hybrid kernels, on N GPUs with
+# batch 16 / N each (torchrun: DDP; accelerate with recipes/accelerate/fsdp.yaml: FSDP2) against a plain run on
+# 1 GPU with batch 16: both logs, the weights' largest relative difference and any calibration records, in
 # $OUT/<name>_hybrid_check.json).
 # Results and logs go to $OUT.
 # Each step runs even if an earlier one failed; the exit status says whether all passed.
@@ -55,6 +55,7 @@ step "GPU tests" timeout 400 python3 -m pytest -q -m gpu tests -p no:cacheprovid
 step "converted demo on the kernels" timeout 120 python3 benchmarks/checkpoint_kernel_check.py "$checkpoint" --force-sparse 64 4 --json "$OUT/demo_kernel_check_h100.json"
 step "hybrid-routed vs dense conversion" timeout 200 python3 benchmarks/hybrid_convert.py --json "$OUT/hybrid_convert_h100.json"
 step "small_linear against F.linear" timeout 200 python3 benchmarks/small_linear_bench.py --json "$OUT/small_linear_bench.json"
+step "decode attention against sdpa" timeout 150 python3 benchmarks/decode_attention_bench.py --json "$OUT/decode_attention_bench.json"
 step "model bench (quick: 4 layers, batch-1 decode paths)" timeout 320 python3 benchmarks/model_bench.py --quick --out "$OUT" --work /tmp/mb
 step "FSDP: 1 process against a plain run" multi_gpu_check fsdp1 1 "" python3 -m accelerate.commands.launch \
     --config_file recipes/accelerate/fsdp.yaml --num_processes 1
