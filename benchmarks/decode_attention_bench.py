@@ -23,6 +23,7 @@ from twell.launch import sm_count
 from twell.reference import decode_attention_reference
 
 from sparsify.bench import versions, write_json
+from sparsify.tune import relative_error
 
 HEAD_DIM = 128
 # (name, H, Hkv): the 1.5B-shape Llama of model_bench.py; Llama-3.1-8B's grouped-query attention
@@ -40,10 +41,6 @@ def sdpa(query, key, value, mask):
     return sdpa_attention_forward(module, query, key, value, mask, scaling=query.shape[-1] ** -0.5)[0]
 
 
-def rel_err(out, ref):
-    return ((out.float() - ref).norm() / ref.norm()).item()
-
-
 def bench_row(name, heads, kv_heads, batch, length, valid):
     cache_bytes = 2 * batch * kv_heads * length * HEAD_DIM * 2
     copies = max(1, COPY_BYTES // cache_bytes)
@@ -53,15 +50,15 @@ def bench_row(name, heads, kv_heads, batch, length, valid):
     mask = torch.zeros(batch, 1, 1, length, dtype=torch.bool, device="cuda")
     mask[..., :valid] = True
     ref = decode_attention_reference(query.float(), *(t.float() for t in caches[0]), mask)
-    errors = {"sdpa": rel_err(sdpa(query, *caches[0], mask), ref),
-              "kernel": rel_err(decode_attention(query, *caches[0], mask), ref)}
+    errors = {"sdpa": relative_error(sdpa(query, *caches[0], mask), ref),
+              "kernel": relative_error(decode_attention(query, *caches[0], mask), ref)}
     times = {op: do_bench_cudagraph(lambda: [fn(query, k, v, mask) for k, v in caches], rep=50,
                                     return_mode="median") * 1e3 / copies
              for op, fn in (("sdpa", sdpa), ("kernel", decode_attention))}
-    served = decode_attention_wins(batch, kv_heads, sm_count(query.device))
-    return dict(model=name, H=heads, Hkv=kv_heads, B=batch, L=length, valid=valid, served=served,
-                sdpa_us=times["sdpa"], kernel_us=times["kernel"], speedup=times["sdpa"] / times["kernel"],
-                err_sdpa=errors["sdpa"], err_kernel=errors["kernel"], ok=errors["kernel"] <= 1.5 * errors["sdpa"] + 1e-3)
+    return dict(model=name, H=heads, Hkv=kv_heads, B=batch, L=length, valid=valid,
+                served=decode_attention_wins(batch, kv_heads, sm_count(query.device)), sdpa_us=times["sdpa"],
+                kernel_us=times["kernel"], speedup=times["sdpa"] / times["kernel"], err_sdpa=errors["sdpa"],
+                err_kernel=errors["kernel"], ok=errors["kernel"] <= 1.5 * errors["sdpa"] + 1e-3)
 
 
 def main(argv=None):
@@ -73,8 +70,10 @@ def main(argv=None):
                   head_dim=HEAD_DIM, copy_bytes=COPY_BYTES, rows=[])
     for (name, heads, kv_heads), (batch, length, valid) in ((h, c) for h in HEADS for c in CACHES):
         row = bench_row(name, heads, kv_heads, batch, length, valid)
-        print(f"{name} B {batch} L {length} valid {valid}{' (served)' if row['served'] else ''}: sdpa {row['sdpa_us']:.1f} us, kernel {row['kernel_us']:.1f} "
-              f"us, {row['speedup']:.2f}x; rel. err {row['err_sdpa']:.1e} / {row['err_kernel']:.1e}", flush=True)
+        served = " (served)" if row["served"] else ""
+        print(f"{name} B {batch} L {length} valid {valid}{served}: sdpa {row['sdpa_us']:.1f} us, kernel "
+              f"{row['kernel_us']:.1f} us, {row['speedup']:.2f}x; rel. err {row['err_sdpa']:.1e} / "
+              f"{row['err_kernel']:.1e}", flush=True)
         result["rows"].append(row)
     if args.json:
         write_json(result, args.json)

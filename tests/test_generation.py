@@ -218,18 +218,27 @@ def test_sliding_window_cache_is_refused():
         generate_graphed(model, tiny_input_ids(1, 4), 4)
 
 
+def converted(family, folder):
+    """(a relufied tiny model of `family`, its checkpoint exported to `folder` and loaded through the modeling file,
+    that file's module)."""
+    model, tokenizer = tiny_model(family)
+    relufy(model)
+    out = export_checkpoint(model, tokenizer, folder, spec=spec_for(model.config), plan=PLAN, training=TRAINING)
+    remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    return model, remote, sys.modules[type(remote).__module__]
+
+
+def recorded(monkeypatch, module, name, what=lambda first: first.shape) -> list:
+    """The list to which each later call of module.name adds what(its first argument), the call unchanged."""
+    calls, function = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda first, *a, **k: calls.append(what(first)) or function(first, *a, **k))
+    return calls
+
+
 @pytest.mark.interpreter
 def test_converted_checkpoint_decodes_on_the_kernels(tmp_path, monkeypatch):
-    model, tokenizer = tiny_model("llama")
-    relufy(model)
-    out = export_checkpoint(model, tokenizer, tmp_path / "ckpt", spec=spec_for(model.config), plan=PLAN,
-                            training=TRAINING)
-    remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
-    module = type(remote).__module__
-    calls = []
-    kernel = sys.modules[module].gated_mlp
-    monkeypatch.setattr(sys.modules[module], "gated_mlp",
-                        lambda x, *a, **k: calls.append(x.shape[:-1]) or kernel(x, *a, **k))
+    model, remote, modeling = converted("llama", tmp_path / "ckpt")
+    calls = recorded(monkeypatch, modeling, "gated_mlp", lambda x: x.shape[:-1])
     ids = tiny_input_ids(2, 5)
     generated = remote.generate_graphed(ids, 6, eos_token_id=[])
     assert calls and all(shape == (2, 1) for shape in calls[1:])  # the prefill, then one position a sequence
@@ -242,16 +251,9 @@ def test_converted_checkpoint_attends_on_the_kernel_at_decode(tmp_path, monkeypa
     take sdpa, the decode steps' the kernel (traced too), the tokens those of transformers' generate;
     fuse_attention(False) gives sdpa back, and the saved config names neither. (The prompt is longer than the
     kernel's MAX_QUERIES tokens.)"""
-    model, tokenizer = tiny_model("llama")
-    relufy(model)
-    out = export_checkpoint(model, tokenizer, tmp_path / "ckpt", spec=spec_for(model.config), plan=PLAN,
-                            training=TRAINING)
-    remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
-    modeling = sys.modules[type(remote).__module__]
+    model, remote, modeling = converted("llama", tmp_path / "ckpt")
     assert remote.config._attn_implementation == modeling.ATTENTION
-    calls = []
-    kernel = modeling.decode_attention_fitted
-    monkeypatch.setattr(modeling, "decode_attention_fitted", lambda q, *a: calls.append(q.shape) or kernel(q, *a))
+    calls = recorded(monkeypatch, modeling, "decode_attention_fitted")
     ids = tiny_input_ids(2, 20)
     generated = remote.generate_graphed(ids, 6, eos_token_id=[])
     assert torch.equal(generated, reference(model, ids, 6, eos_token_id=None, pad_token_id=0))
@@ -265,9 +267,7 @@ def test_converted_checkpoint_attends_on_the_kernel_at_decode(tmp_path, monkeypa
     remote.save_pretrained(tmp_path / "saved")
     assert "twell_sdpa" not in (tmp_path / "saved" / "config.json").read_text()
     # traced, the decode steps reach the kernel through its custom op
-    kernels = sys.modules[f"{modeling.__name__.rsplit('.', 1)[0]}.decode_attention"]
-    launched, launch = [], kernels._launch
-    monkeypatch.setattr(kernels, "_launch", lambda q, *a: launched.append(q.shape) or launch(q, *a))
+    launched = recorded(monkeypatch, sys.modules[f"{modeling.__name__.rsplit('.', 1)[0]}.decode_attention"], "_launch")
     compiled = remote.generate_graphed(ids, 6, eos_token_id=[], compile=dict(backend="eager", fullgraph=True))
     assert torch.equal(compiled, generated) and set(launched) == {(2, heads, 1, dim)}
     # an uncaptured GPU call launches the kernel the first time its signature comes (it loads the kernel before a
@@ -283,15 +283,8 @@ def test_converted_checkpoint_attends_on_the_kernel_at_decode(tmp_path, monkeypa
 def test_sliding_window_checkpoints_attend_on_the_kernel_in_transformers_generate(family, tmp_path, monkeypatch):
     """transformers' own generate (a dynamic cache, sliding-window layers' masks) over a converted checkpoint: its
     decode steps' attention on the kernel, the tokens those of the source model's generate."""
-    model, tokenizer = tiny_model(family)
-    relufy(model)
-    out = export_checkpoint(model, tokenizer, tmp_path / "ckpt", spec=spec_for(model.config), plan=PLAN,
-                            training=TRAINING)
-    remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
-    modeling = sys.modules[type(remote).__module__]
-    calls = []
-    kernel = modeling.decode_attention_fitted
-    monkeypatch.setattr(modeling, "decode_attention_fitted", lambda q, *a: calls.append(q.shape) or kernel(q, *a))
+    model, remote, modeling = converted(family, tmp_path / "ckpt")
+    calls = recorded(monkeypatch, modeling, "decode_attention_fitted")
     ids = tiny_input_ids(2, 20)
     options = dict(max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert torch.equal(remote.generate(ids, graphed=False, **options), model.generate(ids, **options))

@@ -9,6 +9,8 @@ from twell.decode_attention import (BLOCK_N, MAX_QUERIES, MAX_ROWS, decode_atten
                                     decode_attention_wins, splits)
 from twell.reference import decode_attention_reference
 
+from sparsify.tune import relative_error
+
 from helpers import poison_allocations
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -25,10 +27,6 @@ def inputs(batch, heads, kv_heads, queries, length, dim, dtype, seed=0):
 
 def random_mask(shape, seed=1):
     return torch.rand(shape, generator=torch.Generator().manual_seed(seed)).to(DEV) < 0.6
-
-
-def rel_err(out, ref):
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 @pytest.mark.parametrize("batch,heads,kv_heads,queries,length,dim,dtype", [
@@ -122,4 +120,4 @@ def test_decode_attention_bf16_matches_sdpa_on_gpu(batch, heads, kv_heads, lengt
     expanded = [t.repeat_interleave(heads // kv_heads, dim=1) for t in (key, value)]
     sdpa = F.scaled_dot_product_attention(query, *expanded, attn_mask=mask).transpose(1, 2)
     ref = decode_attention_reference(query.float(), key.float(), value.float(), mask)
-    assert rel_err(out, ref) < 1e-2 and rel_err(sdpa, ref) < 1e-2 and rel_err(out, sdpa) < 1e-2
+    assert relative_error(out, ref) < 1e-2 and relative_error(sdpa, ref) < 1e-2 and relative_error(out, sdpa) < 1e-2
