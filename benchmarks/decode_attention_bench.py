@@ -1,13 +1,20 @@
-"""twell.decode_attention against transformers' sdpa attention function (torch's SDPA under a bool mask) at decode
-shapes, bf16, on a GPU, with a correctness check in the same run.
+"""The decode step's attention over the cache on the kernels against transformers, bf16, on a GPU, with a correctness
+check in the same run: twell.decode_attention against transformers' sdpa attention function (torch's SDPA under a
+bool mask), and twell.cache_write against transformers' StaticLayer.update (the new keys and values into a static
+cache).
 
-A row: B sequences of one query token each over a cache of L positions of which the first `valid` are written (a
-static cache as long as its longest use; the mask hides the rest), H query heads over Hkv key/value heads of 128
-dimensions (HEADS x CACHES). Both ops are timed as CUDA-graph replays over copies of the cache, called in turn, enough
-copies to hold COPY_BYTES so that they do not stay in L2 (as the layers of a decode step do not): microseconds a
-call. Each row is marked `served` where the modeling file takes the kernel for it (decode_attention_wins; elsewhere
+An attention row: B sequences of one query token each over a cache of L positions of which the first `valid` are
+written (a static cache as long as its longest use; the mask hides the rest), H query heads over Hkv key/value heads
+of 128 dimensions (HEADS x CACHES). Both ops are timed as CUDA-graph replays over copies of the cache, called in turn,
+enough copies to hold COPY_BYTES so that they do not stay in L2 (as the layers of a decode step do not): microseconds
+a call. Each row is marked `served` where the modeling file takes the kernel for it (decode_attention_wins; elsewhere
 SDPA). The check: each op's relative error against the fp32 reference of the same bf16 inputs; the kernel passes
-where it is within 1.5x (+1e-3) of SDPA's. Exits with status 1 if a check fails.
+where it is within 1.5x (+1e-3) of SDPA's.
+
+A write row (WRITES): Q new positions of B sequences' H heads of 128 dimensions written at position WRITE_AT of a
+WRITE_LENGTH-position static layer, both ops timed as CUDA-graph replays that first set the layer's count back (the
+reset timed alone and taken off). The check: the caches and the count equal transformers' after the same write.
+Exits with status 1 if a check fails.
 
   python benchmarks/decode_attention_bench.py --json decode_attention_h200.json
 """
@@ -15,9 +22,11 @@ import argparse
 import sys
 
 import torch
+from transformers.cache_utils import StaticLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from triton.testing import do_bench_cudagraph
 
+from twell.cache_write import cache_write
 from twell.decode_attention import decode_attention, decode_attention_wins
 from twell.launch import sm_count
 from twell.reference import decode_attention_reference
@@ -32,6 +41,9 @@ HEADS = (("1.5B shape", 16, 16), ("Llama-3.1-8B", 32, 8))
 CACHES = ((1, 512, 80), (1, 512, 512), (8, 512, 80), (8, 512, 512), (1, 4096, 4096), (8, 4096, 2048), (16, 1024, 1024),
           (32, 1024, 1024))
 COPY_BYTES = 256 << 20
+# (B, H, Q): decode steps of 1-128 sequences, a 4-token step, prefills of 1024 and 8 x 256 tokens into the cache
+WRITES = ((1, 16, 1), (8, 16, 1), (32, 16, 1), (64, 8, 1), (128, 16, 1), (4, 16, 4), (1, 16, 1024), (8, 16, 256))
+WRITE_LENGTH, WRITE_AT = 2048, 700
 
 
 def sdpa(query, key, value, mask):
@@ -61,6 +73,37 @@ def bench_row(name, heads, kv_heads, batch, length, valid):
                 err_kernel=errors["kernel"], ok=errors["kernel"] <= 1.5 * errors["sdpa"] + 1e-3)
 
 
+def write_row(batch, heads, queries):
+    layer = StaticLayer(max_cache_len=WRITE_LENGTH)
+    new = [torch.randn(batch, queries, heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+           for _ in range(2)]
+    layer.lazy_initialization(*new)
+    count = layer.cumulative_length
+
+    def reset():
+        count.fill_(WRITE_AT)
+
+    def transformers_update():
+        reset()
+        layer.update(*new)
+
+    def kernel():
+        reset()
+        cache_write(layer.keys, layer.values, count, *new)
+
+    transformers_update()
+    expected = [t.clone() for t in (layer.keys, layer.values, count)]
+    for t in (layer.keys, layer.values):
+        t.zero_()
+    kernel()
+    ok = all(torch.equal(a, b) for a, b in zip((layer.keys, layer.values, count), expected))
+    times = {op: do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e3
+             for op, fn in (("reset", reset), ("transformers", transformers_update), ("kernel", kernel))}
+    transformers_us, kernel_us = times["transformers"] - times["reset"], times["kernel"] - times["reset"]
+    return dict(B=batch, H=heads, Q=queries, L=WRITE_LENGTH, at=WRITE_AT, transformers_us=transformers_us,
+                kernel_us=kernel_us, speedup=transformers_us / kernel_us, reset_us=times["reset"], ok=ok)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="Write the rows here.")
@@ -75,9 +118,15 @@ def main(argv=None):
               f"{row['kernel_us']:.1f} us, {row['speedup']:.2f}x; rel. err {row['err_sdpa']:.1e} / "
               f"{row['err_kernel']:.1e}", flush=True)
         result["rows"].append(row)
+    result["writes"] = []
+    for batch, heads, queries in WRITES:
+        row = write_row(batch, heads, queries)
+        print(f"write B {batch} H {heads} Q {queries}: transformers {row['transformers_us']:.2f} us, kernel "
+              f"{row['kernel_us']:.2f} us, {row['speedup']:.2f}x; {'equal' if row['ok'] else 'DIFFERENT'}", flush=True)
+        result["writes"].append(row)
     if args.json:
         write_json(result, args.json)
-    return 0 if all(row["ok"] for row in result["rows"]) else 1
+    return 0 if all(row["ok"] for row in result["rows"] + result["writes"]) else 1
 
 
 if __name__ == "__main__":

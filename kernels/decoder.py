@@ -7,7 +7,9 @@ modules do (an fp32 rstd a row; nothing but the tables), so a training step save
 An installed forward runs transformers' forward instead under torch.compile (which fuses that code itself), for
 tensor subclasses (DTensor shards), on CPU without the Triton interpreter, or for inputs the kernels do not take.
 A family is installed only where the running transformers still computes what its entry says (norm_computes,
-rotary_computes: equal bits on a CPU probe). Imports torch and the files beside it only."""
+rotary_computes: equal bits on a CPU probe). The attention's forward hands its KV cache on as a WritingCache, whose
+static layers' updates run on cache_write.py's kernel (inference: training passes no cache). Imports torch and the
+files beside it only."""
 import functools
 import inspect
 import os
@@ -16,13 +18,15 @@ from dataclasses import dataclass
 
 import torch
 
+from .cache_write import cache_write_fits, cache_write_fitted
 from .format import use_triton
 from .gated_mlp import KERNEL_DTYPES
-from .reference import rms_norm_reference, rotary_reference
+from .reference import cache_write_reference, rms_norm_reference, rotary_reference
 from .rms_norm import rms_norm_fits, rms_norm_fitted
 from .rotary import rotary_fits, rotary_fitted
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton reads it when the kernels are defined, too
+CACHE_ARGUMENTS = ("cache", "past_key_values")  # the attention's KV cache argument: transformers >= 5.24's, earlier
 
 
 @dataclass(frozen=True)
@@ -103,7 +107,34 @@ def rotary_forward(attention):
 def attention_forward(attention, *args, **kwargs):
     if torch.compiler.is_compiling():
         return type(attention).forward(attention, *args, **kwargs)
+    for name in CACHE_ARGUMENTS:
+        if kwargs.get(name) is not None:
+            kwargs[name] = WritingCache(kwargs[name])
     return rotary_forward(attention)(attention, *args, **kwargs)
+
+
+class WritingCache:
+    """A KV cache as the fused attention forward hands it on: update() of a static layer on cache_write.py's kernel
+    where the kernels serve the call (one launch for transformers' five) and the layer's class computes what the
+    kernel does (static_update_computes); every other call and attribute the cache's own."""
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    def __getattr__(self, name):
+        return getattr(self.cache, name)
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        layers = getattr(self.cache, "layers", ())
+        layer = layers[layer_idx] if layer_idx < len(layers) else None
+        if (layer is not None and getattr(layer, "is_initialized", False)
+                and not getattr(self.cache, "offloading", False) and static_update_computes(type(layer))
+                and serves(key_states)):
+            caches = layer.keys, layer.values, layer.cumulative_length
+            if cache_write_fits(*caches, key_states, value_states):
+                cache_write_fitted(*caches, key_states, value_states)
+                return layer.keys, layer.values
+        return self.cache.update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
 @functools.cache
@@ -121,6 +152,31 @@ def norm_computes(norm_class, form: str, eps: str) -> bool:
                 if not torch.equal(norm_class.forward(probe, x), expected):
                     return False
     except Exception:  # noqa: BLE001 (another transformers release's module: it keeps its own forward)
+        return False
+    return True
+
+
+@functools.cache
+def static_update_computes(layer_class) -> bool:
+    """Whether layer_class is a static cache layer (not sliding) whose update, once initialized, computes
+    cache_write_reference and returns its caches (equal tensors on a CPU probe; a probe that fails says no)."""
+    if getattr(layer_class, "is_sliding", True):
+        return False
+    generator = torch.Generator().manual_seed(0)
+    try:
+        with torch.device("cpu"):
+            layer = layer_class(max_cache_len=5)
+            layer.update(*(torch.randn(2, 3, 2, 4, generator=generator) for _ in range(2)))
+            expected = [t.clone() for t in (layer.keys, layer.values, layer.cumulative_length)]
+            for tokens in (1, 2):
+                new = [torch.randn(2, 3, tokens, 4, generator=generator) for _ in range(2)]
+                returned = layer.update(*new)
+                cache_write_reference(*expected, *new)
+                if not (returned[0] is layer.keys and returned[1] is layer.values and all(
+                        torch.equal(a, b) for a, b in zip((layer.keys, layer.values, layer.cumulative_length),
+                                                          expected))):
+                    return False
+    except Exception:  # noqa: BLE001 (another transformers release's layer: its own update runs)
         return False
     return True
 

@@ -4,7 +4,8 @@ share of a row's output, which a decode gate program writes for an overflowing (
 tile-out path for every tile; `forward_reference`, the path of CPU tensors without Triton, which adds to
 `overflow` what the batched path's kernels add; `pack_reference` (the TwELL the gate kernels pack);
 `rms_norm_reference` and `rotary_reference`, transformers' modules op for op (rms_norm.py, rotary.py);
-`small_linear_reference` (small_linear.py); `decode_attention_reference` (decode_attention.py). With the fp8 gate
+`small_linear_reference` (small_linear.py); `decode_attention_reference` (decode_attention.py);
+`cache_write_reference` (cache_write.py), transformers' static cache update op for op. With the fp8 gate
 (fp8_gate.py), `gate_values` gives g as the kernels compute it; with e4m3 up and down rows, `block_output` mixes
 them as the kernels do."""
 import torch
@@ -160,3 +161,12 @@ def decode_attention_reference(query, key, value, mask=None, scale=None):
     total = p.sum(-1, keepdim=True)
     out = (p.to(value.dtype).float() @ value.float()) / torch.where(total == 0, 1.0, total)
     return out.transpose(1, 2).to(query.dtype)
+
+
+def cache_write_reference(keys, values, count, key_states, value_states) -> None:
+    """transformers' StaticLayer.update after its lazy initialization, op for op: key_states and value_states
+    [B, H, Q, D] into the caches [B, H, L, D] at positions count .. count + Q - 1, count advanced by Q, in place."""
+    positions = torch.arange(key_states.shape[-2], device=count.device) + count
+    count.add_(key_states.shape[-2])
+    keys.index_copy_(2, positions, key_states)
+    values.index_copy_(2, positions, value_states)

@@ -35,9 +35,10 @@ TRAINING = {"base_model": "someone/tiny-base", "tokens": 4096, "steps": 2, "l1":
             "perplexity": {"original": 21.217893457, "after training": 20.651234}, "max_steps": 2,
             "max_tokens": 100_000}
 # The inference runtime: the files at the top of the kernel package (export.runtime_files)
-RUNTIME = {"batched.py", "cost_model.py", "decode.py", "decode_attention.py", "decoder.py", "epilogues.py",
-           "format.py", "fp8_gate.py", "gate_hopper.py", "gated_mlp.py", "graphs.py", "heavy.py", "launch.py",
-           "layer_plan.py", "paths.py", "reference.py", "rms_norm.py", "rotary.py", "routing.py", "small_linear.py"}
+RUNTIME = {"batched.py", "cache_write.py", "cost_model.py", "decode.py", "decode_attention.py", "decoder.py",
+           "epilogues.py", "format.py", "fp8_gate.py", "gate_hopper.py", "gated_mlp.py", "graphs.py", "heavy.py",
+           "launch.py", "layer_plan.py", "paths.py", "reference.py", "rms_norm.py", "rotary.py", "routing.py",
+           "small_linear.py"}
 
 
 def _relufied(family, **overrides):

@@ -237,11 +237,16 @@ def recorded(monkeypatch, module, name, what=lambda first: first.shape) -> list:
 
 @pytest.mark.interpreter
 def test_converted_checkpoint_decodes_on_the_kernels(tmp_path, monkeypatch):
+    """Its MLPs on the kernels, one position a sequence at each decode step; the keys and values on cache_write.py's
+    kernel from the first decode step on (the prefill's update allocates the static cache: transformers')."""
     model, remote, modeling = converted("llama", tmp_path / "ckpt")
     calls = recorded(monkeypatch, modeling, "gated_mlp", lambda x: x.shape[:-1])
+    decoder = sys.modules[f"{modeling.__name__.rsplit('.', 1)[0]}.decoder"]
+    written = recorded(monkeypatch, decoder, "cache_write_fitted")
     ids = tiny_input_ids(2, 5)
     generated = remote.generate_graphed(ids, 6, eos_token_id=[])
     assert calls and all(shape == (2, 1) for shape in calls[1:])  # the prefill, then one position a sequence
+    assert len(written) == 5 * model.config.num_hidden_layers  # five decode steps after the prefill
     assert torch.equal(generated, reference(model, ids, 6, eos_token_id=None, pad_token_id=0))
 
 
