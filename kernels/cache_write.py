@@ -29,7 +29,7 @@ TICKET = 1 << 40  # a program's share of the count while the programs read it: c
 def cache_write_fits(keys, values, count, key_states, value_states) -> bool:
     """Whether `cache_write` takes these arguments: caches keys [B, H, L, Dk] and values [B, H, L, Dv], new rows
     key_states [B, H, Q, Dk] and value_states [B, H, Q, Dv] in the caches' dtype, unit last strides, rows to write
-    (B, H, Q > 0), Q <= L < 2^23 and fewer than 2^23 programs; count an int64 scalar; one device."""
+    (B, H, Q > 0), Q <= L < 2^23, fewer than 2^31 rows and 2^23 programs; count an int64 scalar; one device."""
     if not all(t.dim() == 4 for t in (keys, values, key_states, value_states)) or count.shape != ():
         return False
     b, h, length, _ = keys.shape
@@ -38,7 +38,8 @@ def cache_write_fits(keys, values, count, key_states, value_states) -> bool:
             and value_states.shape[:3] == (b, h, q) and key_states.shape[3] == keys.shape[3]
             and value_states.shape[3] == values.shape[3] and b * h > 0 and 0 < q <= length
             and keys.dtype == values.dtype == key_states.dtype == value_states.dtype and count.dtype == torch.int64
-            and length < 1 << 23 and _programs(b * h * q, max(keys.shape[3], values.shape[3])) < 1 << 23
+            and length < 1 << 23 and b * h * q < 1 << 31
+            and _programs(b * h * q, max(keys.shape[3], values.shape[3])) < 1 << 23
             and len({t.device for t in (keys, values, count, key_states, value_states)}) == 1
             and all(t.stride(-1) == 1 for t in (keys, values, key_states, value_states)))
 
