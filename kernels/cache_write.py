@@ -14,6 +14,7 @@ rather than attending what the cache held."""
 import torch
 
 from .format import on_device, use_triton
+from .launch import pdl_options, pdl_start
 from .reference import cache_write_reference
 
 try:
@@ -69,7 +70,7 @@ def cache_write_fitted(keys, values, count, key_states, value_states) -> None:
         _cache_write_kernel[(_programs(rows, block_d),)](
             key_states, value_states, keys, values, count, rows, h, q, dk, dv, length,
             *key_states.stride()[:3], *value_states.stride()[:3], *keys.stride()[:3], *values.stride()[:3],
-            TICKET=TICKET, BLOCK_R=_block_rows(block_d), BLOCK_D=block_d, num_warps=4)
+            TICKET=TICKET, BLOCK_R=_block_rows(block_d), BLOCK_D=block_d, num_warps=4, **pdl_options(keys.device))
 
 
 def _block_rows(block_d: int) -> int:
@@ -101,9 +102,10 @@ if triton is not None:
     @triton.jit
     def _cache_write_kernel(k_ptr, v_ptr, keys_ptr, values_ptr, count_ptr, rows, H, Q, DK, DV, L,
                             k_b, k_h, k_q, v_b, v_h, v_q, keys_b, keys_h, keys_l, values_b, values_h, values_l,
-                            TICKET: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                            TICKET: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
         """Program p: rows p * BLOCK_R .. at count .. count + Q - 1 (or, past the caches' end, NaN at their last
         position); the last program to read the count moves it to count + Q."""
+        pdl_start(PDL)
         programs = tl.num_programs(0).to(tl.int64)
         ticket = tl.atomic_add(count_ptr, TICKET)  # the count, plus TICKET for each program that read it before
         start = ticket % TICKET

@@ -16,7 +16,7 @@ reference.decode_attention_reference is the same math in PyTorch."""
 import torch
 
 from .format import cdiv, on_device, use_triton
-from .launch import custom_op, sm_count
+from .launch import custom_op, pdl_options, pdl_start, sm_count
 from .reference import decode_attention_reference
 
 try:
@@ -114,16 +114,17 @@ def _launch(query, key, value, mask, scale, out=None):
     else:
         partial = stats = out
     dims = dict(HKV=hkv, G=h // hkv, Q=q, D=d, BM=bm, BD=bd)
+    pdl = pdl_options(query.device)
     with on_device(query):
         _decode_attention_kernel[(b * hkv, n_split)](
             query, key, value, query if mask is None else mask, out, partial, stats, scale, length, keys,
             *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *mask_strides, *out.stride()[:3],
             **dims, BN=BLOCK_N, HAS_MASK=mask is not None, SPLIT=n_split > 1,
-            PRECISION="ieee" if query.dtype == torch.float32 else "tf32", STAGES=STAGES, num_warps=WARPS)
+            PRECISION="ieee" if query.dtype == torch.float32 else "tf32", STAGES=STAGES, num_warps=WARPS, **pdl)
         if n_split > 1:
             _combine_splits_kernel[(b * hkv, group_rows)](
                 partial, stats, out, n_split, *out.stride()[:3], **dims,
-                SP=max(2, triton.next_power_of_2(n_split)), num_warps=4)
+                SP=max(2, triton.next_power_of_2(n_split)), num_warps=4, **pdl)
     return out
 
 
@@ -149,9 +150,10 @@ if triton is not None:
                                  so_b, so_q, so_h, HKV: tl.constexpr, G: tl.constexpr, Q: tl.constexpr,
                                  D: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
                                  HAS_MASK: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-                                 STAGES: tl.constexpr):
+                                 STAGES: tl.constexpr, PDL: tl.constexpr):
         """Program (sequence x key/value head, split): rows r = g * Q + t of its tile are query head
         kv_head * G + g at token t; positions [split * KEYS, split * KEYS + KEYS) of the cache."""
+        pdl_start(PDL)
         pid = tl.program_id(0)
         split = tl.program_id(1)
         b = (pid // HKV).to(tl.int64)
@@ -211,9 +213,10 @@ if triton is not None:
     @triton.jit
     def _combine_splits_kernel(part_ptr, stats_ptr, out_ptr, SPLITS, so_b, so_q, so_h, HKV: tl.constexpr,
                                G: tl.constexpr, Q: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
-                               BD: tl.constexpr, SP: tl.constexpr):
+                               BD: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr):
         """Program (sequence x key/value head, row): the row's splits, each weighted by exp(its maximum - the
         largest), summed and divided by their weighted sums (zeros where no split allowed a position)."""
+        pdl_start(PDL)
         pid = tl.program_id(0)
         r = tl.program_id(1)
         b = (pid // HKV).to(tl.int64)

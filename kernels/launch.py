@@ -1,11 +1,14 @@
 """What the kernels' launchers share: a kernel bound to a fixed grid and scalar arguments (`Launch`), the device's
-SM count, whether it takes programmatic dependent launches, and the custom ops through which traced calls
+SM count, whether it takes programmatic dependent launches (and the options and first step of a kernel launched so:
+`pdl_options`, `pdl_start`), and the custom ops through which traced calls
 (torch.compile, export, dispatch modes) reach the kernels (`custom_op`)."""
+import functools
 import hashlib
 
 import torch
 
 try:
+    import triton
     import triton.language as tl
 except ImportError:  # CPU-only machines run the reference path
     tl = None
@@ -40,11 +43,32 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
+@functools.cache
 def use_pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch (Hopper and newer): the out kernel is launched while the gate kernel
-    runs and waits for it on the device, which hides its launch latency (decode)."""
+    """Programmatic dependent launch (Hopper and newer): a kernel is launched while the one before it runs and
+    waits for it on the device, which hides its launch latency (the MLP's out kernel behind its gate kernel at
+    decode; the decoder's kernels, pdl_options). Asked once a device: launchers ask at every call."""
     return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
             and hasattr(tl.extra.cuda, "gdc_wait"))  # Triton >= 3.4
+
+
+def pdl_options(device: torch.device) -> dict:
+    """Launch options of a kernel that starts with `pdl_start(PDL)`: where use_pdl, launched while the kernel before
+    it in the stream still runs (its launch latency hidden), PDL set so that it waits for that kernel first."""
+    return dict(PDL=True, launch_pdl=True) if use_pdl(device) else dict(PDL=False)
+
+
+if tl is not None:
+
+    @triton.jit
+    def pdl_start(PDL: tl.constexpr):
+        """With PDL, a kernel's first step: wait for the kernel before it in the stream (its writes visible), then
+        let the next one launch, which waits for this one in turn."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+else:
+    pdl_start = None
 
 
 # Each copy of these files (the installed package, each exported checkpoint's, possibly of other versions)

@@ -15,7 +15,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .format import cdiv, on_device, use_triton
-from .launch import sm_count
+from .launch import pdl_options, pdl_start, sm_count
 from .reference import rms_norm_reference
 
 try:
@@ -98,7 +98,7 @@ def _forward(x, weight, eps: float, form: str, keep_rstd: bool = False):
         with on_device(x):
             _rms_norm_kernel[(cdiv(m, rows),)](
                 x2, weight, out, rstd, m, n, x2.stride(0), eps, GEMMA=form == "gemma", STORE_RSTD=keep_rstd,
-                ROWS=rows, BLOCK=block, num_warps=warps)
+                ROWS=rows, BLOCK=block, num_warps=warps, **pdl_options(x.device))
     return out.view(x.shape), rstd
 
 
@@ -125,9 +125,10 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, weight_ptr, out_ptr, rstd_ptr, M, N, x_stride, eps, GEMMA: tl.constexpr,
-                         STORE_RSTD: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                         STORE_RSTD: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         """ROWS rows of x [M, N] (unit column stride) into out, contiguous [M, N]; with STORE_RSTD each row's
         rsqrt(mean(x^2) + eps) into rstd [M]."""
+        pdl_start(PDL)
         row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK)
         live = (row < M)[:, None] & (cols < N)[None, :]

@@ -17,6 +17,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .format import on_device, use_triton
+from .launch import pdl_options, pdl_start
 from .reference import rotary_reference
 
 try:
@@ -89,7 +90,8 @@ def _rotate(q, k, cos, sin, inverse: bool = False, dtype=None):
                 q, k, cos, sin, q_out, k_out, s, *q.stride()[:3], *k.stride()[:3], *q_out.stride()[:3],
                 *k_out.stride()[:3], *cos.stride()[:2], *sin.stride()[:2], hq, k.shape[1], d // 2,
                 HQ=triton.next_power_of_2(hq), HK=triton.next_power_of_2(k.shape[1]),
-                HALF=triton.next_power_of_2(d // 2), INVERSE=inverse, num_warps=4, enable_fp_fusion=False)
+                HALF=triton.next_power_of_2(d // 2), INVERSE=inverse, num_warps=4, enable_fp_fusion=False,
+                **pdl_options(q.device))
     return q_out, k_out
 
 
@@ -117,9 +119,11 @@ if triton is not None:
     @triton.jit
     def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, S, q_b, q_h, q_s, k_b, k_h, k_s,
                        qo_b, qo_h, qo_s, ko_b, ko_h, ko_s, cos_b, cos_s, sin_b, sin_s, HQ_N, HK_N, half,
-                       HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, INVERSE: tl.constexpr):
+                       HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, INVERSE: tl.constexpr,
+                       PDL: tl.constexpr):
         """Program (token, 0) rotates the token's q heads, (token, 1) its k heads; with INVERSE by the transposed
         rotation: out = x * cos + rotate_half^T(x * sin)."""
+        pdl_start(PDL)
         token = tl.program_id(0)
         b = (token // S).to(tl.int64)
         s = (token % S).to(tl.int64)

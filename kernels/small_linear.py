@@ -22,7 +22,7 @@ import math
 import torch
 
 from .format import cdiv, on_device, use_triton
-from .launch import custom_op, sm_count
+from .launch import custom_op, pdl_options, pdl_start, sm_count
 from .reference import small_linear_reference
 
 try:
@@ -162,7 +162,7 @@ def _launch(x, weights, biases):
                 *slots([w.shape[0] for w in weights]), *slots(ends)[:2], HAS_BIAS=has_bias, BM=MAX_ROWS, BN=bn,
                 BK=max(16, min(STEP_BYTES // (bn * x.element_size()), triton.next_power_of_2(k))), ROW=m == 1,
                 STAGES=STAGES, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=WARPS,
-                num_stages=STAGES)
+                num_stages=STAGES, **pdl_options(x.device))
     return [out.view(*x.shape[:-1], w.shape[0]) for out, w in zip(outs, weights)]
 
 
@@ -182,10 +182,11 @@ if triton is not None:
     def _small_linear_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, out0_ptr, out1_ptr, out2_ptr,
                              M, K, x_stride, N0, N1, N2, END0, END1, HAS_BIAS: tl.constexpr, BM: tl.constexpr,
                              BN: tl.constexpr, BK: tl.constexpr, ROW: tl.constexpr, STAGES: tl.constexpr,
-                             PRECISION: tl.constexpr):
+                             PRECISION: tl.constexpr, PDL: tl.constexpr):
         """Program p: BN rows of the weight whose row blocks hold block p of the grid (weight 0's blocks
         [0, END0), weight 1's [END0, END1), weight 2's the rest) into its output, contiguous [M, N]. With ROW
         (M = 1) the products are summed in FMAs instead of a tl.dot tile."""
+        pdl_start(PDL)
         block = tl.program_id(0)
         second, third = block >= END0, block >= END1
         w_ptr = tl.where(third, w2_ptr, tl.where(second, w1_ptr, w0_ptr))
