@@ -26,7 +26,7 @@ from .rms_norm import rms_norm_fits, rms_norm_fitted
 from .rotary import rotary_fits, rotary_fitted
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton reads it when the kernels are defined, too
-CACHE_ARGUMENTS = ("cache", "past_key_values")  # the attention's KV cache argument: transformers >= 5.24's, earlier
+CACHE_ARGUMENTS = ("cache", "past_key_values")  # the attention's KV cache argument: newer transformers', older
 
 
 @dataclass(frozen=True)
