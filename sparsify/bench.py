@@ -17,6 +17,7 @@ import platform
 import statistics
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from twell.layer_plan import layer_plans
@@ -271,13 +272,23 @@ def capture_step(model, context: torch.Tensor, compiled: bool = False):
     return graph.replay, torch.inference_mode()(step), replayed.clone(), error
 
 
-# The TwELL load with one of its modeling file's decoder kernels switched off (the TwellForCausalLM method, called
-# with False inside the block, then True), beside the two loads in the uncompiled decode-step rows: what the kernel
-# gives to the replayed step, in one run (the step run directly takes sdpa and the projections' own forward either
-# way: attention_signature, ProjectionGroup.signature). Load name: (method, the row's key of the load's time over the
-# TwELL load's, the row's key of its logits' error against the TwELL load's)
-SWITCHED_OFF = {"twell_torch_projections": ("fuse_projections", "small_linear_speedup", "torch_projections_rel_err"),
-                "twell_sdpa_attention": ("fuse_attention", "decode_attention_speedup", "sdpa_attention_rel_err")}
+class Switch(NamedTuple):
+    """A decoder kernel of the modeling file that a TwellForCausalLM method switches off (called with False, then
+    True), timed beside the two loads in the uncompiled decode-step rows: what the kernel gives to the replayed step,
+    in one run (the step run directly takes sdpa and the projections' own forward either way: attention_signature,
+    ProjectionGroup.signature)."""
+
+    method: str
+    speedup: str  # the row's key of the switched load's time over the TwELL load's
+    error: str  # the row's key of its logits' error against the TwELL load's
+    label: str  # what the table calls the kernel
+
+
+# load name: its switch
+SWITCHED_OFF = {"twell_torch_projections": Switch("fuse_projections", "small_linear_speedup",
+                                                  "torch_projections_rel_err", "projections on small_linear"),
+                "twell_sdpa_attention": Switch("fuse_attention", "decode_attention_speedup", "sdpa_attention_rel_err",
+                                               "attention on its kernel")}
 
 
 @contextlib.contextmanager
@@ -308,13 +319,13 @@ def graph_step_row(models, context, compiled: bool = False) -> dict:
     extra = {"eager_step_ms": eager_ms} if eager_ms else {}
     twell = models["twell"]
     # last: switching back gives the projections new groups, whose first uncaptured call launches small_linear
-    for name, (method, speedup, error) in SWITCHED_OFF.items():
-        if not compiled and hasattr(twell, method):
-            with switched_off(twell, method):
+    for name, switch in SWITCHED_OFF.items():
+        if not compiled and hasattr(twell, switch.method):
+            with switched_off(twell, switch.method):
                 steps[name] = capture_step(twell, context)
             seconds[name] = do_bench(steps[name][0], return_mode="median") / 1e3
-            extra.update({speedup: seconds[name] / seconds["twell"],
-                          error: relative_error(steps["twell"][2], steps[name][2])})
+            extra.update({switch.speedup: seconds[name] / seconds["twell"],
+                          switch.error: relative_error(steps["twell"][2], steps[name][2])})
     batch = context.shape[0]
     return path_row("decode_step_compiled_graph" if compiled else "decode_step_graph", batch, batch, seconds,
                     breakdown=split, context=context.shape[1],
@@ -513,10 +524,9 @@ def bench_table(result: dict):
             check += "; as generate " + "/".join(f"{100 * m:.0f}%" for m in row["matches_generate"].values())
         if "loop_speedup" in row:
             check += f"; vs dense loop {row['loop_speedup']:.2f}x"
-        for what, (_, speedup, error) in zip(("projections on small_linear", "attention on its kernel"),
-                                             SWITCHED_OFF.values()):
-            if speedup in row:
-                check += f"; {what} {row[speedup]:.2f}x (rel. err {row[error]:.1e})"
+        for switch in SWITCHED_OFF.values():
+            if switch.speedup in row:
+                check += f"; {switch.label} {row[switch.speedup]:.2f}x (rel. err {row[switch.error]:.1e})"
         if "compile_s" in row:
             check += f"; compile {row['compile_s']['dense']:.0f}/{row['compile_s']['twell']:.0f} s"
         batch = f"{row['batch']}x{row['length']}" if "length" in row else str(row["batch"])  # prefill shapes

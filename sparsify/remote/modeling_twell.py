@@ -13,7 +13,8 @@ modules on rms_norm.py's kernel and the attention's rotary embedding on rotary.p
 so do the attention's projections at decode size on small_linear.py's (q, k and v in one launch), under CUDA-graph
 capture (ProjectionGroup.signature) and under torch.compile (its custom op), where no gradient is recorded, and
 where the model's attention is transformers' sdpa, its decode-size calls on decode_attention.py's kernel, captured
-or traced (attention_forward, registered as the attention implementation ATTENTION). The
+or traced (attention_forward, registered as the attention implementation ATTENTION); a static cache's updates run
+on cache_write.py's (decoder.WritingCache). The
 norms and rotary run transformers' forward instead under torch.compile (which fuses that code itself); every
 installed forward does on CPU without the Triton interpreter, or for inputs the kernels do not take. The modules,
 their classes and the weights stay transformers'. Imports torch, transformers and the files beside it only.
