@@ -1,13 +1,14 @@
 """A decoder's elementwise work on the kernels, for inference and training alike: the family's RMSNorm modules on
 rms_norm.py's kernel and its attention's rotary embedding on rotary.py's, each installed as the module's own
-`forward` (fuse_norms_and_rotary; unfuse_norms_and_rotary takes them off). The modules, their classes and the
+`forward` (fuse_norms_and_rotary; unfuse_norms_and_rotary takes them off). At inference a pre-norm decoder layer
+(pre_norm_layer) also runs its residual add after the attention and its second norm as one launch (rms_norm_add). The modules, their classes and the
 weights stay transformers'. Both kernels are differentiable and keep less for the backward than transformers'
 modules do (an fp32 rstd a row; nothing but the tables), so a training step saves time and memory too.
 
 An installed forward runs transformers' forward instead under torch.compile (which fuses that code itself), for
 tensor subclasses (DTensor shards), on CPU without the Triton interpreter, or for inputs the kernels do not take.
 A family is installed only where the running transformers still computes what its entry says (norm_computes,
-rotary_computes: equal bits on a CPU probe). The attention's forward hands its KV cache on as a WritingCache, whose
+rotary_computes, layer_computes: equal bits on a CPU probe). The attention's forward hands its KV cache on as a WritingCache, whose
 static layers' updates run on cache_write.py's kernel (inference: training passes no cache). Imports torch and the
 files beside it only."""
 import functools
@@ -22,7 +23,7 @@ from .cache_write import cache_write_fits, cache_write_fitted
 from .format import use_triton
 from .gated_mlp import KERNEL_DTYPES
 from .reference import cache_write_reference, rms_norm_reference, rotary_reference
-from .rms_norm import rms_norm_fits, rms_norm_fitted
+from .rms_norm import rms_norm_add_fits, rms_norm_add_fitted, rms_norm_fits, rms_norm_fitted
 from .rotary import rotary_fits, rotary_fitted
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton reads it when the kernels are defined, too
@@ -77,6 +78,37 @@ def norm_forward(norm, form: str, eps: str, hidden_states):
     if serves(hidden_states) and rms_norm_fits(hidden_states, norm.weight, form):
         return rms_norm_fitted(hidden_states, norm.weight, getattr(norm, eps), form)
     return type(norm).forward(norm, hidden_states)
+
+
+def add_norm(norm, form: str, eps: str, x, residual):
+    """(norm(residual + x), residual + x): one launch of rms_norm_add where the kernels serve the call and no
+    gradient is recorded, else the add and the norm module."""
+    weight = norm.weight
+    if (serves(x) and not (torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad
+                                                        or weight.requires_grad))
+            and rms_norm_add_fits(x, residual, weight, form)):
+        return rms_norm_add_fitted(x, residual, weight, getattr(norm, eps), form)
+    summed = residual + x
+    return norm(summed), summed
+
+
+def pre_norm_layer(layer, add_norm, hidden_states, attention_mask=None, **kwargs):
+    """A pre-norm decoder layer as Llama's computes it: h = x + attention(input_layernorm(x)), then
+    h + mlp(post_attention_layernorm(h)), with `add_norm(attention output, x)` giving (the second norm's output, h)."""
+    attended, _ = layer.self_attn(hidden_states=layer.input_layernorm(hidden_states), attention_mask=attention_mask,
+                                  **kwargs)
+    normed, residual = add_norm(attended, hidden_states)
+    return residual + layer.mlp(normed)
+
+
+def layer_forward(layer, form: str, eps: str, hidden_states, *args, **kwargs):
+    """A decoder layer's forward (installed on the layer where layer_computes): pre_norm_layer with add_norm over its
+    post_attention_layernorm; the class's own under torch.compile (which fuses the add and norm itself), in training
+    mode (a family's dropouts) or for positional arguments."""
+    if args or layer.training or torch.compiler.is_compiling():
+        return type(layer).forward(layer, hidden_states, *args, **kwargs)
+    return pre_norm_layer(layer, functools.partial(add_norm, layer.post_attention_layernorm, form, eps),
+                          hidden_states, **kwargs)
 
 
 def fused_rotary(apply_rotary, q, k, cos, sin, *args, **kwargs):
@@ -182,6 +214,30 @@ def static_update_computes(layer_class) -> bool:
 
 
 @functools.cache
+def layer_computes(layer_class, config_class) -> bool:
+    """Whether layer_class computes pre_norm_layer: equal bits on a CPU probe of a small layer of config_class in
+    eval mode, fp32, random weights and rotary tables; a probe that fails says no."""
+    generator = torch.Generator().manual_seed(0)
+    try:
+        config = config_class(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+                              head_dim=8, num_hidden_layers=1, attn_implementation="eager")
+        with torch.device("cpu"), torch.no_grad():
+            layer = layer_class(config, 0).eval()
+            for parameter in layer.parameters():
+                parameter.copy_(torch.randn(parameter.shape, generator=generator))
+            x = torch.randn(2, 3, 16, generator=generator)
+            rotary = tuple(torch.randn(2, 3, 8, generator=generator) for _ in range(2))
+
+            def reference_add_norm(attended, residual):
+                summed = residual + attended
+                return layer.post_attention_layernorm(summed), summed
+            expected = layer_class.forward(layer, x, position_embeddings=rotary)
+            return torch.equal(pre_norm_layer(layer, reference_add_norm, x, position_embeddings=rotary), expected)
+    except Exception:  # noqa: BLE001 (another transformers release's layer: it keeps its own forward)
+        return False
+
+
+@functools.cache
 def rotary_computes(apply_rotary) -> bool:
     """Whether a family's apply_rotary_pos_emb computes rotary_reference (equal bits on a CPU probe, bf16; a probe
     that fails says no)."""
@@ -197,9 +253,10 @@ def rotary_computes(apply_rotary) -> bool:
 
 
 def fuse_norms_and_rotary(model, layers):
-    """Installs the kernels' forwards on the model's norms (those of its family's DECODER_FUSIONS entry) and on
-    the attention of its decoder `layers` (rotary), where the running transformers computes what the entry says.
-    Returns the family's entry, None for a family without one (nothing installed)."""
+    """Installs the kernels' forwards on the model's norms (those of its family's DECODER_FUSIONS entry), on
+    the attention of its decoder `layers` (rotary) and on those layers (pre_norm_layer), where the running
+    transformers computes what the entry says. Returns the family's entry, None for a family without one (nothing
+    installed)."""
     fusion = DECODER_FUSIONS.get(model.config.model_type)
     if fusion is None:
         return None
@@ -207,6 +264,10 @@ def fuse_norms_and_rotary(model, layers):
     if norms and norm_computes(type(norms[0]), fusion.form, fusion.eps):
         for norm in norms:
             norm.forward = functools.partial(norm_forward, norm, fusion.form, fusion.eps)
+        for layer in layers:
+            config = getattr(layer.self_attn, "config", None)
+            if config is not None and layer_computes(type(layer), type(config)):
+                layer.forward = functools.partial(layer_forward, layer, fusion.form, fusion.eps)
     for layer in layers:
         forward = inspect.unwrap(type(layer.self_attn).forward)
         apply_rotary = forward.__globals__.get("apply_rotary_pos_emb")
@@ -218,5 +279,5 @@ def fuse_norms_and_rotary(model, layers):
 def unfuse_norms_and_rotary(model) -> None:
     """Takes fuse_norms_and_rotary's forwards off again: every module runs its class's forward."""
     for module in model.modules():
-        if getattr(vars(module).get("forward"), "func", None) in (norm_forward, attention_forward):
+        if getattr(vars(module).get("forward"), "func", None) in (norm_forward, attention_forward, layer_forward):
             del module.forward

@@ -3,7 +3,8 @@ training/reference.py): the block, which every launch path's output matches (hea
 share of a row's output, which a decode gate program writes for an overflowing (row, tile) and the one-token
 tile-out path for every tile; `forward_reference`, the path of CPU tensors without Triton, which adds to
 `overflow` what the batched path's kernels add; `pack_reference` (the TwELL the gate kernels pack);
-`rms_norm_reference` and `rotary_reference`, transformers' modules op for op (rms_norm.py, rotary.py);
+`rms_norm_reference` and `rotary_reference`, transformers' modules op for op (rms_norm.py, rotary.py), and
+`rms_norm_add_reference`, a decoder layer's residual add and norm;
 `small_linear_reference` (small_linear.py); `decode_attention_reference` (decode_attention.py);
 `cache_write_reference` (cache_write.py), transformers' static cache update op for op. With the fp8 gate
 (fp8_gate.py), `gate_values` gives g as the kernels compute it; with e4m3 up and down rows, `block_output` mixes
@@ -126,6 +127,12 @@ def rms_norm_reference(x, weight, eps: float, form: str = "llama"):
     xf = x.to(torch.float32)
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype) if form == "llama" else (xf * (1.0 + weight.float())).type_as(x)
+
+
+def rms_norm_add_reference(x, residual, weight, eps: float, form: str = "llama"):
+    """(rms_norm_reference(residual + x), residual + x): a pre-norm decoder layer's residual add and second norm."""
+    summed = residual + x
+    return rms_norm_reference(summed, weight, eps, form), summed
 
 
 def rotate_half(x):

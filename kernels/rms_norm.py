@@ -5,6 +5,8 @@ transformers' module runs the norm as about seven kernels (casts, square, mean, 
 size each is a launch, in a prefill a pass over the activations. One program here normalizes ROWS rows held in
 registers. The two forms follow their modules' op order (FORMS), so that the outputs differ from transformers'
 only where the fp32 sum of squares adds in another order. reference.rms_norm_reference is that op order in PyTorch.
+`rms_norm_add` (inference) first adds a residual, as a pre-norm decoder layer does before its second norm, and
+returns the sum beside the norm: one launch for the layer's add and norm (reference.rms_norm_add_reference).
 
 Training: autograd through the module keeps several fp32 tensors of x's size per norm. _RMSNorm runs the
 same forward kernel, which then also stores each row's fp32 rstd = rsqrt(mean(x^2) + eps), and keeps only x and
@@ -16,7 +18,7 @@ from torch.autograd.function import once_differentiable
 
 from .format import cdiv, on_device, use_triton
 from .launch import pdl_options, pdl_start, sm_count
-from .reference import rms_norm_reference
+from .reference import rms_norm_add_reference, rms_norm_reference
 
 try:
     import triton
@@ -61,12 +63,37 @@ def rms_norm_fitted(x, weight, eps: float, form: str = "llama"):
     return _forward(x, weight, eps, form)[0]
 
 
+def rms_norm_add_fits(x, residual, weight, form: str = "llama") -> bool:
+    """Whether `rms_norm_add` takes these arguments: x and residual as rms_norm_fits takes x, of one shape, dtype
+    and device."""
+    return (rms_norm_fits(x, weight, form) and residual.shape == x.shape and residual.dtype == x.dtype
+            and residual.device == x.device and residual.stride(-1) == 1)
+
+
+def rms_norm_add(x, residual, weight, eps: float, *, form: str = "llama"):
+    """(rms_norm(residual + x), residual + x), the sum in x's dtype as torch adds them (rms_norm_add_fits says what
+    it takes). Inference only: no gradient. CPU tensors without the Triton interpreter take the reference."""
+    if not rms_norm_add_fits(x, residual, weight, form):
+        raise ValueError(f"rms_norm_add: x {tuple(x.shape)} {x.dtype}, residual {tuple(residual.shape)} "
+                         f"{residual.dtype}, weight {tuple(weight.shape)} {weight.dtype}, form {form!r} (x and "
+                         f"residual of one shape and dtype, rows of at most {MAX_WIDTH} with a unit last stride)")
+    return rms_norm_add_fitted(x, residual, weight, eps, form)
+
+
+def rms_norm_add_fitted(x, residual, weight, eps: float, form: str = "llama"):
+    """`rms_norm_add` of arguments that rms_norm_add_fits has accepted, not checked again."""
+    if not use_triton(x):
+        return rms_norm_add_reference(x, residual, weight, eps, form)
+    out, _, summed = _forward(x, weight, eps, form, residual=residual)
+    return out, summed
+
+
 class _RMSNorm(torch.autograd.Function):
     """rms_norm with the backward kernel: saves x (as passed), the weight and rstd (fp32, one a row of x)."""
 
     @staticmethod
     def forward(ctx, x, weight, eps: float, form: str):
-        out, rstd = _forward(x, weight, eps, form, keep_rstd=True)
+        out, rstd, _ = _forward(x, weight, eps, form, keep_rstd=True)
         ctx.form = form
         ctx.save_for_backward(x, weight, rstd)
         return out
@@ -86,20 +113,24 @@ def _tiling(n: int):
     return rows, block, max(1, min(16, rows * block // 256))
 
 
-def _forward(x, weight, eps: float, form: str, keep_rstd: bool = False):
-    """(out, rstd) of the kernel: rstd [M] fp32 with keep_rstd, else None."""
+def _forward(x, weight, eps: float, form: str, keep_rstd: bool = False, residual=None):
+    """(out, rstd, sum) of the kernel: rstd [M] fp32 with keep_rstd, else None; with a residual, the norm is of
+    residual + x, returned as the sum (else None)."""
     n = x.shape[-1]
     x2 = x.reshape(-1, n)
     m = x2.shape[0]
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     rstd = torch.empty(m, dtype=torch.float32, device=x.device) if keep_rstd else None
+    residual2 = residual.reshape(-1, n) if residual is not None else x2
+    summed = torch.empty(x2.shape, dtype=x.dtype, device=x.device) if residual is not None else None
     if m:
         rows, block, warps = _tiling(n)
         with on_device(x):
             _rms_norm_kernel[(cdiv(m, rows),)](
-                x2, weight, out, rstd, m, n, x2.stride(0), eps, GEMMA=form == "gemma", STORE_RSTD=keep_rstd,
-                ROWS=rows, BLOCK=block, num_warps=warps, **pdl_options(x.device))
-    return out.view(x.shape), rstd
+                x2, residual2, weight, out, summed, rstd, m, n, x2.stride(0), residual2.stride(0), eps,
+                GEMMA=form == "gemma", STORE_RSTD=keep_rstd, RESIDUAL=residual is not None, ROWS=rows, BLOCK=block,
+                num_warps=warps, **pdl_options(x.device))
+    return out.view(x.shape), rstd, summed.view(x.shape) if summed is not None else None
 
 
 def _backward(dy, x2, weight, rstd, form: str):
@@ -124,16 +155,22 @@ def _backward(dy, x2, weight, rstd, form: str):
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, weight_ptr, out_ptr, rstd_ptr, M, N, x_stride, eps, GEMMA: tl.constexpr,
-                         STORE_RSTD: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, rstd_ptr, M, N, x_stride, residual_stride,
+                         eps, GEMMA: tl.constexpr, STORE_RSTD: tl.constexpr, RESIDUAL: tl.constexpr,
+                         ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         """ROWS rows of x [M, N] (unit column stride) into out, contiguous [M, N]; with STORE_RSTD each row's
-        rsqrt(mean(x^2) + eps) into rstd [M]."""
+        rsqrt(mean(x^2) + eps) into rstd [M]. With RESIDUAL the rows normalized are x + residual, rounded to x's
+        dtype as torch's add rounds them, and stored into sum, contiguous [M, N]."""
         pdl_start(PDL)
         row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK)
         live = (row < M)[:, None] & (cols < N)[None, :]
         rows = row.to(tl.int64)[:, None]
         x = tl.load(x_ptr + rows * x_stride + cols[None, :], mask=live, other=0.0)
+        if RESIDUAL:
+            r = tl.load(residual_ptr + rows * residual_stride + cols[None, :], mask=live, other=0.0)
+            x = (r.to(tl.float32) + x.to(tl.float32)).to(x.dtype)
+            tl.store(sum_ptr + rows * N + cols[None, :], x, mask=live)
         xf = x.to(tl.float32)
         variance = tl.sum(xf * xf, axis=1) / N
         rstd = tl.math.rsqrt(variance + eps)

@@ -451,21 +451,22 @@ def test_remote_model_falls_back_to_dense_math(tmp_path, monkeypatch):
 
 
 def _record_fused_kernels(remote, monkeypatch) -> list:
-    """Calls of the remote module's decoder kernels, ("rms_norm",), ("rotary",), ("small_linear",) or
-    ("small_linear_grouped",), and of their argument checks wherever they run (the modeling file or the kernel's
-    file), ("rms_norm_fits",), ("rotary_fits",) or ("small_linear_fits",) (one a weight: small_linear_grouped_fits
-    runs it for each)."""
+    """Calls of the remote module's decoder kernels, ("rms_norm",), ("rms_norm_add",), ("rotary",),
+    ("small_linear",) or ("small_linear_grouped",), and of their argument checks wherever they run (the modeling
+    file or the kernel's file), ("rms_norm_fits",), ("rms_norm_add_fits",), ("rotary_fits",) or
+    ("small_linear_fits",) (one a weight: small_linear_grouped_fits runs it for each)."""
     calls, module = [], _remote_module(remote)
     decoder = sys.modules[module.fuse_norms_and_rotary.__module__]  # the checkpoint's decoder.py
 
     def recorded(label, function):
         return lambda *a, **k: calls.append((label,)) or function(*a, **k)
 
-    for owner, name, label in ((decoder, "rms_norm_fitted", "rms_norm"), (decoder, "rotary_fitted", "rotary"),
-                               (module, "small_linear_fitted", "small_linear"),
+    for owner, name, label in ((decoder, "rms_norm_fitted", "rms_norm"), (decoder, "rms_norm_add_fitted", "rms_norm_add"),
+                               (decoder, "rotary_fitted", "rotary"), (module, "small_linear_fitted", "small_linear"),
                                (module, "small_linear_grouped_fitted", "small_linear_grouped")):
         monkeypatch.setattr(owner, name, recorded(label, getattr(owner, name)))
-    for owner, name in ((decoder, "rms_norm_fits"), (decoder, "rotary_fits"), (module, "small_linear_fits")):
+    for owner, name in ((decoder, "rms_norm_fits"), (decoder, "rms_norm_add_fits"), (decoder, "rotary_fits"),
+                        (module, "small_linear_fits")):
         check = getattr(owner, name)
         for where in (owner, sys.modules[check.__module__]):
             monkeypatch.setattr(where, name, recorded(name, check))
@@ -480,12 +481,13 @@ def _projection_launches(fusion) -> list:
 @pytest.mark.interpreter  # the kernels on CPU tensors
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_fused_decoder_runs_norms_rotary_and_projections_on_the_kernels(family, tmp_path, monkeypatch):
-    """Eager inference runs every RMSNorm of the family's class (Qwen3's and Gemma 3's per-head norms too) and
-    each layer's rotary embedding on the kernels, and at decode size (up to small_linear.MAX_ROWS tokens) the
-    attention's projections too (q, k and v in one launch; Qwen2's biases), with the plain load's logits, in a
-    whole forward and in cached decode steps; the modules keep their classes and weights. Where gradients are
-    recorded the norms and rotary stay on their kernels, with the plain load's gradients, and the projections run
-    their own forward; for inputs in a dtype the kernels do not take, transformers' modules run."""
+    """Eager inference runs every RMSNorm of the family's class (Qwen3's and Gemma 3's per-head norms too, a
+    pre-norm layer's second norm with the residual add before it) and each layer's rotary embedding on the kernels,
+    and at decode size (up to small_linear.MAX_ROWS tokens) the attention's projections too (q, k and v in one
+    launch; Qwen2's biases), with the plain load's logits, in a whole forward and in cached decode steps; the modules
+    keep their classes and weights. Where gradients are recorded the norms and rotary stay on their kernels, with
+    the plain load's gradients, the residual adds are torch's and the projections run their own forward; for inputs
+    in a dtype the kernels do not take, transformers' modules run."""
     model, tokenizer, spec = _relufied(family, tie_word_embeddings=family in TIED)
     out = export_checkpoint(model, tokenizer, tmp_path / f"ckpt-{family}", spec=spec, plan=[LayerPlan()] * 2,
                             training=TRAINING)
@@ -503,7 +505,13 @@ def test_fused_decoder_runs_norms_rotary_and_projections_on_the_kernels(family, 
     monkeypatch.setattr(_remote_module(remote), "device_sms", lambda device: 132)
     ids = tiny_input_ids()  # 24 tokens: above small_linear's bound
     _close(_logits(remote, ids), _logits(plain, ids))
-    kernels = [("rms_norm",), ("rms_norm_fits",)] * len(norms) + [("rotary",), ("rotary_fits",)] * len(layers)
+    # pre-norm layers (not Gemma 2's and 3's, with norms after the attention and the MLP too): the residual add and
+    # the second norm in one launch
+    fused_layers = [layer for layer in layers if "forward" in vars(layer)]
+    assert len(fused_layers) == (0 if family in ("gemma2", "gemma3_text") else len(layers))
+    rotary = [("rotary",), ("rotary_fits",)] * len(layers)
+    kernels = ([("rms_norm",), ("rms_norm_fits",)] * (len(norms) - len(fused_layers)) + rotary
+               + [("rms_norm_add",), ("rms_norm_add_fits",), ("rms_norm_fits",)] * len(fused_layers))
     prefill = [call for call in calls if call != ("small_linear_fits",)]  # the projections' checks decline 24 tokens
     assert sorted(prefill) == sorted(kernels)  # every norm and rotary on the kernel, its arguments checked once
     calls.clear()
@@ -522,8 +530,8 @@ def test_fused_decoder_runs_norms_rotary_and_projections_on_the_kernels(family, 
     assert calls.count(("small_linear_grouped",)) + calls.count(("small_linear",)) == \
         2 * len(_projection_launches(fusion)) * len(layers)
     calls.clear()
-    logits = remote(short).logits  # gradients recorded: the projections' kernel has no backward
-    assert sorted(calls) == sorted(kernels) and logits.requires_grad
+    logits = remote(short).logits  # gradients recorded: the projections' and the add's kernels have no backward
+    assert sorted(calls) == sorted([("rms_norm",), ("rms_norm_fits",)] * len(norms) + rotary) and logits.requires_grad
     _close(logits.detach(), _logits(plain, short))
     logits.square().mean().backward()
     plain(short).logits.square().mean().backward()
@@ -653,10 +661,17 @@ def test_projections_launch_on_a_gpu_only_under_capture(tmp_path, monkeypatch):
 
 
 def test_fused_decoder_checks_the_installed_transformers(tmp_path, monkeypatch):
-    """A norm class that does not compute its form, or an apply_rotary_pos_emb that is not the standard one
-    (another transformers release), keeps transformers' forward; the projections, plain nn.Linear layers, take
-    the kernel in any release."""
+    """A norm class that does not compute its form, an apply_rotary_pos_emb that is not the standard one or a
+    decoder layer that is not pre-norm (another transformers release) keeps transformers' forward; the projections,
+    plain nn.Linear layers, take the kernel in any release. A fused layer in training mode runs its class's forward
+    (a family's dropouts)."""
     from transformers.models.llama import modeling_llama
+
+    class PostNormLayer(modeling_llama.LlamaDecoderLayer):
+        def forward(self, hidden_states, **kwargs):
+            attended, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
+            hidden_states = self.input_layernorm(hidden_states + attended)
+            return self.post_attention_layernorm(hidden_states + self.mlp(hidden_states))
 
     model, tokenizer, spec = _relufied("llama")
     out = export_checkpoint(model, tokenizer, tmp_path / "ckpt-checks", spec=spec, plan=PLAN, training=TRAINING)
@@ -668,6 +683,12 @@ def test_fused_decoder_checks_the_installed_transformers(tmp_path, monkeypatch):
     assert decoder.rotary_computes(modeling_llama.apply_rotary_pos_emb)
     assert not decoder.rotary_computes(lambda q, k, cos, sin: (q, k))
     assert not decoder.rotary_computes(lambda q, k, cos, sin, position_ids: (q, k))  # another signature
+    assert decoder.layer_computes(modeling_llama.LlamaDecoderLayer, modeling_llama.LlamaConfig)
+    assert not decoder.layer_computes(PostNormLayer, modeling_llama.LlamaConfig)
+    remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    monkeypatch.setattr(decoder, "rms_norm_add_fitted", None)  # not reached in training mode
+    remote.train()
+    _close(_logits(remote, tiny_input_ids()), _logits(AutoModelForCausalLM.from_pretrained(out), tiny_input_ids()))
     monkeypatch.setitem(decoder.DECODER_FUSIONS, "llama", decoder.DecoderFusion("LlamaRMSNorm", "gemma"))
     module.fuse_decoder(model, model.model.layers)
     attention = [layer.self_attn for layer in model.model.layers]

@@ -5,8 +5,8 @@ import torch
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from twell.reference import rms_norm_reference
-from twell.rms_norm import FORMS, MAX_WIDTH, rms_norm, rms_norm_fits
+from twell.reference import rms_norm_add_reference, rms_norm_reference
+from twell.rms_norm import FORMS, MAX_WIDTH, rms_norm, rms_norm_add, rms_norm_add_fits, rms_norm_fits
 
 from helpers import poison_allocations
 
@@ -49,6 +49,33 @@ def test_rms_norm_matches_reference(shape, dtype, form, monkeypatch):
     x, weight = inputs(shape, dtype, form)
     assert_rounding_close(rms_norm(x, weight, 1e-6, form=form), rms_norm_reference(x, weight, 1e-6, form))
     assert len(allocations) == 1
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("shape,dtype", [((1, 64), torch.float32), ((7, 100), torch.float16), ((2, 70, 48), torch.float16),
+                                         ((2, 3000), torch.float32)])
+def test_rms_norm_add_matches_reference(shape, dtype, form, monkeypatch):
+    """The residual add rounded as torch rounds it (equal bits) and the norm of that sum; residual rows with a stride
+    of their own; NaN-poisoned outputs: every element of both written."""
+    allocations = poison_allocations(monkeypatch, "twell.rms_norm")
+    x, weight = inputs(shape, dtype, form)
+    wide = torch.randn(*shape[:-1], shape[-1] + 8, generator=torch.Generator().manual_seed(2)).to(DEV, dtype)
+    residual = wide[..., :shape[-1]]
+    out, summed = rms_norm_add(x, residual, weight, 1e-6, form=form)
+    ref, ref_summed = rms_norm_add_reference(x, residual, weight, 1e-6, form)
+    assert torch.equal(summed, ref_summed) and summed.is_contiguous()
+    assert_rounding_close(out, ref)
+    assert len(allocations) == 2
+
+
+def test_rms_norm_add_refuses_what_it_does_not_take():
+    x, weight = inputs((4, 32), torch.float32, "llama")
+    assert rms_norm_add_fits(x, x.clone(), weight)
+    for residual in (x[:3], x.half(), x.t().contiguous().t()):  # another shape, dtype, a column stride
+        assert not rms_norm_add_fits(x, residual, weight)
+        with pytest.raises(ValueError, match="rms_norm_add"):
+            rms_norm_add(x, residual, weight, 1e-6)
+    assert not rms_norm_add_fits(x, x, weight[:16])
 
 
 def gradients(norm, x, weight, dy):
@@ -170,6 +197,20 @@ def test_gpu_bf16_rms_norm(shape, form):
     is transformers' module on the same GPU, and equal in nearly every element."""
     x, weight = inputs(shape, torch.bfloat16, form)
     out, ref = rms_norm(x, weight, 1e-6, form=form), rms_norm_reference(x, weight, 1e-6, form)
+    assert_rounding_close(out, ref)
+    assert (out != ref).float().mean() < 0.01
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("shape", [(1, 1, 2048), (8, 1, 2048), (4, 512, 2048), (1, 3, 4096)])
+def test_gpu_bf16_rms_norm_add(shape, form):
+    """bf16 at decoder shapes: the sum equal to torch's add, the norm within a bf16 step of the reference's."""
+    x, weight = inputs(shape, torch.bfloat16, form)
+    residual = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(DEV, torch.bfloat16)
+    (out, summed), (ref, ref_summed) = (f(x, residual, weight, 1e-6, form=form) for f in (
+        rms_norm_add, lambda *a, form: rms_norm_add_reference(*a, form)))
+    assert torch.equal(summed, ref_summed)
     assert_rounding_close(out, ref)
     assert (out != ref).float().mean() < 0.01
 
