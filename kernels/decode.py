@@ -7,7 +7,7 @@ nothing: each gate program writes its tile's share of the output (`tile_out`) an
 adds the shares. Reference: reference.tile_shares."""
 
 from .format import cdiv
-from .launch import Launch
+from .launch import Launch, pdl_start
 
 try:
     import triton
@@ -89,37 +89,44 @@ def tile_out_launch(m: int, d: int, decode: bool) -> bool:
     return decode and m == 1 and d <= TILE_OUT_MAX_D and 2 * triton.next_power_of_2(d) <= WHOLE_UP_ROWS
 
 
-def tile_sum_launch(m: int, d: int, nt: int, s: int, has_overflow: bool, pdl: bool = False) -> Launch:
+def tile_sum_launch(m: int, d: int, nt: int, s: int, has_overflow: bool, pdl: bool = False,
+                    has_residual: bool = False) -> Launch:
     """Launch of out [M, D] = the sum over tiles of the partial rows [M, NT, D] that a tile-out gate launch
-    wrote. Called with (partials, counts, out, overflow or counts)."""
+    wrote, rounded to out's dtype; with has_residual, residual + that sum, as torch adds them. Called with
+    (partials, counts, out, overflow or counts, residual or out)."""
     nt_pad = max(2, triton.next_power_of_2(nt))
     bd = min(TILE_SUM_BD, triton.next_power_of_2(d))
     return Launch(_twell_tile_sum_kernel, (m, cdiv(d, bd), 1), dict(
-        D=d, NT=nt, S=s, NT_PAD=nt_pad, OT=min(nt_pad, 8192 // bd), BD=bd, HAS_OVF=has_overflow, PDL=pdl),
-        dict(num_warps=4, launch_pdl=True) if pdl else dict(num_warps=4))
+        D=d, NT=nt, S=s, NT_PAD=nt_pad, OT=min(nt_pad, 8192 // bd), BD=bd, HAS_OVF=has_overflow,
+        HAS_RESIDUAL=has_residual, PDL=pdl), dict(num_warps=4, launch_pdl=True) if pdl else dict(num_warps=4))
 
 
 if triton is not None:
 
     @triton.jit
-    def _twell_tile_sum_kernel(part_ptr, cnt_ptr, out_ptr, ovf_ptr, D, NT, S: tl.constexpr,
+    def _twell_tile_sum_kernel(part_ptr, cnt_ptr, out_ptr, ovf_ptr, res_ptr, D, NT, S: tl.constexpr,
                                NT_PAD: tl.constexpr, OT: tl.constexpr, BD: tl.constexpr, HAS_OVF: tl.constexpr,
-                               PDL: tl.constexpr):
-        """out[row, chunk] = the sum over tiles, in tile order, of the partial rows that epilogues.tile_out wrote;
-        one program per (row, BD output columns). Counts the row's tiles beyond the slots into ovf_ptr, as the
-        other decode paths do (here no tile has slots: none needs a fallback)."""
+                               HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+        """out[row, chunk] = the sum over tiles, in tile order, of the partial rows that epilogues.tile_out wrote
+        (with HAS_RESIDUAL, res[row, chunk] + that sum in out's dtype); one program per (row, BD output columns).
+        Counts the row's tiles beyond the slots into ovf_ptr, as the other decode paths do (here no tile has
+        slots: none needs a fallback)."""
         row = tl.program_id(0).to(tl.int64)
         pid_d = tl.program_id(1)
         do = pid_d * BD + tl.arange(0, BD)
-        if PDL:  # launched before the gate kernel finished: wait for its results
-            tl.extra.cuda.gdc_wait()
+        # launched before the gate kernel finished: wait for its results, then let the next kernel launch
+        pdl_start(PDL)
         acc = tl.zeros((BD,), dtype=tl.float32)
         for t0 in range(0, NT, OT):
             t = t0 + tl.arange(0, OT)
             p = tl.load(part_ptr + (row * NT + t)[:, None] * D + do[None, :],
                         mask=(t < NT)[:, None] & (do < D)[None, :], other=0.0)
             acc += tl.sum(p, axis=0)
-        tl.store(out_ptr + row * D + do, acc.to(out_ptr.dtype.element_ty), mask=do < D)
+        out = acc.to(out_ptr.dtype.element_ty)
+        if HAS_RESIDUAL:  # the decoder layer's residual add, rounded as torch rounds it
+            residual = tl.load(res_ptr + row * D + do, mask=do < D, other=0.0)
+            out = (residual.to(tl.float32) + out.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * D + do, out, mask=do < D)
         if HAS_OVF:
             if pid_d == 0:
                 t = tl.arange(0, NT_PAD)

@@ -1,7 +1,8 @@
 """A decoder's elementwise work on the kernels, for inference and training alike: the family's RMSNorm modules on
 rms_norm.py's kernel and its attention's rotary embedding on rotary.py's, each installed as the module's own
 `forward` (fuse_norms_and_rotary; unfuse_norms_and_rotary takes them off). At inference a pre-norm decoder layer
-(pre_norm_layer) also runs its residual add after the attention and its second norm as one launch (rms_norm_add). The modules, their classes and the
+(pre_norm_layer) also runs its residual add after the attention and its second norm as one launch (rms_norm_add),
+and hands the residual after its MLP to an MLP that adds it itself (the modeling file's, in its last kernel). The modules, their classes and the
 weights stay transformers'. Both kernels are differentiable and keep less for the backward than transformers'
 modules do (an fp32 rstd a row; nothing but the tables), so a training step saves time and memory too.
 
@@ -94,10 +95,13 @@ def add_norm(norm, form: str, eps: str, x, residual):
 
 def pre_norm_layer(layer, add_norm, hidden_states, attention_mask=None, **kwargs):
     """A pre-norm decoder layer as Llama's computes it: h = x + attention(input_layernorm(x)), then
-    h + mlp(post_attention_layernorm(h)), with `add_norm(attention output, x)` giving (the second norm's output, h)."""
+    h + mlp(post_attention_layernorm(h)), with `add_norm(attention output, x)` giving (the second norm's output, h).
+    An MLP that `adds_residual` (the modeling file's TwellGatedMLP) takes h and adds it itself."""
     attended, _ = layer.self_attn(hidden_states=layer.input_layernorm(hidden_states), attention_mask=attention_mask,
                                   **kwargs)
     normed, residual = add_norm(attended, hidden_states)
+    if getattr(layer.mlp, "adds_residual", False):
+        return layer.mlp(normed, residual=residual)
     return residual + layer.mlp(normed)
 
 

@@ -8,7 +8,8 @@ configuration beyond the GPU (Triton's OutOfResources: shared memory on a GPU wi
 calls of that shape run the dense block, with a warning, instead of failing. With `gate_fp8` (fp8_gate.py) the
 batched path's gate kernel reads the gate's e4m3 copy and x quantized a token at a time (paths.LaunchPath.fp8_gate:
 the paths where that wins); with `up_down_fp8` its out kernel walks e4m3 up and down rows
-(paths.LaunchPath.fp8_up_down)."""
+(paths.LaunchPath.fp8_up_down). With a `residual`, the call returns residual + the block, as a decoder layer adds
+them: the one-token path adds it in its last launch, the others after theirs."""
 import warnings
 from collections import OrderedDict
 from typing import Optional
@@ -39,15 +40,17 @@ LAUNCH_CACHE_SIZE = 256  # launch sets kept (layers of one shape share them; a n
 LAUNCH_CACHE = OrderedDict()  # recent launch sets by _launch_key, least recently used first
 
 
-def _launch_key(x2, gate, up, down_t, tile, compression, precision, overflow, gate_fp8, up_down_fp8):
+def _launch_key(x2, gate, up, down_t, tile, compression, precision, overflow, gate_fp8, up_down_fp8, residual):
     """Shapes, strides, dtypes, devices and each pointer's alignment: what the launches depend on (Triton
     specializes a kernel on every pointer argument's 16-byte alignment)."""
-    tensors = [t for t in (x2, gate, down_t, up, overflow, *(gate_fp8 or ()), *(up_down_fp8 or ())) if t is not None]
+    tensors = [t for t in (x2, gate, down_t, up, overflow, *(gate_fp8 or ()), *(up_down_fp8 or ()), residual)
+               if t is not None]
     return (tile, compression, precision, overflow is not None, gate_fp8 is not None, up_down_fp8 is not None,
-            *((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0) for t in tensors))
+            residual is not None, *((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0) for t in tensors))
 
 
-def check_args(x, gate, up, down, tile, compression, precision, overflow, gate_fp8=None, up_down_fp8=None):
+def check_args(x, gate, up, down, tile, compression, precision, overflow, gate_fp8=None, up_down_fp8=None,
+               residual=None):
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     fp8 = (*(gate_fp8 or ()), *(up_down_fp8 or ()))
@@ -66,6 +69,10 @@ def check_args(x, gate, up, down, tile, compression, precision, overflow, gate_f
         raise ValueError("overflow must be a one- or four-element int32 or int64 tensor")
     if overflow is not None and not overflow.is_contiguous():  # the kernels add to its elements by offset
         raise ValueError("overflow must be contiguous")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
+                                 or residual.device != x.device):
+        raise ValueError(f"residual must have x's shape, dtype and device ({tuple(x.shape)} {x.dtype} {x.device}), "
+                         f"got {tuple(residual.shape)} {residual.dtype} {residual.device}")
     slots(tile, compression)
     if gate_fp8 is not None:
         check_gate_fp8(x, gate, precision, gate_fp8)
@@ -111,8 +118,9 @@ def check_kernel_dtypes(x, gate, up, down):
                          f"{x.dtype}, gate {gate.dtype}, up {up.dtype}, down {down.dtype}")
 
 
-def forward(x, gate, up, down, tile, compression, precision, overflow=None, gate_fp8=None, up_down_fp8=None):
-    """The block's body (gated_mlp, its custom ops, the modeling file's layers).
+def forward(x, gate, up, down, tile, compression, precision, overflow=None, gate_fp8=None, up_down_fp8=None,
+            residual=None):
+    """The block's body (gated_mlp, its custom ops, the modeling file's layers), plus the residual if given.
     Calls look their checked arguments and launches up by _launch_key instead of rebuilding them: building
     them and a first launch through Triton's JIT cost more host time than a whole block takes on the GPU at
     small token counts."""
@@ -124,42 +132,51 @@ def forward(x, gate, up, down, tile, compression, precision, overflow=None, gate
         check_up_down_fp8(x, gate, precision, up_down_fp8)
         up_down_fp8 = None
     if not use_triton(x):
-        check_args(x, gate, up, down, tile, compression, precision, overflow, gate_fp8, up_down_fp8)
-        return forward_reference(x, gate, up, down, tile, compression, overflow, gate_fp8, up_down_fp8)
+        check_args(x, gate, up, down, tile, compression, precision, overflow, gate_fp8, up_down_fp8, residual)
+        return _added(residual, forward_reference(x, gate, up, down, tile, compression, overflow, gate_fp8,
+                                                  up_down_fp8))
     with on_device(x):
-        return _forward_triton(x, gate, up, down, tile, compression, precision, overflow, gate_fp8, up_down_fp8)
+        return _forward_triton(x, gate, up, down, tile, compression, precision, overflow, gate_fp8, up_down_fp8,
+                               residual)
 
 
-def _forward_triton(x, gate, up, down, tile, compression, precision, overflow, gate_fp8, up_down_fp8):
-    if x.shape[-1] != gate.shape[1]:  # before the reshape, so that it fails as a ValueError
-        check_args(x, gate, up, down, tile, compression, precision, overflow, gate_fp8, up_down_fp8)
+def _added(residual, out):
+    return out if residual is None else residual + out
+
+
+def _forward_triton(x, gate, up, down, tile, compression, precision, overflow, gate_fp8, up_down_fp8, residual):
+    if x.shape[-1] != gate.shape[1] or (residual is not None and residual.shape != x.shape):
+        # before the reshapes, so that it fails as a ValueError
+        check_args(x, gate, up, down, tile, compression, precision, overflow, gate_fp8, up_down_fp8, residual)
     x2 = x.reshape(-1, x.shape[-1])
     down_t = down.t().contiguous()  # no copy when the weight came from prepare_down
     up = up.contiguous()
     gate = gate.contiguous()  # the overflow fallback reads contiguous rows; one copy serves both kernels
-    key = _launch_key(x2, gate, up, down_t, tile, compression, precision, overflow, gate_fp8, up_down_fp8)
+    residual2 = residual.reshape(x2.shape).contiguous() if residual is not None else None  # read as [M, D] rows
+    key = _launch_key(x2, gate, up, down_t, tile, compression, precision, overflow, gate_fp8, up_down_fp8, residual2)
     launches = LAUNCH_CACHE.get(key)
     if launches is None:
-        check_args(x, gate, up, down, tile, compression, precision, overflow, gate_fp8, up_down_fp8)
+        check_args(x, gate, up, down, tile, compression, precision, overflow, gate_fp8, up_down_fp8, residual)
         check_kernel_dtypes(x, gate, up, down)
         if x2.shape[0] == 0:
             return x.new_empty(x.shape)
         path = launch_path(x2.shape[0], x2.shape[1], gate.shape[0])
         launches = LAUNCH_CACHE[key] = path.launches(x2, gate, up, tile, compression, precision, overflow, gate_fp8,
-                                                     up_down_fp8)
+                                                     up_down_fp8, residual2)
         if len(LAUNCH_CACHE) > LAUNCH_CACHE_SIZE:
             LAUNCH_CACHE.popitem(last=False)
     else:
         LAUNCH_CACHE.move_to_end(key)
     if launches.unsupported is None:
         try:
-            return launches(x, x2, gate, up, down_t, overflow, gate_fp8, up_down_fp8)
+            out = launches(x, x2, gate, up, down_t, overflow, gate_fp8, up_down_fp8, residual2)
+            return out if launches.adds_residual else _added(residual, out)
         except OutOfResources as error:  # a launch configuration beyond this GPU (shared memory, threads)
             launches.unsupported = str(error)
             name = torch.cuda.get_device_name(x.device) if x.is_cuda else x.device.type
             warnings.warn(f"twell: {error} ({name}): calls of {x2.shape[0]} tokens at D {x2.shape[1]} / I "
                           f"{gate.shape[0]} run the dense block on this device", stacklevel=3)
-    return ((torch.relu(x2 @ gate.t()) * (x2 @ up.t())) @ down_t).view(x.shape)
+    return _added(residual, ((torch.relu(x2 @ gate.t()) * (x2 @ up.t())) @ down_t).view(x.shape))
 
 
 def _fp8_copies(gate_fp8_weight, gate_fp8_scale, up_fp8, down_t_fp8, up_fp8_scale, down_fp8_scale):
@@ -199,7 +216,7 @@ _gated_mlp_overflow_op = custom_op("gated_mlp_overflow", _op_body_overflow,
 def gated_mlp(x, gate_weight, up_weight, down_weight, *, tile: int = 128, compression: int = 8,
               precision: str = "default", overflow: Optional[torch.Tensor] = None,
               gate_fp8: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-              up_down_fp8: Optional[UpDownE4m3] = None) -> torch.Tensor:
+              up_down_fp8: Optional[UpDownE4m3] = None, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
     """down(relu(gate(x)) * up(x)) through TwELL. HF layouts: gate/up [I, D], down [D, I]; x [..., D].
 
     `overflow`, if given (int32/int64), gets the number of overflowing (row, tile) pairs added to its first
@@ -214,6 +231,9 @@ def gated_mlp(x, gate_weight, up_weight, down_weight, *, tile: int = 128, compre
     `up_down_fp8`, if given: fp8_gate.quantize_up_down(up, down). The batched path's out kernel then reads the
     active units' up and down rows in e4m3 (reference.gated_mlp_reference); decode-size calls, heavy rows and
     overflowing tiles read up and down themselves. x must be 16-bit, precision "default".
+
+    `residual`, if given (x's shape, dtype and device): the call returns residual + the block's output (rounded to
+    x's dtype first), the add of a pre-norm decoder layer; a one-token call adds it in its tile sum.
     """
     args = (x, gate_weight, up_weight, down_weight, tile, compression, precision)
     # eager calls skip the custom ops, whose dispatch costs about as much host time as the decode kernels
@@ -221,5 +241,6 @@ def gated_mlp(x, gate_weight, up_weight, down_weight, *, tile: int = 128, compre
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or type(x) is not torch.Tensor:
         fp8 = (*(gate_fp8 if gate_fp8 is not None else (None, None)),
                *(up_down_fp8 if up_down_fp8 is not None else (None,) * 4))
-        return _gated_mlp_op(*args, *fp8) if overflow is None else _gated_mlp_overflow_op(*args, overflow, *fp8)
-    return forward(*args, overflow, gate_fp8, up_down_fp8)
+        out = _gated_mlp_op(*args, *fp8) if overflow is None else _gated_mlp_overflow_op(*args, overflow, *fp8)
+        return _added(residual, out)
+    return forward(*args, overflow, gate_fp8, up_down_fp8, residual)

@@ -43,12 +43,14 @@ def _crowded(x2, width, ts) -> bool:
 
 class Launches:
     """A path's launches for one launch-cache key: built from (x2, gate, up, tile, compression, precision,
-    overflow, gate_fp8, up_down_fp8), called with (x, x2, gate, up, down_t, overflow, gate_fp8, up_down_fp8),
-    returning the block's output. With the fp8 gate (paths whose LaunchPath.fp8_gate is set), the gate launch
-    reads its e4m3 copy and x quantized at each call; with e4m3 up and down rows (LaunchPath.fp8_up_down), the
-    out launch walks them."""
+    overflow, gate_fp8, up_down_fp8, residual), called with (x, x2, gate, up, down_t, overflow, gate_fp8,
+    up_down_fp8, residual), returning the block's output, plus the residual where `adds_residual` (else the
+    caller adds it). With the fp8 gate (paths whose LaunchPath.fp8_gate is set), the gate launch reads its e4m3
+    copy and x quantized at each call; with e4m3 up and down rows (LaunchPath.fp8_up_down), the out launch walks
+    them."""
 
     unsupported = None  # why this GPU cannot run them (gated_mlp then runs the calls dense), once seen
+    adds_residual = False
 
     @staticmethod
     def gate_inputs(x2, gate, gate_fp8) -> tuple:
@@ -67,7 +69,8 @@ class PackedLaunches(Launches):
 
     decode = False
 
-    def __init__(self, x2, gate, up, tile, compression, precision, overflow, gate_fp8=None, up_down_fp8=None):
+    def __init__(self, x2, gate, up, tile, compression, precision, overflow, gate_fp8=None, up_down_fp8=None,
+                 residual=None):
         m, d = x2.shape
         width = gate.shape[0]
         tile, ts, s, pdl = _geometry(x2, width, tile, compression, self.decode)
@@ -84,7 +87,7 @@ class PackedLaunches(Launches):
                               tile_stride=ts, pdl=pdl, count_units=overflow is not None and overflow.numel() == 4,
                               fp8_up_down=up_down_fp8 is not None)
 
-    def __call__(self, x, x2, gate, up, down_t, overflow, gate_fp8=None, up_down_fp8=None):
+    def __call__(self, x, x2, gate, up, down_t, overflow, gate_fp8=None, up_down_fp8=None, residual=None):
         device = x.device
         gate_weight, quantized = self.gate_inputs(x2, gate, gate_fp8)
         tw = (torch.empty(self.twell_shape, dtype=self.vals_dtype, device=device),
@@ -106,9 +109,13 @@ class DecodeLaunches(PackedLaunches):
 
 class TileOutLaunches(Launches):
     """One gated token (decode.tile_out_launch): no TwELL; each gate program writes its tile's share of the
-    output and its count of active units (epilogues.tile_out), and decode.py's tile sum adds the shares."""
+    output and its count of active units (epilogues.tile_out), and decode.py's tile sum adds the shares (and the
+    residual, where the call gives one)."""
 
-    def __init__(self, x2, gate, up, tile, compression, precision, overflow, gate_fp8=None, up_down_fp8=None):
+    adds_residual = True
+
+    def __init__(self, x2, gate, up, tile, compression, precision, overflow, gate_fp8=None, up_down_fp8=None,
+                 residual=None):
         m, d = x2.shape
         width = gate.shape[0]
         tile, ts, s, pdl = _geometry(x2, width, tile, compression, decode=True)
@@ -117,15 +124,16 @@ class TileOutLaunches(Launches):
         self.gate = gate_launch(x2, gate, up, tile, s, torch.float32 if h_fp32 else x2.dtype,
                                 gate_config(m, tile, x2.element_size(), True, _crowded(x2, width, ts)), h_fp32,
                                 partials=True, tile_stride=ts, pdl=pdl, tile_out=True)
-        self.out = tile_sum_launch(m, d, cdiv(width, ts), s, overflow is not None, pdl)
+        self.out = tile_sum_launch(m, d, cdiv(width, ts), s, overflow is not None, pdl, residual is not None)
 
-    def __call__(self, x, x2, gate, up, down_t, overflow, gate_fp8=None, up_down_fp8=None):
+    def __call__(self, x, x2, gate, up, down_t, overflow, gate_fp8=None, up_down_fp8=None, residual=None):
         counts = torch.empty(self.partials_shape[:2], dtype=torch.int32, device=x.device)
         partials = torch.empty(self.partials_shape, dtype=torch.float32, device=x.device)
         out = x.new_empty(x2.shape)
         # nothing packed: counts stand in for the values and indices
         self.gate(x2, gate, up, down_t, counts, counts, counts, partials)
-        self.out(partials, counts, out, overflow if overflow is not None else counts)
+        self.out(partials, counts, out, overflow if overflow is not None else counts,
+                 out if residual is None else residual)
         return out.view(x.shape)
 
 

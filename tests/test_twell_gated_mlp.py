@@ -546,7 +546,7 @@ def test_tile_out_decode_writes_every_tile_share(dtype, precision):
     assert rel_err(partials[:1], expected) < (1e-5 if h_fp32 else 2e-3)
     out = torch.full_like(x, float("nan"))
     overflow = torch.zeros(1, dtype=torch.int64, device=DEV)
-    tile_sum_launch(1, d, nt, s, True)(partials, counts, out, overflow)
+    tile_sum_launch(1, d, nt, s, True)(partials, counts, out, overflow, out)
     assert rel_err(out, partials[0].sum(0)) < (1e-6 if h_fp32 else 1e-3)  # fp32 sums in another order, rounded
     assert overflow.item() == (counts[0] > s).sum().item() == 2  # 4 slots: the tiles of 6 and 20, not that of 4
     assert_block_close(out, x, gate, up, down, 1e-5 if h_fp32 else 3e-3)
@@ -557,7 +557,8 @@ def test_tile_sum_adds_each_rows_shares_and_counts_its_tiles_beyond_the_slots(m,
     """The tile-out path's sum kernel on several rows (gated_mlp calls it with one): each row's output is the
     sum of its own tiles' partial rows, in every output chunk (D not a multiple of its 32 columns), and each
     row adds its tiles of more than S units to the counter once, however many chunks it spans; a tile of
-    exactly S units is not counted. Nothing is written past the M rows; without a counter nothing is counted."""
+    exactly S units is not counted. Nothing is written past the M rows; without a counter nothing is counted.
+    With a residual, each row is the residual's row plus its sum rounded to the output's dtype, as torch adds."""
     torch.manual_seed(nt)
     s = 4
     partials = torch.randn(m, nt, d, device=DEV)
@@ -569,10 +570,39 @@ def test_tile_sum_adds_each_rows_shares_and_counts_its_tiles_beyond_the_slots(m,
     overflow = torch.zeros(1, dtype=torch.int64, device=DEV)
     for has_overflow in (True, False):
         out = torch.full((m + 1, d), float("nan"), device=DEV)  # a row past the last to catch stray writes
-        tile_sum_launch(m, d, nt, s, has_overflow)(partials, counts, out, overflow if has_overflow else counts)
+        tile_sum_launch(m, d, nt, s, has_overflow)(partials, counts, out, overflow if has_overflow else counts, out)
         assert_rows_close(out[:m], partials.sum(1), 1e-5)
         assert out[m].isnan().all() and (out[m - 1] == 0).all()
         assert overflow.item() == (counts > s).sum().item() > 0
+    residual = torch.randn(m, d, device=DEV).half()
+    summed = torch.full((m + 1, d), float("nan"), device=DEV).half()
+    tile_sum_launch(m, d, nt, s, False, has_residual=True)(partials, counts, summed, counts, residual)
+    assert torch.equal(summed[:m], residual + sum_out(partials, summed[:m]))
+    assert summed[m].isnan().all()
+
+
+def sum_out(partials, out):
+    """The tile sum's output of `partials` without a residual, in out's dtype (computed by the kernel)."""
+    m, nt, d = partials.shape
+    plain = torch.full_like(out, float("nan"))
+    tile_sum_launch(m, d, nt, 4, False)(partials, torch.zeros(m, nt, dtype=torch.int32, device=DEV), plain, plain,
+                                        plain)
+    return plain
+
+
+@pytest.mark.parametrize("m,path", [(1, "tile-out"), (5, "decode"), (70, "batched")])
+def test_a_residual_is_added_to_the_block_on_every_path(m, path, poisoned_outputs):
+    """gated_mlp(..., residual=r) gives r + gated_mlp(...) in x's dtype with equal bits (torch's add, or the
+    one-token path's tile sum adding it), NaN-poisoned buffers; a residual of another shape is refused."""
+    torch.manual_seed(m)
+    x, gate, up, down = block(m, 48, 96, k=8, dtype=torch.float16)
+    assert launch_path(m, 48, 96).name == path
+    residual = torch.randn(m, 48, device=DEV).half()
+    kernel = dict(tile=32, compression=4)
+    assert torch.equal(twell.gated_mlp(x, gate, up, down, residual=residual, **kernel),
+                       residual + twell.gated_mlp(x, gate, up, down, **kernel))
+    with pytest.raises(ValueError, match="residual"):
+        twell.gated_mlp(x, gate, up, down, residual=residual[:, :40], **kernel)
 
 
 def test_a_launch_beyond_the_device_runs_the_dense_block(monkeypatch):

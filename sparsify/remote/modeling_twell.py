@@ -14,8 +14,8 @@ so do the attention's projections at decode size on small_linear.py's (q, k and 
 capture (ProjectionGroup.signature) and under torch.compile (its custom op), where no gradient is recorded, and
 where the model's attention is transformers' sdpa, its decode-size calls on decode_attention.py's kernel, captured
 or traced (attention_forward, registered as the attention implementation ATTENTION); a static cache's updates run
-on cache_write.py's (decoder.WritingCache). The
-norms and rotary run transformers' forward instead under torch.compile (which fuses that code itself); every
+on cache_write.py's (decoder.WritingCache), and a pre-norm layer's residual adds in the kernel of its second norm
+and, in a captured one-token step, in the MLP's tile sum (decoder.pre_norm_layer). The norms and rotary run transformers' forward instead under torch.compile (which fuses that code itself); every
 installed forward does on CPU without the Triton interpreter, or for inputs the kernels do not take. The modules,
 their classes and the weights stay transformers'. Imports torch, transformers and the files beside it only.
 """
@@ -63,6 +63,8 @@ def _import(path):
 
 class TwellGatedMLP(nn.Module):
     """down(relu(gate(x)) * up(x)) over one layer's original projections, on TwELL kernels when planned."""
+
+    adds_residual = True  # forward takes the decoder layer's residual (decoder.pre_norm_layer passes it)
 
     def __init__(self, original, layout, plan: LayerPlan):
         super().__init__()
@@ -184,10 +186,20 @@ class TwellGatedMLP(nn.Module):
     def _up_down_weights(self):
         return self._gate_up_weights()[1], getattr(self, self.down_name).weight
 
-    def forward(self, x):
+    def forward(self, x, residual=None):
+        """The block of x, plus `residual` where given (a decoder layer's add after its MLP: a captured one-token
+        call adds it in its last kernel, every other call after the block)."""
+        if residual is None:
+            return self._block(x)
+        if not eager(x):  # traced or captured
+            return self._block(x, residual)
+        return residual + self._block(x)
+
+    def _block(self, x, residual=None):
+        """The block of x, plus `residual` where given, which only the kernels' non-eager calls take."""
         tokens = x.numel() // x.shape[-1]
         if not self.use_kernel(x, tokens):
-            return self._dense(x)
+            return self._dense(x) if residual is None else residual + self._dense(x)
         gate, up = self._gate_up_weights()
         down = getattr(self, self.down_name).weight
         kernel = dict(tile=self.plan.tile, compression=self.plan.compression,
@@ -198,7 +210,7 @@ class TwellGatedMLP(nn.Module):
             if self.fp8_up_down and reads_fp8_up_down(tokens, self.d, self.width):
                 kernel["up_down_fp8"] = self._up_down_e4m3(up, down)
         if not eager(x):  # traced (the custom op) or captured: no host time, no activity routing
-            return gated_mlp(x, gate, up, down, **kernel)
+            return gated_mlp(x, gate, up, down, residual=residual, **kernel)
         if x.shape[-2] == 1:  # a decode step: replayed as a CUDA graph (graphs.py says where it can)
             return self.graphs(gated_mlp, x, gate, up, down, **kernel)
         if x.is_cuda and eager_dense(tokens, self.d, self.width):  # host-bound on a GPU: dense
