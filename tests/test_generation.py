@@ -257,6 +257,9 @@ def test_converted_checkpoint_attends_on_the_kernel_at_decode(tmp_path, monkeypa
     fuse_attention(False) gives sdpa back, and the saved config names neither. (The prompt is longer than the
     kernel's MAX_QUERIES tokens.)"""
     model, remote, modeling = converted("llama", tmp_path / "ckpt")
+    # the MLPs dense, as where Triton is missing: the attention is what this checks (the test above runs the MLPs'
+    # kernels at decode), and the interpreter's MLP kernels would make every step slow
+    monkeypatch.setattr(modeling, "use_triton", lambda x: False)
     assert remote.config._attn_implementation == modeling.ATTENTION
     calls = recorded(monkeypatch, modeling, "decode_attention_fitted")
     ids = tiny_input_ids(2, 20)
@@ -289,6 +292,7 @@ def test_sliding_window_checkpoints_attend_on_the_kernel_in_transformers_generat
     """transformers' own generate (a dynamic cache, sliding-window layers' masks) over a converted checkpoint: its
     decode steps' attention on the kernel, the tokens those of the source model's generate."""
     model, remote, modeling = converted(family, tmp_path / "ckpt")
+    monkeypatch.setattr(modeling, "use_triton", lambda x: False)  # the MLPs dense, as in the test above
     calls = recorded(monkeypatch, modeling, "decode_attention_fitted")
     ids = tiny_input_ids(2, 20)
     options = dict(max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0)
