@@ -1239,17 +1239,17 @@ def test_distillation_from_the_source(files, tmp_path):
 def test_hybrid_routing_options(files, tmp_path):
     # A threshold above the tiny model's activity (~80 of 160 units) puts every layer on the hybrid kernels
     # after the first log step; --no-hybrid keeps them dense. The recipe's E = 4 sends every row to the
-    # dense backup (no hot units as dense columns either), which keeps the Triton interpreter fast (the
-    # kernels are tested elsewhere).
+    # dense backup (no hot units as dense columns either), and micro-batches of one sequence give the backup's
+    # kernels fewer rows, which keeps the Triton interpreter fast (the kernels are tested elsewhere).
     recipe = tmp_path / "hybrid.yaml"
     recipe.write_text(RECIPE + "hybrid_max_nnz: 4\nhybrid_hot_rate: 1.0\n")
     args = ["convert", model_folder(files, "llama"), "--data", files / "corpus", "--recipe", recipe, "--steps", 2,
-            "--hybrid-below", 1000]
+            "--batch-size", 1, "--hybrid-below", 1000]
     result = run(*args, "-o", tmp_path / "hybrid")
     assert result.exit_code == 0, result.output
     log = json.loads((tmp_path / "hybrid" / "training_log.json").read_text())["log"]
     assert [[l["path"] for l in e["layers"]] for e in log] == [["dense", "dense"], ["hybrid", "hybrid"]]
-    assert [l["backup_rows"] for l in log[1]["layers"]] == [2 * 32, 2 * 32]
+    assert [l["backup_rows"] for l in log[1]["layers"]] == [32, 32]
     assert "hybrid 2/2" in " ".join(result.output.split())  # the progress line (wrapped at 80 columns)
     # The per-layer table's last column: 50% of the steps on the hybrid path, for both layers.
     assert len(re.findall(r"│\s+50 │$", result.output, re.MULTILINE)) == 2, result.output
