@@ -150,7 +150,7 @@ def passes_and_samples(prepared, tmp_path_factory):
         result = load_script().main([
             "--toy", "--work", str(work), "--json", str(report), "--runs", "l1=3.5", "l1=3.5,data=sampled",
             "l1=3.5,data=sampled_alone", "--jobs", "2", "--convert-epochs", "1", "2", "--set", "shuffle_buffer=8",
-            "--sample-tokens", "3000", "--sample-batch", "8", "--sampled-epochs", "3", "--no-metrics"])
+            "--sample-tokens", "1000", "--sample-batch", "8", "--sampled-epochs", "3", "--no-metrics"])
     return work, report, result
 
 
@@ -215,7 +215,7 @@ def test_epochs_pass_over_the_head_of_the_train_split_several_times(passes_and_s
 def test_sampled_runs_read_the_base_s_samples_and_the_share_s_text(passes_and_samples):
     work, _, result = passes_and_samples
     (made,) = result["samples"]
-    assert made["folder"] == "sampled_share0.25" and 3000 <= made["sampled_tokens"] < 3000 + 64
+    assert made["folder"] == "sampled_share0.25" and 1000 <= made["sampled_tokens"] < 1000 + 64
     distinct = result["convert_subsets"][0]["distinct_tokens"]
     assert distinct <= made["data_tokens"] < distinct + 64  # the share's head whole, spread among the samples
     assert made["tokens"] % 64 == 0 and made["tokens"] > made["sampled_tokens"] + made["data_tokens"] - 2 * 64
