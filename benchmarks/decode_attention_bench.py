@@ -8,7 +8,8 @@ written (a static cache as long as its longest use; the mask hides the rest), H 
 of 128 dimensions (HEADS x CACHES). Both ops are timed as CUDA-graph replays over copies of the cache, called in turn,
 enough copies to hold COPY_BYTES so that they do not stay in L2 (as the layers of a decode step do not): microseconds
 a call. Each row is marked `served` where the modeling file takes the kernel for it (decode_attention_wins; elsewhere
-SDPA). The check: each op's relative error against the fp32 reference of the same bf16 inputs; the kernel passes
+SDPA), which depends on whether the running transformers copies the key/value heads for their query heads under a
+mask (`sdpa_repeats_kv` in the JSON: releases before its pack_gqa). The check: each op's relative error against the fp32 reference of the same bf16 inputs; the kernel passes
 where it is within 1.5x (+1e-3) of SDPA's.
 
 A write row (WRITES): Q new positions of B sequences' H heads of 128 dimensions written at position WRITE_AT of a
@@ -23,6 +24,7 @@ import sys
 
 import torch
 from transformers.cache_utils import StaticLayer
+from transformers.integrations import sdpa_attention
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from triton.testing import do_bench_cudagraph
 
@@ -35,11 +37,13 @@ from sparsify.bench import versions, write_json
 from sparsify.tune import relative_error
 
 HEAD_DIM = 128
-# (name, H, Hkv): the 1.5B-shape Llama of model_bench.py; Llama-3.1-8B's grouped-query attention
-HEADS = (("1.5B shape", 16, 16), ("Llama-3.1-8B", 32, 8))
+# (name, H, Hkv): the 1.5B-shape Llama of model_bench.py; Llama-3.1-8B's and Qwen2.5-7B's grouped-query attention
+HEADS = (("1.5B shape", 16, 16), ("Llama-3.1-8B", 32, 8), ("Qwen2.5-7B", 28, 4))
 # (B, L, valid positions)
 CACHES = ((1, 512, 80), (1, 512, 512), (8, 512, 80), (8, 512, 512), (1, 4096, 4096), (8, 4096, 2048), (16, 1024, 1024),
-          (32, 1024, 1024))
+          (32, 1024, 1024), (64, 1024, 1024), (128, 1024, 1024))
+# whether transformers' sdpa attention copies the key/value heads for their query heads under a mask
+SDPA_REPEATS_KV = not hasattr(sdpa_attention, "pack_gqa")
 COPY_BYTES = 256 << 20
 # (B, H, Q): decode steps of 1-128 sequences, a 4-token step, prefills of 1024 and 8 x 256 tokens into the cache
 WRITES = ((1, 16, 1), (8, 16, 1), (32, 16, 1), (64, 8, 1), (128, 16, 1), (4, 16, 4), (1, 16, 1024), (8, 16, 256))
@@ -68,7 +72,8 @@ def bench_row(name, heads, kv_heads, batch, length, valid):
                                     return_mode="median") * 1e3 / copies
              for op, fn in (("sdpa", sdpa), ("kernel", decode_attention))}
     return dict(model=name, H=heads, Hkv=kv_heads, B=batch, L=length, valid=valid,
-                served=decode_attention_wins(batch, kv_heads, sm_count(query.device)), sdpa_us=times["sdpa"],
+                served=decode_attention_wins(batch, kv_heads, sm_count(query.device),
+                                             repeated_kv=SDPA_REPEATS_KV and heads > kv_heads), sdpa_us=times["sdpa"],
                 kernel_us=times["kernel"], speedup=times["sdpa"] / times["kernel"], err_sdpa=errors["sdpa"],
                 err_kernel=errors["kernel"], ok=errors["kernel"] <= 1.5 * errors["sdpa"] + 1e-3)
 
@@ -110,7 +115,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     result = dict(device=torch.cuda.get_device_name(), versions=versions(),
                   command="python benchmarks/decode_attention_bench.py" + (f" --json {args.json}" if args.json else ""),
-                  head_dim=HEAD_DIM, copy_bytes=COPY_BYTES, rows=[])
+                  head_dim=HEAD_DIM, copy_bytes=COPY_BYTES, sdpa_repeats_kv=SDPA_REPEATS_KV, rows=[])
     for (name, heads, kv_heads), (batch, length, valid) in ((h, c) for h in HEADS for c in CACHES):
         row = bench_row(name, heads, kv_heads, batch, length, valid)
         served = " (served)" if row["served"] else ""

@@ -69,12 +69,15 @@ def decode_attention(query, key, value, mask=None, scale=None, out=None):
     return decode_attention_fitted(query, key, value, mask, scale, out)
 
 
-def decode_attention_wins(batch: int, kv_heads: int, sms: int) -> bool:
+def decode_attention_wins(batch: int, kv_heads: int, sms: int, repeated_kv: bool = False) -> bool:
     """Whether the kernel takes less GPU time than SDPA's at decode on a GPU of `sms` SMs, as timed against
-    transformers' sdpa attention: where the sequences' key/value heads are at most one an SM. There SDPA's grid (a
-    program a head, or a key/value head where the query heads are packed over it) leaves SMs idle, which the kernel's
-    splits fill; on a fuller grid SDPA streams the cache faster than the kernel's programs do."""
-    return batch * kv_heads <= sms
+    transformers' sdpa attention. Where that attention first copies each key/value head once for each of its query
+    heads (`repeated_kv`: grouped-query heads under a mask, in transformers releases that do not pack the query heads
+    over their key/value head), it reads and writes the cache several times over where the kernel reads it once:
+    the kernel wins at every batch. Otherwise where the sequences' key/value heads are at most one an SM: there
+    SDPA's grid (a program a head, or a key/value head where the query heads are packed over it) leaves SMs idle,
+    which the kernel's splits fill; on a fuller grid SDPA streams the cache faster than the kernel's programs do."""
+    return repeated_kv or batch * kv_heads <= sms
 
 
 def splits(batch_heads: int, length: int, sms: int) -> int:

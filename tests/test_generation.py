@@ -287,6 +287,31 @@ def test_converted_checkpoint_attends_on_the_kernel_at_decode(tmp_path, monkeypa
 
 
 @pytest.mark.interpreter
+def test_grouped_heads_take_the_kernel_at_any_batch_where_sdpa_copies_them(tmp_path, monkeypatch):
+    """A masked call of grouped query heads beyond the sequences x key/value heads rule takes the kernel where the
+    running transformers' sdpa copies each key/value head for its query heads (SDPA_REPEATS_KV), sdpa where it packs
+    them; a call without grouped heads follows the rule either way. Both give sdpa's output."""
+    _, _, modeling = converted("llama", tmp_path / "ckpt")
+    calls = recorded(monkeypatch, modeling, "decode_attention_fitted")
+    monkeypatch.setattr(modeling, "device_sms", lambda device: 2)  # 3 sequences x 2 key/value heads: beyond it
+    generator = torch.Generator().manual_seed(0)
+    mask = torch.ones(3, 1, 1, 24, dtype=torch.bool)
+    mask[1, ..., 20:] = False
+    for heads, kv_heads in ((4, 2), (2, 2)):
+        module = torch.nn.Module()
+        module.num_key_value_groups, module.is_causal = heads // kv_heads, True
+        query = torch.randn(3, heads, 1, 16, generator=generator)
+        key, value = (torch.randn(3, kv_heads, 24, 16, generator=generator) for _ in range(2))
+        expected = modeling.sdpa_attention_forward(module, query, key, value, mask)[0]
+        for repeats, served in ((True, heads > kv_heads), (False, False)):
+            monkeypatch.setattr(modeling, "SDPA_REPEATS_KV", repeats)
+            calls.clear()
+            out = modeling.attention_forward(module, query, key, value, mask)[0]
+            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+            assert bool(calls) is served
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("family", ["mistral", "gemma3_text"])
 def test_sliding_window_checkpoints_attend_on_the_kernel_in_transformers_generate(family, tmp_path, monkeypatch):
     """transformers' own generate (a dynamic cache, sliding-window layers' masks) over a converted checkpoint: its

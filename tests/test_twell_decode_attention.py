@@ -99,6 +99,8 @@ def test_what_the_kernel_takes():
 def test_the_kernel_wins_where_sequences_times_key_value_heads_leave_sms_to_fill():
     assert decode_attention_wins(1, 16, 132) and decode_attention_wins(8, 16, 132) and decode_attention_wins(16, 8, 132)
     assert not decode_attention_wins(16, 16, 132) and not decode_attention_wins(32, 8, 132)
+    # against an attention that copies the key/value heads for their query heads first: at every batch
+    assert decode_attention_wins(32, 8, 132, repeated_kv=True) and decode_attention_wins(256, 4, 132, repeated_kv=True)
 
 
 def test_splits_spread_small_batches_over_the_gpu():

@@ -47,6 +47,7 @@ from .launch import op_name, sm_count
 
 try:
     from transformers import AttentionInterface
+    from transformers.integrations import sdpa_attention
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 except ImportError:  # a transformers without attention functions: the model's own attention runs
@@ -350,6 +351,9 @@ def fuse_attention_projections(attention, groups, enabled: bool = True) -> None:
 ATTENTION = f"twell_{op_name('sdpa')}"
 # Arguments of an attention call under which it computes other than softmax(q k^T * scale, masked) v
 SDPA_ONLY = ("softcap", "s_aux", "position_bias")
+# Whether transformers' sdpa attention copies each key/value head for its query heads in a masked grouped-query call
+# (repeat_kv), as releases before its pack_gqa did (decode_attention_wins' repeated_kv)
+SDPA_REPEATS_KV = AttentionInterface is not None and not hasattr(sdpa_attention, "pack_gqa")
 # Signatures of uncaptured CUDA calls (attention_signature) that launched the kernel once, which loaded it: their
 # later calls take sdpa, whose launch costs the host less; a CUDA graph's replay launches the kernel without it. The
 # last SETTLED_SIGNATURES settled are kept (a growing cache makes a signature a step): one dropped launches again
@@ -387,7 +391,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if (dropout == 0.0 and not kwargs.get("output_attentions") and all(kwargs.get(k) is None for k in SDPA_ONLY)
             and (query.shape[2] == 1 or attention_mask is not None) and fused(query, key, value, attention_mask)
             and decode_attention_fits(query, key, value, attention_mask)
-            and decode_attention_wins(query.shape[0], key.shape[1], device_sms(query.device))):
+            and decode_attention_wins(query.shape[0], key.shape[1], device_sms(query.device), repeated_kv=(
+                SDPA_REPEATS_KV and attention_mask is not None and query.shape[1] > key.shape[1]))):
         if takes_kernel(attention_signature(query, key, attention_mask)):
             return decode_attention_fitted(query, key, value, attention_mask, scaling), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
