@@ -3,14 +3,14 @@ check in the same run: twell.decode_attention against transformers' sdpa attenti
 bool mask), and twell.cache_write against transformers' StaticLayer.update (the new keys and values into a static
 cache).
 
-An attention row: B sequences of one query token each over a cache of L positions of which the first `valid` are
-written (a static cache as long as its longest use; the mask hides the rest), H query heads over Hkv key/value heads
-of 128 dimensions (HEADS x CACHES). Both ops are timed as CUDA-graph replays over copies of the cache, called in turn,
-enough copies to hold COPY_BYTES so that they do not stay in L2 (as the layers of a decode step do not): microseconds
-a call. Each row is marked `served` where the modeling file takes the kernel for it (decode_attention_wins; elsewhere
-SDPA), which depends on whether the running transformers copies the key/value heads for their query heads under a
-mask (`sdpa_repeats_kv` in the JSON: releases before its pack_gqa). The check: each op's relative error against the fp32 reference of the same bf16 inputs; the kernel passes
-where it is within 1.5x (+1e-3) of SDPA's.
+An attention row: B sequences of one query token each over a cache of L positions of which the first `valid` are written
+(a static cache as long as its longest use; the mask hides the rest), H query heads over Hkv key/value heads of 128
+dimensions (HEADS x CACHES). Both ops are timed as CUDA-graph replays over copies of the cache, called in turn, enough
+copies to hold COPY_BYTES so that they do not stay in L2 (as the layers of a decode step do not): microseconds a call.
+Each row is marked `served` where the modeling file takes the kernel for it (decode_attention_wins; elsewhere SDPA),
+which depends on whether the running transformers copies the key/value heads for their query heads under a mask
+(`sdpa_repeats_kv` in the JSON: releases before its pack_gqa). The check: each op's relative error against the fp32
+reference of the same bf16 inputs; the kernel passes where it is within 1.5x (+1e-3) of SDPA's.
 
 A write row (WRITES): Q new positions of B sequences' H heads of 128 dimensions written at position WRITE_AT of a
 WRITE_LENGTH-position static layer, both ops timed as CUDA-graph replays that first set the layer's count back (the

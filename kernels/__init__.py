@@ -17,6 +17,6 @@ from .training import HybridStats, hot_units, hybrid_gated_mlp, pack
 
 __all__ = ["TwELL", "pack", "pack_reference", "unpack", "slots", "gated_mlp", "gated_mlp_reference", "prepare_down",
            "DecodeGraphs", "HybridStats", "hot_units", "hybrid_gated_mlp", "LayerPlan", "Mode", "layer_plans",
-           "rms_norm", "rms_norm_reference", "rms_norm_add", "rms_norm_add_reference", "rotary", "rotary_reference", "small_linear", "small_linear_grouped",
-           "small_linear_reference", "decode_attention", "decode_attention_reference", "cache_write",
-           "cache_write_reference"]
+           "rms_norm", "rms_norm_reference", "rms_norm_add", "rms_norm_add_reference", "rotary", "rotary_reference",
+           "small_linear", "small_linear_grouped", "small_linear_reference", "decode_attention",
+           "decode_attention_reference", "cache_write", "cache_write_reference"]

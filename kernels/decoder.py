@@ -1,17 +1,17 @@
 """A decoder's elementwise work on the kernels, for inference and training alike: the family's RMSNorm modules on
-rms_norm.py's kernel and its attention's rotary embedding on rotary.py's, each installed as the module's own
-`forward` (fuse_norms_and_rotary; unfuse_norms_and_rotary takes them off). At inference a pre-norm decoder layer
-(pre_norm_layer) also runs its residual add after the attention and its second norm as one launch (rms_norm_add),
-and hands the residual after its MLP to an MLP that adds it itself (the modeling file's, in its last kernel). The modules, their classes and the
-weights stay transformers'. Both kernels are differentiable and keep less for the backward than transformers'
+rms_norm.py's kernel and its attention's rotary embedding on rotary.py's, each installed as the module's own `forward`
+(fuse_norms_and_rotary; unfuse_norms_and_rotary takes them off). At inference a pre-norm decoder layer (pre_norm_layer)
+also runs its residual add after the attention and its second norm as one launch (rms_norm_add), and hands the residual
+after its MLP to an MLP that adds it itself (the modeling file's, in its last kernel). The modules, their classes and
+the weights stay transformers'. Both kernels are differentiable and keep less for the backward than transformers'
 modules do (an fp32 rstd a row; nothing but the tables), so a training step saves time and memory too.
 
-An installed forward runs transformers' forward instead under torch.compile (which fuses that code itself), for
-tensor subclasses (DTensor shards), on CPU without the Triton interpreter, or for inputs the kernels do not take.
-A family is installed only where the running transformers still computes what its entry says (norm_computes,
-rotary_computes, layer_computes: equal bits on a CPU probe). The attention's forward hands its KV cache on as a WritingCache, whose
-static layers' updates run on cache_write.py's kernel (inference: training passes no cache). Imports torch and the
-files beside it only."""
+An installed forward runs transformers' forward instead under torch.compile (which fuses that code itself), for tensor
+subclasses (DTensor shards), on CPU without the Triton interpreter, or for inputs the kernels do not take. A family is
+installed only where the running transformers still computes what its entry says (norm_computes, rotary_computes,
+layer_computes: equal bits on a CPU probe). The attention's forward hands its KV cache on as a WritingCache, whose
+static layers' updates run on cache_write.py's kernel (inference: training passes no cache). Imports torch and the files
+beside it only."""
 import functools
 import inspect
 import os

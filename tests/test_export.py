@@ -461,8 +461,9 @@ def _record_fused_kernels(remote, monkeypatch) -> list:
     def recorded(label, function):
         return lambda *a, **k: calls.append((label,)) or function(*a, **k)
 
-    for owner, name, label in ((decoder, "rms_norm_fitted", "rms_norm"), (decoder, "rms_norm_add_fitted", "rms_norm_add"),
-                               (decoder, "rotary_fitted", "rotary"), (module, "small_linear_fitted", "small_linear"),
+    for owner, name, label in ((decoder, "rms_norm_fitted", "rms_norm"),
+                               (decoder, "rms_norm_add_fitted", "rms_norm_add"), (decoder, "rotary_fitted", "rotary"),
+                               (module, "small_linear_fitted", "small_linear"),
                                (module, "small_linear_grouped_fitted", "small_linear_grouped")):
         monkeypatch.setattr(owner, name, recorded(label, getattr(owner, name)))
     for owner, name in ((decoder, "rms_norm_fits"), (decoder, "rms_norm_add_fits"), (decoder, "rotary_fits"),

@@ -52,8 +52,8 @@ def test_rms_norm_matches_reference(shape, dtype, form, monkeypatch):
 
 
 @pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize("shape,dtype", [((1, 64), torch.float32), ((7, 100), torch.float16), ((2, 70, 48), torch.float16),
-                                         ((2, 3000), torch.float32)])
+@pytest.mark.parametrize("shape,dtype", [((1, 64), torch.float32), ((7, 100), torch.float16),
+                                         ((2, 70, 48), torch.float16), ((2, 3000), torch.float32)])
 def test_rms_norm_add_matches_reference(shape, dtype, form, monkeypatch):
     """The residual add rounded as torch rounds it (equal bits) and the norm of that sum; residual rows with a stride
     of their own; NaN-poisoned outputs: every element of both written."""

@@ -1,23 +1,23 @@
 """Modeling file of checkpoints converted by sparsify. `AutoModelForCausalLM.from_pretrained(path,
-trust_remote_code=True)` builds the original CausalLM (BASE_MODEL, written at export) and swaps each decoder
-layer's MLP for a `TwellGatedMLP` that keeps the projections under their own names, so the standard weights
-load unchanged. A layer planned sparse runs the TwELL kernels where its plan's token windows and routing.py
-say they win and they can run (CUDA; CPU fp32/fp16 under TRITON_INTERPRET=1); otherwise, and whenever
-gradients are needed or the projections are wrapped (adapters), hooked or offloaded, the same ReLU math
-runs through the projections' own forward. Eager decode steps replay CUDA graphs (graphs.py);
-traced calls use this checkpoint's own custom op (gated_mlp.op_name). `generate` decodes through
-generation.py's graphed loop where the call fits it. `use_fp8_gate()` opts in to the fp8 gate (fp8_gate.py) on
-the batched path's calls, `use_fp8_up_down()` to e4m3 up and down rows on its larger ones.
-The decoder's elementwise work runs fused where the family is in DECODER_FUSIONS (fuse_decoder): its RMSNorm
-modules on rms_norm.py's kernel and the attention's rotary embedding on rotary.py's (decoder.py, differentiable);
-so do the attention's projections at decode size on small_linear.py's (q, k and v in one launch), under CUDA-graph
-capture (ProjectionGroup.signature) and under torch.compile (its custom op), where no gradient is recorded, and
-where the model's attention is transformers' sdpa, its decode-size calls on decode_attention.py's kernel, captured
-or traced (attention_forward, registered as the attention implementation ATTENTION); a static cache's updates run
-on cache_write.py's (decoder.WritingCache), and a pre-norm layer's residual adds in the kernel of its second norm
-and, in a captured one-token step, in the MLP's tile sum (decoder.pre_norm_layer). The norms and rotary run transformers' forward instead under torch.compile (which fuses that code itself); every
-installed forward does on CPU without the Triton interpreter, or for inputs the kernels do not take. The modules,
-their classes and the weights stay transformers'. Imports torch, transformers and the files beside it only.
+trust_remote_code=True)` builds the original CausalLM (BASE_MODEL, written at export) and swaps each decoder layer's MLP
+for a `TwellGatedMLP` that keeps the projections under their own names, so the standard weights load unchanged. A layer
+planned sparse runs the TwELL kernels where its plan's token windows and routing.py say they win and they can run (CUDA;
+CPU fp32/fp16 under TRITON_INTERPRET=1); otherwise, and whenever gradients are needed or the projections are wrapped
+(adapters), hooked or offloaded, the same ReLU math runs through the projections' own forward. Eager decode steps replay
+CUDA graphs (graphs.py); traced calls use this checkpoint's own custom op (gated_mlp.op_name). `generate` decodes
+through generation.py's graphed loop where the call fits it. `use_fp8_gate()` opts in to the fp8 gate (fp8_gate.py) on
+the batched path's calls, `use_fp8_up_down()` to e4m3 up and down rows on its larger ones. The decoder's elementwise
+work runs fused where the family is in DECODER_FUSIONS (fuse_decoder): its RMSNorm modules on rms_norm.py's kernel and
+the attention's rotary embedding on rotary.py's (decoder.py, differentiable); so do the attention's projections at
+decode size on small_linear.py's (q, k and v in one launch), under CUDA-graph capture (ProjectionGroup.signature) and
+under torch.compile (its custom op), where no gradient is recorded, and where the model's attention is transformers'
+sdpa, its decode-size calls on decode_attention.py's kernel, captured or traced (attention_forward, registered as the
+attention implementation ATTENTION); a static cache's updates run on cache_write.py's (decoder.WritingCache), and a
+pre-norm layer's residual adds in the kernel of its second norm and, in a captured one-token step, in the MLP's tile sum
+(decoder.pre_norm_layer). The norms and rotary run transformers' forward instead under torch.compile (which fuses that
+code itself); every installed forward does on CPU without the Triton interpreter, or for inputs the kernels do not take.
+The modules, their classes and the weights stay transformers'. Imports torch, transformers and the files beside it
+only.
 """
 import functools
 import importlib
