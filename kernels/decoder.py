@@ -105,14 +105,13 @@ def pre_norm_layer(layer, add_norm, hidden_states, attention_mask=None, **kwargs
     return residual + layer.mlp(normed)
 
 
-def layer_forward(layer, form: str, eps: str, hidden_states, *args, **kwargs):
-    """A decoder layer's forward (installed on the layer where layer_computes): pre_norm_layer with add_norm over its
-    post_attention_layernorm; the class's own under torch.compile (which fuses the add and norm itself), in training
-    mode (a family's dropouts) or for positional arguments."""
+def layer_forward(layer, layer_add_norm, hidden_states, *args, **kwargs):
+    """A decoder layer's forward (installed on the layer where layer_computes, with add_norm bound to its
+    post_attention_layernorm): pre_norm_layer; the class's own under torch.compile (which fuses the add and norm
+    itself), in training mode (a family's dropouts) or for positional arguments."""
     if args or layer.training or torch.compiler.is_compiling():
         return type(layer).forward(layer, hidden_states, *args, **kwargs)
-    return pre_norm_layer(layer, functools.partial(add_norm, layer.post_attention_layernorm, form, eps),
-                          hidden_states, **kwargs)
+    return pre_norm_layer(layer, layer_add_norm, hidden_states, **kwargs)
 
 
 def fused_rotary(apply_rotary, q, k, cos, sin, *args, **kwargs):
@@ -271,7 +270,8 @@ def fuse_norms_and_rotary(model, layers):
         for layer in layers:
             config = getattr(layer.self_attn, "config", None)
             if config is not None and layer_computes(type(layer), type(config)):
-                layer.forward = functools.partial(layer_forward, layer, fusion.form, fusion.eps)
+                layer.forward = functools.partial(layer_forward, layer, functools.partial(
+                    add_norm, layer.post_attention_layernorm, fusion.form, fusion.eps))
     for layer in layers:
         forward = inspect.unwrap(type(layer.self_attn).forward)
         apply_rotary = forward.__globals__.get("apply_rotary_pos_emb")

@@ -72,7 +72,11 @@ def rms_norm_add_fits(x, residual, weight, form: str = "llama") -> bool:
 
 def rms_norm_add(x, residual, weight, eps: float, *, form: str = "llama"):
     """(rms_norm(residual + x), residual + x), the sum in x's dtype as torch adds them (rms_norm_add_fits says what
-    it takes). Inference only: no gradient. CPU tensors without the Triton interpreter take the reference."""
+    it takes). Inference only: a call that would record a gradient raises. CPU tensors without the Triton
+    interpreter take the reference."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, residual, weight)):
+        raise ValueError("rms_norm_add has no backward: call it under torch.no_grad() or inference_mode(), or add "
+                         "and normalize with rms_norm")
     if not rms_norm_add_fits(x, residual, weight, form):
         raise ValueError(f"rms_norm_add: x {tuple(x.shape)} {x.dtype}, residual {tuple(residual.shape)} "
                          f"{residual.dtype}, weight {tuple(weight.shape)} {weight.dtype}, form {form!r} (x and "

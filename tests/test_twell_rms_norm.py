@@ -76,6 +76,8 @@ def test_rms_norm_add_refuses_what_it_does_not_take():
         with pytest.raises(ValueError, match="rms_norm_add"):
             rms_norm_add(x, residual, weight, 1e-6)
     assert not rms_norm_add_fits(x, x, weight[:16])
+    with pytest.raises(ValueError, match="no backward"):
+        rms_norm_add(x, x.clone(), weight.requires_grad_(), 1e-6)
 
 
 def gradients(norm, x, weight, dy):

@@ -190,14 +190,12 @@ class TwellGatedMLP(nn.Module):
     def forward(self, x, residual=None):
         """The block of x, plus `residual` where given (a decoder layer's add after its MLP: a captured one-token
         call adds it in its last kernel, every other call after the block)."""
-        if residual is None:
-            return self._block(x)
-        if not eager(x):  # traced or captured
-            return self._block(x, residual)
-        return residual + self._block(x)
+        if residual is not None and eager(x):
+            return residual + self._block(x)
+        return self._block(x, residual)
 
     def _block(self, x, residual=None):
-        """The block of x, plus `residual` where given, which only the kernels' non-eager calls take."""
+        """The block of x, plus `residual` where given: traced or captured calls only (forward)."""
         tokens = x.numel() // x.shape[-1]
         if not self.use_kernel(x, tokens):
             return self._dense(x) if residual is None else residual + self._dense(x)
