@@ -593,9 +593,13 @@ def sum_out(partials, out):
 @pytest.mark.parametrize("m,path", [(1, "tile-out"), (5, "decode"), (70, "batched")])
 def test_a_residual_is_added_to_the_block_on_every_path(m, path, poisoned_outputs):
     """gated_mlp(..., residual=r) gives r + gated_mlp(...) in x's dtype with equal bits (torch's add, or the
-    one-token path's tile sum adding it), NaN-poisoned buffers; a residual of another shape is refused."""
+    one-token path's tile sum adding it), a row with every unit active and one with none among them, NaN-poisoned
+    buffers; a residual of another shape is refused."""
     torch.manual_seed(m)
     x, gate, up, down = block(m, 48, 96, k=8, dtype=torch.float16)
+    x[-1, 0] = -40.0  # the bias channel is negative: every unit active, every tile beyond its slots
+    if m > 1:
+        x[0, 0] = 50.0  # no unit active
     assert launch_path(m, 48, 96).name == path
     residual = torch.randn(m, 48, device=DEV).half()
     kernel = dict(tile=32, compression=4)
